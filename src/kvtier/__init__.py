@@ -1,0 +1,28 @@
+"""kvtier: LLM KV caches in tiers outside the inference engine (DRAM, local disk, shared stores)."""
+
+from kvtier.config import StoreConfig, load_config
+from kvtier.errors import ConfigError, KVTierError, TierError
+from kvtier.eviction import POLICIES, EvictionPolicy
+from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, fingerprint_model
+from kvtier.store import KVStore
+from kvtier.tiers import TIERS, FilesystemTier, StoredObject, Tier
+
+__all__ = [
+    "POLICIES",
+    "TIERS",
+    "ConfigError",
+    "EvictionPolicy",
+    "FilesystemTier",
+    "HeadRange",
+    "KVStore",
+    "KVTierError",
+    "Namespace",
+    "ShardKey",
+    "StoreConfig",
+    "StoredObject",
+    "Tier",
+    "TierError",
+    "chunk_keys",
+    "fingerprint_model",
+    "load_config",
+]

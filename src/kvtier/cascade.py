@@ -1,0 +1,116 @@
+"""Always-cascade: background writes of committed DRAM shards into one secondary tier.
+
+Runs worker threads in the store's process. The caller's thread only enqueues: the queue is bounded, and a
+full queue drops the write (counted), never blocks. Workers write from zero-copy views of the DRAM pool; the
+entry stays pinned (not evictable) from enqueue until its write ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from kvtier import frame
+from kvtier.dram import DramEntry, DramPool
+from kvtier.errors import TierError
+from kvtier.metrics import StoreMetrics
+from kvtier.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+_STOP = None
+
+
+class OutageLog:
+    """Logs the first failure of an outage and the recovery, not every failure in between."""
+
+    def __init__(self, tier: str, what: str) -> None:
+        self._tier, self._what = tier, what
+        self._failing = False
+        self._lock = threading.Lock()
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            first, self._failing = not self._failing, True
+        if first:
+            log.warning("tier %s: %s failing (further failures counted, not logged): %s", self._tier, self._what,
+                        exc)
+
+    def succeeded(self) -> None:
+        if self._failing:
+            with self._lock:
+                self._failing = False
+            log.warning("tier %s: %s working again", self._tier, self._what)
+
+
+class CascadeWriter:
+    """A bounded queue and worker threads feeding one tier."""
+
+    def __init__(self, tier: Tier, pool: DramPool, metrics: StoreMetrics, queue_depth: int, workers: int) -> None:
+        self.tier = tier
+        self._pool = pool
+        self._metrics = metrics
+        self._queue: queue.Queue[DramEntry | None] = queue.Queue(maxsize=queue_depth)
+        self._outage = OutageLog(tier.name, "writes")
+        self._threads = [threading.Thread(target=self._run, name=f"kvtier-{tier.name}-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, entry: DramEntry) -> bool:
+        """Queue ``entry`` (pinned once on this writer's behalf); False when the queue was full."""
+        try:
+            self._queue.put_nowait(entry)
+        except queue.Full:
+            self._pool.release(entry)
+            self._metrics.dropped.labels(self.tier.name, "queue_full").inc()
+            return False
+        return True
+
+    def flush(self) -> None:
+        """Wait until every queued write has ended."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Finish the queued writes, then stop the workers."""
+        self.flush()
+        for _ in self._threads:
+            self._queue.put(_STOP)
+        for t in self._threads:
+            t.join()
+
+    def _run(self) -> None:
+        while True:
+            entry = self._queue.get()
+            try:
+                if entry is _STOP:
+                    return
+                self._write(entry)
+            finally:
+                if entry is not _STOP:
+                    self._pool.release(entry)
+                self._queue.task_done()
+
+    def _write(self, entry: DramEntry) -> None:
+        views = self._pool.views(entry)
+        header = frame.encode_header(entry.key, entry.meta, views)
+        start = time.perf_counter()
+        try:
+            self.tier.put(entry.key, [header, *views])
+        except TierError as exc:
+            self._metrics.write_errors.labels(self.tier.name).inc()
+            self._outage.failed(exc)
+            return
+        except Exception as exc:  # a bug in a plugin tier must not kill the worker silently
+            self._metrics.write_errors.labels(self.tier.name).inc()
+            log.exception("tier %s: unexpected error writing %s", self.tier.name, entry.key.name)
+            self._outage.failed(exc)
+            return
+        self._outage.succeeded()
+        self._metrics.tier_write_seconds.labels(self.tier.name).observe(time.perf_counter() - start)
+        self._metrics.bytes_written.labels(self.tier.name).inc(len(header) + entry.meta.nbytes)

@@ -1,0 +1,219 @@
+"""Configuration: a mapping or a YAML file, validated into frozen dataclasses.
+
+Every error is a :class:`ConfigError` that names the field (``tiers[0].capacity_bytes``) and what is allowed.
+Byte sizes accept integers or strings with a unit (``"512MiB"``, ``"4GB"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kvtier.errors import ConfigError
+
+CONFIG_ENV = "KVTIER_CONFIG"
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object, field: str) -> int:
+    """Parse a byte size given as an int or a string such as ``"4GiB"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field}: expected a byte size (int or string like '4GiB'), got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _SIZE_UNITS:
+            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    units = ", ".join(u for u in _SIZE_UNITS if u)
+    raise ConfigError(f"{field}: expected a byte size (int, or a number with one of {units}), got {value!r}")
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, value: object, field: str, size: bool) -> object:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, field, size)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{field}: expected {_describe(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{field}: expected {_describe(tp)}, got {value!r}")
+    if tp is int and size:
+        return parse_size(value, field)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp in (str, bool) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{field}: expected {_describe(tp)}, got {value!r}")
+
+
+def build_dataclass(cls: type, data: object, field: str) -> Any:
+    """Validate ``data`` against the dataclass ``cls`` and return an instance.
+
+    Fields whose name ends in ``_bytes`` accept byte sizes with units. A dataclass may define
+    ``check(self, field)`` for cross-field rules; it raises :class:`ConfigError`.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{field or 'config'}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{field + '.' if field else ''}{unknown[0]}: unknown key; allowed: {', '.join(sorted(fields))}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, f in fields.items():
+        path = f"{field}.{name}" if field else name
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{path}: required")
+            continue
+        kwargs[name] = _coerce(hints[name], data[name], path, size=name.endswith("_bytes"))
+    obj = cls(**kwargs)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        check(field)
+    return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class DramConfig:
+    """The primary tier: a preallocated pool of host memory."""
+
+    capacity_bytes: int = 4 * 2**30
+    eviction: str = "lru"
+    page_bytes: int = 2**20
+    pin_memory: bool | None = None  # None: pin when CUDA is available
+
+    def check(self, field: str) -> None:
+        if self.page_bytes < 4096:
+            raise ConfigError(f"{field}.page_bytes: must be at least 4096, got {self.page_bytes}")
+        if self.capacity_bytes < self.page_bytes:
+            raise ConfigError(
+                f"{field}.capacity_bytes: must be at least page_bytes ({self.page_bytes}), got {self.capacity_bytes}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSpec:
+    """One secondary tier as configured; ``options`` are checked by the tier class itself."""
+
+    type: str
+    name: str
+    options: Mapping[str, object]
+    queue_depth: int = 64
+    workers: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _TierCommon:
+    queue_depth: int = 64
+    workers: int = 1
+    name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """The whole store: chunking, the DRAM tier and the ordered secondary tiers."""
+
+    chunk_tokens: int = 256
+    dram: DramConfig = DramConfig()
+    tiers: tuple[TierSpec, ...] = ()
+    metrics_port: int | None = None
+
+
+_TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port")
+
+
+def _parse_tier(raw: object, index: int, seen: set[str]) -> TierSpec:
+    field = f"tiers[{index}]"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{field}: expected a mapping with a 'type' key, got {raw!r}")
+    if "type" not in raw or not isinstance(raw["type"], str):
+        raise ConfigError(f"{field}.type: required, a tier type name")
+    common_keys = {"queue_depth", "workers", "name"}
+    common = build_dataclass(_TierCommon, {k: v for k, v in raw.items() if k in common_keys}, field)
+    if common.queue_depth < 1:
+        raise ConfigError(f"{field}.queue_depth: must be >= 1, got {common.queue_depth}")
+    if common.workers < 1:
+        raise ConfigError(f"{field}.workers: must be >= 1, got {common.workers}")
+    name = common.name or raw["type"]
+    if name in seen or name == "dram":
+        raise ConfigError(f"{field}.name: tier name {name!r} is used twice; give each tier a distinct 'name'")
+    seen.add(name)
+    options = {k: v for k, v in raw.items() if k not in common_keys | {"type"}}
+    return TierSpec(type=raw["type"], name=name, options=options,
+                    queue_depth=common.queue_depth, workers=common.workers)
+
+
+def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> StoreConfig:
+    """Validate a config mapping, or read one from a YAML file (``$KVTIER_CONFIG`` when ``cfg`` is None)."""
+    if cfg is None:
+        env = os.environ.get(CONFIG_ENV)
+        if not env:
+            raise ConfigError(f"no config given and ${CONFIG_ENV} is not set")
+        cfg = env
+    if isinstance(cfg, (str, os.PathLike)):
+        path = Path(cfg)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        try:
+            cfg = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"config: expected a mapping, got {type(cfg).__name__}")
+    unknown = sorted(set(cfg) - set(_TOP_KEYS))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key; allowed: {', '.join(_TOP_KEYS)}")
+    chunk_tokens = _coerce(int, cfg.get("chunk_tokens", 256), "chunk_tokens", size=False)
+    assert isinstance(chunk_tokens, int)
+    if chunk_tokens < 1:
+        raise ConfigError(f"chunk_tokens: must be a positive integer, got {chunk_tokens}")
+    dram = build_dataclass(DramConfig, cfg.get("dram", {}) or {}, "dram")
+    raw_tiers = cfg.get("tiers", []) or []
+    if not isinstance(raw_tiers, list):
+        raise ConfigError(f"tiers: expected a list of tier mappings, got {type(raw_tiers).__name__}")
+    seen: set[str] = set()
+    tiers = tuple(_parse_tier(raw, i, seen) for i, raw in enumerate(raw_tiers))
+    metrics_port = _coerce(int | None, cfg.get("metrics_port"), "metrics_port", size=False)
+    return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port)  # type: ignore[arg-type]

@@ -1,0 +1,241 @@
+"""The primary tier: a preallocated host-memory pool of fixed-size pages.
+
+Runs in the caller's process; every method is thread-safe. The pool allocates once at start (pinned when CUDA
+is present) and hands out page extents, so storing a shard allocates no tensor. A shard is two-phase:
+:meth:`DramPool.reserve` returns a private entry holding one reference, the caller copies bytes in outside the
+lock, then :meth:`DramPool.commit` makes it visible (or :meth:`DramPool.abort` frees it). Entries with references
+(being written, read or cascaded) are never evicted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import threading
+from collections.abc import Callable, Hashable
+from typing import Literal
+
+import torch
+
+from kvtier.eviction import EvictionPolicy
+from kvtier.frame import ShardMeta
+from kvtier.keys import HeadRange, ShardKey
+
+Extent = tuple[int, int]  # (first page, page count)
+
+
+class _FreePages:
+    """Free page runs, coalesced; first fit, falling back to gathering several runs."""
+
+    def __init__(self, pages: int) -> None:
+        self._starts: list[int] = [0] if pages else []
+        self._lens: dict[int, int] = {0: pages} if pages else {}
+        self.count = pages
+
+    def take(self, n: int) -> list[Extent] | None:
+        if n > self.count:
+            return None
+        for start in self._starts:
+            if self._lens[start] >= n:
+                self._remove_prefix(start, n)
+                return [(start, n)]
+        extents: list[Extent] = []
+        while n:
+            start = self._starts[0]
+            take = min(n, self._lens[start])
+            self._remove_prefix(start, take)
+            extents.append((start, take))
+            n -= take
+        return extents
+
+    def _remove_prefix(self, start: int, n: int) -> None:
+        length = self._lens.pop(start)
+        i = bisect.bisect_left(self._starts, start)
+        del self._starts[i]
+        if length > n:
+            self._lens[start + n] = length - n
+            self._starts.insert(i, start + n)
+        self.count -= n
+
+    def give(self, extents: list[Extent]) -> None:
+        for start, n in extents:
+            self.count += n
+            i = bisect.bisect_left(self._starts, start)
+            if i < len(self._starts) and self._starts[i] == start + n:  # merge with the run after
+                n += self._lens.pop(self._starts.pop(i))
+            if i > 0 and self._starts[i - 1] + self._lens[self._starts[i - 1]] == start:  # and before
+                self._lens[self._starts[i - 1]] += n
+            else:
+                self._starts.insert(i, start)
+                self._lens[start] = n
+
+
+@dataclasses.dataclass(eq=False)
+class DramEntry:
+    """One shard in the pool. ``refs`` > 0 pins it; only ``ready`` entries are visible."""
+
+    key: ShardKey
+    meta: ShardMeta
+    parent: str | None
+    extents: list[Extent]
+    refs: int = 1
+    ready: bool = False
+    source: str = "put"
+
+
+Reservation = DramEntry | Literal["present", "full"]
+
+
+class DramPool:
+    """Fixed-budget shard cache over one preallocated buffer."""
+
+    def __init__(self, capacity_bytes: int, page_bytes: int, policy: EvictionPolicy,
+                 pin_memory: bool | None = None, on_evict: Callable[[DramEntry], None] | None = None) -> None:
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.page_bytes = page_bytes
+        self.pages = capacity_bytes // page_bytes
+        self.capacity_bytes = self.pages * page_bytes
+        self._arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._arena.fill_(0)  # touch every page now, not on the hot path
+        self._free = _FreePages(self.pages)
+        self._policy = policy
+        self._on_evict = on_evict
+        self._lock = threading.Lock()
+        self._index: dict[tuple[str, str], dict[HeadRange, DramEntry]] = {}
+        self._pending: set[ShardKey] = set()
+        self._by_key: dict[ShardKey, DramEntry] = {}
+
+    # -- sizes -------------------------------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return (self.pages - self._free.count) * self.page_bytes
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    # -- two-phase insert --------------------------------------------------------------------------------------
+    def reserve(self, key: ShardKey, meta: ShardMeta, parent: str | None, source: str = "put") -> Reservation:
+        """Claim pages for ``key``, evicting unpinned entries as needed. The entry holds one reference."""
+        need = -(-meta.nbytes // self.page_bytes)
+        with self._lock:
+            if key in self._by_key or key in self._pending:
+                return "present"
+            extents = self._free.take(need)
+            while extents is None:
+                victim = self._policy.victim(self._evictable)
+                if victim is None:
+                    return "full"
+                self._evict(self._by_key[victim])  # type: ignore[index]
+                extents = self._free.take(need)
+            self._pending.add(key)
+            return DramEntry(key, meta, parent, extents, source=source)
+
+    def write(self, entry: DramEntry, shard: torch.Tensor) -> None:
+        """Copy ``shard`` (shape ``entry.meta.shape``, any strides) into a reserved entry."""
+        if tuple(shard.shape) != entry.meta.shape or shard.dtype != entry.meta.dtype:
+            raise ValueError(f"shard is {tuple(shard.shape)} {shard.dtype}, expected {entry.meta.shape} "
+                             f"{entry.meta.dtype}")
+        if len(entry.extents) == 1:
+            self.tensor(entry).copy_(shard)
+            return
+        flat = shard.contiguous().reshape(-1).view(torch.uint8)
+        for (start, end), region in zip(self._spans(entry), self._regions(entry)):
+            region.copy_(flat[start:end])
+
+    def write_bytes(self, entry: DramEntry, payload: memoryview) -> None:
+        """Copy a verified payload into a reserved entry."""
+        src = torch.frombuffer(payload, dtype=torch.uint8) if not payload.readonly else \
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        for (start, end), region in zip(self._spans(entry), self._regions(entry)):
+            region.copy_(src[start:end])
+
+    def commit(self, entry: DramEntry, keep_refs: int = 0) -> None:
+        """Make a reserved entry visible; it keeps ``keep_refs`` references (e.g. for queued cascade writes)."""
+        with self._lock:
+            self._pending.discard(entry.key)
+            entry.ready = True
+            entry.refs = keep_refs
+            self._by_key[entry.key] = entry
+            self._index.setdefault((entry.key.namespace, entry.key.chunk), {})[entry.key.heads] = entry
+            self._policy.insert(entry.key, entry.key.chunk, entry.parent)
+
+    def abort(self, entry: DramEntry) -> None:
+        with self._lock:
+            self._pending.discard(entry.key)
+            self._free.give(entry.extents)
+
+    # -- reads -------------------------------------------------------------------------------------------------
+    def ranges(self, namespace: str, chunk: str) -> list[HeadRange]:
+        with self._lock:
+            return list(self._index.get((namespace, chunk), ()))
+
+    def acquire(self, namespace: str, chunk: str, heads: list[HeadRange]) -> list[DramEntry] | None:
+        """Pin the entries for ``heads`` of a chunk (None if one is gone) and mark them used."""
+        with self._lock:
+            found = self._index.get((namespace, chunk), {})
+            entries = [found.get(h) for h in heads]
+            if any(e is None for e in entries):
+                return None
+            for entry in entries:
+                entry.refs += 1  # type: ignore[union-attr]
+                self._policy.touch(entry.key)  # type: ignore[union-attr]
+            return entries  # type: ignore[return-value]
+
+    def release(self, entry: DramEntry) -> None:
+        with self._lock:
+            assert entry.refs > 0, f"release of unpinned entry {entry.key.name}"
+            entry.refs -= 1
+
+    def tensor(self, entry: DramEntry) -> torch.Tensor:
+        """The entry's shard as a tensor: a view when its pages are contiguous, else a copy."""
+        if len(entry.extents) == 1:
+            start = entry.extents[0][0] * self.page_bytes
+            return self._arena[start:start + entry.meta.nbytes].view(entry.meta.dtype).view(entry.meta.shape)
+        out = torch.empty(entry.meta.nbytes, dtype=torch.uint8)
+        for (start, end), region in zip(self._spans(entry), self._regions(entry)):
+            out[start:end].copy_(region)
+        return out.view(entry.meta.dtype).view(entry.meta.shape)
+
+    def views(self, entry: DramEntry) -> list[memoryview]:
+        """Zero-copy byte views of a pinned entry's payload, in order (for cascade writes)."""
+        return [memoryview(region.numpy()) for region in self._regions(entry)]
+
+    def _regions(self, entry: DramEntry) -> list[torch.Tensor]:
+        regions = []
+        left = entry.meta.nbytes
+        for start, n in entry.extents:
+            size = min(n * self.page_bytes, left)
+            regions.append(self._arena[start * self.page_bytes:start * self.page_bytes + size])
+            left -= size
+        return regions
+
+    def _spans(self, entry: DramEntry) -> list[tuple[int, int]]:
+        spans, pos = [], 0
+        for region in self._regions(entry):
+            spans.append((pos, pos + region.numel()))
+            pos += region.numel()
+        return spans
+
+    # -- eviction ----------------------------------------------------------------------------------------------
+    def _evictable(self, key: Hashable) -> bool:
+        return self._by_key[key].refs == 0  # type: ignore[index]
+
+    def _evict(self, entry: DramEntry) -> None:
+        del self._by_key[entry.key]
+        slot = self._index[(entry.key.namespace, entry.key.chunk)]
+        del slot[entry.key.heads]
+        if not slot:
+            del self._index[(entry.key.namespace, entry.key.chunk)]
+        self._policy.remove(entry.key)
+        self._free.give(entry.extents)
+        if self._on_evict is not None:
+            self._on_evict(entry)
+
+    def evict_all(self) -> int:
+        """Evict every unpinned entry (e.g. to measure cold reads); returns how many went."""
+        with self._lock:
+            victims = [e for e in self._by_key.values() if e.refs == 0]
+            for entry in victims:
+                self._evict(entry)
+            return len(victims)

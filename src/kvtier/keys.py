@@ -1,0 +1,180 @@
+"""Names of stored KV: namespaces, prefix-chained chunk keys and head-shard keys.
+
+Chunk ``i``'s key is ``blake2b(key[i-1] || tokens[i])`` (128 bits) and the chain's root hashes the namespace, so
+one key names a whole prefix inside one namespace. Token ids never appear in a key or on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+KEY_BYTES = 16
+LAYOUT_VERSION = 1
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Namespace:
+    """Everything that must differ for two caches never to share a chunk.
+
+    ``model`` is a model fingerprint (see :func:`fingerprint_model`) or any string that changes whenever the
+    weights or the config do; ``cache_salt`` isolates tenants. ``layout_version`` changes when kvtier's
+    canonical layout does.
+    """
+
+    model: str
+    dtype: str
+    lora: str | None = None
+    cache_salt: str | None = None
+    layout_version: int = LAYOUT_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"Namespace.model must be a non-empty string, got {self.model!r}")
+        if isinstance(self.dtype, torch.dtype):
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        if not isinstance(self.dtype, str) or not self.dtype:
+            raise ValueError(f"Namespace.dtype must be a dtype name such as 'bfloat16', got {self.dtype!r}")
+
+    @property
+    def digest(self) -> bytes:
+        """A 128-bit hash of every field; the root of this namespace's key chains."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.blake2b(blob, digest_size=KEY_BYTES, person=b"kvtier-ns").digest()
+
+    @property
+    def id(self) -> str:
+        """Hex form of :attr:`digest`, used to name the namespace in tiers."""
+        return self.digest.hex()
+
+    def describe(self) -> dict[str, object]:
+        """The fields that may be written next to stored KV (the tenant's salt is not)."""
+        info: dict[str, object] = dataclasses.asdict(self)
+        info["cache_salt"] = None if self.cache_salt is None else "<set>"
+        return info
+
+
+def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor,
+               chunk_tokens: int) -> list[bytes]:
+    """Keys of the whole chunks of ``tokens``; a partial trailing chunk gets no key."""
+    ids = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens, dtype=np.int64)
+    if ids.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {ids.shape}")
+    ids = ids.astype("<i8", copy=False)
+    keys = []
+    prev = namespace.digest
+    for i in range(len(ids) // chunk_tokens):
+        h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=b"kvtier-chunk")
+        h.update(ids[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes())
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class HeadRange:
+    """KV heads ``[start, stop)`` out of ``total``: the slice one tensor-parallel rank holds."""
+
+    start: int
+    stop: int
+    total: int
+
+    @classmethod
+    def for_rank(cls, heads_per_rank: int, tp_rank: int, tp_size: int) -> HeadRange:
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
+        return cls(tp_rank * heads_per_rank, (tp_rank + 1) * heads_per_rank, heads_per_rank * tp_size)
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+    def __str__(self) -> str:
+        return f"{self.start}-{self.stop}of{self.total}"
+
+    @classmethod
+    def parse(cls, text: str) -> HeadRange:
+        span, _, total = text.partition("of")
+        start, _, stop = span.partition("-")
+        rng = cls(int(start), int(stop), int(total))
+        if not 0 <= rng.start < rng.stop <= rng.total:
+            raise ValueError(f"bad head range {text!r}")
+        return rng
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardKey:
+    """One stored object: the heads ``heads`` of chunk ``chunk`` (hex) in namespace ``namespace`` (hex)."""
+
+    namespace: str
+    chunk: str
+    heads: HeadRange
+
+    @property
+    def name(self) -> str:
+        """A relative object name usable as a file path or an object-store key."""
+        return f"{self.namespace}/{self.chunk[:2]}/{self.chunk}.{self.heads}"
+
+
+def cover(ranges: Iterable[HeadRange], start: int, stop: int) -> list[tuple[HeadRange, int, int]] | None:
+    """Pick ranges whose union covers heads ``[start, stop)``.
+
+    Returns ``(range, from, to)`` pieces in head order (each piece takes heads ``[from, to)`` out of its range),
+    or None when the heads are not all present. Greedy: at each point take the range reaching furthest.
+    """
+    ordered = sorted(ranges)
+    pieces = []
+    cur = start
+    while cur < stop:
+        best = None
+        for rng in ordered:
+            if rng.start <= cur < rng.stop and (best is None or rng.stop > best.stop):
+                best = rng
+        if best is None:
+            return None
+        end = min(best.stop, stop)
+        pieces.append((best, cur, end))
+        cur = end
+    return pieces
+
+
+def fingerprint_model(model: str | os.PathLike[str] | Mapping[str, object],
+                      state_dict: Mapping[str, torch.Tensor] | None = None) -> str:
+    """A fingerprint of a model's config and weights, for :attr:`Namespace.model`.
+
+    ``model`` is either a model directory (its ``config.json`` and every weight file are hashed) or a config
+    mapping, in which case ``state_dict`` must give the weights. Any change of a config value or of one weight
+    byte changes the fingerprint, so a changed model never hits KV computed by the old one.
+    """
+    h = xxhash.xxh3_128()
+    if isinstance(model, Mapping):
+        if state_dict is None:
+            raise ValueError("fingerprint_model: a config mapping needs state_dict with the weights")
+        h.update(json.dumps(model, sort_keys=True, default=str).encode())
+        for name in sorted(state_dict):
+            tensor = state_dict[name].detach().cpu().contiguous()
+            h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        return "xxh3-weights:" + h.hexdigest()
+    root = Path(model)
+    if not root.is_dir():
+        raise ValueError(f"fingerprint_model: {root} is not a model directory")
+    files = sorted(p for p in root.rglob("*")
+                   if p.is_file() and (p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES))
+    if not any(p.suffix in _WEIGHT_SUFFIXES for p in files):
+        raise ValueError(f"fingerprint_model: no weight files ({', '.join(_WEIGHT_SUFFIXES)}) under {root}")
+    for path in files:
+        h.update(str(path.relative_to(root)).encode() + b"\0")
+        with open(path, "rb") as f:
+            while block := f.read(8 * 2**20):
+                h.update(block)
+    return "xxh3-dir:" + h.hexdigest()

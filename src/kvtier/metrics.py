@@ -1,0 +1,87 @@
+"""Prometheus metrics of one store, in a registry of its own (several stores may live in one process).
+
+:meth:`StoreMetrics.snapshot` reads the same samples back, so ``store.stats()`` and a Prometheus scrape agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvtier.tiers.base import Tier
+
+_LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class StoreMetrics:
+    """Counters, gauges and histograms per tier (``dram`` is the primary tier)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.hits = Counter("kvtier_hit_chunks", "Chunks served by get, by tier that served them", ["tier"],
+                            registry=r)
+        self.misses = Counter("kvtier_miss_chunks", "Chunks a get or lookup found in no tier", registry=r)
+        self.lookup_tokens = Counter("kvtier_lookup_tokens", "Tokens asked about by lookup", registry=r)
+        self.lookup_hit_tokens = Counter("kvtier_lookup_hit_tokens", "Tokens lookup found available", registry=r)
+        self.bytes_written = Counter("kvtier_written_bytes", "Bytes written, by tier", ["tier"], registry=r)
+        self.bytes_read = Counter("kvtier_read_bytes", "Bytes read, by tier", ["tier"], registry=r)
+        self.evictions = Counter("kvtier_evictions", "Shards evicted, by tier", ["tier"], registry=r)
+        self.promotions = Counter("kvtier_promotions", "Shards copied into DRAM from a secondary tier",
+                                  ["tier"], registry=r)
+        self.dropped = Counter("kvtier_dropped_writes", "Writes dropped, by tier and reason", ["tier", "reason"],
+                               registry=r)
+        self.write_errors = Counter("kvtier_write_errors", "Failed tier writes", ["tier"], registry=r)
+        self.read_errors = Counter("kvtier_read_errors", "Failed tier reads", ["tier"], registry=r)
+        self.corrupt = Counter("kvtier_corrupt_objects", "Objects that failed verification and were removed",
+                               ["tier"], registry=r)
+        self.queue_depth = Gauge("kvtier_queue_depth", "Cascade writes waiting, by tier", ["tier"], registry=r)
+        self.used_bytes = Gauge("kvtier_used_bytes", "Bytes held, by tier", ["tier"], registry=r)
+        self.capacity_bytes = Gauge("kvtier_capacity_bytes", "Byte budget, by tier", ["tier"], registry=r)
+        self.put_seconds = Histogram("kvtier_put_seconds", "Caller-side time of put", registry=r,
+                                     buckets=_LATENCY_BUCKETS)
+        self.get_seconds = Histogram("kvtier_get_seconds", "Caller-side time of get", registry=r,
+                                     buckets=_LATENCY_BUCKETS)
+        self.tier_write_seconds = Histogram("kvtier_tier_write_seconds", "Time of one tier write", ["tier"],
+                                            registry=r, buckets=_LATENCY_BUCKETS)
+        self.tier_read_seconds = Histogram("kvtier_tier_read_seconds", "Time of one tier read", ["tier"],
+                                           registry=r, buckets=_LATENCY_BUCKETS)
+
+    def watch_tiers(self, tiers: Sequence[Tier]) -> None:
+        """Export the events each tier counts itself (its own evictions, expiries, cleanups)."""
+        self.registry.register(_TierEvents(tiers))
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Expose the metrics over HTTP for Prometheus to scrape."""
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Every sample, grouped by tier label (``_store`` for those without one)."""
+        out: dict[str, dict[str, float]] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_created") or sample.name.endswith("_bucket"):
+                    continue
+                labels = dict(sample.labels)
+                group = labels.pop("tier", "_store")
+                name = sample.name.removeprefix("kvtier_")
+                if labels:
+                    name += "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+                out.setdefault(group, {})[name] = sample.value
+        return out
+
+
+class _TierEvents(Collector):
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self._tiers = tiers
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("kvtier_tier_events", "Events counted inside a tier", labels=["tier", "event"])
+        for tier in self._tiers:
+            for event, value in sorted(tier.counters().items()):
+                family.add_metric([tier.name, event], value)
+        yield family

@@ -1,0 +1,315 @@
+"""KVStore: the tiered store users and integrations call.
+
+Runs in the caller's process. ``put`` copies whole chunks into the DRAM pool and returns; cascade workers
+(:mod:`kvtier.cascade`) carry them to every secondary tier. ``lookup`` and ``get`` see DRAM first, then each
+secondary tier in configured order; a shard read from a secondary tier is verified (:mod:`kvtier.frame`),
+promoted into DRAM and copied out. A missing, unreadable or corrupt shard is a miss, never wrong data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier import frame
+from kvtier.cascade import CascadeWriter, OutageLog
+from kvtier.config import StoreConfig, load_config
+from kvtier.dram import DramEntry, DramPool
+from kvtier.errors import TierError
+from kvtier.eviction import POLICIES
+from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, cover
+from kvtier.metrics import StoreMetrics
+from kvtier.tiers.base import TIERS, Tier
+
+log = logging.getLogger(__name__)
+
+Tokens = Sequence[int] | np.ndarray | torch.Tensor
+# A piece of one chunk's output: heads [lo, hi) taken from a shard tensor whose first head is `first`.
+_Piece = tuple[torch.Tensor, int, int, int]
+
+
+def open_tiers(config: StoreConfig) -> list[Tier]:
+    """Build the configured secondary tiers (without a DRAM pool), e.g. for the CLI."""
+    tiers: list[Tier] = []
+    try:
+        for i, spec in enumerate(config.tiers):
+            cls = TIERS.resolve(spec.type, f"tiers[{i}].type")
+            tiers.append(cls.from_config(spec.name, spec.options, f"tiers[{i}]"))
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    return tiers
+
+
+def _full_cover(ranges: list[HeadRange]) -> bool:
+    if not ranges:
+        return False
+    total = ranges[0].total
+    return cover([r for r in ranges if r.total == total], 0, total) is not None
+
+
+class KVStore:
+    """KV chunks in a DRAM pool backed by secondary tiers. Thread-safe; use as a context manager."""
+
+    def __init__(self, config: StoreConfig, tiers: list[Tier] | None = None) -> None:
+        self.config = config
+        self.chunk_tokens = config.chunk_tokens
+        self.metrics = StoreMetrics()
+        self.tiers = open_tiers(config) if tiers is None else tiers
+        policy = POLICIES.resolve(config.dram.eviction, "dram.eviction")()
+        self.dram = DramPool(config.dram.capacity_bytes, config.dram.page_bytes, policy,
+                             pin_memory=config.dram.pin_memory, on_evict=self._evicted)
+        self.metrics.capacity_bytes.labels("dram").set(self.dram.capacity_bytes)
+        self.metrics.watch_tiers(self.tiers)
+        depth = {spec.name: (spec.queue_depth, spec.workers) for spec in config.tiers}
+        self._writers = [CascadeWriter(t, self.dram, self.metrics, *depth.get(t.name, (64, 1)))
+                         for t in self.tiers]
+        self._read_outage = {t.name: OutageLog(t.name, "reads") for t in self.tiers}
+        self._closed = False
+        if config.metrics_port is not None:
+            self.metrics.serve(config.metrics_port)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, object] | str | os.PathLike[str] | None = None) -> KVStore:
+        """Build a store from a mapping, a YAML file path, or ``$KVTIER_CONFIG`` when ``cfg`` is None."""
+        return cls(load_config(cfg))
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- put ---------------------------------------------------------------------------------------------------
+    def put(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor, *, tp_rank: int = 0, tp_size: int = 1) -> int:
+        """Store the whole chunks of ``kv`` (``[layers, 2, kv_heads / tp_size, len(tokens), head_dim]``).
+
+        Returns the number of leading tokens now held in DRAM. Secondary tiers are written in the background.
+        """
+        start = time.perf_counter()
+        if kv.dim() != 5 or kv.shape[1] != 2:
+            raise ValueError(f"kv must be [layers, 2, kv_heads, tokens, head_dim], got shape {tuple(kv.shape)}")
+        if kv.shape[3] != len(tokens):
+            raise ValueError(f"kv holds {kv.shape[3]} tokens but {len(tokens)} token ids were given")
+        heads = HeadRange.for_rank(kv.shape[2], tp_rank, tp_size)
+        meta = frame.ShardMeta(kv.shape[0], self.chunk_tokens, kv.shape[4], kv.dtype, heads)
+        t = self.chunk_tokens
+        held = 0  # leading chunks now in DRAM
+        parent = None
+        for i, key in enumerate(chunk_keys(ns, tokens, t)):
+            skey = ShardKey(ns.id, key.hex(), heads)
+            entry = self.dram.reserve(skey, meta, parent)
+            parent = skey.chunk
+            if entry == "full":
+                self.metrics.dropped.labels("dram", "dram_full").inc()
+                continue
+            if isinstance(entry, DramEntry):
+                try:
+                    self.dram.write(entry, kv[:, :, :, i * t:(i + 1) * t])
+                except BaseException:
+                    self.dram.abort(entry)
+                    raise
+                self.dram.commit(entry, keep_refs=len(self._writers))
+                self.metrics.bytes_written.labels("dram").inc(meta.nbytes)
+                for writer in self._writers:
+                    writer.submit(entry)
+            if held == i:
+                held += 1
+        self.metrics.put_seconds.observe(time.perf_counter() - start)
+        return held * t
+
+    # -- lookup ------------------------------------------------------------------------------------------------
+    def lookup(self, ns: Namespace, tokens: Tokens) -> int:
+        """How many leading tokens (whole chunks) are available, every head present, in any tiers."""
+        chunks = [k.hex() for k in chunk_keys(ns, tokens, self.chunk_tokens)]
+        self.metrics.lookup_tokens.inc(len(tokens))
+        found = self._available(ns.id, chunks)
+        if found < len(chunks):
+            self.metrics.misses.inc()
+        self.metrics.lookup_hit_tokens.inc(found * self.chunk_tokens)
+        return found * self.chunk_tokens
+
+    def _available(self, namespace: str, chunks: list[str]) -> int:
+        n = 0
+        while n < len(chunks) and _full_cover(self.dram.ranges(namespace, chunks[n])):
+            n += 1
+        if n == len(chunks) or not self.tiers:
+            return n
+        rest = chunks[n:]
+        per_tier = [self._tier_heads(tier, namespace, rest) for tier in self.tiers]
+        for i, chunk in enumerate(rest):
+            ranges = self.dram.ranges(namespace, chunk)
+            for heads in per_tier:
+                ranges.extend(heads[i])
+            if not _full_cover(ranges):
+                break
+            n += 1
+        return n
+
+    def _tier_heads(self, tier: Tier, namespace: str, chunks: list[str]) -> list[list[HeadRange]]:
+        try:
+            heads = tier.heads(namespace, chunks)
+        except TierError as exc:
+            self.metrics.read_errors.labels(tier.name).inc()
+            self._read_outage[tier.name].failed(exc)
+            return [[] for _ in chunks]
+        self._read_outage[tier.name].succeeded()
+        return heads
+
+    # -- get ---------------------------------------------------------------------------------------------------
+    def get(self, ns: Namespace, tokens: Tokens, *, tp_rank: int = 0, tp_size: int = 1,
+            out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The canonical KV ``[layers, 2, kv_heads / tp_size, len(tokens), head_dim]`` of ``tokens`` for this
+        rank's heads, or None if any chunk is missing or unreadable. ``tokens`` must be whole chunks.
+
+        ``out``, when given, receives the data (and is returned); it must have the shape above.
+        """
+        start = time.perf_counter()
+        t = self.chunk_tokens
+        if len(tokens) % t or not len(tokens):
+            raise ValueError(f"get needs a whole number (>= 1) of {t}-token chunks, got {len(tokens)} tokens")
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
+        chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
+        result = out
+        for i, chunk in enumerate(chunks):
+            parent = chunks[i - 1] if i else None
+            served = self._get_chunk(ns.id, chunk, parent, tp_rank, tp_size, result, i, len(chunks))
+            if served is None:
+                self.metrics.misses.inc()
+                return None
+            result = served
+        self.metrics.get_seconds.observe(time.perf_counter() - start)
+        return result
+
+    def _get_chunk(self, namespace: str, chunk: str, parent: str | None, tp_rank: int, tp_size: int,
+                   out: torch.Tensor | None, index: int, n_chunks: int) -> torch.Tensor | None:
+        dram_ranges = self.dram.ranges(namespace, chunk)
+        candidates: list[tuple[str, list[HeadRange]]] = [("dram", dram_ranges)]
+        for tier in self.tiers:
+            candidates.append((tier.name, dram_ranges + self._tier_heads(tier, namespace, [chunk])[0]))
+        for source, ranges in candidates:
+            if not ranges:
+                continue
+            total = ranges[0].total
+            if total % tp_size:
+                raise ValueError(f"tp_size {tp_size} does not divide the stored chunk's {total} KV heads")
+            lo, hi = tp_rank * total // tp_size, (tp_rank + 1) * total // tp_size
+            plan = cover([r for r in ranges if r.total == total], lo, hi)
+            if plan is None:
+                continue
+            done = self._serve(namespace, chunk, parent, plan, lo, out, index, n_chunks)
+            if done is not None:
+                self.metrics.hits.labels(source).inc()
+                return done
+        return None
+
+    def _serve(self, namespace: str, chunk: str, parent: str | None, plan: list[tuple[HeadRange, int, int]],
+               lo: int, out: torch.Tensor | None, index: int, n_chunks: int) -> torch.Tensor | None:
+        """Copy the planned pieces into ``out`` (allocated on first use); None if a piece went missing."""
+        pinned: list[DramEntry] = []
+        try:
+            pieces: list[_Piece] = []
+            for rng, a, b in plan:
+                entries = self.dram.acquire(namespace, chunk, [rng])
+                if entries is not None:
+                    pinned.extend(entries)
+                    pieces.append((self.dram.tensor(entries[0]), rng.start, a, b))
+                    continue
+                shard = self._fetch(ShardKey(namespace, chunk, rng), parent)
+                if shard is None:
+                    return None
+                pieces.append((shard, rng.start, a, b))
+            t = self.chunk_tokens
+            for shard, first, a, b in pieces:
+                layers, _, _, _, dim = shard.shape
+                shape = (layers, 2, plan[-1][2] - lo, n_chunks * t, dim)
+                if out is None:
+                    out = torch.empty(shape, dtype=shard.dtype)
+                elif index == 0 and (tuple(out.shape) != shape or out.dtype != shard.dtype):
+                    raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the stored KV is {shape} {shard.dtype}")
+                out[:, :, a - lo:b - lo, index * t:(index + 1) * t].copy_(shard[:, :, a - first:b - first])
+            return out
+        finally:
+            for entry in pinned:
+                self.dram.release(entry)
+
+    def _fetch(self, key: ShardKey, parent: str | None) -> torch.Tensor | None:
+        """Read one shard from the first tier that holds a valid copy, and promote it into DRAM."""
+        for tier in self.tiers:
+            got = self._read_verified(tier, key)
+            if got is None:
+                continue
+            header, payload = got
+            entry = self.dram.reserve(key, header.meta, parent, source=tier.name)
+            if isinstance(entry, DramEntry):
+                self.dram.write_bytes(entry, payload)
+                self.dram.commit(entry)
+                self.metrics.promotions.labels(tier.name).inc()
+            return frame.payload_tensor(payload, header.meta)
+        return None
+
+    def _read_verified(self, tier: Tier, key: ShardKey) -> tuple[frame.Header, memoryview] | None:
+        start = time.perf_counter()
+        try:
+            blob = tier.get(key)
+        except TierError as exc:
+            self.metrics.read_errors.labels(tier.name).inc()
+            self._read_outage[tier.name].failed(exc)
+            return None
+        self._read_outage[tier.name].succeeded()
+        if blob is None:
+            return None
+        try:
+            header, payload = frame.decode(blob, expected=key)
+        except frame.FrameError as exc:
+            self.metrics.corrupt.labels(tier.name).inc()
+            log.warning("tier %s: removing corrupt %s: %s", tier.name, key.name, exc)
+            try:
+                tier.delete(key)
+            except TierError as del_exc:
+                log.warning("tier %s: cannot remove corrupt %s: %s", tier.name, key.name, del_exc)
+            return None
+        self.metrics.tier_read_seconds.labels(tier.name).observe(time.perf_counter() - start)
+        self.metrics.bytes_read.labels(tier.name).inc(len(blob))
+        return header, payload
+
+    # -- housekeeping ------------------------------------------------------------------------------------------
+    def _evicted(self, entry: DramEntry) -> None:
+        self.metrics.evictions.labels("dram").inc()
+
+    def drop_dram(self) -> int:
+        """Evict every DRAM entry not in use (later reads come from secondary tiers)."""
+        return self.dram.evict_all()
+
+    def flush(self) -> None:
+        """Wait until every queued cascade write has ended."""
+        for writer in self._writers:
+            writer.flush()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Metrics grouped by tier (``dram``, each secondary tier's name, ``_store`` for store-wide ones)."""
+        self.metrics.used_bytes.labels("dram").set(self.dram.used_bytes)
+        for writer in self._writers:
+            self.metrics.queue_depth.labels(writer.tier.name).set(writer.depth)
+            used = writer.tier.used_bytes()
+            if used is not None:
+                self.metrics.used_bytes.labels(writer.tier.name).set(used)
+        return self.metrics.snapshot()
+
+    def close(self) -> None:
+        """Finish queued cascade writes, stop the workers and close the tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for writer in self._writers:
+            writer.close()
+        for tier in self.tiers:
+            tier.close()

@@ -1,0 +1,83 @@
+"""The interface every secondary tier implements, and the tier registry.
+
+A tier stores opaque objects (a header and a payload, see :mod:`kvtier.frame`) under :class:`ShardKey` names.
+It only moves bytes: what to store, promote or evict across tiers is decided by the store. Methods are
+blocking and called from the store's worker threads or from a reading caller; a missing object is ``None``,
+an I/O failure is :class:`TierError`. Tiers verify nothing themselves: the store checks every object it reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+from kvtier.config import build_dataclass
+from kvtier.keys import HeadRange, ShardKey
+from kvtier.registry import Registry
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredObject:
+    """What a listing tells about one stored object."""
+
+    key: ShardKey
+    size: int
+    created: float
+    last_used: float
+
+
+class Tier(ABC):
+    """A secondary tier. Subclasses set ``Options`` (a dataclass validated from the config) and ``persistent``."""
+
+    Options: ClassVar[type] = type(None)
+    persistent: ClassVar[bool] = False
+
+    def __init__(self, name: str, options: Any) -> None:
+        self.name = name
+        self.options = options
+
+    @classmethod
+    def from_config(cls, name: str, options: Mapping[str, object], field: str) -> Tier:
+        """Validate ``options`` against :attr:`Options` (errors name ``field``) and build the tier."""
+        return cls(name, build_dataclass(cls.Options, options, field))
+
+    @abstractmethod
+    def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
+        """Store the concatenation of ``parts`` under ``key``, atomically: readers see all of it or nothing."""
+
+    @abstractmethod
+    def get(self, key: ShardKey) -> Buffer | None:
+        """The bytes stored under ``key``, or None if absent."""
+
+    @abstractmethod
+    def delete(self, key: ShardKey) -> bool:
+        """Remove ``key``; True if it was there."""
+
+    @abstractmethod
+    def heads(self, namespace: str, chunks: Sequence[str]) -> list[list[HeadRange]]:
+        """For each chunk, the head ranges stored for it (empty when none)."""
+
+    @abstractmethod
+    def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
+        """Every stored object, optionally only one namespace's."""
+
+    def exists(self, key: ShardKey) -> bool:
+        return key.heads in self.heads(key.namespace, [key.chunk])[0]
+
+    def used_bytes(self) -> int | None:
+        """Bytes stored, where the tier knows it cheaply."""
+        return None
+
+    def counters(self) -> dict[str, float]:
+        """Events the tier counts itself (e.g. its own evictions), exported as metrics."""
+        return {}
+
+    def close(self) -> None:
+        """Release connections and files; the default has none."""
+
+
+TIERS: Registry[Tier] = Registry("tier type")
