@@ -1,0 +1,183 @@
+"""The ``kvtier`` command line: inspect and maintain the secondary tiers of a configured store.
+
+    kvtier cache stats  --config FILE
+    kvtier cache ls     --config FILE [--namespace NS] [--tier NAME]
+    kvtier cache verify --config FILE [--tier NAME] [--repair]
+    kvtier cache purge  --config FILE (--namespace NS | --older-than AGE | --all) [--tier NAME]
+
+It opens the tiers only (no DRAM pool), so it is safe to run beside a serving process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from kvtier import frame
+from kvtier.config import load_config
+from kvtier.errors import KVTierError, TierError
+from kvtier.store import open_tiers
+from kvtier.tiers.base import StoredObject, Tier
+
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_age(text: str) -> float:
+    """``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"2w"`` (a bare number is seconds)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"bad age {text!r}: use a number with s, m, h, d or w (e.g. 7d)")
+    return float(match.group(1)) * _AGE_UNITS[match.group(2) or "s"]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _select(tiers: list[Tier], name: str | None) -> list[Tier]:
+    if name is None:
+        return tiers
+    chosen = [t for t in tiers if t.name == name]
+    if not chosen:
+        raise KVTierError(f"--tier: no tier named {name!r}; configured: {', '.join(t.name for t in tiers)}")
+    return chosen
+
+
+def _objects(tier: Tier, namespace: str | None = None) -> list[StoredObject]:
+    return list(tier.list(namespace))
+
+
+def cmd_stats(tiers: list[Tier], args: argparse.Namespace) -> int:
+    now = time.time()
+    for tier in tiers:
+        objs = _objects(tier)
+        size = sum(o.size for o in objs)
+        namespaces = {o.key.namespace for o in objs}
+        cap = getattr(tier.options, "capacity_bytes", None)
+        print(f"tier {tier.name} ({type(tier).__name__})")
+        print(f"  objects:    {len(objs)}")
+        print(f"  bytes:      {_human(size)}" + (f" of {_human(cap)} ({100 * size / cap:.1f}%)" if cap else ""))
+        print(f"  namespaces: {len(namespaces)}")
+        if objs:
+            print(f"  oldest:     {_age(now - min(o.created for o in objs))} ago")
+            print(f"  last used:  {_age(now - max(o.last_used for o in objs))} ago")
+        for event, value in sorted(tier.counters().items()):
+            print(f"  {event}: {value:.0f}")
+    return 0
+
+
+def cmd_ls(tiers: list[Tier], args: argparse.Namespace) -> int:
+    now = time.time()
+    print(f"{'tier':<12} {'namespace':<32} {'chunk':<32} {'heads':<10} {'size':>10} {'age':>7} {'idle':>7}")
+    for tier in tiers:
+        for o in sorted(_objects(tier, args.namespace), key=lambda o: o.created):
+            print(f"{tier.name:<12} {o.key.namespace:<32} {o.key.chunk:<32} {str(o.key.heads):<10} "
+                  f"{_human(o.size):>10} {_age(now - o.created):>7} {_age(now - o.last_used):>7}")
+    return 0
+
+
+def cmd_verify(tiers: list[Tier], args: argparse.Namespace) -> int:
+    bad_total = 0
+    for tier in tiers:
+        objs = _objects(tier)
+        ok = bad = missing = 0
+        for o in tqdm(objs, desc=f"verify {tier.name}", unit="obj", file=sys.stderr, disable=None):
+            try:
+                blob = tier.get(o.key)
+            except TierError as exc:
+                print(f"unreadable: {tier.name} {o.key.name}: {exc}")
+                bad += 1
+                continue
+            if blob is None:
+                missing += 1  # removed since the listing: not an error
+                continue
+            try:
+                frame.decode(blob, expected=o.key)
+                ok += 1
+            except frame.FrameError as exc:
+                bad += 1
+                action = "removed" if args.repair else "bad"
+                if args.repair:
+                    tier.delete(o.key)
+                print(f"{action}: {tier.name} {o.key.name}: {exc}")
+        print(f"tier {tier.name}: {ok} ok, {bad} bad{' (removed)' if args.repair and bad else ''}, "
+              f"{missing} gone during the walk")
+        bad_total += bad
+    return 1 if bad_total and not args.repair else 0
+
+
+def cmd_purge(tiers: list[Tier], args: argparse.Namespace) -> int:
+    now = time.time()
+    for tier in tiers:
+        objs = _objects(tier, args.namespace)
+        if args.older_than is not None:
+            objs = [o for o in objs if now - o.created > args.older_than]
+        removed = sum(tier.delete(o.key) for o in tqdm(objs, desc=f"purge {tier.name}", unit="obj",
+                                                       file=sys.stderr, disable=None))
+        print(f"tier {tier.name}: removed {removed} objects ({_human(sum(o.size for o in objs))})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.splitlines()[0])
+    top = parser.add_subparsers(dest="group", required=True)
+    cache = top.add_parser("cache", help="inspect and maintain stored KV")
+    sub = cache.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--config", required=True, help="store config (YAML)")
+        p.add_argument("--tier", help="only this tier (by name)")
+        return p
+
+    add("stats", "objects, bytes and namespaces per tier").set_defaults(func=cmd_stats)
+    ls = add("ls", "list stored chunks (namespace, chunk key, heads, size, age; never tokens)")
+    ls.add_argument("--namespace", help="only this namespace id")
+    ls.set_defaults(func=cmd_ls)
+    verify = add("verify", "read every object and check its checksum; exit 1 if any is bad")
+    verify.add_argument("--repair", action="store_true", help="remove bad objects (then exit 0)")
+    verify.set_defaults(func=cmd_verify)
+    purge = add("purge", "remove stored chunks")
+    which = purge.add_mutually_exclusive_group(required=True)
+    which.add_argument("--namespace", help="every chunk of this namespace id")
+    which.add_argument("--older-than", type=parse_age, metavar="AGE", help="chunks written more than AGE ago")
+    which.add_argument("--all", action="store_true", help="everything")
+    purge.set_defaults(func=cmd_purge)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        tiers = open_tiers(load_config(args.config))
+    except KVTierError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return args.func(_select(tiers, args.tier), args)
+    except KVTierError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        for tier in tiers:
+            tier.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
