@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
 # A piece of one chunk's output: heads [lo, hi) taken from a shard tensor whose first head is `first`.
 _Piece = tuple[torch.Tensor, int, int, int]
+# Re-plans of one chunk after a piece failed; each failure removes a shard, so a few always suffice.
+_REPLANS = 8
 
 
 def open_tiers(config: StoreConfig) -> list[Tier]:
@@ -191,24 +193,26 @@ class KVStore:
 
     def _get_chunk(self, namespace: str, chunk: str, parent: str | None, tp_rank: int, tp_size: int,
                    out: torch.Tensor | None, index: int, n_chunks: int) -> torch.Tensor | None:
-        dram_ranges = self.dram.ranges(namespace, chunk)
-        candidates: list[tuple[str, list[HeadRange]]] = [("dram", dram_ranges)]
-        for tier in self.tiers:
-            candidates.append((tier.name, dram_ranges + self._tier_heads(tier, namespace, [chunk])[0]))
-        for source, ranges in candidates:
-            if not ranges:
-                continue
-            total = ranges[0].total
-            if total % tp_size:
-                raise ValueError(f"tp_size {tp_size} does not divide the stored chunk's {total} KV heads")
-            lo, hi = tp_rank * total // tp_size, (tp_rank + 1) * total // tp_size
-            plan = cover([r for r in ranges if r.total == total], lo, hi)
-            if plan is None:
-                continue
-            done = self._serve(namespace, chunk, parent, plan, lo, out, index, n_chunks)
-            if done is not None:
-                self.metrics.hits.labels(source).inc()
-                return done
+        """Serve one chunk from DRAM alone, else from DRAM plus each secondary tier in turn."""
+        for source in ["dram", *self.tiers]:
+            # A failed piece (missing or corrupt) is removed from its tier, so each retry plans without it.
+            for _ in range(_REPLANS):
+                ranges = self.dram.ranges(namespace, chunk)
+                if isinstance(source, Tier):
+                    ranges += self._tier_heads(source, namespace, [chunk])[0]
+                if not ranges:
+                    break
+                total = ranges[0].total
+                if total % tp_size:
+                    raise ValueError(f"tp_size {tp_size} does not divide the stored chunk's {total} KV heads")
+                lo, hi = tp_rank * total // tp_size, (tp_rank + 1) * total // tp_size
+                plan = cover([r for r in ranges if r.total == total], lo, hi)
+                if plan is None:
+                    break
+                done = self._serve(namespace, chunk, parent, plan, lo, out, index, n_chunks)
+                if done is not None:
+                    self.metrics.hits.labels(source if isinstance(source, str) else source.name).inc()
+                    return done
         return None
 
     def _serve(self, namespace: str, chunk: str, parent: str | None, plan: list[tuple[HeadRange, int, int]],

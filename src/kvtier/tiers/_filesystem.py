@@ -65,6 +65,14 @@ def _mkdir(path: Path) -> None:
         pass
 
 
+def _unlink_quietly(path: Path) -> None:
+    """Remove a file if possible; on a read-only or vanished directory there is nothing more to do."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -229,7 +237,7 @@ class FilesystemTier(Tier):
                     if self.options.durability == "fsync":
                         os.fsync(f.fileno())
             except BaseException:
-                tmp.unlink(missing_ok=True)
+                _unlink_quietly(tmp)
                 raise
             _mkdir(ns_dir)
             _mkdir(sub_dir)
@@ -241,7 +249,7 @@ class FilesystemTier(Tier):
                 finally:
                     os.close(dir_fd)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            _unlink_quietly(tmp)
             raise TierError(f"{self.name}: cannot write {key.name}: {errno.errorcode.get(exc.errno or 0, '')} "
                             f"{exc}") from exc
         with self._lock:
@@ -266,7 +274,10 @@ class FilesystemTier(Tier):
                 size = os.fstat(f.fileno()).st_size
                 buf = bytearray(size)
                 got = f.readinto(buf)
-                os.utime(f.fileno())  # record the use: LRU order survives a restart
+                try:
+                    os.utime(f.fileno())  # record the use: LRU order survives a restart
+                except OSError:
+                    pass  # e.g. a read-only filesystem: still a good read, only the order is not saved
         except FileNotFoundError:
             with self._lock:
                 self._drop_locked(key)

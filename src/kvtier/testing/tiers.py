@@ -1,0 +1,106 @@
+"""The conformance suite every secondary tier passes.
+
+Subclass :class:`TierConformance` in a pytest module and provide a ``tier`` fixture (and ``reopen`` for
+persistent tiers); every test here then runs against that tier.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from kvtier.keys import HeadRange, ShardKey
+from kvtier.tiers.base import Tier
+
+NS_A = "a" * 32
+NS_B = "b" * 32
+
+
+def key(chunk: int, heads: HeadRange = HeadRange(0, 4, 4), namespace: str = NS_A) -> ShardKey:
+    return ShardKey(namespace, f"{chunk:032x}", heads)
+
+
+class TierConformance:
+    """Behaviour the store relies on from any tier. Fixtures ``tier`` and ``reopen`` come from the subclass."""
+
+    @pytest.fixture
+    def reopen(self) -> Callable[[Tier], Tier] | None:
+        """Override for persistent tiers: close the given tier and open a new one over the same storage."""
+        return None
+
+    def test_round_trip_concatenates_parts(self, tier: Tier) -> None:
+        parts = [b"header", os.urandom(100_000), memoryview(os.urandom(3))]
+        tier.put(key(1), parts)
+        got = tier.get(key(1))
+        assert got is not None and bytes(got) == b"".join(bytes(p) for p in parts)
+
+    def test_missing_is_none(self, tier: Tier) -> None:
+        assert tier.get(key(2)) is None
+        assert tier.heads(NS_A, [key(2).chunk]) == [[]]
+        assert not tier.exists(key(2))
+
+    def test_delete(self, tier: Tier) -> None:
+        tier.put(key(3), [b"x" * 10])
+        assert tier.delete(key(3)) is True
+        assert tier.get(key(3)) is None
+        assert tier.delete(key(3)) is False
+
+    def test_heads_per_chunk(self, tier: Tier) -> None:
+        tier.put(key(4, HeadRange(0, 2, 4)), [b"lo"])
+        tier.put(key(4, HeadRange(2, 4, 4)), [b"hi"])
+        tier.put(key(5, HeadRange(0, 1, 1)), [b"x"])
+        got = tier.heads(NS_A, [key(4).chunk, key(6).chunk, key(5).chunk])
+        assert sorted(got[0]) == [HeadRange(0, 2, 4), HeadRange(2, 4, 4)]
+        assert got[1] == [] and got[2] == [HeadRange(0, 1, 1)]
+
+    def test_namespaces_are_separate(self, tier: Tier) -> None:
+        tier.put(key(7, namespace=NS_A), [b"tenant-a"])
+        assert tier.get(key(7, namespace=NS_B)) is None
+        assert tier.heads(NS_B, [key(7).chunk]) == [[]]
+        tier.put(key(7, namespace=NS_B), [b"tenant-b"])
+        assert bytes(tier.get(key(7, namespace=NS_A)) or b"") == b"tenant-a"
+        assert [o.key.namespace for o in tier.list(NS_B)] == [NS_B]
+
+    def test_list_reports_sizes(self, tier: Tier) -> None:
+        tier.put(key(8), [b"a" * 1000])
+        tier.put(key(9), [b"b" * 10])
+        sizes = {o.key: o.size for o in tier.list()}
+        assert sizes == {key(8): 1000, key(9): 10}
+
+    def test_large_object(self, tier: Tier) -> None:
+        blob = os.urandom(8 * 2**20 + 17)
+        tier.put(key(10), [memoryview(blob)[:2**20], memoryview(blob)[2**20:]])
+        assert bytes(tier.get(key(10)) or b"") == blob
+
+    def test_concurrent_writers(self, tier: Tier) -> None:
+        errors: list[BaseException] = []
+
+        def write(i: int) -> None:
+            try:
+                tier.put(key(100 + i), [i.to_bytes(4, "little") * 1000])
+            except BaseException as exc:  # collected and re-raised below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        for i in range(16):
+            assert bytes(tier.get(key(100 + i)) or b"") == i.to_bytes(4, "little") * 1000
+
+    def test_persistent_tier_survives_reopen(self, tier: Tier, reopen: Callable[[Tier], Tier] | None) -> None:
+        if not tier.persistent:
+            pytest.skip("tier is not persistent")
+        assert reopen is not None, "persistent tiers must provide the reopen fixture"
+        tier.put(key(11), [b"kept"])
+        again = reopen(tier)
+        try:
+            assert bytes(again.get(key(11)) or b"") == b"kept"
+            assert again.heads(NS_A, [key(11).chunk]) == [[HeadRange(0, 4, 4)]]
+        finally:
+            again.close()

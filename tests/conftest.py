@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import KVStore, Namespace
+
+NS = Namespace(model="test-model", dtype="bfloat16")
+
+
+def store_config(path: Path | str | None, *, chunk_tokens: int = 16, dram: str | int = "8MiB",
+                 page_bytes: str | int = "16KiB", **tier: object) -> dict:
+    """A small store config; ``path`` adds a filesystem tier with ``tier`` options."""
+    cfg: dict = {"chunk_tokens": chunk_tokens, "dram": {"capacity_bytes": dram, "page_bytes": page_bytes}}
+    if path is not None:
+        cfg["tiers"] = [{"type": "filesystem", "path": str(path), "queue_depth": 4096, **tier}]
+    return cfg
+
+
+@pytest.fixture
+def make_store(tmp_path: Path) -> Iterator:
+    """Build stores over ``tmp_path/fs`` (or a given path); all are closed at teardown."""
+    stores: list[KVStore] = []
+
+    def make(path: Path | None = tmp_path / "fs", **kw: object) -> KVStore:
+        store = KVStore.from_config(store_config(path, **kw))
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB tmpfs (needs root to mount): fills up for real, and can be remounted read-only."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount to make a real small filesystem")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.dram import DramEntry, DramPool, _FreePages
+from kvtier.eviction import LRUPolicy, PrefixLRUPolicy
+from kvtier.frame import ShardMeta
+from kvtier.keys import HeadRange, ShardKey
+
+PAGE = 4096
+META = ShardMeta(num_layers=2, chunk_tokens=16, head_dim=16, dtype=torch.bfloat16, heads=HeadRange(0, 4, 4))  # 8 KiB
+
+
+def skey(i: int) -> ShardKey:
+    return ShardKey("0" * 32, f"{i:032x}", HeadRange(0, 4, 4))
+
+
+def put(pool: DramPool, i: int, parent: int | None = None, fill: float | None = None) -> DramEntry:
+    entry = pool.reserve(skey(i), META, None if parent is None else skey(parent).chunk)
+    assert isinstance(entry, DramEntry)
+    pool.write(entry, torch.full(META.shape, float(i if fill is None else fill), dtype=META.dtype))
+    pool.commit(entry)
+    return entry
+
+
+def resident(pool: DramPool) -> set[int]:
+    return {int(k.chunk, 16) for k in pool._by_key}
+
+
+def test_shards_live_inside_the_preallocated_arena() -> None:
+    pool = DramPool(16 * PAGE, PAGE, LRUPolicy())
+    arena = pool._arena.untyped_storage().data_ptr()
+    for i in range(30):  # far more than fit: evicts and reuses pages
+        entry = put(pool, i)
+        view = pool.tensor(entry)
+        assert view.untyped_storage().data_ptr() == arena  # a view of the arena, no new allocation
+        assert torch.equal(view, torch.full(META.shape, float(i), dtype=META.dtype))
+        assert pool.used_bytes <= pool.capacity_bytes
+    assert len(pool) == 8
+
+
+def test_lru_evicts_least_recently_used() -> None:
+    pool = DramPool(6 * PAGE, PAGE, LRUPolicy())  # three 2-page shards
+    for i in range(3):
+        put(pool, i)
+    pool.release(pool.acquire(skey(0).namespace, skey(0).chunk, [skey(0).heads])[0])  # use 0
+    put(pool, 3)
+    assert resident(pool) == {0, 2, 3}
+
+
+def test_prefix_policy_evicts_descendants_first() -> None:
+    pool = DramPool(8 * PAGE, PAGE, PrefixLRUPolicy())  # four shards
+    put(pool, 0)
+    put(pool, 1, parent=0)
+    put(pool, 2, parent=1)
+    put(pool, 10)
+    pool.release(pool.acquire(skey(2).namespace, skey(2).chunk, [skey(2).heads])[0])  # the tail is fresh
+    # 0 is the least recently used, but 0 and 1 have resident children; of the leaves 2 and 10, 10 is older.
+    put(pool, 11, parent=10)
+    assert resident(pool) == {0, 1, 2, 11}
+    put(pool, 12)  # leaves now 2 and 11: 2 is older
+    assert resident(pool) == {0, 1, 11, 12}
+
+
+def test_pinned_entries_are_never_evicted() -> None:
+    pool = DramPool(4 * PAGE, PAGE, LRUPolicy())  # two shards
+    a = put(pool, 0)
+    put(pool, 1)
+    pinned = pool.acquire(a.key.namespace, a.key.chunk, [a.key.heads])
+    put(pool, 2)
+    assert resident(pool) == {0, 2}
+    pool.acquire(skey(2).namespace, skey(2).chunk, [skey(2).heads])
+    assert pool.reserve(skey(3), META, None) == "full"  # everything is in use
+    pool.release(pinned[0])
+    put(pool, 3)
+    assert resident(pool) == {2, 3}
+
+
+def test_reserved_entries_are_invisible_until_commit_and_abort_frees() -> None:
+    pool = DramPool(4 * PAGE, PAGE, LRUPolicy())
+    entry = pool.reserve(skey(0), META, None)
+    assert isinstance(entry, DramEntry)
+    assert pool.ranges(skey(0).namespace, skey(0).chunk) == []
+    assert pool.reserve(skey(0), META, None) == "present"
+    pool.abort(entry)
+    assert pool.used_bytes == 0
+    put(pool, 0)
+    assert pool.ranges(skey(0).namespace, skey(0).chunk) == [HeadRange(0, 4, 4)]
+
+
+def test_fragmented_pages_still_round_trip() -> None:
+    pool = DramPool(7 * PAGE, PAGE, LRUPolicy())
+    small = ShardMeta(2, 16, 8, torch.bfloat16, HeadRange(0, 2, 2))  # 2 KiB: one page
+    entries = []
+    for i in range(7):
+        e = pool.reserve(skey(i), small, None)
+        assert isinstance(e, DramEntry)
+        pool.write(e, torch.full(small.shape, float(i), dtype=small.dtype))
+        pool.commit(e)
+        entries.append(e)
+    for i in (0, 2, 4, 6):  # free every other page
+        pool.release(pool.acquire(skey(i).namespace, skey(i).chunk, [skey(i).heads])[0])
+    pool._lock.acquire()
+    for i in (0, 2, 4):
+        pool._evict(entries[i])
+    pool._lock.release()
+    data = torch.arange(META.nbytes // 2, dtype=torch.bfloat16).view(META.shape)  # 2 pages, none adjacent
+    e = pool.reserve(skey(99), META, None)
+    assert isinstance(e, DramEntry) and len(e.extents) == 2
+    pool.write(e, data)
+    pool.commit(e)
+    assert torch.equal(pool.tensor(e), data)
+    assert bytes(b"".join(bytes(v) for v in pool.views(e))) == data.view(torch.uint8).numpy().tobytes()
+
+
+def test_free_pages_coalesce() -> None:
+    free = _FreePages(10)
+    a, b, c = free.take(3), free.take(3), free.take(4)
+    assert free.take(1) is None
+    free.give(b)
+    free.give(a)
+    free.give(c)
+    assert free.take(10) == [(0, 10)]
+
+
+def test_write_checks_shape() -> None:
+    pool = DramPool(4 * PAGE, PAGE, LRUPolicy())
+    entry = pool.reserve(skey(0), META, None)
+    assert isinstance(entry, DramEntry)
+    with pytest.raises(ValueError, match="expected"):
+        pool.write(entry, torch.zeros(1, 2, 3))

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier import Namespace, chunk_keys, fingerprint_model
+from kvtier.keys import HeadRange, cover
+
+NS = Namespace(model="m", dtype="bfloat16")
+
+
+def test_keys_chain_the_whole_prefix() -> None:
+    a = list(range(64))
+    b = [999] + a[1:]  # differs only in the first token
+    ka, kb = chunk_keys(NS, a, 16), chunk_keys(NS, b, 16)
+    assert len(ka) == 4 and all(len(k) == 16 for k in ka)  # 128-bit keys
+    assert all(x != y for x, y in zip(ka, kb))  # one changed token changes every later key
+    assert chunk_keys(NS, a[:48], 16) == ka[:3]
+    assert chunk_keys(NS, a[:47], 16) == ka[:2]  # a partial trailing chunk has no key
+
+
+def test_same_chunk_after_different_prefix_has_another_key() -> None:
+    x, y, z = [1] * 16, [2] * 16, [3] * 16
+    assert chunk_keys(NS, x + z, 16)[1] != chunk_keys(NS, y + z, 16)[1]
+
+
+def test_token_input_forms_agree() -> None:
+    ids = list(range(100, 132))
+    assert chunk_keys(NS, ids, 16) == chunk_keys(NS, torch.tensor(ids), 16) == chunk_keys(
+        NS, torch.tensor(ids, dtype=torch.int32).numpy(), 16)
+
+
+def test_namespace_fields_all_reach_the_digest() -> None:
+    base = Namespace(model="m", dtype="bfloat16", lora=None, cache_salt=None)
+    variants = [Namespace(model="m2", dtype="bfloat16"), Namespace(model="m", dtype="float16"),
+                Namespace(model="m", dtype="bfloat16", lora="x"), Namespace(model="m", dtype="bfloat16",
+                                                                           cache_salt="s"),
+                Namespace(model="m", dtype="bfloat16", layout_version=2)]
+    digests = {base.digest} | {v.digest for v in variants}
+    assert len(digests) == 6
+    assert Namespace(model="m", dtype=torch.bfloat16) == base
+
+
+def test_namespace_rejects_bad_fields() -> None:
+    with pytest.raises(ValueError, match="model"):
+        Namespace(model="", dtype="bfloat16")
+    with pytest.raises(ValueError, match="dtype"):
+        Namespace(model="m", dtype="")
+
+
+def test_describe_hides_the_salt() -> None:
+    assert Namespace(model="m", dtype="bf16", cache_salt="tenant-secret").describe()["cache_salt"] == "<set>"
+
+
+def test_fingerprint_changes_with_any_weight_or_config(tmp_path: Path) -> None:
+    config = {"hidden_size": 8, "num_layers": 2}
+    weights = {"w": torch.ones(4, 4, dtype=torch.bfloat16), "b": torch.zeros(4)}
+    fp = fingerprint_model(config, weights)
+    assert fp == fingerprint_model(dict(config), {k: v.clone() for k, v in weights.items()})
+    bumped = {k: v.clone() for k, v in weights.items()}
+    bumped["w"][3, 3] = 1.0078125  # one bf16 ulp
+    assert fingerprint_model(config, bumped) != fp
+    assert fingerprint_model({**config, "num_layers": 3}, weights) != fp
+    with pytest.raises(ValueError, match="state_dict"):
+        fingerprint_model(config)
+
+
+def test_fingerprint_of_a_model_directory(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    (tmp_path / "model.safetensors").write_bytes(b"\x01" * 1000)
+    (tmp_path / "README.md").write_text("ignored")
+    fp = fingerprint_model(tmp_path)
+    (tmp_path / "README.md").write_text("changed, still ignored")
+    assert fingerprint_model(tmp_path) == fp
+    (tmp_path / "model.safetensors").write_bytes(b"\x01" * 999 + b"\x02")
+    assert fingerprint_model(tmp_path) != fp
+    with pytest.raises(ValueError, match="no weight files"):
+        fingerprint_model(_empty_dir(tmp_path))
+
+
+def _empty_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "empty"
+    d.mkdir()
+    return d
+
+
+def test_cover_picks_pieces_across_degrees() -> None:
+    r = [HeadRange(0, 2, 8), HeadRange(2, 4, 8), HeadRange(0, 8, 8)]
+    assert cover(r, 2, 6) == [(HeadRange(0, 8, 8), 2, 6)]
+    assert cover([HeadRange(0, 2, 8), HeadRange(2, 4, 8)], 1, 4) == [
+        (HeadRange(0, 2, 8), 1, 2), (HeadRange(2, 4, 8), 2, 4)]
+    assert cover([HeadRange(0, 2, 8)], 0, 4) is None
+    assert HeadRange.parse("2-4of8") == HeadRange(2, 4, 8)
+    with pytest.raises(ValueError):
+        HeadRange.parse("4-2of8")

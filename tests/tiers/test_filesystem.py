@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import ConfigError, FilesystemTier
+from kvtier.keys import HeadRange
+from kvtier.testing.tiers import NS_A, TierConformance, key
+from kvtier.tiers._filesystem import FilesystemOptions
+
+
+def open_tier(path: Path, **options: object) -> FilesystemTier:
+    tier = FilesystemTier.from_config("fs", {"path": str(path), **options}, "tiers[0]")
+    assert isinstance(tier, FilesystemTier)
+    return tier
+
+
+class TestFilesystemConformance(TierConformance):
+    @pytest.fixture
+    def tier(self, tmp_path: Path) -> Iterator[FilesystemTier]:
+        tier = open_tier(tmp_path / "fs")
+        yield tier
+        tier.close()
+
+    @pytest.fixture
+    def reopen(self, tmp_path: Path) -> Callable[[FilesystemTier], FilesystemTier]:
+        def reopen(old: FilesystemTier) -> FilesystemTier:
+            old.close()
+            return open_tier(tmp_path / "fs")
+        return reopen
+
+
+def test_files_are_private(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "fs")
+    tier.put(key(1), [b"secret kv"])
+    files = [p for p in (tmp_path / "fs").rglob("*") if p.is_file()]
+    dirs = [p for p in (tmp_path / "fs").rglob("*") if p.is_dir()] + [tmp_path / "fs"]
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in dirs)
+
+
+def test_restart_reindexes(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "fs")
+    for i in range(20):
+        tier.put(key(i, HeadRange(i % 2, i % 2 + 1, 2)), [bytes([i]) * (i + 1)])
+    tier.close()
+    again = open_tier(tmp_path / "fs")
+    assert {(o.key, o.size) for o in again.list()} == {
+        (key(i, HeadRange(i % 2, i % 2 + 1, 2)), i + 1) for i in range(20)}
+    assert again.used_bytes() == sum(range(1, 21))
+
+
+def test_capacity_watermarks_evict_least_recently_used(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "fs", capacity_bytes=10_000, high_watermark=0.9, low_watermark=0.5)
+    for i in range(9):
+        tier.put(key(i), [b"x" * 1000])
+    assert tier.used_bytes() == 9000  # at the high watermark, not above: nothing evicted yet
+    assert tier.get(key(0)) is not None  # key 0 is now the most recently used
+    tier.put(key(9), [b"x" * 1000])  # 10,000 > 9,000: evict down to 5,000
+    assert tier.used_bytes() == 5000
+    assert {o.key for o in tier.list()} == {key(0), key(6), key(7), key(8), key(9)}
+    assert tier.counters()["evictions"] == 5
+
+
+def test_eviction_order_survives_restart(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "fs")
+    for i in range(4):
+        tier.put(key(i), [b"y" * 100])
+        time.sleep(0.02)
+    tier.get(key(0))  # 0 becomes the most recently used, on disk too
+    tier.close()
+    again = open_tier(tmp_path / "fs", capacity_bytes=300, high_watermark=1.0, low_watermark=0.5)
+    # 400 bytes > 300: the restart evicts the least recently used (1, 2, 3 in order) down to 150.
+    assert {o.key for o in again.list()} == {key(0)}
+
+
+def test_ttl_expires_by_age_also_across_restart(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "fs", ttl_seconds=0.3)
+    tier.put(key(1), [b"old"])
+    assert tier.get(key(1)) is not None
+    time.sleep(0.4)
+    assert tier.heads(NS_A, [key(1).chunk]) == [[]]
+    assert tier.get(key(1)) is None
+    tier.put(key(2), [b"new"])
+    tier.close()
+    time.sleep(0.4)
+    again = open_tier(tmp_path / "fs", ttl_seconds=0.3)
+    assert list(again.list()) == []
+    assert not any(p.suffix == ".kv" for p in (tmp_path / "fs").rglob("*"))
+
+
+def test_dead_writers_temp_files_are_removed_live_ones_kept(tmp_path: Path) -> None:
+    open_tier(tmp_path / "fs").close()
+    tmp = tmp_path / "fs" / ".tmp"
+    dead = tmp / "999999999.abc.part"  # no such pid
+    live = tmp / f"{os.getppid()}.def.part"  # the parent process is alive
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"in flight")
+    tier = open_tier(tmp_path / "fs")
+    assert not dead.exists() and live.exists()
+    assert tier.counters()["removed_temp_files"] == 1
+
+
+def test_foreign_files_are_ignored(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "fs")
+    tier.put(key(1), [b"kv"])
+    (tmp_path / "fs" / NS_A / "zz").mkdir()
+    (tmp_path / "fs" / NS_A / "zz" / "README.txt").write_text("not ours")
+    (tmp_path / "fs" / NS_A / "zz" / "nothex.0-1of1.5.kv").write_text("not ours")
+    tier.close()
+    assert [o.key for o in open_tier(tmp_path / "fs").list()] == [key(1)]
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"capacity_bytes": -1}, "capacity_bytes"),
+    ({"low_watermark": 0.9, "high_watermark": 0.5}, "low_watermark"),
+    ({"durability": "always"}, "durability"),
+    ({"ttl_seconds": "soon"}, "ttl_seconds"),
+    ({"colour": "blue"}, "colour"),
+])
+def test_bad_options_name_the_field(tmp_path: Path, options: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"tiers\[0\]\.{field}"):
+        open_tier(tmp_path / "fs", **options)
+
+
+def test_fsync_durability_writes(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "fs", durability="fsync")
+    tier.put(key(1), [b"durable"])
+    assert bytes(tier.get(key(1)) or b"") == b"durable"
+    assert FilesystemOptions(path="x").durability == "none"
