@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ def test_namespaces_never_share_hits(make_store, field: str) -> None:
     base = Namespace(model="m", dtype="bfloat16", lora="adapter-1", cache_salt="tenant-a")
     other = {"model": "m2", "dtype": "float16", "lora": "adapter-2", "cache_salt": "tenant-b",
              "layout_version": 99}[field]
-    changed = Namespace(**{**base.__dict__, field: other})
+    changed = dataclasses.replace(base, **{field: other})
     store.put(base, tokens, synthetic_kv(tokens))
     store.flush()
     assert store.lookup(base, tokens) == 2 * T

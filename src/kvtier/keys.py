@@ -7,6 +7,7 @@ one key names a whole prefix inside one namespace. Token ids never appear in a k
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -45,13 +46,13 @@ class Namespace:
         if not isinstance(self.dtype, str) or not self.dtype:
             raise ValueError(f"Namespace.dtype must be a dtype name such as 'bfloat16', got {self.dtype!r}")
 
-    @property
+    @functools.cached_property
     def digest(self) -> bytes:
         """A 128-bit hash of every field; the root of this namespace's key chains."""
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=KEY_BYTES, person=b"kvtier-ns").digest()
 
-    @property
+    @functools.cached_property
     def id(self) -> str:
         """Hex form of :attr:`digest`, used to name the namespace in tiers."""
         return self.digest.hex()

@@ -70,6 +70,10 @@ class KVStore:
                              pin_memory=config.dram.pin_memory, on_evict=self._evicted)
         self.metrics.capacity_bytes.labels("dram").set(self.dram.capacity_bytes)
         self.metrics.watch_tiers(self.tiers)
+        # Bound once: a labels() lookup per chunk is measurable on the hot path.
+        self._dram_written = self.metrics.bytes_written.labels("dram")
+        self._dram_full = self.metrics.dropped.labels("dram", "dram_full")
+        self._hits = {name: self.metrics.hits.labels(name) for name in ["dram", *(t.name for t in self.tiers)]}
         depth = {spec.name: (spec.queue_depth, spec.workers) for spec in config.tiers}
         self._writers = [CascadeWriter(t, self.dram, self.metrics, *depth.get(t.name, (64, 1)))
                          for t in self.tiers]
@@ -105,12 +109,13 @@ class KVStore:
         t = self.chunk_tokens
         held = 0  # leading chunks now in DRAM
         parent = None
+        namespace = ns.id
         for i, key in enumerate(chunk_keys(ns, tokens, t)):
-            skey = ShardKey(ns.id, key.hex(), heads)
+            skey = ShardKey(namespace, key.hex(), heads)
             entry = self.dram.reserve(skey, meta, parent)
             parent = skey.chunk
             if entry == "full":
-                self.metrics.dropped.labels("dram", "dram_full").inc()
+                self._dram_full.inc()
                 continue
             if isinstance(entry, DramEntry):
                 try:
@@ -119,7 +124,7 @@ class KVStore:
                     self.dram.abort(entry)
                     raise
                 self.dram.commit(entry, keep_refs=len(self._writers))
-                self.metrics.bytes_written.labels("dram").inc(meta.nbytes)
+                self._dram_written.inc(meta.nbytes)
                 for writer in self._writers:
                     writer.submit(entry)
             if held == i:
@@ -211,7 +216,7 @@ class KVStore:
                     break
                 done = self._serve(namespace, chunk, parent, plan, lo, out, index, n_chunks)
                 if done is not None:
-                    self.metrics.hits.labels(source if isinstance(source, str) else source.name).inc()
+                    self._hits[source if isinstance(source, str) else source.name].inc()
                     return done
         return None
 

@@ -21,6 +21,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+
 from kvtier.errors import ConfigError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
@@ -272,7 +274,7 @@ class FilesystemTier(Tier):
         try:
             with open(info.path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
+                buf = np.empty(size, dtype=np.uint8)  # unlike bytearray, not zero-filled first
                 got = f.readinto(buf)
                 try:
                     os.utime(f.fileno())  # record the use: LRU order survives a restart

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create .venv (Python 3.11) with torch's CPU build and kvtier installed in editable mode, with test extras.
+# Idempotent: a second run only checks. Usage: bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for cand in python3.11 python3; do
+    if command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+      PY=$cand; break
+    fi
+  done
+fi
+[ -n "$PY" ] || { echo "setup: kvtier needs Python 3.11 (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+  .venv/bin/pip install --quiet --upgrade pip
+fi
+# torch first and pinned: its CPU build lies on these machines' disk; an unpinned resolve would fetch CUDA.
+if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  echo "setup: installing torch 2.13.0 (CPU build)"
+  .venv/bin/pip install --quiet torch==2.13.0
+fi
+echo "setup: installing kvtier and its test dependencies"
+.venv/bin/pip install --quiet -e '.[test]'

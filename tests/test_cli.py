@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtier import KVStore, Namespace
+from kvtier.cli import main
+from kvtier.testing import synthetic_kv, synthetic_tokens
+from tests.conftest import NS, store_config
+
+T = 16
+OTHER = Namespace(model="other-model", dtype="bfloat16")
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    cfg = store_config(tmp_path / "fs")
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with KVStore.from_config(cfg) as store:
+        for i in range(3):
+            tokens = synthetic_tokens(i, 2 * T)
+            store.put(NS, tokens, synthetic_kv(tokens))
+        tokens = synthetic_tokens(99, T)
+        store.put(OTHER, tokens, synthetic_kv(tokens))
+    return path
+
+
+def test_stats(config: Path, capsys) -> None:
+    assert main(["cache", "stats", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "objects:    7" in out and "namespaces: 2" in out
+
+
+def test_ls_shows_keys_not_tokens(config: Path, capsys) -> None:
+    assert main(["cache", "ls", "--config", str(config), "--namespace", OTHER.id]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and OTHER.id in lines[1] and "0-4of4" in lines[1]
+
+
+def test_verify_finds_and_repairs_damage(config: Path, tmp_path: Path, capsys) -> None:
+    assert main(["cache", "verify", "--config", str(config)]) == 0
+    assert "7 ok, 0 bad" in capsys.readouterr().out
+    victim = sorted((tmp_path / "fs").rglob("*.kv"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(data)
+    assert main(["cache", "verify", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "6 ok, 1 bad" in out and "payload checksum mismatch" in out
+    assert victim.exists()
+    assert main(["cache", "verify", "--config", str(config), "--repair"]) == 0
+    assert not victim.exists()
+    assert main(["cache", "verify", "--config", str(config)]) == 0
+
+
+def test_purge_by_namespace_age_and_all(config: Path, tmp_path: Path, capsys) -> None:
+    assert main(["cache", "purge", "--config", str(config), "--namespace", OTHER.id]) == 0
+    assert "removed 1 objects" in capsys.readouterr().out
+    assert main(["cache", "purge", "--config", str(config), "--older-than", "1h"]) == 0
+    assert "removed 0 objects" in capsys.readouterr().out
+    time.sleep(1.1)
+    assert main(["cache", "purge", "--config", str(config), "--older-than", "1s"]) == 0
+    assert "removed 6 objects" in capsys.readouterr().out
+    assert not list((tmp_path / "fs").rglob("*.kv"))
+    assert main(["cache", "purge", "--config", str(config), "--all"]) == 0
+
+
+def test_errors_are_clear(config: Path, tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers: [{type: tape}]")
+    assert main(["cache", "stats", "--config", str(bad)]) == 2
+    assert "tiers[0].type: unknown tier type 'tape'" in capsys.readouterr().err
+    assert main(["cache", "stats", "--config", str(config), "--tier", "nope"]) == 2
+    assert "no tier named 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["cache", "purge", "--config", str(config), "--older-than", "soon"])
+
+
+def test_console_script_is_installed(config: Path) -> None:
+    exe = Path(sys.executable).with_name("kvtier")
+    result = subprocess.run([str(exe), "cache", "stats", "--config", str(config)], capture_output=True, text=True,
+                            env={**os.environ})
+    assert result.returncode == 0 and "objects:" in result.stdout

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import socket
+import urllib.request
+from pathlib import Path
+
+from kvtier import KVStore
+from kvtier.testing import synthetic_kv, synthetic_tokens
+from tests.conftest import NS, store_config
+
+T = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_stats_and_prometheus_agree(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = store_config(tmp_path / "fs") | {"metrics_port": port}
+    with KVStore.from_config(cfg) as store:
+        tokens = synthetic_tokens(1, 3 * T)
+        store.put(NS, tokens, synthetic_kv(tokens))
+        store.flush()
+        store.drop_dram()
+        store.get(NS, tokens)
+        store.get(NS, synthetic_tokens(2, T))  # a miss
+        stats = store.stats()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    fs = stats["filesystem"]
+    assert fs["promotions_total"] == 3 and fs["hit_chunks_total"] == 3
+    assert stats["dram"]["evictions_total"] == 3
+    assert stats["_store"]["miss_chunks_total"] == 1
+    assert fs["written_bytes_total"] == fs["read_bytes_total"] > 0
+    assert f'kvtier_promotions_total{{tier="filesystem"}} {fs["promotions_total"]}' in body
+    assert f'kvtier_written_bytes_total{{tier="filesystem"}} {fs["written_bytes_total"]}' in body
+    assert 'kvtier_tier_read_seconds_bucket{le="0.001",tier="filesystem"}' in body
+    assert 'kvtier_tier_events_total{event="evictions",tier="filesystem"} 0.0' in body
