@@ -96,6 +96,7 @@ class DramPool:
         self.page_bytes = page_bytes
         self.pages = capacity_bytes // page_bytes
         self.capacity_bytes = self.pages * page_bytes
+        self.pinned = pin_memory
         self._arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
         self._arena.fill_(0)  # touch every page now, not on the hot path
         self._free = _FreePages(self.pages)
@@ -132,16 +133,20 @@ class DramPool:
             return DramEntry(key, meta, parent, extents, source=source)
 
     def write(self, entry: DramEntry, shard: torch.Tensor) -> None:
-        """Copy ``shard`` (shape ``entry.meta.shape``, any strides) into a reserved entry."""
+        """Copy ``shard`` (shape ``entry.meta.shape``, any strides, any device) into a reserved entry.
+
+        From a CUDA tensor into pinned memory the copy is asynchronous: synchronize the stream before commit.
+        """
         if tuple(shard.shape) != entry.meta.shape or shard.dtype != entry.meta.dtype:
             raise ValueError(f"shard is {tuple(shard.shape)} {shard.dtype}, expected {entry.meta.shape} "
                              f"{entry.meta.dtype}")
+        non_blocking = shard.is_cuda and self.pinned
         if len(entry.extents) == 1:
-            self.tensor(entry).copy_(shard)
+            self.tensor(entry).copy_(shard, non_blocking=non_blocking)
             return
         flat = shard.contiguous().reshape(-1).view(torch.uint8)
         for (start, end), region in zip(self._spans(entry), self._regions(entry)):
-            region.copy_(flat[start:end])
+            region.copy_(flat[start:end], non_blocking=non_blocking)
 
     def write_bytes(self, entry: DramEntry, payload: memoryview) -> None:
         """Copy a verified payload into a reserved entry."""

@@ -110,25 +110,31 @@ class KVStore:
         held = 0  # leading chunks now in DRAM
         parent = None
         namespace = ns.id
-        for i, key in enumerate(chunk_keys(ns, tokens, t)):
-            skey = ShardKey(namespace, key.hex(), heads)
-            entry = self.dram.reserve(skey, meta, parent)
-            parent = skey.chunk
-            if entry == "full":
-                self._dram_full.inc()
-                continue
-            if isinstance(entry, DramEntry):
-                try:
+        reserved: list[DramEntry] = []
+        try:  # phase 1: reserve and copy every chunk (asynchronously from a CUDA tensor)
+            for i, key in enumerate(chunk_keys(ns, tokens, t)):
+                skey = ShardKey(namespace, key.hex(), heads)
+                entry = self.dram.reserve(skey, meta, parent)
+                parent = skey.chunk
+                if entry == "full":
+                    self._dram_full.inc()
+                    continue
+                if isinstance(entry, DramEntry):
+                    reserved.append(entry)
                     self.dram.write(entry, kv[:, :, :, i * t:(i + 1) * t])
-                except BaseException:
-                    self.dram.abort(entry)
-                    raise
-                self.dram.commit(entry, keep_refs=len(self._writers))
-                self._dram_written.inc(meta.nbytes)
-                for writer in self._writers:
-                    writer.submit(entry)
-            if held == i:
-                held += 1
+                if held == i:
+                    held += 1
+            if kv.is_cuda:
+                torch.cuda.current_stream(kv.device).synchronize()
+        except BaseException:
+            for entry in reserved:
+                self.dram.abort(entry)
+            raise
+        for entry in reserved:  # phase 2: the bytes are in DRAM; make them visible and cascade them
+            self.dram.commit(entry, keep_refs=len(self._writers))
+            self._dram_written.inc(meta.nbytes)
+            for writer in self._writers:
+                writer.submit(entry)
         self.metrics.put_seconds.observe(time.perf_counter() - start)
         return held * t
 
@@ -186,18 +192,26 @@ class KVStore:
             raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
         result = out
-        for i, chunk in enumerate(chunks):
-            parent = chunks[i - 1] if i else None
-            served = self._get_chunk(ns.id, chunk, parent, tp_rank, tp_size, result, i, len(chunks))
-            if served is None:
-                self.metrics.misses.inc()
-                return None
-            result = served
+        pinned: list[DramEntry] = []  # released once every copy out of them has ended
+        try:
+            for i, chunk in enumerate(chunks):
+                parent = chunks[i - 1] if i else None
+                served = self._get_chunk(ns.id, chunk, parent, tp_rank, tp_size, result, i, len(chunks), pinned)
+                if served is None:
+                    self.metrics.misses.inc()
+                    return None
+                result = served
+            if result is not None and result.is_cuda:
+                torch.cuda.current_stream(result.device).synchronize()
+        finally:
+            for entry in pinned:
+                self.dram.release(entry)
         self.metrics.get_seconds.observe(time.perf_counter() - start)
         return result
 
     def _get_chunk(self, namespace: str, chunk: str, parent: str | None, tp_rank: int, tp_size: int,
-                   out: torch.Tensor | None, index: int, n_chunks: int) -> torch.Tensor | None:
+                   out: torch.Tensor | None, index: int, n_chunks: int,
+                   pinned: list[DramEntry]) -> torch.Tensor | None:
         """Serve one chunk from DRAM alone, else from DRAM plus each secondary tier in turn."""
         for source in ["dram", *self.tiers]:
             # A failed piece (missing or corrupt) is removed from its tier, so each retry plans without it.
@@ -214,41 +228,42 @@ class KVStore:
                 plan = cover([r for r in ranges if r.total == total], lo, hi)
                 if plan is None:
                     break
-                done = self._serve(namespace, chunk, parent, plan, lo, out, index, n_chunks)
+                done = self._serve(namespace, chunk, parent, plan, lo, out, index, n_chunks, pinned)
                 if done is not None:
                     self._hits[source if isinstance(source, str) else source.name].inc()
                     return done
         return None
 
     def _serve(self, namespace: str, chunk: str, parent: str | None, plan: list[tuple[HeadRange, int, int]],
-               lo: int, out: torch.Tensor | None, index: int, n_chunks: int) -> torch.Tensor | None:
-        """Copy the planned pieces into ``out`` (allocated on first use); None if a piece went missing."""
-        pinned: list[DramEntry] = []
-        try:
-            pieces: list[_Piece] = []
-            for rng, a, b in plan:
-                entries = self.dram.acquire(namespace, chunk, [rng])
-                if entries is not None:
-                    pinned.extend(entries)
-                    pieces.append((self.dram.tensor(entries[0]), rng.start, a, b))
-                    continue
-                shard = self._fetch(ShardKey(namespace, chunk, rng), parent)
-                if shard is None:
-                    return None
-                pieces.append((shard, rng.start, a, b))
-            t = self.chunk_tokens
-            for shard, first, a, b in pieces:
-                layers, _, _, _, dim = shard.shape
-                shape = (layers, 2, plan[-1][2] - lo, n_chunks * t, dim)
-                if out is None:
-                    out = torch.empty(shape, dtype=shard.dtype)
-                elif index == 0 and (tuple(out.shape) != shape or out.dtype != shard.dtype):
-                    raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the stored KV is {shape} {shard.dtype}")
-                out[:, :, a - lo:b - lo, index * t:(index + 1) * t].copy_(shard[:, :, a - first:b - first])
-            return out
-        finally:
-            for entry in pinned:
-                self.dram.release(entry)
+               lo: int, out: torch.Tensor | None, index: int, n_chunks: int,
+               pinned: list[DramEntry]) -> torch.Tensor | None:
+        """Copy the planned pieces into ``out`` (allocated on first use); None if a piece went missing.
+
+        DRAM entries used are pinned and added to ``pinned``: copies into a CUDA ``out`` run asynchronously, and
+        the caller releases them after synchronizing.
+        """
+        pieces: list[_Piece] = []
+        for rng, a, b in plan:
+            entries = self.dram.acquire(namespace, chunk, [rng])
+            if entries is not None:
+                pinned.extend(entries)
+                pieces.append((self.dram.tensor(entries[0]), rng.start, a, b))
+                continue
+            shard = self._fetch(ShardKey(namespace, chunk, rng), parent)
+            if shard is None:
+                return None
+            pieces.append((shard, rng.start, a, b))
+        t = self.chunk_tokens
+        for shard, first, a, b in pieces:
+            layers, _, _, _, dim = shard.shape
+            shape = (layers, 2, plan[-1][2] - lo, n_chunks * t, dim)
+            if out is None:
+                out = torch.empty(shape, dtype=shard.dtype)
+            elif index == 0 and (tuple(out.shape) != shape or out.dtype != shard.dtype):
+                raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the stored KV is {shape} {shard.dtype}")
+            out[:, :, a - lo:b - lo, index * t:(index + 1) * t].copy_(
+                shard[:, :, a - first:b - first], non_blocking=out.is_cuda and shard.is_pinned())
+        return out
 
     def _fetch(self, key: ShardKey, parent: str | None) -> torch.Tensor | None:
         """Read one shard from the first tier that holds a valid copy, and promote it into DRAM."""

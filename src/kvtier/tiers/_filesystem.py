@@ -54,7 +54,7 @@ class FilesystemOptions:
 
 @dataclasses.dataclass
 class _File:
-    path: Path
+    path: str  # a str, not a Path: building 100,000 Path objects dominated re-indexing
     size: int
     created: float
     last_used: float
@@ -145,7 +145,7 @@ class FilesystemTier(Tier):
                         st = f.stat()
                     except FileNotFoundError:
                         continue
-                    found.append((key, _File(Path(f.path), st.st_size, created, st.st_mtime)))
+                    found.append((key, _File(f.path, st.st_size, created, st.st_mtime)))
         found.sort(key=lambda kf: kf[1].last_used)
         with self._lock:
             for key, info in found:
@@ -255,7 +255,7 @@ class FilesystemTier(Tier):
             raise TierError(f"{self.name}: cannot write {key.name}: {errno.errorcode.get(exc.errno or 0, '')} "
                             f"{exc}") from exc
         with self._lock:
-            self._add_locked(key, _File(final, size, now, now))
+            self._add_locked(key, _File(str(final), size, now, now))
             self._expire_locked(now)
             self._enforce_capacity_locked()
 
