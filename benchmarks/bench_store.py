@@ -58,15 +58,21 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def best_of(repeats: int, fn: Callable[[], None]) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs (after one warm-up)."""
-    fn()
-    times = []
+def paired(repeats: int, baseline: Callable[[], None], fn: Callable[[], None],
+           setup: Callable[[], None] = lambda: None) -> tuple[float, float]:
+    """Median times of ``baseline`` and ``fn``, run alternately so that drift on a shared machine hits both.
+
+    ``setup`` runs (untimed) before each timed call.
+    """
+    setup(), baseline(), setup(), fn()
+    base, mine = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for f, out in ((baseline, base), (fn, mine)):
+            setup()
+            start = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - start)
+    return statistics.median(base), statistics.median(mine)
 
 
 def bench_dram(shape: str, chunks: int, repeats: int) -> list[dict]:
@@ -76,7 +82,6 @@ def bench_dram(shape: str, chunks: int, repeats: int) -> list[dict]:
     nbytes = kv.numel() * kv.element_size()
     dst = torch.empty_like(kv)
     dst.copy_(kv)
-    copy_s = best_of(repeats, lambda: dst.copy_(kv))
     cfg = {"chunk_tokens": CHUNK, "dram": {"capacity_bytes": 3 * nbytes + 2**24}}
     with KVStore.from_config(cfg) as store:
         counter = iter(range(10**9))
@@ -84,13 +89,13 @@ def bench_dram(shape: str, chunks: int, repeats: int) -> list[dict]:
         def put() -> None:  # a fresh namespace each time, so every chunk is really stored
             store.put(Namespace(model=f"bench-{next(counter)}", dtype="bfloat16"), tokens, kv)
 
-        put_s = best_of(repeats, put)
+        copy_put, put_s = paired(repeats, lambda: dst.copy_(kv), put)
         ns = Namespace(model="bench-get", dtype="bfloat16")
         store.put(ns, tokens, kv)
-        get_s = best_of(repeats, lambda: store.get(ns, tokens, out=dst))
+        copy_get, get_s = paired(repeats, lambda: dst.copy_(kv), lambda: store.get(ns, tokens, out=dst))
         assert torch.equal(dst, kv)
     rows = []
-    for op, secs in (("put", put_s), ("get", get_s)):
+    for op, secs, copy_s in (("put", put_s, copy_put), ("get", get_s, copy_get)):
         rows.append({"bench": "dram", "shape": shape, "op": op, "bytes": nbytes,
                      "gbps": nbytes / secs / 1e9, "baseline_gbps": nbytes / copy_s / 1e9,
                      "ratio": copy_s / secs, "target": 0.90})
@@ -113,7 +118,6 @@ def bench_filesystem(shape: str, files: int, repeats: int, root: Path) -> list[d
         path.mkdir(parents=True)
 
     def raw_write() -> None:
-        fresh(raw_dir)
         for i in range(files):
             with open(raw_dir / f"{i}.bin", "wb", buffering=0) as f:
                 f.write(views[0])
@@ -126,13 +130,9 @@ def bench_filesystem(shape: str, files: int, repeats: int, root: Path) -> list[d
     tier_box: list[FilesystemTier] = []
 
     def tier_write() -> None:
-        fresh(tier_dir)
-        tier = FilesystemTier("fs", FilesystemTier.Options(path=str(tier_dir)))
-        r = next(rounds)
-        for key in keys(r):
+        tier, r = tier_box[0], tier_box[1]
+        for key in keys(r):  # type: ignore[arg-type]
             tier.put(key, [encode_header(key, meta, views), *views])
-        tier_box[:] = [tier]
-        tier_box.append(r)  # type: ignore[arg-type]
 
     def tier_read() -> None:
         tier, r = tier_box[0], tier_box[1]
@@ -141,11 +141,17 @@ def bench_filesystem(shape: str, files: int, repeats: int, root: Path) -> list[d
             assert blob is not None
             decode(blob, expected=key)
 
+    def empty_dirs() -> None:  # untimed: both write into empty directories, the tier into a fresh instance
+        fresh(raw_dir)
+        fresh(tier_dir)
+        tier_box[:] = [FilesystemTier("fs", FilesystemTier.Options(path=str(tier_dir))), next(rounds)]
+
     nbytes = files * meta.nbytes
-    raw_w = best_of(repeats, raw_write)
-    tier_w = best_of(repeats, tier_write)
-    raw_r = best_of(repeats, raw_read)
-    tier_r = best_of(repeats, tier_read)
+    raw_w, tier_w = paired(repeats, raw_write, tier_write, setup=empty_dirs)
+    empty_dirs()
+    raw_write()
+    tier_write()
+    raw_r, tier_r = paired(repeats, raw_read, tier_read)
     shutil.rmtree(raw_dir, ignore_errors=True)
     shutil.rmtree(tier_dir, ignore_errors=True)
     return [{"bench": "filesystem", "shape": shape, "op": op, "bytes": nbytes, "gbps": nbytes / t / 1e9,
@@ -212,8 +218,7 @@ def bench_reindex(files: int, root: Path) -> list[dict]:
     def reindex() -> None:
         assert len(list(FilesystemTier("fs", FilesystemTier.Options(path=str(path))).list())) == files
 
-    walk_s = best_of(3, walk)
-    reindex_s = best_of(3, reindex)
+    walk_s, reindex_s = paired(3, walk, reindex)
     shutil.rmtree(path, ignore_errors=True)
     return [{"bench": "re-index", "files": files, "seconds": reindex_s, "baseline_seconds": walk_s,
              "files_per_s": files / reindex_s, "ratio": walk_s / reindex_s}]

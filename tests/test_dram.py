@@ -16,10 +16,14 @@ def skey(i: int) -> ShardKey:
     return ShardKey("0" * 32, f"{i:032x}", HeadRange(0, 4, 4))
 
 
+def write(pool: DramPool, entry: DramEntry, shard: torch.Tensor) -> None:
+    pool.write_chunks(shard, [(0, entry)], shard.shape[3])
+
+
 def put(pool: DramPool, i: int, parent: int | None = None, fill: float | None = None) -> DramEntry:
     entry = pool.reserve(skey(i), META, None if parent is None else skey(parent).chunk)
     assert isinstance(entry, DramEntry)
-    pool.write(entry, torch.full(META.shape, float(i if fill is None else fill), dtype=META.dtype))
+    write(pool, entry, torch.full(META.shape, float(i if fill is None else fill), dtype=META.dtype))
     pool.commit(entry)
     return entry
 
@@ -96,7 +100,7 @@ def test_fragmented_pages_still_round_trip() -> None:
     for i in range(7):
         e = pool.reserve(skey(i), small, None)
         assert isinstance(e, DramEntry)
-        pool.write(e, torch.full(small.shape, float(i), dtype=small.dtype))
+        write(pool, e, torch.full(small.shape, float(i), dtype=small.dtype))
         pool.commit(e)
         entries.append(e)
     for i in (0, 2, 4, 6):  # free every other page
@@ -108,7 +112,7 @@ def test_fragmented_pages_still_round_trip() -> None:
     data = torch.arange(META.nbytes // 2, dtype=torch.bfloat16).view(META.shape)  # 2 pages, none adjacent
     e = pool.reserve(skey(99), META, None)
     assert isinstance(e, DramEntry) and len(e.extents) == 2
-    pool.write(e, data)
+    write(pool, e, data)
     pool.commit(e)
     assert torch.equal(pool.tensor(e), data)
     assert bytes(b"".join(bytes(v) for v in pool.views(e))) == data.view(torch.uint8).numpy().tobytes()
@@ -128,5 +132,24 @@ def test_write_checks_shape() -> None:
     pool = DramPool(4 * PAGE, PAGE, LRUPolicy())
     entry = pool.reserve(skey(0), META, None)
     assert isinstance(entry, DramEntry)
-    with pytest.raises(ValueError, match="expected"):
-        pool.write(entry, torch.zeros(1, 2, 3))
+    with pytest.raises(ValueError, match="entries expect"):
+        write(pool, entry, torch.zeros(1, 2, 3, 16, 16, dtype=torch.bfloat16))
+
+
+def test_consecutive_and_scattered_chunks_land_in_their_entries() -> None:
+    pool = DramPool(40 * PAGE, PAGE, LRUPolicy())
+    kv = torch.arange(2 * 2 * 4 * 16 * 16 * 8, dtype=torch.float32).to(torch.bfloat16).view(2, 2, 4, 16 * 8, 16)
+    holes = [pool.reserve(skey(100 + i), META, None) for i in range(3)]  # 2 pages each, pages 0-5
+    entries = []
+    for i in range(8):
+        if i == 3:  # free a hole so chunk 3 lands before the others: runs break around it
+            pool.abort(holes[1])
+        e = pool.reserve(skey(i), META, None)
+        assert isinstance(e, DramEntry)
+        entries.append((i, e))
+    assert len(DramPool.runs(entries)) >= 2
+    pool.write_chunks(kv, [entries[j] for j in (0, 1, 2, 3, 5, 6, 7)], 16)  # chunk 4 is skipped
+    for i, e in entries:
+        if i != 4:
+            pool.commit(e)
+            assert torch.equal(pool.tensor(e), kv[:, :, :, i * 16:(i + 1) * 16]), i

@@ -132,21 +132,52 @@ class DramPool:
             self._pending.add(key)
             return DramEntry(key, meta, parent, extents, source=source)
 
-    def write(self, entry: DramEntry, shard: torch.Tensor) -> None:
-        """Copy ``shard`` (shape ``entry.meta.shape``, any strides, any device) into a reserved entry.
+    def write_chunks(self, kv: torch.Tensor, chunks: list[tuple[int, DramEntry]], chunk_tokens: int) -> None:
+        """Copy chunk ``i`` of ``kv`` (tokens ``[i*T, (i+1)*T)`` on axis 3) into each reserved entry.
 
-        From a CUDA tensor into pinned memory the copy is asynchronous: synchronize the stream before commit.
+        Consecutive chunks whose entries lie at one fixed stride in the arena are filled by a single strided
+        copy: one large copy runs at memcpy speed, where many small ones pay a per-copy cost each. From a CUDA
+        tensor into pinned memory the copies are asynchronous: synchronize the stream before commit.
         """
-        if tuple(shard.shape) != entry.meta.shape or shard.dtype != entry.meta.dtype:
-            raise ValueError(f"shard is {tuple(shard.shape)} {shard.dtype}, expected {entry.meta.shape} "
-                             f"{entry.meta.dtype}")
-        non_blocking = shard.is_cuda and self.pinned
-        if len(entry.extents) == 1:
-            self.tensor(entry).copy_(shard, non_blocking=non_blocking)
-            return
-        flat = shard.contiguous().reshape(-1).view(torch.uint8)
-        for (start, end), region in zip(self._spans(entry), self._regions(entry)):
-            region.copy_(flat[start:end], non_blocking=non_blocking)
+        t = chunk_tokens
+        non_blocking = kv.is_cuda and self.pinned
+        for run in self.runs(chunks):
+            i0, first = run[0]
+            src = kv[:, :, :, i0 * t:(i0 + len(run)) * t]
+            if tuple(src.shape[:3]) + tuple(src.shape[4:]) != tuple(first.meta.shape[:3]) + first.meta.shape[4:] \
+                    or src.dtype != first.meta.dtype or src.shape[3] != len(run) * t:
+                raise ValueError(f"kv is {tuple(kv.shape)} {kv.dtype}, entries expect chunks of "
+                                 f"{first.meta.shape} {first.meta.dtype}")
+            if len(first.extents) == 1:
+                self.run_view(first, len(run)).copy_(src.unflatten(3, (len(run), t)).permute(3, 0, 1, 2, 4, 5),
+                                                      non_blocking=non_blocking)
+                continue
+            flat = src.contiguous().reshape(-1).view(torch.uint8)
+            for (start, end), region in zip(self._spans(first), self._regions(first)):
+                region.copy_(flat[start:end], non_blocking=non_blocking)
+
+    @staticmethod
+    def runs(chunks: list[tuple[int, DramEntry]]) -> list[list[tuple[int, DramEntry]]]:
+        """Group consecutive chunks whose single-extent entries follow each other at a fixed page stride."""
+        runs: list[list[tuple[int, DramEntry]]] = []
+        for i, entry in chunks:
+            if runs and len(entry.extents) == 1:
+                j, prev = runs[-1][-1]
+                if (len(prev.extents) == 1 and i == j + 1 and prev.meta == entry.meta
+                        and entry.extents[0][0] == prev.extents[0][0] + prev.extents[0][1]):
+                    runs[-1].append((i, entry))
+                    continue
+            runs.append([(i, entry)])
+        return runs
+
+    def run_view(self, first: DramEntry, count: int) -> torch.Tensor:
+        """``count`` entries of ``first``'s shape laid out one after another from ``first``'s page on."""
+        meta = first.meta
+        step = first.extents[0][1] * self.page_bytes
+        start = first.extents[0][0] * self.page_bytes
+        region = self._arena[start:start + (count - 1) * step + meta.nbytes].view(meta.dtype)
+        inner = torch.empty(meta.shape, device="meta").stride()
+        return region.as_strided((count, *meta.shape), (step // meta.dtype.itemsize, *inner))
 
     def write_bytes(self, entry: DramEntry, payload: memoryview) -> None:
         """Copy a verified payload into a reserved entry."""

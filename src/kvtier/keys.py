@@ -120,6 +120,14 @@ class ShardKey:
     chunk: str
     heads: HeadRange
 
+    def __post_init__(self) -> None:
+        # Shard keys index several dicts on the hot path; hash them once.
+        object.__setattr__(self, "_hash", hash((self.namespace, self.chunk, self.heads.start, self.heads.stop,
+                                                self.heads.total)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined,no-any-return]
+
     @property
     def name(self) -> str:
         """A relative object name usable as a file path or an object-store key."""

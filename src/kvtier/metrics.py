@@ -25,7 +25,7 @@ class StoreMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.hits = Counter("kvtier_hit_chunks", "Chunks served by get, by tier that served them", ["tier"],
                             registry=r)
-        self.misses = Counter("kvtier_miss_chunks", "Chunks a get or lookup found in no tier", registry=r)
+        self.misses = Counter("kvtier_miss_chunks", "Chunks get found in no tier (a get stops at its first)", registry=r)
         self.lookup_tokens = Counter("kvtier_lookup_tokens", "Tokens asked about by lookup", registry=r)
         self.lookup_hit_tokens = Counter("kvtier_lookup_hit_tokens", "Tokens lookup found available", registry=r)
         self.bytes_written = Counter("kvtier_written_bytes", "Bytes written, by tier", ["tier"], registry=r)

@@ -30,8 +30,9 @@ from kvtier.tiers.base import TIERS, Tier
 log = logging.getLogger(__name__)
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
-# A piece of one chunk's output: heads [lo, hi) taken from a shard tensor whose first head is `first`.
-_Piece = tuple[torch.Tensor, int, int, int]
+# A piece of one chunk's output: `count` heads from `source` (a DRAM entry or a fetched shard) starting at its
+# head `src_from`, into the output's heads from `dst_from`.
+_Piece = tuple[DramEntry | torch.Tensor, int, int, int]
 # Re-plans of one chunk after a piece failed; each failure removes a shard, so a few always suffice.
 _REPLANS = 8
 
@@ -65,14 +66,20 @@ class KVStore:
         self.chunk_tokens = config.chunk_tokens
         self.metrics = StoreMetrics()
         self.tiers = open_tiers(config) if tiers is None else tiers
-        policy = POLICIES.resolve(config.dram.eviction, "dram.eviction")()
-        self.dram = DramPool(config.dram.capacity_bytes, config.dram.page_bytes, policy,
-                             pin_memory=config.dram.pin_memory, on_evict=self._evicted)
+        try:
+            policy = POLICIES.resolve(config.dram.eviction, "dram.eviction")()
+            self.dram = DramPool(config.dram.capacity_bytes, config.dram.page_bytes, policy,
+                                 pin_memory=config.dram.pin_memory, on_evict=self._evicted)
+        except BaseException:
+            for tier in self.tiers:
+                tier.close()
+            raise
         self.metrics.capacity_bytes.labels("dram").set(self.dram.capacity_bytes)
         self.metrics.watch_tiers(self.tiers)
         # Bound once: a labels() lookup per chunk is measurable on the hot path.
         self._dram_written = self.metrics.bytes_written.labels("dram")
         self._dram_full = self.metrics.dropped.labels("dram", "dram_full")
+        self._dram_evictions = self.metrics.evictions.labels("dram")
         self._hits = {name: self.metrics.hits.labels(name) for name in ["dram", *(t.name for t in self.tiers)]}
         depth = {spec.name: (spec.queue_depth, spec.workers) for spec in config.tiers}
         self._writers = [CascadeWriter(t, self.dram, self.metrics, *depth.get(t.name, (64, 1)))
@@ -110,8 +117,8 @@ class KVStore:
         held = 0  # leading chunks now in DRAM
         parent = None
         namespace = ns.id
-        reserved: list[DramEntry] = []
-        try:  # phase 1: reserve and copy every chunk (asynchronously from a CUDA tensor)
+        reserved: list[tuple[int, DramEntry]] = []
+        try:  # phase 1: reserve every chunk, then copy them all (asynchronously from a CUDA tensor)
             for i, key in enumerate(chunk_keys(ns, tokens, t)):
                 skey = ShardKey(namespace, key.hex(), heads)
                 entry = self.dram.reserve(skey, meta, parent)
@@ -120,17 +127,17 @@ class KVStore:
                     self._dram_full.inc()
                     continue
                 if isinstance(entry, DramEntry):
-                    reserved.append(entry)
-                    self.dram.write(entry, kv[:, :, :, i * t:(i + 1) * t])
+                    reserved.append((i, entry))
                 if held == i:
                     held += 1
+            self.dram.write_chunks(kv, reserved, t)
             if kv.is_cuda:
                 torch.cuda.current_stream(kv.device).synchronize()
         except BaseException:
-            for entry in reserved:
+            for _, entry in reserved:
                 self.dram.abort(entry)
             raise
-        for entry in reserved:  # phase 2: the bytes are in DRAM; make them visible and cascade them
+        for _, entry in reserved:  # phase 2: the bytes are in DRAM; make them visible and cascade them
             self.dram.commit(entry, keep_refs=len(self._writers))
             self._dram_written.inc(meta.nbytes)
             for writer in self._writers:
@@ -144,8 +151,6 @@ class KVStore:
         chunks = [k.hex() for k in chunk_keys(ns, tokens, self.chunk_tokens)]
         self.metrics.lookup_tokens.inc(len(tokens))
         found = self._available(ns.id, chunks)
-        if found < len(chunks):
-            self.metrics.misses.inc()
         self.metrics.lookup_hit_tokens.inc(found * self.chunk_tokens)
         return found * self.chunk_tokens
 
@@ -182,7 +187,8 @@ class KVStore:
         """The canonical KV ``[layers, 2, kv_heads / tp_size, len(tokens), head_dim]`` of ``tokens`` for this
         rank's heads, or None if any chunk is missing or unreadable. ``tokens`` must be whole chunks.
 
-        ``out``, when given, receives the data (and is returned); it must have the shape above.
+        ``out``, when given, receives the data (and is returned); it must have the shape above. When the result
+        is None, ``out`` may hold part of the data and must not be used.
         """
         start = time.perf_counter()
         t = self.chunk_tokens
@@ -191,17 +197,17 @@ class KVStore:
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
-        result = out
         pinned: list[DramEntry] = []  # released once every copy out of them has ended
         try:
+            plans = []
             for i, chunk in enumerate(chunks):
-                parent = chunks[i - 1] if i else None
-                served = self._get_chunk(ns.id, chunk, parent, tp_rank, tp_size, result, i, len(chunks), pinned)
-                if served is None:
+                pieces = self._plan_chunk(ns.id, chunk, chunks[i - 1] if i else None, tp_rank, tp_size, pinned)
+                if pieces is None:
                     self.metrics.misses.inc()
                     return None
-                result = served
-            if result is not None and result.is_cuda:
+                plans.append(pieces)
+            result = self._copy_out(plans, out)
+            if result.is_cuda:
                 torch.cuda.current_stream(result.device).synchronize()
         finally:
             for entry in pinned:
@@ -209,10 +215,9 @@ class KVStore:
         self.metrics.get_seconds.observe(time.perf_counter() - start)
         return result
 
-    def _get_chunk(self, namespace: str, chunk: str, parent: str | None, tp_rank: int, tp_size: int,
-                   out: torch.Tensor | None, index: int, n_chunks: int,
-                   pinned: list[DramEntry]) -> torch.Tensor | None:
-        """Serve one chunk from DRAM alone, else from DRAM plus each secondary tier in turn."""
+    def _plan_chunk(self, namespace: str, chunk: str, parent: str | None, tp_rank: int, tp_size: int,
+                    pinned: list[DramEntry]) -> list[_Piece] | None:
+        """Where this rank's heads of one chunk come from: DRAM alone, else DRAM plus each tier in turn."""
         for source in ["dram", *self.tiers]:
             # A failed piece (missing or corrupt) is removed from its tier, so each retry plans without it.
             for _ in range(_REPLANS):
@@ -228,41 +233,56 @@ class KVStore:
                 plan = cover([r for r in ranges if r.total == total], lo, hi)
                 if plan is None:
                     break
-                done = self._serve(namespace, chunk, parent, plan, lo, out, index, n_chunks, pinned)
-                if done is not None:
+                pieces = self._gather(namespace, chunk, parent, plan, lo, pinned)
+                if pieces is not None:
                     self._hits[source if isinstance(source, str) else source.name].inc()
-                    return done
+                    return pieces
         return None
 
-    def _serve(self, namespace: str, chunk: str, parent: str | None, plan: list[tuple[HeadRange, int, int]],
-               lo: int, out: torch.Tensor | None, index: int, n_chunks: int,
-               pinned: list[DramEntry]) -> torch.Tensor | None:
-        """Copy the planned pieces into ``out`` (allocated on first use); None if a piece went missing.
-
-        DRAM entries used are pinned and added to ``pinned``: copies into a CUDA ``out`` run asynchronously, and
-        the caller releases them after synchronizing.
-        """
+    def _gather(self, namespace: str, chunk: str, parent: str | None, plan: list[tuple[HeadRange, int, int]],
+                lo: int, pinned: list[DramEntry]) -> list[_Piece] | None:
+        """Pin the planned DRAM entries and fetch the rest; None if a piece went missing."""
         pieces: list[_Piece] = []
         for rng, a, b in plan:
             entries = self.dram.acquire(namespace, chunk, [rng])
             if entries is not None:
                 pinned.extend(entries)
-                pieces.append((self.dram.tensor(entries[0]), rng.start, a, b))
+                pieces.append((entries[0], a - rng.start, a - lo, b - a))
                 continue
             shard = self._fetch(ShardKey(namespace, chunk, rng), parent)
             if shard is None:
                 return None
-            pieces.append((shard, rng.start, a, b))
+            pieces.append((shard, a - rng.start, a - lo, b - a))
+        return pieces
+
+    def _copy_out(self, plans: list[list[_Piece]], out: torch.Tensor | None) -> torch.Tensor:
+        """Copy every chunk's pieces into ``out`` (allocated when None).
+
+        Consecutive chunks each served whole by one DRAM entry, laid out at a fixed stride, move in one copy.
+        """
         t = self.chunk_tokens
-        for shard, first, a, b in pieces:
-            layers, _, _, _, dim = shard.shape
-            shape = (layers, 2, plan[-1][2] - lo, n_chunks * t, dim)
-            if out is None:
-                out = torch.empty(shape, dtype=shard.dtype)
-            elif index == 0 and (tuple(out.shape) != shape or out.dtype != shard.dtype):
-                raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the stored KV is {shape} {shard.dtype}")
-            out[:, :, a - lo:b - lo, index * t:(index + 1) * t].copy_(
-                shard[:, :, a - first:b - first], non_blocking=out.is_cuda and shard.is_pinned())
+        first = plans[0][0][0]
+        layers, _, _, _, dim = first.meta.shape if isinstance(first, DramEntry) else first.shape
+        dtype = first.meta.dtype if isinstance(first, DramEntry) else first.dtype
+        shape = (layers, 2, sum(p[3] for p in plans[0]), len(plans) * t, dim)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif tuple(out.shape) != shape or out.dtype != dtype:
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the stored KV is {shape} {dtype}")
+        whole = [(i, p[0][0]) for i, p in enumerate(plans)
+                 if len(p) == 1 and isinstance(p[0][0], DramEntry) and p[0][3] == p[0][0].meta.heads.count]
+        for run in self.dram.runs(whole):
+            i0, entry = run[0]
+            if len(entry.extents) == 1:
+                dst = out[:, :, :, i0 * t:(i0 + len(run)) * t].unflatten(3, (len(run), t)).permute(3, 0, 1, 2, 4, 5)
+                dst.copy_(self.dram.run_view(entry, len(run)), non_blocking=out.is_cuda and self.dram.pinned)
+                for i, _ in run:
+                    plans[i] = []  # done
+        for i, pieces in enumerate(plans):
+            for source, src_from, dst_from, count in pieces:
+                shard = self.dram.tensor(source) if isinstance(source, DramEntry) else source
+                out[:, :, dst_from:dst_from + count, i * t:(i + 1) * t].copy_(
+                    shard[:, :, src_from:src_from + count], non_blocking=out.is_cuda and shard.is_pinned())
         return out
 
     def _fetch(self, key: ShardKey, parent: str | None) -> torch.Tensor | None:
@@ -307,7 +327,7 @@ class KVStore:
 
     # -- housekeeping ------------------------------------------------------------------------------------------
     def _evicted(self, entry: DramEntry) -> None:
-        self.metrics.evictions.labels("dram").inc()
+        self._dram_evictions.inc()
 
     def drop_dram(self) -> int:
         """Evict every DRAM entry not in use (later reads come from secondary tiers)."""

@@ -119,8 +119,8 @@ class FilesystemTier(Tier):
         with os.scandir(self.root / _TMP_DIR) as it:
             for entry in it:
                 pid = entry.name.partition(".")[0]
-                if pid.isdigit() and _pid_alive(int(pid)) and int(pid) != os.getpid():
-                    continue  # another live process is writing it
+                if pid.isdigit() and _pid_alive(int(pid)):
+                    continue  # a live process (this one included: another tier instance) may be writing it
                 try:
                     os.unlink(entry.path)
                     removed += 1
@@ -232,15 +232,11 @@ class FilesystemTier(Tier):
         size = 0
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                with os.fdopen(fd, "wb", buffering=0) as f:
-                    for part in parts:
-                        size += f.write(part)
-                    if self.options.durability == "fsync":
-                        os.fsync(f.fileno())
-            except BaseException:
-                _unlink_quietly(tmp)
-                raise
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                for part in parts:
+                    size += f.write(part)
+                if self.options.durability == "fsync":
+                    os.fsync(f.fileno())
             _mkdir(ns_dir)
             _mkdir(sub_dir)
             os.rename(tmp, final)
@@ -250,10 +246,12 @@ class FilesystemTier(Tier):
                     os.fsync(dir_fd)
                 finally:
                     os.close(dir_fd)
-        except OSError as exc:
+        except BaseException as exc:
             _unlink_quietly(tmp)
-            raise TierError(f"{self.name}: cannot write {key.name}: {errno.errorcode.get(exc.errno or 0, '')} "
-                            f"{exc}") from exc
+            if isinstance(exc, OSError):
+                raise TierError(f"{self.name}: cannot write {key.name}: "
+                                f"{errno.errorcode.get(exc.errno or 0, '')} {exc}") from exc
+            raise
         with self._lock:
             self._add_locked(key, _File(str(final), size, now, now))
             self._expire_locked(now)
