@@ -141,7 +141,7 @@ class DramPool:
         """
         t = chunk_tokens
         non_blocking = kv.is_cuda and self.pinned
-        for run in self.runs(chunks):
+        for run in self.runs(chunks, kv.device):
             i0, first = run[0]
             src = kv[:, :, :, i0 * t:(i0 + len(run)) * t]
             if tuple(src.shape[:3]) + tuple(src.shape[4:]) != tuple(first.meta.shape[:3]) + first.meta.shape[4:] \
@@ -156,12 +156,16 @@ class DramPool:
             for (start, end), region in zip(self._spans(first), self._regions(first)):
                 region.copy_(flat[start:end], non_blocking=non_blocking)
 
-    @staticmethod
-    def runs(chunks: list[tuple[int, DramEntry]]) -> list[list[tuple[int, DramEntry]]]:
-        """Group consecutive chunks whose single-extent entries follow each other at a fixed page stride."""
+    def runs(self, chunks: list[tuple[int, DramEntry]], device: torch.device) -> list[list[tuple[int, DramEntry]]]:
+        """Group consecutive chunks whose single-extent entries follow each other at a fixed page stride.
+
+        To or from another device, only entries that fill their pages exactly are grouped: a run with gaps is
+        not contiguous, and torch would stage such a cross-device copy through a slow temporary.
+        """
+        gapless = device.type == "cpu"
         runs: list[list[tuple[int, DramEntry]]] = []
         for i, entry in chunks:
-            if runs and len(entry.extents) == 1:
+            if runs and len(entry.extents) == 1 and (gapless or entry.meta.nbytes % self.page_bytes == 0):
                 j, prev = runs[-1][-1]
                 if (len(prev.extents) == 1 and i == j + 1 and prev.meta == entry.meta
                         and entry.extents[0][0] == prev.extents[0][0] + prev.extents[0][1]):

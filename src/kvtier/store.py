@@ -271,7 +271,7 @@ class KVStore:
             raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the stored KV is {shape} {dtype}")
         whole = [(i, p[0][0]) for i, p in enumerate(plans)
                  if len(p) == 1 and isinstance(p[0][0], DramEntry) and p[0][3] == p[0][0].meta.heads.count]
-        for run in self.dram.runs(whole):
+        for run in self.dram.runs(whole, out.device):
             i0, entry = run[0]
             if len(entry.extents) == 1:
                 dst = out[:, :, :, i0 * t:(i0 + len(run)) * t].unflatten(3, (len(run), t)).permute(3, 0, 1, 2, 4, 5)
