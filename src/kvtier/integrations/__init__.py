@@ -1,0 +1,1 @@
+"""Engine integrations: conversions between engines' paged KV layouts and kvtier's canonical layout."""
