@@ -15,6 +15,7 @@ The payload is the shard ``[num_layers, 2, heads, chunk_tokens, head_dim]`` in t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 import time
 from collections.abc import Sequence
@@ -50,11 +51,11 @@ class ShardMeta:
     dtype: torch.dtype
     heads: HeadRange
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, int, int, int, int]:
         return (self.num_layers, 2, self.heads.count, self.chunk_tokens, self.head_dim)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         n = self.dtype.itemsize
         for d in self.shape:

@@ -137,9 +137,9 @@ class KVStore:
             for _, entry in reserved:
                 self.dram.abort(entry)
             raise
+        self._dram_written.inc(meta.nbytes * len(reserved))
         for _, entry in reserved:  # phase 2: the bytes are in DRAM; make them visible and cascade them
             self.dram.commit(entry, keep_refs=len(self._writers))
-            self._dram_written.inc(meta.nbytes)
             for writer in self._writers:
                 writer.submit(entry)
         self.metrics.put_seconds.observe(time.perf_counter() - start)
