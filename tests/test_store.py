@@ -249,3 +249,22 @@ def test_concurrent_puts_and_gets(make_store) -> None:
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_offset_puts_and_gets_only_the_tail(make_store) -> None:
+    store = make_store()
+    tokens = synthetic_tokens(400, 5 * T)
+    kv = synthetic_kv(tokens)
+    assert store.put(NS, tokens[:2 * T], kv[:, :, :, :2 * T]) == 2 * T
+    # The caller knows the first two chunks are stored: it hands over only the tail's KV.
+    assert store.put(NS, tokens, kv[:, :, :, 2 * T:], offset=2 * T) == 5 * T
+    assert torch.equal(store.get(NS, tokens), kv)
+    assert torch.equal(store.get(NS, tokens, offset=3 * T), kv[:, :, :, 3 * T:])
+    other = synthetic_tokens(401, 5 * T)  # same tail tokens after another prefix: other keys
+    assert store.get(NS, other[:2 * T] + tokens[2 * T:], offset=2 * T) is None
+    with pytest.raises(ValueError, match="offset"):
+        store.put(NS, tokens, kv, offset=T + 1)
+    with pytest.raises(ValueError, match="after offset"):
+        store.put(NS, tokens, kv, offset=T)
+    with pytest.raises(ValueError, match="offset 80"):
+        store.get(NS, tokens, offset=5 * T)

@@ -101,26 +101,37 @@ class KVStore:
         self.close()
 
     # -- put ---------------------------------------------------------------------------------------------------
-    def put(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor, *, tp_rank: int = 0, tp_size: int = 1) -> int:
-        """Store the whole chunks of ``kv`` (``[layers, 2, kv_heads / tp_size, len(tokens), head_dim]``).
+    def put(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor, *, tp_rank: int = 0, tp_size: int = 1,
+            offset: int = 0) -> int:
+        """Store the whole chunks of ``kv`` (``[layers, 2, kv_heads / tp_size, len(tokens) - offset, head_dim]``).
 
-        Returns the number of leading tokens now held in DRAM. Secondary tiers are written in the background.
+        ``kv`` holds ``tokens[offset:]`` (``offset`` is a whole number of chunks, e.g. what is known to be stored
+        already); the earlier tokens only name the chunks. Returns ``offset`` plus the tokens from there on whose
+        chunks are now all in DRAM. Secondary tiers are written in the background.
         """
         start = time.perf_counter()
+        t = self.chunk_tokens
         if kv.dim() != 5 or kv.shape[1] != 2:
             raise ValueError(f"kv must be [layers, 2, kv_heads, tokens, head_dim], got shape {tuple(kv.shape)}")
-        if kv.shape[3] != len(tokens):
-            raise ValueError(f"kv holds {kv.shape[3]} tokens but {len(tokens)} token ids were given")
+        if offset % t or not 0 <= offset <= len(tokens):
+            raise ValueError(f"offset must be a whole number of {t}-token chunks within the tokens, got {offset}")
+        if kv.shape[3] != len(tokens) - offset:
+            raise ValueError(f"kv holds {kv.shape[3]} tokens but {len(tokens) - offset} token ids were given "
+                             f"after offset {offset}")
         heads = HeadRange.for_rank(kv.shape[2], tp_rank, tp_size)
-        meta = frame.ShardMeta(kv.shape[0], self.chunk_tokens, kv.shape[4], kv.dtype, heads)
-        t = self.chunk_tokens
-        held = 0  # leading chunks now in DRAM
+        meta = frame.ShardMeta(kv.shape[0], t, kv.shape[4], kv.dtype, heads)
+        first = offset // t
+        held = 0  # leading chunks from `first` on now in DRAM
         parent = None
         namespace = ns.id
         reserved: list[tuple[int, DramEntry]] = []
         try:  # phase 1: reserve every chunk, then copy them all (asynchronously from a CUDA tensor)
             for i, key in enumerate(chunk_keys(ns, tokens, t)):
                 skey = ShardKey(namespace, key.hex(), heads)
+                if i < first:
+                    parent = skey.chunk
+                    continue
+                i -= first  # the chunk's index in kv
                 entry = self.dram.reserve(skey, meta, parent)
                 parent = skey.chunk
                 if entry == "full":
@@ -143,7 +154,7 @@ class KVStore:
             for writer in self._writers:
                 writer.submit(entry)
         self.metrics.put_seconds.observe(time.perf_counter() - start)
-        return held * t
+        return offset + held * t
 
     # -- lookup ------------------------------------------------------------------------------------------------
     def lookup(self, ns: Namespace, tokens: Tokens) -> int:
@@ -183,24 +194,27 @@ class KVStore:
 
     # -- get ---------------------------------------------------------------------------------------------------
     def get(self, ns: Namespace, tokens: Tokens, *, tp_rank: int = 0, tp_size: int = 1,
-            out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The canonical KV ``[layers, 2, kv_heads / tp_size, len(tokens), head_dim]`` of ``tokens`` for this
-        rank's heads, or None if any chunk is missing or unreadable. ``tokens`` must be whole chunks.
+            out: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor | None:
+        """The canonical KV ``[layers, 2, kv_heads / tp_size, len(tokens) - offset, head_dim]`` of
+        ``tokens[offset:]`` for this rank's heads, or None if any of those chunks is missing or unreadable.
+        ``tokens`` and ``offset`` must be whole chunks; the tokens before ``offset`` only name the chunks.
 
         ``out``, when given, receives the data (and is returned); it must have the shape above. When the result
         is None, ``out`` may hold part of the data and must not be used.
         """
         start = time.perf_counter()
         t = self.chunk_tokens
-        if len(tokens) % t or not len(tokens):
-            raise ValueError(f"get needs a whole number (>= 1) of {t}-token chunks, got {len(tokens)} tokens")
+        if len(tokens) % t or offset % t or not 0 <= offset < len(tokens):
+            raise ValueError(f"get needs a whole number of {t}-token chunks after a whole-chunk offset, got "
+                             f"{len(tokens)} tokens and offset {offset}")
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
         pinned: list[DramEntry] = []  # released once every copy out of them has ended
         try:
             plans = []
-            for i, chunk in enumerate(chunks):
+            for i in range(offset // t, len(chunks)):
+                chunk = chunks[i]
                 pieces = self._plan_chunk(ns.id, chunk, chunks[i - 1] if i else None, tp_rank, tp_size, pinned)
                 if pieces is None:
                     self.metrics.misses.inc()
