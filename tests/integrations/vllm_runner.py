@@ -1,0 +1,68 @@
+"""Runs one vLLM engine (in-process, CPU) through a list of steps; used by test_vllm.py in a subprocess.
+
+vLLM keeps one KV connector per process, so every engine under test gets a process of its own.
+Usage: python vllm_runner.py MODEL_DIR CONFIG_JSON_OR_null STEPS_JSON; prints one ``RESULT <json>`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from kvtier.integrations.vllm import shared_store  # noqa: E402
+
+SAMPLING = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False)
+
+
+def engine_args(model_dir: str, config: dict | None) -> dict:
+    args = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
+                max_model_len=2048, num_gpu_blocks_override=64, dtype="bfloat16", block_size=128,
+                gpu_memory_utilization=0.3)  # on CPU: the share of host memory vLLM may claim
+    if config is not None:
+        args["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
+                                      "kv_connector_module_path": "kvtier.integrations.vllm",
+                                      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                                      "kv_connector_extra_config": {"config": config}}
+    return args
+
+
+def run(model_dir: str, config: dict | None, steps: list[dict]) -> list[object]:
+    llm = LLM(**engine_args(model_dir, config))
+    store = shared_store(config) if config is not None else None
+    results: list[object] = []
+    for step in steps:
+        op = step["op"]
+        if op == "generate":
+            salt = step.get("salt")
+            inputs = [TokensPrompt(prompt_token_ids=p, **({"cache_salt": salt} if salt else {}))
+                      for p in step["prompts"]]
+            results.append([list(o.outputs[0].token_ids) for o in llm.generate(inputs, SAMPLING, use_tqdm=False)])
+        elif op == "stats":
+            assert store is not None
+            store.flush()
+            results.append(store.stats())
+        elif op == "drop_dram":
+            assert store is not None
+            store.flush()
+            results.append(store.drop_dram())
+        elif op == "corrupt_first_file":  # flip one payload byte of the first chunk file on disk
+            victim = sorted(Path(config["tiers"][0]["path"]).rglob("*.kv"))[0]  # type: ignore[index]
+            blob = bytearray(victim.read_bytes())
+            blob[-7] ^= 0x40
+            victim.write_bytes(blob)
+            results.append(victim.name)
+        else:
+            raise ValueError(f"unknown step {op!r}")
+    return results
+
+
+if __name__ == "__main__":
+    out = run(sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]))
+    print("RESULT " + json.dumps(out), flush=True)
