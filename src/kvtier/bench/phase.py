@@ -1,0 +1,118 @@
+"""One benchmark phase: one vLLM engine (in-process, CPU) in a process of its own.
+
+Usage: ``python -m kvtier.bench.phase JOB_JSON PHASE OUT_JSON``. vLLM keeps one KV connector per process, so
+every engine configuration gets a fresh process; what is left on disk is what the next phase may find.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def log(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def engine(job: dict, kvtier: bool, blocks: int):
+    from vllm import LLM
+
+    args = dict(model=job["model"], enforce_eager=True, enable_prefix_caching=True, dtype="bfloat16",
+                max_model_len=job["max_model_len"], num_gpu_blocks_override=blocks, block_size=128,
+                gpu_memory_utilization=0.3, max_num_batched_tokens=job["max_model_len"])
+    if kvtier:
+        args["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
+                                      "kv_connector_module_path": "kvtier.integrations.vllm",
+                                      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                                      "kv_connector_extra_config": {"config": job["store"]}}
+    return LLM(**args)
+
+
+def ttft(llm, tokens: list[int]) -> float:
+    """Seconds until the first output token: one request alone, one output token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=tokens)], SamplingParams(max_tokens=1, temperature=0.0),
+                 use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def run_requests(llm, job: dict, rounds: list[int], label: str, before=None) -> list[float]:
+    times = []
+    for req in job["requests"]:
+        if req["round"] not in rounds:
+            continue
+        if before is not None:
+            before()
+        times.append(ttft(llm, req["tokens"]))
+        log(f"{label:>12}: round {req['round']} doc {req['doc']}: {len(req['tokens'])} tokens, "
+            f"TTFT {times[-1]:.3f} s")
+    return times
+
+
+def main() -> int:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    phase, out_path = sys.argv[2], Path(sys.argv[3])
+    result: dict[str, object] = {}
+    later = list(range(1, job["rounds"]))
+    if phase == "baseline":  # vLLM alone, its KV memory smaller than the documents together
+        llm = engine(job, False, job["small_blocks"])
+        run_requests(llm, job, [0], "warm-up")
+        result["vLLM, recompute"] = run_requests(llm, job, later, "baseline")
+    elif phase == "engine_hit":  # vLLM alone with room for every document: its own prefix-cache hits
+        llm = engine(job, False, job["large_blocks"])
+        run_requests(llm, job, [0], "warm-up")
+        result["vLLM prefix-cache hit"] = run_requests(llm, job, later, "engine hit")
+    elif phase == "kvtier":
+        from kvtier.integrations.vllm import shared_store
+
+        llm = engine(job, True, job["small_blocks"])
+        store = shared_store(job["store"])
+        assert store is not None
+        run_requests(llm, job, [0], "store")  # computes and stores every document
+        store.flush()
+        result["kvtier, DRAM hit"] = run_requests(llm, job, later, "kvtier DRAM")
+
+        def drop() -> None:
+            store.flush()
+            store.drop_dram()
+
+        result["kvtier, disk hit"] = run_requests(llm, job, later, "kvtier disk", before=drop)
+        store.flush()
+        result["stats"] = store.stats()
+    elif phase == "restart":  # a new process: everything it hits was stored by the previous one
+        from kvtier.integrations.vllm import shared_store
+
+        llm = engine(job, True, job["small_blocks"])
+        result["kvtier, after restart"] = run_requests(llm, job, [0], "restart")
+        result["stats"] = shared_store(job["store"]).stats()  # type: ignore[union-attr]
+    elif phase in ("noreuse_plain", "noreuse_kvtier"):  # every prompt unique: the connector's overhead
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = engine(job, phase == "noreuse_kvtier", job["small_blocks"])
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["unique"]]
+        llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up, not counted
+        start = time.perf_counter()
+        outs = llm.generate(prompts[1:], SamplingParams(max_tokens=job["noreuse_output"], temperature=0.0,
+                                                        ignore_eos=True), use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(p["prompt_token_ids"]) for p in prompts[1:]) + sum(len(o.outputs[0].token_ids)
+                                                                           for o in outs)
+        result["throughput"] = tokens / seconds
+        log(f"{phase}: {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.0f} tokens/s")
+    else:
+        raise ValueError(f"unknown phase {phase!r}")
+    out_path.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

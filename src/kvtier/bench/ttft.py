@@ -1,0 +1,115 @@
+"""Orchestrates ``kvtier bench``: prepares the model and workload, runs each phase in its own process, and
+prints TTFT per phase with ratios against vLLM recomputing (same workload, same machine, same run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvtier.bench.model import prepare_model
+from kvtier.bench.workload import documents, requests
+
+BLOCK = 128
+PROFILES = {  # documents, tokens per document, rounds (questions per document), unique prompts, output tokens
+    "quick": dict(docs=3, doc_tokens=2048, rounds=2, unique=4, noreuse_output=16),
+    "full": dict(docs=4, doc_tokens=4096, rounds=3, unique=5, noreuse_output=32),
+}
+PHASES = ("baseline", "kvtier", "restart", "engine_hit", "noreuse_plain", "noreuse_kvtier")
+
+
+def log(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    return {"mean": statistics.fmean(ordered), "p50": statistics.median(ordered),
+            "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "n": len(ordered)}
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def run(quick: bool, json_path: Path | None, work_dir: Path | None) -> int:
+    profile = PROFILES["quick" if quick else "full"]
+    model = prepare_model()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    docs = documents(tokenizer, profile["docs"] + profile["unique"], profile["doc_tokens"])
+    reqs = requests(tokenizer, docs[:profile["docs"]], profile["rounds"])
+    max_len = profile["doc_tokens"] + 2 * BLOCK
+    per_doc = -(-max_len // BLOCK)
+    work = Path(work_dir or Path.cwd() / "results" / "bench-work")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    job = {
+        "model": str(model), "rounds": profile["rounds"], "max_model_len": max_len,
+        # vLLM's own KV memory holds about 1.5 documents: cycling through all of them defeats it.
+        "small_blocks": max(per_doc + 1, int(1.5 * per_doc)),
+        "large_blocks": per_doc * profile["docs"] * profile["rounds"] + 8,
+        "store": {"chunk_tokens": 256, "dram": {"capacity_bytes": "2GiB"},
+                  "tiers": [{"type": "filesystem", "path": str(work / "kv")}]},
+        "requests": [{"doc": r.doc, "round": r.question, "tokens": r.tokens} for r in reqs],
+        "unique": docs[profile["docs"]:], "noreuse_output": profile["noreuse_output"],
+    }
+    (work / "job.json").write_text(json.dumps(job))
+    log(f"{profile['docs']} documents x {profile['doc_tokens']} tokens, {profile['rounds']} questions each; "
+        f"vLLM KV memory: {job['small_blocks']} blocks of {BLOCK} tokens")
+    results: dict[str, object] = {}
+    for phase in PHASES:
+        log(f"phase {phase}")
+        if phase == "noreuse_kvtier":  # a store of its own, so nothing from earlier phases can hit
+            job["store"]["tiers"][0]["path"] = str(work / "kv-noreuse")
+            (work / "job.json").write_text(json.dumps(job))
+        start = time.perf_counter()
+        out = work / f"{phase}.json"
+        with open(work / f"{phase}.log", "w") as engine_log:  # vLLM logs to stdout: keep it out of the table
+            proc = subprocess.run([sys.executable, "-m", "kvtier.bench.phase", str(work / "job.json"), phase,
+                                   str(out)], stdout=engine_log,
+                                  env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                       "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")})
+        if proc.returncode != 0:
+            log(f"phase {phase} failed (exit {proc.returncode}); engine log: {work / f'{phase}.log'}")
+            return 1
+        results[phase] = json.loads(out.read_text())
+        log(f"phase {phase} done in {time.perf_counter() - start:.0f} s")
+    return report(results, profile, json_path)
+
+
+def report(results: dict, profile: dict, json_path: Path | None) -> int:
+    rows: dict[str, dict[str, float]] = {}
+    for phase in ("baseline", "kvtier", "restart", "engine_hit"):
+        for label, times in results[phase].items():
+            if label != "stats":
+                rows[label] = _summary(times)
+    base = rows["vLLM, recompute"]["mean"]
+    plain, with_kv = results["noreuse_plain"]["throughput"], results["noreuse_kvtier"]["throughput"]
+    print(f"\nkvtier bench ({'quick' if profile['docs'] == 3 else 'full'}): SmolLM2-135M-Instruct on vLLM "
+          f"(CPU), {profile['docs']} documents of {profile['doc_tokens']} tokens, {machine()}\n")
+    print("| phase | TTFT mean | p50 | p90 | speedup vs recompute (mean) |")
+    print("|---|---|---|---|---|")
+    for label, s in rows.items():
+        print(f"| {label} | {s['mean']:.3f} s | {s['p50']:.3f} s | {s['p90']:.3f} s | {base / s['mean']:.1f}x |")
+    print(f"\nNo reuse (every prompt unique): {plain:.0f} tokens/s without kvtier, {with_kv:.0f} with "
+          f"({with_kv / plain:.3f} of it)")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"machine": machine(), "profile": profile, "ttft": rows,
+                                         "noreuse_tokens_per_s": {"vllm": plain, "kvtier": with_kv},
+                                         "raw": results}, indent=2))
+    return 0
