@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,8 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvtier.tiers.base import Tier
+
+log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -55,9 +58,22 @@ class StoreMetrics:
         """Export the events each tier counts itself (its own evictions, expiries, cleanups)."""
         self.registry.register(_TierEvents(tiers))
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Expose the metrics over HTTP for Prometheus to scrape."""
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "127.0.0.1", tries: int = 8) -> int | None:
+        """Expose the metrics over HTTP for Prometheus; returns the port, or None (with a warning).
+
+        One engine may run several processes with a store each (vLLM's API server has a scheduler process and
+        a worker process), so a taken port moves on to the next, up to ``tries`` ports; it never stops the engine.
+        """
+        for candidate in range(port, port + tries):
+            try:
+                start_http_server(candidate, addr=addr, registry=self.registry)
+            except OSError:
+                continue
+            log.info("kvtier metrics on http://%s:%d/metrics", addr, candidate)
+            return candidate
+        log.warning("kvtier metrics: ports %d-%d on %s are all taken; this process's metrics are not served",
+                    port, port + tries - 1, addr)
+        return None
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Every sample, grouped by tier label (``_store`` for those without one)."""

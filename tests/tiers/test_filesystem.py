@@ -133,3 +133,16 @@ def test_fsync_durability_writes(tmp_path: Path) -> None:
     tier.put(key(1), [b"durable"])
     assert bytes(tier.get(key(1)) or b"") == b"durable"
     assert FilesystemOptions(path="x").durability == "none"
+
+
+def test_chunks_written_by_another_process_are_found_on_lookup(tmp_path: Path) -> None:
+    reader = open_tier(tmp_path / "fs")  # indexed while the directory was empty
+    writer = open_tier(tmp_path / "fs")  # stands for another process sharing the directory
+    writer.put(key(1, HeadRange(0, 2, 4)), [b"lo"])
+    writer.put(key(1, HeadRange(2, 4, 4)), [b"hi"])
+    writer.put(key(2), [b"next"])
+    got = reader.heads(NS_A, [key(1).chunk, key(3).chunk, key(2).chunk])
+    assert sorted(got[0]) == [HeadRange(0, 2, 4), HeadRange(2, 4, 4)]
+    assert got[1] == [] and got[2] == []  # the prefix ends at chunk 3: nothing after it is looked for
+    assert bytes(reader.get(key(1, HeadRange(2, 4, 4))) or b"") == b"hi"
+    assert reader.heads(NS_A, [key(2).chunk]) == [[HeadRange(0, 4, 4)]]

@@ -1,6 +1,7 @@
 """The filesystem tier: one file per shard under a root directory, crash-safe and re-indexed on start.
 
-Layout: ``ROOT/<namespace>/<chunk[:2]>/<chunk>.<heads>.<created>.kv``; temp files live in ``ROOT/.tmp`` named
+Several processes may share one directory: each indexes it on start and finds chunks that others wrote later
+when a lookup reaches them. Layout: ``ROOT/<namespace>/<chunk[:2]>/<chunk>.<heads>.<created>.kv``; temp files live in ``ROOT/.tmp`` named
 after the writing process, so a restarted store removes only the leftovers of dead writers. Files are 0600 in
 0700 directories. A write goes to a temp file (fsync'd when ``durability: fsync``) and is renamed into place,
 so a reader sees a whole file or none; a crash leaves at most a temp file. Last use is the file's mtime, so
@@ -292,11 +293,47 @@ class FilesystemTier(Tier):
 
     def heads(self, namespace: str, chunks: Sequence[str]) -> list[list[HeadRange]]:
         with self._lock:
-            if self.options.ttl_seconds is None:
-                return [list(self._by_chunk.get((namespace, c), ())) for c in chunks]
+            found = [list(self._by_chunk.get((namespace, c), ())) for c in chunks]
+        # Another process (a vLLM worker, a second engine on this host) may have written chunks since this
+        # tier indexed the directory: look on disk for the first chunk the index lacks. A prefix ends at its
+        # first missing chunk, so one directory listing per lookup is enough.
+        for i, chunk in enumerate(chunks):
+            if not found[i]:
+                found[i] = self._scan_chunk(namespace, chunk)
+                if not found[i]:
+                    break
+        if self.options.ttl_seconds is not None:
             now = time.time()
-            return [[h for h in self._by_chunk.get((namespace, c), ())
-                     if not self._expired(self._files[ShardKey(namespace, c, h)], now)] for c in chunks]
+            with self._lock:
+                found = [[h for h in heads if (info := self._files.get(ShardKey(namespace, c, h))) is not None
+                          and not self._expired(info, now)] for c, heads in zip(chunks, found)]
+        return found
+
+    def _scan_chunk(self, namespace: str, chunk: str) -> list[HeadRange]:
+        """Index the files of one chunk found on disk (written by another process since start)."""
+        try:
+            entries = list(os.scandir(self.root / namespace / chunk[:2]))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise TierError(f"{self.name}: cannot list {self.root / namespace / chunk[:2]}: {exc}") from exc
+        heads = []
+        with self._lock:
+            for entry in entries:
+                if not entry.name.startswith(chunk):
+                    continue
+                parsed = self._parse_name(namespace, entry.name)
+                if parsed is None or parsed[0].chunk != chunk:
+                    continue
+                key, created = parsed
+                if key not in self._files:
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    self._add_locked(key, _File(entry.path, st.st_size, created, st.st_mtime))
+                heads.append(key.heads)
+        return heads
 
     def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
         with self._lock:

