@@ -29,6 +29,8 @@ PROMPTS = {
     "long": prompt(1, 700),  # two whole chunks can be stored and loaded
     **{f"batch{i}": SHARED + prompt(10 + i, 300) for i in range(4)},  # 812 tokens: 2 shared chunks + 1 own
     "newcomer": SHARED + prompt(20, 300),
+    "solo3": prompt(3, 700),
+    "solo4": prompt(4, 700),
 }
 
 
@@ -47,16 +49,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def engine(model_dir: Path, config: dict | None, steps: list[dict]) -> list:
-    proc = subprocess.run([sys.executable, str(RUNNER), str(model_dir), json.dumps(config), json.dumps(steps)],
-                          capture_output=True, text=True, timeout=600)
+def engine(model_dir: Path, config: dict | None, steps: list[dict], **overrides: object) -> list:
+    proc = subprocess.run([sys.executable, str(RUNNER), str(model_dir), json.dumps(config), json.dumps(steps),
+                           json.dumps(overrides)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 
 
-def generate(*names: str, salt: str | None = None) -> dict:
-    return {"op": "generate", "prompts": [PROMPTS[n] for n in names], **({"salt": salt} if salt else {})}
+def generate(*names: str, salt: str | None = None, max_tokens: int = 12) -> dict:
+    return {"op": "generate", "prompts": [PROMPTS[n] for n in names], "max_tokens": max_tokens,
+            **({"salt": salt} if salt else {})}
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +116,15 @@ def test_a_new_process_hits_what_an_earlier_one_stored(model_dir: Path, tmp_path
     assert first[1]["filesystem"].get("hit_chunks_total", 0) == 0
     assert second[1]["filesystem"]["hit_chunks_total"] == 2  # read from disk, promoted into DRAM
     assert second[1]["filesystem"]["promotions_total"] == 2
+
+
+def test_preempted_requests_are_restored_from_the_store(model_dir: Path, tmp_path: Path) -> None:
+    """Three 700-token prompts decoding 400 tokens each need 27 blocks; 16 force vLLM to preempt and resume."""
+    names = ["long", "solo3", "solo4"]  # no shared prefix: only a resumed request can hit
+    small = dict(num_gpu_blocks_override=16, max_model_len=1200)
+    expected = engine(model_dir, None, [generate(*names, max_tokens=400)], **small)[0]
+    out = engine(model_dir, store_config(tmp_path), [generate(*names, max_tokens=400), {"op": "stats"}], **small)
+    tokens, stats = out
+    assert tokens == expected
+    # A resumed request loaded its prompt's chunks instead of recomputing them.
+    assert stats["dram"]["hit_chunks_total"] >= 2

@@ -1,7 +1,8 @@
 """Runs one vLLM engine (in-process, CPU) through a list of steps; used by test_vllm.py in a subprocess.
 
 vLLM keeps one KV connector per process, so every engine under test gets a process of its own.
-Usage: python vllm_runner.py MODEL_DIR CONFIG_JSON_OR_null STEPS_JSON; prints one ``RESULT <json>`` line.
+Usage: python vllm_runner.py MODEL_DIR CONFIG_JSON_OR_null STEPS_JSON [ENGINE_OVERRIDES_JSON]; prints one
+``RESULT <json>`` line.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 from kvtier.integrations.vllm import shared_store  # noqa: E402
 
-SAMPLING = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False)
 
-
-def engine_args(model_dir: str, config: dict | None) -> dict:
+def engine_args(model_dir: str, config: dict | None, **overrides: object) -> dict:
     args = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
                 max_model_len=2048, num_gpu_blocks_override=64, dtype="bfloat16", block_size=128,
                 gpu_memory_utilization=0.3)  # on CPU: the share of host memory vLLM may claim
+    args.update(overrides)
     if config is not None:
         args["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
                                       "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -33,8 +33,8 @@ def engine_args(model_dir: str, config: dict | None) -> dict:
     return args
 
 
-def run(model_dir: str, config: dict | None, steps: list[dict]) -> list[object]:
-    llm = LLM(**engine_args(model_dir, config))
+def run(model_dir: str, config: dict | None, steps: list[dict], overrides: dict) -> list[object]:
+    llm = LLM(**engine_args(model_dir, config, **overrides))
     store = shared_store(config) if config is not None else None
     results: list[object] = []
     for step in steps:
@@ -43,7 +43,9 @@ def run(model_dir: str, config: dict | None, steps: list[dict]) -> list[object]:
             salt = step.get("salt")
             inputs = [TokensPrompt(prompt_token_ids=p, **({"cache_salt": salt} if salt else {}))
                       for p in step["prompts"]]
-            results.append([list(o.outputs[0].token_ids) for o in llm.generate(inputs, SAMPLING, use_tqdm=False)])
+            sampling = SamplingParams(max_tokens=step.get("max_tokens", 12), temperature=0.0, detokenize=False,
+                                      ignore_eos=True)
+            results.append([list(o.outputs[0].token_ids) for o in llm.generate(inputs, sampling, use_tqdm=False)])
         elif op == "stats":
             assert store is not None
             store.flush()
@@ -64,5 +66,6 @@ def run(model_dir: str, config: dict | None, steps: list[dict]) -> list[object]:
 
 
 if __name__ == "__main__":
-    out = run(sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]))
+    out = run(sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]),
+              json.loads(sys.argv[4]) if len(sys.argv) > 4 else {})
     print("RESULT " + json.dumps(out), flush=True)

@@ -156,8 +156,9 @@ class KVTierConnector(KVConnectorBase_V1):
             if role == KVConnectorRole.SCHEDULER else ""
         self._dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         self._namespaces: dict[str, Namespace] = {}
-        self._hits: dict[str, tuple[int, int]] = {}  # request -> (engine-computed tokens, store hit tokens)
-        self._loads: dict[str, tuple[int, int]] = {}  # requests to load this step -> (from token, to token)
+        # request -> (engine-computed tokens, store hit tokens, the tokens looked up)
+        self._hits: dict[str, tuple[int, int, list[int]]] = {}
+        self._loads: dict[str, Transfer] = {}  # loads to send with the request's next step
         self._tracked: dict[str, _Tracked] = {}
         # worker side
         self._caches: list[torch.Tensor] = []
@@ -178,13 +179,18 @@ class KVTierConnector(KVConnectorBase_V1):
         tokens = list(request.all_token_ids)
         limit = (len(tokens) - 1) // self._chunk * self._chunk
         hit = self._store.lookup(ns, tokens[:limit]) if limit > num_computed_tokens else 0
-        self._hits[request.request_id] = (num_computed_tokens, hit)
+        self._hits[request.request_id] = (num_computed_tokens, hit, tokens)
         return max(hit - num_computed_tokens, 0), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        computed, hit = self._hits.get(request.request_id, (0, 0))
-        if num_external_tokens > 0:
-            self._loads[request.request_id] = (computed, computed + num_external_tokens)
+        if num_external_tokens <= 0:
+            return
+        computed, _, tokens = self._hits[request.request_id]
+        end = computed + num_external_tokens
+        # Block ids come with the scheduler output; the tokens are those looked up (for a request resumed after
+        # preemption they include its output so far).
+        self._loads[request.request_id] = Transfer(request.request_id, self._namespaces[request.request_id],
+                                                   tokens[:end], [], computed)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVTierMetadata()
@@ -194,7 +200,7 @@ class KVTierConnector(KVConnectorBase_V1):
             ns = self._namespaces.get(rid)
             if ns is None or new.prompt_token_ids is None:
                 continue  # not looked up by this connector (e.g. prompt embeddings): neither load nor save
-            _, hit = self._hits.pop(rid, (0, 0))
+            hit = self._hits.pop(rid, (0, 0, []))[1]
             self._tracked[rid] = _Tracked(ns, list(new.prompt_token_ids), list(new.block_ids[0]), stored=hit)
             self._plan(meta, rid, new.num_computed_tokens + scheduled.get(rid, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -205,8 +211,8 @@ class KVTierConnector(KVConnectorBase_V1):
             new_blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:  # preempted and back: its blocks were all replaced
                 tracked.block_ids = list(new_blocks[0]) if new_blocks else []
-                _, hit = self._hits.pop(rid, (0, 0))
-                tracked.stored = max(tracked.stored, hit)
+                hit = self._hits.pop(rid, (0, 0, []))[1]
+                tracked.stored = max(tracked.stored, min(hit, len(tracked.tokens)))
             elif new_blocks:
                 tracked.block_ids.extend(new_blocks[0])
             self._plan(meta, rid, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
@@ -216,9 +222,8 @@ class KVTierConnector(KVConnectorBase_V1):
         tracked = self._tracked[rid]
         load = self._loads.pop(rid, None)
         if load is not None:
-            start, end = load
-            meta.loads.append(Transfer(rid, tracked.namespace, tracked.tokens[:end],
-                                       tracked.block_ids[:end // self._block_size], start))
+            load.block_ids = tracked.block_ids[:len(load.tokens) // self._block_size]
+            meta.loads.append(load)
         upto = len(tracked.tokens) // self._chunk * self._chunk  # the prompt's whole chunks
         if not tracked.saved and computed_after_step >= upto:
             tracked.saved = True
