@@ -63,3 +63,13 @@ def test_bad_input() -> None:
         gather(make_caches("cpu"), [0], "paged")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="blocks of 16 hold 32"):
         scatter(torch.zeros(LAYERS, 2, HEADS, 16, DIM), make_caches("cpu"), [0, 1], "cpu")
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+def test_gather_into_a_given_buffer(layout: str) -> None:
+    from kvtier.integrations.layouts import kv_shape
+
+    caches = make_caches(layout)
+    out = torch.empty(kv_shape(caches, layout, 2 * BS), dtype=torch.bfloat16)
+    assert gather(caches, [4, 8], layout, out=out) is out
+    assert torch.equal(out, reference(caches, [4, 8], layout))

@@ -26,8 +26,16 @@ def _check(layout: str) -> None:
         raise ValueError(f"unknown KV layout {layout!r}; known: {', '.join(LAYOUTS)}")
 
 
-def _block_index(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(block_ids, dtype=torch.long).to(device)
+def _block_list(block_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    return block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
+
+
+def kv_shape(caches: Sequence[torch.Tensor], layout: Layout, tokens: int) -> tuple[int, int, int, int, int]:
+    """The canonical shape ``[layers, 2, kv_heads, tokens, head_dim]`` of ``tokens`` tokens of these caches."""
+    _check(layout)
+    cache = caches[0]
+    heads, dim = (cache.shape[1], cache.shape[3] // 2) if layout == "cpu" else (cache.shape[3], cache.shape[4])
+    return (len(caches), 2, heads, tokens, dim)
 
 
 def block_size_of(cache: torch.Tensor, layout: Layout) -> int:
@@ -36,22 +44,30 @@ def block_size_of(cache: torch.Tensor, layout: Layout) -> int:
     return cache.shape[2]
 
 
-def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The canonical KV of the tokens in ``block_ids`` (whole blocks, in order), one layer per cache."""
+def _as_canonical_blocks(cache: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A view of one layer's cache as ``[blocks, 2, kv_heads, block_size, head_dim]`` (no copy)."""
+    if layout == "cpu":
+        blocks, heads, bs, two_d = cache.shape
+        return cache.view(blocks, heads, bs, 2, two_d // 2).permute(0, 3, 1, 2, 4)
+    return cache.permute(1, 0, 3, 2, 4)
+
+
+def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor, layout: Layout,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The canonical KV of the tokens in ``block_ids`` (whole blocks, in order), one layer per cache.
+
+    ``out`` (``[layers, 2, kv_heads, len(block_ids) * block_size, head_dim]``), when given, receives it.
+    """
     _check(layout)
-    layers = []
-    for cache in caches:
-        idx = _block_index(block_ids, cache.device)
-        if layout == "cpu":
-            blocks = cache.index_select(0, idx)  # [n, H, bs, 2D]
-            n, heads, bs, two_d = blocks.shape
-            kv = blocks.view(n, heads, bs, 2, two_d // 2).permute(3, 1, 0, 2, 4)  # [2, H, n, bs, D]
-        else:
-            blocks = cache.index_select(1, idx)  # [2, n, bs, H, D]
-            _, n, bs, heads, _ = blocks.shape
-            kv = blocks.permute(0, 3, 1, 2, 4)  # [2, H, n, bs, D]
-        layers.append(kv.reshape(2, heads, n * bs, kv.shape[-1]))
-    return torch.stack(layers)
+    idx = torch.as_tensor(_block_list(block_ids), dtype=torch.long, device=caches[0].device)
+    for layer, cache in enumerate(caches):
+        blocks = _as_canonical_blocks(cache, layout).index_select(0, idx)  # [n, 2, H, bs, D]
+        n, _, heads, bs, dim = blocks.shape
+        if out is None:
+            out = torch.empty((len(caches), 2, heads, n * bs, dim), dtype=cache.dtype, device=cache.device)
+        out[layer].view(2, heads, n, bs, dim).copy_(blocks.permute(1, 2, 0, 3, 4))
+    assert out is not None, "gather needs at least one layer"
+    return out
 
 
 def scatter(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
@@ -60,14 +76,12 @@ def scatter(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: Sequenc
     _check(layout)
     if kv.dim() != 5 or kv.shape[0] != len(caches) or kv.shape[1] != 2:
         raise ValueError(f"kv must be [{len(caches)} layers, 2, heads, tokens, head_dim], got {tuple(kv.shape)}")
+    ids = _block_list(block_ids)
     for layer, cache in enumerate(caches):
-        idx = _block_index(block_ids, cache.device)
         bs = block_size_of(cache, layout)
-        _, heads, tokens, dim = kv[layer].shape
-        if tokens != len(idx) * bs:
-            raise ValueError(f"kv holds {tokens} tokens, {len(idx)} blocks of {bs} hold {len(idx) * bs}")
-        src = kv[layer].to(cache.device, cache.dtype).view(2, heads, len(idx), bs, dim)
-        if layout == "cpu":
-            cache.index_copy_(0, idx, src.permute(2, 1, 3, 0, 4).reshape(len(idx), heads, bs, 2 * dim))
-        else:
-            cache.index_copy_(1, idx, src.permute(0, 2, 3, 1, 4))
+        if kv.shape[3] != len(ids) * bs:
+            raise ValueError(f"kv holds {kv.shape[3]} tokens, {len(ids)} blocks of {bs} hold {len(ids) * bs}")
+        blocks = _as_canonical_blocks(cache, layout)
+        src = kv[layer].to(cache.device, cache.dtype)
+        for j, block in enumerate(ids):
+            blocks[block].copy_(src[:, :, j * bs:(j + 1) * bs])

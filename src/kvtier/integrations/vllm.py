@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.layouts import Layout, gather, scatter
+from kvtier.integrations.layouts import Layout, gather, kv_shape, scatter
 from kvtier.keys import Namespace, fingerprint_model
 from kvtier.store import KVStore
 
@@ -164,6 +164,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._caches: list[torch.Tensor] = []
         self._layout: Layout = "cpu"
         self._load_errors: set[int] = set()
+        self._staging: torch.Tensor | None = None  # reused for loads: fresh memory costs page faults each time
 
     # ================================================================================ scheduler side
     def _namespace(self, request: Request) -> Namespace:
@@ -272,7 +273,8 @@ class KVTierConnector(KVConnectorBase_V1):
         bs = self._block_size
         for load in meta.loads:
             from_chunk = load.offset // self._chunk * self._chunk
-            kv = self._store.get(load.namespace, load.tokens, tp_rank=rank, tp_size=size, offset=from_chunk)
+            kv = self._store.get(load.namespace, load.tokens, tp_rank=rank, tp_size=size, offset=from_chunk,
+                                 out=self._staging_for(len(load.tokens) - from_chunk))
             blocks = load.block_ids[load.offset // bs:]
             if kv is None:
                 log.warning("kvtier: request %s: KV for %d tokens vanished before loading; vLLM recomputes it",
@@ -280,6 +282,15 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._load_errors.update(blocks)
                 continue
             scatter(kv[:, :, :, load.offset - from_chunk:], self._caches, blocks, self._layout)
+
+    def _staging_for(self, tokens: int) -> torch.Tensor:
+        """A host buffer for ``tokens`` tokens of canonical KV, grown as needed and kept."""
+        shape = kv_shape(self._caches, self._layout, tokens)
+        numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+        if self._staging is None or self._staging.numel() < numel:
+            self._staging = torch.empty(numel, dtype=self._caches[0].dtype, device=self._caches[0].device)
+            self._staging.zero_()  # touch it once now, not on every load
+        return self._staging[:numel].view(shape)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in ``start_load_kv``, before any layer runs."""
