@@ -72,15 +72,13 @@ class _FreePages:
 
 @dataclasses.dataclass(eq=False)
 class DramEntry:
-    """One shard in the pool. ``refs`` > 0 pins it; only ``ready`` entries are visible."""
+    """One shard in the pool. ``refs`` > 0 pins it; it is visible once committed."""
 
     key: ShardKey
     meta: ShardMeta
     parent: str | None
     extents: list[Extent]
     refs: int = 1
-    ready: bool = False
-    source: str = "put"
 
 
 Reservation = DramEntry | Literal["present", "full"]
@@ -116,7 +114,7 @@ class DramPool:
         return len(self._by_key)
 
     # -- two-phase insert --------------------------------------------------------------------------------------
-    def reserve(self, key: ShardKey, meta: ShardMeta, parent: str | None, source: str = "put") -> Reservation:
+    def reserve(self, key: ShardKey, meta: ShardMeta, parent: str | None) -> Reservation:
         """Claim pages for ``key``, evicting unpinned entries as needed. The entry holds one reference."""
         need = -(-meta.nbytes // self.page_bytes)
         with self._lock:
@@ -130,7 +128,7 @@ class DramPool:
                 self._evict(self._by_key[victim])  # type: ignore[index]
                 extents = self._free.take(need)
             self._pending.add(key)
-            return DramEntry(key, meta, parent, extents, source=source)
+            return DramEntry(key, meta, parent, extents)
 
     def write_chunks(self, kv: torch.Tensor, chunks: list[tuple[int, DramEntry]], chunk_tokens: int) -> None:
         """Copy chunk ``i`` of ``kv`` (tokens ``[i*T, (i+1)*T)`` on axis 3) into each reserved entry.
@@ -194,7 +192,6 @@ class DramPool:
         """Make a reserved entry visible; it keeps ``keep_refs`` references (e.g. for queued cascade writes)."""
         with self._lock:
             self._pending.discard(entry.key)
-            entry.ready = True
             entry.refs = keep_refs
             self._by_key[entry.key] = entry
             self._index.setdefault((entry.key.namespace, entry.key.chunk), {})[entry.key.heads] = entry

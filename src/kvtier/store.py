@@ -306,7 +306,7 @@ class KVStore:
             if got is None:
                 continue
             header, payload = got
-            entry = self.dram.reserve(key, header.meta, parent, source=tier.name)
+            entry = self.dram.reserve(key, header.meta, parent)
             if isinstance(entry, DramEntry):
                 self.dram.write_bytes(entry, payload)
                 self.dram.commit(entry)
