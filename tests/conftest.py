@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvtier import KVStore, Namespace
+from kvtier.testing.servers import MooncakeServer, RedisCluster, RedisServer, S3Server
 
 NS = Namespace(model="test-model", dtype="bfloat16")
 
@@ -48,3 +50,38 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# -- real servers on loopback, started once per test session and stopped by PID at its end -------------------
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(tmp_path_factory.mktemp("seaweedfs")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeServer]:
+    server = MooncakeServer(tmp_path_factory.mktemp("mooncake")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def unique_prefix() -> str:
+    """A key prefix of this test's own, so tests sharing one server never see each other's objects."""
+    return f"t{uuid.uuid4().hex[:12]}/"

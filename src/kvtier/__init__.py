@@ -5,7 +5,7 @@ from kvtier.errors import ConfigError, KVTierError, TierError
 from kvtier.eviction import POLICIES, EvictionPolicy
 from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, fingerprint_model
 from kvtier.store import KVStore
-from kvtier.tiers import TIERS, FilesystemTier, StoredObject, Tier
+from kvtier.tiers import TIERS, FilesystemTier, MooncakeTier, RedisTier, S3Tier, StoredObject, Tier
 
 __all__ = [
     "POLICIES",
@@ -16,7 +16,10 @@ __all__ = [
     "HeadRange",
     "KVStore",
     "KVTierError",
+    "MooncakeTier",
     "Namespace",
+    "RedisTier",
+    "S3Tier",
     "ShardKey",
     "StoreConfig",
     "StoredObject",

@@ -22,37 +22,51 @@ log = logging.getLogger(__name__)
 _STOP = None
 
 
-class OutageLog:
-    """Logs the first failure of an outage and the recovery, not every failure in between."""
+class Outage:
+    """One tier's health as its callers see it, shared by reads and writes.
 
-    def __init__(self, tier: str, what: str) -> None:
-        self._tier, self._what = tier, what
+    The first failure of an outage is logged, the ones after it only counted, and the recovery logged again.
+    After a failure the tier rests for ``retry_seconds``: callers skip it (a read is a miss, a write is
+    dropped and counted) instead of each waiting for a dead server's timeout; the first call after the rest
+    tries the tier again, so it comes back by itself once the server answers.
+    """
+
+    def __init__(self, tier: str, retry_seconds: float) -> None:
+        self._tier = tier
+        self._retry = retry_seconds
         self._failing = False
+        self._until = 0.0  # monotonic time the rest ends
         self._lock = threading.Lock()
 
-    def failed(self, exc: BaseException) -> None:
+    def resting(self) -> bool:
+        return self._failing and time.monotonic() < self._until
+
+    def failed(self, what: str, exc: BaseException) -> None:
         with self._lock:
             first, self._failing = not self._failing, True
+            self._until = time.monotonic() + self._retry
         if first:
-            log.warning("tier %s: %s failing (further failures counted, not logged): %s", self._tier, self._what,
-                        exc)
+            log.warning("tier %s: %s failing (further failures counted, not logged; retrying every %.1f s): %s",
+                        self._tier, what, self._retry, exc)
 
     def succeeded(self) -> None:
         if self._failing:
             with self._lock:
-                self._failing = False
-            log.warning("tier %s: %s working again", self._tier, self._what)
+                was, self._failing = self._failing, False
+            if was:
+                log.warning("tier %s: working again", self._tier)
 
 
 class CascadeWriter:
     """A bounded queue and worker threads feeding one tier."""
 
-    def __init__(self, tier: Tier, pool: DramPool, metrics: StoreMetrics, queue_depth: int, workers: int) -> None:
+    def __init__(self, tier: Tier, pool: DramPool, metrics: StoreMetrics, outage: Outage, queue_depth: int,
+                 workers: int) -> None:
         self.tier = tier
         self._pool = pool
         self._metrics = metrics
         self._queue: queue.Queue[DramEntry | None] = queue.Queue(maxsize=queue_depth)
-        self._outage = OutageLog(tier.name, "writes")
+        self._outage = outage
         self._threads = [threading.Thread(target=self._run, name=f"kvtier-{tier.name}-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -97,6 +111,9 @@ class CascadeWriter:
                 self._queue.task_done()
 
     def _write(self, entry: DramEntry) -> None:
+        if self._outage.resting():
+            self._metrics.dropped.labels(self.tier.name, "tier_unavailable").inc()
+            return
         views = self._pool.views(entry)
         header = frame.encode_header(entry.key, entry.meta, views)
         start = time.perf_counter()
@@ -104,12 +121,12 @@ class CascadeWriter:
             self.tier.put(entry.key, [header, *views])
         except TierError as exc:
             self._metrics.write_errors.labels(self.tier.name).inc()
-            self._outage.failed(exc)
+            self._outage.failed("writes", exc)
             return
         except Exception as exc:  # a bug in a plugin tier must not kill the worker silently
             self._metrics.write_errors.labels(self.tier.name).inc()
             log.exception("tier %s: unexpected error writing %s", self.tier.name, entry.key.name)
-            self._outage.failed(exc)
+            self._outage.failed("writes", exc)
             return
         self._outage.succeeded()
         self._metrics.tier_write_seconds.labels(self.tier.name).observe(time.perf_counter() - start)

@@ -140,12 +140,14 @@ class TierSpec:
     options: Mapping[str, object]
     queue_depth: int = 64
     workers: int = 1
+    retry_seconds: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class _TierCommon:
     queue_depth: int = 64
     workers: int = 1
+    retry_seconds: float = 1.0
     name: str | None = None
 
 
@@ -168,19 +170,21 @@ def _parse_tier(raw: object, index: int, seen: set[str]) -> TierSpec:
         raise ConfigError(f"{field}: expected a mapping with a 'type' key, got {raw!r}")
     if "type" not in raw or not isinstance(raw["type"], str):
         raise ConfigError(f"{field}.type: required, a tier type name")
-    common_keys = {"queue_depth", "workers", "name"}
+    common_keys = {"queue_depth", "workers", "retry_seconds", "name"}
     common = build_dataclass(_TierCommon, {k: v for k, v in raw.items() if k in common_keys}, field)
     if common.queue_depth < 1:
         raise ConfigError(f"{field}.queue_depth: must be >= 1, got {common.queue_depth}")
     if common.workers < 1:
         raise ConfigError(f"{field}.workers: must be >= 1, got {common.workers}")
+    if common.retry_seconds < 0:
+        raise ConfigError(f"{field}.retry_seconds: must be >= 0, got {common.retry_seconds}")
     name = common.name or raw["type"]
     if name in seen or name == "dram":
         raise ConfigError(f"{field}.name: tier name {name!r} is used twice; give each tier a distinct 'name'")
     seen.add(name)
     options = {k: v for k, v in raw.items() if k not in common_keys | {"type"}}
     return TierSpec(type=raw["type"], name=name, options=options,
-                    queue_depth=common.queue_depth, workers=common.workers)
+                    queue_depth=common.queue_depth, workers=common.workers, retry_seconds=common.retry_seconds)
 
 
 def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> StoreConfig:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from kvtier import frame
-from kvtier.cascade import CascadeWriter, OutageLog
-from kvtier.config import StoreConfig, load_config
+from kvtier.cascade import CascadeWriter, Outage
+from kvtier.config import StoreConfig, TierSpec, load_config
 from kvtier.dram import DramEntry, DramPool
 from kvtier.errors import TierError
 from kvtier.eviction import POLICIES
@@ -81,10 +81,12 @@ class KVStore:
         self._dram_full = self.metrics.dropped.labels("dram", "dram_full")
         self._dram_evictions = self.metrics.evictions.labels("dram")
         self._hits = {name: self.metrics.hits.labels(name) for name in ["dram", *(t.name for t in self.tiers)]}
-        depth = {spec.name: (spec.queue_depth, spec.workers) for spec in config.tiers}
-        self._writers = [CascadeWriter(t, self.dram, self.metrics, *depth.get(t.name, (64, 1)))
+        specs = {spec.name: spec for spec in config.tiers}
+        default = TierSpec(type="", name="", options={})  # tiers passed in without a spec
+        self._outages = {t.name: Outage(t.name, specs.get(t.name, default).retry_seconds) for t in self.tiers}
+        self._writers = [CascadeWriter(t, self.dram, self.metrics, self._outages[t.name],
+                                       specs.get(t.name, default).queue_depth, specs.get(t.name, default).workers)
                          for t in self.tiers]
-        self._read_outage = {t.name: OutageLog(t.name, "reads") for t in self.tiers}
         self._closed = False
         if config.metrics_port is not None:
             self.metrics.serve(config.metrics_port)
@@ -183,13 +185,16 @@ class KVStore:
         return n
 
     def _tier_heads(self, tier: Tier, namespace: str, chunks: list[str]) -> list[list[HeadRange]]:
+        outage = self._outages[tier.name]
+        if outage.resting():
+            return [[] for _ in chunks]
         try:
             heads = tier.heads(namespace, chunks)
         except TierError as exc:
             self.metrics.read_errors.labels(tier.name).inc()
-            self._read_outage[tier.name].failed(exc)
+            outage.failed("reads", exc)
             return [[] for _ in chunks]
-        self._read_outage[tier.name].succeeded()
+        outage.succeeded()
         return heads
 
     # -- get ---------------------------------------------------------------------------------------------------
@@ -306,6 +311,8 @@ class KVStore:
             if got is None:
                 continue
             header, payload = got
+            if payload.readonly:  # e.g. bytes from a network client: one writable copy serves both uses below
+                payload = memoryview(bytearray(payload))
             entry = self.dram.reserve(key, header.meta, parent)
             if isinstance(entry, DramEntry):
                 self.dram.write_bytes(entry, payload)
@@ -315,14 +322,17 @@ class KVStore:
         return None
 
     def _read_verified(self, tier: Tier, key: ShardKey) -> tuple[frame.Header, memoryview] | None:
+        outage = self._outages[tier.name]
+        if outage.resting():
+            return None
         start = time.perf_counter()
         try:
             blob = tier.get(key)
         except TierError as exc:
             self.metrics.read_errors.labels(tier.name).inc()
-            self._read_outage[tier.name].failed(exc)
+            outage.failed("reads", exc)
             return None
-        self._read_outage[tier.name].succeeded()
+        outage.succeeded()
         if blob is None:
             return None
         try:

@@ -1,6 +1,12 @@
-"""Secondary tiers: the interface, the registry and the in-tree backends."""
+"""Secondary tiers: the interface, the registry and the in-tree backends.
+
+The shared tiers import their client libraries only when a tier of that type is opened.
+"""
 
 from kvtier.tiers._filesystem import FilesystemTier
+from kvtier.tiers._mooncake import MooncakeTier
+from kvtier.tiers._redis import RedisTier
+from kvtier.tiers._s3 import S3Tier
 from kvtier.tiers.base import TIERS, StoredObject, Tier
 
-__all__ = ["TIERS", "FilesystemTier", "StoredObject", "Tier"]
+__all__ = ["TIERS", "FilesystemTier", "MooncakeTier", "RedisTier", "S3Tier", "StoredObject", "Tier"]

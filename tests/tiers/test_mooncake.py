@@ -1,0 +1,76 @@
+"""The mooncake tier against a real Mooncake Store on loopback (master, HTTP metadata, a memory-holding client)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvtier import ConfigError, MooncakeTier, TierError
+from kvtier.keys import HeadRange
+from kvtier.testing.servers import MooncakeServer
+from kvtier.testing.tiers import NS_A, NS_B, TierConformance, key
+from kvtier.tiers._mooncake import _slices
+
+
+def open_tier(server: MooncakeServer, **options: object) -> MooncakeTier:
+    tier = MooncakeTier.from_config("mooncake", {**server.tier_options(), **options}, "tiers[0]")
+    assert isinstance(tier, MooncakeTier)
+    return tier
+
+
+class TestMooncakeConformance(TierConformance):
+    @pytest.fixture
+    def tier(self, mooncake_server: MooncakeServer, unique_prefix: str) -> Iterator[MooncakeTier]:
+        tier = open_tier(mooncake_server, key_prefix=unique_prefix)
+        yield tier
+        tier.close()
+
+    @pytest.fixture
+    def reopen(self, mooncake_server: MooncakeServer, unique_prefix: str):
+        def reopen(old: MooncakeTier) -> MooncakeTier:
+            old.close()
+            return open_tier(mooncake_server, key_prefix=unique_prefix)
+        return reopen
+
+
+def test_slices_are_every_tensor_parallel_split() -> None:
+    assert _slices(1) == [HeadRange(0, 1, 1)]
+    assert set(_slices(4)) == {HeadRange(0, 1, 4), HeadRange(1, 2, 4), HeadRange(2, 3, 4), HeadRange(3, 4, 4),
+                               HeadRange(0, 2, 4), HeadRange(2, 4, 4), HeadRange(0, 4, 4)}
+
+
+def test_another_process_finds_shards_through_the_marker(mooncake_server: MooncakeServer,
+                                                         unique_prefix: str) -> None:
+    writer = open_tier(mooncake_server, key_prefix=unique_prefix)
+    writer.put(key(1, HeadRange(2, 4, 8)), [b"tp4 rank 1"])
+    writer.close()
+    reader = open_tier(mooncake_server, key_prefix=unique_prefix)  # knows nothing yet
+    assert reader.heads(NS_A, [key(1).chunk, key(2).chunk]) == [[HeadRange(2, 4, 8)], []]
+    assert reader.heads(NS_B, [key(1).chunk]) == [[]]
+    reader.close()
+
+
+def test_an_object_above_the_local_buffer_is_refused_clearly(mooncake_server: MooncakeServer,
+                                                             unique_prefix: str) -> None:
+    tier = open_tier(mooncake_server, key_prefix=unique_prefix, local_buffer_bytes="1MiB")
+    with pytest.raises(TierError, match="local_buffer_bytes"):
+        tier.put(key(3), [b"x" * (2 * 2**20)])
+    tier.close()
+
+
+def test_listing_needs_the_admin_address(mooncake_server: MooncakeServer, unique_prefix: str) -> None:
+    tier = open_tier(mooncake_server, key_prefix=unique_prefix, admin_url=None)
+    with pytest.raises(TierError, match="admin_url"):
+        list(tier.list())
+    tier.close()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"metadata_server": "http://x/metadata"}, "tiers[0].master: required"),
+    ({"master": "nohost", "metadata_server": "http://x/metadata"}, "tiers[0].master"),
+    ({"master": "h:1", "metadata_server": "http://x/metadata", "protocol": "udp"}, "tiers[0].protocol"),
+])
+def test_bad_options_name_the_field(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        MooncakeTier.from_config("mooncake", options, "tiers[0]")

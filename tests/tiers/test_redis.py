@@ -1,0 +1,133 @@
+"""The redis tier against a real redis-server on loopback, one node and a three-node Redis Cluster."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import ConfigError, RedisTier
+from kvtier.keys import HeadRange
+from kvtier.testing.servers import RedisServer
+from kvtier.testing.tiers import NS_A, TierConformance, key
+
+
+def open_tier(url: str, **options: object) -> RedisTier:
+    tier = RedisTier.from_config("redis", {"url": url, **options}, "tiers[0]")
+    assert isinstance(tier, RedisTier)
+    return tier
+
+
+class TestRedisConformance(TierConformance):
+    @pytest.fixture
+    def tier(self, redis_server: RedisServer, unique_prefix: str) -> Iterator[RedisTier]:
+        tier = open_tier(redis_server.url, key_prefix=unique_prefix)
+        yield tier
+        tier.close()
+
+    @pytest.fixture
+    def reopen(self, redis_server: RedisServer, unique_prefix: str):
+        def reopen(old: RedisTier) -> RedisTier:
+            old.close()
+            return open_tier(redis_server.url, key_prefix=unique_prefix)
+        return reopen
+
+
+class TestRedisClusterConformance(TierConformance):
+    @pytest.fixture
+    def tier(self, redis_cluster, unique_prefix: str) -> Iterator[RedisTier]:
+        tier = open_tier(redis_cluster.url, cluster=True, key_prefix=unique_prefix)
+        yield tier
+        tier.close()
+
+    @pytest.fixture
+    def reopen(self, redis_cluster, unique_prefix: str):
+        def reopen(old: RedisTier) -> RedisTier:
+            old.close()
+            return open_tier(redis_cluster.url, cluster=True, key_prefix=unique_prefix)
+        return reopen
+
+
+def test_cluster_spreads_chunks_over_every_node(redis_cluster, unique_prefix: str) -> None:
+    tier = open_tier(redis_cluster.url, cluster=True, key_prefix=unique_prefix)
+    for i in range(60):
+        tier.put(key(i), [bytes([i]) * 100])
+    counts = [int(node.cli("dbsize").strip()) for node in redis_cluster.nodes]
+    assert all(c > 0 for c in counts) and sum(counts) >= 60
+    assert all(bytes(tier.get(key(i)) or b"") == bytes([i]) * 100 for i in range(60))
+    tier.close()
+
+
+def test_large_objects_are_cut_into_segments(redis_server: RedisServer, unique_prefix: str) -> None:
+    tier = open_tier(redis_server.url, key_prefix=unique_prefix, segment_bytes=4096)
+    blob = os.urandom(10_000)
+    tier.put(key(1), [blob[:100], blob[100:]])
+    fields = redis_server.cli("hkeys", f"{unique_prefix}{NS_A}:{key(1).chunk}").split()
+    assert sorted(fields) == ["0-4of4:0/3", "0-4of4:1/3", "0-4of4:2/3"]
+    assert bytes(tier.get(key(1)) or b"") == blob
+    tier.put(key(1), [b"short"])  # a rewrite with fewer segments leaves none of the old ones behind
+    assert redis_server.cli("hkeys", f"{unique_prefix}{NS_A}:{key(1).chunk}").split() == ["0-4of4:0/1"]
+    assert bytes(tier.get(key(1)) or b"") == b"short"
+    tier.close()
+
+
+def test_a_missing_segment_is_a_miss_not_a_partial_read(redis_server: RedisServer, unique_prefix: str) -> None:
+    tier = open_tier(redis_server.url, key_prefix=unique_prefix, segment_bytes=4096)
+    tier.put(key(2), [os.urandom(10_000)])
+    redis_server.cli("hdel", f"{unique_prefix}{NS_A}:{key(2).chunk}", "0-4of4:1/3")
+    assert tier.get(key(2)) is None
+    assert tier.heads(NS_A, [key(2).chunk]) == [[]]
+    tier.close()
+
+
+def test_ttl_expires_keys(redis_server: RedisServer, unique_prefix: str) -> None:
+    tier = open_tier(redis_server.url, key_prefix=unique_prefix, ttl_seconds=0.3)
+    tier.put(key(3), [b"short-lived"])
+    assert tier.get(key(3)) is not None
+    time.sleep(0.5)
+    assert tier.get(key(3)) is None and tier.heads(NS_A, [key(3).chunk]) == [[]]
+    tier.close()
+
+
+def test_key_prefixes_separate_deployments(redis_server: RedisServer, unique_prefix: str) -> None:
+    a = open_tier(redis_server.url, key_prefix=unique_prefix + "a:")
+    b = open_tier(redis_server.url, key_prefix=unique_prefix + "b:")
+    a.put(key(4), [b"from a"])
+    assert b.get(key(4)) is None and b.heads(NS_A, [key(4).chunk]) == [[]] and list(b.list()) == []
+    assert [o.key for o in a.list()] == [key(4)]
+    a.close()
+    b.close()
+
+
+def test_server_eviction_is_a_miss_never_a_partial_read(tmp_path: Path, unique_prefix: str) -> None:
+    server = RedisServer(tmp_path / "small", maxmemory="4mb").start()
+    try:
+        tier = open_tier(server.url, key_prefix=unique_prefix, segment_bytes=32 * 1024)
+        blobs = {i: os.urandom(100_000) for i in range(120)}  # 12 MB into 4 MB
+        for i, blob in blobs.items():
+            tier.put(key(i, HeadRange(0, 1, 1)), [blob])
+        found = 0
+        for i, blob in blobs.items():
+            got = tier.get(key(i, HeadRange(0, 1, 1)))
+            assert got is None or bytes(got) == blob
+            found += got is not None
+        assert 0 < found < len(blobs)
+        tier.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"url": "http://x"}, "tiers[0].url"),
+    ({"url": "unix:///tmp/r.sock", "cluster": True}, "tiers[0].url"),
+    ({"segment_bytes": "1GiB"}, "tiers[0].segment_bytes"),
+    ({"ttl_seconds": 0}, "tiers[0].ttl_seconds"),
+    ({"socket_read_bytes": 10}, "tiers[0].socket_read_bytes"),
+    ({"colour": "red"}, "colour"),
+])
+def test_bad_options_name_the_field(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        RedisTier.from_config("redis", options, "tiers[0]")
