@@ -23,7 +23,7 @@ _STOP = None
 
 
 class Outage:
-    """One tier's health as its callers see it, shared by reads and writes.
+    """The health of one tier's reads, or of its writes (a read-only disk still serves reads).
 
     The first failure of an outage is logged, the ones after it only counted, and the recovery logged again.
     After a failure the tier rests for ``retry_seconds``: callers skip it (a read is a miss, a write is
@@ -31,8 +31,8 @@ class Outage:
     tries the tier again, so it comes back by itself once the server answers.
     """
 
-    def __init__(self, tier: str, retry_seconds: float) -> None:
-        self._tier = tier
+    def __init__(self, tier: str, what: str, retry_seconds: float) -> None:
+        self._tier, self._what = tier, what
         self._retry = retry_seconds
         self._failing = False
         self._until = 0.0  # monotonic time the rest ends
@@ -41,32 +41,32 @@ class Outage:
     def resting(self) -> bool:
         return self._failing and time.monotonic() < self._until
 
-    def failed(self, what: str, exc: BaseException) -> None:
+    def failed(self, exc: BaseException) -> None:
         with self._lock:
             first, self._failing = not self._failing, True
             self._until = time.monotonic() + self._retry
         if first:
             log.warning("tier %s: %s failing (further failures counted, not logged; retrying every %.1f s): %s",
-                        self._tier, what, self._retry, exc)
+                        self._tier, self._what, self._retry, exc)
 
     def succeeded(self) -> None:
         if self._failing:
             with self._lock:
                 was, self._failing = self._failing, False
             if was:
-                log.warning("tier %s: working again", self._tier)
+                log.warning("tier %s: %s working again", self._tier, self._what)
 
 
 class CascadeWriter:
     """A bounded queue and worker threads feeding one tier."""
 
-    def __init__(self, tier: Tier, pool: DramPool, metrics: StoreMetrics, outage: Outage, queue_depth: int,
-                 workers: int) -> None:
+    def __init__(self, tier: Tier, pool: DramPool, metrics: StoreMetrics, queue_depth: int, workers: int,
+                 retry_seconds: float) -> None:
         self.tier = tier
         self._pool = pool
         self._metrics = metrics
         self._queue: queue.Queue[DramEntry | None] = queue.Queue(maxsize=queue_depth)
-        self._outage = outage
+        self._outage = Outage(tier.name, "writes", retry_seconds)
         self._threads = [threading.Thread(target=self._run, name=f"kvtier-{tier.name}-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -121,12 +121,12 @@ class CascadeWriter:
             self.tier.put(entry.key, [header, *views])
         except TierError as exc:
             self._metrics.write_errors.labels(self.tier.name).inc()
-            self._outage.failed("writes", exc)
+            self._outage.failed(exc)
             return
         except Exception as exc:  # a bug in a plugin tier must not kill the worker silently
             self._metrics.write_errors.labels(self.tier.name).inc()
             log.exception("tier %s: unexpected error writing %s", self.tier.name, entry.key.name)
-            self._outage.failed("writes", exc)
+            self._outage.failed(exc)
             return
         self._outage.succeeded()
         self._metrics.tier_write_seconds.labels(self.tier.name).observe(time.perf_counter() - start)

@@ -83,10 +83,10 @@ class KVStore:
         self._hits = {name: self.metrics.hits.labels(name) for name in ["dram", *(t.name for t in self.tiers)]}
         specs = {spec.name: spec for spec in config.tiers}
         default = TierSpec(type="", name="", options={})  # tiers passed in without a spec
-        self._outages = {t.name: Outage(t.name, specs.get(t.name, default).retry_seconds) for t in self.tiers}
-        self._writers = [CascadeWriter(t, self.dram, self.metrics, self._outages[t.name],
-                                       specs.get(t.name, default).queue_depth, specs.get(t.name, default).workers)
-                         for t in self.tiers]
+        spec = [specs.get(t.name, default) for t in self.tiers]
+        self._writers = [CascadeWriter(t, self.dram, self.metrics, s.queue_depth, s.workers, s.retry_seconds)
+                         for t, s in zip(self.tiers, spec)]
+        self._read_outage = {t.name: Outage(t.name, "reads", s.retry_seconds) for t, s in zip(self.tiers, spec)}
         self._closed = False
         if config.metrics_port is not None:
             self.metrics.serve(config.metrics_port)
@@ -185,14 +185,14 @@ class KVStore:
         return n
 
     def _tier_heads(self, tier: Tier, namespace: str, chunks: list[str]) -> list[list[HeadRange]]:
-        outage = self._outages[tier.name]
+        outage = self._read_outage[tier.name]
         if outage.resting():
             return [[] for _ in chunks]
         try:
             heads = tier.heads(namespace, chunks)
         except TierError as exc:
             self.metrics.read_errors.labels(tier.name).inc()
-            outage.failed("reads", exc)
+            outage.failed(exc)
             return [[] for _ in chunks]
         outage.succeeded()
         return heads
@@ -322,7 +322,7 @@ class KVStore:
         return None
 
     def _read_verified(self, tier: Tier, key: ShardKey) -> tuple[frame.Header, memoryview] | None:
-        outage = self._outages[tier.name]
+        outage = self._read_outage[tier.name]
         if outage.resting():
             return None
         start = time.perf_counter()
@@ -330,7 +330,7 @@ class KVStore:
             blob = tier.get(key)
         except TierError as exc:
             self.metrics.read_errors.labels(tier.name).inc()
-            outage.failed("reads", exc)
+            outage.failed(exc)
             return None
         outage.succeeded()
         if blob is None:

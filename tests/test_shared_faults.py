@@ -1,0 +1,123 @@
+"""Shared tiers under faults, against real servers on loopback: a server that goes down and comes back, a
+server that stalls, and a server that evicts on its own."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier import KVStore
+from kvtier.testing import synthetic_kv, synthetic_tokens
+from kvtier.testing.servers import RedisServer, S3Server
+
+from .conftest import NS
+
+T = 16
+
+
+def redis_tier(server: RedisServer, prefix: str) -> dict:
+    # Long socket timeouts: a caller that waited on the server would show it plainly.
+    return {"type": "redis", "url": server.url, "key_prefix": prefix, "socket_timeout": 30, "retry_seconds": 0.2}
+
+
+def s3_tier(server: S3Server, prefix: str) -> dict:
+    return {"type": "s3", "endpoint_url": server.endpoint_url, "bucket": "kvtier", "prefix": prefix,
+            "create_bucket": True, "addressing_style": "path", "access_key_id": "k", "secret_access_key": "s",
+            "region": "us-east-1", "read_timeout": 30, "max_attempts": 1, "retry_seconds": 0.2}
+
+
+SERVERS: dict[str, tuple[Callable[[Path], object], Callable[[object, str], dict]]] = {
+    "redis": (lambda p: RedisServer(p), redis_tier),  # type: ignore[dict-item]
+    "s3": (lambda p: S3Server(p), s3_tier),  # type: ignore[dict-item]
+}
+
+
+def store_with(tiers: list[dict], dram: str = "8MiB") -> KVStore:
+    return KVStore.from_config({"chunk_tokens": T, "dram": {"capacity_bytes": dram, "page_bytes": "16KiB"},
+                                "tiers": tiers})
+
+
+def timed_put(store: KVStore, seed: int, heads: int = 4) -> tuple[list[int], torch.Tensor, float]:
+    tokens = synthetic_tokens(seed, 2 * T)
+    kv = synthetic_kv(tokens, heads=heads)
+    start = time.perf_counter()
+    store.put(NS, tokens, kv)
+    return tokens, kv, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("kind", sorted(SERVERS))
+def test_server_down_then_back(kind: str, tmp_path: Path, unique_prefix: str, caplog) -> None:
+    make_server, tier_config = SERVERS[kind]
+    server = make_server(tmp_path / kind).start()  # type: ignore[attr-defined]
+    shared = tier_config(server, unique_prefix)
+    store = store_with([{"type": "filesystem", "path": str(tmp_path / "fs")}, shared])
+    try:
+        before, kv_before, _ = timed_put(store, 1)
+        store.flush()
+        server.stop()  # type: ignore[attr-defined]
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            during = [timed_put(store, 10 + i) for i in range(10)]
+            store.flush()
+            assert max(d[2] for d in during) < 2.0  # the caller never waits on the dead server
+            store.drop_dram()
+            for tokens, kv, _ in [(before, kv_before, 0.0), *during]:  # served by DRAM and disk all along
+                assert torch.equal(store.get(NS, tokens), kv)
+            unknown = synthetic_tokens(99, 2 * T)  # in no tier: the shared tier is asked, fails, it is a miss
+            assert store.lookup(NS, unknown) == 0 and store.get(NS, unknown) is None
+        stats = store.stats()[kind]
+        assert stats["write_errors_total"] >= 1 and stats["read_errors_total"] >= 1
+        assert stats["write_errors_total"] + stats["dropped_writes_total{reason=tier_unavailable}"] >= 10
+        failing = [r.message for r in caplog.records if f"tier {kind}:" in r.message and "failing" in r.message]
+        assert len(failing) == 2, failing  # once for writes, once for reads, in the whole outage
+
+        server.start()  # type: ignore[attr-defined]
+        time.sleep(0.3)  # past retry_seconds: the next call tries the server again
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            after, kv_after, _ = timed_put(store, 50)
+            store.flush()
+        assert any(f"tier {kind}: writes working again" in r.message for r in caplog.records)
+        with store_with([tier_config(server, unique_prefix)]) as other:  # another engine, same server
+            assert torch.equal(other.get(NS, after), kv_after)
+            assert other.stats()[kind]["hit_chunks_total"] >= 1
+    finally:
+        store.close()
+        server.stop()  # type: ignore[attr-defined]
+
+
+def test_a_stalled_server_never_slows_the_caller(redis_server: RedisServer, unique_prefix: str) -> None:
+    shared = {**redis_tier(redis_server, unique_prefix), "queue_depth": 2}
+    with store_with([shared]) as store:
+        redis_server.cli("client", "pause", "2000", "all")  # the server answers nobody for 2 s
+        puts = [timed_put(store, 200 + i) for i in range(12)]
+        assert max(p[2] for p in puts) < 0.5
+        store.flush()  # waits for the pause to end and the queued writes to land
+        stats = store.stats()["redis"]
+        assert stats["dropped_writes_total{reason=queue_full}"] >= 1  # the bounded queue dropped, not blocked
+    with store_with([redis_tier(redis_server, unique_prefix)]) as other:
+        found = 0
+        for tokens, kv, _ in puts:
+            got = other.get(NS, tokens)
+            assert got is None or torch.equal(got, kv)
+            found += got is not None
+        assert found >= 1
+
+
+def test_chunks_evicted_by_the_server_are_misses(tmp_path: Path, unique_prefix: str) -> None:
+    server = RedisServer(tmp_path / "small", maxmemory="3mb").start()
+    try:
+        shared = {**redis_tier(server, unique_prefix), "queue_depth": 1024}
+        with store_with([shared], dram="1MiB") as store:  # 60 x 2 chunks x 64 KiB = 7.9 MB into 3 MB
+            written = [timed_put(store, 300 + i, heads=64)[:2] for i in range(60)]
+            store.flush()
+        with store_with([redis_tier(server, unique_prefix)]) as reader:
+            results = [reader.get(NS, tokens) for tokens, _ in written]
+        for got, (_, kv) in zip(results, written):
+            assert got is None or torch.equal(got, kv)
+        assert 0 < sum(r is not None for r in results) < len(written)
+    finally:
+        server.stop()
