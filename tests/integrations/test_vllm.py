@@ -128,3 +128,20 @@ def test_preempted_requests_are_restored_from_the_store(model_dir: Path, tmp_pat
     assert tokens == expected
     # A resumed request loaded its prompt's chunks instead of recomputing them.
     assert stats["dram"]["hit_chunks_total"] >= 2
+
+
+@pytest.mark.parametrize("server", ["redis_server", "redis_cluster"])
+def test_two_engines_share_prefixes_through_redis(model_dir: Path, server: str, unique_prefix: str,
+                                                  expected: dict, request: pytest.FixtureRequest) -> None:
+    """Engine B (its own process and DRAM) loads from Redis the prefix that engine A computed."""
+    redis = request.getfixturevalue(server)
+    cfg = {"chunk_tokens": CHUNK, "dram": {"capacity_bytes": "64MiB"},
+           "tiers": [{"type": "redis", "url": redis.url, "cluster": server == "redis_cluster",
+                      "key_prefix": unique_prefix}]}
+    a = engine(model_dir, cfg, [generate("long"), {"op": "stats"}])
+    b = engine(model_dir, cfg, [generate("long"), {"op": "stats"}])
+    assert a[0] == b[0] == [expected["long"]]
+    assert a[1]["redis"].get("hit_chunks_total", 0) == 0
+    assert a[1]["redis"]["written_bytes_total"] > 0
+    assert b[1]["redis"]["hit_chunks_total"] == 2  # both chunks came from Redis, none recomputed
+    assert b[1]["_store"]["lookup_hit_tokens_total"] == 2 * CHUNK
