@@ -14,6 +14,22 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "setup: kvtier needs Python 3.11 (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
 
+# Servers the shared tiers' tests run on loopback: redis-server (Debian), and libibverbs1, which Mooncake's
+# Python package links against even over TCP. SeaweedFS and Mooncake's own servers come from PyPI below.
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || missing+=(libibverbs1)
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing ${missing[*]} with apt-get"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; }
+  else
+    echo "setup: please install ${missing[*]} (e.g. sudo apt-get install -y ${missing[*]}) and run again" >&2
+    exit 1
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PY --version)"
   "$PY" -m venv .venv

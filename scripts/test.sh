@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the whole test suite. Extra arguments go to pytest.
 # Some fault tests mount a small tmpfs for a real full disk; they need root (CI runs as root).
+# The shared tiers' tests start real servers on loopback (redis-server, a 3-node Redis Cluster, SeaweedFS,
+# a Mooncake master and client: kvtier.testing.servers), wait until each answers, and stop them by PID when
+# the session ends, also when tests fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

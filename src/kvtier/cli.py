@@ -4,7 +4,7 @@
     kvtier cache ls     --config FILE [--namespace NS] [--tier NAME]
     kvtier cache verify --config FILE [--tier NAME] [--repair]
     kvtier cache purge  --config FILE (--namespace NS | --older-than AGE | --all) [--tier NAME]
-    kvtier bench [--quick] [--json PATH]
+    kvtier bench [--quick] [--json PATH] [--shared-tier redis|redis-cluster|s3|mooncake]
 
 The cache commands open the tiers only (no DRAM pool), so they are safe to run beside a serving process.
 """
@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a smaller workload that finishes in a few minutes")
     bench.add_argument("--json", type=Path, help="also write the results as JSON here")
     bench.add_argument("--work-dir", type=Path, help="scratch directory (default: ./results/bench-work)")
+    bench.add_argument("--shared-tier", choices=["redis", "redis-cluster", "s3", "mooncake"],
+                       help="use this shared tier (a server started on loopback) as the only secondary tier "
+                            "instead of the local disk, and report TTFT for hits served from it")
     return parser
 
 
@@ -174,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.group == "bench":
         from kvtier.bench.ttft import run
 
-        return run(args.quick, args.json, args.work_dir)
+        return run(args.quick, args.json, args.work_dir, args.shared_tier)
     try:
         tiers = open_tiers(load_config(args.config))
     except KVTierError as exc:

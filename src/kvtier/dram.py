@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from kvtier.eviction import EvictionPolicy
+from kvtier import frame
 from kvtier.frame import ShardMeta
 from kvtier.keys import HeadRange, ShardKey
 
@@ -183,8 +184,7 @@ class DramPool:
 
     def write_bytes(self, entry: DramEntry, payload: memoryview) -> None:
         """Copy a verified payload into a reserved entry."""
-        src = torch.frombuffer(payload, dtype=torch.uint8) if not payload.readonly else \
-            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        src = frame.byte_tensor(payload)
         for (start, end), region in zip(self._spans(entry), self._regions(entry)):
             region.copy_(src[start:end])
 

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import struct
 import time
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -139,8 +140,18 @@ def decode(data: bytes | bytearray | memoryview, expected: ShardKey | None = Non
     return header, payload
 
 
+# Network clients hand back immutable ``bytes``. kvtier only ever copies *from* a payload tensor, so a tensor
+# over read-only memory is safe here, and copying each payload to silence torch's warning cost a fresh
+# allocation (page faults) per chunk. The filter applies to calls from this module only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
+
+
+def byte_tensor(payload: memoryview) -> torch.Tensor:
+    """A zero-copy uint8 tensor over ``payload``, read-only buffers included; never write into it."""
+    return torch.frombuffer(payload, dtype=torch.uint8)
+
+
 def payload_tensor(payload: memoryview, meta: ShardMeta) -> torch.Tensor:
-    """A zero-copy tensor over a verified payload (read-only buffers are copied first)."""
-    if payload.readonly:
-        payload = memoryview(bytearray(payload))
-    return torch.frombuffer(payload, dtype=torch.uint8).view(meta.dtype).view(meta.shape)
+    """A zero-copy tensor over a verified payload (a source to copy from, never written)."""
+    return byte_tensor(payload).view(meta.dtype).view(meta.shape)

@@ -268,7 +268,7 @@ class KVStore:
                 pinned.extend(entries)
                 pieces.append((entries[0], a - rng.start, a - lo, b - a))
                 continue
-            shard = self._fetch(ShardKey(namespace, chunk, rng), parent)
+            shard = self._fetch(ShardKey(namespace, chunk, rng), parent, pinned)
             if shard is None:
                 return None
             pieces.append((shard, a - rng.start, a - lo, b - a))
@@ -304,20 +304,24 @@ class KVStore:
                     shard[:, :, src_from:src_from + count], non_blocking=out.is_cuda and shard.is_pinned())
         return out
 
-    def _fetch(self, key: ShardKey, parent: str | None) -> torch.Tensor | None:
-        """Read one shard from the first tier that holds a valid copy, and promote it into DRAM."""
+    def _fetch(self, key: ShardKey, parent: str | None, pinned: list[DramEntry]) -> DramEntry | torch.Tensor | None:
+        """Read one shard from the first tier that holds a valid copy and promote it into DRAM.
+
+        Returns the promoted DRAM entry, pinned for the caller (added to ``pinned``), so the copy out joins the
+        DRAM runs; or, when DRAM has no room, a tensor over the fetched bytes.
+        """
         for tier in self.tiers:
             got = self._read_verified(tier, key)
             if got is None:
                 continue
             header, payload = got
-            if payload.readonly:  # e.g. bytes from a network client: one writable copy serves both uses below
-                payload = memoryview(bytearray(payload))
             entry = self.dram.reserve(key, header.meta, parent)
             if isinstance(entry, DramEntry):
                 self.dram.write_bytes(entry, payload)
-                self.dram.commit(entry)
+                self.dram.commit(entry, keep_refs=1)
+                pinned.append(entry)
                 self.metrics.promotions.labels(tier.name).inc()
+                return entry
             return frame.payload_tensor(payload, header.meta)
         return None
 

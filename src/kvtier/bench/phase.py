@@ -84,14 +84,17 @@ def main() -> int:
             store.flush()
             store.drop_dram()
 
-        result["kvtier, disk hit"] = run_requests(llm, job, later, "kvtier disk", before=drop)
+        where = job.get("secondary", "disk")
+        result[f"kvtier, {where} hit"] = run_requests(llm, job, later, f"kvtier {where}", before=drop)
         store.flush()
         result["stats"] = store.stats()
     elif phase == "restart":  # a new process: everything it hits was stored by the previous one
         from kvtier.integrations.vllm import shared_store
 
         llm = engine(job, True, job["small_blocks"])
-        result["kvtier, after restart"] = run_requests(llm, job, [0], "restart")
+        where = job.get("secondary", "disk")
+        label = "kvtier, after restart" if where == "disk" else f"kvtier, {where} hit in a new process"
+        result[label] = run_requests(llm, job, [0], "restart")
         result["stats"] = shared_store(job["store"]).stats()  # type: ignore[union-attr]
     elif phase in ("noreuse_plain", "noreuse_kvtier"):  # every prompt unique: the connector's overhead
         from vllm import SamplingParams

@@ -3,6 +3,7 @@ prints TTFT per phase with ratios against vLLM recomputing (same workload, same 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -11,7 +12,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from kvtier.bench.model import prepare_model
 from kvtier.bench.workload import documents, requests
@@ -22,6 +25,8 @@ PROFILES = {  # documents, tokens per document, rounds (questions per document),
     "full": dict(docs=4, doc_tokens=4096, rounds=3, unique=5, noreuse_output=32),
 }
 PHASES = ("baseline", "kvtier", "restart", "engine_hit", "noreuse_plain", "noreuse_kvtier")
+# With a shared tier the question is how fast its hits are; the no-reuse overhead is measured on the disk setup.
+SHARED_PHASES = ("baseline", "kvtier", "restart", "engine_hit")
 
 
 def log(msg: str) -> None:
@@ -44,7 +49,36 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores"
 
 
-def run(quick: bool, json_path: Path | None, work_dir: Path | None) -> int:
+@contextlib.contextmanager
+def _secondary_tier(kind: str | None, work: Path) -> Iterator[dict]:
+    """The store's one secondary tier: the local disk, or a shared tier on a server started here."""
+    if kind is None:
+        yield {"type": "filesystem", "path": str(work / "kv")}
+        return
+    from kvtier.testing import servers
+
+    if kind == "s3":
+        server: Any = servers.S3Server(work / "s3").start()
+        tier = {"type": "s3", "endpoint_url": server.endpoint_url, "bucket": "kvtier-bench", "create_bucket": True,
+                "addressing_style": "path", "access_key_id": "bench", "secret_access_key": "bench",
+                "region": "us-east-1"}
+    elif kind == "mooncake":
+        server = servers.MooncakeServer(work / "mooncake", segment="4GB").start()
+        tier = {"type": "mooncake", **server.tier_options()}
+    elif kind == "redis-cluster":
+        server = servers.RedisCluster(work / "redis-cluster", maxmemory="2gb").start()
+        tier = {"type": "redis", "url": server.url, "cluster": True}
+    else:
+        server = servers.RedisServer(work / "redis", maxmemory="4gb").start()
+        tier = {"type": "redis", "url": server.url}
+    log(f"{kind} server started on loopback")
+    try:
+        yield {**tier, "name": kind}
+    finally:
+        server.stop()
+
+
+def run(quick: bool, json_path: Path | None, work_dir: Path | None, shared: str | None = None) -> int:
     profile = PROFILES["quick" if quick else "full"]
     model = prepare_model()
     from transformers import AutoTokenizer
@@ -57,21 +91,31 @@ def run(quick: bool, json_path: Path | None, work_dir: Path | None) -> int:
     work = Path(work_dir or Path.cwd() / "results" / "bench-work")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    job = {
+    with _secondary_tier(shared, work) as tier:
+        job = _job(model, profile, reqs, docs, max_len, per_doc, tier, shared)
+        return _run_phases(job, work, profile, json_path, SHARED_PHASES if shared else PHASES)
+
+
+def _job(model: Path, profile: dict, reqs: list, docs: list, max_len: int, per_doc: int, tier: dict,
+         shared: str | None) -> dict:
+    return {
         "model": str(model), "rounds": profile["rounds"], "max_model_len": max_len,
         # vLLM's own KV memory holds about 1.5 documents: cycling through all of them defeats it.
         "small_blocks": max(per_doc + 1, int(1.5 * per_doc)),
         "large_blocks": per_doc * profile["docs"] * profile["rounds"] + 8,
-        "store": {"chunk_tokens": 256, "dram": {"capacity_bytes": "2GiB"},
-                  "tiers": [{"type": "filesystem", "path": str(work / "kv")}]},
+        "store": {"chunk_tokens": 256, "dram": {"capacity_bytes": "2GiB"}, "tiers": [tier]},
+        "secondary": shared or "disk",
         "requests": [{"doc": r.doc, "round": r.question, "tokens": r.tokens} for r in reqs],
         "unique": docs[profile["docs"]:], "noreuse_output": profile["noreuse_output"],
     }
+
+
+def _run_phases(job: dict, work: Path, profile: dict, json_path: Path | None, phases: tuple[str, ...]) -> int:
     (work / "job.json").write_text(json.dumps(job))
     log(f"{profile['docs']} documents x {profile['doc_tokens']} tokens, {profile['rounds']} questions each; "
         f"vLLM KV memory: {job['small_blocks']} blocks of {BLOCK} tokens")
     results: dict[str, object] = {}
-    for phase in PHASES:
+    for phase in phases:
         log(f"phase {phase}")
         if phase == "noreuse_kvtier":  # a store of its own, so nothing from earlier phases can hit
             job["store"]["tiers"][0]["path"] = str(work / "kv-noreuse")
@@ -88,28 +132,31 @@ def run(quick: bool, json_path: Path | None, work_dir: Path | None) -> int:
             return 1
         results[phase] = json.loads(out.read_text())
         log(f"phase {phase} done in {time.perf_counter() - start:.0f} s")
-    return report(results, profile, json_path)
+    return report(results, profile, json_path, job["secondary"])
 
 
-def report(results: dict, profile: dict, json_path: Path | None) -> int:
+def report(results: dict, profile: dict, json_path: Path | None, secondary: str = "disk") -> int:
     rows: dict[str, dict[str, float]] = {}
     for phase in ("baseline", "kvtier", "restart", "engine_hit"):
         for label, times in results[phase].items():
             if label != "stats":
                 rows[label] = _summary(times)
     base = rows["vLLM, recompute"]["mean"]
-    plain, with_kv = results["noreuse_plain"]["throughput"], results["noreuse_kvtier"]["throughput"]
     print(f"\nkvtier bench ({'quick' if profile['docs'] == 3 else 'full'}): SmolLM2-135M-Instruct on vLLM "
-          f"(CPU), {profile['docs']} documents of {profile['doc_tokens']} tokens, {machine()}\n")
+          f"(CPU), {profile['docs']} documents of {profile['doc_tokens']} tokens, secondary tier: {secondary}, "
+          f"{machine()}\n")
     print("| phase | TTFT mean | p50 | p90 | speedup vs recompute (mean) |")
     print("|---|---|---|---|---|")
     for label, s in rows.items():
         print(f"| {label} | {s['mean']:.3f} s | {s['p50']:.3f} s | {s['p90']:.3f} s | {base / s['mean']:.1f}x |")
-    print(f"\nNo reuse (every prompt unique): {plain:.0f} tokens/s without kvtier, {with_kv:.0f} with "
-          f"({with_kv / plain:.3f} of it)")
+    noreuse = None
+    if "noreuse_plain" in results:
+        plain, with_kv = results["noreuse_plain"]["throughput"], results["noreuse_kvtier"]["throughput"]
+        noreuse = {"vllm": plain, "kvtier": with_kv}
+        print(f"\nNo reuse (every prompt unique): {plain:.0f} tokens/s without kvtier, {with_kv:.0f} with "
+              f"({with_kv / plain:.3f} of it)")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"machine": machine(), "profile": profile, "ttft": rows,
-                                         "noreuse_tokens_per_s": {"vllm": plain, "kvtier": with_kv},
-                                         "raw": results}, indent=2))
+        json_path.write_text(json.dumps({"machine": machine(), "profile": profile, "secondary": secondary,
+                                         "ttft": rows, "noreuse_tokens_per_s": noreuse, "raw": results}, indent=2))
     return 0
