@@ -20,20 +20,23 @@ from kvtier.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 _STOP = None
+MAX_REST_SECONDS = 30.0
 
 
 class Outage:
     """The health of one tier's reads, or of its writes (a read-only disk still serves reads).
 
     The first failure of an outage is logged, the ones after it only counted, and the recovery logged again.
-    After a failure the tier rests for ``retry_seconds``: callers skip it (a read is a miss, a write is
-    dropped and counted) instead of each waiting for a dead server's timeout; the first call after the rest
-    tries the tier again, so it comes back by itself once the server answers.
+    After a failure the tier rests: callers skip it (a read is a miss, a write is dropped and counted) instead
+    of each waiting for a dead server's timeout. The first call after the rest tries the tier again, so it
+    comes back by itself once the server answers. The rest starts at ``retry_seconds`` and doubles with each
+    failed retry, up to :data:`MAX_REST_SECONDS`, so a long outage costs one slow call now and then.
     """
 
     def __init__(self, tier: str, what: str, retry_seconds: float) -> None:
         self._tier, self._what = tier, what
         self._retry = retry_seconds
+        self._rest = retry_seconds
         self._failing = False
         self._until = 0.0  # monotonic time the rest ends
         self._lock = threading.Lock()
@@ -44,10 +47,11 @@ class Outage:
     def failed(self, exc: BaseException) -> None:
         with self._lock:
             first, self._failing = not self._failing, True
-            self._until = time.monotonic() + self._retry
+            self._rest = self._retry if first else min(max(self._retry, self._rest * 2), MAX_REST_SECONDS)
+            self._until = time.monotonic() + self._rest
         if first:
-            log.warning("tier %s: %s failing (further failures counted, not logged; retrying every %.1f s): %s",
-                        self._tier, self._what, self._retry, exc)
+            log.warning("tier %s: %s failing (further failures counted, not logged; retrying after %.1f s, "
+                        "then less often): %s", self._tier, self._what, self._retry, exc)
 
     def succeeded(self) -> None:
         if self._failing:

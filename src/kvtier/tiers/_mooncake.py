@@ -15,6 +15,7 @@ engine restarts. ``kvtier cache ls`` needs the master's admin address
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 import urllib.error
@@ -27,6 +28,7 @@ from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 _MARKER = "heads"
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ class MooncakeOptions:
     local_buffer_bytes: int = 256 * 2**20
     key_prefix: str = "kvtier/"
     admin_url: str | None = None
+    connect_timeout: float = 10.0
 
     def check(self, field: str) -> None:
         host, _, port = self.master.rpartition(":")
@@ -50,6 +53,8 @@ class MooncakeOptions:
                               "or P2PHANDSHAKE)")
         if self.global_segment_bytes < 0:
             raise ConfigError(f"{field}.global_segment_bytes: must be >= 0, got {self.global_segment_bytes}")
+        if self.connect_timeout < 0:
+            raise ConfigError(f"{field}.connect_timeout: must be >= 0, got {self.connect_timeout}")
         if self.local_buffer_bytes <= 0:
             raise ConfigError(f"{field}.local_buffer_bytes: must be positive, got {self.local_buffer_bytes}")
 
@@ -75,37 +80,47 @@ class MooncakeTier(Tier):
             raise ConfigError(f"{name}: the mooncake tier needs Mooncake's Python package (pip install "
                               "'kvtier[mooncake]', or mooncake-transfer-engine on CUDA hosts)") from exc
         self._factory = MooncakeDistributedStore
-        self._lock = threading.Lock()
         self._store_obj: Any = None
+        self._closed = threading.Event()
         self._totals: dict[str, set[int]] = {}  # namespace -> KV-head totals, from markers read or written
+        # Joining a master that does not answer blocks for about 90 s inside Mooncake: join on a thread of our
+        # own, wait for it briefly here, and let calls fail fast (TierError) until it has joined.
+        self._joiner = threading.Thread(target=self._join, name=f"kvtier-{name}-join", daemon=True)
+        self._joiner.start()
+        self._joiner.join(options.connect_timeout)
 
     # -- connection --------------------------------------------------------------------------------------------
+    def _join(self) -> None:
+        o = self.options
+        warned = False
+        while not self._closed.is_set():
+            store = self._factory()
+            rc = store.setup(o.local_hostname, o.metadata_server, o.global_segment_bytes, o.local_buffer_bytes,
+                             o.protocol, o.device_name, o.master)
+            if rc == 0:
+                if self._closed.is_set():
+                    store.close()
+                else:
+                    self._store_obj = store
+                    if warned:
+                        log.warning("tier %s: joined Mooncake master %s", self.name, o.master)
+                return
+            if not warned:
+                log.warning("tier %s: cannot join Mooncake master %s (error %d); retrying in the background",
+                            self.name, o.master, rc)
+                warned = True
+            self._closed.wait(5.0)
+
     def _store(self) -> Any:
         store = self._store_obj
-        if store is not None:
-            return store
-        o = self.options
-        with self._lock:
-            if self._store_obj is None:
-                store = self._factory()
-                rc = store.setup(o.local_hostname, o.metadata_server, o.global_segment_bytes, o.local_buffer_bytes,
-                                 o.protocol, o.device_name, o.master)
-                if rc != 0:
-                    raise TierError(f"{self.name}: cannot join Mooncake master {o.master} (error {rc})")
-                self._store_obj = store
-            return self._store_obj
+        if store is None:
+            raise TierError(f"{self.name}: not joined to Mooncake master {self.options.master} (yet)")
+        return store
 
     def _check(self, rc: int, what: str) -> None:
+        # Once joined, Mooncake's client reconnects to a restarted master by itself; errors are reported only.
         if rc < 0:
-            if rc <= -900:  # RPC failures: the master is gone; join again on the next call
-                self._drop_store()
             raise TierError(f"{self.name}: {what} failed with Mooncake error {rc}")
-
-    def _drop_store(self) -> None:
-        with self._lock:
-            store, self._store_obj = self._store_obj, None
-        if store is not None:
-            store.close()
 
     def _name(self, namespace: str, rest: str) -> str:
         return f"{self.options.key_prefix}{namespace}/{rest}"
@@ -207,5 +222,8 @@ class MooncakeTier(Tier):
                 yield StoredObject(key, size, now, now)
 
     def close(self) -> None:
-        self._drop_store()
+        self._closed.set()
+        store, self._store_obj = self._store_obj, None
+        if store is not None:
+            store.close()
 
