@@ -88,3 +88,30 @@ def test_console_script_is_installed(config: Path) -> None:
     result = subprocess.run([str(exe), "cache", "stats", "--config", str(config)], capture_output=True, text=True,
                             env={**os.environ})
     assert result.returncode == 0 and "objects:" in result.stdout
+
+
+@pytest.mark.parametrize("server", ["redis_server", "s3_server", "mooncake_server"])
+def test_cache_commands_on_shared_tiers(server: str, tmp_path: Path, unique_prefix: str, capsys,
+                                        request: pytest.FixtureRequest) -> None:
+    srv = request.getfixturevalue(server)
+    tier = {"redis_server": lambda: {"type": "redis", "url": srv.url, "key_prefix": unique_prefix},
+            "s3_server": lambda: {"type": "s3", "endpoint_url": srv.endpoint_url, "bucket": "kvtier",
+                                  "prefix": unique_prefix, "create_bucket": True, "addressing_style": "path",
+                                  "access_key_id": "k", "secret_access_key": "s", "region": "us-east-1"},
+            "mooncake_server": lambda: {"type": "mooncake", **srv.tier_options(), "key_prefix": unique_prefix},
+            }[server]()
+    cfg = {"chunk_tokens": T, "dram": {"capacity_bytes": "8MiB", "page_bytes": "16KiB"}, "tiers": [tier]}
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with KVStore.from_config(cfg) as store:
+        for i in range(3):
+            tokens = synthetic_tokens(i, 2 * T)
+            store.put(NS, tokens, synthetic_kv(tokens))
+    assert main(["cache", "stats", "--config", str(path)]) == 0
+    assert "objects:    6" in capsys.readouterr().out
+    assert main(["cache", "verify", "--config", str(path)]) == 0
+    assert "6 ok, 0 bad" in capsys.readouterr().out
+    assert main(["cache", "purge", "--config", str(path), "--all"]) == 0
+    capsys.readouterr()
+    assert main(["cache", "stats", "--config", str(path)]) == 0
+    assert "objects:    0" in capsys.readouterr().out

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier import KVStore
+from kvtier import KVStore, Namespace, chunk_keys
 from kvtier.testing import synthetic_kv, synthetic_tokens
 from kvtier.testing.servers import MooncakeServer, RedisServer, S3Server
 
@@ -130,3 +130,19 @@ def test_chunks_evicted_by_the_server_are_misses(tmp_path: Path, unique_prefix: 
         assert 0 < sum(r is not None for r in results) < len(written)
     finally:
         server.stop()
+
+
+def test_another_namespaces_bytes_are_never_returned(redis_server: RedisServer, unique_prefix: str) -> None:
+    """Bytes copied under another namespace's key (a misconfigured or malicious writer) fail verification."""
+    other_ns = Namespace(model="other-model", dtype="bfloat16")
+    tokens = synthetic_tokens(400, T)
+    with store_with([redis_tier(redis_server, unique_prefix)]) as store:
+        store.put(other_ns, tokens, synthetic_kv(tokens))
+        store.flush()
+        src = f"{unique_prefix}{other_ns.id}:{chunk_keys(other_ns, tokens, T)[0].hex()}"
+        dst = f"{unique_prefix}{NS.id}:{chunk_keys(NS, tokens, T)[0].hex()}"
+        assert redis_server.cli("copy", src, dst).strip() == "1"
+        assert store.lookup(NS, tokens) == T  # the copied hash looks like a stored chunk ...
+        assert store.get(NS, tokens) is None  # ... but its header names the other namespace: a miss
+        assert store.stats()["redis"]["corrupt_objects_total"] == 1
+        assert redis_server.cli("exists", dst).strip() == "0"  # and it was removed

@@ -125,6 +125,9 @@ class MooncakeTier(Tier):
     def _name(self, namespace: str, rest: str) -> str:
         return f"{self.options.key_prefix}{namespace}/{rest}"
 
+    def _object(self, key: ShardKey) -> str:
+        return self._name(key.namespace, f"{key.chunk}/{key.heads}")
+
     def _read_marker(self, namespace: str) -> set[int]:
         raw = self._store().get(self._name(namespace, _MARKER))
         try:
@@ -141,12 +144,12 @@ class MooncakeTier(Tier):
     # -- the tier interface ------------------------------------------------------------------------------------
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
         store = self._store()
-        size = sum(len(memoryview(p).cast("B")) for p in parts)
+        size = sum(memoryview(p).nbytes for p in parts)
         if size > self.options.local_buffer_bytes:
             raise TierError(f"{self.name}: {key.name} is {size} bytes, above local_buffer_bytes "
                             f"({self.options.local_buffer_bytes}); raise it")
         # upsert: a rewrite of a shard replaces it (a plain put leaves the old object in place).
-        self._check(store.upsert_parts(self._name(key.namespace, f"{key.chunk}/{key.heads}"), *parts),
+        self._check(store.upsert_parts(self._object(key), *parts),
                     f"put {key.name}")
         totals = self._known_totals(key.namespace)
         if key.heads.total not in totals:  # a new count: merge with what other writers recorded meanwhile
@@ -156,7 +159,7 @@ class MooncakeTier(Tier):
 
     def get(self, key: ShardKey) -> Buffer | None:
         store = self._store()
-        name = self._name(key.namespace, f"{key.chunk}/{key.heads}")
+        name = self._object(key)
         present = store.is_exist(name)
         self._check(present, f"get {key.name}")
         if not present:
@@ -166,7 +169,7 @@ class MooncakeTier(Tier):
 
     def delete(self, key: ShardKey) -> bool:
         store = self._store()
-        name = self._name(key.namespace, f"{key.chunk}/{key.heads}")
+        name = self._object(key)
         present = store.is_exist(name)
         self._check(present, f"delete {key.name}")
         if not present:

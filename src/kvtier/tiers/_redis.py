@@ -158,11 +158,12 @@ class RedisTier(Tier):
             return fn(self._client())
         except self._redis.RedisError as exc:
             if self.options.cluster:
-                self._reset_cluster_client()
+                self._drop_client()
             raise TierError(f"{self.name}: {what} failed: {exc}") from exc
 
-    def _reset_cluster_client(self) -> None:
-        # A cluster client that lost every node keeps a stale slot map; build a new one on the next call.
+    def _drop_client(self) -> None:
+        # Also after a cluster error: a cluster client that lost every node keeps a stale slot map, so the next
+        # call builds a new one.
         with self._lock:
             client, self._client_obj = self._client_obj, None
         if client is not None:
@@ -182,15 +183,17 @@ class RedisTier(Tier):
         heads = str(key.heads)
 
         def write(client: Any) -> None:
-            # Segments of this shard written earlier with another count would never be read; drop them.
-            stale = [f for f in client.hkeys(name) if (p := _parse_field(f)) and p[0] == key.heads and p[2] != n]
             pipe = client.pipeline(transaction=True)
-            if stale:
-                pipe.hdel(name, *stale)
             pipe.hset(name, mapping={f"{heads}:{i}/{n}": seg for i, seg in enumerate(segments)})
             if self.options.ttl_seconds is not None:
                 pipe.pexpire(name, int(self.options.ttl_seconds * 1000))
-            pipe.execute()
+            pipe.hkeys(name)
+            fields = pipe.execute()[-1]
+            # Segments of this shard from an earlier write with another count would never be read; drop them.
+            # (Until then a reader may pick either complete set: both are whole, verified objects.)
+            stale = [f for f in fields if (p := _parse_field(f)) and p[0] == key.heads and p[2] != n]
+            if stale:
+                client.hdel(name, *stale)
 
         self._call(f"put {key.name}", write)
 
@@ -198,21 +201,26 @@ class RedisTier(Tier):
         name = self._hash(key.namespace, key.chunk)
 
         def read(client: Any) -> Buffer | None:
-            fields = _complete(client.hkeys(name)).get(key.heads)
+            # One round trip for the usual one-segment shard: the field list, and that segment if it exists.
+            single = f"{key.heads}:0/1"
+            pipe = client.pipeline(transaction=False)
+            pipe.hkeys(name)
+            pipe.hget(name, single)
+            names, value = pipe.execute()
+            fields = _complete(names).get(key.heads)
             if fields is None:
                 return None
-            if len(fields) == 1:
-                values = [client.hget(name, fields[0])]
-            else:
-                # One HGET per segment, pipelined: one round trip, and each reply is parsed on its own (a
-                # single reply of many megabytes grows the parser's buffer by 1 MB steps, copying it each time).
-                pipe = client.pipeline(transaction=False)
-                for field in fields:
-                    pipe.hget(name, field)
-                values = pipe.execute()
+            if fields == [single.encode()]:
+                return value
+            # One HGET per segment, pipelined: one round trip, and each reply is parsed on its own (a single
+            # reply of many megabytes grows the parser's buffer by 1 MB steps, copying it each time).
+            pipe = client.pipeline(transaction=False)
+            for field in fields:
+                pipe.hget(name, field)
+            values = pipe.execute()
             if any(v is None for v in values):  # evicted or replaced between the two calls
                 return None
-            return values[0] if len(values) == 1 else b"".join(values)
+            return b"".join(values)
 
         return self._call(f"get {key.name}", read)
 
@@ -264,10 +272,4 @@ class RedisTier(Tier):
                     yield StoredObject(ShardKey(ns, chunk, heads), sum(sizes), used, used)
 
     def close(self) -> None:
-        with self._lock:
-            client, self._client_obj = self._client_obj, None
-        if client is not None:
-            try:
-                client.close()
-            except self._redis.RedisError:
-                pass
+        self._drop_client()
