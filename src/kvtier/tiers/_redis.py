@@ -2,9 +2,9 @@
 
 Each chunk is one Redis hash, ``<key_prefix><namespace>:<chunk>``; each shard is stored in that hash under
 fields ``<heads>:<i>/<n>``, the object cut into ``n`` segments of at most ``segment_bytes`` (the server's
-bulk-length limit is 512 MB by default). A shard is written in one MULTI/EXEC, so a reader sees all of its
-segments or none; the server's own eviction (maxmemory) removes a whole hash, so an evicted shard is a miss,
-never a partial read. In a cluster the chunks spread over the slots and the client follows MOVED/ASK.
+bulk-length limit is 512 MB by default). A shard is written by one HSET (in one MULTI/EXEC when it has
+several segments), so a reader sees all of its segments or none; the server's own eviction (maxmemory)
+removes a whole hash, so an evicted shard is a miss, never a partial read. In a cluster the chunks spread over the slots and the client follows MOVED/ASK.
 
 Calls run on the caller's thread with the configured socket timeouts; any Redis error (refused, timed out,
 out of memory) is a :class:`TierError`, and the client reconnects by itself on the next call once the server
@@ -97,6 +97,28 @@ def _complete(fields: Sequence[bytes]) -> dict[HeadRange, list[bytes]]:
     return {heads: [segs[i] for i in range(n)] for (heads, n), segs in seen.items() if len(segs) == n}
 
 
+def _packer() -> Any:
+    """redis-py's own command packer. hiredis's copies every argument into one buffer: 10 ms for a 5.9 MB
+    chunk, three times the transfer itself; this one sends large arguments as they are."""
+    from redis.connection import Encoder, PythonRespSerializer
+
+    return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+
+
+def _connection_class(tls: bool) -> type:
+    """A connection class that packs commands with :func:`_packer` (for cluster clients)."""
+    from redis.connection import Connection, SSLConnection
+
+    base = SSLConnection if tls else Connection
+
+    class PackingConnection(base):  # type: ignore[misc, valid-type]
+        def __init__(self, **kwargs: Any) -> None:
+            kwargs.setdefault("command_packer", _packer())
+            super().__init__(**kwargs)
+
+    return PackingConnection
+
+
 def _escape_glob(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
@@ -126,14 +148,12 @@ class RedisTier(Tier):
         if client is not None:
             return client
         o = self.options
-        from redis.connection import Encoder, PythonRespSerializer
-
-        # hiredis's command packer copies every argument into one buffer: 10 ms for a 5.9 MB chunk, three
-        # times the transfer itself. redis-py's own packer sends large arguments as they are.
-        packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
         kwargs: dict[str, Any] = dict(socket_timeout=o.socket_timeout, socket_connect_timeout=o.connect_timeout,
-                                      socket_read_size=o.socket_read_bytes, max_connections=o.max_connections,
-                                      command_packer=packer)
+                                      socket_read_size=o.socket_read_bytes, max_connections=o.max_connections)
+        if o.cluster:  # a cluster client passes on only the connection settings it knows, the class among them
+            kwargs["connection_class"] = _connection_class(o.url.startswith("rediss://"))
+        else:
+            kwargs["command_packer"] = _packer()
         with self._lock:
             if self._client_obj is None:
                 from redis.backoff import NoBackoff
@@ -183,7 +203,9 @@ class RedisTier(Tier):
         heads = str(key.heads)
 
         def write(client: Any) -> None:
-            pipe = client.pipeline(transaction=True)
+            # One HSET of one field is atomic by itself; several segments need MULTI/EXEC (which a cluster
+            # client runs more slowly).
+            pipe = client.pipeline(transaction=n > 1)
             pipe.hset(name, mapping={f"{heads}:{i}/{n}": seg for i, seg in enumerate(segments)})
             if self.options.ttl_seconds is not None:
                 pipe.pexpire(name, int(self.options.ttl_seconds * 1000))
