@@ -89,7 +89,7 @@ class TierConformance:
             t.start()
         for t in threads:
             t.join()
-        assert not errors
+        assert not errors, errors
         for i in range(16):
             assert bytes(tier.get(key(100 + i)) or b"") == i.to_bytes(4, "little") * 1000
 

@@ -3,8 +3,8 @@
 Object names: ``<key_prefix><namespace>/<chunk>/<heads>``. Mooncake has no listing by prefix, so each namespace
 also holds one small marker object, ``<key_prefix><namespace>/heads``, with the total KV-head counts stored
 under it (one, as a namespace names one model): a lookup then asks, in one batched call, for every head range
-a tensor-parallel rank can hold (equal slices of those counts). The marker is rewritten with every shard, so
-it comes back if the store evicted it.
+a tensor-parallel rank can hold (equal slices of those counts). Writers rewrite the marker every 30 s, so it
+comes back if the store evicted it.
 
 Objects live in the memory segments that Mooncake clients mount (``global_segment_bytes``); by default this
 process mounts none and uses the segments of dedicated clients (``mooncake_client``), so the KV outlives
@@ -28,6 +28,7 @@ from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 _MARKER = "heads"
+_MARKER_REFRESH = 30.0  # seconds between rewrites of a namespace's marker by one process
 log = logging.getLogger(__name__)
 
 
@@ -83,6 +84,8 @@ class MooncakeTier(Tier):
         self._store_obj: Any = None
         self._closed = threading.Event()
         self._totals: dict[str, set[int]] = {}  # namespace -> KV-head totals, from markers read or written
+        self._marked: dict[str, float] = {}  # namespace -> when this process last wrote its marker
+        self._marker_lock = threading.Lock()
         # Joining a master that does not answer blocks for about 90 s inside Mooncake: join on a thread of our
         # own, wait for it briefly here, and let calls fail fast (TierError) until it has joined.
         self._joiner = threading.Thread(target=self._join, name=f"kvtier-{name}-join", daemon=True)
@@ -149,13 +152,28 @@ class MooncakeTier(Tier):
             raise TierError(f"{self.name}: {key.name} is {size} bytes, above local_buffer_bytes "
                             f"({self.options.local_buffer_bytes}); raise it")
         # upsert: a rewrite of a shard replaces it (a plain put leaves the old object in place).
-        self._check(store.upsert_parts(self._object(key), *parts),
-                    f"put {key.name}")
-        totals = self._known_totals(key.namespace)
-        if key.heads.total not in totals:  # a new count: merge with what other writers recorded meanwhile
-            totals = self._totals[key.namespace] = totals | self._read_marker(key.namespace) | {key.heads.total}
-        marker = ",".join(str(t) for t in sorted(totals)).encode()
-        self._check(store.upsert(self._name(key.namespace, _MARKER), marker), f"put of the {key.namespace} marker")
+        rc = store.upsert_parts(self._object(key), *parts)
+        if rc < 0:  # the master may be restarting and lose every object, markers too: rewrite them next time
+            self._marked.clear()
+        self._check(rc, f"put {key.name}")
+        self._mark(store, key.namespace, key.heads.total)
+
+    def _mark(self, store: Any, namespace: str, total: int) -> None:
+        """Record ``total`` in the namespace's marker: on a new count, and every so often, so a marker that the
+        store evicted comes back. One writer at a time in this process; a write that fails because another
+        process wrote at the same moment is fine if the marker now holds the count."""
+        now = time.monotonic()
+        with self._marker_lock:
+            totals = self._known_totals(namespace)
+            if total in totals and now - self._marked.get(namespace, -_MARKER_REFRESH) < _MARKER_REFRESH:
+                return
+            if total not in totals:  # a new count: merge with what other writers recorded meanwhile
+                totals = self._totals[namespace] = totals | self._read_marker(namespace) | {total}
+            rc = store.upsert(self._name(namespace, _MARKER), ",".join(str(t) for t in sorted(totals)).encode())
+            if rc < 0 and total not in self._read_marker(namespace):
+                raise TierError(f"{self.name}: writing the marker of namespace {namespace} failed with Mooncake "
+                                f"error {rc}")
+            self._marked[namespace] = now
 
     def get(self, key: ShardKey) -> Buffer | None:
         store = self._store()
