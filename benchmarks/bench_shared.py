@@ -37,7 +37,7 @@ KINDS = ("redis", "redis-cluster", "s3", "mooncake")
 
 
 def start(kind: str, root: Path) -> tuple[Any, dict, Callable[[], Any]]:
-    """The server, the tier's options, and a factory for the raw client with put(name, bytes)/get(name)."""
+    """The server, the tier's type and options, and a factory for the raw client with put(name, bytes)/get(name)."""
     if kind in ("redis", "redis-cluster"):
         import redis
         from redis.cluster import RedisCluster
@@ -46,30 +46,29 @@ def start(kind: str, root: Path) -> tuple[Any, dict, Callable[[], Any]]:
             server: Any = servers.RedisServer(root / kind, maxmemory="3gb").start()
         else:
             server = servers.RedisCluster(root / kind, maxmemory="1gb").start()
-        cluster = kind == "redis-cluster"
 
         def raw() -> Any:
-            client = RedisCluster.from_url(server.url) if cluster else redis.Redis.from_url(server.url)
+            client = RedisCluster.from_url(server.url) if kind == "redis-cluster" else redis.Redis.from_url(server.url)
             return _Raw(lambda k, v: client.set(k, v), lambda k: client.get(k), client.close)
 
-        return server, {"type": "redis", "url": server.url, "cluster": cluster}, raw
+        return server, {"type": "redis", **server.tier_options()}, raw
     if kind == "s3":
         import boto3
         from botocore.config import Config
 
         server = servers.S3Server(root / kind).start()
-        creds = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
+        o = server.tier_options()
 
         def raw() -> Any:
-            s3 = boto3.client("s3", endpoint_url=server.endpoint_url, **creds,
+            s3 = boto3.client("s3", endpoint_url=o["endpoint_url"], aws_access_key_id=o["access_key_id"],
+                              aws_secret_access_key=o["secret_access_key"], region_name=o["region"],
                               config=Config(s3={"addressing_style": "path"}, request_checksum_calculation=
                                             "when_required", response_checksum_validation="when_required"))
-            return _Raw(lambda k, v: s3.put_object(Bucket="kvtier-bench", Key=f"raw/{k}", Body=v),
-                        lambda k: s3.get_object(Bucket="kvtier-bench", Key=f"raw/{k}")["Body"].read(), s3.close)
+            bucket = o["bucket"]
+            return _Raw(lambda k, v: s3.put_object(Bucket=bucket, Key=f"raw/{k}", Body=v),
+                        lambda k: s3.get_object(Bucket=bucket, Key=f"raw/{k}")["Body"].read(), s3.close)
 
-        return server, {"type": "s3", "endpoint_url": server.endpoint_url, "bucket": "kvtier-bench",
-                        "create_bucket": True, "addressing_style": "path", "access_key_id": "bench",
-                        "secret_access_key": "bench", "region": "us-east-1"}, raw
+        return server, {"type": "s3", **o}, raw
     from mooncake.store import MooncakeDistributedStore
 
     server = servers.MooncakeServer(root / kind, segment="3GB").start()

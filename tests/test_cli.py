@@ -18,15 +18,20 @@ T = 16
 OTHER = Namespace(model="other-model", dtype="bfloat16")
 
 
+def put_three_prompts(store: KVStore) -> None:
+    """Six shards in namespace NS: three prompts of two chunks."""
+    for i in range(3):
+        tokens = synthetic_tokens(i, 2 * T)
+        store.put(NS, tokens, synthetic_kv(tokens))
+
+
 @pytest.fixture
 def config(tmp_path: Path) -> Path:
     cfg = store_config(tmp_path / "fs")
     path = tmp_path / "kvtier.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with KVStore.from_config(cfg) as store:
-        for i in range(3):
-            tokens = synthetic_tokens(i, 2 * T)
-            store.put(NS, tokens, synthetic_kv(tokens))
+        put_three_prompts(store)
         tokens = synthetic_tokens(99, T)
         store.put(OTHER, tokens, synthetic_kv(tokens))
     return path
@@ -94,19 +99,14 @@ def test_console_script_is_installed(config: Path) -> None:
 def test_cache_commands_on_shared_tiers(server: str, tmp_path: Path, unique_prefix: str, capsys,
                                         request: pytest.FixtureRequest) -> None:
     srv = request.getfixturevalue(server)
-    tier = {"redis_server": lambda: {"type": "redis", "url": srv.url, "key_prefix": unique_prefix},
-            "s3_server": lambda: {"type": "s3", "endpoint_url": srv.endpoint_url, "bucket": "kvtier",
-                                  "prefix": unique_prefix, "create_bucket": True, "addressing_style": "path",
-                                  "access_key_id": "k", "secret_access_key": "s", "region": "us-east-1"},
-            "mooncake_server": lambda: {"type": "mooncake", **srv.tier_options(), "key_prefix": unique_prefix},
-            }[server]()
+    kind, prefix_key = {"redis_server": ("redis", "key_prefix"), "s3_server": ("s3", "prefix"),
+                        "mooncake_server": ("mooncake", "key_prefix")}[server]
+    tier = {"type": kind, **srv.tier_options(), prefix_key: unique_prefix}
     cfg = {"chunk_tokens": T, "dram": {"capacity_bytes": "8MiB", "page_bytes": "16KiB"}, "tiers": [tier]}
     path = tmp_path / "kvtier.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with KVStore.from_config(cfg) as store:
-        for i in range(3):
-            tokens = synthetic_tokens(i, 2 * T)
-            store.put(NS, tokens, synthetic_kv(tokens))
+        put_three_prompts(store)
     assert main(["cache", "stats", "--config", str(path)]) == 0
     assert "objects:    6" in capsys.readouterr().out
     assert main(["cache", "verify", "--config", str(path)]) == 0

@@ -22,13 +22,13 @@ T = 16
 
 def redis_tier(server: RedisServer, prefix: str) -> dict:
     # Long socket timeouts: a caller that waited on the server would show it plainly.
-    return {"type": "redis", "url": server.url, "key_prefix": prefix, "socket_timeout": 30, "retry_seconds": 0.2}
+    return {"type": "redis", **server.tier_options(), "key_prefix": prefix, "socket_timeout": 30,
+            "retry_seconds": 0.2}
 
 
 def s3_tier(server: S3Server, prefix: str) -> dict:
-    return {"type": "s3", "endpoint_url": server.endpoint_url, "bucket": "kvtier", "prefix": prefix,
-            "create_bucket": True, "addressing_style": "path", "access_key_id": "k", "secret_access_key": "s",
-            "region": "us-east-1", "read_timeout": 30, "max_attempts": 1, "retry_seconds": 0.2}
+    return {"type": "s3", **server.tier_options(), "prefix": prefix, "read_timeout": 30, "max_attempts": 1,
+            "retry_seconds": 0.2}
 
 
 def mooncake_tier(server: MooncakeServer, prefix: str) -> dict:

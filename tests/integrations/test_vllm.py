@@ -136,8 +136,7 @@ def test_two_engines_share_prefixes_through_redis(model_dir: Path, server: str, 
     """Engine B (its own process and DRAM) loads from Redis the prefix that engine A computed."""
     redis = request.getfixturevalue(server)
     cfg = {"chunk_tokens": CHUNK, "dram": {"capacity_bytes": "64MiB"},
-           "tiers": [{"type": "redis", "url": redis.url, "cluster": server == "redis_cluster",
-                      "key_prefix": unique_prefix}]}
+           "tiers": [{"type": "redis", **redis.tier_options(), "key_prefix": unique_prefix}]}
     a = engine(model_dir, cfg, [generate("long"), {"op": "stats"}])
     b = engine(model_dir, cfg, [generate("long"), {"op": "stats"}])
     assert a[0] == b[0] == [expected["long"]]

@@ -10,12 +10,8 @@ from kvtier import ConfigError, S3Tier
 from kvtier.testing.servers import S3Server
 from kvtier.testing.tiers import NS_A, TierConformance, key
 
-CREDENTIALS = {"access_key_id": "kvtier", "secret_access_key": "kvtier-secret", "region": "us-east-1"}
-
-
 def open_tier(server: S3Server, **options: object) -> S3Tier:
-    tier = S3Tier.from_config("s3", {"endpoint_url": server.endpoint_url, "bucket": "kvtier", "create_bucket": True,
-                                     "addressing_style": "path", **CREDENTIALS, **options}, "tiers[0]")
+    tier = S3Tier.from_config("s3", {**server.tier_options(), **options}, "tiers[0]")
     assert isinstance(tier, S3Tier)
     return tier
 

