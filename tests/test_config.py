@@ -17,7 +17,7 @@ def test_defaults_and_sizes() -> None:
 @pytest.mark.parametrize(("cfg", "message"), [
     ({"chunk_size": 256}, r"chunk_size: unknown key; allowed: chunk_tokens, dram, tiers, metrics_port"),
     ({"chunk_tokens": "big"}, r"chunk_tokens: expected int"),
-    ({"chunk_tokens": 0}, r"chunk_tokens: must be a positive integer"),
+    ({"chunk_tokens": 0}, r"chunk_tokens: must be an integer in \[1, 1048576\]"),
     ({"chunk_tokens": True}, r"chunk_tokens: expected int"),
     ({"dram": {"capacity_bytes": "lots"}}, r"dram.capacity_bytes: expected a byte size"),
     ({"dram": {"eviction": 3}}, r"dram.eviction: expected str"),
@@ -27,7 +27,22 @@ def test_defaults_and_sizes() -> None:
     ({"tiers": [{"path": "/x"}]}, r"tiers\[0\].type: required"),
     ({"tiers": [{"type": "filesystem"}]}, r"tiers\[0\].path: required"),
     ({"tiers": [{"type": "tape", "path": "/x"}]}, r"tiers\[0\].type: unknown tier type 'tape'; known: filesystem"),
-    ({"tiers": [{"type": "filesystem", "path": "/x", "queue_depth": 0}]}, r"tiers\[0\].queue_depth: must be >= 1"),
+    ({"tiers": [{"type": "filesystem", "path": "/x", "queue_depth": 0}]}, r"tiers\[0\].queue_depth: must be in \[1, "),
+    ({"tiers": [{"type": "filesystem", "path": "/x", "queue_bytes": 0}]}, r"tiers\[0\].queue_bytes: must be positive"),
+    ({"tiers": [{"type": "filesystem", "path": "/x", "workers": 10**6}]}, r"tiers\[0\].workers: must be in \[1, 64\]"),
+    ({"tiers": [{"type": "filesystem", "path": "/x", "retry_seconds": float("inf")}]},
+     r"tiers\[0\].retry_seconds: must be a finite number"),
+    ({"tiers": [{"type": "filesystem", "path": "/x", "retry_seconds": float("nan")}]},
+     r"tiers\[0\].retry_seconds: must be a finite number"),
+    ({"tiers": [{"type": "filesystem", "path": "/x", "name": "a/b"}]}, r"tiers\[0\].name: 1-64 letters"),
+    ({"tiers": [{"type": "kvtier.keys:Namespace", "path": "/x"}]},
+     r"tiers\[0\].type: plugin 'kvtier.keys:Namespace' is .*not a subclass of kvtier.tiers.base.Tier"),
+    ({"tiers": [{"type": "kvtier.keys:chunk_keys", "path": "/x"}]}, r"tiers\[0\].type: plugin .* not a subclass"),
+    ({"dram": {"eviction": "kvtier.tiers.base:Tier"}}, r"dram.eviction: plugin .* not a subclass of .*EvictionPolicy"),
+    ({"tiers": [{"type": "kvtier.no_such:Tier", "path": "/x"}]}, r"tiers\[0\].type: cannot load tier type plugin"),
+    ({"dram": {"capacity_bytes": "64TiB"}}, r"dram.capacity_bytes: .* more than the memory available now"),
+    ({"metrics_port": 70000}, r"metrics_port: must be a TCP port in \[1, 65535\]"),
+    ({"metrics_port": 0}, r"metrics_port: must be a TCP port"),
     ({"tiers": [{"type": "filesystem", "path": "/x", "retry_seconds": -1}]},
      r"tiers\[0\].retry_seconds: must be >= 0"),
     ({"tiers": [{"type": "redis", "url": "memcached://x"}]}, r"tiers\[0\].url: expected a redis://"),
@@ -43,6 +58,18 @@ def test_bad_config_names_field_and_allowed_values(cfg: dict, message: str, tmp_
             tier["path"] = str(tmp_path / tier["path"].strip("/"))
     with pytest.raises(ConfigError, match=message):
         KVStore.from_config(cfg).close()
+
+
+def test_config_errors_never_echo_secrets() -> None:
+    secret = "hunter2-very-secret"
+    for cfg in ({"tiers": [{"type": "s3", "bucket": "b", "access_key_id": "k", "secret_access_key": 12345}]},
+                {"tiers": [{"type": "s3", "bucket": "b", "access_key_id": "k", "secret_access_key": [secret]}]},
+                {"tiers": [{"type": "redis", "url": f"memcached://user:{secret}@host:1"}]},
+                {"tiers": [{"type": "redis", "url": f"redis://:{secret}@host:1", "cluster": "yes"}]},
+                {"tiers": [{"type": "redis", "url": f"redis://user:{secret}@host:1", "ttl_seconds": -1}]}):
+        with pytest.raises(ConfigError) as info:
+            load_config(cfg) and KVStore.from_config(cfg).close()
+        assert secret not in str(info.value) and "12345" not in str(info.value), str(info.value)
 
 
 def test_yaml_file_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -153,3 +153,19 @@ def test_consecutive_and_scattered_chunks_land_in_their_entries() -> None:
         if i != 4:
             pool.commit(e)
             assert torch.equal(pool.tensor(e), kv[:, :, :, i * 16:(i + 1) * 16]), i
+
+
+def test_a_reservation_that_cannot_fit_evicts_nothing() -> None:
+    pool = DramPool(8 * PAGE, PAGE, LRUPolicy())  # four 2-page shards
+    for i in range(4):
+        put(pool, i)
+    busy = pool.acquire(skey(0).namespace, skey(0).chunk, [skey(0).heads])  # pinned: 2 pages cannot be freed
+    big = ShardMeta(num_layers=7, chunk_tokens=16, head_dim=16, dtype=torch.bfloat16, heads=HeadRange(0, 4, 4))
+    assert pool.reserve(skey(9), big, None) == "full"  # needs 7 pages; only 6 could be freed
+    assert resident(pool) == {0, 1, 2, 3}  # nothing was evicted for a reservation that fails anyway
+    assert pool.audit()["idle_mismatch"] == 0
+    pool.release(busy[0])
+    entry = pool.reserve(skey(9), big, None)  # with 0 idle again, 8 pages can be freed
+    assert isinstance(entry, DramEntry)
+    pool.abort(entry)
+    assert pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}

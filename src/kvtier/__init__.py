@@ -1,9 +1,9 @@
 """kvtier: LLM KV caches in tiers outside the inference engine (DRAM, local disk, shared stores)."""
 
 from kvtier.config import StoreConfig, load_config
-from kvtier.errors import ConfigError, KVTierError, TierError
+from kvtier.errors import ConfigError, KVTierError, ObjectError, TierError
 from kvtier.eviction import POLICIES, EvictionPolicy
-from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, fingerprint_model
+from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, fingerprint_model, rank_heads
 from kvtier.store import KVStore
 from kvtier.tiers import TIERS, FilesystemTier, MooncakeTier, RedisTier, S3Tier, StoredObject, Tier
 
@@ -18,6 +18,7 @@ __all__ = [
     "KVTierError",
     "MooncakeTier",
     "Namespace",
+    "ObjectError",
     "RedisTier",
     "S3Tier",
     "ShardKey",
@@ -28,4 +29,5 @@ __all__ = [
     "chunk_keys",
     "fingerprint_model",
     "load_config",
+    "rank_heads",
 ]

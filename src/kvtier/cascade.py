@@ -13,6 +13,7 @@ import threading
 import time
 
 from kvtier import frame
+from kvtier.config import TierSpec
 from kvtier.dram import DramEntry, DramPool
 from kvtier.errors import TierError
 from kvtier.metrics import StoreMetrics
@@ -62,17 +63,24 @@ class Outage:
 
 
 class CascadeWriter:
-    """A bounded queue and worker threads feeding one tier."""
+    """A bounded queue and worker threads feeding one tier.
 
-    def __init__(self, tier: Tier, pool: DramPool, metrics: StoreMetrics, queue_depth: int, workers: int,
-                 retry_seconds: float) -> None:
+    The queue is bounded twice: by entries (``queue_depth``) and by the bytes they pin in DRAM (``queue_bytes``),
+    so a slow tier never holds more than that much of the pool.
+    """
+
+    def __init__(self, tier: Tier, pool: DramPool, metrics: StoreMetrics, spec: TierSpec) -> None:
         self.tier = tier
         self._pool = pool
         self._metrics = metrics
-        self._queue: queue.Queue[DramEntry | None] = queue.Queue(maxsize=queue_depth)
-        self._outage = Outage(tier.name, "writes", retry_seconds)
+        self._queue: queue.Queue[DramEntry | None] = queue.Queue(maxsize=spec.queue_depth)
+        self._max_bytes = spec.queue_bytes
+        self._bytes = 0  # payload bytes of the entries queued or being written
+        self._bytes_lock = threading.Lock()
+        self._outage = Outage(tier.name, "writes", spec.retry_seconds)
+        self._present = metrics.present_writes.labels(tier.name)
         self._threads = [threading.Thread(target=self._run, name=f"kvtier-{tier.name}-{i}", daemon=True)
-                         for i in range(workers)]
+                         for i in range(spec.workers)]
         for t in self._threads:
             t.start()
 
@@ -80,15 +88,27 @@ class CascadeWriter:
     def depth(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
     def submit(self, entry: DramEntry) -> bool:
         """Queue ``entry`` (pinned once on this writer's behalf); False when the queue was full."""
-        try:
-            self._queue.put_nowait(entry)
-        except queue.Full:
-            self._pool.release(entry)
-            self._metrics.dropped.labels(self.tier.name, "queue_full").inc()
-            return False
-        return True
+        size = entry.meta.nbytes
+        with self._bytes_lock:
+            fits = self._bytes + size <= self._max_bytes or self._bytes == 0  # one entry always fits
+            if fits:
+                self._bytes += size
+        if fits:
+            try:
+                self._queue.put_nowait(entry)
+                return True
+            except queue.Full:
+                with self._bytes_lock:
+                    self._bytes -= size
+        self._pool.release(entry)
+        self._metrics.dropped.labels(self.tier.name, "queue_full").inc()
+        return False
 
     def flush(self) -> None:
         """Wait until every queued write has ended."""
@@ -111,6 +131,8 @@ class CascadeWriter:
                 self._write(entry)
             finally:
                 if entry is not _STOP:
+                    with self._bytes_lock:
+                        self._bytes -= entry.meta.nbytes
                     self._pool.release(entry)
                 self._queue.task_done()
 
@@ -118,10 +140,16 @@ class CascadeWriter:
         if self._outage.resting():
             self._metrics.dropped.labels(self.tier.name, "tier_unavailable").inc()
             return
-        views = self._pool.views(entry)
-        header = frame.encode_header(entry.key, entry.meta, views)
         start = time.perf_counter()
         try:
+            # A chunk computed again (evicted from DRAM, or recomputed after a failed load) is often still in
+            # the tier: asking costs one small call, rewriting it a whole upload.
+            if self.tier.exists(entry.key):
+                self._present.inc()
+                self._outage.succeeded()
+                return
+            views = self._pool.views(entry)
+            header = frame.encode_header(entry.key, entry.meta, views)
             self.tier.put(entry.key, [header, *views])
         except TierError as exc:
             self._metrics.write_errors.labels(self.tier.name).inc()

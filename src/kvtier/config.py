@@ -7,6 +7,7 @@ Byte sizes accept integers or strings with a unit (``"512MiB"``, ``"4GB"``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -29,10 +30,29 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+_SECRET_FIELDS = ("secret", "password", "token", "credential")
+_URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@]*):[^@/]*@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of any ``scheme://user:password@host`` URL in it replaced by ``***``."""
+    return _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+
+
+def shown(field: str, value: object) -> str:
+    """How a config value appears in an error: secrets never, URLs without their password."""
+    name = field.rpartition(".")[2].lower()
+    if any(word in name for word in _SECRET_FIELDS):
+        return "<redacted>"
+    return redact(repr(value))
+
+
 def parse_size(value: object, field: str) -> int:
     """Parse a byte size given as an int or a string such as ``"4GiB"``."""
     if isinstance(value, bool):
         raise ConfigError(f"{field}: expected a byte size (int or string like '4GiB'), got {value!r}")
+    if isinstance(value, int) and value < 0:
+        raise ConfigError(f"{field}: must not be negative, got {value}")
     if isinstance(value, int):
         return value
     if isinstance(value, str):
@@ -40,7 +60,8 @@ def parse_size(value: object, field: str) -> int:
         if match and match.group(2).lower() in _SIZE_UNITS:
             return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
     units = ", ".join(u for u in _SIZE_UNITS if u)
-    raise ConfigError(f"{field}: expected a byte size (int, or a number with one of {units}), got {value!r}")
+    raise ConfigError(f"{field}: expected a byte size (int, or a number with one of {units}), got "
+                      f"{shown(field, value)}")
 
 
 def _describe(tp: Any) -> str:
@@ -67,20 +88,22 @@ def _coerce(tp: Any, value: object, field: str, size: bool) -> object:
                 return _coerce(arg, value, field, size)
             except ConfigError:
                 continue
-        raise ConfigError(f"{field}: expected {_describe(tp)}, got {value!r}")
+        raise ConfigError(f"{field}: expected {_describe(tp)}, got {shown(field, value)}")
     if origin is Literal:
         if value in typing.get_args(tp):
             return value
-        raise ConfigError(f"{field}: expected {_describe(tp)}, got {value!r}")
+        raise ConfigError(f"{field}: expected {_describe(tp)}, got {shown(field, value)}")
     if tp is int and size:
         return parse_size(value, field)
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{field}: must be a finite number, got {value!r}")
         return float(value)
     if tp in (str, bool) and isinstance(value, tp):
         return value
-    raise ConfigError(f"{field}: expected {_describe(tp)}, got {value!r}")
+    raise ConfigError(f"{field}: expected {_describe(tp)}, got {shown(field, value)}")
 
 
 def build_dataclass(cls: type, data: object, field: str) -> Any:
@@ -131,6 +154,10 @@ class DramConfig:
             )
 
 
+_MAX_WORKERS = 64
+_MAX_QUEUE_DEPTH = 1_000_000
+
+
 @dataclasses.dataclass(frozen=True)
 class TierSpec:
     """One secondary tier as configured; ``options`` are checked by the tier class itself."""
@@ -139,6 +166,7 @@ class TierSpec:
     name: str
     options: Mapping[str, object]
     queue_depth: int = 64
+    queue_bytes: int = 512 * 2**20
     workers: int = 1
     retry_seconds: float = 1.0
 
@@ -146,9 +174,22 @@ class TierSpec:
 @dataclasses.dataclass(frozen=True)
 class _TierCommon:
     queue_depth: int = 64
+    queue_bytes: int = 512 * 2**20
     workers: int = 1
     retry_seconds: float = 1.0
     name: str | None = None
+
+    def check(self, field: str) -> None:
+        if not 1 <= self.queue_depth <= _MAX_QUEUE_DEPTH:
+            raise ConfigError(f"{field}.queue_depth: must be in [1, {_MAX_QUEUE_DEPTH}], got {self.queue_depth}")
+        if self.queue_bytes < 1:
+            raise ConfigError(f"{field}.queue_bytes: must be positive, got {self.queue_bytes}")
+        if not 1 <= self.workers <= _MAX_WORKERS:
+            raise ConfigError(f"{field}.workers: must be in [1, {_MAX_WORKERS}], got {self.workers}")
+        if self.retry_seconds < 0:
+            raise ConfigError(f"{field}.retry_seconds: must be >= 0, got {self.retry_seconds}")
+        if self.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
+            raise ConfigError(f"{field}.name: 1-64 letters, digits, '_', '.' or '-', got {self.name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,21 +211,15 @@ def _parse_tier(raw: object, index: int, seen: set[str]) -> TierSpec:
         raise ConfigError(f"{field}: expected a mapping with a 'type' key, got {raw!r}")
     if "type" not in raw or not isinstance(raw["type"], str):
         raise ConfigError(f"{field}.type: required, a tier type name")
-    common_keys = {"queue_depth", "workers", "retry_seconds", "name"}
+    common_keys = {f.name for f in dataclasses.fields(_TierCommon)}
     common = build_dataclass(_TierCommon, {k: v for k, v in raw.items() if k in common_keys}, field)
-    if common.queue_depth < 1:
-        raise ConfigError(f"{field}.queue_depth: must be >= 1, got {common.queue_depth}")
-    if common.workers < 1:
-        raise ConfigError(f"{field}.workers: must be >= 1, got {common.workers}")
-    if common.retry_seconds < 0:
-        raise ConfigError(f"{field}.retry_seconds: must be >= 0, got {common.retry_seconds}")
     name = common.name or raw["type"]
     if name in seen or name == "dram":
         raise ConfigError(f"{field}.name: tier name {name!r} is used twice; give each tier a distinct 'name'")
     seen.add(name)
     options = {k: v for k, v in raw.items() if k not in common_keys | {"type"}}
-    return TierSpec(type=raw["type"], name=name, options=options,
-                    queue_depth=common.queue_depth, workers=common.workers, retry_seconds=common.retry_seconds)
+    return TierSpec(type=raw["type"], name=name, options=options, queue_depth=common.queue_depth,
+                    queue_bytes=common.queue_bytes, workers=common.workers, retry_seconds=common.retry_seconds)
 
 
 def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> StoreConfig:
@@ -211,8 +246,8 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
         raise ConfigError(f"{unknown[0]}: unknown key; allowed: {', '.join(_TOP_KEYS)}")
     chunk_tokens = _coerce(int, cfg.get("chunk_tokens", 256), "chunk_tokens", size=False)
     assert isinstance(chunk_tokens, int)
-    if chunk_tokens < 1:
-        raise ConfigError(f"chunk_tokens: must be a positive integer, got {chunk_tokens}")
+    if not 1 <= chunk_tokens <= 2**20:
+        raise ConfigError(f"chunk_tokens: must be an integer in [1, {2**20}], got {chunk_tokens}")
     dram = build_dataclass(DramConfig, cfg.get("dram", {}) or {}, "dram")
     raw_tiers = cfg.get("tiers", []) or []
     if not isinstance(raw_tiers, list):
@@ -220,4 +255,6 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
     seen: set[str] = set()
     tiers = tuple(_parse_tier(raw, i, seen) for i, raw in enumerate(raw_tiers))
     metrics_port = _coerce(int | None, cfg.get("metrics_port"), "metrics_port", size=False)
+    if metrics_port is not None and not 1 <= metrics_port <= 65535:  # type: ignore[operator]
+        raise ConfigError(f"metrics_port: must be a TCP port in [1, 65535], got {metrics_port}")
     return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 
+from kvtier.errors import ConfigError
 from kvtier.eviction import EvictionPolicy
 from kvtier import frame
 from kvtier.frame import ShardMeta
@@ -81,6 +82,10 @@ class DramEntry:
     extents: list[Extent]
     refs: int = 1
 
+    @property
+    def pages(self) -> int:
+        return sum(n for _, n in self.extents)
+
 
 Reservation = DramEntry | Literal["present", "full"]
 
@@ -96,7 +101,11 @@ class DramPool:
         self.pages = capacity_bytes // page_bytes
         self.capacity_bytes = self.pages * page_bytes
         self.pinned = pin_memory
-        self._arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        try:
+            self._arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        except RuntimeError as exc:  # torch reports a failed allocation as a RuntimeError
+            raise ConfigError(f"dram.capacity_bytes: cannot allocate {self.capacity_bytes} bytes"
+                              f"{' of pinned memory' if pin_memory else ''}: {exc}") from exc
         self._arena.fill_(0)  # touch every page now, not on the hot path
         self._free = _FreePages(self.pages)
         self._policy = policy
@@ -105,6 +114,7 @@ class DramPool:
         self._index: dict[tuple[str, str], dict[HeadRange, DramEntry]] = {}
         self._pending: set[ShardKey] = set()
         self._by_key: dict[ShardKey, DramEntry] = {}
+        self._idle_pages = 0  # pages of committed entries with no reference: what eviction could free
 
     # -- sizes -------------------------------------------------------------------------------------------------
     @property
@@ -121,11 +131,12 @@ class DramPool:
         with self._lock:
             if key in self._by_key or key in self._pending:
                 return "present"
+            if self._free.count + self._idle_pages < need:
+                return "full"  # even evicting every idle entry would not make room: evict nothing
             extents = self._free.take(need)
             while extents is None:
                 victim = self._policy.victim(self._evictable)
-                if victim is None:
-                    return "full"
+                assert victim is not None, "idle pages were counted but no entry is evictable"
                 self._evict(self._by_key[victim])  # type: ignore[index]
                 extents = self._free.take(need)
             self._pending.add(key)
@@ -193,6 +204,8 @@ class DramPool:
         with self._lock:
             self._pending.discard(entry.key)
             entry.refs = keep_refs
+            if keep_refs == 0:
+                self._idle_pages += entry.pages
             self._by_key[entry.key] = entry
             self._index.setdefault((entry.key.namespace, entry.key.chunk), {})[entry.key.heads] = entry
             self._policy.insert(entry.key, entry.key.chunk, entry.parent)
@@ -215,6 +228,8 @@ class DramPool:
             if any(e is None for e in entries):
                 return None
             for entry in entries:
+                if entry.refs == 0:  # type: ignore[union-attr]
+                    self._idle_pages -= entry.pages  # type: ignore[union-attr]
                 entry.refs += 1  # type: ignore[union-attr]
                 self._policy.touch(entry.key)  # type: ignore[union-attr]
             return entries  # type: ignore[return-value]
@@ -223,6 +238,8 @@ class DramPool:
         with self._lock:
             assert entry.refs > 0, f"release of unpinned entry {entry.key.name}"
             entry.refs -= 1
+            if entry.refs == 0 and self._by_key.get(entry.key) is entry:
+                self._idle_pages += entry.pages
 
     def tensor(self, entry: DramEntry) -> torch.Tensor:
         """The entry's shard as a tensor: a view when its pages are contiguous, else a copy."""
@@ -254,11 +271,25 @@ class DramPool:
             pos += region.numel()
         return spans
 
+    def audit(self) -> dict[str, int]:
+        """Accounting as tests check it: references held, pending reservations, and page counts that must agree
+        (``lost_pages`` and ``idle_mismatch`` are 0 when nothing leaked)."""
+        with self._lock:
+            entries = list(self._by_key.values())
+            held = sum(e.pages for e in entries)
+            idle = sum(e.pages for e in entries if e.refs == 0)
+            pending = len(self._pending)
+            return {"refs": sum(e.refs for e in entries), "pending": pending,
+                    "lost_pages": self.pages - self._free.count - held if not pending else 0,
+                    "idle_mismatch": self._idle_pages - idle}
+
     # -- eviction ----------------------------------------------------------------------------------------------
     def _evictable(self, key: Hashable) -> bool:
         return self._by_key[key].refs == 0  # type: ignore[index]
 
     def _evict(self, entry: DramEntry) -> None:
+        assert entry.refs == 0, f"eviction of pinned entry {entry.key.name}"
+        self._idle_pages -= entry.pages
         del self._by_key[entry.key]
         slot = self._index[(entry.key.namespace, entry.key.chunk)]
         del slot[entry.key.heads]

@@ -3,6 +3,8 @@
     KVTierError
     ├── ConfigError   bad configuration: names the field and what is allowed
     └── TierError     a secondary tier's I/O failed (the cause is chained with ``from``)
+        └── ObjectError   the tier answered, but one stored object is malformed (wrong type, bad fields):
+                          a miss for that object, counted as corrupt and removed; not an outage of the tier
 """
 
 from __future__ import annotations
@@ -18,3 +20,10 @@ class ConfigError(KVTierError, ValueError):
 
 class TierError(KVTierError):
     """A secondary tier could not complete an operation."""
+
+
+class ObjectError(TierError):
+    """The tier answered, but one stored object is malformed (e.g. a Redis key of the wrong type).
+
+    The store treats it as a miss for that object, counts it as corrupt and removes it; the tier stays in use.
+    """

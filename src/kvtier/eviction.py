@@ -33,7 +33,7 @@ class EvictionPolicy(ABC):
         """The entry to evict next among those ``evictable`` accepts, or None."""
 
 
-POLICIES: Registry[EvictionPolicy] = Registry("eviction policy")
+POLICIES: Registry[EvictionPolicy] = Registry("eviction policy", EvictionPolicy)
 
 
 @POLICIES.register("lru")

@@ -110,6 +110,8 @@ def decode_header(data: bytes | memoryview) -> Header:
      layers, tokens, head_dim, dtype_code, created) = _BODY.unpack(body)
     if magic != MAGIC or version != VERSION or header_len != HEADER_LEN:
         raise FrameError(f"not a kvtier v{VERSION} shard (magic {magic!r}, version {version})")
+    if min(layers, tokens, head_dim) < 1:
+        raise FrameError(f"empty shape: {layers} layers, {tokens} tokens, head_dim {head_dim}")
     if dtype_code >= len(_DTYPES):
         raise FrameError(f"unknown dtype code {dtype_code}")
     try:

@@ -89,12 +89,6 @@ class HeadRange:
     stop: int
     total: int
 
-    @classmethod
-    def for_rank(cls, heads_per_rank: int, tp_rank: int, tp_size: int) -> HeadRange:
-        if tp_size < 1 or not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
-        return cls(tp_rank * heads_per_rank, (tp_rank + 1) * heads_per_rank, heads_per_rank * tp_size)
-
     @property
     def count(self) -> int:
         return self.stop - self.start
@@ -132,6 +126,28 @@ class ShardKey:
     def name(self) -> str:
         """A relative object name usable as a file path or an object-store key."""
         return f"{self.namespace}/{self.chunk[:2]}/{self.chunk}.{self.heads}"
+
+
+def rank_heads(kv_heads: int, tp_rank: int, tp_size: int) -> HeadRange:
+    """The KV heads that tensor-parallel rank ``tp_rank`` of ``tp_size`` holds, of a model with ``kv_heads``.
+
+    Up to ``kv_heads`` ranks, each holds an equal slice. With more ranks than KV heads, vLLM replicates heads:
+    each rank holds one, by its real index, so ranks sharing a head write the same shard and KV written at any
+    degree is read at any other.
+    """
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
+    if kv_heads < 1:
+        raise ValueError(f"kv_heads must be positive, got {kv_heads}")
+    if tp_size <= kv_heads:
+        if kv_heads % tp_size:
+            raise ValueError(f"tp_size {tp_size} does not divide the {kv_heads} KV heads")
+        per = kv_heads // tp_size
+        return HeadRange(tp_rank * per, (tp_rank + 1) * per, kv_heads)
+    if tp_size % kv_heads:
+        raise ValueError(f"tp_size {tp_size} is neither a divisor nor a multiple of the {kv_heads} KV heads")
+    head = tp_rank * kv_heads // tp_size
+    return HeadRange(head, head + 1, kv_heads)
 
 
 def cover(ranges: Iterable[HeadRange], start: int, stop: int) -> list[tuple[HeadRange, int, int]] | None:

@@ -6,8 +6,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -26,6 +27,7 @@ class StoreMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._server: tuple[Any, threading.Thread] | None = None
         self.hits = Counter("kvtier_hit_chunks", "Chunks served by get, by tier that served them", ["tier"],
                             registry=r)
         self.misses = Counter("kvtier_miss_chunks", "Chunks get found in no tier (a get stops at its first)", registry=r)
@@ -38,6 +40,8 @@ class StoreMetrics:
                                   ["tier"], registry=r)
         self.dropped = Counter("kvtier_dropped_writes", "Writes dropped, by tier and reason", ["tier", "reason"],
                                registry=r)
+        self.present_writes = Counter("kvtier_present_writes", "Cascade writes skipped: the tier held the object",
+                                      ["tier"], registry=r)
         self.write_errors = Counter("kvtier_write_errors", "Failed tier writes", ["tier"], registry=r)
         self.read_errors = Counter("kvtier_read_errors", "Failed tier reads", ["tier"], registry=r)
         self.corrupt = Counter("kvtier_corrupt_objects", "Objects that failed verification and were removed",
@@ -66,7 +70,7 @@ class StoreMetrics:
         """
         for candidate in range(port, port + tries):
             try:
-                start_http_server(candidate, addr=addr, registry=self.registry)
+                self._server = start_http_server(candidate, addr=addr, registry=self.registry)
             except OSError:
                 continue
             log.info("kvtier metrics on http://%s:%d/metrics", addr, candidate)
@@ -74,6 +78,15 @@ class StoreMetrics:
         log.warning("kvtier metrics: ports %d-%d on %s are all taken; this process's metrics are not served",
                     port, port + tries - 1, addr)
         return None
+
+    def stop_serving(self) -> None:
+        """Close the HTTP endpoint (if serving): the port is free again when this returns."""
+        server, self._server = self._server, None
+        if server is not None:
+            httpd, thread = server
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join()
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Every sample, grouped by tier label (``_store`` for those without one)."""

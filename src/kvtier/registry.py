@@ -1,6 +1,8 @@
 """Registries of pluggable parts (tiers, eviction policies), chosen by name.
 
-A name is either registered in-tree or a ``package.module:Attribute`` path, which loads an out-of-tree plugin.
+A name is either registered in-tree or a ``package.module:Attribute`` path, which loads an out-of-tree plugin:
+importing it runs that module's code, so a config that names plugins is code, trusted like any other. A plugin
+must subclass the registry's base class.
 An unknown name is a :class:`ConfigError` that lists the known names.
 """
 
@@ -18,8 +20,9 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """Maps names to classes of one kind."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, base: type[T]) -> None:
         self._kind = kind
+        self._base = base
         self._entries: dict[str, type[T]] = {}
 
     def register(self, name: str) -> Callable[[type[T]], type[T]]:
@@ -44,9 +47,14 @@ class Registry(Generic[T]):
             module_name, _, attr = name.partition(":")
             try:
                 module = importlib.import_module(module_name)
-                return getattr(module, attr)
-            except (ImportError, AttributeError) as exc:
-                raise ConfigError(f"{field}: cannot load {self._kind} plugin {name!r}: {exc}") from exc
+                found = getattr(module, attr)
+            except Exception as exc:  # a plugin's import may fail in any way: it is the config's fault
+                raise ConfigError(f"{field}: cannot load {self._kind} plugin {name!r}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+            if not (isinstance(found, type) and issubclass(found, self._base)):
+                raise ConfigError(f"{field}: plugin {name!r} is {found!r}, not a subclass of "
+                                  f"{self._base.__module__}.{self._base.__qualname__}")
+            return found
         known = ", ".join(self.names())
         raise ConfigError(
             f"{field}: unknown {self._kind} {name!r}; known: {known} "

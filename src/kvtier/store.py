@@ -8,9 +8,11 @@ promoted into DRAM and copied out. A missing, unreadable or corrupt shard is a m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,20 +23,18 @@ from kvtier import frame
 from kvtier.cascade import CascadeWriter, Outage
 from kvtier.config import StoreConfig, TierSpec, load_config
 from kvtier.dram import DramEntry, DramPool
-from kvtier.errors import TierError
+from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.eviction import POLICIES
-from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, cover
+from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, cover, rank_heads
 from kvtier.metrics import StoreMetrics
 from kvtier.tiers.base import TIERS, Tier
 
 log = logging.getLogger(__name__)
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
-# A piece of one chunk's output: `count` heads from `source` (a DRAM entry or a fetched shard) starting at its
-# head `src_from`, into the output's heads from `dst_from`.
-_Piece = tuple[DramEntry | torch.Tensor, int, int, int]
 # Re-plans of one chunk after a piece failed; each failure removes a shard, so a few always suffice.
 _REPLANS = 8
+_SHAPES_KEPT = 4096
 
 
 def open_tiers(config: StoreConfig) -> list[Tier]:
@@ -51,11 +51,85 @@ def open_tiers(config: StoreConfig) -> list[Tier]:
     return tiers
 
 
-def _full_cover(ranges: list[HeadRange]) -> bool:
+def _full_cover(ranges: list[HeadRange], kv_heads: int | None = None) -> bool:
     if not ranges:
         return False
-    total = ranges[0].total
+    total = ranges[0].total if kv_heads is None else kv_heads
     return cover([r for r in ranges if r.total == total], 0, total) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What every shard of one namespace has in common (its heads and tokens are fixed by its key)."""
+
+    layers: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, meta: frame.ShardMeta) -> _Shape:
+        return cls(meta.num_layers, meta.head_dim, meta.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Heads ``[dst, dst + count)`` of one chunk's output come from heads ``[src, src + count)`` of ``source``
+    (a pinned DRAM entry or a fetched shard)."""
+
+    source: DramEntry | torch.Tensor
+    src: int
+    dst: int
+    count: int
+
+
+@dataclasses.dataclass
+class _Read:
+    """One get in progress: what it reads and expects, and the DRAM entries it pinned (released at its end)."""
+
+    namespace: str
+    tp_rank: int
+    tp_size: int
+    kv_heads: int | None
+    shape: _Shape | None  # None until the first shard read fixes it
+    pinned: list[DramEntry] = dataclasses.field(default_factory=list)
+
+    def admit(self, meta: frame.ShardMeta, chunk_tokens: int) -> bool:
+        """Whether a shard of this shape belongs in this read (the first one fixes the shape when none was)."""
+        if meta.chunk_tokens != chunk_tokens:
+            return False
+        if self.shape is None:
+            self.shape = _Shape.of(meta)
+        return _Shape.of(meta) == self.shape
+
+
+def _available_memory() -> int | None:
+    """Bytes this process could still allocate: the host's available memory, or less under a cgroup limit."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        if limit != "max":
+            found.append(int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def _check_memory(capacity: int) -> None:
+    """Refuse a DRAM budget the machine cannot hold now: touching it all would end in the OOM killer."""
+    available = _available_memory()
+    if available is not None and capacity > available:
+        raise ConfigError(f"dram.capacity_bytes: {capacity} bytes ({capacity / 2**30:.1f} GiB) is more than the "
+                          f"memory available now ({available / 2**30:.1f} GiB); lower it")
 
 
 class KVStore:
@@ -68,6 +142,7 @@ class KVStore:
         self.tiers = open_tiers(config) if tiers is None else tiers
         try:
             policy = POLICIES.resolve(config.dram.eviction, "dram.eviction")()
+            _check_memory(config.dram.capacity_bytes)
             self.dram = DramPool(config.dram.capacity_bytes, config.dram.page_bytes, policy,
                                  pin_memory=config.dram.pin_memory, on_evict=self._evicted)
         except BaseException:
@@ -84,9 +159,10 @@ class KVStore:
         specs = {spec.name: spec for spec in config.tiers}
         default = TierSpec(type="", name="", options={})  # tiers passed in without a spec
         spec = [specs.get(t.name, default) for t in self.tiers]
-        self._writers = [CascadeWriter(t, self.dram, self.metrics, s.queue_depth, s.workers, s.retry_seconds)
-                         for t, s in zip(self.tiers, spec)]
+        self._writers = [CascadeWriter(t, self.dram, self.metrics, s) for t, s in zip(self.tiers, spec)]
         self._read_outage = {t.name: Outage(t.name, "reads", s.retry_seconds) for t, s in zip(self.tiers, spec)}
+        self._shapes: OrderedDict[str, _Shape] = OrderedDict()  # namespace id -> its shards' shape, bounded
+        self._logged: set[tuple[str, str, str]] = set()  # kinds of contained tier faults already logged
         self._closed = False
         if config.metrics_port is not None:
             self.metrics.serve(config.metrics_port)
@@ -104,12 +180,14 @@ class KVStore:
 
     # -- put ---------------------------------------------------------------------------------------------------
     def put(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor, *, tp_rank: int = 0, tp_size: int = 1,
-            offset: int = 0) -> int:
-        """Store the whole chunks of ``kv`` (``[layers, 2, kv_heads / tp_size, len(tokens) - offset, head_dim]``).
+            offset: int = 0, kv_heads: int | None = None) -> int:
+        """Store the whole chunks of ``kv`` (``[layers, 2, rank's kv_heads, len(tokens) - offset, head_dim]``).
 
         ``kv`` holds ``tokens[offset:]`` (``offset`` is a whole number of chunks, e.g. what is known to be stored
-        already); the earlier tokens only name the chunks. Returns ``offset`` plus the tokens from there on whose
-        chunks are now all in DRAM. Secondary tiers are written in the background.
+        already); the earlier tokens only name the chunks. ``kv_heads`` is the model's number of KV heads
+        (default: this rank's heads times ``tp_size``; give it when ranks replicate heads, see
+        :func:`~kvtier.keys.rank_heads`). Returns ``offset`` plus the tokens from there on whose chunks are now
+        all in DRAM; it stops at the first chunk that does not fit. Secondary tiers are written in the background.
         """
         start = time.perf_counter()
         t = self.chunk_tokens
@@ -120,8 +198,11 @@ class KVStore:
         if kv.shape[3] != len(tokens) - offset:
             raise ValueError(f"kv holds {kv.shape[3]} tokens but {len(tokens) - offset} token ids were given "
                              f"after offset {offset}")
-        heads = HeadRange.for_rank(kv.shape[2], tp_rank, tp_size)
+        heads = rank_heads(kv.shape[2] * tp_size if kv_heads is None else kv_heads, tp_rank, tp_size)
+        if heads.count != kv.shape[2]:
+            raise ValueError(f"kv holds {kv.shape[2]} KV heads, rank {tp_rank} of {tp_size} holds {heads}")
         meta = frame.ShardMeta(kv.shape[0], t, kv.shape[4], kv.dtype, heads)
+        self._remember_shape(ns.id, _Shape.of(meta))  # the caller's own KV: it defines the shape
         first = offset // t
         held = 0  # leading chunks from `first` on now in DRAM
         parent = None
@@ -137,12 +218,12 @@ class KVStore:
                 entry = self.dram.reserve(skey, meta, parent)
                 parent = skey.chunk
                 if entry == "full":
+                    # Chunks after a missing one could never be reached by a prefix lookup: stop here.
                     self._dram_full.inc()
-                    continue
+                    break
                 if isinstance(entry, DramEntry):
                     reserved.append((i, entry))
-                if held == i:
-                    held += 1
+                held += 1
             self.dram.write_chunks(kv, reserved, t)
             if kv.is_cuda:
                 torch.cuda.current_stream(kv.device).synchronize()
@@ -158,18 +239,43 @@ class KVStore:
         self.metrics.put_seconds.observe(time.perf_counter() - start)
         return offset + held * t
 
+    def held(self, ns: Namespace, tokens: Tokens, *, tp_rank: int = 0, tp_size: int = 1,
+             kv_heads: int) -> int:
+        """Leading tokens (whole chunks) whose shard for this rank's heads is in DRAM: what a put would skip.
+
+        Asks DRAM only (no tier I/O), so a caller can decide cheaply what to gather before a put.
+        """
+        heads = rank_heads(kv_heads, tp_rank, tp_size)
+        n = 0
+        for key in chunk_keys(ns, tokens, self.chunk_tokens):
+            ranges = [r for r in self.dram.ranges(ns.id, key.hex()) if r.total == heads.total]
+            if cover(ranges, heads.start, heads.stop) is None:
+                break
+            n += 1
+        return n * self.chunk_tokens
+
+    def _remember_shape(self, namespace: str, shape: _Shape) -> None:
+        self._shapes[namespace] = shape
+        self._shapes.move_to_end(namespace)
+        if len(self._shapes) > _SHAPES_KEPT:  # one per tenant salt: keep the recent ones
+            self._shapes.popitem(last=False)
+
     # -- lookup ------------------------------------------------------------------------------------------------
-    def lookup(self, ns: Namespace, tokens: Tokens) -> int:
-        """How many leading tokens (whole chunks) are available, every head present, in any tiers."""
+    def lookup(self, ns: Namespace, tokens: Tokens, *, kv_heads: int | None = None) -> int:
+        """How many leading tokens (whole chunks) are available, every head present, in any tiers.
+
+        ``kv_heads``, when given, is the model's KV head count: shards recorded with another count are ignored.
+        Never raises for a tier's fault: an unreachable or misbehaving tier counts as holding nothing.
+        """
         chunks = [k.hex() for k in chunk_keys(ns, tokens, self.chunk_tokens)]
         self.metrics.lookup_tokens.inc(len(tokens))
-        found = self._available(ns.id, chunks)
+        found = self._available(ns.id, chunks, kv_heads)
         self.metrics.lookup_hit_tokens.inc(found * self.chunk_tokens)
         return found * self.chunk_tokens
 
-    def _available(self, namespace: str, chunks: list[str]) -> int:
+    def _available(self, namespace: str, chunks: list[str], kv_heads: int | None) -> int:
         n = 0
-        while n < len(chunks) and _full_cover(self.dram.ranges(namespace, chunks[n])):
+        while n < len(chunks) and _full_cover(self.dram.ranges(namespace, chunks[n]), kv_heads):
             n += 1
         if n == len(chunks) or not self.tiers:
             return n
@@ -179,7 +285,7 @@ class KVStore:
             ranges = self.dram.ranges(namespace, chunk)
             for heads in per_tier:
                 ranges.extend(heads[i])
-            if not _full_cover(ranges):
+            if not _full_cover(ranges, kv_heads):
                 break
             n += 1
         return n
@@ -190,22 +296,42 @@ class KVStore:
             return [[] for _ in chunks]
         try:
             heads = tier.heads(namespace, chunks)
+        except ObjectError as exc:
+            self._unexpected(tier, "lookup", exc, "corrupt")
+            return [[] for _ in chunks]
         except TierError as exc:
             self.metrics.read_errors.labels(tier.name).inc()
             outage.failed(exc)
             return [[] for _ in chunks]
+        except Exception as exc:  # a tier's bug or a malformed reply: nothing found, the tier stays in use
+            self._unexpected(tier, "lookup", exc)
+            return [[] for _ in chunks]
         outage.succeeded()
+        if len(heads) != len(chunks):
+            self._unexpected(tier, "lookup", ValueError(f"{len(heads)} answers for {len(chunks)} chunks"))
+            return [[] for _ in chunks]
         return heads
+
+    def _unexpected(self, tier: Tier, what: str, exc: BaseException, counter: str = "read_errors") -> None:
+        """Count a fault confined to one call or object (not an outage); log its first kind per tier."""
+        getattr(self.metrics, "corrupt" if counter == "corrupt" else "read_errors").labels(tier.name).inc()
+        kind = (tier.name, what, type(exc).__name__)
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("tier %s: %s failed (%s: %s); a miss, the tier stays in use (further such failures are "
+                        "counted, not logged)", tier.name, what, type(exc).__name__, exc)
 
     # -- get ---------------------------------------------------------------------------------------------------
     def get(self, ns: Namespace, tokens: Tokens, *, tp_rank: int = 0, tp_size: int = 1,
-            out: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor | None:
-        """The canonical KV ``[layers, 2, kv_heads / tp_size, len(tokens) - offset, head_dim]`` of
+            out: torch.Tensor | None = None, offset: int = 0, kv_heads: int | None = None) -> torch.Tensor | None:
+        """The canonical KV ``[layers, 2, rank's kv_heads, len(tokens) - offset, head_dim]`` of
         ``tokens[offset:]`` for this rank's heads, or None if any of those chunks is missing or unreadable.
         ``tokens`` and ``offset`` must be whole chunks; the tokens before ``offset`` only name the chunks.
 
         ``out``, when given, receives the data (and is returned); it must have the shape above. When the result
-        is None, ``out`` may hold part of the data and must not be used.
+        is None, ``out`` may hold part of the data and must not be used. Every shard must match what is expected
+        of it (its key, head range, chunk size, and the layers, head size and dtype of ``out``, else of an earlier
+        put in this namespace, else of the first shard read); one that does not is a miss, counted and removed.
         """
         start = time.perf_counter()
         t = self.chunk_tokens
@@ -214,83 +340,85 @@ class KVStore:
                              f"{len(tokens)} tokens and offset {offset}")
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
+        shape = _Shape(out.shape[0], out.shape[4], out.dtype) if out is not None and out.dim() == 5 \
+            else self._shapes.get(ns.id)
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
-        pinned: list[DramEntry] = []  # released once every copy out of them has ended
+        read = _Read(ns.id, tp_rank, tp_size, kv_heads, shape)
         try:
             plans = []
             for i in range(offset // t, len(chunks)):
-                chunk = chunks[i]
-                pieces = self._plan_chunk(ns.id, chunk, chunks[i - 1] if i else None, tp_rank, tp_size, pinned)
+                pieces = self._plan_chunk(read, chunks[i], chunks[i - 1] if i else None)
                 if pieces is None:
                     self.metrics.misses.inc()
                     return None
                 plans.append(pieces)
-            result = self._copy_out(plans, out)
+            assert read.shape is not None, "a planned chunk fixes the shape"
+            if ns.id not in self._shapes:
+                self._remember_shape(ns.id, read.shape)
+            result = self._copy_out(plans, read.shape, out)
             if result.is_cuda:
                 torch.cuda.current_stream(result.device).synchronize()
         finally:
-            for entry in pinned:
+            for entry in read.pinned:
                 self.dram.release(entry)
         self.metrics.get_seconds.observe(time.perf_counter() - start)
         return result
 
-    def _plan_chunk(self, namespace: str, chunk: str, parent: str | None, tp_rank: int, tp_size: int,
-                    pinned: list[DramEntry]) -> list[_Piece] | None:
+    def _plan_chunk(self, read: _Read, chunk: str, parent: str | None) -> list[_Piece] | None:
         """Where this rank's heads of one chunk come from: DRAM alone, else DRAM plus each tier in turn."""
         for source in ["dram", *self.tiers]:
             # A failed piece (missing or corrupt) is removed from its tier, so each retry plans without it.
             for _ in range(_REPLANS):
-                ranges = self.dram.ranges(namespace, chunk)
+                ranges = self.dram.ranges(read.namespace, chunk)
                 if isinstance(source, Tier):
-                    ranges += self._tier_heads(source, namespace, [chunk])[0]
+                    ranges += self._tier_heads(source, read.namespace, [chunk])[0]
                 if not ranges:
                     break
-                total = ranges[0].total
-                if total % tp_size:
-                    raise ValueError(f"tp_size {tp_size} does not divide the stored chunk's {total} KV heads")
-                lo, hi = tp_rank * total // tp_size, (tp_rank + 1) * total // tp_size
-                plan = cover([r for r in ranges if r.total == total], lo, hi)
+                total = read.kv_heads if read.kv_heads is not None else ranges[0].total
+                want = rank_heads(total, read.tp_rank, read.tp_size)
+                plan = cover([r for r in ranges if r.total == total], want.start, want.stop)
                 if plan is None:
                     break
-                pieces = self._gather(namespace, chunk, parent, plan, lo, pinned)
+                pieces = self._gather(read, chunk, parent, plan, want.start)
                 if pieces is not None:
                     self._hits[source if isinstance(source, str) else source.name].inc()
                     return pieces
         return None
 
-    def _gather(self, namespace: str, chunk: str, parent: str | None, plan: list[tuple[HeadRange, int, int]],
-                lo: int, pinned: list[DramEntry]) -> list[_Piece] | None:
-        """Pin the planned DRAM entries and fetch the rest; None if a piece went missing."""
+    def _gather(self, read: _Read, chunk: str, parent: str | None, plan: list[tuple[HeadRange, int, int]],
+                lo: int) -> list[_Piece] | None:
+        """Pin the planned DRAM entries and fetch the rest; None if a piece went missing or does not fit."""
         pieces: list[_Piece] = []
         for rng, a, b in plan:
-            entries = self.dram.acquire(namespace, chunk, [rng])
+            entries = self.dram.acquire(read.namespace, chunk, [rng])
+            source: DramEntry | torch.Tensor | None
             if entries is not None:
-                pinned.extend(entries)
-                pieces.append((entries[0], a - rng.start, a - lo, b - a))
-                continue
-            shard = self._fetch(ShardKey(namespace, chunk, rng), parent, pinned)
-            if shard is None:
-                return None
-            pieces.append((shard, a - rng.start, a - lo, b - a))
+                read.pinned.extend(entries)
+                source = entries[0]
+                if not read.admit(source.meta, self.chunk_tokens):  # only the caller's own puts are in DRAM
+                    raise ValueError(f"out is {read.shape}, the stored KV is {_Shape.of(source.meta)} (a put "
+                                     "in this namespace had another shape)")
+            else:
+                source = self._fetch(read, ShardKey(read.namespace, chunk, rng), parent)
+                if source is None:
+                    return None
+            pieces.append(_Piece(source, a - rng.start, a - lo, b - a))
         return pieces
 
-    def _copy_out(self, plans: list[list[_Piece]], out: torch.Tensor | None) -> torch.Tensor:
+    def _copy_out(self, plans: list[list[_Piece]], shape: _Shape, out: torch.Tensor | None) -> torch.Tensor:
         """Copy every chunk's pieces into ``out`` (allocated when None).
 
         Consecutive chunks each served whole by one DRAM entry, laid out at a fixed stride, move in one copy.
         """
         t = self.chunk_tokens
-        first = plans[0][0][0]
-        layers, _, _, _, dim = first.meta.shape if isinstance(first, DramEntry) else first.shape
-        dtype = first.meta.dtype if isinstance(first, DramEntry) else first.dtype
-        shape = (layers, 2, sum(p[3] for p in plans[0]), len(plans) * t, dim)
+        full = (shape.layers, 2, sum(p.count for p in plans[0]), len(plans) * t, shape.head_dim)
         if out is None:
-            out = torch.empty(shape, dtype=dtype)
-        elif tuple(out.shape) != shape or out.dtype != dtype:
-            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the stored KV is {shape} {dtype}")
-        whole = [(i, p[0][0]) for i, p in enumerate(plans)
-                 if len(p) == 1 and isinstance(p[0][0], DramEntry) and p[0][3] == p[0][0].meta.heads.count]
-        for run in self.dram.runs(whole, out.device):
+            out = torch.empty(full, dtype=shape.dtype)
+        elif tuple(out.shape) != full or out.dtype != shape.dtype:
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the stored KV is {full} {shape.dtype}")
+        whole = [(i, p[0].source) for i, p in enumerate(plans)
+                 if len(p) == 1 and isinstance(p[0].source, DramEntry) and p[0].count == p[0].source.meta.heads.count]
+        for run in self.dram.runs(whole, out.device):  # type: ignore[arg-type]
             i0, entry = run[0]
             if len(entry.extents) == 1:
                 dst = out[:, :, :, i0 * t:(i0 + len(run)) * t].unflatten(3, (len(run), t)).permute(3, 0, 1, 2, 4, 5)
@@ -298,60 +426,75 @@ class KVStore:
                 for i, _ in run:
                     plans[i] = []  # done
         for i, pieces in enumerate(plans):
-            for source, src_from, dst_from, count in pieces:
-                shard = self.dram.tensor(source) if isinstance(source, DramEntry) else source
-                out[:, :, dst_from:dst_from + count, i * t:(i + 1) * t].copy_(
-                    shard[:, :, src_from:src_from + count], non_blocking=out.is_cuda and shard.is_pinned())
+            for piece in pieces:
+                src = piece.source
+                shard = self.dram.tensor(src) if isinstance(src, DramEntry) else src
+                out[:, :, piece.dst:piece.dst + piece.count, i * t:(i + 1) * t].copy_(
+                    shard[:, :, piece.src:piece.src + piece.count], non_blocking=out.is_cuda and shard.is_pinned())
         return out
 
-    def _fetch(self, key: ShardKey, parent: str | None, pinned: list[DramEntry]) -> DramEntry | torch.Tensor | None:
+    def _fetch(self, read: _Read, key: ShardKey, parent: str | None) -> DramEntry | torch.Tensor | None:
         """Read one shard from the first tier that holds a valid copy and promote it into DRAM.
 
-        Returns the promoted DRAM entry, pinned for the caller (added to ``pinned``), so the copy out joins the
-        DRAM runs; or, when DRAM has no room, a tensor over the fetched bytes.
+        Returns the promoted DRAM entry, pinned for the caller (added to ``read.pinned``), so the copy out joins
+        the DRAM runs; or, when DRAM has no room, a tensor over the fetched bytes.
         """
         for tier in self.tiers:
-            got = self._read_verified(tier, key)
+            got = self._read_verified(tier, key, read)
             if got is None:
                 continue
             header, payload = got
             entry = self.dram.reserve(key, header.meta, parent)
             if isinstance(entry, DramEntry):
-                self.dram.write_bytes(entry, payload)
+                try:
+                    self.dram.write_bytes(entry, payload)
+                except BaseException:
+                    self.dram.abort(entry)
+                    raise
                 self.dram.commit(entry, keep_refs=1)
-                pinned.append(entry)
+                read.pinned.append(entry)
                 self.metrics.promotions.labels(tier.name).inc()
                 return entry
             return frame.payload_tensor(payload, header.meta)
         return None
 
-    def _read_verified(self, tier: Tier, key: ShardKey) -> tuple[frame.Header, memoryview] | None:
+    def _read_verified(self, tier: Tier, key: ShardKey, read: _Read) -> tuple[frame.Header, memoryview] | None:
         outage = self._read_outage[tier.name]
         if outage.resting():
             return None
         start = time.perf_counter()
         try:
             blob = tier.get(key)
+            if blob is None:
+                outage.succeeded()
+                return None
+            header, payload = frame.decode(blob, expected=key)
+            if not read.admit(header.meta, self.chunk_tokens):
+                raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected chunks of "
+                                       f"{read.shape} with {self.chunk_tokens} tokens")
+        except (frame.FrameError, ObjectError) as exc:
+            outage.succeeded()
+            self.metrics.corrupt.labels(tier.name).inc()
+            log.warning("tier %s: removing corrupt %s: %s", tier.name, key.name, exc)
+            self._remove(tier, key)
+            return None
         except TierError as exc:
             self.metrics.read_errors.labels(tier.name).inc()
             outage.failed(exc)
             return None
+        except Exception as exc:  # a tier's bug or an object no check foresaw: a miss, the tier stays in use
+            self._unexpected(tier, "get", exc)
+            return None
         outage.succeeded()
-        if blob is None:
-            return None
-        try:
-            header, payload = frame.decode(blob, expected=key)
-        except frame.FrameError as exc:
-            self.metrics.corrupt.labels(tier.name).inc()
-            log.warning("tier %s: removing corrupt %s: %s", tier.name, key.name, exc)
-            try:
-                tier.delete(key)
-            except TierError as del_exc:
-                log.warning("tier %s: cannot remove corrupt %s: %s", tier.name, key.name, del_exc)
-            return None
         self.metrics.tier_read_seconds.labels(tier.name).observe(time.perf_counter() - start)
         self.metrics.bytes_read.labels(tier.name).inc(len(blob))
         return header, payload
+
+    def _remove(self, tier: Tier, key: ShardKey) -> None:
+        try:
+            tier.delete(key)
+        except Exception as exc:  # removal is best effort: the object stays a miss either way
+            log.warning("tier %s: cannot remove corrupt %s: %s", tier.name, key.name, exc)
 
     # -- housekeeping ------------------------------------------------------------------------------------------
     def _evicted(self, entry: DramEntry) -> None:
@@ -385,3 +528,4 @@ class KVStore:
             writer.close()
         for tier in self.tiers:
             tier.close()
+        self.metrics.stop_serving()

@@ -80,4 +80,4 @@ class Tier(ABC):
         """Release connections and files; the default has none."""
 
 
-TIERS: Registry[Tier] = Registry("tier type")
+TIERS: Registry[Tier] = Registry("tier type", Tier)

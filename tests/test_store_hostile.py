@@ -1,0 +1,277 @@
+"""The store against tiers that misbehave: objects whose headers lie, tiers that raise anything, a DRAM pool
+under pressure, a slow tier holding DRAM, a metrics port. Each case is a miss or a counted event, never wrong KV,
+never an exception out of lookup or get, never leaked DRAM."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from kvtier import KVStore, chunk_keys, frame, load_config
+from kvtier.errors import ObjectError, TierError
+from kvtier.keys import HeadRange, ShardKey
+from kvtier.testing import synthetic_kv, synthetic_tokens
+from kvtier.tiers.base import Buffer, StoredObject, Tier
+from tests.conftest import NS
+
+T = 16
+
+
+class DictTier(Tier):
+    """An in-memory tier the tests can fill with any bytes, and make raise on demand."""
+
+    def __init__(self, name: str = "mem") -> None:
+        super().__init__(name, None)
+        self.objects: dict[ShardKey, bytes] = {}
+        self.raise_on: dict[str, BaseException] = {}  # method name -> exception to raise
+        self.calls: dict[str, int] = {}
+
+    def _enter(self, method: str) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
+        if method in self.raise_on:
+            raise self.raise_on[method]
+
+    def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
+        self._enter("put")
+        self.objects[key] = b"".join(bytes(p) for p in parts)
+
+    def get(self, key: ShardKey) -> Buffer | None:
+        self._enter("get")
+        return self.objects.get(key)
+
+    def delete(self, key: ShardKey) -> bool:
+        self._enter("delete")
+        return self.objects.pop(key, None) is not None
+
+    def heads(self, namespace: str, chunks: Sequence[str]) -> list[list[HeadRange]]:
+        self._enter("heads")
+        return [[k.heads for k in self.objects if k.namespace == namespace and k.chunk == c] for c in chunks]
+
+    def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
+        return iter([])
+
+
+def open_store(tier: Tier, dram: str = "8MiB", **spec: object) -> KVStore:
+    cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": dram, "page_bytes": "4KiB"},
+                       "tiers": [{"type": "filesystem", "name": tier.name, "path": "/unused", **spec}]})
+    return KVStore(cfg, tiers=[tier])
+
+
+@pytest.fixture
+def tier() -> Iterator[DictTier]:
+    yield DictTier()
+
+
+def shard_bytes(key: ShardKey, kv: torch.Tensor, *, tokens: int | None = None) -> bytes:
+    """A valid stored object for ``key`` holding ``kv`` (one chunk, ``[layers, 2, heads, tokens, dim]``)."""
+    meta = frame.ShardMeta(kv.shape[0], kv.shape[3] if tokens is None else tokens, kv.shape[4], kv.dtype, key.heads)
+    payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
+    return frame.encode_header(key, meta, [payload]) + payload
+
+
+def keys_of(tokens: list[int]) -> list[ShardKey]:
+    return [ShardKey(NS.id, k.hex(), HeadRange(0, 4, 4)) for k in chunk_keys(NS, tokens, T)]
+
+
+# -- item 5: a tier writer must not change what a reader gets --------------------------------------------------
+def test_a_header_claiming_fewer_tokens_is_a_counted_removed_miss(tier: DictTier) -> None:
+    tokens = synthetic_tokens(1, 2 * T)
+    kv = synthetic_kv(tokens)
+    with open_store(tier) as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+    first, second = keys_of(tokens)
+    # A 1-token shard under the second chunk's key: checksums valid, shape wrong. Broadcasting it over the
+    # chunk would serve KV of one token for sixteen.
+    tier.objects[second] = shard_bytes(second, kv[:, :, :, T:T + 1])
+    with open_store(tier) as fresh:
+        assert fresh.lookup(NS, tokens) == 2 * T  # the tier lists it; only reading tells
+        assert fresh.get(NS, tokens) is None
+        assert second not in tier.objects  # removed
+        assert fresh.stats()["mem"]["corrupt_objects_total"] == 1
+        assert fresh.stats()["mem"].get("promotions_total", 0) == 1  # the good first chunk only
+        assert torch.equal(fresh.get(NS, tokens[:T]), kv[:, :, :, :T])
+
+
+@pytest.mark.parametrize("with_out", [True, False])
+def test_a_relabelled_dtype_is_a_miss(tier: DictTier, with_out: bool) -> None:
+    tokens = synthetic_tokens(2, 2 * T)
+    kv = synthetic_kv(tokens)
+    first, second = keys_of(tokens)
+    tier.objects[first] = shard_bytes(first, kv[:, :, :, :T])
+    tier.objects[second] = shard_bytes(second, kv[:, :, :, T:].view(torch.float16))  # same bytes, other dtype
+    with open_store(tier) as store:
+        out = torch.empty_like(kv) if with_out else None
+        assert store.get(NS, tokens, out=out) is None
+        assert second not in tier.objects and first in tier.objects
+        assert store.stats()["mem"]["corrupt_objects_total"] == 1
+
+
+def test_the_callers_buffer_fixes_the_expected_shape(tier: DictTier) -> None:
+    tokens = synthetic_tokens(3, T)
+    kv = synthetic_kv(tokens, layers=3)
+    (key,) = keys_of(tokens)
+    tier.objects[key] = shard_bytes(key, kv)
+    with open_store(tier) as store:
+        assert store.get(NS, tokens, out=torch.empty(2, 2, 4, T, 8, dtype=torch.bfloat16)) is None  # 3 layers
+        assert key not in tier.objects
+
+
+def test_a_shape_put_in_this_process_is_expected_of_tier_objects(tier: DictTier) -> None:
+    tokens = synthetic_tokens(4, 2 * T)
+    with open_store(tier) as store:
+        store.put(NS, tokens[:T], synthetic_kv(tokens[:T]))  # 2 layers, head dim 8
+        _, second = keys_of(tokens)
+        tier.objects[second] = shard_bytes(second, synthetic_kv(tokens, head_dim=16)[:, :, :, T:])
+        assert store.get(NS, tokens) is None
+        assert second not in tier.objects
+
+
+def test_header_with_zero_layers_is_a_frame_error() -> None:
+    key = ShardKey(NS.id, "ab" * 16, HeadRange(0, 4, 4))
+    meta = frame.ShardMeta(0, T, 8, torch.bfloat16, key.heads)
+    blob = frame.encode_header(key, meta, [b""])
+    with pytest.raises(frame.FrameError, match="layers"):
+        frame.decode(blob, expected=key)
+
+
+@pytest.mark.parametrize("exc", [KeyError("field"), UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"),
+                                 RuntimeError("plugin bug"), ValueError("bad reply")])
+def test_any_exception_from_a_tier_is_a_miss_not_an_outage(tier: DictTier, exc: Exception, caplog) -> None:
+    tokens = synthetic_tokens(5, 2 * T)
+    kv = synthetic_kv(tokens)
+    with open_store(tier) as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+        store.drop_dram()
+        tier.raise_on = {"heads": exc, "get": exc}
+        with caplog.at_level(logging.WARNING):
+            for _ in range(3):
+                assert store.lookup(NS, tokens) == 0
+                assert store.get(NS, tokens) is None
+        assert tier.calls["heads"] >= 3  # still asked every time: a broken object is not a dead tier
+        logged = [r for r in caplog.records if type(exc).__name__ in r.getMessage()]
+        assert 1 <= len(logged) <= 2  # once per kind (lookup, get), not once per call
+        assert store.stats()["mem"]["read_errors_total"] >= 6
+        tier.raise_on = {}
+        assert torch.equal(store.get(NS, tokens), kv)  # the tier serves again at once
+        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+
+
+def test_an_object_error_is_a_removed_corrupt_miss(tier: DictTier) -> None:
+    tokens = synthetic_tokens(6, T)
+    with open_store(tier) as store:
+        store.put(NS, tokens, synthetic_kv(tokens))
+        store.flush()
+        store.drop_dram()
+        tier.raise_on = {"get": ObjectError("WRONGTYPE")}
+        assert store.get(NS, tokens) is None
+        assert tier.calls.get("delete") == 1
+        assert store.stats()["mem"]["corrupt_objects_total"] == 1
+        assert store.stats()["mem"].get("read_errors_total", 0) == 0
+
+
+def test_a_tier_error_rests_the_tier(tier: DictTier) -> None:
+    tokens = synthetic_tokens(7, T)
+    with open_store(tier, retry_seconds=60) as store:
+        store.put(NS, tokens, synthetic_kv(tokens))
+        store.flush()
+        store.drop_dram()
+        tier.raise_on = {"heads": TierError("connection refused")}
+        assert store.lookup(NS, tokens) == 0
+        calls = tier.calls["heads"]
+        assert store.lookup(NS, tokens) == 0 and tier.calls["heads"] == calls  # resting: not asked again
+
+
+# -- items 13-15: DRAM accounting ---------------------------------------------------------------------------
+def test_a_put_stops_at_the_first_chunk_that_does_not_fit(tier: DictTier, monkeypatch) -> None:
+    tokens = synthetic_tokens(8, 4 * T)
+    with open_store(tier) as store:
+        reserve, calls = store.dram.reserve, []
+
+        def third_is_full(key, meta, parent):  # e.g. every page pinned at that moment, freed just after
+            calls.append(key)
+            return "full" if len(calls) == 3 else reserve(key, meta, parent)
+
+        monkeypatch.setattr(store.dram, "reserve", third_is_full)
+        assert store.put(NS, tokens, synthetic_kv(tokens)) == 2 * T
+        store.flush()
+        assert len(calls) == 3  # the fourth chunk is never reserved: no prefix lookup could reach it
+        assert len(tier.objects) == 2 and len(store.dram) == 2
+        assert store.stats()["dram"]["dropped_writes_total{reason=dram_full}"] == 1
+
+
+def test_a_failed_promotion_copy_releases_its_reservation(tier: DictTier, monkeypatch) -> None:
+    tokens = synthetic_tokens(9, 2 * T)
+    kv = synthetic_kv(tokens)
+    with open_store(tier) as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+        store.drop_dram()
+        real = store.dram.write_bytes
+        monkeypatch.setattr(store.dram, "write_bytes", lambda entry, payload: (_ for _ in ()).throw(MemoryError()))
+        with pytest.raises(MemoryError):
+            store.get(NS, tokens)
+        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+        monkeypatch.setattr(store.dram, "write_bytes", real)
+        assert torch.equal(store.get(NS, tokens), kv)  # promoted now: nothing was left pending
+
+
+# -- item 16: a slow tier pins at most queue_bytes of DRAM ---------------------------------------------------
+class GateTier(DictTier):
+    def __init__(self) -> None:
+        super().__init__("gated")
+        self.gate = threading.Event()
+
+    def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
+        self.gate.wait(30)
+        super().put(key, parts)
+
+
+def test_queued_bytes_are_bounded_per_tier() -> None:
+    tier = GateTier()
+    tokens = synthetic_tokens(10, 8 * T)  # 8 chunks of 4 KiB
+    with open_store(tier, queue_depth=64, queue_bytes="12KiB") as store:
+        store.put(NS, tokens, synthetic_kv(tokens))
+        writer = store._writers[0]
+        assert writer.queued_bytes <= 12 * 1024
+        dropped = store.stats()["gated"]["dropped_writes_total{reason=queue_full}"]
+        assert dropped >= 4  # one in the stalled put, at most three queued: the rest dropped, not pinned
+        assert store.dram.audit()["refs"] == 8 - dropped
+        tier.gate.set()
+        store.flush()
+        assert store.dram.audit()["refs"] == 0 and writer.queued_bytes == 0
+
+
+# -- item 11: a chunk the tier already holds is not written again ----------------------------------------------
+def test_cascade_skips_objects_the_tier_holds(tier: DictTier) -> None:
+    tokens = synthetic_tokens(11, 3 * T)
+    kv = synthetic_kv(tokens)
+    with open_store(tier) as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+        store.drop_dram()
+        store.put(NS, tokens, kv)  # computed again (e.g. after a failed load): back in DRAM, already in the tier
+        store.flush()
+        assert tier.calls["put"] == 3
+        assert store.stats()["mem"]["present_writes_total"] == 3
+
+
+# -- item 17: close frees the metrics port -------------------------------------------------------------------
+def test_close_stops_the_metrics_server(tier: DictTier) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = KVStore(load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "1MiB"}, "metrics_port": port}),
+                    tiers=[])
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+    store.close()
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))  # free again
