@@ -68,7 +68,7 @@ def test_concurrent_puts_and_gets_hit_and_match(make_store) -> None:
 
 def test_concurrent_puts_and_gets_under_eviction(make_store) -> None:
     store = make_store(dram="256KiB")
-    hits, misses = [0], [0]
+    whole, hits = [0], [0]  # puts that stored every chunk; gets that found them
     lock = threading.Lock()
 
     def work(seed: int) -> None:
@@ -79,16 +79,16 @@ def test_concurrent_puts_and_gets_under_eviction(make_store) -> None:
             store.flush()  # now on disk too: a chunk evicted from DRAM since is promoted back
             got = store.get(NS, tokens)
             with lock:
-                assert got is not None or stored < 3 * 16  # a miss only where the put found DRAM full
-                if got is None:
-                    misses[0] += 1
-                else:
+                whole[0] += stored == 3 * 16
+                if got is not None:
                     assert torch.equal(got, kv)
                     hits[0] += 1
+                else:
+                    assert stored < 3 * 16  # a miss only where the put found DRAM full of pinned entries
 
     run_together([lambda s=s: work(s) for s in range(4)])
-    assert hits[0] >= 40, (hits, misses)  # a pool under pressure still serves most reads (DRAM or disk)
-    assert store.stats()["filesystem"]["promotions_total"] > 0  # and some of them came back from disk
+    assert whole[0] > 0 and hits[0] >= whole[0], (whole, hits)
+    assert store.stats()["filesystem"]["promotions_total"] > 0  # some reads came back from disk
     store.flush()
     assert store.dram.audit() == IDLE
 
@@ -158,9 +158,12 @@ class ConcurrentStoreMachine(RuleBasedStateMachine):
         assert self.store.dram.audit() == IDLE
 
     @invariant()
-    def what_was_stored_is_found(self) -> None:
-        for prefix in self.stored:
+    def what_was_stored_is_found_intact(self) -> None:
+        longest = [p for p in self.stored if not any(q[:len(p)] == p and len(q) > len(p) for q in self.stored)]
+        for prefix in longest:
             assert self.store.lookup(NS, prefix) == len(prefix), f"stored prefix of {len(prefix)} tokens lost"
+            got = self.store.get(NS, prefix)
+            assert got is not None and torch.equal(got, synthetic_kv(prefix, heads=HEADS))
 
 
 def test_concurrent_state_machine() -> None:
