@@ -51,6 +51,11 @@ def test_sigkill_during_write_storm_never_leaves_bad_chunks(tmp_path: Path) -> N
                                 stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(repo)})
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
         time.sleep(rng.uniform(0.1, 0.8))
+        # Kill while a write is in flight: the writer spends most of its time making KV, so a kill at a random
+        # moment often falls between writes. Watch for a temp file and kill the moment one is there.
+        deadline = time.monotonic() + 10
+        while not any((fs / ".tmp").glob("*.part")) and time.monotonic() < deadline:
+            time.sleep(0.0005)
         proc.send_signal(signal.SIGKILL)
         assert proc.wait() == -signal.SIGKILL
         torn += len(list((fs / ".tmp").iterdir()))

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -92,18 +91,6 @@ def test_ttl_expires_by_age_also_across_restart(tmp_path: Path) -> None:
     again = open_tier(tmp_path / "fs", ttl_seconds=0.3)
     assert list(again.list()) == []
     assert not any(p.suffix == ".kv" for p in (tmp_path / "fs").rglob("*"))
-
-
-def test_dead_writers_temp_files_are_removed_live_ones_kept(tmp_path: Path) -> None:
-    open_tier(tmp_path / "fs").close()
-    tmp = tmp_path / "fs" / ".tmp"
-    dead = tmp / "999999999.abc.part"  # no such pid
-    live = tmp / f"{os.getppid()}.def.part"  # the parent process is alive
-    dead.write_bytes(b"partial")
-    live.write_bytes(b"in flight")
-    tier = open_tier(tmp_path / "fs")
-    assert not dead.exists() and live.exists()
-    assert tier.counters()["removed_temp_files"] == 1
 
 
 def test_foreign_files_are_ignored(tmp_path: Path) -> None:

@@ -1,19 +1,40 @@
 """The filesystem tier: one file per shard under a root directory, crash-safe and re-indexed on start.
 
-Several processes may share one directory: each indexes it on start and finds chunks that others wrote later
-when a lookup reaches them. Layout: ``ROOT/<namespace>/<chunk[:2]>/<chunk>.<heads>.<created>.kv``; temp files live in ``ROOT/.tmp`` named
-after the writing process, so a restarted store removes only the leftovers of dead writers. Files are 0600 in
-0700 directories. A write goes to a temp file (fsync'd when ``durability: fsync``) and is renamed into place,
-so a reader sees a whole file or none; a crash leaves at most a temp file. Last use is the file's mtime, so
-LRU order survives restarts; the creation time in the name drives the TTL.
+Layout: ``ROOT/<namespace>/<chunk[:2]>/<chunk>.<heads>.kv``, one name per shard key: two processes writing one
+chunk replace each other's file (rename is atomic) instead of leaving two. A write goes to a temp file
+``ROOT/.tmp/<pid>.<random>.part`` (fsync'd when ``durability: fsync``), renamed into place: a reader sees a
+whole file or none. The writer holds ``flock(LOCK_EX)`` on its temp file until the rename, and start-up removes
+only temp files it can lock, so a live writer in any PID namespace keeps its file. Several processes may share
+one directory: each indexes it on start and finds chunks that others wrote later when a lookup reaches them.
+The creation time, which drives the TTL, is the header's ``created`` (:mod:`kvtier.frame`; the first 96 bytes
+are read when indexing), so a read never extends it; a file without a valid header (the store rejects it when
+read) counts its mtime. Last use is the mtime (``get`` sets it), so LRU order survives restarts. Files of the
+earlier layout, ``<chunk>.<heads>.<created ms>.kv``, migrate on start: the newest per key is renamed, the rest go.
+
+Trust. The configured path is resolved once at start (links in it, e.g. ``/tmp`` on macOS, are followed then)
+and the root is held open; everything inside is reached from directory descriptors with ``O_NOFOLLOW``, so no
+link inside the root is ever followed: a link as ``.tmp`` refuses the start, one as a namespace or chunk
+directory is skipped, one with a shard's name is removed. The root and every directory in it must belong to
+this process's uid and not be writable by group or other, else :class:`TierError` names it; the tier never
+chmods a directory it did not create, and those it creates (missing parents of the root too) are 0700 whatever
+the umask; files are 0600. Reads accept only regular files of at most ``min(8 GiB, capacity_bytes)``; anything
+else (a FIFO, a link, a sparse giant) is a miss, removed and counted as ``rejected_files``. A read takes at most
+one byte past the indexed size: a key fixes its object's size, so a longer file is damaged, and the store's
+check only needs to see that. Not defended: the root's parents are trusted (whoever can rename them can
+redirect a later start), and so is every process of this uid.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
+import functools
 import logging
+import math
 import os
+import re
+import stat
 import threading
 import time
 import uuid
@@ -24,14 +45,24 @@ from typing import Literal
 
 import numpy as np
 
+from kvtier import frame
 from kvtier.errors import ConfigError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 log = logging.getLogger(__name__)
 
-_SUFFIX = ".kv"
 _TMP_DIR = ".tmp"
+_TMP_NAME = re.compile(r"\d+\.[0-9a-f]{32}\.part")
+# <chunk>.<heads>.kv, or the earlier <chunk>.<heads>.<created ms>.kv (group 3) that start-up migrates.
+_FILE_NAME = re.compile(r"((?:[0-9a-f]{2})+)\.(\d+-\d+of\d+)(?:\.(\d+))?\.kv")
+_HEX = re.compile(r"(?:[0-9a-f]{2})+")  # a namespace directory (".tmp" is not one)
+_SUB = re.compile(r"[0-9a-f]{2}")  # a chunk directory
+_MAX_OBJECT_BYTES = 8 * 2**30  # far above any KV shard; a larger file is garbage, never worth allocating
+_STALE_TEMP_SECONDS = 3600.0  # only where the filesystem has no locks: a temp file this old has no writer
+_NO_LOCKS = (errno.EOPNOTSUPP, errno.ENOLCK)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO must not hang us
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +75,8 @@ class FilesystemOptions:
     durability: Literal["none", "fsync"] = "none"
 
     def check(self, field: str) -> None:
+        if not self.path.strip():
+            raise ConfigError(f"{field}.path: must name a directory, got an empty path")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ConfigError(f"{field}.low_watermark/high_watermark: need 0 < low <= high <= 1, got "
                               f"{self.low_watermark} and {self.high_watermark}")
@@ -53,37 +86,62 @@ class FilesystemOptions:
             raise ConfigError(f"{field}.ttl_seconds: must be positive, got {self.ttl_seconds}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _File:
-    path: str  # a str, not a Path: building 100,000 Path objects dominated re-indexing
-    size: int
+    size: int  # the file's path follows from its key, so 100,000 entries hold no strings
     created: float
     last_used: float
 
 
-def _mkdir(path: Path) -> None:
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
+class _Rejected(Exception):
+    """A file where a shard should be is not one we will read (its reason is the message)."""
 
 
-def _unlink_quietly(path: Path) -> None:
-    """Remove a file if possible; on a read-only or vanished directory there is nothing more to do."""
+@functools.lru_cache(maxsize=256)
+def _parse_heads(text: str) -> HeadRange | None:
+    """A file name's head range; cached, as a directory holds a handful of distinct ones 100,000 times."""
     try:
-        os.unlink(path)
+        return HeadRange.parse(text)
+    except ValueError:
+        return None
+
+
+def _file_name(key: ShardKey) -> str:
+    return f"{key.chunk}.{key.heads}.kv"
+
+
+def _bytes_view(part: Buffer) -> memoryview:
+    view = memoryview(part)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _header_created(head: bytes | memoryview, now: float) -> float | None:
+    """The creation time in an object's header; None when the bytes are not a kvtier header."""
+    try:
+        created = frame.decode_header(head).created
+    except frame.FrameError:
+        return None
+    # The header is checksummed, not signed: never let it postpone the TTL beyond now or forever.
+    return min(created, now) if math.isfinite(created) else None
+
+
+def _reason(exc: OSError) -> str:
+    """What went wrong, naming the path when the error carries one."""
+    if exc.errno == errno.ELOOP:
+        why = "is a symbolic link, which the tier never follows inside its root"
+    elif exc.errno == errno.ENOTDIR:
+        why = "is not a directory"
+    else:
+        why = f"{errno.errorcode.get(exc.errno or 0, '')} {exc.strerror}"
+    return f"{exc.filename}: {why}" if exc.filename else why
+
+
+def _unlink_quietly(name: str, dir_fd: int) -> None:
+    """Remove a directory entry (a link itself, never its target) if possible; a vanished one is fine."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @TIERS.register("filesystem")
@@ -95,84 +153,240 @@ class FilesystemTier(Tier):
 
     def __init__(self, name: str, options: FilesystemOptions) -> None:
         super().__init__(name, options)
-        self.root = Path(options.path).expanduser()
+        self.root = Path(os.path.realpath(os.path.expanduser(options.path)))
         self._lock = threading.Lock()
         self._files: OrderedDict[ShardKey, _File] = OrderedDict()  # least recently used first
         self._by_chunk: dict[tuple[str, str], set[HeadRange]] = {}
         self._used = 0
+        self._max_object = min(_MAX_OBJECT_BYTES, options.capacity_bytes or _MAX_OBJECT_BYTES)
         self.evictions = 0
         self.expired = 0
+        self.rejected_files = 0
+        self._uid = os.geteuid()
+        self._root_fd = self._tmp_fd = -1
         try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(self.root, 0o700)
-            _mkdir(self.root / _TMP_DIR)
-        except OSError as exc:
-            raise TierError(f"{name}: cannot use directory {self.root}: {exc}") from exc
-        self.removed_temp_files = self._clean_temp()
-        self._reindex()
+            self._root_fd = self._open_root()
+            self._tmp_fd = self._open_dir(self._root_fd, _TMP_DIR, f"{self.root}/{_TMP_DIR}", create=True)
+            self.removed_temp_files = self._clean_temp()
+            self._reindex()
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, OSError):
+                raise TierError(f"{name}: cannot use directory {self.root}: {_reason(exc)}") from exc
+            raise
         with self._lock:
             self._expire_locked(time.time())
             self._enforce_capacity_locked()
 
+    def close(self) -> None:
+        for fd in (self._root_fd, self._tmp_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._root_fd = self._tmp_fd = -1  # a stale number could name another directory later: never reuse
+
+    # -- directories -------------------------------------------------------------------------------------------
+    def _open_root(self) -> int:
+        """Open the root, creating missing directories one by one (0700 whatever the umask)."""
+        base, missing = self.root, []
+        while not os.path.lexists(base):
+            missing.append(base.name)
+            base = base.parent
+        if not missing:
+            return self._open_dir(None, str(self.root), str(self.root), create=False)
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # a parent: trusted, see above
+        for name in reversed(missing):
+            base = base / name
+            try:
+                child = self._open_dir(fd, name, str(base), create=True)
+            finally:
+                os.close(fd)
+            fd = child
+        return fd
+
+    def _open_dir(self, parent_fd: int | None, name: str, where: str, *, create: bool) -> int:
+        """Open directory ``name`` under ``parent_fd`` without following a link, creating it if asked.
+
+        Raises :class:`TierError` when it belongs to another uid or others may write into it: whoever can
+        write there decides what this tier reads, writes and deletes.
+        """
+        created = False
+        try:
+            if create:
+                try:
+                    os.mkdir(name, 0o700, dir_fd=parent_fd)
+                    created = True
+                except FileExistsError:
+                    pass
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as exc:
+            code = exc.errno or 0
+            # O_NOFOLLOW | O_DIRECTORY fails with ENOTDIR on a link to a directory: say which it was.
+            if code == errno.ENOTDIR and stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+                code = errno.ELOOP
+            raise OSError(code, os.strerror(code), where) from exc  # the subclass follows the code
+        try:
+            if created:
+                os.fchmod(fd, 0o700)  # the umask may have taken bits away; this one is ours to set
+            st = os.fstat(fd)
+            if st.st_uid != self._uid:
+                raise TierError(f"{self.name}: refusing directory {where}: owned by uid {st.st_uid}, not by "
+                                f"this process's uid {self._uid}")
+            if st.st_mode & 0o022:
+                raise TierError(f"{self.name}: refusing directory {where}: writable by group or other (mode "
+                                f"{stat.S_IMODE(st.st_mode):o}); make it 0700 or choose another path")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_sub(self, namespace: str, sub: str, *, create: bool) -> int | None:
+        """``ROOT/<namespace>/<sub>``; None when absent, or a link (never followed), and not to be created."""
+        try:
+            ns_fd = self._open_dir(self._root_fd, namespace, f"{self.root}/{namespace}", create=create)
+            try:
+                return self._open_dir(ns_fd, sub, f"{self.root}/{namespace}/{sub}", create=create)
+            finally:
+                os.close(ns_fd)
+        except OSError as exc:
+            if create or exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                raise
+            if exc.errno != errno.ENOENT:
+                log.warning("%s: skipping %s", self.name, _reason(exc))
+            return None
+
     # -- start-up ----------------------------------------------------------------------------------------------
     def _clean_temp(self) -> int:
+        """Remove temp files no live writer holds: only ours by name, only regular files, only if we lock them."""
         removed = 0
-        with os.scandir(self.root / _TMP_DIR) as it:
-            for entry in it:
-                pid = entry.name.partition(".")[0]
-                if pid.isdigit() and _pid_alive(int(pid)):
-                    continue  # a live process (this one included: another tier instance) may be writing it
+        with os.scandir(self._tmp_fd) as it:
+            names = [e.name for e in it if _TMP_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
+        for name in names:
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=self._tmp_fd)
+            except OSError:
+                continue  # gone, or swapped for a link since the listing: not ours to touch
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
                 try:
-                    os.unlink(entry.path)
-                    removed += 1
-                except FileNotFoundError:
-                    pass
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live writer, in this PID namespace or any other
+                except OSError as exc:  # a filesystem without locks: only the file's age can tell
+                    if exc.errno not in _NO_LOCKS or time.time() - os.fstat(fd).st_mtime < _STALE_TEMP_SECONDS:
+                        continue
+                os.unlink(name, dir_fd=self._tmp_fd)  # under our lock: see _create_temp
+                removed += 1
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(fd)
         return removed
 
     def _reindex(self) -> None:
         found: list[tuple[ShardKey, _File]] = []
-        for ns_entry in os.scandir(self.root):
-            if not ns_entry.is_dir() or ns_entry.name == _TMP_DIR:
-                continue
-            for sub in os.scandir(ns_entry.path):
-                if not sub.is_dir():
-                    continue
-                for f in os.scandir(sub.path):
-                    parsed = self._parse_name(ns_entry.name, f.name)
-                    if parsed is None:
-                        continue
-                    key, created = parsed
-                    try:
-                        st = f.stat()
-                    except FileNotFoundError:
-                        continue
-                    found.append((key, _File(f.path, st.st_size, created, st.st_mtime)))
+        for ns, ns_fd in self._subdirs(self._root_fd, str(self.root), _HEX):
+            for sub, sub_fd in self._subdirs(ns_fd, f"{self.root}/{ns}", _SUB):
+                found += self._index_dir(ns, sub, sub_fd)
         found.sort(key=lambda kf: kf[1].last_used)
         with self._lock:
             for key, info in found:
                 self._add_locked(key, info)
 
-    @staticmethod
-    def _parse_name(namespace: str, name: str) -> tuple[ShardKey, float] | None:
-        if not name.endswith(_SUFFIX):
+    def _subdirs(self, parent_fd: int, where: str, names: re.Pattern[str]) -> Iterator[tuple[str, int]]:
+        """The directories under ``parent_fd`` named like ours, each open while the caller uses it."""
+        with os.scandir(parent_fd) as it:
+            entries = [e for e in it if names.fullmatch(e.name)]
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                log.warning("%s: skipping %s/%s: not a directory (links are never followed)", self.name,
+                            where, entry.name)
+                continue
+            fd = self._open_dir(parent_fd, entry.name, f"{where}/{entry.name}", create=False)
+            try:
+                yield entry.name, fd
+            finally:
+                os.close(fd)
+
+    def _index_dir(self, namespace: str, sub: str, sub_fd: int) -> list[tuple[ShardKey, _File]]:
+        """Index one chunk directory, leaving one file per key (the newest; earlier-layout names migrate)."""
+        by_key: dict[ShardKey, list[str]] = {}
+        with os.scandir(sub_fd) as it:
+            for entry in it:
+                key = self._parse_name(namespace, entry.name)
+                if key is None or key.chunk[:2] != sub:
+                    continue
+                if entry.is_file(follow_symlinks=False):
+                    by_key.setdefault(key, []).append(entry.name)
+                elif not entry.is_dir(follow_symlinks=False):
+                    self._reject(sub_fd, entry.name, "not a regular file")
+        found = []
+        for key, names in by_key.items():
+            stats = [(name, info) for name in names if (info := self._stat(sub_fd, name)) is not None]
+            if not stats:
+                continue
+            newest, info = max(stats, key=lambda ni: ni[1].created)
+            final = _file_name(key)
+            if newest != final:
+                try:
+                    os.rename(newest, final, src_dir_fd=sub_fd, dst_dir_fd=sub_fd)
+                except FileNotFoundError:
+                    continue  # another process starting beside us migrated this key first
+            for name, _ in stats:
+                if name not in (newest, final):
+                    _unlink_quietly(name, sub_fd)
+            found.append((key, info))
+        return found
+
+    def _open_shard(self, dir_fd: int, name: str) -> tuple[int, os.stat_result]:
+        """A descriptor and the status of a shard file; :class:`_Rejected` when it is not one we would read."""
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link, a socket; not EMFILE, EIO...
+                raise _Rejected(_reason(exc)) from exc
+            raise
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_size <= self._max_object:
+            return fd, st
+        os.close(fd)
+        raise _Rejected("not a regular file" if not stat.S_ISREG(st.st_mode) else
+                        f"{st.st_size} bytes, more than the {self._max_object} a shard may have")
+
+    def _stat(self, dir_fd: int, name: str) -> _File | None:
+        """Size and times of a shard file, or None (and removed, when it is not one we would read)."""
+        try:
+            fd, st = self._open_shard(dir_fd, name)
+        except FileNotFoundError:
             return None
-        parts = name[:-len(_SUFFIX)].split(".")
-        if len(parts) != 3:
+        except _Rejected as exc:
+            self._reject(dir_fd, name, str(exc))
             return None
         try:
-            heads = HeadRange.parse(parts[1])
-            created = int(parts[2]) / 1000
-            bytes.fromhex(parts[0])
-            bytes.fromhex(namespace)
-        except ValueError:
+            created = _header_created(os.pread(fd, frame.HEADER_LEN, 0), time.time())
+        finally:
+            os.close(fd)
+        return _File(st.st_size, st.st_mtime if created is None else created, st.st_mtime)
+
+    def _reject(self, dir_fd: int, name: str, reason: str) -> None:
+        log.warning("%s: removing %s (%s)", self.name, name, reason)
+        _unlink_quietly(name, dir_fd)
+        with self._lock:
+            self.rejected_files += 1
+
+    @staticmethod
+    def _parse_name(namespace: str, name: str) -> ShardKey | None:
+        match = _FILE_NAME.fullmatch(name)
+        if match is None:
             return None
-        return ShardKey(namespace, parts[0], heads), created
+        heads = _parse_heads(match[2])
+        return None if heads is None else ShardKey(namespace, match[1], heads)
 
     # -- index -------------------------------------------------------------------------------------------------
     def _add_locked(self, key: ShardKey, info: _File) -> None:
         old = self._files.pop(key, None)
         if old is not None:
-            self._used -= old.size
+            self._used -= old.size  # one file per key: a replaced file's bytes are gone from disk too
         self._files[key] = info
         self._by_chunk.setdefault((key.namespace, key.chunk), set()).add(key.heads)
         self._used += info.size
@@ -209,15 +423,19 @@ class FilesystemTier(Tier):
             self.evictions += 1
 
     def _remove_locked(self, key: ShardKey) -> bool:
-        info = self._drop_locked(key)
-        if info is None:
+        if self._drop_locked(key) is None:
             return False
         try:
-            os.unlink(info.path)
+            sub_fd = self._open_sub(key.namespace, key.chunk[:2], create=False)
+            if sub_fd is not None:
+                try:
+                    os.unlink(_file_name(key), dir_fd=sub_fd)
+                finally:
+                    os.close(sub_fd)
         except FileNotFoundError:
             pass
-        except OSError as exc:
-            log.warning("%s: cannot remove %s: %s", self.name, info.path, exc)
+        except (OSError, TierError) as exc:  # the index forgets it either way; a later start retries
+            log.warning("%s: cannot remove %s: %s", self.name, key.name, exc)
         return True
 
     # -- the tier interface ------------------------------------------------------------------------------------
@@ -225,38 +443,64 @@ class FilesystemTier(Tier):
         with self._lock:
             if key in self._files:
                 return
+        views = [_bytes_view(p) for p in parts]
         now = time.time()
-        ns_dir = self.root / key.namespace
-        sub_dir = ns_dir / key.chunk[:2]
-        final = sub_dir / f"{key.chunk}.{key.heads}.{int(now * 1000)}{_SUFFIX}"
-        tmp = self.root / _TMP_DIR / f"{os.getpid()}.{uuid.uuid4().hex}.part"
+        created = _header_created(views[0][:frame.HEADER_LEN], now) if views else None
+        fd, tmp = -1, None
         size = 0
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb", buffering=0) as f:
-                for part in parts:
-                    size += f.write(part)
-                if self.options.durability == "fsync":
-                    os.fsync(f.fileno())
-            _mkdir(ns_dir)
-            _mkdir(sub_dir)
-            os.rename(tmp, final)
+            fd, tmp = self._create_temp()
+            for view in views:
+                while view:
+                    n = os.write(fd, view)
+                    size += n
+                    view = view[n:]
             if self.options.durability == "fsync":
-                dir_fd = os.open(sub_dir, os.O_RDONLY)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
+                os.fsync(fd)
+            sub_fd = self._open_sub(key.namespace, key.chunk[:2], create=True)
+            assert sub_fd is not None
+            try:
+                os.rename(tmp, _file_name(key), src_dir_fd=self._tmp_fd, dst_dir_fd=sub_fd)
+                tmp = None
+                if self.options.durability == "fsync":
+                    os.fsync(sub_fd)
+            finally:
+                os.close(sub_fd)
         except BaseException as exc:
-            _unlink_quietly(tmp)
+            if tmp is not None:
+                _unlink_quietly(tmp, self._tmp_fd)
             if isinstance(exc, OSError):
-                raise TierError(f"{self.name}: cannot write {key.name}: "
-                                f"{errno.errorcode.get(exc.errno or 0, '')} {exc}") from exc
+                raise TierError(f"{self.name}: cannot write {key.name}: {_reason(exc)}") from exc
             raise
+        finally:
+            if fd >= 0:
+                os.close(fd)  # releases the writer's lock, after the rename
         with self._lock:
-            self._add_locked(key, _File(str(final), size, now, now))
+            self._add_locked(key, _File(size, now if created is None else created, now))
             self._expire_locked(now)
             self._enforce_capacity_locked()
+
+    def _create_temp(self) -> tuple[int, str]:
+        """A new temp file, locked for as long as it is being written."""
+        for _ in range(3):
+            name = f"{os.getpid()}.{uuid.uuid4().hex}.part"
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=self._tmp_fd)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                except OSError as exc:
+                    if exc.errno not in _NO_LOCKS:  # without locks, start-up cleanup goes by age instead
+                        raise
+                # Another process's cleanup may have locked and removed it between our open and flock.
+                if os.fstat(fd).st_nlink:
+                    return fd, name
+            except BaseException:
+                _unlink_quietly(name, self._tmp_fd)
+                os.close(fd)
+                raise
+            os.close(fd)
+        raise TierError(f"{self.name}: temp files in {self.root / _TMP_DIR} keep vanishing before they are locked")
 
     def get(self, key: ShardKey) -> Buffer | None:
         now = time.time()
@@ -270,26 +514,51 @@ class FilesystemTier(Tier):
                 return None
             self._files.move_to_end(key)
             info.last_used = now
+            indexed = info.size
         try:
-            with open(info.path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buf = np.empty(size, dtype=np.uint8)  # unlike bytearray, not zero-filled first
-                got = f.readinto(buf)
-                try:
-                    os.utime(f.fileno())  # record the use: LRU order survives a restart
-                except OSError:
-                    pass  # e.g. a read-only filesystem: still a good read, only the order is not saved
-        except FileNotFoundError:
+            data = self._read(key, indexed)
+        except OSError as exc:
+            raise TierError(f"{self.name}: cannot read {key.name}: {_reason(exc)}") from exc
+        if data is None:
             with self._lock:
                 self._drop_locked(key)
+        return data
+
+    def _read(self, key: ShardKey, indexed: int) -> memoryview | None:
+        sub_fd = self._open_sub(key.namespace, key.chunk[:2], create=False)
+        if sub_fd is None:
             return None
-        except OSError as exc:
-            raise TierError(f"{self.name}: cannot read {info.path}: {exc}") from exc
-        return memoryview(buf)[:got]
+        name = _file_name(key)
+        try:
+            fd, st = self._open_shard(sub_fd, name)
+            try:
+                buf = np.empty(min(st.st_size, indexed + 1), dtype=np.uint8)  # not zero-filled first
+                view, got = buf.data, 0
+                while got < len(buf) and (n := os.readv(fd, [view[got:]])):
+                    got += n
+                try:
+                    os.utime(fd)  # record the use: LRU order survives a restart
+                except OSError:
+                    pass  # e.g. a read-only filesystem: still a good read, only the order is not saved
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            return None
+        except _Rejected as exc:
+            self._reject(sub_fd, name, str(exc))
+            return None
+        finally:
+            os.close(sub_fd)
+        return view[:got]
 
     def delete(self, key: ShardKey) -> bool:
         with self._lock:
             return self._remove_locked(key)
+
+    def exists(self, key: ShardKey) -> bool:
+        """Whether the index holds ``key`` (no disk access: the cascade asks before every write)."""
+        with self._lock:
+            return key in self._files
 
     def heads(self, namespace: str, chunks: Sequence[str]) -> list[list[HeadRange]]:
         with self._lock:
@@ -311,28 +580,33 @@ class FilesystemTier(Tier):
 
     def _scan_chunk(self, namespace: str, chunk: str) -> list[HeadRange]:
         """Index the files of one chunk found on disk (written by another process since start)."""
-        try:
-            entries = list(os.scandir(self.root / namespace / chunk[:2]))
-        except (FileNotFoundError, NotADirectoryError):
+        if not _HEX.fullmatch(namespace) or not _HEX.fullmatch(chunk):
             return []
-        except OSError as exc:
-            raise TierError(f"{self.name}: cannot list {self.root / namespace / chunk[:2]}: {exc}") from exc
+        sub_fd = self._open_sub(namespace, chunk[:2], create=False)
+        if sub_fd is None:
+            return []
         heads = []
-        with self._lock:
-            for entry in entries:
-                if not entry.name.startswith(chunk):
-                    continue
-                parsed = self._parse_name(namespace, entry.name)
-                if parsed is None or parsed[0].chunk != chunk:
-                    continue
-                key, created = parsed
-                if key not in self._files:
-                    try:
-                        st = entry.stat()
-                    except FileNotFoundError:
-                        continue
-                    self._add_locked(key, _File(entry.path, st.st_size, created, st.st_mtime))
-                heads.append(key.heads)
+        try:
+            with os.scandir(sub_fd) as it:
+                names = [e.name for e in it if e.name.startswith(chunk) and e.is_file(follow_symlinks=False)]
+            for name in names:
+                key = self._parse_name(namespace, name)
+                if key is None or key.chunk != chunk or name != _file_name(key):
+                    continue  # an earlier-layout name: only start-up migrates those
+                with self._lock:
+                    known = key in self._files
+                if not known and (info := self._stat(sub_fd, name)) is not None:
+                    with self._lock:
+                        if key not in self._files:  # another thread may have indexed it meanwhile
+                            self._add_locked(key, info)
+                    known = True
+                if known:
+                    heads.append(key.heads)
+        except OSError as exc:
+            raise TierError(f"{self.name}: cannot list {self.root / namespace / chunk[:2]}: {_reason(exc)}") \
+                from exc
+        finally:
+            os.close(sub_fd)
         return heads
 
     def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
@@ -346,4 +620,5 @@ class FilesystemTier(Tier):
         return self._used
 
     def counters(self) -> dict[str, float]:
-        return {"evictions": self.evictions, "expired": self.expired, "removed_temp_files": self.removed_temp_files}
+        return {"evictions": self.evictions, "expired": self.expired, "removed_temp_files": self.removed_temp_files,
+                "rejected_files": self.rejected_files}
