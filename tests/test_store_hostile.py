@@ -163,6 +163,15 @@ def test_any_exception_from_a_tier_is_a_miss_not_an_outage(tier: DictTier, exc: 
         assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
 
 
+@pytest.mark.parametrize("answer", [None, [None, None], [[]], [["0-4of4"], []], "garbage"])
+def test_a_malformed_heads_answer_is_a_miss(tier: DictTier, monkeypatch, answer: object) -> None:
+    tokens = synthetic_tokens(12, 2 * T)
+    with open_store(tier) as store:
+        monkeypatch.setattr(tier, "heads", lambda namespace, chunks: answer)
+        assert store.lookup(NS, tokens) == 0 and store.get(NS, tokens) is None
+        assert store.stats()["mem"]["read_errors_total"] >= 1
+
+
 def test_an_object_error_is_a_removed_corrupt_miss(tier: DictTier) -> None:
     tokens = synthetic_tokens(6, T)
     with open_store(tier) as store:

@@ -3,7 +3,7 @@
 from kvtier.config import StoreConfig, load_config
 from kvtier.errors import ConfigError, KVTierError, ObjectError, TierError
 from kvtier.eviction import POLICIES, EvictionPolicy
-from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, fingerprint_model, rank_heads
+from kvtier.keys import HeadRange, InputSpan, Namespace, ShardKey, chunk_keys, fingerprint_model, rank_heads
 from kvtier.store import KVStore
 from kvtier.tiers import TIERS, FilesystemTier, MooncakeTier, RedisTier, S3Tier, StoredObject, Tier
 
@@ -14,6 +14,7 @@ __all__ = [
     "EvictionPolicy",
     "FilesystemTier",
     "HeadRange",
+    "InputSpan",
     "KVStore",
     "KVTierError",
     "MooncakeTier",

@@ -307,8 +307,9 @@ class KVStore:
             self._unexpected(tier, "lookup", exc)
             return [[] for _ in chunks]
         outage.succeeded()
-        if len(heads) != len(chunks):
-            self._unexpected(tier, "lookup", ValueError(f"{len(heads)} answers for {len(chunks)} chunks"))
+        if not isinstance(heads, list) or len(heads) != len(chunks) or not all(
+                isinstance(found, list) and all(isinstance(h, HeadRange) for h in found) for found in heads):
+            self._unexpected(tier, "lookup", ValueError(f"malformed answer for {len(chunks)} chunks: {heads!r:.200}"))
             return [[] for _ in chunks]
         return heads
 
