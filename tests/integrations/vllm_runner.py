@@ -54,6 +54,14 @@ def run(model_dir: str, config: dict | None, steps: list[dict], overrides: dict)
             assert store is not None
             store.flush()
             results.append(store.drop_dram())
+        elif op == "reset_prefix_cache":  # vLLM's own: the next request is the connector's to serve
+            results.append(llm.reset_prefix_cache())
+        elif op == "fail_store":  # the store's next calls of the named methods raise
+            from faulty import patch_store
+
+            assert store is not None
+            patch_store(store, step["failures"])
+            results.append(sorted(step["failures"]))
         elif op == "corrupt_first_file":  # flip one payload byte of the first chunk file on disk
             victim = sorted(Path(config["tiers"][0]["path"]).rglob("*.kv"))[0]  # type: ignore[index]
             blob = bytearray(victim.read_bytes())

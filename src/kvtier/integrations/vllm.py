@@ -6,24 +6,19 @@ Load it with::
                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                         "kv_connector_extra_config": {"config": <mapping or YAML path>}}
 
-vLLM makes one instance per role. The scheduler instance decides (lookups, what to load and save, sent to the
-workers as :class:`KVTierMetadata`); worker instances move bytes between the engine's paged KV cache and the store
-(:mod:`kvtier.integrations.layouts` converts layouts). Both roles of one process share one store, so a lookup
-sees the DRAM tier the worker fills. Loads and saves are synchronous within the engine step: a load finishes in
-``start_load_kv`` before the forward pass; a save copies into DRAM in ``wait_for_save`` after it, and the store
-cascades to secondary tiers in the background. A load that fails is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes those blocks, so a miss never becomes wrong KV.
+vLLM makes one instance per role. The scheduler instance decides (lookups, what to load and save:
+:mod:`._vllm_scheduler`), sending its plan to the workers as :class:`KVTierMetadata`; worker instances move
+bytes between the engine's paged KV cache and the store (:mod:`._vllm_worker`). Namespaces hold everything
+that changes the KV of the same token ids (:mod:`._vllm_namespace`).
+
+A configuration kvtier cannot serve is refused at start (:class:`ConfigError`). After that no exception reaches
+the engine from a hook: a failed lookup is a miss, a failed load becomes load errors (vLLM recomputes those
+blocks), a failed save is dropped. Each is counted in ``kvtier_connector_errors_total{hook}`` and its first kind
+logged (:mod:`._vllm_shared`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
-import os
-import threading
-from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,9 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.layouts import Layout, gather, kv_shape, scatter
-from kvtier.keys import Namespace, fingerprint_model
-from kvtier.store import KVStore
+from kvtier.integrations import _vllm_shared
+from kvtier.integrations._vllm_namespace import Namespaces
+from kvtier.integrations._vllm_scheduler import KVTierMetadata, SchedulerSide, Transfer
+from kvtier.integrations._vllm_shared import log, shared_store
+from kvtier.integrations._vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,90 +41,21 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+__all__ = ["KVTierConnector", "KVTierMetadata", "Transfer", "shared_store"]
 
 _EXTRA_KEYS = ("config", "model_fingerprint")
 
 
-# -- one store per process and config, shared by the roles --------------------------------------------------------
-_stores: dict[str, list[Any]] = {}  # config key -> [store, users]
-_stores_lock = threading.Lock()
-
-
-def _config_key(config: object) -> str:
-    if isinstance(config, (str, os.PathLike)):
-        return "path:" + str(Path(config).resolve())
-    return "map:" + json.dumps(config, sort_keys=True, default=str)
-
-
-def _acquire_store(config: Mapping[str, object] | str | None) -> KVStore:
-    key = _config_key(config)
-    with _stores_lock:
-        if key not in _stores:
-            _stores[key] = [KVStore.from_config(config), 0]
-        _stores[key][1] += 1
-        return _stores[key][0]  # type: ignore[no-any-return]
-
-
-def shared_store(config: Mapping[str, object] | str) -> KVStore | None:
-    """The store that connectors in this process opened for ``config``, if any (for stats and tests)."""
-    with _stores_lock:
-        slot = _stores.get(_config_key(config))
-        return None if slot is None else slot[0]  # type: ignore[no-any-return]
-
-
-def _release_store(store: KVStore) -> None:
-    with _stores_lock:
-        for key, slot in list(_stores.items()):
-            if slot[0] is store:
-                slot[1] -= 1
-                if slot[1] == 0:
-                    del _stores[key]
-                    store.close()
-                return
-
-
-# -- what the scheduler tells the workers -------------------------------------------------------------------------
-@dataclasses.dataclass
-class Transfer:
-    """Move ``tokens[offset:]`` (whole blocks) between the store and ``block_ids`` (the blocks of those tokens)."""
-
-    request_id: str
-    namespace: Namespace
-    tokens: list[int]
-    block_ids: list[int]
-    offset: int
-
-
-@dataclasses.dataclass
-class KVTierMetadata(KVConnectorMetadata):
-    loads: list[Transfer] = dataclasses.field(default_factory=list)
-    saves: list[Transfer] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class _Tracked:
-    """A running request, as the scheduler instance follows it."""
-
-    namespace: Namespace
-    tokens: list[int]
-    block_ids: list[int]
-    stored: int  # leading tokens known to be in the store already
-    saved: bool = False
-
-
-def _model_fingerprint(vllm_config: VllmConfig, override: object) -> str:
-    if override is not None:
-        if not isinstance(override, str) or not override:
-            raise ConfigError("kv_connector_extra_config.model_fingerprint: expected a non-empty string")
-        return override
-    model = vllm_config.model_config.model
-    if Path(model).is_dir():
-        return fingerprint_model(model)
-    revision = getattr(vllm_config.model_config, "revision", None)
-    return f"{model}@{revision or 'default'}"
+def _check_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    groups = [] if kv_cache_config is None else kv_cache_config.kv_cache_groups
+    if len(groups) > 1:
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        raise ConfigError(f"KVTierConnector: model {vllm_config.model_config.model!r} has {len(groups)} KV-cache "
+                          f"groups ({kinds}: hybrid or sliding-window attention); kvtier supports models with "
+                          "one group only")
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -139,122 +67,80 @@ class KVTierConnector(KVConnectorBase_V1):
         unknown = sorted(set(extra) - set(_EXTRA_KEYS))
         if unknown:
             raise ConfigError(f"kv_connector_extra_config.{unknown[0]}: unknown key; allowed: {', '.join(_EXTRA_KEYS)}")
-        self._store = _acquire_store(extra.get("config"))
-        self._chunk = self._store.chunk_tokens
-        self._block_size = vllm_config.cache_config.block_size
-        if self._chunk % self._block_size:
-            _release_store(self._store)
-            raise ConfigError(f"chunk_tokens: {self._chunk} is not a multiple of vLLM's block size "
-                              f"{self._block_size}")
+        _check_groups(vllm_config, kv_cache_config)
+        block_size = vllm_config.cache_config.block_size
+        kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        # Namespaces come first: a model that cannot be fingerprinted is refused before any store opens.
+        names = Namespaces(vllm_config, extra.get("model_fingerprint")) if role == KVConnectorRole.SCHEDULER \
+            else None
+        self._shared = _vllm_shared.acquire(extra.get("config"))
+        store, metrics = self._shared.store, self._shared.metrics
+        if store.chunk_tokens % block_size:
+            _vllm_shared.release(self._shared)
+            raise ConfigError(f"chunk_tokens: {store.chunk_tokens} is not a multiple of vLLM's block size "
+                              f"{block_size}")
         if role == KVConnectorRole.SCHEDULER and \
                 getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kvtier: kv_load_failure_policy is %r: a chunk that fails verification on load fails its "
                         "request; set \"kv_load_failure_policy\": \"recompute\" in kv_transfer_config to "
                         "recompute it instead", self._kv_transfer_config.kv_load_failure_policy)
-        # scheduler side
-        self._model = _model_fingerprint(vllm_config, extra.get("model_fingerprint")) \
-            if role == KVConnectorRole.SCHEDULER else ""
-        self._dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-        self._namespaces: dict[str, Namespace] = {}
-        # request -> (engine-computed tokens, store hit tokens, the tokens looked up)
-        self._hits: dict[str, tuple[int, int, list[int]]] = {}
-        self._loads: dict[str, Transfer] = {}  # loads to send with the request's next step
-        self._tracked: dict[str, _Tracked] = {}
-        # worker side
-        self._caches: list[torch.Tensor] = []
-        self._layout: Layout = "cpu"
-        self._load_errors: set[int] = set()
-        self._staging: torch.Tensor | None = None  # reused for loads: fresh memory costs page faults each time
+        self._metrics = metrics
+        self._scheduler = None if names is None else SchedulerSide(
+            store, names, metrics, block_size=block_size, kv_heads=kv_heads,
+            workers=vllm_config.parallel_config.world_size)
+        self._worker = WorkerSide(store, metrics, block_size=block_size, kv_heads=kv_heads)
+
+    @property
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side hook was called on a worker-role connector"
+        return self._scheduler
 
     # ================================================================================ scheduler side
-    def _namespace(self, request: Request) -> Namespace:
-        lora = request.lora_request
-        return Namespace(model=self._model, dtype=self._dtype,
-                         lora=None if lora is None else f"{lora.lora_name}:{lora.lora_path}",
-                         cache_salt=request.cache_salt)
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens beyond the engine's own hit that the store holds (whole chunks; the last token is computed)."""
-        ns = self._namespace(request)
-        self._namespaces[request.request_id] = ns
-        tokens = list(request.all_token_ids)
-        limit = (len(tokens) - 1) // self._chunk * self._chunk
-        hit = self._store.lookup(ns, tokens[:limit]) if limit > num_computed_tokens else 0
-        self._hits[request.request_id] = (num_computed_tokens, hit, tokens)
-        return max(hit - num_computed_tokens, 0), False
+        try:
+            return self._sched.lookup(request, num_computed_tokens), False
+        except Exception as exc:
+            self._metrics.error("get_num_new_matched_tokens", exc, request.request_id)
+            self._sched.forget_lookup(request.request_id)
+            return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
-            return
-        computed, _, tokens = self._hits[request.request_id]
-        end = computed + num_external_tokens
-        # Block ids come with the scheduler output; the tokens are those looked up (for a request resumed after
-        # preemption they include its output so far).
-        self._loads[request.request_id] = Transfer(request.request_id, self._namespaces[request.request_id],
-                                                   tokens[:end], [], computed)
+        try:
+            self._sched.after_alloc(request, blocks, num_external_tokens)
+        except Exception as exc:
+            self._metrics.error("update_state_after_alloc", exc, request.request_id)
+            if num_external_tokens <= 0:
+                return
+            try:
+                self._sched.invalidate(request, blocks, num_external_tokens)
+            except Exception as again:
+                log.error("kvtier: request %s: cannot mark its blocks for recomputation (%s); the engine may "
+                          "use KV that was never loaded", request.request_id, again)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVTierMetadata()
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            rid = new.req_id
-            ns = self._namespaces.get(rid)
-            if ns is None or new.prompt_token_ids is None:
-                continue  # not looked up by this connector (e.g. prompt embeddings): neither load nor save
-            hit = self._hits.pop(rid, (0, 0, []))[1]
-            self._tracked[rid] = _Tracked(ns, list(new.prompt_token_ids), list(new.block_ids[0]), stored=hit)
-            self._plan(meta, rid, new.num_computed_tokens + scheduled.get(rid, 0))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            tracked = self._tracked.get(rid)
-            if tracked is None:
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:  # preempted and back: its blocks were all replaced
-                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
-                hit = self._hits.pop(rid, (0, 0, []))[1]
-                tracked.stored = max(tracked.stored, min(hit, len(tracked.tokens)))
-            elif new_blocks:
-                tracked.block_ids.extend(new_blocks[0])
-            self._plan(meta, rid, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+        meta = self._sched.take_loads()
+        try:
+            self._sched.plan_saves(meta, scheduler_output)
+        except Exception as exc:  # per-request failures are contained inside; this is anything else
+            self._metrics.error("build_connector_meta", exc)
         return meta
 
-    def _plan(self, meta: KVTierMetadata, rid: str, computed_after_step: int) -> None:
-        tracked = self._tracked[rid]
-        load = self._loads.pop(rid, None)
-        if load is not None:
-            load.block_ids = tracked.block_ids[:len(load.tokens) // self._block_size]
-            meta.loads.append(load)
-        upto = len(tracked.tokens) // self._chunk * self._chunk  # the prompt's whole chunks
-        if not tracked.saved and computed_after_step >= upto:
-            tracked.saved = True
-            if upto > tracked.stored:
-                offset = tracked.stored // self._chunk * self._chunk
-                meta.saves.append(Transfer(rid, tracked.namespace, tracked.tokens[:upto],
-                                           tracked.block_ids[:upto // self._block_size], offset))
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        try:
+            self._sched.connector_output(connector_output)
+        except Exception as exc:
+            self._metrics.error("update_connector_output", exc)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
-        for table in (self._tracked, self._namespaces, self._hits, self._loads):
-            table.pop(rid, None)
+        try:
+            self._sched.finished(request.request_id)
+        except Exception as exc:
+            self._metrics.error("request_finished", exc, request.request_id)
         return False, None  # saves finished in the step that computed them: free the blocks now
 
     # ================================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        def layer_index(name: str) -> tuple[int, str]:
-            digits = [int(p) for p in name.split(".") if p.isdigit()]
-            return (digits[0] if digits else 0, name)
-
-        self._caches = [kv_caches[name] for name in sorted(kv_caches, key=layer_index)]
-        first = self._caches[0]
-        if first.dim() == 4:
-            self._layout = "cpu"
-        elif first.dim() == 5 and first.shape[0] == 2:
-            self._layout = "flash"
-        else:
-            raise ValueError(f"KVTierConnector: unsupported KV cache layout {tuple(first.shape)}; supported: "
-                             "[blocks, kv_heads, block_size, 2*head_dim] (CPU) and "
-                             "[2, blocks, block_size, kv_heads, head_dim] (flash attention)")
+        self._worker.register(kv_caches, self._tp)
 
     @staticmethod
     def _tp() -> tuple[int, int]:
@@ -264,33 +150,21 @@ class KVTierConnector(KVConnectorBase_V1):
         )
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+    def _meta(self) -> KVTierMetadata:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVTierMetadata)
-        if not meta.loads:
-            return
-        rank, size = self._tp()
-        bs = self._block_size
-        for load in meta.loads:
-            from_chunk = load.offset // self._chunk * self._chunk
-            kv = self._store.get(load.namespace, load.tokens, tp_rank=rank, tp_size=size, offset=from_chunk,
-                                 out=self._staging_for(len(load.tokens) - from_chunk))
-            blocks = load.block_ids[load.offset // bs:]
-            if kv is None:
-                log.warning("kvtier: request %s: KV for %d tokens vanished before loading; vLLM recomputes it",
-                            load.request_id, len(load.tokens) - load.offset)
-                self._load_errors.update(blocks)
-                continue
-            scatter(kv[:, :, :, load.offset - from_chunk:], self._caches, blocks, self._layout)
+        assert isinstance(meta, KVTierMetadata), f"unexpected connector metadata {type(meta).__name__}"
+        return meta
 
-    def _staging_for(self, tokens: int) -> torch.Tensor:
-        """A host buffer for ``tokens`` tokens of canonical KV, grown as needed and kept."""
-        shape = kv_shape(self._caches, self._layout, tokens)
-        numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
-        if self._staging is None or self._staging.numel() < numel:
-            self._staging = torch.empty(numel, dtype=self._caches[0].dtype, device=self._caches[0].device)
-            self._staging.zero_()  # touch it once now, not on every load
-        return self._staging[:numel].view(shape)
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = None
+        try:
+            meta = self._meta()
+            self._worker.load(meta, self._tp)
+        except Exception as exc:  # per-load failures are contained inside; this is anything else
+            if meta is None:
+                self._metrics.error("start_load_kv", exc)
+            else:
+                self._worker.fail(meta, exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in ``start_load_kv``, before any layer runs."""
@@ -299,21 +173,15 @@ class KVTierConnector(KVConnectorBase_V1):
         """Saves happen once per step in ``wait_for_save``, from all layers together."""
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVTierMetadata)
-        if not meta.saves:
-            return
-        rank, size = self._tp()
-        bs = self._block_size
-        for save in meta.saves:
-            kv = gather(self._caches, save.block_ids[save.offset // bs:], self._layout)
-            self._store.put(save.namespace, save.tokens, kv, tp_rank=rank, tp_size=size, offset=save.offset)
+        try:
+            self._worker.save(self._meta(), self._tp)
+        except Exception as exc:  # per-save failures are contained inside; this is anything else
+            self._metrics.error("wait_for_save", exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._worker.take_load_errors()
 
     def shutdown(self) -> None:
-        store, self._store = self._store, None  # type: ignore[assignment]
-        if store is not None:
-            _release_store(store)
+        shared, self._shared = self._shared, None  # type: ignore[assignment]
+        if shared is not None:
+            _vllm_shared.release(shared)

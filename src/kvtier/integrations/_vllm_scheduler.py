@@ -1,0 +1,192 @@
+"""The vLLM connector's scheduler side: decides what each engine step loads and saves (no bytes move here).
+
+Per request it looks up the whole chunks beyond vLLM's own prefix-cache hit, plans a load into the blocks vLLM
+allocated for them, and plans one save of the prompt's whole chunks once the step that computes the last of
+them runs. The plans reach the workers as :class:`KVTierMetadata`; what a worker reports back (blocks whose
+load failed) re-plans a save. Which chunks a save really writes is the worker's call (``store.held``), since
+only it sees the DRAM its loads filled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvtier.integrations._vllm_namespace import Namespaces, Skip
+from kvtier.integrations._vllm_shared import ConnectorMetrics
+from kvtier.keys import Namespace
+from kvtier.store import KVStore
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+@dataclasses.dataclass
+class Transfer:
+    """Move ``tokens[offset:]`` (whole blocks) between the store and ``block_ids`` (the blocks of those tokens)."""
+
+    request_id: str
+    namespace: Namespace
+    tokens: list[int]
+    block_ids: list[int]
+    offset: int
+
+
+@dataclasses.dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    """One step's plan. ``invalid``: blocks promised to vLLM as loaded that no load fills (the scheduler side
+    failed while planning them); workers report them as load errors, so vLLM recomputes them."""
+
+    loads: list[Transfer] = dataclasses.field(default_factory=list)
+    saves: list[Transfer] = dataclasses.field(default_factory=list)
+    invalid: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """A running request, as the scheduler side follows it."""
+
+    namespace: Namespace
+    tokens: list[int]
+    block_ids: list[int]
+    saved: bool = False
+
+
+class SchedulerSide:
+    """Lookups and plans. Each hook raises what it cannot handle; the connector contains it."""
+
+    def __init__(self, store: KVStore, namespaces: Namespaces, metrics: ConnectorMetrics, *, block_size: int,
+                 kv_heads: int, workers: int) -> None:
+        self._store = store
+        self._names = namespaces
+        self._metrics = metrics
+        self._chunk = store.chunk_tokens
+        self._bs = block_size
+        self._kv_heads = kv_heads
+        # With several workers in one forward pass, one worker cannot see another's failed load (which spoils
+        # the KV all of them compute after it): a request's save then waits for the step after its load, whose
+        # outcome the scheduler has heard by then.
+        self._defer_after_load = workers > 1
+        self._namespaces: dict[str, Namespace] = {}
+        self._hits: dict[str, tuple[int, list[int]]] = {}  # request -> (engine-computed tokens, tokens looked up)
+        self._loads: dict[str, Transfer] = {}  # planned at allocation, sent with the next metadata
+        self._invalid: list[int] = []
+        self._tracked: dict[str, _Tracked] = {}
+
+    # -- lookups ---------------------------------------------------------------------------------------------
+    def lookup(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens beyond the engine's own hit that the store holds (whole chunks; the last token is computed)."""
+        rid = request.request_id
+        self._hits.pop(rid, None)
+        try:
+            ns = self._names.for_request(request)
+        except Skip as skip:
+            self._namespaces.pop(rid, None)
+            self._metrics.skip(skip.reason, str(skip), rid)
+            return 0
+        self._namespaces[rid] = ns
+        tokens = list(request.all_token_ids)
+        limit = (len(tokens) - 1) // self._chunk * self._chunk
+        if limit <= num_computed_tokens:
+            return 0
+        hit = self._store.lookup(ns, tokens[:limit], kv_heads=self._kv_heads)
+        if hit <= num_computed_tokens:
+            return 0
+        self._hits[rid] = (num_computed_tokens, tokens)
+        return hit - num_computed_tokens
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Plan the load of the tokens promised by :meth:`lookup` into the blocks vLLM just allocated."""
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        computed, tokens = self._hits[rid]
+        end = computed + num_external_tokens
+        # For a request resumed after preemption the tokens include its output so far.
+        block_ids = list(blocks.get_block_ids()[0][:end // self._bs])
+        self._loads[rid] = Transfer(rid, self._namespaces[rid], tokens[:end], block_ids, computed)
+        del self._hits[rid]
+
+    def invalidate(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """After a failed :meth:`after_alloc`: have the workers report the promised blocks as failed, so vLLM
+        recomputes them. Without the engine's own hit (lost with the failure) that is every block from the
+        first: more than needed, but nothing promised stays unfilled."""
+        self._loads.pop(request.request_id, None)
+        computed = self._hits.pop(request.request_id, (0, []))[0]
+        ids = blocks.get_block_ids()[0]
+        self._invalid.extend(ids[computed // self._bs:(computed + num_external_tokens) // self._bs] or ids)
+
+    # -- plans -----------------------------------------------------------------------------------------------
+    def take_loads(self) -> KVTierMetadata:
+        """A step's metadata with the loads planned since the last one: vLLM already counts their tokens as
+        computed, so they go out whatever happens to the rest of the plan."""
+        meta = KVTierMetadata(loads=list(self._loads.values()), invalid=self._invalid)
+        self._loads, self._invalid = {}, []
+        return meta
+
+    def plan_saves(self, meta: KVTierMetadata, scheduler_output: SchedulerOutput) -> None:
+        """Follow the scheduled requests' blocks and add the saves this step completes; a request whose
+        tracking fails is dropped (it is neither saved nor followed further), the others go on."""
+        loading = {load.request_id for load in meta.loads}
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            try:
+                ns = self._namespaces.get(new.req_id)
+                self._hits.pop(new.req_id, None)
+                if ns is None or new.prompt_token_ids is None:
+                    continue  # skipped at lookup: neither load nor save
+                self._tracked[new.req_id] = _Tracked(ns, list(new.prompt_token_ids), list(new.block_ids[0]))
+                self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0),
+                                new.req_id in loading)
+            except Exception as exc:
+                self._tracked.pop(new.req_id, None)
+                self._metrics.error("build_connector_meta", exc, new.req_id)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            try:
+                tracked = self._tracked.get(rid)
+                if tracked is None:
+                    continue
+                new_blocks = cached.new_block_ids[i]
+                if rid in cached.resumed_req_ids:  # preempted and back: its blocks were all replaced
+                    tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+                    self._hits.pop(rid, None)
+                elif new_blocks:
+                    tracked.block_ids.extend(new_blocks[0])
+                self._plan_save(meta, rid, cached.num_computed_tokens[i] + scheduled.get(rid, 0), rid in loading)
+            except Exception as exc:
+                self._tracked.pop(rid, None)
+                self._metrics.error("build_connector_meta", exc, rid)
+
+    def _plan_save(self, meta: KVTierMetadata, rid: str, computed_after_step: int, loading: bool) -> None:
+        tracked = self._tracked[rid]
+        upto = len(tracked.tokens) // self._chunk * self._chunk  # the prompt's whole chunks
+        if tracked.saved or upto == 0 or computed_after_step < upto or (loading and self._defer_after_load):
+            return
+        tracked.saved = True
+        # From the start: the worker skips what the store holds (store.held), which after a failed load
+        # excludes the chunks that failed, so they are saved once recomputed.
+        meta.saves.append(Transfer(rid, tracked.namespace, tracked.tokens[:upto],
+                                   tracked.block_ids[:upto // self._bs], 0))
+
+    def connector_output(self, output: KVConnectorOutput) -> None:
+        """Blocks whose load failed are recomputed: save the requests holding them again once they are."""
+        invalid = output.invalid_block_ids
+        if not invalid:
+            return
+        for tracked in self._tracked.values():
+            if tracked.saved and not invalid.isdisjoint(tracked.block_ids):
+                tracked.saved = False
+
+    def finished(self, request_id: str) -> None:
+        for table in (self._tracked, self._namespaces, self._hits, self._loads):
+            table.pop(request_id, None)
+
+    def forget_lookup(self, request_id: str) -> None:
+        """After a failed :meth:`lookup`: promise nothing for the request."""
+        self._hits.pop(request_id, None)

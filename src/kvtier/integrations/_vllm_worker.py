@@ -1,0 +1,139 @@
+"""The vLLM connector's worker side: moves bytes between the engine's paged KV cache and the store.
+
+Loads run in ``start_load_kv``, before the forward pass; saves in ``wait_for_save``, after it, into DRAM (the
+store cascades to secondary tiers in the background). Each load or save that fails is contained on its own: a
+failed load becomes load errors (vLLM recomputes those blocks), a failed save is dropped; both are counted.
+Layouts are converted by :mod:`kvtier.integrations.layouts`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.integrations._vllm_scheduler import KVTierMetadata, Transfer
+from kvtier.integrations._vllm_shared import ConnectorMetrics
+from kvtier.integrations.layouts import Layout, gather, kv_shape, scatter
+from kvtier.keys import rank_heads
+from kvtier.store import KVStore
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+TensorParallel = Callable[[], tuple[int, int]]  # -> (rank, size)
+
+
+class WorkerSide:
+    """The engine's KV caches, and the loads and saves of each step."""
+
+    def __init__(self, store: KVStore, metrics: ConnectorMetrics, *, block_size: int, kv_heads: int) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._chunk = store.chunk_tokens
+        self._bs = block_size
+        self._kv_heads = kv_heads  # the model's, so replicated heads are stored by their real index
+        self._caches: list[torch.Tensor] = []
+        self._layout: Layout = "cpu"
+        self._load_errors: set[int] = set()  # reported to vLLM, then cleared
+        self._failed: set[int] = set()  # this step's failed blocks: saves over them would store wrong KV
+        self._staging: torch.Tensor | None = None  # reused for loads: fresh memory costs page faults each time
+
+    def register(self, kv_caches: dict[str, torch.Tensor], tp: TensorParallel) -> None:
+        def layer_index(name: str) -> tuple[int, str]:
+            digits = [int(p) for p in name.split(".") if p.isdigit()]
+            return (digits[0] if digits else 0, name)
+
+        self._caches = [kv_caches[name] for name in sorted(kv_caches, key=layer_index)]
+        first = self._caches[0]
+        if first.dim() == 4:
+            self._layout = "cpu"
+        elif first.dim() == 5 and first.shape[0] == 2:
+            self._layout = "flash"
+        else:
+            raise ValueError(f"KVTierConnector: unsupported KV cache layout {tuple(first.shape)}; supported: "
+                             "[blocks, kv_heads, block_size, 2*head_dim] (CPU) and "
+                             "[2, blocks, block_size, kv_heads, head_dim] (flash attention)")
+        # Checked once here: a mismatch would otherwise fail every save and load, each contained and counted.
+        rank, size = tp()
+        heads, want = kv_shape(self._caches, self._layout, 0)[2], rank_heads(self._kv_heads, rank, size).count
+        if heads != want:
+            raise ConfigError(f"KVTierConnector: rank {rank} of {size} holds {heads} KV heads, but a model with "
+                              f"{self._kv_heads} KV heads gives each rank {want}; unsupported attention layout")
+
+    # -- loads -----------------------------------------------------------------------------------------------
+    def load(self, meta: KVTierMetadata, tp: TensorParallel) -> None:
+        self._failed = set(meta.invalid)
+        if meta.loads:
+            try:
+                rank, size = tp()
+            except Exception as exc:
+                self.fail(meta, exc)
+                return
+            for load in meta.loads:
+                try:
+                    if not self._load(load, rank, size):
+                        self._failed.update(load.block_ids[load.offset // self._bs:])
+                except Exception as exc:
+                    self._metrics.error("start_load_kv", exc, load.request_id)
+                    self._failed.update(load.block_ids[load.offset // self._bs:])
+        self._load_errors |= self._failed
+
+    def fail(self, meta: KVTierMetadata, exc: BaseException) -> None:
+        """Report every block this step should have loaded as failed."""
+        self._metrics.error("start_load_kv", exc)
+        self._failed = set(meta.invalid)
+        for load in meta.loads:
+            self._failed.update(load.block_ids[load.offset // self._bs:])
+        self._load_errors |= self._failed
+
+    def _load(self, load: Transfer, rank: int, size: int) -> bool:
+        from_chunk = load.offset // self._chunk * self._chunk
+        kv = self._store.get(load.namespace, load.tokens, tp_rank=rank, tp_size=size, offset=from_chunk,
+                             out=self._staging_for(len(load.tokens) - from_chunk), kv_heads=self._kv_heads)
+        if kv is None:
+            log.warning("kvtier: request %s: KV for %d tokens vanished before loading; vLLM recomputes it",
+                        load.request_id, len(load.tokens) - load.offset)
+            return False
+        scatter(kv[:, :, :, load.offset - from_chunk:], self._caches, load.block_ids[load.offset // self._bs:],
+                self._layout)
+        return True
+
+    def _staging_for(self, tokens: int) -> torch.Tensor:
+        """A host buffer for ``tokens`` tokens of canonical KV, grown as needed and kept."""
+        shape = kv_shape(self._caches, self._layout, tokens)
+        numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+        if self._staging is None or self._staging.numel() < numel:
+            self._staging = torch.empty(numel, dtype=self._caches[0].dtype, device=self._caches[0].device)
+            self._staging.zero_()  # touch it once now, not on every load
+        return self._staging[:numel].view(shape)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves -----------------------------------------------------------------------------------------------
+    def save(self, meta: KVTierMetadata, tp: TensorParallel) -> None:
+        failed, self._failed = self._failed, set()
+        if not meta.saves:
+            return
+        rank, size = tp()
+        for save in meta.saves:
+            if not failed.isdisjoint(save.block_ids):
+                continue  # computed over blocks that failed to load; saved once vLLM has recomputed them
+            try:
+                self._save(save, rank, size)
+            except Exception as exc:
+                self._metrics.error("wait_for_save", exc, save.request_id)
+
+    def _save(self, save: Transfer, rank: int, size: int) -> None:
+        # Gather only what the store does not hold: after vLLM's own prefix-cache hit, or a load, that is
+        # often nothing, and a put of held chunks would only copy them again.
+        held = self._store.held(save.namespace, save.tokens, tp_rank=rank, tp_size=size, kv_heads=self._kv_heads)
+        start = max(save.offset, held)
+        if start >= len(save.tokens):
+            return
+        kv = gather(self._caches, save.block_ids[start // self._bs:], self._layout)
+        self._store.put(save.namespace, save.tokens, kv, tp_rank=rank, tp_size=size, offset=start,
+                        kv_heads=self._kv_heads)

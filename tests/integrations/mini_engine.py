@@ -1,0 +1,164 @@
+"""A scheduler-role and worker-role KVTierConnector driven the way vLLM's scheduler and model runner drive them,
+over fake paged CPU caches, with real vLLM requests, scheduler outputs and block lists. No model runs: a
+"forward pass" writes each token's reference KV (a function of the prompt) into its blocks, so what a load
+put there can be checked against what a computation would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+from kvtier.integrations.layouts import gather, scatter
+from kvtier.integrations.vllm import KVTierConnector, KVTierMetadata
+from kvtier.keys import rank_heads
+
+BLOCK = 128
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # the tiny Llama of the fixtures
+
+
+def vllm_config(model_dir: str, store: dict, **engine: object) -> VllmConfig:
+    """A VllmConfig for the tiny model with kvtier as its connector over store config ``store``."""
+    kv = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+                          kv_role="kv_both", kv_load_failure_policy="recompute",
+                          kv_connector_extra_config={"config": store})
+    args = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=2048,
+                dtype="bfloat16", block_size=BLOCK, kv_transfer_config=kv)
+    args.update(engine)
+    return EngineArgs(**args).create_engine_config()  # type: ignore[arg-type]
+
+
+def kv_cache_config(groups: int = 1) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layers, spec) for _ in range(groups)])
+
+
+def request(rid: str, tokens: list[int], *, images: list[tuple[int, int, str]] = (),  # type: ignore[assignment]
+            salt: str | None = None, lora: LoRARequest | None = None, prompt_embeds: torch.Tensor | None = None,
+            prompt_is_token_ids: list[bool] | None = None) -> Request:
+    """A vLLM request; ``images`` are (offset, length, hash) of multimodal inputs over placeholder tokens."""
+    features = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                      mm_position=PlaceholderRange(offset=off, length=n))
+                for off, n, ident in images]
+    return Request(rid, tokens, SamplingParams(max_tokens=4), None, mm_features=features, cache_salt=salt,
+                   lora_request=lora, prompt_embeds=prompt_embeds, prompt_is_token_ids=prompt_is_token_ids)
+
+
+def reference_kv(tokens: list[int]) -> torch.Tensor:
+    """What a forward pass computes for ``tokens``: canonical KV [layers, 2, all KV heads, tokens, head_dim]."""
+    g = torch.Generator().manual_seed(hash(tuple(tokens)) % 2**31)
+    return torch.randn(LAYERS, 2, KV_HEADS, len(tokens), HEAD_DIM, generator=g).to(torch.bfloat16)
+
+
+@dataclasses.dataclass
+class Step:
+    meta: KVTierMetadata
+    hit: int  # tokens the scheduler side promised beyond the engine's own
+    blocks: list[int]
+    load_errors: set[int]
+
+
+class MiniEngine:
+    """One scheduler-role connector and one worker-role connector per tensor-parallel rank (``tp_size``)."""
+
+    def __init__(self, config: VllmConfig, tp_size: int = 1, num_blocks: int = 64) -> None:
+        self.scheduler = KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+        self.workers: list[KVTierConnector] = []
+        self.caches: list[list[torch.Tensor]] = []
+        for rank in range(tp_size):
+            worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+            worker._tp = lambda rank=rank: (rank, tp_size)  # type: ignore[method-assign]
+            heads = rank_heads(KV_HEADS, rank, tp_size).count
+            caches = [torch.zeros(num_blocks, heads, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
+                      for _ in range(LAYERS)]
+            worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)})
+            self.workers.append(worker)
+            self.caches.append(caches)
+        self.tp_size = tp_size
+        self._free = list(range(num_blocks))
+
+    def shutdown(self) -> None:
+        for conn in [self.scheduler, *self.workers]:
+            conn.shutdown()
+
+    def prefill(self, req: Request, computed: int = 0) -> Step:
+        """Schedule ``req``'s whole prompt in one step (``computed``: vLLM's own prefix-cache hit), load, "run
+        the model" over the tokens not loaded, save; then report load errors back as vLLM does."""
+        hit, _ = self.scheduler.get_num_new_matched_tokens(req, computed)
+        hit = hit or 0
+        n = req.num_prompt_tokens
+        blocks = [self._free.pop(0) for _ in range(math.ceil(n / BLOCK))]
+        alloc = KVCacheBlocks(([KVCacheBlock(b) for b in blocks],))
+        self.scheduler.update_state_after_alloc(req, alloc, hit)
+        req.num_computed_tokens = computed + hit
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs = [NewRequestData.from_request(req, (blocks,))]
+        out.num_scheduled_tokens = {req.request_id: n - computed - hit}
+        out.total_num_scheduled_tokens = n - computed - hit
+        meta = self.scheduler.build_connector_meta(out)
+        assert isinstance(meta, KVTierMetadata)
+        errors = self.step(meta, req, blocks, computed + hit)
+        return Step(meta, hit, blocks, errors)
+
+    def decode(self, req: Request, blocks: list[int]) -> KVTierMetadata:
+        """One decode step of ``req`` (its prompt computed): the scheduler side plans, every worker runs it."""
+        n = req.num_prompt_tokens
+        out = SchedulerOutput.make_empty()
+        cached = out.scheduled_cached_reqs
+        cached.req_ids, cached.new_block_ids, cached.num_computed_tokens = [req.request_id], [None], [n]
+        cached.new_token_ids, cached.num_output_tokens = [[]], [1]
+        out.num_scheduled_tokens, out.total_num_scheduled_tokens = {req.request_id: 1}, 1
+        meta = self.scheduler.build_connector_meta(out)
+        assert isinstance(meta, KVTierMetadata)
+        self.step(meta, req, blocks, n)
+        return meta
+
+    def step(self, meta: KVTierMetadata, req: Request, blocks: list[int], loaded_upto: int) -> set[int]:
+        """Every worker runs one step of ``meta``; the forward pass fills ``req``'s tokens from ``loaded_upto``."""
+        errors: set[int] = set()
+        ref = reference_kv(list(req.all_token_ids))
+        for rank, worker in enumerate(self.workers):
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)  # type: ignore[arg-type]
+            first = loaded_upto // BLOCK
+            if first < len(blocks):
+                self._compute(rank, ref[:, :, :, first * BLOCK:], blocks[first:])
+            worker.wait_for_save()
+            errors |= worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=errors))
+        return errors
+
+    def _compute(self, rank: int, kv: torch.Tensor, blocks: list[int]) -> None:
+        heads = rank_heads(KV_HEADS, rank, self.tp_size)
+        padded = torch.zeros(*kv.shape[:3], len(blocks) * BLOCK, HEAD_DIM, dtype=kv.dtype)
+        padded[:, :, :, :kv.shape[3]] = kv
+        scatter(padded[:, :, heads.start:heads.stop], self.caches[rank], blocks, "cpu")
+
+    def read(self, blocks: list[int], tokens: int) -> torch.Tensor:
+        """The canonical KV of the first ``tokens`` tokens in ``blocks``, all heads, assembled over the ranks."""
+        out = torch.empty(LAYERS, 2, KV_HEADS, tokens, HEAD_DIM, dtype=torch.bfloat16)
+        for rank in range(self.tp_size):
+            heads = rank_heads(KV_HEADS, rank, self.tp_size)
+            kv = gather(self.caches[rank], blocks[:math.ceil(tokens / BLOCK)], "cpu")
+            out[:, :, heads.start:heads.stop] = kv[:, :, :, :tokens]
+        return out
+
+    def finish(self, req: Request) -> None:
+        self.scheduler.request_finished(req, [])

