@@ -88,7 +88,6 @@ def test_concurrent_puts_and_gets_under_eviction(make_store) -> None:
 
     run_together([lambda s=s: work(s) for s in range(4)])
     assert whole[0] > 0 and hits[0] >= whole[0], (whole, hits)
-    assert store.stats()["filesystem"]["promotions_total"] > 0  # some reads came back from disk
     store.flush()
     assert store.dram.audit() == IDLE
 

@@ -36,9 +36,11 @@ def test_defaults_and_sizes() -> None:
      r"tiers\[0\].retry_seconds: must be a finite number"),
     ({"tiers": [{"type": "filesystem", "path": "/x", "name": "a/b"}]}, r"tiers\[0\].name: 1-64 letters"),
     ({"tiers": [{"type": "kvtier.keys:Namespace", "path": "/x"}]},
-     r"tiers\[0\].type: plugin 'kvtier.keys:Namespace' is .*not a subclass of kvtier.tiers.base.Tier"),
-    ({"tiers": [{"type": "kvtier.keys:chunk_keys", "path": "/x"}]}, r"tiers\[0\].type: plugin .* not a subclass"),
-    ({"dram": {"eviction": "kvtier.tiers.base:Tier"}}, r"dram.eviction: plugin .* not a subclass of .*EvictionPolicy"),
+     r"tiers\[0\].type: plugin 'kvtier.keys:Namespace' is .*not a concrete subclass of kvtier.tiers.base.Tier"),
+    ({"tiers": [{"type": "kvtier.keys:chunk_keys", "path": "/x"}]}, r"tiers\[0\].type: plugin .* not a concrete subclass"),
+    ({"dram": {"eviction": "kvtier.tiers.base:Tier"}}, r"dram.eviction: plugin .* not a concrete subclass of .*Policy"),
+    ({"dram": {"eviction": "kvtier.eviction:EvictionPolicy"}}, r"dram.eviction: plugin .* not a concrete subclass"),
+    ({"tiers": [{"type": "kvtier.tiers.base:Tier", "path": "/x"}]}, r"tiers\[0\].type: plugin .* not a concrete"),
     ({"tiers": [{"type": "kvtier.no_such:Tier", "path": "/x"}]}, r"tiers\[0\].type: cannot load tier type plugin"),
     ({"dram": {"capacity_bytes": "64TiB"}}, r"dram.capacity_bytes: .* more than the memory available now"),
     ({"metrics_port": 70000}, r"metrics_port: must be a TCP port in \[1, 65535\]"),
@@ -70,6 +72,17 @@ def test_config_errors_never_echo_secrets() -> None:
         with pytest.raises(ConfigError) as info:
             load_config(cfg) and KVStore.from_config(cfg).close()
         assert secret not in str(info.value) and "12345" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("url", ["redis://:Zq@9@host:1/0", "redis://user:Zq/9@host:1/0", "redis://Zq9@host:1",
+                                 "redis://host:1/0?password=Zq9", "s3://h/b?secret_key=Zq9&x=1"])
+def test_redact_hides_every_password_form(url: str) -> None:
+    from kvtier.config import redact
+
+    assert "Zq" not in redact(f"bad value {url!r} here")
+    with pytest.raises(ConfigError) as info:
+        load_config({"tiers": [url]})  # a URL where a tier mapping belongs: the error shows it, redacted
+    assert "Zq" not in str(info.value) and "host" in str(info.value) or "h/b" in str(info.value), str(info.value)
 
 
 def test_yaml_file_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

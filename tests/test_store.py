@@ -124,7 +124,8 @@ def test_tp_size_that_does_not_divide_heads_is_an_error(make_store) -> None:
     tokens = synthetic_tokens(7, T)
     store.put(NS, tokens, synthetic_kv(tokens, heads=4))
     with pytest.raises(ValueError, match="tp_size 3 does not divide"):
-        store.get(NS, tokens, tp_rank=0, tp_size=3)
+        store.get(NS, tokens, tp_rank=0, tp_size=3, kv_heads=4)
+    assert store.get(NS, tokens, tp_rank=0, tp_size=3) is None  # no head count recorded fits: a miss
 
 
 def test_bad_arguments(make_store) -> None:

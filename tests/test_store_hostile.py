@@ -172,6 +172,40 @@ def test_a_malformed_heads_answer_is_a_miss(tier: DictTier, monkeypatch, answer:
         assert store.stats()["mem"]["read_errors_total"] >= 1
 
 
+def test_shards_claiming_another_head_count_never_make_get_raise(tier: DictTier) -> None:
+    tokens = synthetic_tokens(13, T)
+    kv = synthetic_kv(tokens)
+    (key,) = keys_of(tokens)
+    with open_store(tier) as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+        store.drop_dram()
+        odd = ShardKey(key.namespace, key.chunk, HeadRange(0, 1, 3))  # a writer claiming 3 KV heads
+        tier.objects[odd] = shard_bytes(odd, kv[:, :, :1])
+        for size in (1, 2, 4):
+            for rank in range(size):
+                got = store.get(NS, tokens, tp_rank=rank, tp_size=size)
+                per = 4 // size
+                assert got is not None and torch.equal(got, kv[:, :, rank * per:(rank + 1) * per])
+        assert store.lookup(NS, tokens) == T
+
+
+def test_a_wrong_shape_promoted_into_dram_is_dropped_then_replaced(tier: DictTier) -> None:
+    tokens = synthetic_tokens(14, T)
+    kv = synthetic_kv(tokens)
+    (key,) = keys_of(tokens)
+    tier.objects[key] = shard_bytes(key, synthetic_kv(tokens, layers=1))  # checksums fine, one layer
+    with open_store(tier) as store:
+        assert store.get(NS, tokens).shape[0] == 1  # nothing expected: the shard's own shape is served ...
+        assert store.get(NS, tokens, out=torch.empty_like(kv)) is None  # ... never into a 2-layer buffer
+        assert store.stats()["dram"]["corrupt_objects_total"] == 1
+        assert store.put(NS, tokens, kv) == T  # the engine computes it again: stored, not "already held"
+        out = torch.empty_like(kv)
+        assert store.get(NS, tokens, out=out) is out and torch.equal(out, kv)
+        store.flush()
+        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+
+
 def test_an_object_error_is_a_removed_corrupt_miss(tier: DictTier) -> None:
     tokens = synthetic_tokens(6, T)
     with open_store(tier) as store:
@@ -269,6 +303,25 @@ def test_cascade_skips_objects_the_tier_holds(tier: DictTier) -> None:
         store.flush()
         assert tier.calls["put"] == 3
         assert store.stats()["mem"]["present_writes_total"] == 3
+
+
+def test_a_failing_exists_never_stops_the_writes(tier: DictTier) -> None:
+    tokens = synthetic_tokens(15, 3 * T)
+    with open_store(tier, retry_seconds=60) as store:
+        tier.exists = lambda key: (_ for _ in ()).throw(ObjectError("damaged marker"))  # type: ignore[method-assign]
+        store.put(NS, tokens, synthetic_kv(tokens))
+        store.flush()
+        assert len(tier.objects) == 3  # asking failed, writing went ahead
+        assert store.stats()["mem"].get("dropped_writes_total{reason=tier_unavailable}", 0) == 0
+
+
+def test_put_after_close_is_an_error_not_a_leak(tier: DictTier) -> None:
+    store = open_store(tier)
+    store.close()
+    tokens = synthetic_tokens(16, T)
+    with pytest.raises(RuntimeError, match="after close"):
+        store.put(NS, tokens, synthetic_kv(tokens))
+    assert store.dram.audit()["refs"] == 0
 
 
 # -- item 17: close frees the metrics port -------------------------------------------------------------------

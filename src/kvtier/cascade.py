@@ -79,6 +79,7 @@ class CascadeWriter:
         self._bytes_lock = threading.Lock()
         self._outage = Outage(tier.name, "writes", spec.retry_seconds)
         self._present = metrics.present_writes.labels(tier.name)
+        self._exists_failed = False  # logged once
         self._threads = [threading.Thread(target=self._run, name=f"kvtier-{tier.name}-{i}", daemon=True)
                          for i in range(spec.workers)]
         for t in self._threads:
@@ -136,18 +137,30 @@ class CascadeWriter:
                     self._pool.release(entry)
                 self._queue.task_done()
 
+    def _present_in_tier(self, entry: DramEntry) -> bool:
+        """Whether the tier holds the object already: a chunk computed again (evicted from DRAM, recomputed after
+        a failed load) often is, and asking costs one small call where writing costs an upload. Only advice: if
+        asking fails, the write goes ahead (and reports any real outage itself)."""
+        try:
+            return self.tier.exists(entry.key) is True
+        except Exception as exc:  # e.g. one malformed object (ObjectError) that the write will replace
+            self._metrics.read_errors.labels(self.tier.name).inc()
+            if not self._exists_failed:
+                self._exists_failed = True
+                log.warning("tier %s: asking whether %s is stored failed (%s: %s); writing it anyway (further "
+                            "such failures are counted, not logged)", self.tier.name, entry.key.name,
+                            type(exc).__name__, exc)
+            return False
+
     def _write(self, entry: DramEntry) -> None:
         if self._outage.resting():
             self._metrics.dropped.labels(self.tier.name, "tier_unavailable").inc()
             return
         start = time.perf_counter()
+        if self._present_in_tier(entry):
+            self._present.inc()
+            return
         try:
-            # A chunk computed again (evicted from DRAM, or recomputed after a failed load) is often still in
-            # the tier: asking costs one small call, rewriting it a whole upload.
-            if self.tier.exists(entry.key):
-                self._present.inc()
-                self._outage.succeeded()
-                return
             views = self._pool.views(entry)
             header = frame.encode_header(entry.key, entry.meta, views)
             self.tier.put(entry.key, [header, *views])

@@ -31,12 +31,27 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 _SECRET_FIELDS = ("secret", "password", "token", "credential")
-_URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@]*):[^@/]*@")
+_URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]*")
+_SECRET_QUERY = re.compile(r"(?i)((?:password|passwd|secret|token|access_key|secret_key)=)[^&#\s'\"]*")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (and any ``password=``-like query value) replaced by ``***``.
+
+    Everything up to the last ``@`` counts as user info, so a password with an unescaped ``@``, ``/`` or ``?``
+    (which URL parsers take for the host or path) is hidden too; a lone name before ``@`` may be a password
+    written without its colon, so it goes as well.
+    """
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        userinfo, _, host = rest.rpartition("@")
+        rest = (userinfo.partition(":")[0] + ":***@" if ":" in userinfo else "***@") + host
+    return scheme + sep + _SECRET_QUERY.sub(r"\1***", rest)
 
 
 def redact(text: str) -> str:
-    """``text`` with the password of any ``scheme://user:password@host`` URL in it replaced by ``***``."""
-    return _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    """``text`` with every URL in it passed through :func:`redact_url`."""
+    return _URL.sub(lambda m: redact_url(m[0]), text)
 
 
 def shown(field: str, value: object) -> str:
@@ -208,7 +223,7 @@ _TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port")
 def _parse_tier(raw: object, index: int, seen: set[str]) -> TierSpec:
     field = f"tiers[{index}]"
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{field}: expected a mapping with a 'type' key, got {raw!r}")
+        raise ConfigError(f"{field}: expected a mapping with a 'type' key, got {shown(field, raw)}")
     if "type" not in raw or not isinstance(raw["type"], str):
         raise ConfigError(f"{field}.type: required, a tier type name")
     common_keys = {f.name for f in dataclasses.fields(_TierCommon)}

@@ -81,6 +81,7 @@ class DramEntry:
     parent: str | None
     extents: list[Extent]
     refs: int = 1
+    discarded: bool = False  # out of the index, pages freed when the last reference goes
 
     @property
     def pages(self) -> int:
@@ -129,8 +130,13 @@ class DramPool:
         """Claim pages for ``key``, evicting unpinned entries as needed. The entry holds one reference."""
         need = -(-meta.nbytes // self.page_bytes)
         with self._lock:
-            if key in self._by_key or key in self._pending:
+            if key in self._pending:
                 return "present"
+            held = self._by_key.get(key)
+            if held is not None:
+                if held.meta == meta:
+                    return "present"
+                self._discard_locked(held)  # another shape under this key (e.g. a hostile promotion): replace
             if self._free.count + self._idle_pages < need:
                 return "full"  # even evicting every idle entry would not make room: evict nothing
             extents = self._free.take(need)
@@ -238,8 +244,26 @@ class DramPool:
         with self._lock:
             assert entry.refs > 0, f"release of unpinned entry {entry.key.name}"
             entry.refs -= 1
-            if entry.refs == 0 and self._by_key.get(entry.key) is entry:
-                self._idle_pages += entry.pages
+            if entry.refs == 0:
+                if self._by_key.get(entry.key) is entry:
+                    self._idle_pages += entry.pages
+                elif entry.discarded:
+                    self._free.give(entry.extents)  # the last reader of a discarded entry is done
+
+    def discard(self, entry: DramEntry) -> None:
+        """Remove a committed entry from the index now (e.g. it holds another shape than its readers expect);
+        its pages are freed once the last reference to it is released."""
+        with self._lock:
+            if self._by_key.get(entry.key) is entry:
+                self._discard_locked(entry)
+
+    def _discard_locked(self, entry: DramEntry) -> None:
+        self._unindex(entry)
+        if entry.refs == 0:
+            self._idle_pages -= entry.pages
+            self._free.give(entry.extents)
+        else:
+            entry.discarded = True
 
     def tensor(self, entry: DramEntry) -> torch.Tensor:
         """The entry's shard as a tensor: a view when its pages are contiguous, else a copy."""
@@ -287,15 +311,18 @@ class DramPool:
     def _evictable(self, key: Hashable) -> bool:
         return self._by_key[key].refs == 0  # type: ignore[index]
 
-    def _evict(self, entry: DramEntry) -> None:
-        assert entry.refs == 0, f"eviction of pinned entry {entry.key.name}"
-        self._idle_pages -= entry.pages
+    def _unindex(self, entry: DramEntry) -> None:
         del self._by_key[entry.key]
         slot = self._index[(entry.key.namespace, entry.key.chunk)]
         del slot[entry.key.heads]
         if not slot:
             del self._index[(entry.key.namespace, entry.key.chunk)]
         self._policy.remove(entry.key)
+
+    def _evict(self, entry: DramEntry) -> None:
+        assert entry.refs == 0, f"eviction of pinned entry {entry.key.name}"
+        self._idle_pages -= entry.pages
+        self._unindex(entry)
         self._free.give(entry.extents)
         if self._on_evict is not None:
             self._on_evict(entry)

@@ -9,6 +9,7 @@ An unknown name is a :class:`ConfigError` that lists the known names.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -51,8 +52,8 @@ class Registry(Generic[T]):
             except Exception as exc:  # a plugin's import may fail in any way: it is the config's fault
                 raise ConfigError(f"{field}: cannot load {self._kind} plugin {name!r}: "
                                   f"{type(exc).__name__}: {exc}") from exc
-            if not (isinstance(found, type) and issubclass(found, self._base)):
-                raise ConfigError(f"{field}: plugin {name!r} is {found!r}, not a subclass of "
+            if not (isinstance(found, type) and issubclass(found, self._base)) or inspect.isabstract(found):
+                raise ConfigError(f"{field}: plugin {name!r} is {found!r}, not a concrete subclass of "
                                   f"{self._base.__module__}.{self._base.__qualname__}")
             return found
         known = ", ".join(self.names())

@@ -51,11 +51,14 @@ def open_tiers(config: StoreConfig) -> list[Tier]:
     return tiers
 
 
+def _valid_range(rng: object) -> bool:
+    return isinstance(rng, HeadRange) and 0 <= rng.start < rng.stop <= rng.total
+
+
 def _full_cover(ranges: list[HeadRange], kv_heads: int | None = None) -> bool:
-    if not ranges:
-        return False
-    total = ranges[0].total if kv_heads is None else kv_heads
-    return cover([r for r in ranges if r.total == total], 0, total) is not None
+    """Whether ``ranges`` hold every head (of ``kv_heads``, else of any head count they record)."""
+    totals = {kv_heads} if kv_heads is not None else {r.total for r in ranges}
+    return any(cover([r for r in ranges if r.total == total], 0, total) is not None for total in totals)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +192,8 @@ class KVStore:
         :func:`~kvtier.keys.rank_heads`). Returns ``offset`` plus the tokens from there on whose chunks are now
         all in DRAM; it stops at the first chunk that does not fit. Secondary tiers are written in the background.
         """
+        if self._closed:
+            raise RuntimeError("KVStore.put after close: its cascade writers have stopped")
         start = time.perf_counter()
         t = self.chunk_tokens
         if kv.dim() != 5 or kv.shape[1] != 2:
@@ -308,7 +313,7 @@ class KVStore:
             return [[] for _ in chunks]
         outage.succeeded()
         if not isinstance(heads, list) or len(heads) != len(chunks) or not all(
-                isinstance(found, list) and all(isinstance(h, HeadRange) for h in found) for found in heads):
+                isinstance(found, list) and all(_valid_range(h) for h in found) for found in heads):
             self._unexpected(tier, "lookup", ValueError(f"malformed answer for {len(chunks)} chunks: {heads!r:.200}"))
             return [[] for _ in chunks]
         return heads
@@ -332,7 +337,8 @@ class KVStore:
         ``out``, when given, receives the data (and is returned); it must have the shape above. When the result
         is None, ``out`` may hold part of the data and must not be used. Every shard must match what is expected
         of it (its key, head range, chunk size, and the layers, head size and dtype of ``out``, else of an earlier
-        put in this namespace, else of the first shard read); one that does not is a miss, counted and removed.
+        put in this namespace by this process, else of the first shard read); one that does not is a miss,
+        counted and removed (from DRAM too).
         """
         start = time.perf_counter()
         t = self.chunk_tokens
@@ -341,8 +347,16 @@ class KVStore:
                              f"{len(tokens)} tokens and offset {offset}")
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
-        shape = _Shape(out.shape[0], out.shape[4], out.dtype) if out is not None and out.dim() == 5 \
-            else self._shapes.get(ns.id)
+        if kv_heads is not None:
+            rank_heads(kv_heads, tp_rank, tp_size)  # the caller's own degree must fit its model: raises if not
+        shape = self._shapes.get(ns.id)
+        if out is not None:
+            if out.dim() != 5:
+                raise ValueError(f"out must be [layers, 2, heads, tokens, head_dim], got shape {tuple(out.shape)}")
+            wanted = _Shape(out.shape[0], out.shape[4], out.dtype)
+            if shape is not None and wanted != shape:
+                raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the KV put in this namespace is {shape}")
+            shape = wanted
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
         read = _Read(ns.id, tp_rank, tp_size, kv_heads, shape)
         try:
@@ -354,8 +368,6 @@ class KVStore:
                     return None
                 plans.append(pieces)
             assert read.shape is not None, "a planned chunk fixes the shape"
-            if ns.id not in self._shapes:
-                self._remember_shape(ns.id, read.shape)
             result = self._copy_out(plans, read.shape, out)
             if result.is_cuda:
                 torch.cuda.current_stream(result.device).synchronize()
@@ -373,17 +385,30 @@ class KVStore:
                 ranges = self.dram.ranges(read.namespace, chunk)
                 if isinstance(source, Tier):
                     ranges += self._tier_heads(source, read.namespace, [chunk])[0]
-                if not ranges:
+                found = self._plan_heads(read, ranges)
+                if found is None:
                     break
-                total = read.kv_heads if read.kv_heads is not None else ranges[0].total
-                want = rank_heads(total, read.tp_rank, read.tp_size)
-                plan = cover([r for r in ranges if r.total == total], want.start, want.stop)
-                if plan is None:
-                    break
+                want, plan = found
                 pieces = self._gather(read, chunk, parent, plan, want.start)
                 if pieces is not None:
                     self._hits[source if isinstance(source, str) else source.name].inc()
                     return pieces
+        return None
+
+    @staticmethod
+    def _plan_heads(read: _Read, ranges: list[HeadRange]) -> tuple[HeadRange, list[tuple[HeadRange, int, int]]] \
+            | None:
+        """This rank's heads and the ranges that cover them. Without ``kv_heads``, each head count recorded for
+        the chunk is tried in turn (a tier may hold shards that claim another count)."""
+        totals = [read.kv_heads] if read.kv_heads is not None else sorted({r.total for r in ranges})
+        for total in totals:
+            try:
+                want = rank_heads(total, read.tp_rank, read.tp_size)
+            except ValueError:
+                continue
+            plan = cover([r for r in ranges if r.total == total], want.start, want.stop)
+            if plan is not None:
+                return want, plan
         return None
 
     def _gather(self, read: _Read, chunk: str, parent: str | None, plan: list[tuple[HeadRange, int, int]],
@@ -396,9 +421,14 @@ class KVStore:
             if entries is not None:
                 read.pinned.extend(entries)
                 source = entries[0]
-                if not read.admit(source.meta, self.chunk_tokens):  # only the caller's own puts are in DRAM
-                    raise ValueError(f"out is {read.shape}, the stored KV is {_Shape.of(source.meta)} (a put "
-                                     "in this namespace had another shape)")
+                if not read.admit(source.meta, self.chunk_tokens):
+                    # Put by a caller with another shape, or promoted by a read that expected nothing: not
+                    # what this read needs. Drop it, so the next put of this chunk stores the right one.
+                    log.warning("dram: dropping %s: holds %s, this read expects %s", source.key.name,
+                                _Shape.of(source.meta), read.shape)
+                    self.metrics.corrupt.labels("dram").inc()
+                    self.dram.discard(source)
+                    return None
             else:
                 source = self._fetch(read, ShardKey(read.namespace, chunk, rng), parent)
                 if source is None:

@@ -137,6 +137,17 @@ def test_several_kv_cache_groups_are_refused(model_dir: Any, store_cfg: dict) ->
     assert shared_store(store_cfg) is None  # nothing left open
 
 
+@pytest.mark.parametrize("field", ["pipeline_parallel_size", "decode_context_parallel_size",
+                                   "prefill_context_parallel_size"])
+def test_layer_or_token_parallelism_is_refused(model_dir: Any, store_cfg: dict, field: str) -> None:
+    """Pipeline stages hold other layers under the same chunk keys: served to each other, they are wrong KV."""
+    config = vllm_config(str(model_dir), store_cfg)
+    object.__setattr__(config.parallel_config, field, 2)
+    with pytest.raises(ConfigError, match=rf"parallel_config.{field} is 2"):
+        KVTierConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    assert shared_store(store_cfg) is None
+
+
 def test_a_cache_with_other_heads_than_the_model_gives_the_rank_is_refused(model_dir: Any, store_cfg: dict) -> None:
     worker = KVTierConnector(vllm_config(str(model_dir), store_cfg), KVConnectorRole.WORKER, kv_cache_config())
     worker._tp = lambda: (0, 2)  # type: ignore[method-assign]

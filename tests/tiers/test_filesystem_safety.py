@@ -170,6 +170,22 @@ def test_one_file_per_key_when_two_processes_write_it(tmp_path: Path) -> None:
     assert open_tier(root).get(key(1)) is None  # nothing left to serve after a restart
 
 
+def test_capacity_holds_for_the_directory_shared_by_several_processes(tmp_path: Path) -> None:
+    """TP workers (or engines) sharing one directory each write their own files: the capacity is the disk's."""
+    root = tmp_path / "fs"
+    workers = [open_tier(root, capacity_bytes=10_000, rescan_seconds=0.05) for _ in range(3)]
+    try:
+        for i in range(60):
+            workers[i % 3].put(key(i, HeadRange(i % 3, i % 3 + 1, 3)), [b"k" * 400])  # 24,000 bytes written
+            time.sleep(0.005)
+        on_disk = sum(p.stat().st_size for p in root.rglob("*.kv"))
+        assert on_disk <= 10_000 * 0.95 + 3 * 400, on_disk  # without the rescans each kept its own 9,500
+        assert sum(w.counters()["evictions"] for w in workers) >= 60 - 10_000 // 400
+    finally:
+        for w in workers:
+            w.close()
+
+
 def test_reindex_migrates_the_earlier_layout_keeping_the_newest(tmp_path: Path) -> None:
     root = tmp_path / "fs"
     open_tier(root).close()
@@ -313,3 +329,14 @@ def test_anything_but_files_in_tmp_does_not_stop_the_start(tmp_path: Path) -> No
     tier.put(key(1), [b"kv"])
     assert bytes(tier.get(key(1)) or b"") == b"kv"
     assert target.read_text() == "keep me" and len(list(tmp.iterdir())) == 3
+
+
+def test_a_key_that_is_not_hex_never_names_a_path(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "root")
+    try:
+        for bad in (ShardKey("..", "ab" * 16, HeadRange(0, 1, 1)), ShardKey("ab" * 16, "../" * 4, HeadRange(0, 1, 1))):
+            with pytest.raises(TierError, match="not a namespace id"):
+                tier.put(bad, [b"x"])
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+    finally:
+        tier.close()

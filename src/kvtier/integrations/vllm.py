@@ -58,6 +58,20 @@ def _check_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
                           "one group only")
 
 
+def _check_parallelism(vllm_config: VllmConfig) -> None:
+    """Refuse parallel layouts whose ranks hold other layers or other tokens under the same chunk keys.
+
+    Pipeline stages hold different layers, context-parallel ranks different tokens of one block: their KV
+    would be stored under the same keys and read back by the wrong rank. Only tensor parallelism is keyed.
+    """
+    parallel = vllm_config.parallel_config
+    for field in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, field, 1)
+        if size != 1:
+            raise ConfigError(f"KVTierConnector: parallel_config.{field} is {size}; kvtier supports tensor and "
+                              "data parallelism only (its keys carry heads, not layers or token slices)")
+
+
 class KVTierConnector(KVConnectorBase_V1):
     """vLLM KV connector that loads prefixes from, and saves prefills to, kvtier's tiered store."""
 
@@ -68,6 +82,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if unknown:
             raise ConfigError(f"kv_connector_extra_config.{unknown[0]}: unknown key; allowed: {', '.join(_EXTRA_KEYS)}")
         _check_groups(vllm_config, kv_cache_config)
+        _check_parallelism(vllm_config)
         block_size = vllm_config.cache_config.block_size
         kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         # Namespaces come first: a model that cannot be fingerprinted is refused before any store opens.

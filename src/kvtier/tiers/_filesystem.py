@@ -8,7 +8,9 @@ only temp files it can lock, so a live writer in any PID namespace keeps its fil
 one directory: each indexes it on start and finds chunks that others wrote later when a lookup reaches them.
 The creation time, which drives the TTL, is the header's ``created`` (:mod:`kvtier.frame`; the first 96 bytes
 are read when indexing), so a read never extends it; a file without a valid header (the store rejects it when
-read) counts its mtime. Last use is the mtime (``get`` sets it), so LRU order survives restarts. Files of the
+read) counts its mtime. Last use is the mtime (``get`` sets it), so LRU order survives restarts. Capacity
+and TTL hold for the directory: with either set, a put walks the directory again every ``rescan_seconds`` (on
+the cascade worker's thread), so what other processes wrote counts and may be evicted too. Files of the
 earlier layout, ``<chunk>.<heads>.<created ms>.kv``, migrate on start: the newest per key is renamed, the rest go.
 
 Trust. The configured path is resolved once at start (links in it, e.g. ``/tmp`` on macOS, are followed then)
@@ -73,8 +75,11 @@ class FilesystemOptions:
     low_watermark: float = 0.85
     ttl_seconds: float | None = None
     durability: Literal["none", "fsync"] = "none"
+    rescan_seconds: float | None = 60.0
 
     def check(self, field: str) -> None:
+        if self.rescan_seconds is not None and self.rescan_seconds <= 0:
+            raise ConfigError(f"{field}.rescan_seconds: must be positive or null, got {self.rescan_seconds}")
         if not self.path.strip():
             raise ConfigError(f"{field}.path: must name a directory, got an empty path")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -164,6 +169,7 @@ class FilesystemTier(Tier):
         self.rejected_files = 0
         self._uid = os.geteuid()
         self._root_fd = self._tmp_fd = -1
+        self._next_rescan = time.monotonic() + (options.rescan_seconds or 0.0)
         try:
             self._root_fd = self._open_root()
             self._tmp_fd = self._open_dir(self._root_fd, _TMP_DIR, f"{self.root}/{_TMP_DIR}", create=True)
@@ -241,6 +247,8 @@ class FilesystemTier(Tier):
 
     def _open_sub(self, namespace: str, sub: str, *, create: bool) -> int | None:
         """``ROOT/<namespace>/<sub>``; None when absent, or a link (never followed), and not to be created."""
+        if not _HEX.fullmatch(namespace) or not _SUB.fullmatch(sub):  # e.g. "..": never a path out of the root
+            raise TierError(f"{self.name}: {namespace!r}/{sub!r} is not a namespace id and chunk directory")
         try:
             ns_fd = self._open_dir(self._root_fd, namespace, f"{self.root}/{namespace}", create=create)
             try:
@@ -284,14 +292,43 @@ class FilesystemTier(Tier):
         return removed
 
     def _reindex(self) -> None:
+        """Index every shard file under the root, replacing the index (one file per key, earlier names migrated).
+
+        Entries this process added while the walk ran are kept: the walk may have passed their directory first.
+        """
+        started = time.time()
         found: list[tuple[ShardKey, _File]] = []
         for ns, ns_fd in self._subdirs(self._root_fd, str(self.root), _HEX):
             for sub, sub_fd in self._subdirs(ns_fd, f"{self.root}/{ns}", _SUB):
                 found += self._index_dir(ns, sub, sub_fd)
-        found.sort(key=lambda kf: kf[1].last_used)
         with self._lock:
             for key, info in found:
+                known = self._files.get(key)
+                if known is not None:
+                    info.last_used = max(info.last_used, known.last_used)  # reads since the last walk
+            fresh = [(k, v) for k, v in self._files.items() if v.last_used >= started]
+            self._files.clear()
+            self._by_chunk.clear()
+            self._used = 0
+            for key, info in sorted(found + fresh, key=lambda kf: kf[1].last_used):
                 self._add_locked(key, info)
+
+    def _rescan_if_due(self) -> None:
+        """Walk the directory again now and then when a capacity or TTL applies: other processes sharing it
+        (TP workers, other engines) write and remove files this index would not otherwise see, and the limits
+        are the directory's, not this process's."""
+        every = self.options.rescan_seconds
+        if every is None or (self.options.capacity_bytes is None and self.options.ttl_seconds is None):
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next_rescan:
+                return
+            self._next_rescan = now + every
+        try:
+            self._reindex()
+        except (OSError, TierError) as exc:  # the next put tries again; until then the index stays as it was
+            log.warning("%s: cannot walk %s again: %s", self.name, self.root, exc)
 
     def _subdirs(self, parent_fd: int, where: str, names: re.Pattern[str]) -> Iterator[tuple[str, int]]:
         """The directories under ``parent_fd`` named like ours, each open while the caller uses it."""
@@ -477,6 +514,8 @@ class FilesystemTier(Tier):
                 os.close(fd)  # releases the writer's lock, after the rename
         with self._lock:
             self._add_locked(key, _File(size, now if created is None else created, now))
+        self._rescan_if_due()
+        with self._lock:
             self._expire_locked(now)
             self._enforce_capacity_locked()
 
