@@ -248,9 +248,15 @@ def fingerprint_model(model: str | os.PathLike[str] | Mapping[str, object],
                    if p.is_file() and (p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES))
     if not any(p.suffix in _WEIGHT_SUFFIXES for p in files):
         raise ValueError(f"fingerprint_model: no weight files ({', '.join(_WEIGHT_SUFFIXES)}) under {root}")
+    return "xxh3-dir:" + hash_files(root, files)
+
+
+def hash_files(root: Path, files: Sequence[Path]) -> str:
+    """An xxh3-128 hex digest of ``files`` (under ``root``): each one's relative name and its whole content."""
+    h = xxhash.xxh3_128()
     for path in files:
         h.update(str(path.relative_to(root)).encode() + b"\0")
         with open(path, "rb") as f:
             while block := f.read(8 * 2**20):
                 h.update(block)
-    return "xxh3-dir:" + h.hexdigest()
+    return h.hexdigest()

@@ -20,10 +20,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import xxhash
 
 from kvtier.errors import ConfigError
-from kvtier.keys import InputSpan, Namespace, fingerprint_model
+from kvtier.keys import InputSpan, Namespace, fingerprint_model, hash_files
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -150,13 +149,7 @@ def fingerprint_adapter(root: Path) -> str:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(_ADAPTER_FILES))
     if not any(p.suffix in _ADAPTER_FILES for p in files):
         raise ValueError(f"no adapter weight files under {root}")
-    h = xxhash.xxh3_128()
-    for path in files:
-        h.update(str(path.relative_to(root)).encode() + b"\0")
-        with open(path, "rb") as f:
-            while block := f.read(8 * 2**20):
-                h.update(block)
-    return "xxh3-lora:" + h.hexdigest()
+    return "xxh3-lora:" + hash_files(root, files)
 
 
 class Namespaces:
