@@ -115,3 +115,37 @@ def test_cache_commands_on_shared_tiers(server: str, tmp_path: Path, unique_pref
     capsys.readouterr()
     assert main(["cache", "stats", "--config", str(path)]) == 0
     assert "objects:    0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("namespace", ["", "*", "a*", OTHER.id[:31], OTHER.id + "0", "g" * 32])
+def test_namespace_must_be_a_namespace_id(config: Path, namespace: str, capsys) -> None:
+    """An empty id or a glob would widen a purge to every namespace."""
+    for command in ("purge", "ls"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["cache", command, "--config", str(config), "--namespace", namespace])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --namespace: expected a namespace id: 32 hex digits" in err, err
+    assert len(list((config.parent / "fs").rglob("*.kv"))) == 7  # nothing was purged
+
+
+def test_namespace_id_in_capitals_is_the_same_id(config: Path, capsys) -> None:
+    assert main(["cache", "ls", "--config", str(config), "--namespace", OTHER.id.upper()]) == 0
+    assert OTHER.id in capsys.readouterr().out
+
+
+def test_purge_all_leaves_a_deployment_with_a_longer_prefix(redis_server, tmp_path: Path, unique_prefix: str,
+                                                           capsys) -> None:
+    """``key_prefix: P`` and ``key_prefix: P + "staging:"`` on one server: purging P leaves staging's keys."""
+    paths = {}
+    for name, prefix in (("prod", unique_prefix), ("staging", unique_prefix + "staging:")):
+        cfg = {"chunk_tokens": T, "dram": {"capacity_bytes": "8MiB", "page_bytes": "16KiB"},
+               "tiers": [{"type": "redis", **redis_server.tier_options(), "key_prefix": prefix}]}
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(cfg))
+        with KVStore.from_config(cfg) as store:
+            put_three_prompts(store)
+    assert main(["cache", "purge", "--config", str(paths["prod"]), "--all"]) == 0
+    assert "removed 6 objects" in capsys.readouterr().out
+    assert main(["cache", "stats", "--config", str(paths["staging"])]) == 0
+    assert "objects:    6" in capsys.readouterr().out

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier import KVStore, Namespace, chunk_keys
+from kvtier import KVStore, Namespace, RedisTier, S3Tier, TierError, chunk_keys
 from kvtier.testing import synthetic_kv, synthetic_tokens
-from kvtier.testing.servers import MooncakeServer, RedisServer, S3Server
+from kvtier.testing.servers import BlackHole, MooncakeServer, RedisCluster, RedisServer, S3Server
+from kvtier.testing.tiers import NS_A, key
 
 from .conftest import NS
 
@@ -133,7 +134,8 @@ def test_chunks_evicted_by_the_server_are_misses(tmp_path: Path, unique_prefix: 
 
 
 def test_another_namespaces_bytes_are_never_returned(redis_server: RedisServer, unique_prefix: str) -> None:
-    """Bytes copied under another namespace's key (a misconfigured or malicious writer) fail verification."""
+    """Bytes copied under another namespace's key (a misconfigured writer) fail verification. (A malicious writer
+    could forge a well-formed object: checksums are unkeyed; see the README's security section.)"""
     other_ns = Namespace(model="other-model", dtype="bfloat16")
     tokens = synthetic_tokens(400, T)
     with store_with([redis_tier(redis_server, unique_prefix)]) as store:
@@ -146,3 +148,103 @@ def test_another_namespaces_bytes_are_never_returned(redis_server: RedisServer, 
         assert store.get(NS, tokens) is None  # ... but its header names the other namespace: a miss
         assert store.stats()["redis"]["corrupt_objects_total"] == 1
         assert redis_server.cli("exists", dst).strip() == "0"  # and it was removed
+
+
+# -- how long one tier call waits on a stalled server (the lookup path): bounded by the tier's timeouts --------
+MARGIN = 0.4  # seconds of slack for a loaded 2-core machine
+
+
+def timed_failure(call: Callable[[], object]) -> float:
+    start = time.monotonic()
+    with pytest.raises(TierError):
+        call()
+    return time.monotonic() - start
+
+
+def test_a_paused_redis_fails_a_call_after_socket_timeout(redis_server: RedisServer, unique_prefix: str) -> None:
+    timeout = 1.0
+    tier = RedisTier.from_config("redis", {"url": redis_server.url, "key_prefix": unique_prefix,
+                                           "socket_timeout": timeout}, "tiers[0]")
+    chunks = [key(i).chunk for i in range(16)]
+    tier.heads(NS_A, chunks)  # a pooled connection, as in a running engine
+    redis_server.cli("client", "pause", "3000", "all")  # (CLIENT UNPAUSE would wait for its end too)
+    try:
+        # The first call waits on its pooled connection, the second on a new one (its handshake is paused too).
+        waits = [timed_failure(lambda: tier.heads(NS_A, chunks)), timed_failure(lambda: tier.get(key(1)))]
+    finally:
+        redis_server.cli("ping")  # answered when the pause ends: the next test finds the server answering
+        tier.close()
+    assert all(timeout * 0.9 <= w < timeout + MARGIN for w in waits), waits  # not retried: once, not twice
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_a_black_holed_redis_fails_a_call_after_socket_timeout(cluster: bool) -> None:
+    timeout = 1.0
+    with BlackHole() as hole:
+        tier = RedisTier.from_config("redis", {"url": f"redis://127.0.0.1:{hole.port}/0", "cluster": cluster,
+                                               "socket_timeout": timeout, "connect_timeout": timeout}, "tiers[0]")
+        waits = [timed_failure(lambda: tier.heads(NS_A, [key(1).chunk])), timed_failure(lambda: tier.get(key(1)))]
+        tier.close()
+    assert all(timeout * 0.9 <= w < timeout + MARGIN for w in waits), waits
+
+
+def test_a_paused_redis_cluster_fails_a_call_within_its_bound(redis_cluster: RedisCluster,
+                                                              unique_prefix: str) -> None:
+    """Every node paused: the pipeline's read from each node waits socket_timeout, then the client asks the
+    nodes it knows for the slots (the URL's node twice), socket_timeout each: (2 x nodes + 1) x socket_timeout."""
+    timeout = 0.5
+    tier = RedisTier.from_config("redis", {"url": redis_cluster.url, "cluster": True, "key_prefix": unique_prefix,
+                                           "socket_timeout": timeout}, "tiers[0]")
+    chunks = [key(i).chunk for i in range(16)]
+    tier.heads(NS_A, chunks)
+    for node in redis_cluster.nodes:
+        node.cli("client", "pause", "5000", "all")
+    try:
+        wait = timed_failure(lambda: tier.heads(NS_A, chunks))
+    finally:
+        for node in redis_cluster.nodes:
+            node.cli("ping")
+    assert wait < (2 * len(redis_cluster.nodes) + 1) * timeout + MARGIN, wait
+    assert tier.heads(NS_A, chunks) == [[] for _ in chunks]  # and it works again at once
+    tier.close()
+
+
+@pytest.mark.parametrize("attempts", [1, 2])
+def test_a_black_holed_s3_fails_a_call_within_attempts_times_read_timeout(s3_server: S3Server, attempts: int,
+                                                                          caplog) -> None:
+    timeout = 1.0
+    with BlackHole() as hole:
+        options = {**s3_server.tier_options(), "endpoint_url": f"http://127.0.0.1:{hole.port}",
+                   "read_timeout": timeout, "connect_timeout": timeout, "max_attempts": attempts,
+                   "create_bucket": False}
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            tier = S3Tier.from_config("s3", options, "tiers[0]")  # the start's bucket check only logs
+        assert any("no answer at start" in r.message for r in caplog.records)
+        many = [key(i).chunk for i in range(64)]  # more listings than the pool has threads (16)
+        waits = [timed_failure(lambda: tier.heads(NS_A, many)), timed_failure(lambda: tier.heads(NS_A, many)),
+                 timed_failure(lambda: tier.get(key(1)))]
+        tier.close()
+    # Per attempt: the read timeout, plus connecting and botocore's back-off (under 0.1 s here); its retry quota
+    # may end retries early after many timeouts, hence no lower bound beyond one attempt.
+    assert all(timeout * 0.9 <= w < attempts * (timeout + 0.2) + MARGIN for w in waits), waits
+
+
+def test_a_key_of_another_type_is_no_outage(redis_server: RedisServer, unique_prefix: str) -> None:
+    """Someone SETs a string at a chunk's key: that chunk is missing, the rest of the tier stays in use, and the
+    next put of the chunk replaces the string."""
+    tokens = synthetic_tokens(500, 3 * T)
+    keys = [k.hex() for k in chunk_keys(NS, tokens, T)]
+    with store_with([redis_tier(redis_server, unique_prefix)]) as writer:
+        writer.put(NS, tokens, synthetic_kv(tokens))
+        writer.flush()
+    assert "OK" in redis_server.cli("set", f"{unique_prefix}{NS.id}:{keys[1]}", "not a hash")
+    with store_with([redis_tier(redis_server, unique_prefix)]) as reader:
+        assert reader.lookup(NS, tokens) == T  # chunk 0; chunk 1 is gone, so the prefix ends there
+        assert reader.lookup(NS, tokens[:T]) == T  # and the tier is still asked: no outage, no back-off
+        assert reader.stats()["redis"].get("read_errors_total", 0) == 0
+        reader.put(NS, tokens, synthetic_kv(tokens))
+        reader.flush()
+        assert reader.stats()["redis"].get("write_errors_total", 0) == 0
+    assert redis_server.cli("type", f"{unique_prefix}{NS.id}:{keys[1]}").strip() == "hash"
+    with store_with([redis_tier(redis_server, unique_prefix)]) as other:
+        assert torch.equal(other.get(NS, tokens), synthetic_kv(tokens))

@@ -14,8 +14,9 @@ from .conftest import NS
 
 T = 16
 SOCKET_TIMEOUT = 0.5
-# redis-py retries a failed call once on a fresh connection (whose handshake waits too): two timeouts.
-BOUND = 2 * SOCKET_TIMEOUT + 0.5
+# A timed-out call is not retried (tests/test_shared_faults.py measures the tier's own bound): one timeout,
+# with a margin for a loaded machine.
+BOUND = SOCKET_TIMEOUT + 0.5
 
 
 def test_a_stalled_redis_costs_one_bounded_wait_per_back_off(redis_server: RedisServer, unique_prefix: str) -> None:

@@ -37,6 +37,15 @@ def parse_age(text: str) -> float:
     return float(match.group(1)) * _AGE_UNITS[match.group(2) or "s"]
 
 
+def namespace_id(text: str) -> str:
+    """A namespace id as ``kvtier cache ls`` prints it: 32 hex digits. Nothing else is accepted: an empty string
+    or a glob would widen a purge to every namespace."""
+    if not re.fullmatch(r"[0-9a-fA-F]{32}", text):
+        raise argparse.ArgumentTypeError(f"expected a namespace id: 32 hex digits, as `kvtier cache ls` prints "
+                                         f"them; got {text!r}")
+    return text.lower()
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -150,14 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("stats", "objects, bytes and namespaces per tier").set_defaults(func=cmd_stats)
     ls = add("ls", "list stored chunks (namespace, chunk key, heads, size, age; never tokens)")
-    ls.add_argument("--namespace", help="only this namespace id")
+    ls.add_argument("--namespace", type=namespace_id, metavar="ID", help="only this namespace id (32 hex digits)")
     ls.set_defaults(func=cmd_ls)
     verify = add("verify", "read every object and check its checksum; exit 1 if any is bad")
     verify.add_argument("--repair", action="store_true", help="remove bad objects (then exit 0)")
     verify.set_defaults(func=cmd_verify)
     purge = add("purge", "remove stored chunks")
     which = purge.add_mutually_exclusive_group(required=True)
-    which.add_argument("--namespace", help="every chunk of this namespace id")
+    which.add_argument("--namespace", type=namespace_id, metavar="ID",
+                       help="every chunk of this namespace id (32 hex digits)")
     which.add_argument("--older-than", type=parse_age, metavar="AGE", help="chunks written more than AGE ago")
     which.add_argument("--all", action="store_true", help="everything")
     purge.set_defaults(func=cmd_purge)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier import ConfigError, MooncakeTier, TierError
+from kvtier import ConfigError, MooncakeTier, ObjectError, TierError
 from kvtier.keys import HeadRange
 from kvtier.testing.servers import MooncakeServer
 from kvtier.testing.tiers import NS_A, NS_B, TierConformance, key
@@ -66,10 +66,44 @@ def test_listing_needs_the_admin_address(mooncake_server: MooncakeServer, unique
     tier.close()
 
 
+def test_a_damaged_marker_is_an_object_error_and_the_next_put_rewrites_it(mooncake_server: MooncakeServer,
+                                                                         unique_prefix: str) -> None:
+    writer = open_tier(mooncake_server, key_prefix=unique_prefix)
+    reader = open_tier(mooncake_server, key_prefix=unique_prefix)
+    raw = writer._store()  # Mooncake's own client: writes what a broken or hostile writer would
+    marker = f"{unique_prefix}{NS_A}/heads"
+    # Not UTF-8, not numbers, a count whose slices would be 10**8 names per lookup, zero, too many counts.
+    for damage in [b"\xff\xfe", b"four", b"100000000", b"0", b"4,,8", b",".join([b"4"] * 40)]:
+        assert raw.upsert(marker, damage) == 0
+        with pytest.raises(ObjectError, match="marker of namespace"):
+            reader.heads(NS_A, [key(1).chunk])  # a miss for this namespace, not an outage of the tier
+    writer.put(key(1), [b"kv"])
+    assert reader.heads(NS_A, [key(1).chunk]) == [[HeadRange(0, 4, 4)]]
+    writer.close()
+    reader.close()
+
+
+def test_listing_sees_only_exact_names(mooncake_server: MooncakeServer, unique_prefix: str) -> None:
+    tier = open_tier(mooncake_server, key_prefix=unique_prefix)
+    tier.put(key(1), [b"ours"])
+    chunk = key(1).chunk
+    for name in [f"notes/{chunk}/0-4of4", f"staging/{chunk}/0-4of4", f"{NS_A}/not-hex/0-4of4",
+                 f"{NS_A}/{chunk}/0-4of4.bak", f"{NS_A}/{key(2).chunk}/4-0of4"]:
+        assert tier._store().put(unique_prefix + name, b"not kvtier's") == 0
+    assert [o.key for o in tier.list()] == [key(1)]
+    assert [o.key for o in tier.list(NS_A)] == [key(1)] and list(tier.list("")) == []
+    tier.close()
+
+
 @pytest.mark.parametrize("options, message", [
     ({"metadata_server": "http://x/metadata"}, "tiers[0].master: required"),
     ({"master": "nohost", "metadata_server": "http://x/metadata"}, "tiers[0].master"),
     ({"master": "h:1", "metadata_server": "http://x/metadata", "protocol": "udp"}, "tiers[0].protocol"),
+    ({"master": "h:70000", "metadata_server": "http://x/metadata"}, "tiers[0].master"),
+    ({"master": "h:0", "metadata_server": "http://x/metadata"}, "tiers[0].master"),
+    ({"master": "h:1", "metadata_server": "http://x:70000/metadata"}, "tiers[0].metadata_server: the port"),
+    ({"master": "h:1", "metadata_server": "http://x/metadata", "admin_url": "http://x:99999"},
+     "tiers[0].admin_url: the port"),
 ])
 def test_bad_options_name_the_field(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

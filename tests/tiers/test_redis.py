@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import ConfigError, RedisTier
+from kvtier import ConfigError, RedisTier, TierError
 from kvtier.keys import HeadRange
-from kvtier.testing.servers import RedisServer
+from kvtier.testing.servers import RedisServer, free_port
 from kvtier.testing.tiers import NS_A, TierConformance, key
 
 
@@ -127,7 +127,52 @@ def test_server_eviction_is_a_miss_never_a_partial_read(tmp_path: Path, unique_p
     ({"ttl_seconds": 0}, "tiers[0].ttl_seconds"),
     ({"socket_read_bytes": 10}, "tiers[0].socket_read_bytes"),
     ({"colour": "red"}, "colour"),
+    # Caught when the config is read, not on every call later (redis-py parses the URL on first use):
+    ({"url": "redis://127.0.0.1:70000/0"}, "tiers[0].url: the port"),
+    ({"url": "redis://127.0.0.1:0/0"}, "tiers[0].url: the port"),
+    ({"url": "redis://127.0.0.1:notaport/0"}, "tiers[0].url: the port"),
+    ({"url": "redis://127.0.0.1:6379/zero"}, "tiers[0].url: the path"),
+    ({"url": "redis://127.0.0.1:6379/0?socket_timeout=soon"}, "tiers[0].url: redis-py cannot use"),
+    ({"url": "redis://127.0.0.1:6379/0?colour=red"}, "tiers[0].url: redis-py cannot use"),
+    ({"url": "redis://127.0.0.1:7000/1", "cluster": True}, "tiers[0].url: a Redis Cluster has only database 0"),
+    ({"max_connections": 100_000}, "tiers[0].max_connections"),
+    ({"socket_timeout": float("inf")}, "tiers[0].socket_timeout"),
+    ({"connect_timeout": float("nan")}, "tiers[0].connect_timeout"),
+    ({"ttl_seconds": float("inf")}, "tiers[0].ttl_seconds"),
 ])
 def test_bad_options_name_the_field(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         RedisTier.from_config("redis", options, "tiers[0]")
+
+
+@pytest.mark.parametrize("url", [
+    "redis://:hunter2-pw@127.0.0.1:70000/0",
+    "redis://kv:hunter2-pw@127.0.0.1:notaport/0",
+    "redis://kv:hunter2-pw@127.0.0.1:6379/zero",
+    "redis://:hunter2/pw@127.0.0.1:6379/0",  # an unescaped '/' ends the host part for URL parsers
+    "redis://hunter2-pw@127.0.0.1:70000/0",  # a password written without its colon
+    "redis://127.0.0.1:6379/0?password=hunter2-pw&colour=red",
+    "http://:hunter2-pw@127.0.0.1:6379/0",
+])
+def test_config_errors_never_show_the_password(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        RedisTier.from_config("redis", {"url": url}, "tiers[0]")
+    assert "hunter2" not in str(info.value) and "tiers[0].url" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_connection_errors_never_show_the_password(cluster: bool) -> None:
+    tier = open_tier(f"redis://kv:hunter2-pw@127.0.0.1:{free_port()}/0", cluster=cluster)  # nothing listens
+    with pytest.raises(TierError) as info:
+        tier.heads(NS_A, [key(1).chunk])
+    assert "hunter2" not in str(info.value), str(info.value)
+    tier.close()
+
+
+def test_cluster_mode_against_a_plain_server_is_a_tier_error(redis_server: RedisServer) -> None:
+    """redis-py raises RedisClusterException (not a RedisError) from building the client, on every call."""
+    tier = open_tier(redis_server.url, cluster=True)
+    for _ in range(2):
+        with pytest.raises(TierError, match="cannot connect to .*Cluster mode is not enabled"):
+            tier.heads(NS_A, [key(1).chunk])
+    tier.close()

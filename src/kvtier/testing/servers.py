@@ -10,6 +10,7 @@ Each server runs as a child process started here, is waited for until it answers
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -21,7 +22,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["MooncakeServer", "RedisCluster", "RedisServer", "S3Server", "ServerError", "free_port"]
+__all__ = ["BlackHole", "MooncakeServer", "RedisCluster", "RedisServer", "S3Server", "ServerError", "free_port"]
 
 
 class ServerError(RuntimeError):
@@ -37,6 +38,29 @@ def free_port(below: int = 65536) -> int:
             port = int(s.getsockname()[1])
         if port < below:
             return port
+
+
+class BlackHole:
+    """A TCP port on loopback that takes connections and never answers: a server stalled for good.
+
+    The kernel completes each handshake into the listen backlog and nobody ever accepts or reads, so a client
+    connects at once and then waits on its read timeout.
+    """
+
+    def __init__(self) -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = int(self._sock.getsockname()[1])
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> BlackHole:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _binary(name: str, package: str) -> str:
@@ -181,11 +205,16 @@ class RedisCluster:
 
 
 class S3Server:
-    """SeaweedFS (``weed server`` with its S3 gateway) on loopback, data under ``workdir``; anonymous access."""
+    """SeaweedFS (``weed server`` with its S3 gateway) on loopback, data under ``workdir``.
 
-    def __init__(self, workdir: Path) -> None:
+    Without ``credentials`` it accepts any request (anonymous access); with ``(access_key_id, secret)`` it runs
+    with one admin identity and refuses every other key, as a real bucket does.
+    """
+
+    def __init__(self, workdir: Path, credentials: tuple[str, str] | None = None) -> None:
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.credentials = credentials
         # weed derives gRPC ports as port + 10000.
         self.master_port, self.volume_port, self.filer_port, self.port = (free_port(below=55536) for _ in range(4))
         self._proc: _Process | None = None
@@ -195,9 +224,10 @@ class S3Server:
         return f"http://127.0.0.1:{self.port}"
 
     def tier_options(self) -> dict[str, object]:
-        """The options of an ``s3`` tier on this server (it accepts any credentials)."""
+        """The options of an ``s3`` tier on this server, with its credentials (any, when it has none)."""
+        key, secret = self.credentials or ("kvtier", "kvtier")
         return {"endpoint_url": self.endpoint_url, "bucket": "kvtier", "create_bucket": True,
-                "addressing_style": "path", "access_key_id": "kvtier", "secret_access_key": "kvtier",
+                "addressing_style": "path", "access_key_id": key, "secret_access_key": secret,
                 "region": "us-east-1"}
 
     def start(self) -> S3Server:
@@ -205,9 +235,22 @@ class S3Server:
                 "-ip.bind=127.0.0.1", f"-master.port={self.master_port}", f"-volume.port={self.volume_port}",
                 f"-filer.port={self.filer_port}", "-s3", f"-s3.port={self.port}", "-volume.max=20",
                 "-master.volumeSizeLimitMB=256", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+        if self.credentials is not None:
+            argv.append(f"-s3.config={self._identities()}")
         self._proc = _Process(argv, self.workdir / "weed.log", self.workdir)
         _wait(self._ready, "SeaweedFS S3 gateway", self._proc.proc, self._proc.log, 60)
         return self
+
+    def _identities(self) -> Path:
+        """SeaweedFS's S3 identities file: one identity with every right, under the given keys."""
+        assert self.credentials is not None
+        key, secret = self.credentials
+        path = self.workdir / "s3-identities.json"
+        path.write_text(json.dumps({"identities": [{
+            "name": "admin", "credentials": [{"accessKey": key, "secretKey": secret}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        path.chmod(0o600)
+        return path
 
     def _ready(self) -> bool:
         if not _listening(self.port):

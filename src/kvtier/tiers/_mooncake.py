@@ -9,26 +9,37 @@ comes back if the store evicted it.
 Objects live in the memory segments that Mooncake clients mount (``global_segment_bytes``); by default this
 process mounts none and uses the segments of dedicated clients (``mooncake_client``), so the KV outlives
 engine restarts. ``kvtier cache ls`` needs the master's admin address
-(``admin_url``) to list keys.
+(``admin_url``) to list keys; it lists only names that are exactly ``<key_prefix><32 hex>/<32 hex>/<heads>``.
+
+A damaged marker (not a short list of head counts) is an :class:`ObjectError` for lookups in its namespace, not
+an outage of the tier; the next put in that namespace rewrites it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from kvtier.errors import ConfigError, TierError
+from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 _MARKER = "heads"
 _MARKER_REFRESH = 30.0  # seconds between rewrites of a namespace's marker by one process
+# Bounds on what a marker may say: a lookup asks for every slice of every count, so a count of 10**8 written by
+# a broken (or hostile) writer would make each lookup build 10**8 names.
+_MAX_HEADS = 1024
+_MAX_COUNTS = 16
+_MARKER_RE = re.compile(rb"[0-9]{1,4}(,[0-9]{1,4}){0,%d}" % (_MAX_COUNTS - 1))
 log = logging.getLogger(__name__)
 
 
@@ -47,17 +58,32 @@ class MooncakeOptions:
 
     def check(self, field: str) -> None:
         host, _, port = self.master.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"{field}.master: expected host:port of the Mooncake master, got {self.master!r}")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"{field}.master: expected host:port of the Mooncake master (port 1-65535), got "
+                              f"{self.master!r}")
         if not self.metadata_server:
             raise ConfigError(f"{field}.metadata_server: required (http://host:port/metadata, etcd://..., "
                               "or P2PHANDSHAKE)")
+        for name in ("metadata_server", "admin_url"):
+            url = getattr(self, name)
+            if url is not None and url.startswith(("http://", "https://")):
+                _check_port(url, f"{field}.{name}")
         if self.global_segment_bytes < 0:
             raise ConfigError(f"{field}.global_segment_bytes: must be >= 0, got {self.global_segment_bytes}")
-        if self.connect_timeout < 0:
-            raise ConfigError(f"{field}.connect_timeout: must be >= 0, got {self.connect_timeout}")
+        if not (self.connect_timeout >= 0 and math.isfinite(self.connect_timeout)):
+            raise ConfigError(f"{field}.connect_timeout: must be a number of seconds >= 0, got "
+                              f"{self.connect_timeout}")
         if self.local_buffer_bytes <= 0:
             raise ConfigError(f"{field}.local_buffer_bytes: must be positive, got {self.local_buffer_bytes}")
+
+
+def _check_port(url: str, field: str) -> None:
+    try:
+        port = urllib.parse.urlsplit(url).port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(f"{field}: the port must be a number in 1-65535")
 
 
 def _slices(total: int) -> list[HeadRange]:
@@ -132,17 +158,28 @@ class MooncakeTier(Tier):
         return self._name(key.namespace, f"{key.chunk}/{key.heads}")
 
     def _read_marker(self, namespace: str) -> set[int]:
+        """The KV-head counts in the namespace's marker (empty when there is none); ObjectError if damaged."""
         raw = self._store().get(self._name(namespace, _MARKER))
-        try:
-            return {int(t) for t in raw.decode().split(",")} if raw else set()
-        except ValueError as exc:
-            raise TierError(f"{self.name}: the marker of namespace {namespace} is damaged: {raw[:40]!r}") from exc
+        if not raw:
+            return set()
+        totals = {int(t) for t in raw.split(b",")} if _MARKER_RE.fullmatch(raw) else set()
+        if not totals or not all(1 <= t <= _MAX_HEADS for t in totals):
+            raise ObjectError(f"{self.name}: the marker of namespace {namespace} is damaged: {bytes(raw[:40])!r}")
+        return totals
 
     def _known_totals(self, namespace: str) -> set[int]:
         totals = self._totals.get(namespace)
         if not totals:
             totals = self._totals[namespace] = self._read_marker(namespace)
         return totals
+
+    def _marker_or_empty(self, namespace: str) -> set[int]:
+        """For writers: a damaged marker counts as none, and is replaced by the write that follows."""
+        try:
+            return self._read_marker(namespace)
+        except ObjectError as exc:
+            log.warning("%s; rewriting it", exc)
+            return set()
 
     # -- the tier interface ------------------------------------------------------------------------------------
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
@@ -164,13 +201,14 @@ class MooncakeTier(Tier):
         process wrote at the same moment is fine if the marker now holds the count."""
         now = time.monotonic()
         with self._marker_lock:
-            totals = self._known_totals(namespace)
+            totals = self._totals.get(namespace) or self._marker_or_empty(namespace)
             if total in totals and now - self._marked.get(namespace, -_MARKER_REFRESH) < _MARKER_REFRESH:
                 return
             if total not in totals:  # a new count: merge with what other writers recorded meanwhile
-                totals = self._totals[namespace] = totals | self._read_marker(namespace) | {total}
+                totals = totals | self._marker_or_empty(namespace) | {total}
+            self._totals[namespace] = totals
             rc = store.upsert(self._name(namespace, _MARKER), ",".join(str(t) for t in sorted(totals)).encode())
-            if rc < 0 and total not in self._read_marker(namespace):
+            if rc < 0 and total not in self._marker_or_empty(namespace):
                 raise TierError(f"{self.name}: writing the marker of namespace {namespace} failed with Mooncake "
                                 f"error {rc}")
             self._marked[namespace] = now
@@ -219,23 +257,26 @@ class MooncakeTier(Tier):
         if self.options.admin_url is None:
             raise TierError(f"{self.name}: listing Mooncake keys needs the master's admin address "
                             f"(tiers[].admin_url, e.g. http://master-host:9003)")
+        if namespace is not None and not re.fullmatch(r"[0-9a-f]{32}", namespace):
+            return  # no namespace id looks like that
         url = self.options.admin_url.rstrip("/")
         try:
             with urllib.request.urlopen(f"{url}/get_all_keys", timeout=10) as resp:
-                names = resp.read().decode().split()
+                names = resp.read().decode(errors="replace").split()  # a non-UTF-8 name matches nothing
         except (OSError, urllib.error.URLError) as exc:
             raise TierError(f"{self.name}: listing keys at {url} failed: {exc}") from exc
-        prefix = self.options.key_prefix + (f"{namespace}/" if namespace else "")
+        # Exactly <prefix><32 hex>/<32 hex>/<heads>: markers, other deployments' longer prefixes and anything else
+        # in the store are never listed (so never purged).
+        own = re.compile(re.escape(self.options.key_prefix) + r"([0-9a-f]{32})/([0-9a-f]{32})/([0-9]+-[0-9]+of[0-9]+)")
         now = time.time()
         for name in names:
-            if not name.startswith(prefix):
+            match = own.fullmatch(name)
+            if match is None or (namespace is not None and match[1] != namespace):
                 continue
-            ns, _, rest = name[len(self.options.key_prefix):].partition("/")
-            chunk, _, heads = rest.partition("/")
             try:
-                key = ShardKey(ns, chunk, HeadRange.parse(heads))
+                key = ShardKey(match[1], match[2], HeadRange.parse(match[3]))
             except ValueError:
-                continue  # the namespace marker, or not ours
+                continue
             size = self._store().get_size(name)
             if size >= 0:
                 # Mooncake reports no times: objects count as new, so age-based purges leave them to

@@ -4,27 +4,42 @@ Each chunk is one Redis hash, ``<key_prefix><namespace>:<chunk>``; each shard is
 fields ``<heads>:<i>/<n>``, the object cut into ``n`` segments of at most ``segment_bytes`` (the server's
 bulk-length limit is 512 MB by default). A shard is written by one HSET (in one MULTI/EXEC when it has
 several segments), so a reader sees all of its segments or none; the server's own eviction (maxmemory)
-removes a whole hash, so an evicted shard is a miss, never a partial read. In a cluster the chunks spread over the slots and the client follows MOVED/ASK.
+removes a whole hash, so an evicted shard is a miss, never a partial read. In a cluster the chunks spread over
+the slots and the client follows MOVED/ASK.
 
 Calls run on the caller's thread with the configured socket timeouts; any Redis error (refused, timed out,
 out of memory) is a :class:`TierError`, and the client reconnects by itself on the next call once the server
-answers again.
+answers again. A call to a stalled server fails after ``socket_timeout`` (a timeout is not retried). One bad
+key is not an outage: a key of another type at a chunk's name (``WRONGTYPE``) has no shards for ``heads``, is an
+:class:`ObjectError` for ``get`` and is removed by ``delete``; fields and keys that are not exactly kvtier's are
+ignored. Messages show the URL with its password replaced by ``***``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvtier.errors import ConfigError, TierError
+from kvtier.config import redact_url
+from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
+log = logging.getLogger(__name__)
+
 # The server's default proto-max-bulk-len; a segment above it is refused by the server.
 _MAX_BULK = 512 * 2**20
+_MAX_CONNECTIONS = 1024  # per process; more is a typo, and each one is a socket and a buffer
+# A shard's field: ``<heads>:<i>/<n>`` in ASCII digits (``int()`` alone would also take " 1", "+1" or "١").
+_FIELD = re.compile(rb"([0-9]+-[0-9]+of[0-9]+):([0-9]{1,9})/([0-9]{1,9})")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,21 +55,57 @@ class RedisOptions:
     max_connections: int = 32
 
     def check(self, field: str) -> None:
+        shown = redact_url(self.url)
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"{field}.url: expected a redis://, rediss:// or unix:// URL, got {self.url!r}")
+            raise ConfigError(f"{field}.url: expected a redis://, rediss:// or unix:// URL, got {shown!r}")
         if self.cluster and self.url.startswith("unix://"):
-            raise ConfigError(f"{field}.url: a Redis Cluster is reached over TCP, got {self.url!r}")
-        if self.ttl_seconds is not None and self.ttl_seconds <= 0:
-            raise ConfigError(f"{field}.ttl_seconds: must be positive, got {self.ttl_seconds}")
+            raise ConfigError(f"{field}.url: a Redis Cluster is reached over TCP, got {shown!r}")
+        if not self.url.startswith("unix://"):
+            self._check_tcp_url(field, shown)
+        if self.ttl_seconds is not None and not (self.ttl_seconds > 0 and math.isfinite(self.ttl_seconds)):
+            raise ConfigError(f"{field}.ttl_seconds: must be a positive number of seconds, got {self.ttl_seconds}")
         if not 0 < self.segment_bytes <= _MAX_BULK:
             raise ConfigError(f"{field}.segment_bytes: must be in (0, 512MiB], got {self.segment_bytes}")
         for name in ("socket_timeout", "connect_timeout"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{field}.{name}: must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            # inf or nan would reach socket.settimeout() only on the first call, and fail every call after.
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{field}.{name}: must be a positive number of seconds, got {value}")
         if self.socket_read_bytes < 4096:
             raise ConfigError(f"{field}.socket_read_bytes: must be at least 4096, got {self.socket_read_bytes}")
-        if self.max_connections < 1:
-            raise ConfigError(f"{field}.max_connections: must be at least 1, got {self.max_connections}")
+        if not 1 <= self.max_connections <= _MAX_CONNECTIONS:
+            raise ConfigError(f"{field}.max_connections: must be in [1, {_MAX_CONNECTIONS}], "
+                              f"got {self.max_connections}")
+        self._check_with_redis(field, shown)
+
+    def _check_tcp_url(self, field: str, shown: str) -> None:
+        # Our own messages, not urllib's: its port errors quote the text it took for a port, which is part of
+        # the password when the password holds an unescaped '/'.
+        parts = urllib.parse.urlsplit(self.url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if port is not None and not 1 <= port <= 65535:
+            raise ConfigError(f"{field}.url: the port must be a number in 1-65535, in {shown!r}")
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise ConfigError(f"{field}.url: the path must be a database number (e.g. /0), in {shown!r}")
+        if self.cluster and db not in ("", "0"):
+            raise ConfigError(f"{field}.url: a Redis Cluster has only database 0, in {shown!r}")
+
+    def _check_with_redis(self, field: str, shown: str) -> None:
+        """Let redis-py parse the URL now: it raises for a bad query option only when it first connects, on
+        every call after that, and not as a RedisError."""
+        try:
+            import redis
+        except ImportError:
+            return  # the tier's constructor says which package is missing
+        try:
+            pool = redis.Redis.from_url(self.url).connection_pool
+            pool.connection_class(**pool.connection_kwargs)  # builds a connection object; connects nowhere
+        except (TypeError, ValueError, redis.RedisError) as exc:  # RedisError: e.g. a bad ssl_cert_reqs
+            raise ConfigError(f"{field}.url: redis-py cannot use {shown!r}: {exc}") from None
 
 
 def _segments(parts: Sequence[Buffer], size: int) -> list[bytes | memoryview]:
@@ -78,12 +129,22 @@ def _segments(parts: Sequence[Buffer], size: int) -> list[bytes | memoryview]:
 
 
 def _parse_field(field: bytes) -> tuple[HeadRange, int, int] | None:
-    try:
-        heads, _, seg = field.decode().rpartition(":")
-        i, _, n = seg.partition("/")
-        return HeadRange.parse(heads), int(i), int(n)
-    except (UnicodeDecodeError, ValueError):
+    """``(heads, i, n)`` of a shard's field name, or None for a field that is not exactly one of ours."""
+    match = _FIELD.fullmatch(field)
+    if match is None:
         return None
+    i, n = int(match[2]), int(match[3])
+    if not 0 <= i < n:  # else a set of n fields could miss segment 0..n-1 and still count as complete
+        return None
+    try:
+        return HeadRange.parse(match[1].decode("ascii")), i, n
+    except ValueError:
+        return None
+
+
+def _wrong_type(reply: object) -> bool:
+    """Whether a reply is the server's WRONGTYPE error: the key holds a string, list, ... not a hash."""
+    return isinstance(reply, Exception) and str(reply).startswith("WRONGTYPE")
 
 
 def _complete(fields: Sequence[bytes]) -> dict[HeadRange, list[bytes]]:
@@ -138,8 +199,12 @@ class RedisTier(Tier):
             raise ConfigError(f"{name}: the redis tier needs the 'redis' package (pip install 'kvtier[redis]')") \
                 from exc
         self._redis = redis
+        # RedisClusterException (no slots, no reachable node) is not a RedisError in redis-py.
+        self._errors = (redis.RedisError, redis.exceptions.RedisClusterException)
         self._lock = threading.Lock()
         self._client_obj: Any = None
+        self._own_key = re.compile(re.escape(options.key_prefix.encode()) + rb"([0-9a-f]{32}):([0-9a-f]{32})")
+        self._wrong_type_keys = 0  # keys of another type met at a chunk's name (see counters())
 
     # -- connection --------------------------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -159,24 +224,34 @@ class RedisTier(Tier):
                 from redis.backoff import NoBackoff
                 from redis.retry import Retry
 
-                # One immediate retry replaces a pooled connection that the server closed (e.g. a restart);
-                # more would only make an outage slower to report.
-                retry = Retry(NoBackoff(), 1)
                 try:
                     if o.cluster:
                         from redis.cluster import RedisCluster
 
-                        self._client_obj = RedisCluster.from_url(o.url, retry=retry, **kwargs)
+                        # The cluster client retries timeouts too, each time after asking every node for the
+                        # slots again (socket_timeout per stalled node): no retry keeps a stalled node's cost to
+                        # one such round (measured: 5 x socket_timeout with one of three nodes paused, 9 x with
+                        # one retry). The client is rebuilt after any error (see _call).
+                        self._client_obj = RedisCluster.from_url(o.url, retry=Retry(NoBackoff(), 0), **kwargs)
                     else:
+                        # One immediate retry replaces a pooled connection that the server closed (a restart).
+                        # Not after a timeout: the server is stalled, and a second wait would double the time a
+                        # caller waits for it (a call fails after socket_timeout, not twice that).
+                        retry = Retry(NoBackoff(), 1, supported_errors=(self._redis.ConnectionError,))
                         self._client_obj = self._redis.Redis.from_url(o.url, retry=retry, **kwargs)
-                except self._redis.RedisError as exc:
-                    raise TierError(f"{self.name}: cannot connect to {o.url}: {exc}") from exc
+                except Exception as exc:  # whatever building the client raises is a TierError
+                    # A cluster client connects here and raises RedisClusterException (no node answers, or
+                    # the node is not in cluster mode); leaving it unwrapped would fail every call outside
+                    # the store's outage handling.
+                    raise TierError(f"{self.name}: cannot connect to {redact_url(o.url)}: {exc}") from exc
             return self._client_obj
 
     def _call(self, what: str, fn: Any) -> Any:
         try:
             return fn(self._client())
-        except self._redis.RedisError as exc:
+        except self._errors as exc:
+            if _wrong_type(exc):  # one key of another type: the server is fine
+                raise ObjectError(f"{self.name}: {what}: the key is not a hash (WRONGTYPE)") from exc
             if self.options.cluster:
                 self._drop_client()
             raise TierError(f"{self.name}: {what} failed: {exc}") from exc
@@ -189,11 +264,20 @@ class RedisTier(Tier):
         if client is not None:
             try:
                 client.close()
-            except self._redis.RedisError:
+            except self._errors:
                 pass
 
     def _hash(self, namespace: str, chunk: str) -> str:
         return f"{self.options.key_prefix}{namespace}:{chunk}"
+
+    @staticmethod
+    def _replies(pipe: Any) -> list[Any]:
+        """Execute a pipeline; a reply that is an error is raised as it came (WRONGTYPE unprefixed: see _call)."""
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return list(replies)
 
     # -- the tier interface ------------------------------------------------------------------------------------
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
@@ -202,7 +286,7 @@ class RedisTier(Tier):
         n = len(segments)
         heads = str(key.heads)
 
-        def write(client: Any) -> None:
+        def execute(client: Any) -> list[Any]:
             # One HSET of one field is atomic by itself; several segments need MULTI/EXEC (which a cluster
             # client runs more slowly).
             pipe = client.pipeline(transaction=n > 1)
@@ -210,10 +294,21 @@ class RedisTier(Tier):
             if self.options.ttl_seconds is not None:
                 pipe.pexpire(name, int(self.options.ttl_seconds * 1000))
             pipe.hkeys(name)
-            fields = pipe.execute()[-1]
+            return pipe.execute(raise_on_error=False)
+
+        def write(client: Any) -> None:
+            replies = execute(client)
+            if any(_wrong_type(r) for r in replies):
+                # A key of another type holds this chunk's name, which is ours (prefix, namespace, chunk): a
+                # put replaces what is stored under its name.
+                client.unlink(name)
+                replies = execute(client)
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
             # Segments of this shard from an earlier write with another count would never be read; drop them.
             # (Until then a reader may pick either complete set: both are whole, verified objects.)
-            stale = [f for f in fields if (p := _parse_field(f)) and p[0] == key.heads and p[2] != n]
+            stale = [f for f in replies[-1] if (p := _parse_field(f)) and p[0] == key.heads and p[2] != n]
             if stale:
                 client.hdel(name, *stale)
 
@@ -228,7 +323,7 @@ class RedisTier(Tier):
             pipe = client.pipeline(transaction=False)
             pipe.hkeys(name)
             pipe.hget(name, single)
-            names, value = pipe.execute()
+            names, value = self._replies(pipe)
             fields = _complete(names).get(key.heads)
             if fields is None:
                 return None
@@ -239,7 +334,7 @@ class RedisTier(Tier):
             pipe = client.pipeline(transaction=False)
             for field in fields:
                 pipe.hget(name, field)
-            values = pipe.execute()
+            values = self._replies(pipe)
             if any(v is None for v in values):  # evicted or replaced between the two calls
                 return None
             return b"".join(values)
@@ -250,7 +345,15 @@ class RedisTier(Tier):
         name = self._hash(key.namespace, key.chunk)
 
         def remove(client: Any) -> bool:
-            fields = [f for f in client.hkeys(name) if (p := _parse_field(f)) and p[0] == key.heads]
+            try:
+                names = client.hkeys(name)
+            except self._redis.ResponseError as exc:
+                if not _wrong_type(exc):
+                    raise
+                # A key of another type at this chunk's name (ours: prefix, namespace, chunk) holds no shard;
+                # the store deletes what get reported as malformed, so the key itself goes.
+                return bool(client.unlink(name))
+            fields = [f for f in names if (p := _parse_field(f)) and p[0] == key.heads]
             return bool(fields) and client.hdel(name, *fields) > 0
 
         return self._call(f"delete {key.name}", remove)
@@ -263,35 +366,76 @@ class RedisTier(Tier):
             pipe = client.pipeline(transaction=False)
             for chunk in chunks:
                 pipe.hkeys(self._hash(namespace, chunk))
-            return [list(_complete(fields)) for fields in pipe.execute()]
+            out: list[list[HeadRange]] = []
+            for chunk, reply in zip(chunks, pipe.execute(raise_on_error=False)):
+                if _wrong_type(reply):  # someone's key of another type: no shards of this chunk, the rest stand
+                    self._met_wrong_type(namespace, chunk)
+                    out.append([])
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    out.append(list(_complete(reply)))
+            return out
 
         return self._call(f"lookup of {len(chunks)} chunks", query)
 
+    def _met_wrong_type(self, namespace: str, chunk: str) -> None:
+        with self._lock:
+            self._wrong_type_keys += 1
+            first = self._wrong_type_keys == 1
+        if first:  # then only counted: a lookup meets the same key again and again
+            log.warning("tier %s: %s is not a hash (WRONGTYPE): not kvtier's, treated as holding no shards; "
+                        "further ones are counted (tier event wrong_type_keys)", self.name,
+                        self._hash(namespace, chunk))
+
     def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
-        prefix = self.options.key_prefix
-        pattern = _escape_glob(prefix) + (namespace if namespace else "*") + ":*"
-        names = self._call("listing", lambda c: list(c.scan_iter(match=pattern, count=1000)))
+        if namespace is not None and not _HEX32.fullmatch(namespace):
+            return  # no namespace id looks like that (and no glob characters reach the SCAN pattern)
+        # Exactly <prefix><32 hex>:<32 hex>: the glob narrows the scan by length, the regex decides. A shorter
+        # prefix of another deployment (``kvtier:`` beside ``kvtier:staging:``) never lists its keys.
+        pattern = _escape_glob(self.options.key_prefix) + (namespace or "?" * 32) + ":" + "?" * 32
+        scanned = self._call("listing", lambda c: list(c.scan_iter(match=pattern, count=1000)))
+        names = [n for n in scanned if self._own_key.fullmatch(n)]
         now = time.time()
         for start in range(0, len(names), 256):
-            batch = names[start:start + 256]
+            yield from self._describe(names[start:start + 256], now)
 
-            def describe(client: Any) -> list[Any]:
-                pipe = client.pipeline(transaction=False)
-                for n in batch:
-                    pipe.hkeys(n)
-                    pipe.object("idletime", n)
-                return pipe.execute(raise_on_error=False)
+    def _describe(self, batch: list[bytes], now: float) -> Iterator[StoredObject]:
+        def fields_and_idle(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for n in batch:
+                pipe.hkeys(n)
+                pipe.object("idletime", n)
+            return pipe.execute(raise_on_error=False)
 
-            replies = self._call("listing", describe)
-            for name, fields, idle in zip(batch, replies[::2], replies[1::2]):
-                if isinstance(fields, Exception):
-                    continue
-                ns, _, chunk = name.decode()[len(prefix):].partition(":")
-                for heads, segs in _complete(fields).items():
-                    sizes = self._call("listing", lambda c: [c.hstrlen(name, f) for f in segs])
-                    # Redis keeps no creation time; the last access stands for both.
-                    used = now - (idle if isinstance(idle, int) else 0)
-                    yield StoredObject(ShardKey(ns, chunk, heads), sum(sizes), used, used)
+        replies = self._call("listing", fields_and_idle)
+        shards = [(name, heads, segs, idle) for name, fields, idle in zip(batch, replies[::2], replies[1::2])
+                  if not isinstance(fields, Exception)  # not a hash: not ours to list
+                  for heads, segs in _complete(fields).items()]
+        if not shards:
+            return
+
+        def lengths(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for name, _, segs, _ in shards:
+                for seg in segs:
+                    pipe.hstrlen(name, seg)
+            return pipe.execute(raise_on_error=False)
+
+        sizes = iter(self._call("listing", lengths))
+        for name, heads, segs, idle in shards:
+            seg_sizes = [next(sizes) for _ in segs]
+            if not all(isinstance(s, int) for s in seg_sizes):
+                continue  # replaced by another type since the first call
+            match = self._own_key.fullmatch(name)
+            assert match is not None  # names were filtered by it
+            # Redis keeps no creation time; the last access stands for both.
+            used = now - (idle if isinstance(idle, int) else 0)
+            key = ShardKey(match[1].decode(), match[2].decode(), heads)
+            yield StoredObject(key, sum(seg_sizes), used, used)
+
+    def counters(self) -> dict[str, float]:
+        return {"wrong_type_keys": float(self._wrong_type_keys)}
 
     def close(self) -> None:
         self._drop_client()

@@ -4,11 +4,22 @@ Object names: ``<prefix><namespace>/<chunk>/<heads>``. A PUT is atomic in S3, so
 or none. A lookup lists each chunk's prefix (in parallel, on a small thread pool). Credentials come from the
 usual places (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws``, instance roles) unless the config
 names a profile or gives keys. Retention is the bucket's own (lifecycle rules) or ``kvtier cache purge``.
+
+On start the tier asks for the bucket once (HEAD): a server that answers "access denied", "no such bucket" or
+finds no credentials is a :class:`TierError` then, naming the bucket and the S3 error code; one that does not
+answer is only logged (the store's outage back-off takes over). No message shows the secret key. A call to a
+stalled server fails after at most ``max_attempts`` x ``read_timeout`` (plus sub-second back-off between
+attempts). Only objects named exactly ``<prefix><32 hex>/<32 hex>/<heads>`` are listed or counted as shards.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import re
+import threading
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -16,6 +27,15 @@ from typing import Any, Literal
 from kvtier.errors import ConfigError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
+
+log = logging.getLogger(__name__)
+_MAX_CONNECTIONS = 1024  # one listing thread each: more is a typo
+_MAX_ATTEMPTS = 10  # each one waits up to read_timeout on a stalled server
+_HEADS = r"[0-9]+-[0-9]+of[0-9]+"
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+# What HEAD bucket answers (a status, no body) when the credentials or the bucket are wrong.
+_DENIED = {"403": "access denied", "AccessDenied": "access denied", "InvalidAccessKeyId":
+           "unknown access key id", "SignatureDoesNotMatch": "wrong secret key (signature does not match)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +61,39 @@ class S3Options:
             raise ConfigError(f"{field}.access_key_id/secret_access_key: give both or neither")
         if self.prefix and not self.prefix.endswith("/"):
             raise ConfigError(f"{field}.prefix: must end with '/', got {self.prefix!r}")
+        if self.endpoint_url is not None:
+            _check_endpoint(self.endpoint_url, f"{field}.endpoint_url")
         for name in ("connect_timeout", "read_timeout"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{field}.{name}: must be positive, got {getattr(self, name)}")
-        if self.max_attempts < 1 or self.max_connections < 1:
-            raise ConfigError(f"{field}.max_attempts/max_connections: must be at least 1")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{field}.{name}: must be a positive number of seconds, got {value}")
+        if not 1 <= self.max_attempts <= _MAX_ATTEMPTS:
+            raise ConfigError(f"{field}.max_attempts: must be in [1, {_MAX_ATTEMPTS}], got {self.max_attempts}")
+        if not 1 <= self.max_connections <= _MAX_CONNECTIONS:
+            raise ConfigError(f"{field}.max_connections: must be in [1, {_MAX_CONNECTIONS}], "
+                              f"got {self.max_connections}")
+
+
+def _check_endpoint(url: str, field: str) -> None:
+    # The URL is not echoed: user info in it would be a secret.
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{field}: expected http(s)://host[:port]")
+    if "@" in parts.netloc:  # botocore would quote it in every connection error: credentials go elsewhere
+        raise ConfigError(f"{field}: must not hold user info (user:password@); give access_key_id and "
+                          "secret_access_key, a profile, or the environment")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(f"{field}: the port must be a number in 1-65535")
+
+
+def _code(exc: Exception) -> str | None:
+    """The S3 error code of a failed call. A ClientError has a response; a BotoCoreError such as
+    ReadTimeoutError has none, or ``response=None``."""
+    return (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")  # type: ignore[no-any-return]
 
 
 @TIERS.register("s3")
@@ -65,11 +113,16 @@ class S3Tier(Tier):
             raise ConfigError(f"{name}: the s3 tier needs boto3 (pip install 'kvtier[s3]')") from exc
         self._errors = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
         o = options
-        session = boto3.session.Session(profile_name=o.profile, aws_access_key_id=o.access_key_id,
-                                        aws_secret_access_key=o.secret_access_key, region_name=o.region)
+        try:
+            session = boto3.session.Session(profile_name=o.profile, aws_access_key_id=o.access_key_id,
+                                            aws_secret_access_key=o.secret_access_key, region_name=o.region)
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise ConfigError(f"{name}: profile {o.profile!r} is in neither the AWS config nor the credentials "
+                              "file") from exc
         config = botocore.config.Config(
             connect_timeout=o.connect_timeout, read_timeout=o.read_timeout,
-            retries={"max_attempts": o.max_attempts, "mode": "standard"},
+            # total_max_attempts counts the first attempt; botocore's "max_attempts" would count only retries.
+            retries={"total_max_attempts": o.max_attempts, "mode": "standard"},
             max_pool_connections=o.max_connections, s3={"addressing_style": o.addressing_style},
             # Every object carries kvtier's own checksum, verified on read; a second one only costs time.
             request_checksum_calculation="when_required", response_checksum_validation="when_required")
@@ -77,27 +130,58 @@ class S3Tier(Tier):
             self._s3 = session.client("s3", endpoint_url=o.endpoint_url, config=config)
         except self._errors as exc:
             raise TierError(f"{name}: cannot create an S3 client: {exc}") from exc
+        self._credentials = session.get_credentials
         self._pool = ThreadPoolExecutor(max_workers=o.max_connections, thread_name_prefix=f"kvtier-{name}-list")
-        if o.create_bucket:
-            self._ensure_bucket()
-
-    def _ensure_bucket(self) -> None:
         try:
-            self._s3.head_bucket(Bucket=self.options.bucket)
+            self._probe(botocore.exceptions)
+        except BaseException:
+            self.close()
+            raise
+
+    def _probe(self, errors: Any) -> None:
+        """Ask for the bucket once: wrong credentials or a missing bucket fail now, clearly, rather than as an
+        outage on every call. A server that does not answer is only logged: it may come up later."""
+        bucket = self.options.bucket
+        try:
+            self._s3.head_bucket(Bucket=bucket)
             return
-        except self._errors:
-            pass
+        except (errors.NoCredentialsError, errors.PartialCredentialsError, errors.CredentialRetrievalError) as exc:
+            raise TierError(f"{self.name}: no usable credentials for bucket {bucket!r} ({type(exc).__name__}): give "
+                            "access_key_id and secret_access_key, a profile, or AWS_ACCESS_KEY_ID and "
+                            "AWS_SECRET_ACCESS_KEY") from exc
+        except errors.ClientError as exc:
+            code = str(_code(exc))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if status >= 500:  # the server's own trouble: an outage, which the store handles as one
+                log.warning("tier %s: bucket %r: S3 error %s at start; retrying on use", self.name, bucket, code)
+                return
+            if status == 403 or code in _DENIED:
+                source = getattr(self._credentials(), "method", None) or "unknown"
+                # HEAD bucket needs s3:ListBucket, which every lookup (a listing) needs too.
+                raise TierError(f"{self.name}: bucket {bucket!r}: {_DENIED.get(code, 'access denied')} (S3 error "
+                                f"{code}) with the credentials from {source}") from exc
+            if status != 404:
+                raise TierError(f"{self.name}: bucket {bucket!r}: S3 error {code} at start: {exc}") from exc
+        except self._errors as exc:  # no connection, timed out: the server may come up later
+            log.warning("tier %s: bucket %r: no answer at start (%s); retrying on use", self.name, bucket, exc)
+            return
+        if not self.options.create_bucket:
+            raise TierError(f"{self.name}: bucket {bucket!r} does not exist (set create_bucket: true to create "
+                            "it)")
+        self._create_bucket()
+
+    def _create_bucket(self) -> None:
         try:
             self._s3.create_bucket(Bucket=self.options.bucket)
         except self._errors as exc:
-            raise TierError(f"{self.name}: cannot create bucket {self.options.bucket!r}: {exc}") from exc
+            if _code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):  # another writer was first
+                raise TierError(f"{self.name}: cannot create bucket {self.options.bucket!r}: {exc}") from exc
 
     def _object(self, key: ShardKey) -> str:
         return f"{self.options.prefix}{key.namespace}/{key.chunk}/{key.heads}"
 
     def _missing(self, exc: Exception) -> bool:
-        code = getattr(exc, "response", {}).get("Error", {}).get("Code")
-        return code in ("NoSuchKey", "404", "NotFound")
+        return _code(exc) in ("NoSuchKey", "404", "NotFound")
 
     def _fail(self, what: str, exc: Exception) -> TierError:
         return TierError(f"{self.name}: {what} failed: {exc}")
@@ -105,10 +189,15 @@ class S3Tier(Tier):
     # -- the tier interface ------------------------------------------------------------------------------------
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
         body = b"".join(parts)
-        try:
-            self._s3.put_object(Bucket=self.options.bucket, Key=self._object(key), Body=body)
-        except self._errors as exc:
-            raise self._fail(f"put {key.name}", exc) from exc
+        for attempt in (1, 2):
+            try:
+                self._s3.put_object(Bucket=self.options.bucket, Key=self._object(key), Body=body)
+                return
+            except self._errors as exc:
+                if attempt == 1 and _code(exc) == "NoSuchBucket" and self.options.create_bucket:
+                    self._create_bucket()  # the server did not answer at start, or the bucket was removed since
+                    continue
+                raise self._fail(f"put {key.name}", exc) from exc
 
     def get(self, key: ShardKey) -> Buffer | None:
         try:
@@ -142,26 +231,53 @@ class S3Tier(Tier):
             raise self._fail(f"listing {prefix!r}", exc) from exc
 
     def _chunk_heads(self, namespace: str, chunk: str) -> list[HeadRange]:
+        prefix = f"{self.options.prefix}{namespace}/{chunk}/"
         heads = []
-        for obj in self._list(f"{self.options.prefix}{namespace}/{chunk}/"):
-            try:
-                heads.append(HeadRange.parse(obj["Key"].rpartition("/")[2]))
-            except ValueError:
-                continue  # not one of ours
+        for obj in self._list(prefix):
+            rest = obj["Key"][len(prefix):]
+            if re.fullmatch(_HEADS, rest):  # not e.g. <chunk>/old/<heads>: get would never find that
+                try:
+                    heads.append(HeadRange.parse(rest))
+                except ValueError:
+                    continue  # start >= stop or the like: not one of ours
         return heads
 
     def heads(self, namespace: str, chunks: Sequence[str]) -> list[list[HeadRange]]:
         if len(chunks) <= 1:
             return [self._chunk_heads(namespace, c) for c in chunks]
-        return list(self._pool.map(lambda c: self._chunk_heads(namespace, c), chunks))
+        # After one listing fails, those not yet started never start: against a stalled server each would wait
+        # out its timeouts, and a lookup of more chunks than max_connections would take several rounds (also
+        # delaying the next lookup, queued behind them).
+        failed = threading.Event()
+
+        def one(chunk: str) -> list[HeadRange]:
+            if failed.is_set():
+                return []  # never used: the lookup has failed
+            try:
+                return self._chunk_heads(namespace, chunk)
+            except BaseException:
+                failed.set()  # before this thread takes the next listing
+                raise
+
+        futures = [self._pool.submit(one, c) for c in chunks]
+        try:
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
 
     def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
-        prefix = self.options.prefix + (f"{namespace}/" if namespace else "")
-        for obj in self._list(prefix):
-            ns, _, rest = obj["Key"][len(self.options.prefix):].partition("/")
-            chunk, _, heads = rest.partition("/")
+        if namespace is not None and not _HEX32.fullmatch(namespace):
+            return  # no namespace id looks like that
+        # Exactly <prefix><32 hex>/<32 hex>/<heads>: with prefix ``kvtier/``, objects of a deployment under
+        # ``kvtier/staging/`` or anything else in the bucket are never listed (so never purged).
+        own = re.compile(re.escape(self.options.prefix) + r"([0-9a-f]{32})/([0-9a-f]{32})/(" + _HEADS + ")")
+        for obj in self._list(self.options.prefix + (f"{namespace}/" if namespace else "")):
+            match = own.fullmatch(obj["Key"])
+            if match is None:
+                continue
             try:
-                key = ShardKey(ns, chunk, HeadRange.parse(heads))
+                key = ShardKey(match[1], match[2], HeadRange.parse(match[3]))
             except ValueError:
                 continue
             # S3 keeps no last-access time; the write time stands for both.
