@@ -12,6 +12,7 @@ import os
 import re
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -60,6 +61,20 @@ def shown(field: str, value: object) -> str:
     if any(word in name for word in _SECRET_FIELDS):
         return "<redacted>"
     return redact(repr(value))
+
+
+def check_url_port(url: str, field: str, shown: str = "") -> None:
+    """A :class:`ConfigError` naming ``field`` unless the URL's port, if it has one, is a number in 1-65535.
+
+    The message never quotes urllib's own error, which repeats the text it took for a port: part of a password
+    holding an unescaped ``/``. ``shown`` is a redacted form of the URL to include, if any.
+    """
+    try:
+        port = urllib.parse.urlsplit(url).port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(f"{field}: the port must be a number in 1-65535" + (f", in {shown!r}" if shown else ""))
 
 
 def parse_size(value: object, field: str) -> int:

@@ -24,11 +24,11 @@ import re
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
+from kvtier.config import check_url_port
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
@@ -67,7 +67,7 @@ class MooncakeOptions:
         for name in ("metadata_server", "admin_url"):
             url = getattr(self, name)
             if url is not None and url.startswith(("http://", "https://")):
-                _check_port(url, f"{field}.{name}")
+                check_url_port(url, f"{field}.{name}")
         if self.global_segment_bytes < 0:
             raise ConfigError(f"{field}.global_segment_bytes: must be >= 0, got {self.global_segment_bytes}")
         if not (self.connect_timeout >= 0 and math.isfinite(self.connect_timeout)):
@@ -75,15 +75,6 @@ class MooncakeOptions:
                               f"{self.connect_timeout}")
         if self.local_buffer_bytes <= 0:
             raise ConfigError(f"{field}.local_buffer_bytes: must be positive, got {self.local_buffer_bytes}")
-
-
-def _check_port(url: str, field: str) -> None:
-    try:
-        port = urllib.parse.urlsplit(url).port
-    except ValueError:
-        port = -1
-    if port is not None and not 1 <= port <= 65535:
-        raise ConfigError(f"{field}: the port must be a number in 1-65535")
 
 
 def _slices(total: int) -> list[HeadRange]:

@@ -27,7 +27,7 @@ import urllib.parse
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvtier.config import redact_url
+from kvtier.config import check_url_port, redact_url
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
@@ -79,15 +79,8 @@ class RedisOptions:
         self._check_with_redis(field, shown)
 
     def _check_tcp_url(self, field: str, shown: str) -> None:
-        # Our own messages, not urllib's: its port errors quote the text it took for a port, which is part of
-        # the password when the password holds an unescaped '/'.
+        check_url_port(self.url, f"{field}.url", shown)
         parts = urllib.parse.urlsplit(self.url)
-        try:
-            port = parts.port
-        except ValueError:
-            port = -1
-        if port is not None and not 1 <= port <= 65535:
-            raise ConfigError(f"{field}.url: the port must be a number in 1-65535, in {shown!r}")
         db = parts.path.strip("/")
         if db and not db.isdigit():
             raise ConfigError(f"{field}.url: the path must be a database number (e.g. /0), in {shown!r}")

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+from kvtier.config import check_url_port
 from kvtier.errors import ConfigError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
@@ -82,12 +83,7 @@ def _check_endpoint(url: str, field: str) -> None:
     if "@" in parts.netloc:  # botocore would quote it in every connection error: credentials go elsewhere
         raise ConfigError(f"{field}: must not hold user info (user:password@); give access_key_id and "
                           "secret_access_key, a profile, or the environment")
-    try:
-        port = parts.port
-    except ValueError:
-        port = -1
-    if port is not None and not 1 <= port <= 65535:
-        raise ConfigError(f"{field}: the port must be a number in 1-65535")
+    check_url_port(url, field)
 
 
 def _code(exc: Exception) -> str | None:
