@@ -169,3 +169,15 @@ def test_a_reservation_that_cannot_fit_evicts_nothing() -> None:
     assert isinstance(entry, DramEntry)
     pool.abort(entry)
     assert pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+
+
+def test_changes_are_recorded_only_once_tracking_is_on() -> None:
+    pool = DramPool(4 * PAGE, PAGE, LRUPolicy())  # two shards
+    put(pool, 0)
+    assert pool.take_changes() == []  # off by default: nobody drains it
+    pool.track_changes()
+    put(pool, 1)
+    put(pool, 2)  # evicts 0
+    pool.discard(pool.acquire(skey(1).namespace, skey(1).chunk, [skey(1).heads])[0])
+    assert pool.take_changes() == [(skey(1), True), (skey(0), False), (skey(2), True), (skey(1), False)]
+    assert pool.take_changes() == []

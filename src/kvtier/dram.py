@@ -116,6 +116,7 @@ class DramPool:
         self._pending: set[ShardKey] = set()
         self._by_key: dict[ShardKey, DramEntry] = {}
         self._idle_pages = 0  # pages of committed entries with no reference: what eviction could free
+        self._changes: list[tuple[ShardKey, bool]] | None = None  # (key, now visible?), once tracking is on
 
     # -- sizes -------------------------------------------------------------------------------------------------
     @property
@@ -215,6 +216,8 @@ class DramPool:
             self._by_key[entry.key] = entry
             self._index.setdefault((entry.key.namespace, entry.key.chunk), {})[entry.key.heads] = entry
             self._policy.insert(entry.key, entry.key.chunk, entry.parent)
+            if self._changes is not None:
+                self._changes.append((entry.key, True))
 
     def abort(self, entry: DramEntry) -> None:
         with self._lock:
@@ -318,6 +321,21 @@ class DramPool:
         if not slot:
             del self._index[(entry.key.namespace, entry.key.chunk)]
         self._policy.remove(entry.key)
+        if self._changes is not None:
+            self._changes.append((entry.key, False))
+
+    def track_changes(self) -> None:
+        """Record every entry that becomes visible or goes, for :meth:`take_changes` (off by default: a list
+        nobody drains would only grow)."""
+        with self._lock:
+            if self._changes is None:
+                self._changes = []
+
+    def take_changes(self) -> list[tuple[ShardKey, bool]]:
+        """The entries that became visible (True) or went (False) since the last call, in order."""
+        with self._lock:
+            changes, self._changes = self._changes or [], [] if self._changes is not None else None
+        return changes
 
     def _evict(self, entry: DramEntry) -> None:
         assert entry.refs == 0, f"eviction of pinned entry {entry.key.name}"

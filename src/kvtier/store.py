@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -253,11 +253,15 @@ class KVStore:
         heads = rank_heads(kv_heads, tp_rank, tp_size)
         n = 0
         for key in chunk_keys(ns, tokens, self.chunk_tokens):
-            ranges = [r for r in self.dram.ranges(ns.id, key.hex()) if r.total == heads.total]
-            if cover(ranges, heads.start, heads.stop) is None:
+            if not self.in_dram(ns.id, key.hex(), heads):
                 break
             n += 1
         return n * self.chunk_tokens
+
+    def in_dram(self, namespace: str, chunk: str, heads: HeadRange) -> bool:
+        """Whether DRAM holds ``heads`` of one chunk (namespace id and chunk key in hex)."""
+        ranges = [r for r in self.dram.ranges(namespace, chunk) if r.total == heads.total]
+        return cover(ranges, heads.start, heads.stop) is not None
 
     def _remember_shape(self, namespace: str, shape: _Shape) -> None:
         self._shapes[namespace] = shape
@@ -266,21 +270,29 @@ class KVStore:
             self._shapes.popitem(last=False)
 
     # -- lookup ------------------------------------------------------------------------------------------------
-    def lookup(self, ns: Namespace, tokens: Tokens, *, kv_heads: int | None = None) -> int:
+    def lookup(self, ns: Namespace, tokens: Tokens, *, kv_heads: int | None = None,
+               elsewhere: Callable[[str, str], bool] | None = None) -> int:
         """How many leading tokens (whole chunks) are available, every head present, in any tiers.
 
         ``kv_heads``, when given, is the model's KV head count: shards recorded with another count are ignored.
+        ``elsewhere(namespace id, chunk key)`` says whether a chunk is held whole outside this store, e.g. in
+        the DRAM of the engine's worker processes: such chunks count as found, and no tier is asked for them.
         Never raises for a tier's fault: an unreachable or misbehaving tier counts as holding nothing.
         """
         chunks = [k.hex() for k in chunk_keys(ns, tokens, self.chunk_tokens)]
         self.metrics.lookup_tokens.inc(len(tokens))
-        found = self._available(ns.id, chunks, kv_heads)
+        found = self._available(ns.id, chunks, kv_heads, elsewhere)
         self.metrics.lookup_hit_tokens.inc(found * self.chunk_tokens)
         return found * self.chunk_tokens
 
-    def _available(self, namespace: str, chunks: list[str], kv_heads: int | None) -> int:
+    def _available(self, namespace: str, chunks: list[str], kv_heads: int | None,
+                   elsewhere: Callable[[str, str], bool] | None) -> int:
+        def in_memory(chunk: str) -> bool:
+            return _full_cover(self.dram.ranges(namespace, chunk), kv_heads) or \
+                (elsewhere is not None and elsewhere(namespace, chunk))
+
         n = 0
-        while n < len(chunks) and _full_cover(self.dram.ranges(namespace, chunks[n]), kv_heads):
+        while n < len(chunks) and in_memory(chunks[n]):
             n += 1
         if n == len(chunks) or not self.tiers:
             return n
@@ -290,7 +302,7 @@ class KVStore:
             ranges = self.dram.ranges(namespace, chunk)
             for heads in per_tier:
                 ranges.extend(heads[i])
-            if not _full_cover(ranges, kv_heads):
+            if not (_full_cover(ranges, kv_heads) or in_memory(chunk)):
                 break
             n += 1
         return n

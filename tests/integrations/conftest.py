@@ -42,8 +42,10 @@ def engines(model_dir: Path, store_cfg: dict) -> Iterator[Callable[..., MiniEngi
 
     made: list[MiniEngine] = []
 
-    def make(tp_size: int = 1, config: VllmConfig | None = None, **engine: object) -> MiniEngine:
-        mini = MiniEngine(config or vllm_config(str(model_dir), store_cfg, **engine), tp_size)
+    def make(tp_size: int = 1, config: VllmConfig | None = None, separate_processes: bool = False,
+             **engine: object) -> MiniEngine:
+        mini = MiniEngine(config or vllm_config(str(model_dir), store_cfg, **engine), tp_size,
+                          separate_processes=separate_processes)
         made.append(mini)
         return mini
 

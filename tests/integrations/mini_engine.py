@@ -11,7 +11,7 @@ import math
 
 import torch
 from vllm.config import KVTransferConfig, VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorWorkerMetadata
 from vllm.engine.arg_utils import EngineArgs
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
@@ -26,6 +26,7 @@ from vllm.v1.request import Request
 from kvtier.integrations.layouts import gather, scatter
 from kvtier.integrations.vllm import KVTierConnector, KVTierMetadata
 from kvtier.keys import rank_heads
+from kvtier.store import KVStore
 
 BLOCK = 128
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # the tiny Llama of the fixtures
@@ -77,8 +78,17 @@ class Step:
 class MiniEngine:
     """One scheduler-role connector and one worker-role connector per tensor-parallel rank (``tp_size``)."""
 
-    def __init__(self, config: VllmConfig, tp_size: int = 1, num_blocks: int = 64) -> None:
+    def __init__(self, config: VllmConfig, tp_size: int = 1, num_blocks: int = 64,
+                 separate_processes: bool = False) -> None:
         self.scheduler = KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+        self._own_store: KVStore | None = None
+        if separate_processes:
+            # As in vLLM's API server: the scheduler's process has a store of its own over the same config,
+            # whose DRAM the workers never fill.
+            sched = self.scheduler._scheduler
+            assert sched is not None
+            self._own_store = sched._store = KVStore.from_config(config.kv_transfer_config.kv_connector_extra_config[
+                "config"])
         self.workers: list[KVTierConnector] = []
         self.caches: list[list[torch.Tensor]] = []
         for rank in range(tp_size):
@@ -96,6 +106,8 @@ class MiniEngine:
     def shutdown(self) -> None:
         for conn in [self.scheduler, *self.workers]:
             conn.shutdown()
+        if self._own_store is not None:
+            self._own_store.close()
 
     def prefill(self, req: Request, computed: int = 0) -> Step:
         """Schedule ``req``'s whole prompt in one step (``computed``: vLLM's own prefix-cache hit), load, "run
@@ -132,6 +144,7 @@ class MiniEngine:
     def step(self, meta: KVTierMetadata, req: Request, blocks: list[int], loaded_upto: int) -> set[int]:
         """Every worker runs one step of ``meta``; the forward pass fills ``req``'s tokens from ``loaded_upto``."""
         errors: set[int] = set()
+        reports: KVConnectorWorkerMetadata | None = None
         ref = reference_kv(list(req.all_token_ids))
         for rank, worker in enumerate(self.workers):
             worker.bind_connector_metadata(meta)
@@ -141,8 +154,11 @@ class MiniEngine:
                 self._compute(rank, ref[:, :, :, first * BLOCK:], blocks[first:])
             worker.wait_for_save()
             errors |= worker.get_block_ids_with_load_errors()
+            report = worker.build_connector_worker_meta()  # aggregated over the ranks, as vLLM does
+            reports = report if reports is None else reports.aggregate(report) if report is not None else reports
             worker.clear_connector_metadata()
-        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=errors))
+        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=errors,
+                                                                 kv_connector_worker_meta=reports))
         return errors
 
     def _compute(self, rank: int, kv: torch.Tensor, blocks: list[int]) -> None:

@@ -105,6 +105,31 @@ def test_with_several_workers_a_save_waits_for_the_step_after_its_load(engines: 
     assert engines().prefill(request("again", tokens)).hit == 768
 
 
+# -- the scheduler in another process than the workers (vLLM's API server) ------------------------------------
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_scheduler_in_another_process_hits_the_workers_dram(engines: Engines, model_dir: Any,
+                                                             tmp_path: Any, tp_size: int) -> None:
+    """A DRAM-only config: the scheduler's own store holds nothing, every hit is in the workers' DRAM."""
+    dram_only = {"chunk_tokens": 256, "dram": {"capacity_bytes": "32MiB"}}
+    config = vllm_config(str(model_dir), dram_only, tensor_parallel_size=tp_size)
+    mini = engines(tp_size=tp_size, config=config, separate_processes=True)
+    tokens = prompt(30)
+    assert mini.prefill(request("first", tokens)).meta.saves
+    step = mini.prefill(request("again", tokens))
+    assert step.hit == 512 and not step.load_errors
+    assert torch.equal(mini.read(step.blocks, 512), reference_kv(tokens)[:, :, :, :512])
+    worker_store = mini.workers[0]._worker._store
+    assert mini.scheduler._scheduler._store is not worker_store  # really two stores, as in two processes
+    assert mini.scheduler._scheduler._store.dram.used_bytes == 0
+    # Evicted from the workers' DRAM between two steps: the scheduler has not heard yet, so it promises a hit,
+    # the load fails and vLLM is told to recompute those blocks (never wrong KV); that step reports the loss.
+    worker_store.drop_dram()
+    stale = mini.prefill(request("stale", tokens))
+    assert stale.hit == 512 and set(stale.blocks[:4]) <= stale.load_errors
+    after = mini.prefill(request("third", tokens))
+    assert after.hit == 0 and not after.load_errors
+
+
 # -- saves --------------------------------------------------------------------------------------------------------
 def test_a_prefix_the_store_holds_is_not_gathered_or_put_again(engines: Engines, store_cfg: dict,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:

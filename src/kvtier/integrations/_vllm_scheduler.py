@@ -4,7 +4,8 @@ Per request it looks up the whole chunks beyond vLLM's own prefix-cache hit, pla
 allocated for them, and plans one save of the prompt's whole chunks once the step that computes the last of
 them runs. The plans reach the workers as :class:`KVTierMetadata`; what a worker reports back (blocks whose
 load failed) re-plans a save. Which chunks a save really writes is the worker's call (``store.held``), since
-only it sees the DRAM its loads filled.
+only it sees the DRAM its loads filled. Lookups also count the chunks the workers report their DRAM holds
+(:mod:`kvtier.integrations._vllm_dram_index`): in vLLM's API server that DRAM is in other processes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvtier.integrations._vllm_dram_index import WorkerDram
 from kvtier.integrations._vllm_namespace import Namespaces, Skip
 from kvtier.integrations._vllm_shared import ConnectorMetrics
 from kvtier.keys import Namespace
@@ -61,8 +63,9 @@ class SchedulerSide:
     """Lookups and plans. Each hook raises what it cannot handle; the connector contains it."""
 
     def __init__(self, store: KVStore, namespaces: Namespaces, metrics: ConnectorMetrics, *, block_size: int,
-                 kv_heads: int, workers: int) -> None:
+                 kv_heads: int, workers: int, tp_size: int) -> None:
         self._store = store
+        self._worker_dram = WorkerDram(tp_size)  # what the workers' DRAM holds, as they report it
         self._names = namespaces
         self._metrics = metrics
         self._chunk = store.chunk_tokens
@@ -94,7 +97,7 @@ class SchedulerSide:
         limit = (len(tokens) - 1) // self._chunk * self._chunk
         if limit <= num_computed_tokens:
             return 0
-        hit = self._store.lookup(ns, tokens[:limit], kv_heads=self._kv_heads)
+        hit = self._store.lookup(ns, tokens[:limit], kv_heads=self._kv_heads, elsewhere=self._worker_dram.holds)
         if hit <= num_computed_tokens:
             return 0
         self._hits[rid] = (num_computed_tokens, tokens)
@@ -175,7 +178,9 @@ class SchedulerSide:
                                    tracked.block_ids[:upto // self._bs], 0))
 
     def connector_output(self, output: KVConnectorOutput) -> None:
-        """Blocks whose load failed are recomputed: save the requests holding them again once they are."""
+        """Learn what the workers' DRAM now holds. Blocks whose load failed are recomputed: save the requests
+        holding them again once they are."""
+        self._worker_dram.apply(output.kv_connector_worker_meta)
         invalid = output.invalid_block_ids
         if not invalid:
             return

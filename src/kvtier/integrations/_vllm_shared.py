@@ -22,7 +22,8 @@ from kvtier.store import KVStore
 log = logging.getLogger("kvtier.integrations.vllm")
 
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "update_connector_output", "request_finished", "start_load_kv", "wait_for_save")
+         "update_connector_output", "request_finished", "start_load_kv", "wait_for_save",
+         "build_connector_worker_meta")
 # What a contained failure of each hook costs: said once in the log, so an operator knows what happened.
 _CONSEQUENCE = {
     "get_num_new_matched_tokens": "the request is a miss",
@@ -32,6 +33,7 @@ _CONSEQUENCE = {
     "request_finished": "its state is dropped",
     "start_load_kv": "the blocks are reported as load errors and vLLM recomputes them",
     "wait_for_save": "the save is dropped",
+    "build_connector_worker_meta": "the scheduler misses chunks this worker's DRAM holds",
 }
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.integrations._vllm_dram_index import DramReport, KVTierWorkerMetadata
 from kvtier.integrations._vllm_scheduler import KVTierMetadata, Transfer
 from kvtier.integrations._vllm_shared import ConnectorMetrics
 from kvtier.integrations.layouts import Layout, gather, kv_shape, scatter
@@ -39,6 +40,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()  # reported to vLLM, then cleared
         self._failed: set[int] = set()  # this step's failed blocks: saves over them would store wrong KV
         self._staging: torch.Tensor | None = None  # reused for loads: fresh memory costs page faults each time
+        self._report: DramReport | None = None  # from registration on: a worker role exists in this process
 
     def register(self, kv_caches: dict[str, torch.Tensor], tp: TensorParallel) -> None:
         def layer_index(name: str) -> tuple[int, str]:
@@ -57,6 +59,7 @@ class WorkerSide:
                              "[2, blocks, block_size, kv_heads, head_dim] (flash attention)")
         # Checked once here: a mismatch would otherwise fail every save and load, each contained and counted.
         rank, size = tp()
+        self._report = DramReport(self._store, self._kv_heads)
         heads, want = kv_shape(self._caches, self._layout, 0)[2], rank_heads(self._kv_heads, rank, size).count
         if heads != want:
             raise ConfigError(f"KVTierConnector: rank {rank} of {size} holds {heads} KV heads, but a model with "
@@ -112,6 +115,13 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # -- what the scheduler learns of this worker's DRAM ------------------------------------------------------
+    def dram_report(self, tp: TensorParallel) -> KVTierWorkerMetadata | None:
+        if self._report is None:
+            return None
+        rank, size = tp()
+        return self._report.take(rank, size)
 
     # -- saves -----------------------------------------------------------------------------------------------
     def save(self, meta: KVTierMetadata, tp: TensorParallel) -> None:

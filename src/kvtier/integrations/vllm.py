@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvtier.errors import ConfigError
@@ -102,7 +103,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._metrics = metrics
         self._scheduler = None if names is None else SchedulerSide(
             store, names, metrics, block_size=block_size, kv_heads=kv_heads,
-            workers=vllm_config.parallel_config.world_size)
+            workers=vllm_config.parallel_config.world_size,
+            tp_size=vllm_config.parallel_config.tensor_parallel_size)
         self._worker = WorkerSide(store, metrics, block_size=block_size, kv_heads=kv_heads)
 
     @property
@@ -192,6 +194,14 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.save(self._meta(), self._tp)
         except Exception as exc:  # per-save failures are contained inside; this is anything else
             self._metrics.error("wait_for_save", exc)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """What this rank's DRAM came to hold or lost this step, for the scheduler's lookups."""
+        try:
+            return self._worker.dram_report(self._tp)
+        except Exception as exc:  # the scheduler then under-counts this worker's DRAM: misses, never wrong KV
+            self._metrics.error("build_connector_worker_meta", exc)
+            return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

@@ -1,0 +1,79 @@
+"""What the scheduler knows of its workers' DRAM: in vLLM's API server the workers run in other processes, each
+with a store of its own, so the scheduler's store never sees the chunks their DRAM holds.
+
+Worker side, :class:`DramReport`: after each step, which chunks this rank's DRAM came to hold whole for the rank's
+heads, and which it no longer holds (evicted, discarded), as :class:`KVTierWorkerMetadata`. vLLM aggregates the
+reports of every rank and hands them to the scheduler side with the step's output, where :class:`WorkerDram`
+counts a chunk as held only while every tensor-parallel rank holds it. A chunk the index wrongly believes held
+(evicted after the report) costs a failed load, which vLLM recomputes; never wrong KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+from kvtier.keys import rank_heads
+from kvtier.store import KVStore
+
+# (namespace id, chunk key, tensor-parallel rank, held now?)
+Event = tuple[str, str, int, bool]
+
+
+@dataclasses.dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's changes to the workers' DRAM, in order per rank."""
+
+    events: list[Event] = dataclasses.field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMetadata), f"cannot aggregate {type(other).__name__}"
+        return KVTierWorkerMetadata(self.events + other.events)
+
+
+class DramReport:
+    """Turns one worker store's DRAM changes into held / gone events for its rank."""
+
+    def __init__(self, store: KVStore, kv_heads: int) -> None:
+        self._store = store
+        self._kv_heads = kv_heads
+        self._held: set[tuple[str, str]] = set()  # what the scheduler was told this rank holds
+        store.dram.track_changes()
+
+    def take(self, rank: int, size: int) -> KVTierWorkerMetadata | None:
+        changes = self._store.dram.take_changes()
+        if not changes:
+            return None
+        heads = rank_heads(self._kv_heads, rank, size)
+        events: list[Event] = []
+        for namespace, chunk in dict.fromkeys((key.namespace, key.chunk) for key, _ in changes):
+            now = self._store.in_dram(namespace, chunk, heads)
+            if now != ((namespace, chunk) in self._held):
+                (self._held.add if now else self._held.discard)((namespace, chunk))
+                events.append((namespace, chunk, rank, now))
+        return KVTierWorkerMetadata(events) if events else None
+
+
+class WorkerDram:
+    """The scheduler's index of the chunks its workers' DRAM holds, per rank."""
+
+    def __init__(self, tp_size: int) -> None:
+        self._tp = tp_size
+        self._ranks: dict[tuple[str, str], set[int]] = {}
+
+    def apply(self, meta: KVConnectorWorkerMetadata | None) -> None:
+        if not isinstance(meta, KVTierWorkerMetadata):
+            return
+        for namespace, chunk, rank, held in meta.events:
+            ranks = self._ranks.setdefault((namespace, chunk), set())
+            (ranks.add if held else ranks.discard)(rank)
+            if not ranks:
+                del self._ranks[(namespace, chunk)]
+
+    def holds(self, namespace: str, chunk: str) -> bool:
+        """Whether every rank holds its heads of this chunk in DRAM (as last reported)."""
+        return len(self._ranks.get((namespace, chunk), ())) == self._tp
+
+    def __len__(self) -> int:
+        return len(self._ranks)
