@@ -270,23 +270,36 @@ class KVStore:
             self._shapes.popitem(last=False)
 
     # -- lookup ------------------------------------------------------------------------------------------------
+    @property
+    def remote_tiers(self) -> bool:
+        """Whether a lookup may wait on a network (a tier that is not :attr:`Tier.local`)."""
+        return any(not tier.local for tier in self.tiers)
+
     def lookup(self, ns: Namespace, tokens: Tokens, *, kv_heads: int | None = None,
-               elsewhere: Callable[[str, str], bool] | None = None) -> int:
+               elsewhere: Callable[[str, str], bool] | None = None, local_only: bool = False) -> int:
         """How many leading tokens (whole chunks) are available, every head present, in any tiers.
 
         ``kv_heads``, when given, is the model's KV head count: shards recorded with another count are ignored.
         ``elsewhere(namespace id, chunk key)`` says whether a chunk is held whole outside this store, e.g. in
         the DRAM of the engine's worker processes: such chunks count as found, and no tier is asked for them.
-        Never raises for a tier's fault: an unreachable or misbehaving tier counts as holding nothing.
+        ``local_only`` asks only DRAM and the :attr:`~kvtier.tiers.base.Tier.local` tiers: an answer that never
+        waits on a network (not counted in the lookup metrics: see :meth:`count_lookup`). Never raises for a
+        tier's fault: an unreachable or misbehaving tier holds nothing.
         """
         chunks = [k.hex() for k in chunk_keys(ns, tokens, self.chunk_tokens)]
-        self.metrics.lookup_tokens.inc(len(tokens))
-        found = self._available(ns.id, chunks, kv_heads, elsewhere)
-        self.metrics.lookup_hit_tokens.inc(found * self.chunk_tokens)
-        return found * self.chunk_tokens
+        tiers = [t for t in self.tiers if t.local] if local_only else self.tiers
+        found = self._available(ns.id, chunks, kv_heads, elsewhere, tiers) * self.chunk_tokens
+        if not local_only:
+            self.count_lookup(len(tokens), found)
+        return found
+
+    def count_lookup(self, tokens: int, found: int) -> None:
+        """Count one lookup in the metrics (a caller whose final answer came from a ``local_only`` lookup)."""
+        self.metrics.lookup_tokens.inc(tokens)
+        self.metrics.lookup_hit_tokens.inc(found)
 
     def _available(self, namespace: str, chunks: list[str], kv_heads: int | None,
-                   elsewhere: Callable[[str, str], bool] | None) -> int:
+                   elsewhere: Callable[[str, str], bool] | None, tiers: list[Tier]) -> int:
         def in_memory(chunk: str) -> bool:
             return _full_cover(self.dram.ranges(namespace, chunk), kv_heads) or \
                 (elsewhere is not None and elsewhere(namespace, chunk))
@@ -294,10 +307,10 @@ class KVStore:
         n = 0
         while n < len(chunks) and in_memory(chunks[n]):
             n += 1
-        if n == len(chunks) or not self.tiers:
+        if n == len(chunks) or not tiers:
             return n
         rest = chunks[n:]
-        per_tier = [self._tier_heads(tier, namespace, rest) for tier in self.tiers]
+        per_tier = [self._tier_heads(tier, namespace, rest) for tier in tiers]
         for i, chunk in enumerate(rest):
             ranges = self.dram.ranges(namespace, chunk)
             for heads in per_tier:

@@ -5,6 +5,7 @@ the KV heads, saves of only what the store lacks, refused configurations, and co
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -128,6 +129,57 @@ def test_a_scheduler_in_another_process_hits_the_workers_dram(engines: Engines, 
     assert stale.hit == 512 and set(stale.blocks[:4]) <= stale.load_errors
     after = mini.prefill(request("third", tokens))
     assert after.hit == 0 and not after.load_errors
+
+
+# -- lookups never wait on a network -----------------------------------------------------------------------------
+def test_lookups_in_a_stalled_redis_delay_only_their_requests(engines: Engines, model_dir: Any, redis_server: Any,
+                                                               unique_prefix: str) -> None:
+    def config(dram: str, timeout: float) -> Any:
+        store = {"chunk_tokens": 256, "dram": {"capacity_bytes": dram},
+                 "tiers": [{"type": "redis", **redis_server.tier_options(), "key_prefix": unique_prefix,
+                            "socket_timeout": 10}]}
+        cfg = vllm_config(str(model_dir), store)
+        cfg.kv_transfer_config.kv_connector_extra_config["lookup_timeout_seconds"] = timeout
+        return cfg
+
+    shared, local = prompt(40), prompt(41)
+    writer = engines(config=config("16MiB", 5.0))
+    writer.prefill(request("w", shared))
+    shared_store(writer.scheduler._kv_transfer_config.kv_connector_extra_config["config"]).flush()
+    reader = engines(config=config("24MiB", 5.0))  # another engine: its own DRAM, the same Redis
+    reader.prefill(request("own", local))  # in its DRAM now
+    sched = reader.scheduler
+
+    def ask(rid: str, tokens: list[int]) -> tuple[int | None, float]:
+        start = time.monotonic()
+        hit, _ = sched.get_num_new_matched_tokens(request(rid, tokens), 0)
+        return hit, time.monotonic() - start
+
+    redis_server.cli("client", "pause", "2000", "all")
+    try:
+        hit, took = ask("needs-redis", shared)
+        assert hit is None and took < 0.2  # asked again later; the scheduler's thread never waited
+        hit, took = ask("in-dram", local)
+        assert hit == 512 and took < 0.2  # answered from DRAM while Redis is paused
+        waited = time.monotonic()
+        while (hit := ask("needs-redis", shared)[0]) is None:
+            assert time.monotonic() - waited < 8
+            time.sleep(0.05)
+        assert hit == 512  # the answer arrived once the pause ended
+    finally:
+        redis_server.cli("ping")
+
+    impatient = engines(config=config("20MiB", 0.3))
+    redis_server.cli("client", "pause", "3000", "all")
+    try:
+        start = time.monotonic()
+        while (hit := impatient.scheduler.get_num_new_matched_tokens(request("late", shared), 0)[0]) is None:
+            time.sleep(0.02)
+        assert hit == 0 and time.monotonic() - start < 1.5  # went on with DRAM's answer after its bound
+    finally:
+        redis_server.cli("ping")
+    stats = shared_store(impatient.scheduler._kv_transfer_config.kv_connector_extra_config["config"]).stats()
+    assert stats["_store"]["connector_async_lookups_total{outcome=timed_out}"] == 1
 
 
 # -- saves --------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvtier.integrations._vllm_dram_index import WorkerDram
+from kvtier.integrations._vllm_lookups import Lookups
 from kvtier.integrations._vllm_namespace import Namespaces, Skip
 from kvtier.integrations._vllm_shared import ConnectorMetrics
 from kvtier.keys import Namespace
@@ -63,9 +64,10 @@ class SchedulerSide:
     """Lookups and plans. Each hook raises what it cannot handle; the connector contains it."""
 
     def __init__(self, store: KVStore, namespaces: Namespaces, metrics: ConnectorMetrics, *, block_size: int,
-                 kv_heads: int, workers: int, tp_size: int) -> None:
+                 kv_heads: int, workers: int, tp_size: int, lookup_timeout: float) -> None:
         self._store = store
         self._worker_dram = WorkerDram(tp_size)  # what the workers' DRAM holds, as they report it
+        self._lookups = Lookups(store, kv_heads, self._worker_dram.holds, lookup_timeout, metrics.async_lookups)
         self._names = namespaces
         self._metrics = metrics
         self._chunk = store.chunk_tokens
@@ -82,8 +84,9 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
 
     # -- lookups ---------------------------------------------------------------------------------------------
-    def lookup(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens beyond the engine's own hit that the store holds (whole chunks; the last token is computed)."""
+    def lookup(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens beyond the engine's own hit that the store holds (whole chunks; the last token is computed), or
+        None while a lookup in a tier across a network is under way (vLLM asks again)."""
         rid = request.request_id
         self._hits.pop(rid, None)
         try:
@@ -97,7 +100,9 @@ class SchedulerSide:
         limit = (len(tokens) - 1) // self._chunk * self._chunk
         if limit <= num_computed_tokens:
             return 0
-        hit = self._store.lookup(ns, tokens[:limit], kv_heads=self._kv_heads, elsewhere=self._worker_dram.holds)
+        hit = self._lookups.held(rid, ns, tokens[:limit])
+        if hit is None:
+            return None
         if hit <= num_computed_tokens:
             return 0
         self._hits[rid] = (num_computed_tokens, tokens)
@@ -191,7 +196,12 @@ class SchedulerSide:
     def finished(self, request_id: str) -> None:
         for table in (self._tracked, self._namespaces, self._hits, self._loads):
             table.pop(request_id, None)
+        self._lookups.forget(request_id)
+
+    def close(self) -> None:
+        self._lookups.close()
 
     def forget_lookup(self, request_id: str) -> None:
         """After a failed :meth:`lookup`: promise nothing for the request."""
         self._hits.pop(request_id, None)
+        self._lookups.forget(request_id)

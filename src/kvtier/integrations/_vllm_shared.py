@@ -47,6 +47,9 @@ class ConnectorMetrics:
         self.skipped = Counter("kvtier_connector_skipped_requests",
                                "Requests the vLLM connector neither looks up nor saves, by reason", ["reason"],
                                registry=registry)
+        self.async_lookups = Counter("kvtier_connector_async_lookups", "Lookups that went to a background "
+                                     "thread, by outcome (answered in time; timed_out: the request went on with "
+                                     "what DRAM and local tiers hold)", ["outcome"], registry=registry)
         for hook in HOOKS:  # present at 0, so a dashboard's rate() has a series before the first failure
             self.errors.labels(hook)
         self._logged: set[tuple[str, ...]] = set()

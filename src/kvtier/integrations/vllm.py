@@ -8,8 +8,9 @@ Load it with::
 
 vLLM makes one instance per role. The scheduler instance decides (lookups, what to load and save:
 :mod:`._vllm_scheduler`), sending its plan to the workers as :class:`KVTierMetadata`; worker instances move
-bytes between the engine's paged KV cache and the store (:mod:`._vllm_worker`). Namespaces hold everything
-that changes the KV of the same token ids (:mod:`._vllm_namespace`).
+bytes between the engine's paged KV cache and the store (:mod:`._vllm_worker`) and report what their DRAM
+holds back to the scheduler (:mod:`._vllm_dram_index`). Lookups never wait on a network (:mod:`._vllm_lookups`).
+Namespaces hold everything that changes the KV of the same token ids (:mod:`._vllm_namespace`).
 
 A configuration kvtier cannot serve is refused at start (:class:`ConfigError`). After that no exception reaches
 the engine from a hook: a failed lookup is a miss, a failed load becomes load errors (vLLM recomputes those
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KVTierConnector", "KVTierMetadata", "Transfer", "shared_store"]
 
-_EXTRA_KEYS = ("config", "model_fingerprint")
+_EXTRA_KEYS = ("config", "model_fingerprint", "lookup_timeout_seconds")
 
 
 def _check_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
@@ -84,6 +85,11 @@ class KVTierConnector(KVConnectorBase_V1):
             raise ConfigError(f"kv_connector_extra_config.{unknown[0]}: unknown key; allowed: {', '.join(_EXTRA_KEYS)}")
         _check_groups(vllm_config, kv_cache_config)
         _check_parallelism(vllm_config)
+        lookup_timeout = extra.get("lookup_timeout_seconds", 1.0)
+        if isinstance(lookup_timeout, bool) or not isinstance(lookup_timeout, (int, float)) or \
+                not 0 <= lookup_timeout <= 600:
+            raise ConfigError("kv_connector_extra_config.lookup_timeout_seconds: seconds a request may wait for "
+                              f"a lookup in a shared tier, a number in [0, 600]; got {lookup_timeout!r}")
         block_size = vllm_config.cache_config.block_size
         kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         # Namespaces come first: a model that cannot be fingerprinted is refused before any store opens.
@@ -104,7 +110,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler = None if names is None else SchedulerSide(
             store, names, metrics, block_size=block_size, kv_heads=kv_heads,
             workers=vllm_config.parallel_config.world_size,
-            tp_size=vllm_config.parallel_config.tensor_parallel_size)
+            tp_size=vllm_config.parallel_config.tensor_parallel_size, lookup_timeout=lookup_timeout)
         self._worker = WorkerSide(store, metrics, block_size=block_size, kv_heads=kv_heads)
 
     @property
@@ -207,6 +213,8 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors()
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         shared, self._shared = self._shared, None  # type: ignore[assignment]
         if shared is not None:
             _vllm_shared.release(shared)

@@ -155,6 +155,7 @@ class FilesystemTier(Tier):
 
     Options = FilesystemOptions
     persistent = True
+    local = True
 
     def __init__(self, name: str, options: FilesystemOptions) -> None:
         super().__init__(name, options)

@@ -35,6 +35,9 @@ class Tier(ABC):
 
     Options: ClassVar[type] = type(None)
     persistent: ClassVar[bool] = False
+    # Answers heads() from this host without waiting on a network (a local disk's index): an engine's scheduler
+    # asks it inline, and leaves the other tiers to a background lookup.
+    local: ClassVar[bool] = False
 
     def __init__(self, name: str, options: Any) -> None:
         self.name = name
