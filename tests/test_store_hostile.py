@@ -324,6 +324,16 @@ def test_put_after_close_is_an_error_not_a_leak(tier: DictTier) -> None:
     assert store.dram.audit()["refs"] == 0
 
 
+def test_a_deferred_pool_is_allocated_by_its_first_put(tier: DictTier) -> None:
+    cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "1MiB", "page_bytes": "4KiB"}})
+    with KVStore(cfg, tiers=[tier], allocate_dram=False) as store:
+        tokens = synthetic_tokens(17, T)
+        assert not store.dram.allocated and store.lookup(NS, tokens) == 0
+        assert not store.dram.allocated  # a lookup needs only the index
+        store.put(NS, tokens, synthetic_kv(tokens))
+        assert store.dram.allocated and torch.equal(store.get(NS, tokens), synthetic_kv(tokens))
+
+
 # -- item 17: close frees the metrics port -------------------------------------------------------------------
 def test_close_stops_the_metrics_server(tier: DictTier) -> None:
     with socket.socket() as probe:

@@ -91,23 +91,52 @@ class DramEntry:
 Reservation = DramEntry | Literal["present", "full"]
 
 
+def _available_memory() -> int | None:
+    """Bytes this process could still allocate: the host's available memory, or less under a cgroup limit."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        if limit != "max":
+            found.append(int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def _check_memory(capacity: int) -> None:
+    """Refuse a budget the machine cannot hold now: touching it all would end in the OOM killer."""
+    available = _available_memory()
+    if available is not None and capacity > available:
+        raise ConfigError(f"dram.capacity_bytes: {capacity} bytes ({capacity / 2**30:.1f} GiB) is more than the "
+                          f"memory available now ({available / 2**30:.1f} GiB); lower it")
+
+
 class DramPool:
     """Fixed-budget shard cache over one preallocated buffer."""
 
     def __init__(self, capacity_bytes: int, page_bytes: int, policy: EvictionPolicy,
-                 pin_memory: bool | None = None, on_evict: Callable[[DramEntry], None] | None = None) -> None:
+                 pin_memory: bool | None = None, on_evict: Callable[[DramEntry], None] | None = None,
+                 allocate: bool = True) -> None:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.page_bytes = page_bytes
         self.pages = capacity_bytes // page_bytes
         self.capacity_bytes = self.pages * page_bytes
         self.pinned = pin_memory
-        try:
-            self._arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
-        except RuntimeError as exc:  # torch reports a failed allocation as a RuntimeError
-            raise ConfigError(f"dram.capacity_bytes: cannot allocate {self.capacity_bytes} bytes"
-                              f"{' of pinned memory' if pin_memory else ''}: {exc}") from exc
-        self._arena.fill_(0)  # touch every page now, not on the hot path
+        self._arena: torch.Tensor | None = None
+        self._alloc_lock = threading.Lock()
+        if allocate:
+            self.allocate()
         self._free = _FreePages(self.pages)
         self._policy = policy
         self._on_evict = on_evict
@@ -117,6 +146,25 @@ class DramPool:
         self._by_key: dict[ShardKey, DramEntry] = {}
         self._idle_pages = 0  # pages of committed entries with no reference: what eviction could free
         self._changes: list[tuple[ShardKey, bool]] | None = None  # (key, now visible?), once tracking is on
+
+    def allocate(self) -> None:
+        """Allocate and touch the pool (done at start unless deferred: a process that only looks up, such as
+        vLLM's scheduler in its API server, never needs it). Idempotent."""
+        with self._alloc_lock:
+            if self._arena is not None:
+                return
+            _check_memory(self.capacity_bytes)
+            try:
+                arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+            except RuntimeError as exc:  # torch reports a failed allocation as a RuntimeError
+                raise ConfigError(f"dram.capacity_bytes: cannot allocate {self.capacity_bytes} bytes"
+                                  f"{' of pinned memory' if self.pinned else ''}: {exc}") from exc
+            arena.fill_(0)  # touch every page now, not on the hot path
+            self._arena = arena
+
+    @property
+    def allocated(self) -> bool:
+        return self._arena is not None
 
     # -- sizes -------------------------------------------------------------------------------------------------
     @property
@@ -130,6 +178,8 @@ class DramPool:
     def reserve(self, key: ShardKey, meta: ShardMeta, parent: str | None) -> Reservation:
         """Claim pages for ``key``, evicting unpinned entries as needed. The entry holds one reference."""
         need = -(-meta.nbytes // self.page_bytes)
+        if self._arena is None:
+            self.allocate()  # deferred until the first shard needs it
         with self._lock:
             if key in self._pending:
                 return "present"

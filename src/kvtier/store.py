@@ -23,7 +23,7 @@ from kvtier import frame
 from kvtier.cascade import CascadeWriter, Outage
 from kvtier.config import StoreConfig, TierSpec, load_config
 from kvtier.dram import DramEntry, DramPool
-from kvtier.errors import ConfigError, ObjectError, TierError
+from kvtier.errors import ObjectError, TierError
 from kvtier.eviction import POLICIES
 from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, cover, rank_heads
 from kvtier.metrics import StoreMetrics
@@ -105,49 +105,20 @@ class _Read:
         return _Shape.of(meta) == self.shape
 
 
-def _available_memory() -> int | None:
-    """Bytes this process could still allocate: the host's available memory, or less under a cgroup limit."""
-    found = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            current = int(f.read().strip())
-        if limit != "max":
-            found.append(int(limit) - current)
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
-
-
-def _check_memory(capacity: int) -> None:
-    """Refuse a DRAM budget the machine cannot hold now: touching it all would end in the OOM killer."""
-    available = _available_memory()
-    if available is not None and capacity > available:
-        raise ConfigError(f"dram.capacity_bytes: {capacity} bytes ({capacity / 2**30:.1f} GiB) is more than the "
-                          f"memory available now ({available / 2**30:.1f} GiB); lower it")
-
-
 class KVStore:
     """KV chunks in a DRAM pool backed by secondary tiers. Thread-safe; use as a context manager."""
 
-    def __init__(self, config: StoreConfig, tiers: list[Tier] | None = None) -> None:
+    def __init__(self, config: StoreConfig, tiers: list[Tier] | None = None, *, allocate_dram: bool = True) -> None:
+        """``allocate_dram=False`` defers the DRAM pool's allocation to its first put or promotion (or
+        ``store.dram.allocate()``): for a process that only looks up."""
         self.config = config
         self.chunk_tokens = config.chunk_tokens
         self.metrics = StoreMetrics()
         self.tiers = open_tiers(config) if tiers is None else tiers
         try:
             policy = POLICIES.resolve(config.dram.eviction, "dram.eviction")()
-            _check_memory(config.dram.capacity_bytes)
             self.dram = DramPool(config.dram.capacity_bytes, config.dram.page_bytes, policy,
-                                 pin_memory=config.dram.pin_memory, on_evict=self._evicted)
+                                 pin_memory=config.dram.pin_memory, on_evict=self._evicted, allocate=allocate_dram)
         except BaseException:
             for tier in self.tiers:
                 tier.close()

@@ -131,6 +131,19 @@ def test_a_scheduler_in_another_process_hits_the_workers_dram(engines: Engines, 
     assert after.hit == 0 and not after.load_errors
 
 
+def test_a_process_with_the_scheduler_alone_allocates_no_dram(model_dir: Any, store_cfg: dict) -> None:
+    config = vllm_config(str(model_dir), store_cfg)
+    scheduler = KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    try:
+        store = shared_store(store_cfg)
+        assert store is not None and not store.dram.allocated  # vLLM's API server: lookups only
+        worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_cache_config())  # the in-process engine
+        assert shared_store(store_cfg) is store and store.dram.allocated
+        worker.shutdown()
+    finally:
+        scheduler.shutdown()
+
+
 # -- lookups never wait on a network -----------------------------------------------------------------------------
 def test_lookups_in_a_stalled_redis_delay_only_their_requests(engines: Engines, model_dir: Any, redis_server: Any,
                                                                unique_prefix: str) -> None:

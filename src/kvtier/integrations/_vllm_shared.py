@@ -17,6 +17,7 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
+from kvtier.config import load_config
 from kvtier.store import KVStore
 
 log = logging.getLogger("kvtier.integrations.vllm")
@@ -99,18 +100,23 @@ def _config_key(config: object) -> str:
     return "map:" + json.dumps(config, sort_keys=True, default=str)
 
 
-def acquire(config: Mapping[str, object] | str | None) -> Shared:
+def acquire(config: Mapping[str, object] | str | None, *, moves_bytes: bool) -> Shared:
+    """The process's store for ``config``. Only a worker (``moves_bytes``) needs its DRAM pool: a process with
+    the scheduler alone (vLLM's API server) never allocates it; a worker in the same process does, at start."""
     key = _config_key(config)
     with _lock:
         if key not in _shared:
-            store = KVStore.from_config(config)
+            store = KVStore(load_config(config), allocate_dram=False)
             try:
                 _shared[key] = Shared(store, ConnectorMetrics(store))
             except BaseException:
                 store.close()
                 raise
-        _shared[key].users += 1
-        return _shared[key]
+        shared = _shared[key]
+        if moves_bytes:
+            shared.store.dram.allocate()  # a ConfigError here (no memory) refuses the start, as it should
+        shared.users += 1
+        return shared
 
 
 def release(shared: Shared) -> None:

@@ -95,7 +95,7 @@ class KVTierConnector(KVConnectorBase_V1):
         # Namespaces come first: a model that cannot be fingerprinted is refused before any store opens.
         names = Namespaces(vllm_config, extra.get("model_fingerprint")) if role == KVConnectorRole.SCHEDULER \
             else None
-        self._shared = _vllm_shared.acquire(extra.get("config"))
+        self._shared = _vllm_shared.acquire(extra.get("config"), moves_bytes=role != KVConnectorRole.SCHEDULER)
         store, metrics = self._shared.store, self._shared.metrics
         if store.chunk_tokens % block_size:
             _vllm_shared.release(self._shared)
