@@ -171,13 +171,14 @@ def test_a_reservation_that_cannot_fit_evicts_nothing() -> None:
     assert pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
 
 
-def test_changes_are_recorded_only_once_tracking_is_on() -> None:
+def test_each_watcher_reads_the_changes_since_it_began() -> None:
     pool = DramPool(4 * PAGE, PAGE, LRUPolicy())  # two shards
     put(pool, 0)
-    assert pool.take_changes() == []  # off by default: nobody drains it
-    pool.track_changes()
+    first = pool.watch()
     put(pool, 1)
+    second = pool.watch()  # each reader sees what happened since it began, whatever the other took
     put(pool, 2)  # evicts 0
     pool.discard(pool.acquire(skey(1).namespace, skey(1).chunk, [skey(1).heads])[0])
-    assert pool.take_changes() == [(skey(1), True), (skey(0), False), (skey(2), True), (skey(1), False)]
-    assert pool.take_changes() == []
+    assert pool.take_changes(first) == [(skey(1), True), (skey(0), False), (skey(2), True), (skey(1), False)]
+    assert pool.take_changes(first) == []
+    assert pool.take_changes(second) == [(skey(0), False), (skey(2), True), (skey(1), False)]

@@ -145,7 +145,7 @@ class DramPool:
         self._pending: set[ShardKey] = set()
         self._by_key: dict[ShardKey, DramEntry] = {}
         self._idle_pages = 0  # pages of committed entries with no reference: what eviction could free
-        self._changes: list[tuple[ShardKey, bool]] | None = None  # (key, now visible?), once tracking is on
+        self._watchers: list[list[tuple[ShardKey, bool]]] = []  # one (key, now visible?) list per watcher
 
     def allocate(self) -> None:
         """Allocate and touch the pool (done at start unless deferred: a process that only looks up, such as
@@ -266,8 +266,8 @@ class DramPool:
             self._by_key[entry.key] = entry
             self._index.setdefault((entry.key.namespace, entry.key.chunk), {})[entry.key.heads] = entry
             self._policy.insert(entry.key, entry.key.chunk, entry.parent)
-            if self._changes is not None:
-                self._changes.append((entry.key, True))
+            for changes in self._watchers:
+                changes.append((entry.key, True))
 
     def abort(self, entry: DramEntry) -> None:
         with self._lock:
@@ -371,20 +371,20 @@ class DramPool:
         if not slot:
             del self._index[(entry.key.namespace, entry.key.chunk)]
         self._policy.remove(entry.key)
-        if self._changes is not None:
-            self._changes.append((entry.key, False))
+        for changes in self._watchers:
+            changes.append((entry.key, False))
 
-    def track_changes(self) -> None:
-        """Record every entry that becomes visible or goes, for :meth:`take_changes` (off by default: a list
-        nobody drains would only grow)."""
+    def watch(self) -> int:
+        """Start recording, for one reader, every entry that becomes visible or goes; returns the reader's
+        handle for :meth:`take_changes`. (Nothing is recorded without a reader: a list nobody drains would grow.)"""
         with self._lock:
-            if self._changes is None:
-                self._changes = []
+            self._watchers.append([])
+            return len(self._watchers) - 1
 
-    def take_changes(self) -> list[tuple[ShardKey, bool]]:
-        """The entries that became visible (True) or went (False) since the last call, in order."""
+    def take_changes(self, watcher: int) -> list[tuple[ShardKey, bool]]:
+        """The entries that became visible (True) or went (False) since this reader's last call, in order."""
         with self._lock:
-            changes, self._changes = self._changes or [], [] if self._changes is not None else None
+            changes, self._watchers[watcher] = self._watchers[watcher], []
         return changes
 
     def _evict(self, entry: DramEntry) -> None:

@@ -247,20 +247,22 @@ class KVStore:
         return any(not tier.local for tier in self.tiers)
 
     def lookup(self, ns: Namespace, tokens: Tokens, *, kv_heads: int | None = None,
-               elsewhere: Callable[[str, str], bool] | None = None, local_only: bool = False) -> int:
+               elsewhere: Callable[[str, str], bool] | None = None, local_only: bool = False,
+               count: bool = True) -> int:
         """How many leading tokens (whole chunks) are available, every head present, in any tiers.
 
         ``kv_heads``, when given, is the model's KV head count: shards recorded with another count are ignored.
         ``elsewhere(namespace id, chunk key)`` says whether a chunk is held whole outside this store, e.g. in
         the DRAM of the engine's worker processes: such chunks count as found, and no tier is asked for them.
         ``local_only`` asks only DRAM and the :attr:`~kvtier.tiers.base.Tier.local` tiers: an answer that never
-        waits on a network (not counted in the lookup metrics: see :meth:`count_lookup`). Never raises for a
-        tier's fault: an unreachable or misbehaving tier holds nothing.
+        waits on a network. ``count=False`` (implied by ``local_only``) leaves the lookup metrics to the caller
+        (:meth:`count_lookup`), e.g. when one answer takes several calls. Never raises for a tier's fault: an
+        unreachable or misbehaving tier holds nothing.
         """
         chunks = [k.hex() for k in chunk_keys(ns, tokens, self.chunk_tokens)]
         tiers = [t for t in self.tiers if t.local] if local_only else self.tiers
         found = self._available(ns.id, chunks, kv_heads, elsewhere, tiers) * self.chunk_tokens
-        if not local_only:
+        if count and not local_only:
             self.count_lookup(len(tokens), found)
         return found
 

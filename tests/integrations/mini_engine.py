@@ -26,6 +26,7 @@ from vllm.v1.request import Request
 from kvtier.integrations.layouts import gather, scatter
 from kvtier.integrations.vllm import KVTierConnector, KVTierMetadata
 from kvtier.keys import rank_heads
+from kvtier.config import load_config
 from kvtier.store import KVStore
 
 BLOCK = 128
@@ -83,12 +84,13 @@ class MiniEngine:
         self.scheduler = KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
         self._own_store: KVStore | None = None
         if separate_processes:
-            # As in vLLM's API server: the scheduler's process has a store of its own over the same config,
-            # whose DRAM the workers never fill.
+            # As in vLLM's API server: the scheduler's process has a store of its own over the same config, with
+            # no DRAM pool (it only looks up).
             sched = self.scheduler._scheduler
             assert sched is not None
-            self._own_store = sched._store = KVStore.from_config(config.kv_transfer_config.kv_connector_extra_config[
-                "config"])
+            own = KVStore(load_config(config.kv_transfer_config.kv_connector_extra_config["config"]),
+                          allocate_dram=False)
+            self._own_store = sched._store = sched._lookups._store = own
         self.workers: list[KVTierConnector] = []
         self.caches: list[list[torch.Tensor]] = []
         for rank in range(tp_size):

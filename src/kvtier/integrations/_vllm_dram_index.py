@@ -39,19 +39,24 @@ class DramReport:
         self._store = store
         self._kv_heads = kv_heads
         self._held: set[tuple[str, str]] = set()  # what the scheduler was told this rank holds
-        store.dram.track_changes()
+        self._changed: dict[tuple[str, str], None] = {}  # chunks to look at again, in order
+        self._watcher = store.dram.watch()  # a reader of its own: other workers sharing the store read theirs
 
     def take(self, rank: int, size: int) -> KVTierWorkerMetadata | None:
-        changes = self._store.dram.take_changes()
-        if not changes:
+        for key, _ in self._store.dram.take_changes(self._watcher):
+            self._changed[(key.namespace, key.chunk)] = None
+        if not self._changed:
             return None
         heads = rank_heads(self._kv_heads, rank, size)
         events: list[Event] = []
-        for namespace, chunk in dict.fromkeys((key.namespace, key.chunk) for key, _ in changes):
+        for namespace, chunk in self._changed:
             now = self._store.in_dram(namespace, chunk, heads)
             if now != ((namespace, chunk) in self._held):
-                (self._held.add if now else self._held.discard)((namespace, chunk))
                 events.append((namespace, chunk, rank, now))
+        # Only now, nothing having failed: what this rank says it holds changes with what it reports.
+        for namespace, chunk, _, now in events:
+            (self._held.add if now else self._held.discard)((namespace, chunk))
+        self._changed.clear()
         return KVTierWorkerMetadata(events) if events else None
 
 

@@ -2,18 +2,22 @@
 
 DRAM, the workers' DRAM (as they report it) and local tiers (a disk's index) answer inline. When a tier across
 a network (Redis, S3, Mooncake) could hold more, the whole lookup runs on a background thread and the scheduler
-is told to ask again (``None``, vLLM's "cannot tell yet": the request waits, the others are scheduled); the
-answer is used on the first call after it arrives. If it has not arrived within ``timeout`` seconds the request
-proceeds with the inline answer, so a stalled server delays only the requests that needed it, and by a bound.
+is told to ask again (``None``, vLLM's "cannot tell yet": the request waits, the others are scheduled). The
+answer is kept for the request until vLLM allocates its blocks (it may ask several times before it can), the
+request ends or asks about other tokens. If the answer has not come within ``timeout`` seconds, the request goes
+on with the inline answer, so a stalled server delays only the requests that needed it, and by a bound. At most
+:data:`MAX_QUEUED` lookups wait for a thread; beyond that a request gets the inline answer at once (counted).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from prometheus_client import Counter
 
@@ -21,7 +25,8 @@ from kvtier.keys import Namespace
 from kvtier.store import KVStore
 
 log = logging.getLogger("kvtier.integrations.vllm")
-_THREADS = 4  # lookups in flight at once; a stalled tier rests after its first failure, so few are enough
+THREADS = 4  # lookups in flight at once; a stalled tier rests after its first failure, so few are enough
+MAX_QUEUED = 64
 
 
 @dataclasses.dataclass
@@ -31,6 +36,7 @@ class _Pending:
     future: Future[int]
     deadline: float  # monotonic
     inline: int  # what DRAM and local tiers hold: the answer if the background one is late
+    answer: int | None = None  # kept once known, until the request's blocks are allocated
 
 
 class Lookups:
@@ -42,9 +48,15 @@ class Lookups:
         self._kv_heads = kv_heads
         self._elsewhere = elsewhere
         self._timeout = timeout
+        self._outcomes = outcomes
         self._pending: dict[str, _Pending] = {}
-        self._pool: ThreadPoolExecutor | None = None  # started on the first lookup that needs it
-        self.outcomes = outcomes
+        self._queue: queue.Queue[tuple[Future[int], Callable[[], int]] | None] = queue.Queue(maxsize=MAX_QUEUED)
+        self._threads: list[threading.Thread] = []  # started on the first lookup that needs them
+
+    def _reported(self) -> Callable[[str, str], bool] | None:
+        # A worker in this process fills this store's DRAM, which is then exact; the workers' reports are a step
+        # old and would promise chunks evicted since (vLLM's API server has no worker here: reports are all).
+        return None if self._store.dram.allocated else self._elsewhere
 
     def held(self, request_id: str, ns: Namespace, tokens: list[int]) -> int | None:
         """Leading tokens held, or None while a background lookup for this request is under way."""
@@ -53,39 +65,71 @@ class Lookups:
             self.forget(request_id)  # asked about other tokens (e.g. resumed with output): start again
             pending = None
         if pending is not None:
+            if pending.answer is not None:
+                return pending.answer
             if pending.future.done():
-                del self._pending[request_id]
-                self.outcomes.labels("answered").inc()
                 try:
-                    return max(pending.future.result(), pending.inline)
+                    pending.answer = max(pending.future.result(), pending.inline)
+                    self._outcomes.labels("answered").inc()
                 except Exception as exc:  # lookup never raises for a tier's fault; a bug is still a miss
                     log.warning("kvtier: background lookup for request %s failed: %s", request_id, exc)
-                    return pending.inline
-            if time.monotonic() < pending.deadline:
+                    pending.answer = pending.inline
+            elif time.monotonic() >= pending.deadline:
+                pending.future.cancel()  # if it has not started, it never reaches the tier
+                pending.answer = pending.inline
+                self._outcomes.labels("timed_out").inc()
+            else:
                 return None
-            del self._pending[request_id]
-            self.outcomes.labels("timed_out").inc()
-            self._store.count_lookup(len(tokens), pending.inline)
-            return pending.inline
+            self._store.count_lookup(len(tokens), pending.answer)
+            return pending.answer
+        kv_heads, elsewhere = self._kv_heads, self._reported()
         if not self._store.remote_tiers:
-            return self._store.lookup(ns, tokens, kv_heads=self._kv_heads, elsewhere=self._elsewhere)
-        inline = self._store.lookup(ns, tokens, kv_heads=self._kv_heads, elsewhere=self._elsewhere, local_only=True)
+            return self._store.lookup(ns, tokens, kv_heads=kv_heads, elsewhere=elsewhere)
+        inline = self._store.lookup(ns, tokens, kv_heads=kv_heads, elsewhere=elsewhere, local_only=True)
         if inline == len(tokens) // self._store.chunk_tokens * self._store.chunk_tokens:
             self._store.count_lookup(len(tokens), inline)
             return inline  # nothing more to find
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="kvtier-lookup")
-        future = self._pool.submit(self._store.lookup, ns, tokens, kv_heads=self._kv_heads,
-                                   elsewhere=self._elsewhere)
+        future: Future[int] = Future()
+        try:
+            self._queue.put_nowait((future, lambda: self._store.lookup(ns, tokens, kv_heads=kv_heads,
+                                                                       elsewhere=elsewhere, count=False)))
+        except queue.Full:
+            self._outcomes.labels("dropped").inc()
+            self._store.count_lookup(len(tokens), inline)
+            return inline
+        self._start_threads()
         self._pending[request_id] = _Pending(ns, tokens, future, time.monotonic() + self._timeout, inline)
         return None
 
+    def _start_threads(self) -> None:
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._run, name=f"kvtier-lookup-{i}", daemon=True)
+                             for i in range(THREADS)]
+            for thread in self._threads:
+                thread.start()
+
+    def _run(self) -> None:
+        # Daemon threads: a lookup stuck on a stalled socket never holds up the engine's exit.
+        while (job := self._queue.get()) is not None:
+            future, lookup = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(lookup())
+                except BaseException as exc:  # handed to the scheduler's thread, which logs it
+                    future.set_exception(exc)
+
     def forget(self, request_id: str) -> None:
-        """Drop a request's background lookup (it runs to its end; its answer is not used)."""
+        """Drop a request's lookup and answer (its blocks are allocated, it ended, or it asks anew)."""
         pending = self._pending.pop(request_id, None)
         if pending is not None:
             pending.future.cancel()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pending in self._pending.values():
+            pending.future.cancel()
+        self._pending.clear()
+        for _ in self._threads:
+            try:
+                self._queue.put_nowait(None)
+            except queue.Full:  # the threads are daemons: they end with the process
+                break

@@ -98,8 +98,8 @@ class SchedulerSide:
         self._namespaces[rid] = ns
         tokens = list(request.all_token_ids)
         limit = (len(tokens) - 1) // self._chunk * self._chunk
-        if limit <= num_computed_tokens:
-            return 0
+        if limit <= num_computed_tokens or getattr(request, "skip_reading_prefix_cache", False):
+            return 0  # (vLLM would drop a hit for a request that may not read cached prefixes anyway)
         hit = self._lookups.held(rid, ns, tokens[:limit])
         if hit is None:
             return None
@@ -110,6 +110,7 @@ class SchedulerSide:
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Plan the load of the tokens promised by :meth:`lookup` into the blocks vLLM just allocated."""
+        self._lookups.forget(request.request_id)  # allocated: the next lookup of this request is a new one
         if num_external_tokens <= 0:
             return
         rid = request.request_id
