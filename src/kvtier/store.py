@@ -338,6 +338,42 @@ class KVStore:
         put in this namespace by this process, else of the first shard read); one that does not is a miss,
         counted and removed (from DRAM too).
         """
+        wanted = None
+        if out is not None:
+            if out.dim() != 5:
+                raise ValueError(f"out must be [layers, 2, heads, tokens, head_dim], got shape {tuple(out.shape)}")
+            wanted = _Shape(out.shape[0], out.shape[4], out.dtype)
+        result: list[torch.Tensor] = []
+        found = self._read(ns, tokens, tp_rank, tp_size, offset, kv_heads, wanted,
+                           lambda plans, shape: result.append(self._copy_out(plans, shape, out)))
+        if not found:
+            return None
+        if result[0].is_cuda:
+            torch.cuda.current_stream(result[0].device).synchronize()
+        return result[0]
+
+    def load(self, ns: Namespace, tokens: Tokens, sink: Callable[[int, torch.Tensor], None], *, layers: int,
+             head_dim: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, offset: int = 0,
+             kv_heads: int | None = None) -> bool:
+        """Hand the canonical KV of ``tokens[offset:]`` (this rank's heads) to ``sink`` without copying it first.
+
+        ``sink(first, kv)`` gets ``kv`` ``[count, layers, 2, heads, chunk_tokens, head_dim]`` for ``count``
+        consecutive chunks from chunk ``first`` (counted from ``offset``'s chunk): a view of DRAM pages where
+        they lie at one stride, else of one chunk's bytes as read; valid only during the call, never written.
+        Returns False, having called ``sink`` for nothing, when any chunk is missing or unreadable. The checks
+        are :meth:`get`'s, against ``layers``, ``head_dim`` and ``dtype``.
+        """
+        def feed(plans: list[list[_Piece]], shape: _Shape) -> None:
+            for first, kv in self._chunk_views(plans, shape):
+                sink(first, kv)
+
+        return self._read(ns, tokens, tp_rank, tp_size, offset, kv_heads, _Shape(layers, head_dim, dtype), feed)
+
+    def _read(self, ns: Namespace, tokens: Tokens, tp_rank: int, tp_size: int, offset: int,
+              kv_heads: int | None, wanted: _Shape | None,
+              use: Callable[[list[list[_Piece]], _Shape], None]) -> bool:
+        """Plan every chunk of ``tokens[offset:]`` (pinning DRAM entries, fetching and promoting the rest), hand
+        the plans to ``use``, then release what was pinned. False (and ``use`` not called) on a miss."""
         start = time.perf_counter()
         t = self.chunk_tokens
         if len(tokens) % t or offset % t or not 0 <= offset < len(tokens):
@@ -348,12 +384,9 @@ class KVStore:
         if kv_heads is not None:
             rank_heads(kv_heads, tp_rank, tp_size)  # the caller's own degree must fit its model: raises if not
         shape = self._shapes.get(ns.id)
-        if out is not None:
-            if out.dim() != 5:
-                raise ValueError(f"out must be [layers, 2, heads, tokens, head_dim], got shape {tuple(out.shape)}")
-            wanted = _Shape(out.shape[0], out.shape[4], out.dtype)
+        if wanted is not None:
             if shape is not None and wanted != shape:
-                raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the KV put in this namespace is {shape}")
+                raise ValueError(f"out is {wanted}, the KV put in this namespace is {shape}")
             shape = wanted
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
         read = _Read(ns.id, tp_rank, tp_size, kv_heads, shape)
@@ -363,17 +396,15 @@ class KVStore:
                 pieces = self._plan_chunk(read, chunks[i], chunks[i - 1] if i else None)
                 if pieces is None:
                     self.metrics.misses.inc()
-                    return None
+                    return False
                 plans.append(pieces)
             assert read.shape is not None, "a planned chunk fixes the shape"
-            result = self._copy_out(plans, read.shape, out)
-            if result.is_cuda:
-                torch.cuda.current_stream(result.device).synchronize()
+            use(plans, read.shape)
         finally:
             for entry in read.pinned:
                 self.dram.release(entry)
         self.metrics.get_seconds.observe(time.perf_counter() - start)
-        return result
+        return True
 
     def _plan_chunk(self, read: _Read, chunk: str, parent: str | None) -> list[_Piece] | None:
         """Where this rank's heads of one chunk come from: DRAM alone, else DRAM plus each tier in turn."""
@@ -461,6 +492,35 @@ class KVStore:
                 out[:, :, piece.dst:piece.dst + piece.count, i * t:(i + 1) * t].copy_(
                     shard[:, :, piece.src:piece.src + piece.count], non_blocking=out.is_cuda and shard.is_pinned())
         return out
+
+    def _chunk_views(self, plans: list[list[_Piece]], shape: _Shape) -> list[tuple[int, torch.Tensor]]:
+        """Each planned chunk as ``[count, layers, 2, heads, T, head_dim]`` views, consecutive DRAM chunks at one
+        stride together; a chunk assembled from several head ranges is copied into a buffer of its own."""
+        t = self.chunk_tokens
+        views: list[tuple[int, torch.Tensor]] = []
+        whole = [(i, p[0].source) for i, p in enumerate(plans)
+                 if len(p) == 1 and isinstance(p[0].source, DramEntry) and p[0].count == p[0].source.meta.heads.count]
+        done = set()
+        for run in self.dram.runs(whole, torch.device("cpu")):  # type: ignore[arg-type]
+            i0, entry = run[0]
+            if len(entry.extents) == 1:
+                views.append((i0, self.dram.run_view(entry, len(run))))
+                done.update(i for i, _ in run)
+        for i, pieces in enumerate(plans):
+            if i in done:
+                continue
+            if len(pieces) == 1:
+                piece = pieces[0]
+                src = self.dram.tensor(piece.source) if isinstance(piece.source, DramEntry) else piece.source
+                views.append((i, src[:, :, piece.src:piece.src + piece.count].unsqueeze(0)))
+                continue
+            heads = sum(p.count for p in pieces)
+            buf = torch.empty((1, shape.layers, 2, heads, t, shape.head_dim), dtype=shape.dtype)
+            for piece in pieces:
+                src = self.dram.tensor(piece.source) if isinstance(piece.source, DramEntry) else piece.source
+                buf[0, :, :, piece.dst:piece.dst + piece.count].copy_(src[:, :, piece.src:piece.src + piece.count])
+            views.append((i, buf))
+        return sorted(views, key=lambda v: v[0])
 
     def _fetch(self, read: _Read, key: ShardKey, parent: str | None) -> DramEntry | torch.Tensor | None:
         """Read one shard from the first tier that holds a valid copy and promote it into DRAM.

@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvtier.integrations.layouts import gather, scatter
+from kvtier.integrations.layouts import gather, scatter_chunks
 from kvtier.integrations.vllm import KVTierConnector, KVTierMetadata
 from kvtier.keys import rank_heads
 from kvtier.config import load_config
@@ -167,7 +167,7 @@ class MiniEngine:
         heads = rank_heads(KV_HEADS, rank, self.tp_size)
         padded = torch.zeros(*kv.shape[:3], len(blocks) * BLOCK, HEAD_DIM, dtype=kv.dtype)
         padded[:, :, :, :kv.shape[3]] = kv
-        scatter(padded[:, :, heads.start:heads.stop], self.caches[rank], blocks, "cpu")
+        scatter_chunks(padded[:, :, heads.start:heads.stop].unsqueeze(0), self.caches[rank], blocks, "cpu")
 
     def read(self, blocks: list[int], tokens: int) -> torch.Tensor:
         """The canonical KV of the first ``tokens`` tokens in ``blocks``, all heads, assembled over the ranks."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.integrations.layouts import gather, scatter
+from kvtier.integrations.layouts import gather, scatter_chunks
 
 LAYERS, HEADS, DIM, BS, BLOCKS = 3, 4, 8, 16, 12
 
@@ -44,7 +44,7 @@ def test_scatter_writes_only_the_listed_blocks(layout: str) -> None:
     kv = gather(source, [1, 5, 3], layout)
     target = make_caches(layout)
     before = [c.clone() for c in target]
-    scatter(kv, target, [10, 4, 6], layout)
+    scatter_chunks(kv.unsqueeze(0), target, [10, 4, 6], layout)  # one chunk of three blocks
     assert torch.equal(gather(target, [10, 4, 6], layout), kv)
     others = [b for b in range(BLOCKS) if b not in (10, 4, 6)]
     assert torch.equal(gather(target, others, layout), gather(before, others, layout))
@@ -54,15 +54,17 @@ def test_cpu_and_flash_hold_the_same_kv() -> None:
     cpu = make_caches("cpu")
     kv = gather(cpu, list(range(BLOCKS)), "cpu")
     flash = make_caches("flash")
-    scatter(kv, flash, list(range(BLOCKS)), "flash")
+    scatter_chunks(kv.unsqueeze(0), flash, list(range(BLOCKS)), "flash")
     assert torch.equal(gather(flash, [3, 1], "flash"), gather(cpu, [3, 1], "cpu"))
 
 
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="unknown KV layout 'paged'; known: cpu, flash"):
         gather(make_caches("cpu"), [0], "paged")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="blocks of 16 hold 32"):
-        scatter(torch.zeros(LAYERS, 2, HEADS, 16, DIM), make_caches("cpu"), [0, 1], "cpu")
+    with pytest.raises(ValueError, match="1 chunks after skipping 0 tokens fill 1 blocks, got 2 block ids"):
+        scatter_chunks(torch.zeros(1, LAYERS, 2, HEADS, 16, DIM), make_caches("cpu"), [0, 1], "cpu")
+    with pytest.raises(ValueError, match="whole 16-token blocks"):
+        scatter_chunks(torch.zeros(1, LAYERS, 2, HEADS, 24, DIM), make_caches("cpu"), [0, 1], "cpu")
 
 
 @pytest.mark.parametrize("layout", ["cpu", "flash"])
@@ -73,3 +75,28 @@ def test_gather_into_a_given_buffer(layout: str) -> None:
     out = torch.empty(kv_shape(caches, layout, 2 * BS), dtype=torch.bfloat16)
     assert gather(caches, [4, 8], layout, out=out) is out
     assert torch.equal(out, reference(caches, [4, 8], layout))
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+@pytest.mark.parametrize("skip", [0, BS, 2 * BS])
+def test_scatter_chunks_from_strided_views(layout: str, skip: int) -> None:
+    """Chunks of 3 blocks handed over as a strided view (DRAM entries at a page stride, with gaps between
+    them): written into out-of-order blocks, the first ``skip`` tokens left as the engine computed them."""
+    caches = make_caches(layout)
+    before = [c.clone() for c in caches]
+    chunk, count = 3 * BS, 2
+    padded = torch.randn(count, LAYERS + 1, 2, HEADS, chunk, DIM).to(torch.bfloat16)  # gaps between entries
+    kv = padded[:, :LAYERS]
+    assert not kv.is_contiguous()
+    blocks = [5, 1, 8, 3, 11, 0]
+    scatter_chunks(kv, caches, blocks[skip // BS:], layout, skip)
+    canonical = torch.cat([kv[i] for i in range(count)], dim=3)  # [layers, 2, H, count * chunk, D]
+    got = reference(caches, blocks, layout)
+    assert torch.equal(got[:, :, :, skip:], canonical[:, :, :, skip:])
+    untouched = reference(before, blocks[:skip // BS], layout) if skip else None
+    if untouched is not None:
+        assert torch.equal(got[:, :, :, :skip], untouched)
+    others = [b for b in range(BLOCKS) if b not in blocks[skip // BS:]]
+    assert torch.equal(reference(caches, others, layout), reference(before, others, layout))
+    with pytest.raises(ValueError, match="block ids"):
+        scatter_chunks(kv, caches, blocks[:3], layout)

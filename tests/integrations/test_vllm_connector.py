@@ -268,7 +268,7 @@ def test_store_failures_are_a_miss_load_errors_or_a_dropped_save(engines: Engine
     logged = [r.getMessage() for r in caplog.records if "get_num_new_matched_tokens failed" in r.getMessage()]
     assert len(logged) == 1 and "request r1" in logged[0]
     mini.prefill(request("r3", tokens))  # now saved
-    patch_store(store, {"get": 1})
+    patch_store(store, {"load": 1})
     failed = mini.prefill(request("r4", tokens))
     assert failed.hit == 512 and failed.load_errors == set(failed.blocks[:4])  # vLLM recomputes them
     ok = mini.prefill(request("r5", tokens))

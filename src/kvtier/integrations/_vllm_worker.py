@@ -17,7 +17,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations._vllm_dram_index import DramReport, KVTierWorkerMetadata
 from kvtier.integrations._vllm_scheduler import KVTierMetadata, Transfer
 from kvtier.integrations._vllm_shared import ConnectorMetrics
-from kvtier.integrations.layouts import Layout, gather, kv_shape, scatter
+from kvtier.integrations.layouts import Layout, gather, kv_shape, scatter_chunks
 from kvtier.keys import rank_heads
 from kvtier.store import KVStore
 
@@ -39,7 +39,6 @@ class WorkerSide:
         self._layout: Layout = "cpu"
         self._load_errors: set[int] = set()  # reported to vLLM, then cleared
         self._failed: set[int] = set()  # this step's failed blocks: saves over them would store wrong KV
-        self._staging: torch.Tensor | None = None  # reused for loads: fresh memory costs page faults each time
         self._report: DramReport | None = None  # from registration on: a worker role exists in this process
 
     def register(self, kv_caches: dict[str, torch.Tensor], tp: TensorParallel) -> None:
@@ -92,25 +91,24 @@ class WorkerSide:
         self._load_errors |= self._failed
 
     def _load(self, load: Transfer, rank: int, size: int) -> bool:
-        from_chunk = load.offset // self._chunk * self._chunk
-        kv = self._store.get(load.namespace, load.tokens, tp_rank=rank, tp_size=size, offset=from_chunk,
-                             out=self._staging_for(len(load.tokens) - from_chunk), kv_heads=self._kv_heads)
-        if kv is None:
-            log.warning("kvtier: request %s: KV for %d tokens vanished before loading; vLLM recomputes it",
-                        load.request_id, len(load.tokens) - load.offset)
-            return False
-        scatter(kv[:, :, :, load.offset - from_chunk:], self._caches, load.block_ids[load.offset // self._bs:],
-                self._layout)
-        return True
+        """Copy the stored chunks straight from the store's DRAM (or a tier's read buffer) into the blocks."""
+        t, bs = self._chunk, self._bs
+        from_chunk = load.offset // t * t
 
-    def _staging_for(self, tokens: int) -> torch.Tensor:
-        """A host buffer for ``tokens`` tokens of canonical KV, grown as needed and kept."""
-        shape = kv_shape(self._caches, self._layout, tokens)
-        numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
-        if self._staging is None or self._staging.numel() < numel:
-            self._staging = torch.empty(numel, dtype=self._caches[0].dtype, device=self._caches[0].device)
-            self._staging.zero_()  # touch it once now, not on every load
-        return self._staging[:numel].view(shape)
+        def sink(first: int, kv: torch.Tensor) -> None:
+            start = from_chunk + first * t  # the first token of these chunks
+            skip = max(load.offset - start, 0)  # computed by the engine already (its own prefix-cache hit)
+            end = start + kv.shape[0] * t
+            scatter_chunks(kv, self._caches, load.block_ids[(start + skip) // bs:end // bs], self._layout, skip)
+
+        _, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
+        if self._store.load(load.namespace, load.tokens, sink, layers=len(self._caches), head_dim=head_dim,
+                            dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=from_chunk,
+                            kv_heads=self._kv_heads):
+            return True
+        log.warning("kvtier: request %s: KV for %d tokens vanished before loading; vLLM recomputes it",
+                    load.request_id, len(load.tokens) - load.offset)
+        return False
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -70,18 +70,36 @@ def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tens
     return out
 
 
-def scatter(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
-            layout: Layout) -> None:
-    """Write canonical ``kv`` (``[layers, 2, H, len(block_ids) * block_size, D]``) into the caches' blocks."""
+def scatter_chunks(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
+                   layout: Layout, skip: int = 0) -> None:
+    """Write ``count`` chunks of canonical KV (``[count, layers, 2, H, chunk_tokens, D]``, any strides, e.g. a
+    view of the store's DRAM pages) into the caches' blocks ``block_ids`` (``count * chunk_tokens / block_size``
+    of them, in order), skipping the first ``skip`` tokens (whole blocks: the engine computed them itself).
+
+    One indexed copy per layer, straight from the source: no staging buffer, no per-block loop.
+    """
     _check(layout)
-    if kv.dim() != 5 or kv.shape[0] != len(caches) or kv.shape[1] != 2:
-        raise ValueError(f"kv must be [{len(caches)} layers, 2, heads, tokens, head_dim], got {tuple(kv.shape)}")
+    count, layers, _, _, chunk, _ = kv.shape
+    if layers != len(caches):
+        raise ValueError(f"kv holds {layers} layers, the engine has {len(caches)}")
+    bs = block_size_of(caches[0], layout)
+    if chunk % bs or skip % bs or not 0 <= skip < chunk:
+        raise ValueError(f"chunks of {chunk} tokens, skip {skip}: both must be whole {bs}-token blocks, skip < chunk")
+    per = chunk // bs
     ids = _block_list(block_ids)
+    if len(ids) != count * per - skip // bs:
+        raise ValueError(f"{count} chunks after skipping {skip} tokens fill {count * per - skip // bs} blocks, "
+                         f"got {len(ids)} block ids")
+    idx = torch.as_tensor([-1] * (skip // bs) + ids, dtype=torch.long, device=caches[0].device).view(count, per)
+    first = skip // bs
     for layer, cache in enumerate(caches):
-        bs = block_size_of(cache, layout)
-        if kv.shape[3] != len(ids) * bs:
-            raise ValueError(f"kv holds {kv.shape[3]} tokens, {len(ids)} blocks of {bs} hold {len(ids) * bs}")
-        blocks = _as_canonical_blocks(cache, layout)
-        src = kv[layer].to(cache.device, cache.dtype)
-        for j, block in enumerate(ids):
-            blocks[block].copy_(src[:, :, j * bs:(j + 1) * bs])
+        blocks = _as_canonical_blocks(cache, layout)  # [blocks, 2, H, bs, D]
+        src = kv[:, layer].unflatten(3, (per, bs)).permute(0, 3, 1, 2, 4, 5)  # [count, per, 2, H, bs, D]
+        if src.device != cache.device or src.dtype != cache.dtype:
+            src = src.to(cache.device, cache.dtype)
+        if first:
+            blocks[idx[0, first:]] = src[0, first:]
+            if count > 1:
+                blocks[idx[1:]] = src[1:]
+        else:
+            blocks[idx] = src
