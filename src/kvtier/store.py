@@ -354,17 +354,19 @@ class KVStore:
 
     def load(self, ns: Namespace, tokens: Tokens, sink: Callable[[int, torch.Tensor], None], *, layers: int,
              head_dim: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, offset: int = 0,
-             kv_heads: int | None = None) -> bool:
+             kv_heads: int | None = None, device: torch.device | str = "cpu") -> bool:
         """Hand the canonical KV of ``tokens[offset:]`` (this rank's heads) to ``sink`` without copying it first.
 
         ``sink(first, kv)`` gets ``kv`` ``[count, layers, 2, heads, chunk_tokens, head_dim]`` for ``count``
         consecutive chunks from chunk ``first`` (counted from ``offset``'s chunk): a view of DRAM pages where
         they lie at one stride, else of one chunk's bytes as read; valid only during the call, never written.
         Returns False, having called ``sink`` for nothing, when any chunk is missing or unreadable. The checks
-        are :meth:`get`'s, against ``layers``, ``head_dim`` and ``dtype``.
+        are :meth:`get`'s, against ``layers``, ``head_dim`` and ``dtype``. ``device`` is where ``sink`` copies
+        to: for another device than the CPU only gap-free runs are grouped, so each view is dense (a copy of a
+        view with gaps to a GPU is staged through a temporary).
         """
         def feed(plans: list[list[_Piece]], shape: _Shape) -> None:
-            for first, kv in self._chunk_views(plans, shape):
+            for first, kv in self._chunk_views(plans, shape, torch.device(device)):
                 sink(first, kv)
 
         return self._read(ns, tokens, tp_rank, tp_size, offset, kv_heads, _Shape(layers, head_dim, dtype), feed)
@@ -386,7 +388,7 @@ class KVStore:
         shape = self._shapes.get(ns.id)
         if wanted is not None:
             if shape is not None and wanted != shape:
-                raise ValueError(f"out is {wanted}, the KV put in this namespace is {shape}")
+                raise ValueError(f"the caller expects {wanted}, the KV put in this namespace is {shape}")
             shape = wanted
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
         read = _Read(ns.id, tp_rank, tp_size, kv_heads, shape)
@@ -493,7 +495,8 @@ class KVStore:
                     shard[:, :, piece.src:piece.src + piece.count], non_blocking=out.is_cuda and shard.is_pinned())
         return out
 
-    def _chunk_views(self, plans: list[list[_Piece]], shape: _Shape) -> list[tuple[int, torch.Tensor]]:
+    def _chunk_views(self, plans: list[list[_Piece]], shape: _Shape,
+                     device: torch.device) -> list[tuple[int, torch.Tensor]]:
         """Each planned chunk as ``[count, layers, 2, heads, T, head_dim]`` views, consecutive DRAM chunks at one
         stride together; a chunk assembled from several head ranges is copied into a buffer of its own."""
         t = self.chunk_tokens
@@ -501,7 +504,7 @@ class KVStore:
         whole = [(i, p[0].source) for i, p in enumerate(plans)
                  if len(p) == 1 and isinstance(p[0].source, DramEntry) and p[0].count == p[0].source.meta.heads.count]
         done = set()
-        for run in self.dram.runs(whole, torch.device("cpu")):  # type: ignore[arg-type]
+        for run in self.dram.runs(whole, device):  # type: ignore[arg-type]
             i0, entry = run[0]
             if len(entry.extents) == 1:
                 views.append((i0, self.dram.run_view(entry, len(run))))

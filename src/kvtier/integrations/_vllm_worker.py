@@ -104,7 +104,7 @@ class WorkerSide:
         _, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
         if self._store.load(load.namespace, load.tokens, sink, layers=len(self._caches), head_dim=head_dim,
                             dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=from_chunk,
-                            kv_heads=self._kv_heads):
+                            kv_heads=self._kv_heads, device=self._caches[0].device):
             return True
         log.warning("kvtier: request %s: KV for %d tokens vanished before loading; vLLM recomputes it",
                     load.request_id, len(load.tokens) - load.offset)
