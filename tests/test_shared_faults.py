@@ -248,3 +248,29 @@ def test_a_key_of_another_type_is_no_outage(redis_server: RedisServer, unique_pr
     assert redis_server.cli("type", f"{unique_prefix}{NS.id}:{keys[1]}").strip() == "hash"
     with store_with([redis_tier(redis_server, unique_prefix)]) as other:
         assert torch.equal(other.get(NS, tokens), synthetic_kv(tokens))
+
+
+def test_a_chunk_read_from_redis_is_promoted_into_the_local_disk(redis_server: RedisServer, unique_prefix: str,
+                                                                  tmp_path: Path) -> None:
+    """Another engine reads a prefix from Redis: it lands in that engine's DRAM and, in the background, on its
+    local disk, so after DRAM drops it (and with Redis emptied) the next read is a local hit."""
+    shared = redis_tier(redis_server, unique_prefix)
+    writer = store_with([shared])  # the engine that computed the prefix
+    tokens, kv, _ = timed_put(writer, 500)
+    writer.close()  # its queued writes reach Redis first
+    reader = store_with([{"type": "filesystem", "path": str(tmp_path / "local")}, shared])
+    try:
+        assert torch.equal(reader.get(NS, tokens), kv)
+        reader.flush()
+        assert len(list((tmp_path / "local").rglob("*.kv"))) == 2  # both chunks written to the local disk
+        keys = redis_server.cli("--scan", "--pattern", f"{unique_prefix}*").split()
+        assert keys and redis_server.cli("del", *keys)
+        reader.drop_dram()
+        assert torch.equal(reader.get(NS, tokens), kv)
+        stats = reader.stats()
+        assert stats["filesystem"]["hit_chunks_total"] == 2 and stats["redis"]["hit_chunks_total"] == 2
+        reader.get(NS, tokens)  # from DRAM again: not queued for the disk a second time
+        reader.flush()
+        assert reader.stats()["filesystem"].get("present_writes_total", 0) == 0
+    finally:
+        reader.close()

@@ -529,9 +529,11 @@ class KVStore:
         """Read one shard from the first tier that holds a valid copy and promote it into DRAM.
 
         Returns the promoted DRAM entry, pinned for the caller (added to ``read.pinned``), so the copy out joins
-        the DRAM runs; or, when DRAM has no room, a tensor over the fetched bytes.
+        the DRAM runs; or, when DRAM has no room, a tensor over the fetched bytes. A shard promoted from a tier is
+        also queued for the tiers configured in front of it (e.g. a local disk before Redis), so a later DRAM miss
+        finds it there: a cascade write like any other, skipped when that tier holds it already.
         """
-        for tier in self.tiers:
+        for index, tier in enumerate(self.tiers):
             got = self._read_verified(tier, key, read)
             if got is None:
                 continue
@@ -543,9 +545,12 @@ class KVStore:
                 except BaseException:
                     self.dram.abort(entry)
                     raise
-                self.dram.commit(entry, keep_refs=1)
+                front = self._writers[:index]
+                self.dram.commit(entry, keep_refs=1 + len(front))
                 read.pinned.append(entry)
                 self.metrics.promotions.labels(tier.name).inc()
+                for writer in front:
+                    writer.submit(entry)
                 return entry
             return frame.payload_tensor(payload, header.meta)
         return None
