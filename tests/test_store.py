@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier import KVStore, Namespace, TierError, rank_heads
+from kvtier import KVStore, Namespace, TierError, chunk_keys, rank_heads
 from kvtier.testing import synthetic_kv, synthetic_tokens
 from kvtier.tiers._filesystem import FilesystemTier
 from tests.conftest import NS, store_config
@@ -312,7 +312,7 @@ def test_load_hands_over_exactly_what_get_returns(make_store, write_tp: int, rea
                 got[:, :, :, (first + j) * T:(first + j + 1) * T] = views[j]
 
         assert store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16, tp_rank=rank,
-                          tp_size=read_tp, offset=T)
+                          tp_size=read_tp, offset=T) == 4 * T
         assert sorted(seen) == [0, 1, 2, 3] and torch.equal(got, want)
     store.flush()
     assert store.dram.audit()["refs"] == 0 and store.dram.audit()["pending"] == 0
@@ -330,4 +330,24 @@ def test_a_sink_that_raises_leaves_nothing_pinned(make_store) -> None:
     with pytest.raises(RuntimeError, match="copy failed"):
         store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16)
     assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
-    assert not store.load(NS, synthetic_tokens(22, T), sink, layers=2, head_dim=8, dtype=torch.bfloat16)
+    assert store.load(NS, synthetic_tokens(22, T), sink, layers=2, head_dim=8, dtype=torch.bfloat16) == 0
+
+
+def test_a_load_hands_over_the_chunks_before_a_missing_one(make_store, tmp_path) -> None:
+    store = make_store()
+    tokens = synthetic_tokens(23, 4 * T)
+    kv = synthetic_kv(tokens)
+    store.put(NS, tokens, kv)
+    store.flush()
+    store.drop_dram()
+    third = chunk_keys(NS, tokens, T)[2].hex()
+    next((tmp_path / "fs").rglob(f"{third}.*.kv")).unlink()  # gone from the disk
+    got: dict[int, torch.Tensor] = {}
+
+    def sink(first: int, views: torch.Tensor) -> None:
+        for j in range(views.shape[0]):
+            got[first + j] = views[j].clone()
+
+    assert store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16) == 2 * T
+    assert sorted(got) == [0, 1] and all(torch.equal(got[i], kv[:, :, :, i * T:(i + 1) * T]) for i in got)
+    assert store.get(NS, tokens) is None  # get is all or nothing

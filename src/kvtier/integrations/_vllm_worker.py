@@ -75,8 +75,8 @@ class WorkerSide:
                 return
             for load in meta.loads:
                 try:
-                    if not self._load(load, rank, size):
-                        self._failed.update(load.block_ids[load.offset // self._bs:])
+                    end = self._load(load, rank, size)
+                    self._failed.update(load.block_ids[end // self._bs:])  # what vanished: vLLM recomputes it
                 except Exception as exc:
                     self._metrics.error("start_load_kv", exc, load.request_id)
                     self._failed.update(load.block_ids[load.offset // self._bs:])
@@ -90,8 +90,9 @@ class WorkerSide:
             self._failed.update(load.block_ids[load.offset // self._bs:])
         self._load_errors |= self._failed
 
-    def _load(self, load: Transfer, rank: int, size: int) -> bool:
-        """Copy the stored chunks straight from the store's DRAM (or a tier's read buffer) into the blocks."""
+    def _load(self, load: Transfer, rank: int, size: int) -> int:
+        """Copy the stored chunks straight from the store's DRAM (or a tier's read buffer) into the blocks; returns
+        the first token not loaded (``len(load.tokens)`` when all were): the chunks before a missing one load."""
         t, bs = self._chunk, self._bs
         from_chunk = load.offset // t * t
 
@@ -102,13 +103,15 @@ class WorkerSide:
             scatter_chunks(kv, self._caches, load.block_ids[(start + skip) // bs:end // bs], self._layout, skip)
 
         _, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
-        if self._store.load(load.namespace, load.tokens, sink, layers=len(self._caches), head_dim=head_dim,
-                            dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=from_chunk,
-                            kv_heads=self._kv_heads, device=self._caches[0].device):
-            return True
-        log.warning("kvtier: request %s: KV for %d tokens vanished before loading; vLLM recomputes it",
-                    load.request_id, len(load.tokens) - load.offset)
-        return False
+        loaded = from_chunk + self._store.load(
+            load.namespace, load.tokens, sink, layers=len(self._caches), head_dim=head_dim,
+            dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=from_chunk, kv_heads=self._kv_heads,
+            device=self._caches[0].device)
+        end = max(loaded, load.offset)
+        if end < len(load.tokens):
+            log.warning("kvtier: request %s: KV for %d of %d tokens vanished before loading; vLLM recomputes them",
+                        load.request_id, len(load.tokens) - end, len(load.tokens) - load.offset)
+        return end
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
