@@ -347,3 +347,33 @@ def test_close_stops_the_metrics_server(tier: DictTier) -> None:
     with socket.socket() as again:
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         again.bind(("127.0.0.1", port))  # free again
+
+
+def test_a_read_after_close_pins_nothing(tier: DictTier) -> None:
+    front, back = DictTier("front"), tier
+    tokens = synthetic_tokens(18, T)
+    (key,) = keys_of(tokens)
+    back.objects[key] = shard_bytes(key, synthetic_kv(tokens))
+    cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "1MiB", "page_bytes": "4KiB"},
+                       "tiers": [{"type": "filesystem", "name": n, "path": "/unused"} for n in ("front", "mem")]})
+    store = KVStore(cfg, tiers=[front, back])
+    store.close()
+    assert store.get(NS, tokens) is not None  # a tier that still answers (a network client reconnects)
+    assert store.dram.audit()["refs"] == 0  # the promotion's write to the front tier was refused, not pinned
+    store.flush()  # returns
+
+
+def test_a_promoted_shard_keeps_its_creation_time(tier: DictTier) -> None:
+    front = DictTier("front")
+    tokens = synthetic_tokens(19, T)
+    (key,) = keys_of(tokens)
+    kv = synthetic_kv(tokens)
+    meta = frame.ShardMeta(2, T, 8, torch.bfloat16, key.heads)
+    payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
+    tier.objects[key] = frame.encode_header(key, meta, [payload], created=1_000_000.0) + payload
+    cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "1MiB", "page_bytes": "4KiB"},
+                       "tiers": [{"type": "filesystem", "name": n, "path": "/unused"} for n in ("front", "mem")]})
+    with KVStore(cfg, tiers=[front, tier]) as store:
+        assert torch.equal(store.get(NS, tokens), kv)
+        store.flush()
+        assert frame.decode_header(front.objects[key]).created == 1_000_000.0  # its TTL is not restarted

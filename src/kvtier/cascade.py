@@ -80,6 +80,7 @@ class CascadeWriter:
         self._outage = Outage(tier.name, "writes", spec.retry_seconds)
         self._present = metrics.present_writes.labels(tier.name)
         self._exists_failed = False  # logged once
+        self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"kvtier-{tier.name}-{i}", daemon=True)
                          for i in range(spec.workers)]
         for t in self._threads:
@@ -96,6 +97,9 @@ class CascadeWriter:
     def submit(self, entry: DramEntry) -> bool:
         """Queue ``entry`` (pinned once on this writer's behalf); False when the queue was full."""
         size = entry.meta.nbytes
+        if self._closed:  # no worker would ever take it: the pin would never be released
+            self._pool.release(entry)
+            return False
         with self._bytes_lock:
             fits = self._bytes + size <= self._max_bytes or self._bytes == 0  # one entry always fits
             if fits:
@@ -116,7 +120,8 @@ class CascadeWriter:
         self._queue.join()
 
     def close(self) -> None:
-        """Finish the queued writes, then stop the workers."""
+        """Finish the queued writes, then stop the workers; later submits are dropped (and their pin released)."""
+        self._closed = True
         self.flush()
         for _ in self._threads:
             self._queue.put(_STOP)
@@ -162,7 +167,7 @@ class CascadeWriter:
             return
         try:
             views = self._pool.views(entry)
-            header = frame.encode_header(entry.key, entry.meta, views)
+            header = frame.encode_header(entry.key, entry.meta, views, created=entry.created)
             self.tier.put(entry.key, [header, *views])
         except TierError as exc:
             self._metrics.write_errors.labels(self.tier.name).inc()

@@ -82,6 +82,7 @@ class DramEntry:
     extents: list[Extent]
     refs: int = 1
     discarded: bool = False  # out of the index, pages freed when the last reference goes
+    created: float | None = None  # when first stored, for a shard promoted from a tier (its TTL runs from then)
 
     @property
     def pages(self) -> int:

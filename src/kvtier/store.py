@@ -554,6 +554,7 @@ class KVStore:
                     self.dram.abort(entry)
                     raise
                 front = self._writers[:index]
+                entry.created = header.created  # copied into the front tiers, it keeps its age (and TTL)
                 self.dram.commit(entry, keep_refs=1 + len(front))
                 read.pinned.append(entry)
                 self.metrics.promotions.labels(tier.name).inc()
