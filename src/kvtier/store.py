@@ -344,12 +344,15 @@ class KVStore:
                 raise ValueError(f"out must be [layers, 2, heads, tokens, head_dim], got shape {tuple(out.shape)}")
             wanted = _Shape(out.shape[0], out.shape[4], out.dtype)
         result: list[torch.Tensor] = []
-        found = self._read(ns, tokens, tp_rank, tp_size, offset, kv_heads, wanted,
-                           lambda plans, shape: result.append(self._copy_out(plans, shape, out)))
-        if not found:
+
+        def copy(plans: list[list[_Piece]], shape: _Shape) -> None:
+            got = self._copy_out(plans, shape, out)
+            if got.is_cuda:  # copies from pinned pages run asynchronously: end them before the pins are released
+                torch.cuda.current_stream(got.device).synchronize()
+            result.append(got)
+
+        if not self._read(ns, tokens, tp_rank, tp_size, offset, kv_heads, wanted, copy):
             return None
-        if result[0].is_cuda:
-            torch.cuda.current_stream(result[0].device).synchronize()
         return result[0]
 
     def load(self, ns: Namespace, tokens: Tokens, sink: Callable[[int, torch.Tensor], None], *, layers: int,
@@ -476,31 +479,18 @@ class KVStore:
         return pieces
 
     def _copy_out(self, plans: list[list[_Piece]], shape: _Shape, out: torch.Tensor | None) -> torch.Tensor:
-        """Copy every chunk's pieces into ``out`` (allocated when None).
-
-        Consecutive chunks each served whole by one DRAM entry, laid out at a fixed stride, move in one copy.
-        """
+        """Copy every chunk into ``out`` (allocated when None), from :meth:`_chunk_views`: consecutive chunks each
+        served whole by one DRAM entry, laid out at a fixed stride, move in one copy."""
         t = self.chunk_tokens
         full = (shape.layers, 2, sum(p.count for p in plans[0]), len(plans) * t, shape.head_dim)
         if out is None:
             out = torch.empty(full, dtype=shape.dtype)
         elif tuple(out.shape) != full or out.dtype != shape.dtype:
             raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the stored KV is {full} {shape.dtype}")
-        whole = [(i, p[0].source) for i, p in enumerate(plans)
-                 if len(p) == 1 and isinstance(p[0].source, DramEntry) and p[0].count == p[0].source.meta.heads.count]
-        for run in self.dram.runs(whole, out.device):  # type: ignore[arg-type]
-            i0, entry = run[0]
-            if len(entry.extents) == 1:
-                dst = out[:, :, :, i0 * t:(i0 + len(run)) * t].unflatten(3, (len(run), t)).permute(3, 0, 1, 2, 4, 5)
-                dst.copy_(self.dram.run_view(entry, len(run)), non_blocking=out.is_cuda and self.dram.pinned)
-                for i, _ in run:
-                    plans[i] = []  # done
-        for i, pieces in enumerate(plans):
-            for piece in pieces:
-                src = piece.source
-                shard = self.dram.tensor(src) if isinstance(src, DramEntry) else src
-                out[:, :, piece.dst:piece.dst + piece.count, i * t:(i + 1) * t].copy_(
-                    shard[:, :, piece.src:piece.src + piece.count], non_blocking=out.is_cuda and shard.is_pinned())
+        for first, kv in self._chunk_views(plans, shape, out.device):
+            count = kv.shape[0]
+            dst = out[:, :, :, first * t:(first + count) * t].unflatten(3, (count, t)).permute(3, 0, 1, 2, 4, 5)
+            dst.copy_(kv, non_blocking=out.is_cuda and kv.is_pinned())
         return out
 
     def _chunk_views(self, plans: list[list[_Piece]], shape: _Shape,
