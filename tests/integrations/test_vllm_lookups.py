@@ -54,7 +54,8 @@ def test_lookups_beyond_the_queue_are_answered_inline(monkeypatch: pytest.Monkey
         lookups = _vllm_lookups.Lookups(store, 4, lambda ns, chunk: False, timeout=60, outcomes=outcomes)
         try:
             start = time.monotonic()
-            answers = [lookups.held(f"r{i}", NS, synthetic_tokens(i, 2 * T)) for i in range(10)]
+            held = [lookups.held(f"r{i}", NS, synthetic_tokens(i, 2 * T)) for i in range(10)]
+            answers = [None if h is None else h.tokens for h in held]
             assert time.monotonic() - start < 0.5  # never waited on the stalled tier
             # THREADS lookups are stuck in the tier, MAX_QUEUED wait for a thread, the rest answered inline.
             waiting = _vllm_lookups.THREADS + 2

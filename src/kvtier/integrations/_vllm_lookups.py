@@ -14,19 +14,32 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from prometheus_client import Counter
 
+from kvtier.integrations._vllm_threads import DaemonPool
 from kvtier.keys import Namespace
 from kvtier.store import KVStore
 
 log = logging.getLogger("kvtier.integrations.vllm")
 THREADS = 4  # lookups in flight at once; a stalled tier rests after its first failure, so few are enough
 MAX_QUEUED = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """Leading tokens (whole chunks) the store holds for a prefix; ``local`` of them load without waiting on a
+    network (DRAM, the workers' DRAM, local tiers): a load of more than those may wait on a server."""
+
+    tokens: int
+    local: int
+
+    @property
+    def remote(self) -> bool:
+        return self.tokens > self.local
 
 
 @dataclasses.dataclass
@@ -36,7 +49,7 @@ class _Pending:
     future: Future[int]
     deadline: float  # monotonic
     inline: int  # what DRAM and local tiers hold: the answer if the background one is late
-    answer: int | None = None  # kept once known, until the request's blocks are allocated
+    answer: Held | None = None  # kept once known, until the request's blocks are allocated
 
 
 class Lookups:
@@ -50,15 +63,14 @@ class Lookups:
         self._timeout = timeout
         self._outcomes = outcomes
         self._pending: dict[str, _Pending] = {}
-        self._queue: queue.Queue[tuple[Future[int], Callable[[], int]] | None] = queue.Queue(maxsize=MAX_QUEUED)
-        self._threads: list[threading.Thread] = []  # started on the first lookup that needs them
+        self._pool = DaemonPool("kvtier-lookup", THREADS, MAX_QUEUED)
 
     def _reported(self) -> Callable[[str, str], bool] | None:
         # A worker in this process fills this store's DRAM, which is then exact; the workers' reports are a step
         # old and would promise chunks evicted since (vLLM's API server has no worker here: reports are all).
         return None if self._store.dram.allocated else self._elsewhere
 
-    def held(self, request_id: str, ns: Namespace, tokens: list[int]) -> int | None:
+    def held(self, request_id: str, ns: Namespace, tokens: list[int]) -> Held | None:
         """Leading tokens held, or None while a background lookup for this request is under way."""
         pending = self._pending.get(request_id)
         if pending is not None and (pending.namespace != ns or pending.tokens != tokens):
@@ -69,54 +81,36 @@ class Lookups:
                 return pending.answer
             if pending.future.done():
                 try:
-                    pending.answer = max(pending.future.result(), pending.inline)
+                    pending.answer = Held(max(pending.future.result(), pending.inline), pending.inline)
                     self._outcomes.labels("answered").inc()
                 except Exception as exc:  # lookup never raises for a tier's fault; a bug is still a miss
                     log.warning("kvtier: background lookup for request %s failed: %s", request_id, exc)
-                    pending.answer = pending.inline
+                    pending.answer = Held(pending.inline, pending.inline)
             elif time.monotonic() >= pending.deadline:
                 pending.future.cancel()  # if it has not started, it never reaches the tier
-                pending.answer = pending.inline
+                pending.answer = Held(pending.inline, pending.inline)
                 self._outcomes.labels("timed_out").inc()
             else:
                 return None
-            self._store.count_lookup(len(tokens), pending.answer)
+            self._store.count_lookup(len(tokens), pending.answer.tokens)
             return pending.answer
         kv_heads, elsewhere = self._kv_heads, self._reported()
         if not self._store.remote_tiers:
-            return self._store.lookup(ns, tokens, kv_heads=kv_heads, elsewhere=elsewhere)
+            local = self._store.lookup(ns, tokens, kv_heads=kv_heads, elsewhere=elsewhere)
+            return Held(local, local)
         inline = self._store.lookup(ns, tokens, kv_heads=kv_heads, elsewhere=elsewhere, local_only=True)
         if inline == len(tokens) // self._store.chunk_tokens * self._store.chunk_tokens:
             self._store.count_lookup(len(tokens), inline)
-            return inline  # nothing more to find
-        future: Future[int] = Future()
+            return Held(inline, inline)  # nothing more to find
         try:
-            self._queue.put_nowait((future, lambda: self._store.lookup(ns, tokens, kv_heads=kv_heads,
-                                                                       elsewhere=elsewhere, count=False)))
+            future = self._pool.submit(lambda: self._store.lookup(ns, tokens, kv_heads=kv_heads,
+                                                                  elsewhere=elsewhere, count=False))
         except queue.Full:
             self._outcomes.labels("dropped").inc()
             self._store.count_lookup(len(tokens), inline)
-            return inline
-        self._start_threads()
+            return Held(inline, inline)
         self._pending[request_id] = _Pending(ns, tokens, future, time.monotonic() + self._timeout, inline)
         return None
-
-    def _start_threads(self) -> None:
-        if not self._threads:
-            self._threads = [threading.Thread(target=self._run, name=f"kvtier-lookup-{i}", daemon=True)
-                             for i in range(THREADS)]
-            for thread in self._threads:
-                thread.start()
-
-    def _run(self) -> None:
-        # Daemon threads: a lookup stuck on a stalled socket never holds up the engine's exit.
-        while (job := self._queue.get()) is not None:
-            future, lookup = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(lookup())
-                except BaseException as exc:  # handed to the scheduler's thread, which logs it
-                    future.set_exception(exc)
 
     def forget(self, request_id: str) -> None:
         """Drop a request's lookup and answer (its blocks are allocated, it ended, or it asks anew)."""
@@ -128,8 +122,4 @@ class Lookups:
         for pending in self._pending.values():
             pending.future.cancel()
         self._pending.clear()
-        for _ in self._threads:
-            try:
-                self._queue.put_nowait(None)
-            except queue.Full:  # the threads are daemons: they end with the process
-                break
+        self._pool.close()

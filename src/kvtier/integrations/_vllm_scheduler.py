@@ -38,6 +38,9 @@ class Transfer:
     tokens: list[int]
     block_ids: list[int]
     offset: int
+    # A load that may wait on a server (some chunk is held only across a network): the worker runs it on a
+    # thread of its own and reports it finished later (vLLM's asynchronous load), so the step does not wait.
+    asynchronous: bool = False
 
 
 @dataclasses.dataclass
@@ -48,6 +51,15 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[Transfer] = dataclasses.field(default_factory=list)
     saves: list[Transfer] = dataclasses.field(default_factory=list)
     invalid: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hit:
+    """A lookup's promise, kept until vLLM allocates the request's blocks."""
+
+    computed: int  # vLLM's own prefix-cache hit: the load starts there
+    tokens: list[int]
+    asynchronous: bool
 
 
 @dataclasses.dataclass
@@ -78,15 +90,16 @@ class SchedulerSide:
         # outcome the scheduler has heard by then.
         self._defer_after_load = workers > 1
         self._namespaces: dict[str, Namespace] = {}
-        self._hits: dict[str, tuple[int, list[int]]] = {}  # request -> (engine-computed tokens, tokens looked up)
+        self._hits: dict[str, _Hit] = {}  # request -> what its lookup promised
         self._loads: dict[str, Transfer] = {}  # planned at allocation, sent with the next metadata
         self._invalid: list[int] = []
         self._tracked: dict[str, _Tracked] = {}
 
     # -- lookups ---------------------------------------------------------------------------------------------
-    def lookup(self, request: Request, num_computed_tokens: int) -> int | None:
+    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond the engine's own hit that the store holds (whole chunks; the last token is computed), or
-        None while a lookup in a tier across a network is under way (vLLM asks again)."""
+        None while a lookup in a tier across a network is under way (vLLM asks again); and whether their load
+        runs asynchronously (it may wait on a server)."""
         rid = request.request_id
         self._hits.pop(rid, None)
         try:
@@ -94,19 +107,21 @@ class SchedulerSide:
         except Skip as skip:
             self._namespaces.pop(rid, None)
             self._metrics.skip(skip.reason, str(skip), rid)
-            return 0
+            return 0, False
         self._namespaces[rid] = ns
         tokens = list(request.all_token_ids)
         limit = (len(tokens) - 1) // self._chunk * self._chunk
         if limit <= num_computed_tokens or getattr(request, "skip_reading_prefix_cache", False):
-            return 0  # (vLLM would drop a hit for a request that may not read cached prefixes anyway)
-        hit = self._lookups.held(rid, ns, tokens[:limit])
-        if hit is None:
-            return None
-        if hit <= num_computed_tokens:
-            return 0
-        self._hits[rid] = (num_computed_tokens, tokens)
-        return hit - num_computed_tokens
+            return 0, False  # (vLLM would drop a hit for a request that may not read cached prefixes anyway)
+        held = self._lookups.held(rid, ns, tokens[:limit])
+        if held is None:
+            return None, False
+        if held.tokens <= num_computed_tokens:
+            return 0, False
+        # Loads from DRAM and local tiers run in the step (no step's delay added to a fast hit); a load that may
+        # wait on a server runs beside the steps, so a stalled server delays only the requests that need it.
+        self._hits[rid] = _Hit(num_computed_tokens, tokens, held.remote)
+        return held.tokens - num_computed_tokens, held.remote
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Plan the load of the tokens promised by :meth:`lookup` into the blocks vLLM just allocated."""
@@ -114,19 +129,20 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         rid = request.request_id
-        computed, tokens = self._hits[rid]
-        end = computed + num_external_tokens
+        hit = self._hits.pop(rid)
+        end = hit.computed + num_external_tokens
         # For a request resumed after preemption the tokens include its output so far.
         block_ids = list(blocks.get_block_ids()[0][:end // self._bs])
-        self._loads[rid] = Transfer(rid, self._namespaces[rid], tokens[:end], block_ids, computed)
-        del self._hits[rid]
+        self._loads[rid] = Transfer(rid, self._namespaces[rid], hit.tokens[:end], block_ids, hit.computed,
+                                    hit.asynchronous)
 
     def invalidate(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """After a failed :meth:`after_alloc`: have the workers report the promised blocks as failed, so vLLM
         recomputes them. Without the engine's own hit (lost with the failure) that is every block from the
         first: more than needed, but nothing promised stays unfilled."""
         self._loads.pop(request.request_id, None)
-        computed = self._hits.pop(request.request_id, (0, []))[0]
+        hit = self._hits.pop(request.request_id, None)
+        computed = 0 if hit is None else hit.computed
         ids = blocks.get_block_ids()[0]
         self._invalid.extend(ids[computed // self._bs:(computed + num_external_tokens) // self._bs] or ids)
 

@@ -1,15 +1,19 @@
 """The vLLM connector's worker side: moves bytes between the engine's paged KV cache and the store.
 
-Loads run in ``start_load_kv``, before the forward pass; saves in ``wait_for_save``, after it, into DRAM (the
-store cascades to secondary tiers in the background). Each load or save that fails is contained on its own: a
-failed load becomes load errors (vLLM recomputes those blocks), a failed save is dropped; both are counted.
-Layouts are converted by :mod:`kvtier.integrations.layouts`.
+Loads from DRAM and local tiers run in ``start_load_kv``, before the forward pass; a load that may wait on a
+server (the scheduler marks it asynchronous) runs on a load thread while the steps go on, and is reported
+finished through ``get_finished``, with its failed blocks among that step's load errors. Saves run in
+``wait_for_save``, after the forward pass, into DRAM (the store cascades to secondary tiers in the background).
+Each load or save that fails is contained on its own: a failed load becomes load errors (vLLM recomputes those
+blocks), a failed save is dropped; both are counted. Layouts are converted by
+:mod:`kvtier.integrations.layouts`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -17,6 +21,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations._vllm_dram_index import DramReport, KVTierWorkerMetadata
 from kvtier.integrations._vllm_scheduler import KVTierMetadata, Transfer
 from kvtier.integrations._vllm_shared import ConnectorMetrics
+from kvtier.integrations._vllm_threads import DaemonPool
 from kvtier.integrations.layouts import Layout, gather, kv_shape, scatter_chunks
 from kvtier.keys import rank_heads
 from kvtier.store import KVStore
@@ -24,6 +29,7 @@ from kvtier.store import KVStore
 log = logging.getLogger("kvtier.integrations.vllm")
 
 TensorParallel = Callable[[], tuple[int, int]]  # -> (rank, size)
+LOAD_THREADS = 2  # asynchronous loads in flight at once; the rest wait in order (none is ever dropped)
 
 
 class WorkerSide:
@@ -40,6 +46,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()  # reported to vLLM, then cleared
         self._failed: set[int] = set()  # this step's failed blocks: saves over them would store wrong KV
         self._report: DramReport | None = None  # from registration on: a worker role exists in this process
+        self._background = DaemonPool("kvtier-load", LOAD_THREADS)
+        self._async: dict[str, tuple[Transfer, Future[set[int]]]] = {}  # request -> its load, until reported
 
     def register(self, kv_caches: dict[str, torch.Tensor], tp: TensorParallel) -> None:
         def layer_index(name: str) -> tuple[int, str]:
@@ -74,20 +82,51 @@ class WorkerSide:
                 self.fail(meta, exc)
                 return
             for load in meta.loads:
-                try:
-                    end = self._load(load, rank, size)
-                    self._failed.update(load.block_ids[end // self._bs:])  # what vanished: vLLM recomputes it
-                except Exception as exc:
-                    self._metrics.error("start_load_kv", exc, load.request_id)
-                    self._failed.update(load.block_ids[load.offset // self._bs:])
+                if load.asynchronous:
+                    self._async[load.request_id] = (load, self._background.submit(
+                        lambda load=load: self._failed_blocks(load, rank, size)))
+                else:
+                    self._failed |= self._failed_blocks(load, rank, size)
         self._load_errors |= self._failed
+
+    def _failed_blocks(self, load: Transfer, rank: int, size: int) -> set[int]:
+        """Run one load; the blocks it did not fill (vLLM recomputes them). Never raises."""
+        try:
+            end = self._load(load, rank, size)
+            if self._caches[0].is_cuda:  # reported finished only once the copies have landed
+                torch.cuda.current_stream(self._caches[0].device).synchronize()
+            return set(load.block_ids[end // self._bs:])
+        except Exception as exc:
+            self._metrics.error("start_load_kv", exc, load.request_id)
+            return set(load.block_ids[load.offset // self._bs:])
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose asynchronous loads ended since the last call; their failed blocks join the load errors
+        reported with them (vLLM wants them no later than the finish)."""
+        done = {rid for rid, (_, future) in self._async.items() if future.done()}
+        for rid in done:
+            load, future = self._async.pop(rid)
+            try:
+                self._load_errors |= future.result()
+            except BaseException as exc:  # _failed_blocks never raises; if it did, nothing was loaded for sure
+                self._metrics.error("start_load_kv", exc, rid)
+                self._load_errors.update(load.block_ids[load.offset // self._bs:])
+        return done
 
     def fail(self, meta: KVTierMetadata, exc: BaseException) -> None:
         """Report every block this step should have loaded as failed."""
         self._metrics.error("start_load_kv", exc)
         self._failed = set(meta.invalid)
         for load in meta.loads:
-            self._failed.update(load.block_ids[load.offset // self._bs:])
+            if load.request_id in self._async:
+                continue  # on a load thread already: it reports itself
+            blocks = set(load.block_ids[load.offset // self._bs:])
+            if load.asynchronous:  # vLLM waits for it to be reported finished, failed or not
+                failed: Future[set[int]] = Future()
+                failed.set_result(blocks)
+                self._async[load.request_id] = (load, failed)
+            else:
+                self._failed |= blocks
         self._load_errors |= self._failed
 
     def _load(self, load: Transfer, rank: int, size: int) -> int:

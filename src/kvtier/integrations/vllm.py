@@ -121,7 +121,7 @@ class KVTierConnector(KVConnectorBase_V1):
     # ================================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
-            return self._sched.lookup(request, num_computed_tokens), False
+            return self._sched.lookup(request, num_computed_tokens)
         except Exception as exc:
             self._metrics.error("get_num_new_matched_tokens", exc, request.request_id)
             self._sched.forget_lookup(request.request_id)
@@ -190,7 +190,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._worker.fail(meta, exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in ``start_load_kv``, before any layer runs."""
+        """Loads from DRAM and local tiers complete in ``start_load_kv``, before any layer runs; the others are
+        asynchronous (their requests are not in the step)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Saves happen once per step in ``wait_for_save``, from all layers together."""
@@ -200,6 +201,14 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.save(self._meta(), self._tp)
         except Exception as exc:  # per-save failures are contained inside; this is anything else
             self._metrics.error("wait_for_save", exc)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous loads ended (their failed blocks are in this step's load errors)."""
+        try:
+            return None, self._worker.finished_loads() or None
+        except Exception as exc:  # a load never reported finished would hold its request forever: log loudly
+            self._metrics.error("get_finished", exc)
+            return None, None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """What this rank's DRAM came to hold or lost this step, for the scheduler's lookups."""

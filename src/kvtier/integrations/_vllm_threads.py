@@ -1,0 +1,56 @@
+"""Daemon threads for the connector's work that may wait on a network (background lookups, asynchronous loads).
+
+Daemon threads, because a call stuck on a stalled server must never hold up the engine's exit; a bounded queue,
+because a stalled server must not grow memory without end: a full queue refuses (``queue.Full``) and the caller
+decides what that means (an inline answer, counted).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+
+class DaemonPool:
+    """``threads`` daemon threads started on the first submit, over a queue of at most ``max_queued`` jobs (0:
+    unbounded)."""
+
+    def __init__(self, name: str, threads: int, max_queued: int = 0) -> None:
+        self._name = name
+        self._size = threads
+        self._queue: queue.Queue[tuple[Future[Any], Callable[[], Any]] | None] = queue.Queue(maxsize=max_queued)
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], Any]) -> Future[Any]:
+        """Queue ``job``; raises ``queue.Full`` when the queue is bounded and full. A future cancelled before a
+        thread takes it never runs."""
+        future: Future[Any] = Future()
+        self._queue.put_nowait((future, job))
+        with self._lock:
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._run, name=f"{self._name}-{i}", daemon=True)
+                                 for i in range(self._size)]
+                for thread in self._threads:
+                    thread.start()
+        return future
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, job = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(job())
+                except BaseException as exc:  # handed to whoever holds the future
+                    future.set_exception(exc)
+
+    def close(self) -> None:
+        """Let the threads end once the queue is drained (a thread stuck in a call ends with the process)."""
+        for _ in self._threads:
+            try:
+                self._queue.put_nowait(None)
+            except queue.Full:
+                break
