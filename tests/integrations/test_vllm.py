@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -130,6 +131,30 @@ def test_two_engines_share_prefixes_through_redis(model_dir: Path, server: str, 
     assert a[1]["redis"]["written_bytes_total"] > 0
     assert b[1]["redis"]["hit_chunks_total"] == 2  # both chunks came from Redis, none recomputed
     assert b[1]["_store"]["lookup_hit_tokens_total"] == 2 * CHUNK
+
+
+def test_a_paused_redis_delays_only_the_requests_that_need_it(model_dir: Path, redis_server: Any,
+                                                             unique_prefix: str, expected: dict) -> None:
+    """While Redis is paused, requests whose prefixes engine B holds in DRAM are served and finish; the one whose
+    prefix is only in Redis waits (its lookup runs beside the steps), then loads it: every token as without
+    kvtier, and no step waits on Redis."""
+    cfg = {"chunk_tokens": CHUNK, "dram": {"capacity_bytes": "64MiB"},
+           "tiers": [{"type": "redis", **redis_server.tier_options(), "key_prefix": unique_prefix,
+                      "socket_timeout": 10}]}
+    engine(model_dir, cfg, [generate("long")])  # engine A: "long" reaches Redis
+    pause_ms = 4000
+    b = engine(model_dir, cfg, [generate("solo3", "solo4"), {"op": "pause_redis", "url": redis_server.url,
+                                                             "ms": pause_ms},
+                                {"op": "timed_generate", "prompts": [PROMPTS[n] for n in ("long", "solo3", "solo4")]},
+                                {"op": "stats"}], kvtier_extra={"lookup_timeout_seconds": 30})
+    timed, stats = b[2], b[3]
+    assert timed["tokens"] == [expected["long"], expected["solo3"], expected["solo4"]]
+    needs_redis, *from_dram = timed["finished"]
+    pause = pause_ms / 1000
+    assert max(from_dram) < pause - 0.5, timed  # served from B's DRAM while Redis was paused
+    assert needs_redis > pause - 0.5, timed  # waited for Redis...
+    assert stats["redis"]["hit_chunks_total"] == 2  # ...and loaded its prefix from there once it resumed
+    assert timed["longest_step"] < 1.0, timed  # no step waited on the paused server
 
 
 def test_with_prefix_caching_repeats_are_not_saved_again_but_failed_loads_are(model_dir: Path, tmp_path: Path,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -21,6 +22,8 @@ from kvtier.integrations.vllm import shared_store  # noqa: E402
 
 
 def engine_args(model_dir: str, config: dict | None, **overrides: object) -> dict:
+    """``overrides`` are the engine's arguments, but ``kvtier_extra``: more of the connector's extra config."""
+    extra = dict(overrides.pop("kvtier_extra", None) or {})  # type: ignore[call-overload]
     args = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
                 max_model_len=2048, num_gpu_blocks_override=64, dtype="bfloat16", block_size=128,
                 gpu_memory_utilization=0.3)  # on CPU: the share of host memory vLLM may claim
@@ -29,7 +32,7 @@ def engine_args(model_dir: str, config: dict | None, **overrides: object) -> dic
         args["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
                                       "kv_connector_module_path": "kvtier.integrations.vllm",
                                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                      "kv_connector_extra_config": {"config": config}}
+                                      "kv_connector_extra_config": {"config": config, **extra}}
     return args
 
 
@@ -46,6 +49,13 @@ def run(model_dir: str, config: dict | None, steps: list[dict], overrides: dict)
             sampling = SamplingParams(max_tokens=step.get("max_tokens", 12), temperature=0.0, detokenize=False,
                                       ignore_eos=True)
             results.append([list(o.outputs[0].token_ids) for o in llm.generate(inputs, sampling, use_tqdm=False)])
+        elif op == "timed_generate":  # step the engine by hand: when each request finished, how long steps took
+            results.append(timed_generate(llm, step["prompts"], step.get("max_tokens", 12)))
+        elif op == "pause_redis":  # CLIENT PAUSE: every client's commands wait until it ends
+            import redis
+
+            redis.Redis.from_url(step["url"]).client_pause(step["ms"])
+            results.append(step["ms"])
         elif op == "stats":
             assert store is not None
             store.flush()
@@ -71,6 +81,28 @@ def run(model_dir: str, config: dict | None, steps: list[dict], overrides: dict)
         else:
             raise ValueError(f"unknown step {op!r}")
     return results
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    engine = llm.llm_engine
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+    start = time.monotonic()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), sampling)
+    finished: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    steps: list[float] = []
+    while engine.has_unfinished_requests():
+        began = time.monotonic()
+        outputs = engine.step()
+        steps.append(time.monotonic() - began)
+        for out in outputs:
+            if out.finished:
+                finished[out.request_id] = time.monotonic() - start
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    ids = [str(i) for i in range(len(prompts))]
+    return {"tokens": [tokens[i] for i in ids], "finished": [finished[i] for i in ids],
+            "longest_step": max(steps)}
 
 
 if __name__ == "__main__":
