@@ -28,6 +28,9 @@ class StoreMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._server: tuple[Any, threading.Thread] | None = None
+        # Labels that every sample served over HTTP carries, telling this process's metrics from another's (e.g.
+        # vLLM's API server: a scheduler process and worker processes, each with a store): set by integrations.
+        self.process_labels: dict[str, str] = {}
         self.hits = Counter("kvtier_hit_chunks", "Chunks served by get, by tier that served them", ["tier"],
                             registry=r)
         self.misses = Counter("kvtier_miss_chunks", "Chunks get found in no tier (a get stops at its first)", registry=r)
@@ -70,7 +73,8 @@ class StoreMetrics:
         """
         for candidate in range(port, port + tries):
             try:
-                self._server = start_http_server(candidate, addr=addr, registry=self.registry)
+                self._server = start_http_server(candidate, addr=addr,
+                                                 registry=_Labelled(self.registry, self.process_labels))
             except OSError:
                 continue
             log.info("kvtier metrics on http://%s:%d/metrics", addr, candidate)
@@ -114,3 +118,18 @@ class _TierEvents(Collector):
             for event, value in sorted(tier.counters().items()):
                 family.add_metric([tier.name, event], value)
         yield family
+
+
+class _Labelled:
+    """A registry's samples with ``labels`` added, read at each scrape (so labels set after serving began show)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self._registry = registry
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        extra = dict(self._labels)
+        for family in self._registry.collect():
+            if extra:
+                family.samples = [s._replace(labels={**s.labels, **extra}) for s in family.samples]
+            yield family

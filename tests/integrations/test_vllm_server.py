@@ -34,17 +34,21 @@ def post(port: int, body: dict) -> dict:
     return json.loads(urllib.request.urlopen(req, timeout=300).read())
 
 
-def scrape(ports: range) -> float:
-    """kvtier_hit_chunks_total over every kvtier process serving metrics on these ports."""
-    total = 0.0
+def scrape(ports: range) -> dict[str, float]:
+    """kvtier_hit_chunks_total of every kvtier process serving metrics on these ports, by its role label."""
+    hits: dict[str, float] = {}
     for port in ports:
         try:
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         except OSError:
             continue
-        total += sum(float(ln.rsplit(" ", 1)[1]) for ln in body.splitlines()
-                     if ln.startswith("kvtier_hit_chunks_total{"))
-    return total
+        roles = {ln.split('role="', 1)[1].split('"', 1)[0] for ln in body.splitlines()
+                 if ln.startswith("kvtier_") and 'role="' in ln}
+        assert len(roles) == 1, roles  # every sample of a process carries its one role
+        role = roles.pop()
+        hits[role] = hits.get(role, 0) + sum(float(ln.rsplit(" ", 1)[1]) for ln in body.splitlines()
+                                             if ln.startswith("kvtier_hit_chunks_total{"))
+    return hits
 
 
 @pytest.mark.parametrize("tiers", ["dram-only", "filesystem"])
@@ -86,7 +90,9 @@ def test_openai_server_reuses_stored_prefixes(tmp_path: Path, tiers: str) -> Non
         second = post(port, body)
         salted = post(port, {**body, "cache_salt": "another-tenant"})
         assert first["choices"][0]["text"] == second["choices"][0]["text"] == salted["choices"][0]["text"]
-        assert scrape(range(metrics, metrics + 8)) == 4  # the second request loaded its 4 chunks; the salted none
+        # The second request loaded its 4 chunks (the worker's store read them); the salted one none. The
+        # scheduler's process (lookups only) tells itself apart by its label.
+        assert scrape(range(metrics, metrics + 8)) == {"scheduler": 0, "worker": 4}
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

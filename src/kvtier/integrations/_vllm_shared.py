@@ -88,6 +88,7 @@ class Shared:
     store: KVStore
     metrics: ConnectorMetrics
     users: int = 0
+    roles: set[str] = dataclasses.field(default_factory=set)
 
 
 _shared: dict[str, Shared] = {}  # config key -> its store
@@ -116,6 +117,10 @@ def acquire(config: Mapping[str, object] | str | None, *, moves_bytes: bool) -> 
         if moves_bytes:
             shared.store.dram.allocate()  # a ConfigError here (no memory) refuses the start, as it should
         shared.users += 1
+        # Scraped metrics say which of vLLM's processes they come from: "scheduler" (the API server's engine
+        # core), "worker", or "engine" (both roles in one process).
+        shared.roles.add("worker" if moves_bytes else "scheduler")
+        shared.store.metrics.process_labels["role"] = "engine" if len(shared.roles) > 1 else next(iter(shared.roles))
         return shared
 
 

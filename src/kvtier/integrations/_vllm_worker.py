@@ -66,6 +66,8 @@ class WorkerSide:
                              "[2, blocks, block_size, kv_heads, head_dim] (flash attention)")
         # Checked once here: a mismatch would otherwise fail every save and load, each contained and counted.
         rank, size = tp()
+        if size > 1:  # each rank's process serves its own metrics
+            self._store.metrics.process_labels["tp_rank"] = str(rank)
         self._report = DramReport(self._store, self._kv_heads)
         heads, want = kv_shape(self._caches, self._layout, 0)[2], rank_heads(self._kv_heads, rank, size).count
         if heads != want:
