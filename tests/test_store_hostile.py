@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -377,3 +378,56 @@ def test_a_promoted_shard_keeps_its_creation_time(tier: DictTier) -> None:
         assert torch.equal(store.get(NS, tokens), kv)
         store.flush()
         assert frame.decode_header(front.objects[key]).created == 1_000_000.0  # its TTL is not restarted
+
+
+# -- reads from a tier across a network: asked once, read ahead, bounded ---------------------------------------
+class SlowTier(DictTier):
+    """A network tier whose reads take ``delay`` seconds each; records how many run at once."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.running = self.most = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: ShardKey) -> Buffer | None:
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            time.sleep(self.delay)
+            return super().get(key)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def test_a_get_from_a_network_tier_asks_once_and_reads_ahead_within_its_bound() -> None:
+    from kvtier import store as store_module
+
+    tier = SlowTier(0.05)
+    tokens = synthetic_tokens(3, 8 * T)
+    kv = synthetic_kv(tokens)
+    with open_store(tier, dram="16MiB") as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+    with open_store(tier, dram="16MiB") as fresh:
+        tier.calls.clear()
+        start = time.monotonic()
+        assert torch.equal(fresh.get(NS, tokens), kv)
+        took = time.monotonic() - start
+        assert tier.calls["heads"] == 1  # one question for all 8 chunks, not one (or three round trips) each
+        assert tier.calls["get"] == 8
+        assert tier.most == store_module.READ_AHEAD  # reads overlap, but never more than the bound hold buffers
+        assert took < 8 * 0.05 * 0.75  # serial reads would take 0.4 s
+    del tier.objects[keys_of(tokens)[3]]  # the 4th chunk vanishes: the load stops there, reads beyond are dropped
+    with open_store(tier, dram="16MiB") as fresh:
+        out = torch.zeros(kv.shape[0], 2, 4, 8 * T, kv.shape[4], dtype=kv.dtype)
+
+        def sink(first: int, got: torch.Tensor) -> None:
+            for i in range(got.shape[0]):
+                out[:, :, :, (first + i) * T:(first + i + 1) * T] = got[i]
+
+        assert fresh.load(NS, tokens, sink, layers=kv.shape[0], head_dim=kv.shape[4], dtype=kv.dtype) == 3 * T
+        assert torch.equal(out[:, :, :, :3 * T], kv[:, :, :, :3 * T])
+        assert tier.most == store_module.READ_AHEAD

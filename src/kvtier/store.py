@@ -14,6 +14,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from kvtier.errors import ObjectError, TierError
 from kvtier.eviction import POLICIES
 from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, cover, rank_heads
 from kvtier.metrics import StoreMetrics
+from kvtier.threads import DaemonPool
 from kvtier.tiers.base import TIERS, Tier
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,12 @@ Tokens = Sequence[int] | np.ndarray | torch.Tensor
 # Re-plans of one chunk after a piece failed; each failure removes a shard, so a few always suffice.
 _REPLANS = 8
 _SHAPES_KEPT = 4096
+# Shard reads from tiers across a network a get keeps in flight ahead of the one it copies: the next read's
+# round trips overlap promoting this one, and the read buffers held stay bounded (a 128K-token prompt does not
+# hold all its chunks' bytes at once). Measured on loopback (16 chunks of 5.9 MB): S3 0.17 -> 0.15 s, Redis
+# 0.083 -> 0.090 s (no round trip to hide there), a local disk 0.034 -> 0.043 s (so local tiers read inline).
+READ_AHEAD = 2
+_READ_THREADS = 4  # per tier, shared by the store's concurrent gets
 
 
 def open_tiers(config: StoreConfig) -> list[Tier]:
@@ -75,6 +83,16 @@ class _Shape:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Fetched:
+    """A shard read from a tier and verified against its key and checksum (not yet against the read's shape)."""
+
+    header: frame.Header
+    payload: memoryview
+    nbytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
 class _Piece:
     """Heads ``[dst, dst + count)`` of one chunk's output come from heads ``[src, src + count)`` of ``source``
     (a pinned DRAM entry or a fetched shard)."""
@@ -95,6 +113,11 @@ class _Read:
     kv_heads: int | None
     shape: _Shape | None  # None until the first shard read fixes it
     pinned: list[DramEntry] = dataclasses.field(default_factory=list)
+    # What each tier said it holds of the chunks DRAM lacks (one batched question per tier and read; a re-plan
+    # after a failed piece asks again), and the shard reads planned from it, in order, started READ_AHEAD ahead.
+    heads: dict[str, dict[str, list[HeadRange]]] = dataclasses.field(default_factory=dict)
+    ahead: list[tuple[Tier, ShardKey]] = dataclasses.field(default_factory=list)
+    started: dict[tuple[str, ShardKey], Future[_Fetched]] = dataclasses.field(default_factory=dict)
 
     def admit(self, meta: frame.ShardMeta, chunk_tokens: int) -> bool:
         """Whether a shard of this shape belongs in this read (the first one fixes the shape when none was)."""
@@ -137,6 +160,8 @@ class KVStore:
         self._read_outage = {t.name: Outage(t.name, "reads", s.retry_seconds) for t, s in zip(self.tiers, spec)}
         self._shapes: OrderedDict[str, _Shape] = OrderedDict()  # namespace id -> its shards' shape, bounded
         self._logged: set[tuple[str, str, str]] = set()  # kinds of contained tier faults already logged
+        # Read-ahead from secondary tiers, a pool per tier: reads stuck in a stalled server hold up no other tier's.
+        self._readers = {t.name: DaemonPool(f"kvtier-read-{t.name}", _READ_THREADS) for t in self.tiers}
         self._closed = False
         if config.metrics_port is not None:
             self.metrics.serve(config.metrics_port)
@@ -400,6 +425,7 @@ class KVStore:
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
         read = _Read(ns.id, tp_rank, tp_size, kv_heads, shape)
         try:
+            self._plan_reads(read, chunks[offset // t:])
             plans = []
             for i in range(offset // t, len(chunks)):
                 pieces = self._plan_chunk(read, chunks[i], chunks[i - 1] if i else None)
@@ -414,19 +440,66 @@ class KVStore:
             assert read.shape is not None, "a planned chunk fixes the shape"
             use(plans, read.shape)
         finally:
+            for future in read.started.values():
+                future.cancel()  # not needed after all (a miss before them): those not yet running never start
             for entry in read.pinned:
                 self.dram.release(entry)
         self.metrics.get_seconds.observe(time.perf_counter() - start)
         return len(plans)
 
+    def _plan_reads(self, read: _Read, chunks: list[str]) -> None:
+        """Ask each tier once which of ``chunks`` it holds, for the chunks DRAM and the tiers before it lack, and
+        line up the shard reads that would fill them, to be started :data:`READ_AHEAD` ahead of their use."""
+        missing = [c for c in chunks if self._plan_heads(read, self.dram.ranges(read.namespace, c)) is None]
+        for tier in self.tiers:
+            if not missing:
+                break
+            answer = dict(zip(missing, self._tier_heads(tier, read.namespace, missing)))
+            read.heads[tier.name] = answer
+            still = []
+            for chunk in missing:
+                dram = self.dram.ranges(read.namespace, chunk)
+                found = self._plan_heads(read, dram + answer[chunk])
+                if found is None:
+                    still.append(chunk)
+                    continue
+                if not tier.local:  # measured: threads only slow reads from a local disk's page cache
+                    read.ahead.extend((tier, ShardKey(read.namespace, chunk, rng))
+                                      for rng, _, _ in found[1] if rng not in dram)
+            missing = still
+        read.ahead.reverse()  # popped from the end, in chunk order
+        self._read_ahead(read)
+
+    def _read_ahead(self, read: _Read) -> None:
+        """Start the next lined-up shard reads, keeping :data:`READ_AHEAD` of them in flight."""
+        while read.ahead and sum(not f.done() for f in read.started.values()) < READ_AHEAD:
+            tier, key = read.ahead.pop()
+            if self._read_outage[tier.name].resting():
+                continue
+            read.started[(tier.name, key)] = self._readers[tier.name].submit(
+                lambda tier=tier, key=key: self._get(tier, key))
+
+    @staticmethod
+    def _get(tier: Tier, key: ShardKey) -> _Fetched | None:
+        """Read and verify one shard (on any thread); raises what the tier or the check raises."""
+        start = time.perf_counter()
+        blob = tier.get(key)
+        if blob is None:
+            return None
+        header, payload = frame.decode(blob, expected=key)
+        return _Fetched(header, payload, len(blob), time.perf_counter() - start)
+
     def _plan_chunk(self, read: _Read, chunk: str, parent: str | None) -> list[_Piece] | None:
         """Where this rank's heads of one chunk come from: DRAM alone, else DRAM plus each tier in turn."""
         for source in ["dram", *self.tiers]:
             # A failed piece (missing or corrupt) is removed from its tier, so each retry plans without it.
-            for _ in range(_REPLANS):
+            for attempt in range(_REPLANS):
                 ranges = self.dram.ranges(read.namespace, chunk)
                 if isinstance(source, Tier):
-                    ranges += self._tier_heads(source, read.namespace, [chunk])[0]
+                    answers = read.heads.setdefault(source.name, {})
+                    if attempt or chunk not in answers:  # a re-plan asks again: the last answer was wrong
+                        answers[chunk] = self._tier_heads(source, read.namespace, [chunk])[0]
+                    ranges += answers[chunk]
                 found = self._plan_heads(read, ranges)
                 if found is None:
                     break
@@ -532,6 +605,8 @@ class KVStore:
         finds it there: a cascade write like any other, skipped when that tier holds it already.
         """
         for index, tier in enumerate(self.tiers):
+            if key.heads not in read.heads.get(tier.name, {}).get(key.chunk, [key.heads]):
+                continue  # this tier said it lacks the shard: no round trip to hear it again
             got = self._read_verified(tier, key, read)
             if got is None:
                 continue
@@ -556,15 +631,18 @@ class KVStore:
 
     def _read_verified(self, tier: Tier, key: ShardKey, read: _Read) -> tuple[frame.Header, memoryview] | None:
         outage = self._read_outage[tier.name]
-        if outage.resting():
+        started = read.started.pop((tier.name, key), None)
+        if started is None and outage.resting():
             return None
-        start = time.perf_counter()
         try:
-            blob = tier.get(key)
-            if blob is None:
+            try:
+                got = self._get(tier, key) if started is None else started.result()
+            finally:
+                self._read_ahead(read)
+            if got is None:
                 outage.succeeded()
                 return None
-            header, payload = frame.decode(blob, expected=key)
+            header, payload = got.header, got.payload
             if not read.admit(header.meta, self.chunk_tokens):
                 raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected chunks of "
                                        f"{read.shape} with {self.chunk_tokens} tokens")
@@ -582,8 +660,8 @@ class KVStore:
             self._unexpected(tier, "get", exc)
             return None
         outage.succeeded()
-        self.metrics.tier_read_seconds.labels(tier.name).observe(time.perf_counter() - start)
-        self.metrics.bytes_read.labels(tier.name).inc(len(blob))
+        self.metrics.tier_read_seconds.labels(tier.name).observe(got.seconds)
+        self.metrics.bytes_read.labels(tier.name).inc(got.nbytes)
         return header, payload
 
     def _remove(self, tier: Tier, key: ShardKey) -> None:
@@ -622,6 +700,8 @@ class KVStore:
         self._closed = True
         for writer in self._writers:
             writer.close()
+        for readers in self._readers.values():
+            readers.close()
         for tier in self.tiers:
             tier.close()
         self.metrics.stop_serving()

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 from prometheus_client import Counter
 
-from kvtier.integrations._vllm_threads import DaemonPool
+from kvtier.threads import DaemonPool
 from kvtier.keys import Namespace
 from kvtier.store import KVStore
 

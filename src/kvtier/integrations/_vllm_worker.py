@@ -21,7 +21,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations._vllm_dram_index import DramReport, KVTierWorkerMetadata
 from kvtier.integrations._vllm_scheduler import KVTierMetadata, Transfer
 from kvtier.integrations._vllm_shared import ConnectorMetrics
-from kvtier.integrations._vllm_threads import DaemonPool
+from kvtier.threads import DaemonPool
 from kvtier.integrations.layouts import Layout, gather, kv_shape, scatter_chunks
 from kvtier.keys import rank_heads
 from kvtier.store import KVStore

@@ -1,4 +1,4 @@
-"""Daemon threads for the connector's work that may wait on a network (background lookups, asynchronous loads).
+"""Daemon threads for work that may wait on a network (background lookups, asynchronous loads, read-ahead).
 
 Daemon threads, because a call stuck on a stalled server must never hold up the engine's exit; a bounded queue,
 because a stalled server must not grow memory without end: a full queue refuses (``queue.Full``) and the caller
