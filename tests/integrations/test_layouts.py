@@ -61,7 +61,7 @@ def test_cpu_and_flash_hold_the_same_kv() -> None:
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="unknown KV layout 'paged'; known: cpu, flash"):
         gather(make_caches("cpu"), [0], "paged")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="1 chunks after skipping 0 tokens fill 1 blocks, got 2 block ids"):
+    with pytest.raises(ValueError, match="1 chunks after skipping 0 tokens fill 1 blocks; got 2 block ids"):
         scatter_chunks(torch.zeros(1, LAYERS, 2, HEADS, 16, DIM), make_caches("cpu"), [0, 1], "cpu")
     with pytest.raises(ValueError, match="whole 16-token blocks"):
         scatter_chunks(torch.zeros(1, LAYERS, 2, HEADS, 24, DIM), make_caches("cpu"), [0, 1], "cpu")
@@ -79,9 +79,11 @@ def test_gather_into_a_given_buffer(layout: str) -> None:
 
 @pytest.mark.parametrize("layout", ["cpu", "flash"])
 @pytest.mark.parametrize("skip", [0, BS, 2 * BS])
-def test_scatter_chunks_from_strided_views(layout: str, skip: int) -> None:
+@pytest.mark.parametrize("stop", [6, 5, 4])
+def test_scatter_chunks_from_strided_views(layout: str, skip: int, stop: int) -> None:
     """Chunks of 3 blocks handed over as a strided view (DRAM entries at a page stride, with gaps between
-    them): written into out-of-order blocks, the first ``skip`` tokens left as the engine computed them."""
+    them): written into out-of-order blocks, the first ``skip`` tokens left as the engine computed them, and
+    only the first ``stop`` blocks written (a hit that ends inside the last chunk)."""
     caches = make_caches(layout)
     before = [c.clone() for c in caches]
     chunk, count = 3 * BS, 2
@@ -89,14 +91,15 @@ def test_scatter_chunks_from_strided_views(layout: str, skip: int) -> None:
     kv = padded[:, :LAYERS]
     assert not kv.is_contiguous()
     blocks = [5, 1, 8, 3, 11, 0]
-    scatter_chunks(kv, caches, blocks[skip // BS:], layout, skip)
+    written = blocks[skip // BS:stop]
+    scatter_chunks(kv, caches, written, layout, skip)
     canonical = torch.cat([kv[i] for i in range(count)], dim=3)  # [layers, 2, H, count * chunk, D]
-    got = reference(caches, blocks, layout)
-    assert torch.equal(got[:, :, :, skip:], canonical[:, :, :, skip:])
+    got = reference(caches, blocks[:stop], layout)
+    assert torch.equal(got[:, :, :, skip:], canonical[:, :, :, skip:stop * BS])
     untouched = reference(before, blocks[:skip // BS], layout) if skip else None
     if untouched is not None:
         assert torch.equal(got[:, :, :, :skip], untouched)
-    others = [b for b in range(BLOCKS) if b not in blocks[skip // BS:]]
+    others = [b for b in range(BLOCKS) if b not in written]
     assert torch.equal(reference(caches, others, layout), reference(before, others, layout))
     with pytest.raises(ValueError, match="block ids"):
-        scatter_chunks(kv, caches, blocks[:3], layout)
+        scatter_chunks(kv, caches, blocks[:3], layout)  # ends before the last chunk: not this call's chunks

@@ -33,6 +33,7 @@ PROMPTS = {
     "newcomer": SHARED + prompt(20, 300),
     "solo3": prompt(3, 700),
     "solo4": prompt(4, 700),
+    "exact": prompt(5, 2 * CHUNK),  # whole chunks, no question after them
 }
 
 
@@ -78,6 +79,18 @@ def test_loads_give_identical_tokens_corruption_recomputes_salt_isolates(model_d
     assert stats3["filesystem"]["corrupt_objects_total"] == 1
     # Another tenant's salt: no hit at all.
     assert stats4["_store"]["lookup_hit_tokens_total"] == stats3["_store"]["lookup_hit_tokens_total"]
+
+
+def test_a_prompt_asked_again_exactly_loads_as_far_as_vllms_own_hit(model_dir: Path, tmp_path: Path,
+                                                                     expected: dict) -> None:
+    """512 tokens, asked again: vLLM computes the last token, so its own hit would be 384 (three 128-token
+    blocks); kvtier loads as far, the second chunk in part, and the tokens are those of recomputing."""
+    out = engine(model_dir, store_config(tmp_path), [
+        generate("exact"), {"op": "timed_generate", "prompts": [PROMPTS["exact"]]}, {"op": "stats"}])
+    first, again, stats = out
+    assert first == again["tokens"] == [expected["exact"]]
+    assert again["cached"] == [3 * 128]
+    assert stats["dram"]["hit_chunks_total"] == 2
 
 
 def test_shared_prefix_is_stored_once_and_loaded_by_every_prompt(model_dir: Path, tmp_path: Path,

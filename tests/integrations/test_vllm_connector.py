@@ -129,6 +129,24 @@ def test_a_load_missing_a_chunk_loads_the_chunks_before_it(engines: Engines, sto
     assert torch.equal(mini.read(step.blocks, 256), reference_kv(tokens)[:, :, :, :256])
 
 
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_prompt_asked_again_exactly_loads_into_its_last_chunk(engines: Engines, tp_size: int) -> None:
+    """1,024 tokens (four whole chunks), asked again: the hit ends one block before the last token, as vLLM's
+    own would (896 tokens), loading the first half of the fourth chunk; its last block is computed."""
+    mini = engines(tp_size)
+    tokens = prompt(60, 1024)
+    assert mini.prefill(request("first", tokens)).meta.saves[0].tokens == tokens  # all four chunks saved
+    step = mini.prefill(request("again", tokens))
+    assert step.hit == 896 and not step.load_errors
+    load = step.meta.loads[0]
+    assert load.tokens == tokens and load.block_ids == step.blocks[:7]  # names 4 chunks, fills 7 blocks
+    assert torch.equal(mini.read(step.blocks, 1024), reference_kv(tokens))
+    # Behind vLLM's own hit of 768 tokens (six blocks) the load starts there and still ends at 896.
+    behind = mini.prefill(request("behind", tokens), computed=768)
+    assert behind.hit == 128 and behind.meta.loads[0].block_ids == behind.blocks[:7]
+    assert torch.equal(mini.read(behind.blocks[6:7], 128), reference_kv(tokens)[:, :, :, 768:896])
+
+
 # -- the scheduler in another process than the workers (vLLM's API server) ------------------------------------
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_a_scheduler_in_another_process_hits_the_workers_dram(engines: Engines, model_dir: Any,

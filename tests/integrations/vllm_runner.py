@@ -91,6 +91,7 @@ def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), sampling)
     finished: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
     steps: list[float] = []
     while engine.has_unfinished_requests():
         began = time.monotonic()
@@ -100,9 +101,10 @@ def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
             if out.finished:
                 finished[out.request_id] = time.monotonic() - start
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
+                cached[out.request_id] = out.num_cached_tokens  # vLLM's own hit plus what the connector loaded
     ids = [str(i) for i in range(len(prompts))]
     return {"tokens": [tokens[i] for i in ids], "finished": [finished[i] for i in ids],
-            "longest_step": max(steps)}
+            "cached": [cached[i] for i in ids], "longest_step": max(steps)}
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class Transfer:
-    """Move ``tokens[offset:]`` (whole blocks) between the store and ``block_ids`` (the blocks of those tokens)."""
+    """Move ``tokens[offset:]`` (whole chunks) between the store and ``block_ids``, the blocks of the tokens from
+    the start: a load fills ``block_ids[offset // block_size:]``, which may end inside the last chunk."""
 
     request_id: str
     namespace: Namespace
@@ -97,9 +98,10 @@ class SchedulerSide:
 
     # -- lookups ---------------------------------------------------------------------------------------------
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens beyond the engine's own hit that the store holds (whole chunks; the last token is computed), or
-        None while a lookup in a tier across a network is under way (vLLM asks again); and whether their load
-        runs asynchronously (it may wait on a server)."""
+        """Tokens beyond the engine's own hit that the store holds, or None while a lookup in a tier across a
+        network is under way (vLLM asks again); and whether their load runs asynchronously (it may wait on a
+        server). The store holds whole chunks; a hit ends at the last whole block before the prompt's last token
+        (which the engine computes, to sample from), inside a chunk if need be: as far as vLLM's own hit goes."""
         rid = request.request_id
         self._hits.pop(rid, None)
         try:
@@ -110,18 +112,21 @@ class SchedulerSide:
             return 0, False
         self._namespaces[rid] = ns
         tokens = list(request.all_token_ids)
-        limit = (len(tokens) - 1) // self._chunk * self._chunk
-        if limit <= num_computed_tokens or getattr(request, "skip_reading_prefix_cache", False):
+        cap = (len(tokens) - 1) // self._bs * self._bs
+        whole = len(tokens) // self._chunk * self._chunk
+        if min(cap, whole) <= num_computed_tokens or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False  # (vLLM would drop a hit for a request that may not read cached prefixes anyway)
-        held = self._lookups.held(rid, ns, tokens[:limit])
+        held = self._lookups.held(rid, ns, tokens[:whole])
         if held is None:
             return None, False
-        if held.tokens <= num_computed_tokens:
+        end = min(held.tokens, cap)
+        if end <= num_computed_tokens:
             return 0, False
         # Loads from DRAM and local tiers run in the step (no step's delay added to a fast hit); a load that may
         # wait on a server runs beside the steps, so a stalled server delays only the requests that need it.
-        self._hits[rid] = _Hit(num_computed_tokens, tokens, held.remote)
-        return held.tokens - num_computed_tokens, held.remote
+        remote = end > held.local
+        self._hits[rid] = _Hit(num_computed_tokens, tokens, remote)
+        return end - num_computed_tokens, remote
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Plan the load of the tokens promised by :meth:`lookup` into the blocks vLLM just allocated."""
@@ -131,9 +136,11 @@ class SchedulerSide:
         rid = request.request_id
         hit = self._hits.pop(rid)
         end = hit.computed + num_external_tokens
-        # For a request resumed after preemption the tokens include its output so far.
+        # For a request resumed after preemption the tokens include its output so far. The chunks named are
+        # whole; the blocks listed end where the hit does.
         block_ids = list(blocks.get_block_ids()[0][:end // self._bs])
-        self._loads[rid] = Transfer(rid, self._namespaces[rid], hit.tokens[:end], block_ids, hit.computed,
+        chunks_end = -(-end // self._chunk) * self._chunk
+        self._loads[rid] = Transfer(rid, self._namespaces[rid], hit.tokens[:chunks_end], block_ids, hit.computed,
                                     hit.asynchronous)
 
     def invalidate(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -133,14 +133,16 @@ class WorkerSide:
 
     def _load(self, load: Transfer, rank: int, size: int) -> int:
         """Copy the stored chunks straight from the store's DRAM (or a tier's read buffer) into the blocks; returns
-        the first token not loaded (``len(load.tokens)`` when all were): the chunks before a missing one load."""
+        the first token not loaded (``len(load.block_ids) * block_size`` when all were): the chunks before a missing
+        one load."""
         t, bs = self._chunk, self._bs
         from_chunk = load.offset // t * t
+        stop = len(load.block_ids) * bs  # the hit may end inside the last chunk
 
         def sink(first: int, kv: torch.Tensor) -> None:
             start = from_chunk + first * t  # the first token of these chunks
             skip = max(load.offset - start, 0)  # computed by the engine already (its own prefix-cache hit)
-            end = start + kv.shape[0] * t
+            end = min(start + kv.shape[0] * t, stop)
             scatter_chunks(kv, self._caches, load.block_ids[(start + skip) // bs:end // bs], self._layout, skip)
 
         _, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
@@ -148,10 +150,10 @@ class WorkerSide:
             load.namespace, load.tokens, sink, layers=len(self._caches), head_dim=head_dim,
             dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=from_chunk, kv_heads=self._kv_heads,
             device=self._caches[0].device)
-        end = max(loaded, load.offset)
-        if end < len(load.tokens):
+        end = max(min(loaded, stop), load.offset)
+        if end < stop:
             log.warning("kvtier: request %s: KV for %d of %d tokens vanished before loading; vLLM recomputes them",
-                        load.request_id, len(load.tokens) - end, len(load.tokens) - load.offset)
+                        load.request_id, stop - end, stop - load.offset)
         return end
 
     def take_load_errors(self) -> set[int]:

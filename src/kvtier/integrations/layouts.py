@@ -73,10 +73,12 @@ def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tens
 def scatter_chunks(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
                    layout: Layout, skip: int = 0) -> None:
     """Write ``count`` chunks of canonical KV (``[count, layers, 2, H, chunk_tokens, D]``, any strides, e.g. a
-    view of the store's DRAM pages) into the caches' blocks ``block_ids`` (``count * chunk_tokens / block_size``
-    of them, in order), skipping the first ``skip`` tokens (whole blocks: the engine computed them itself).
+    view of the store's DRAM pages) into the caches' blocks ``block_ids``, in order, skipping the first ``skip``
+    tokens (whole blocks: the engine computed them itself). Fewer block ids than the chunks fill end the write
+    inside the last chunk (a hit that stops a block before the prompt's last token).
 
-    One indexed copy per layer, straight from the source: no staging buffer, no per-block loop.
+    One indexed copy per layer and run of whole chunks, straight from the source: no staging buffer, no
+    per-block loop.
     """
     _check(layout)
     count, layers, _, _, chunk, _ = kv.shape
@@ -85,21 +87,28 @@ def scatter_chunks(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: 
     bs = block_size_of(caches[0], layout)
     if chunk % bs or skip % bs or not 0 <= skip < chunk:
         raise ValueError(f"chunks of {chunk} tokens, skip {skip}: both must be whole {bs}-token blocks, skip < chunk")
-    per = chunk // bs
+    per, first = chunk // bs, skip // bs
     ids = _block_list(block_ids)
-    if len(ids) != count * per - skip // bs:
-        raise ValueError(f"{count} chunks after skipping {skip} tokens fill {count * per - skip // bs} blocks, "
-                         f"got {len(ids)} block ids")
-    idx = torch.as_tensor([-1] * (skip // bs) + ids, dtype=torch.long, device=caches[0].device).view(count, per)
-    first = skip // bs
+    room = count * per - first  # blocks the chunks fill after the skip
+    if not max(room - per, 0) < len(ids) <= room or (count == 1 and len(ids) > room):
+        raise ValueError(f"{count} chunks after skipping {skip} tokens fill {room} blocks; got {len(ids)} block "
+                         f"ids (at most one chunk's worth fewer, ending inside the last chunk)")
+    keep = per - (room - len(ids))  # blocks of the last chunk written
+    idx = torch.as_tensor([-1] * first + ids + [-1] * (room - len(ids)), dtype=torch.long,
+                          device=caches[0].device).view(count, per)
+    # Chunks written whole go in one indexed copy; a first chunk entered past its start, or a last one left
+    # before its end, each in one more.
+    whole_from, whole_to = (1 if first else 0), (count if keep == per else count - 1)
+    if count == 1 and (first or keep < per):
+        parts = [(0, first, keep)]
+    else:
+        parts = ([(0, first, per)] if first else []) + ([(count - 1, 0, keep)] if keep < per else [])
     for layer, cache in enumerate(caches):
         blocks = _as_canonical_blocks(cache, layout)  # [blocks, 2, H, bs, D]
         src = kv[:, layer].unflatten(3, (per, bs)).permute(0, 3, 1, 2, 4, 5)  # [count, per, 2, H, bs, D]
         if src.device != cache.device or src.dtype != cache.dtype:
             src = src.to(cache.device, cache.dtype)
-        if first:
-            blocks[idx[0, first:]] = src[0, first:]
-            if count > 1:
-                blocks[idx[1:]] = src[1:]
-        else:
-            blocks[idx] = src
+        if whole_to > whole_from:
+            blocks[idx[whole_from:whole_to]] = src[whole_from:whole_to]
+        for c, a, b in parts:
+            blocks[idx[c, a:b]] = src[c, a:b]
