@@ -384,6 +384,8 @@ def test_a_promoted_shard_keeps_its_creation_time(tier: DictTier) -> None:
 class SlowTier(DictTier):
     """A network tier whose reads take ``delay`` seconds each; records how many run at once."""
 
+    read_ahead = True
+
     def __init__(self, delay: float) -> None:
         super().__init__()
         self.delay = delay
@@ -431,3 +433,12 @@ def test_a_get_from_a_network_tier_asks_once_and_reads_ahead_within_its_bound() 
         assert fresh.load(NS, tokens, sink, layers=kv.shape[0], head_dim=kv.shape[4], dtype=kv.dtype) == 3 * T
         assert torch.equal(out[:, :, :, :3 * T], kv[:, :, :, :3 * T])
         assert tier.most == store_module.READ_AHEAD
+    inline = SlowTier(0.01)
+    inline.read_ahead = False  # e.g. Redis: one read at a time, on the caller's thread
+    with open_store(inline, dram="16MiB") as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+    with open_store(inline, dram="16MiB") as fresh:
+        inline.calls.clear()
+        assert torch.equal(fresh.get(NS, tokens), kv)
+        assert inline.calls["heads"] == 1 and inline.calls["get"] == 8 and inline.most == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import statistics
 import time
@@ -26,6 +27,7 @@ SEED = 20261130
 # batch 0, timed round i stores and retrieves batch 1 + i. A worker's time for an operation is its rounds' median.
 WARMUP_BATCH = 0
 ROUNDS = 3
+WORKER_DEADLINE_S = 120
 
 
 def timed_batches() -> range:
@@ -144,4 +146,7 @@ def parse_args(system: str, groups: tuple[str, ...]) -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, help="the filesystem groups' directory")
     parser.add_argument("--url", help="the Redis groups' server: redis://host:port (kvtier, LMCache's redis-py "
                                       "connector) or resp://host:port (LMCache's C++ client)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    # A worker that hangs (a lost completion in a client) prints every thread's stack and exits, failing its run.
+    faulthandler.dump_traceback_later(WORKER_DEADLINE_S, exit=True)
+    return args

@@ -42,7 +42,7 @@ from _redis_server import RedisServer
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-WORKER_TIMEOUT_S = 300
+WORKER_TIMEOUT_S = 180  # a backstop: workers end themselves after _common.WORKER_DEADLINE_S
 WORKER_ENV = {
     "LMCACHE_TRACK_USAGE": "false",  # no usage reports from LMCache
     "LMCACHE_LOG_LEVEL": "WARNING",

@@ -37,10 +37,11 @@ Tokens = Sequence[int] | np.ndarray | torch.Tensor
 # Re-plans of one chunk after a piece failed; each failure removes a shard, so a few always suffice.
 _REPLANS = 8
 _SHAPES_KEPT = 4096
-# Shard reads from tiers across a network a get keeps in flight ahead of the one it copies: the next read's
-# round trips overlap promoting this one, and the read buffers held stay bounded (a 128K-token prompt does not
-# hold all its chunks' bytes at once). Measured on loopback (16 chunks of 5.9 MB): S3 0.17 -> 0.15 s, Redis
-# 0.083 -> 0.090 s (no round trip to hide there), a local disk 0.034 -> 0.043 s (so local tiers read inline).
+# Shard reads a get keeps in flight ahead of the one it copies, from tiers that read ahead (Tier.read_ahead):
+# the next read's round trips overlap promoting this one, and the read buffers held stay bounded (a 128K-token
+# prompt does not hold all its chunks' bytes at once). Measured on loopback (16 chunks of 5.9 MB): S3
+# 0.17 -> 0.15 s; Redis 0.083 -> 0.090 s and a local disk 0.034 -> 0.043 s (those read inline), and reading
+# threads kept ~10 chunks' worth of freed buffers where inline reads peak at ~2.
 READ_AHEAD = 2
 _READ_THREADS = 4  # per tier, shared by the store's concurrent gets
 
@@ -463,7 +464,7 @@ class KVStore:
                 if found is None:
                     still.append(chunk)
                     continue
-                if not tier.local:  # measured: threads only slow reads from a local disk's page cache
+                if tier.read_ahead:
                     read.ahead.extend((tier, ShardKey(read.namespace, chunk, rng))
                                       for rng, _, _ in found[1] if rng not in dram)
             missing = still

@@ -38,6 +38,10 @@ class Tier(ABC):
     # Answers heads() from this host without waiting on a network (a local disk's index): an engine's scheduler
     # asks it inline, and leaves the other tiers to a background lookup.
     local: ClassVar[bool] = False
+    # A get reads this tier's shards ahead of their use, on threads (up to the store's READ_AHEAD): for tiers
+    # whose reads wait on a round trip more than on bytes (an object store's GETs). Off where threads measured no
+    # faster (a local disk, Redis): each reading thread keeps its own freed buffers, so reading ahead costs memory.
+    read_ahead: ClassVar[bool] = False
 
     def __init__(self, name: str, options: Any) -> None:
         self.name = name
