@@ -149,3 +149,13 @@ def test_purge_all_leaves_a_deployment_with_a_longer_prefix(redis_server, tmp_pa
     assert "removed 6 objects" in capsys.readouterr().out
     assert main(["cache", "stats", "--config", str(paths["staging"])]) == 0
     assert "objects:    6" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, error", [("8000", "8000: must be a multiple of 256 from 1024 to 32768"),
+                                          ("65536", "65536: must be a multiple of 256"),
+                                          ("16k", "not a whole number: '16k'")])
+def test_bench_refuses_a_bad_prefix_length(value: str, error: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--prefix-tokens", value])
+    assert exit_info.value.code == 2
+    assert f"--prefix-tokens: {error}" in capsys.readouterr().err

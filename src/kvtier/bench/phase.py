@@ -57,6 +57,18 @@ def run_requests(llm, job: dict, rounds: list[int], label: str, before=None) -> 
     return times
 
 
+def run_docs(llm, job: dict, label: str, before=None) -> list[float]:
+    """Each document alone, no question after it: a prompt asked again exactly (its chunks were stored with the
+    first question)."""
+    times = []
+    for d, doc in enumerate(job["docs"]):
+        if before is not None:
+            before()
+        times.append(ttft(llm, doc))
+        log(f"{label:>12}: doc {d}: {len(doc)} tokens, TTFT {times[-1]:.3f} s")
+    return times
+
+
 def main() -> int:
     job = json.loads(Path(sys.argv[1]).read_text())
     phase, out_path = sys.argv[2], Path(sys.argv[3])
@@ -70,6 +82,11 @@ def main() -> int:
         llm = engine(job, False, job["large_blocks"])
         run_requests(llm, job, [0], "warm-up")
         result["vLLM prefix-cache hit"] = run_requests(llm, job, later, "engine hit")
+        result["vLLM prefix-cache hit, exact repeat"] = run_docs(llm, job, "engine hit, exact")
+    elif phase == "api_server":
+        from kvtier.bench import server
+
+        result.update(server.run(job, out_path.parent, log))
     elif phase == "kvtier":
         from kvtier.integrations.vllm import shared_store
 
@@ -79,6 +96,7 @@ def main() -> int:
         run_requests(llm, job, [0], "store")  # computes and stores every document
         store.flush()
         result["kvtier, DRAM hit"] = run_requests(llm, job, later, "kvtier DRAM")
+        result["kvtier, DRAM hit, exact repeat"] = run_docs(llm, job, "kvtier DRAM, exact")
 
         def drop() -> None:
             store.flush()
@@ -86,6 +104,7 @@ def main() -> int:
 
         where = job.get("secondary", "disk")
         result[f"kvtier, {where} hit"] = run_requests(llm, job, later, f"kvtier {where}", before=drop)
+        result[f"kvtier, {where} hit, exact repeat"] = run_docs(llm, job, f"kvtier {where}, exact", before=drop)
         store.flush()
         result["stats"] = store.stats()
     elif phase == "restart":  # a new process: everything it hits was stored by the previous one

@@ -24,9 +24,10 @@ PROFILES = {  # documents, tokens per document, rounds (questions per document),
     "quick": dict(docs=3, doc_tokens=2048, rounds=2, unique=4, noreuse_output=16),
     "full": dict(docs=4, doc_tokens=4096, rounds=3, unique=5, noreuse_output=32),
 }
-PHASES = ("baseline", "kvtier", "restart", "engine_hit", "noreuse_plain", "noreuse_kvtier")
+PHASES = ("baseline", "kvtier", "restart", "engine_hit", "api_server", "noreuse_plain", "noreuse_kvtier")
 # With a shared tier the question is how fast its hits are; the no-reuse overhead is measured on the disk setup.
 SHARED_PHASES = ("baseline", "kvtier", "restart", "engine_hit")
+LONG_PHASES = ("baseline", "kvtier", "engine_hit")  # --prefix-tokens: the hit ratios at another prefix length
 
 
 def log(msg: str) -> None:
@@ -73,8 +74,13 @@ def _secondary_tier(kind: str | None, work: Path) -> Iterator[dict]:
         server.stop()
 
 
-def run(quick: bool, json_path: Path | None, work_dir: Path | None, shared: str | None = None) -> int:
-    profile = PROFILES["quick" if quick else "full"]
+def run(quick: bool, json_path: Path | None, work_dir: Path | None, shared: str | None = None,
+        prefix_tokens: int | None = None) -> int:
+    profile = dict(PROFILES["quick" if quick else "full"])
+    phases = SHARED_PHASES if shared else PHASES
+    if prefix_tokens is not None:  # 3 documents asked twice: vLLM's memory of 1.5 documents still cannot keep them
+        profile.update(doc_tokens=prefix_tokens, docs=3, rounds=2, unique=0)
+        phases = tuple(p for p in phases if p in LONG_PHASES)
     model = prepare_model()
     from transformers import AutoTokenizer
 
@@ -88,7 +94,7 @@ def run(quick: bool, json_path: Path | None, work_dir: Path | None, shared: str 
     work.mkdir(parents=True)
     with _secondary_tier(shared, work) as tier:
         job = _job(model, profile, reqs, docs, max_len, per_doc, tier, shared)
-        return _run_phases(job, work, profile, json_path, SHARED_PHASES if shared else PHASES)
+        return _run_phases(job, work, profile, json_path, phases)
 
 
 def _job(model: Path, profile: dict, reqs: list, docs: list, max_len: int, per_doc: int, tier: dict,
@@ -101,6 +107,7 @@ def _job(model: Path, profile: dict, reqs: list, docs: list, max_len: int, per_d
         "store": {"chunk_tokens": 256, "dram": {"capacity_bytes": "2GiB"}, "tiers": [tier]},
         "secondary": shared or "disk",
         "requests": [{"doc": r.doc, "round": r.question, "tokens": r.tokens} for r in reqs],
+        "docs": docs[:profile["docs"]],
         "unique": docs[profile["docs"]:], "noreuse_output": profile["noreuse_output"],
     }
 
@@ -121,7 +128,9 @@ def _run_phases(job: dict, work: Path, profile: dict, json_path: Path | None, ph
             proc = subprocess.run([sys.executable, "-m", "kvtier.bench.phase", str(work / "job.json"), phase,
                                    str(out)], stdout=engine_log,
                                   env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                       "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")})
+                                       "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                                       # prefixes beyond the model's 8,192 positions (--prefix-tokens 16384)
+                                       "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
         if proc.returncode != 0:
             log(f"phase {phase} failed (exit {proc.returncode}); engine log: {work / f'{phase}.log'}")
             return 1
@@ -132,9 +141,9 @@ def _run_phases(job: dict, work: Path, profile: dict, json_path: Path | None, ph
 
 def report(results: dict, profile: dict, json_path: Path | None, secondary: str = "disk") -> int:
     rows: dict[str, dict[str, float]] = {}
-    for phase in ("baseline", "kvtier", "restart", "engine_hit"):
-        for label, times in results[phase].items():
-            if label != "stats":
+    for phase in ("baseline", "kvtier", "restart", "engine_hit", "api_server"):
+        for label, times in results.get(phase, {}).items():
+            if isinstance(times, list):
                 rows[label] = _summary(times)
     base = rows["vLLM, recompute"]["mean"]
     print(f"\nkvtier bench ({'quick' if profile['docs'] == 3 else 'full'}): SmolLM2-135M-Instruct on vLLM "
@@ -144,6 +153,22 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
     print("|---|---|---|---|---|")
     for label, s in rows.items():
         print(f"| {label} | {s['mean']:.3f} s | {s['p50']:.3f} s | {s['p90']:.3f} s | {base / s['mean']:.1f}x |")
+    engine, exact = rows["vLLM prefix-cache hit"]["mean"], rows["vLLM prefix-cache hit, exact repeat"]["mean"]
+    server = rows.get("vLLM prefix-cache hit, API server", {}).get("mean")
+
+    def against(label: str) -> float:
+        return exact if label.endswith("exact repeat") else server if "API server" in label and server else engine
+
+    ratios = {label: s["mean"] / against(label) for label, s in rows.items() if label.startswith("kvtier")}
+    print("\nAgainst vLLM's own prefix-cache hit on the same prompts, served the same way (TTFT mean / its mean; "
+          "1.0 is as fast):")
+    for label, ratio in ratios.items():
+        print(f"- {label}: {ratio:.2f}")
+    if "api_server" in results:
+        hits = results["api_server"]["external_hits"]
+        share = hits["hit_tokens"] / hits["query_tokens"] if hits["query_tokens"] else 0.0
+        print(f"\nAPI server, DRAM-only config: vLLM's external prefix-cache hit rate on the repeats "
+              f"{100 * share:.1f}% ({hits['hit_tokens']:.0f} of {hits['query_tokens']:.0f} tokens asked)")
     noreuse = None
     if "noreuse_plain" in results:
         plain, with_kv = results["noreuse_plain"]["throughput"], results["noreuse_kvtier"]["throughput"]
@@ -153,5 +178,6 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"machine": machine(), "profile": profile, "secondary": secondary,
-                                         "ttft": rows, "noreuse_tokens_per_s": noreuse, "raw": results}, indent=2))
+                                         "ttft": rows, "vs_engine_hit": ratios, "noreuse_tokens_per_s": noreuse,
+                                         "raw": results}, indent=2))
     return 0
