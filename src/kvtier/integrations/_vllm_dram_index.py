@@ -23,13 +23,15 @@ Event = tuple[str, str, int, bool]
 
 @dataclasses.dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """One step's changes to the workers' DRAM, in order per rank."""
+    """One step's changes to the workers' DRAM, in order per rank, and the step each rank ran (its loads done,
+    their failures reported with this output)."""
 
     events: list[Event] = dataclasses.field(default_factory=list)
+    steps: dict[int, int] = dataclasses.field(default_factory=dict)  # tensor-parallel rank -> step
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata), f"cannot aggregate {type(other).__name__}"
-        return KVTierWorkerMetadata(self.events + other.events)
+        return KVTierWorkerMetadata(self.events + other.events, {**self.steps, **other.steps})
 
 
 class DramReport:
@@ -42,11 +44,11 @@ class DramReport:
         self._changed: dict[tuple[str, str], None] = {}  # chunks to look at again, in order
         self._watcher = store.dram.watch()  # a reader of its own: other workers sharing the store read theirs
 
-    def take(self, rank: int, size: int) -> KVTierWorkerMetadata | None:
+    def take(self, rank: int, size: int, step: int) -> KVTierWorkerMetadata:
         for key, _ in self._store.dram.take_changes(self._watcher):
             self._changed[(key.namespace, key.chunk)] = None
         if not self._changed:
-            return None
+            return KVTierWorkerMetadata([], {rank: step})
         heads = rank_heads(self._kv_heads, rank, size)
         events: list[Event] = []
         for namespace, chunk in self._changed:
@@ -57,7 +59,7 @@ class DramReport:
         for namespace, chunk, _, now in events:
             (self._held.add if now else self._held.discard)((namespace, chunk))
         self._changed.clear()
-        return KVTierWorkerMetadata(events) if events else None
+        return KVTierWorkerMetadata(events, {rank: step})
 
 
 class WorkerDram:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvtier.integrations._vllm_dram_index import WorkerDram
+from kvtier.integrations._vllm_dram_index import KVTierWorkerMetadata, WorkerDram
 from kvtier.integrations._vllm_lookups import Lookups
 from kvtier.integrations._vllm_namespace import Namespaces, Skip
 from kvtier.integrations._vllm_shared import ConnectorMetrics
@@ -52,6 +52,7 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[Transfer] = dataclasses.field(default_factory=list)
     saves: list[Transfer] = dataclasses.field(default_factory=list)
     invalid: list[int] = dataclasses.field(default_factory=list)
+    step: int = 0  # this metadata's number: workers report the last they ran (KVTierWorkerMetadata.steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +88,12 @@ class SchedulerSide:
         self._bs = block_size
         self._kv_heads = kv_heads
         # With several workers in one forward pass, one worker cannot see another's failed load (which spoils
-        # the KV all of them compute after it): a request's save then waits for the step after its load, whose
-        # outcome the scheduler has heard by then.
-        self._defer_after_load = workers > 1
+        # the KV all of them compute after it, for every request over those blocks, vLLM's prefix-cache sharers
+        # included). A save over blocks loaded in a step waits until every worker has reported that step (its
+        # failures arrive with the report); with vLLM's asynchronous scheduling that is a step or two later.
+        self._workers = workers
+        self._step = 0  # numbers each metadata; workers echo the last they ran
+        self._unheard: dict[int, int] = {}  # block loaded in a step not yet reported by every worker -> the step
         self._namespaces: dict[str, Namespace] = {}
         self._hits: dict[str, _Hit] = {}  # request -> what its lookup promised
         self._loads: dict[str, Transfer] = {}  # planned at allocation, sent with the next metadata
@@ -157,14 +161,18 @@ class SchedulerSide:
     def take_loads(self) -> KVTierMetadata:
         """A step's metadata with the loads planned since the last one: vLLM already counts their tokens as
         computed, so they go out whatever happens to the rest of the plan."""
-        meta = KVTierMetadata(loads=list(self._loads.values()), invalid=self._invalid)
+        self._step += 1
+        meta = KVTierMetadata(loads=list(self._loads.values()), invalid=self._invalid, step=self._step)
+        if self._workers > 1:
+            for load in meta.loads:
+                if not load.asynchronous:  # vLLM shares an asynchronous load's blocks only once it is reported
+                    self._unheard.update(dict.fromkeys(load.block_ids[load.offset // self._bs:], self._step))
         self._loads, self._invalid = {}, []
         return meta
 
     def plan_saves(self, meta: KVTierMetadata, scheduler_output: SchedulerOutput) -> None:
         """Follow the scheduled requests' blocks and add the saves this step completes; a request whose
         tracking fails is dropped (it is neither saved nor followed further), the others go on."""
-        loading = {load.request_id for load in meta.loads}
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             try:
@@ -173,8 +181,7 @@ class SchedulerSide:
                 if ns is None or new.prompt_token_ids is None:
                     continue  # skipped at lookup: neither load nor save
                 self._tracked[new.req_id] = _Tracked(ns, list(new.prompt_token_ids), list(new.block_ids[0]))
-                self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0),
-                                new.req_id in loading)
+                self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
             except Exception as exc:
                 self._tracked.pop(new.req_id, None)
                 self._metrics.error("build_connector_meta", exc, new.req_id)
@@ -190,16 +197,18 @@ class SchedulerSide:
                     self._hits.pop(rid, None)
                 elif new_blocks:
                     tracked.block_ids.extend(new_blocks[0])
-                self._plan_save(meta, rid, cached.num_computed_tokens[i] + scheduled.get(rid, 0), rid in loading)
+                self._plan_save(meta, rid, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
             except Exception as exc:
                 self._tracked.pop(rid, None)
                 self._metrics.error("build_connector_meta", exc, rid)
 
-    def _plan_save(self, meta: KVTierMetadata, rid: str, computed_after_step: int, loading: bool) -> None:
+    def _plan_save(self, meta: KVTierMetadata, rid: str, computed_after_step: int) -> None:
         tracked = self._tracked[rid]
         upto = len(tracked.tokens) // self._chunk * self._chunk  # the prompt's whole chunks
-        if tracked.saved or upto == 0 or computed_after_step < upto or (loading and self._defer_after_load):
+        if tracked.saved or upto == 0 or computed_after_step < upto:
             return
+        if self._unheard and not self._unheard.keys().isdisjoint(tracked.block_ids[:upto // self._bs]):
+            return  # computed over blocks whose load some worker has not reported yet: planned again next step
         tracked.saved = True
         # From the start: the worker skips what the store holds (store.held), which after a failed load
         # excludes the chunks that failed, so they are saved once recomputed.
@@ -209,13 +218,16 @@ class SchedulerSide:
     def connector_output(self, output: KVConnectorOutput) -> None:
         """Learn what the workers' DRAM now holds. Blocks whose load failed are recomputed: save the requests
         holding them again once they are."""
-        self._worker_dram.apply(output.kv_connector_worker_meta)
+        report = output.kv_connector_worker_meta
+        self._worker_dram.apply(report)
         invalid = output.invalid_block_ids
-        if not invalid:
-            return
-        for tracked in self._tracked.values():
-            if tracked.saved and not invalid.isdisjoint(tracked.block_ids):
-                tracked.saved = False
+        if invalid:
+            for tracked in self._tracked.values():
+                if tracked.saved and not invalid.isdisjoint(tracked.block_ids):
+                    tracked.saved = False
+        if self._unheard and isinstance(report, KVTierWorkerMetadata) and len(report.steps) == self._workers:
+            heard = min(report.steps.values())  # every worker ran (and reported the failures of) steps up to it
+            self._unheard = {block: step for block, step in self._unheard.items() if step > heard}
 
     def finished(self, request_id: str) -> None:
         for table in (self._tracked, self._namespaces, self._hits, self._loads):

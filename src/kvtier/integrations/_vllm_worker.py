@@ -48,6 +48,7 @@ class WorkerSide:
         self._report: DramReport | None = None  # from registration on: a worker role exists in this process
         self._background = DaemonPool("kvtier-load", LOAD_THREADS)
         self._async: dict[str, tuple[Transfer, Future[set[int]]]] = {}  # request -> its load, until reported
+        self._step = 0  # the last metadata's step whose loads ran here
 
     def register(self, kv_caches: dict[str, torch.Tensor], tp: TensorParallel) -> None:
         def layer_index(name: str) -> tuple[int, str]:
@@ -76,6 +77,7 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata, tp: TensorParallel) -> None:
+        self._step = meta.step
         self._failed = set(meta.invalid)
         if meta.loads:
             try:
@@ -119,6 +121,7 @@ class WorkerSide:
         """Report every block this step should have loaded as failed."""
         self._metrics.error("start_load_kv", exc)
         self._failed = set(meta.invalid)
+        self._step = meta.step  # its loads are all reported failed: this step is reported all the same
         for load in meta.loads:
             if load.request_id in self._async:
                 continue  # on a load thread already: it reports itself
@@ -165,7 +168,7 @@ class WorkerSide:
         if self._report is None:
             return None
         rank, size = tp()
-        return self._report.take(rank, size)
+        return self._report.take(rank, size, self._step)
 
     # -- saves -----------------------------------------------------------------------------------------------
     def save(self, meta: KVTierMetadata, tp: TensorParallel) -> None:
