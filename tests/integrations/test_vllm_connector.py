@@ -161,6 +161,44 @@ def test_with_several_workers_saves_over_loaded_blocks_wait_for_every_workers_re
     assert {save.request_id for save in sched.build_connector_meta(later).saves} == {"loads", "shares"}
 
 
+def test_a_request_sharing_blocks_whose_load_failed_does_not_save_before_the_failure_is_heard(
+        engines: Engines, store_cfg: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker, vLLM's asynchronous scheduling: step N's load fails, step N+1 (planned before the scheduler
+    heard it) schedules a request sharing those blocks through vLLM's prefix cache. The worker remembers its
+    failure for that step: the sharer's KV, computed over the unfilled blocks, is not saved."""
+    tokens = prompt(12, 1000)
+    engines().prefill(request("first", tokens[:700]))  # stores 2 chunks
+    mini = engines()
+    store = shared_store(store_cfg)
+    assert store is not None
+    monkeypatch.setattr(mini.workers[0]._worker, "_load", lambda *args: 0)  # the chunks vanished: nothing loaded
+    sched = mini.scheduler
+    req = request("loads", tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (512, False)
+    blocks = mini._free[:8]
+    sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), 512)
+    out = SchedulerOutput.make_empty()
+    req.num_computed_tokens = 512
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, (blocks,))]
+    out.num_scheduled_tokens = {req.request_id: 488}
+    step_n = sched.build_connector_meta(out)
+    errors, _ = mini.run_workers(step_n, req, blocks, 512)  # the scheduler does not hear of it yet
+    assert errors == set(blocks[:4])
+    sharer = request("shares", tokens[:900])
+    assert sched.get_num_new_matched_tokens(sharer, 512) == (0, False)
+    shared_blocks = blocks[:4] + mini._free[8:12]
+    sched.update_state_after_alloc(sharer, KVCacheBlocks(([KVCacheBlock(b) for b in shared_blocks],)), 0)
+    sharer.num_computed_tokens = 512
+    nxt = SchedulerOutput.make_empty()
+    nxt.scheduled_new_reqs = [NewRequestData.from_request(sharer, (shared_blocks,))]
+    nxt.num_scheduled_tokens = {sharer.request_id: 388}
+    step_n1 = sched.build_connector_meta(nxt)
+    assert [save.request_id for save in step_n1.saves] == ["shares"]  # the scheduler side cannot know yet
+    mini.run_workers(step_n1, sharer, shared_blocks, 512)
+    ns = sched._scheduler._names.for_request(sharer)
+    assert store.held(ns, tokens[:768], kv_heads=2) == 512  # the third chunk, computed over garbage, not saved
+
+
 def test_a_load_missing_a_chunk_loads_the_chunks_before_it(engines: Engines, store_cfg: dict,
                                                             tmp_path: Any) -> None:
     """Three chunks promised, the second gone from the disk when the load runs: the first is loaded, and only
