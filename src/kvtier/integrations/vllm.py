@@ -111,12 +111,18 @@ class KVTierConnector(KVConnectorBase_V1):
             store, names, metrics, block_size=block_size, kv_heads=kv_heads,
             workers=vllm_config.parallel_config.world_size,
             tp_size=vllm_config.parallel_config.tensor_parallel_size, lookup_timeout=lookup_timeout)
-        self._worker = WorkerSide(store, metrics, block_size=block_size, kv_heads=kv_heads)
+        self._worker_side = None if role == KVConnectorRole.SCHEDULER else WorkerSide(
+            store, metrics, block_size=block_size, kv_heads=kv_heads)
 
     @property
     def _sched(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler-side hook was called on a worker-role connector"
         return self._scheduler
+
+    @property
+    def _worker(self) -> WorkerSide:
+        assert self._worker_side is not None, "a worker-side hook was called on a scheduler-role connector"
+        return self._worker_side
 
     # ================================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
