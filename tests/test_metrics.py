@@ -38,3 +38,18 @@ def test_stats_and_prometheus_agree(tmp_path: Path) -> None:
     assert f'kvtier_written_bytes_total{{tier="filesystem"}} {fs["written_bytes_total"]}' in body
     assert 'kvtier_tier_read_seconds_bucket{le="0.001",tier="filesystem"}' in body
     assert 'kvtier_tier_events_total{event="evictions",tier="filesystem"} 0.0' in body
+
+
+def test_served_samples_carry_the_process_labels_set_after_serving_began(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = store_config(tmp_path / "fs") | {"metrics_port": port}
+    with KVStore.from_config(cfg) as store:
+        store.metrics.process_labels.update(role="worker", tp_rank="1")  # as the vLLM connector sets them
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        only = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?name[]=kvtier_hit_chunks_total",
+                                      timeout=5).read().decode()
+    samples = [ln for ln in body.splitlines() if ln.startswith("kvtier_")]
+    assert samples and all('role="worker"' in ln and 'tp_rank="1"' in ln for ln in samples)
+    assert 'kvtier_capacity_bytes{role="worker",tier="dram",tp_rank="1"}' in body
+    asked = [ln for ln in only.splitlines() if ln and not ln.startswith("#")]  # one family asked for by name
+    assert asked and all(ln.startswith("kvtier_hit_chunks_total{") and 'role="worker"' in ln for ln in asked)

@@ -442,3 +442,55 @@ def test_a_get_from_a_network_tier_asks_once_and_reads_ahead_within_its_bound() 
         inline.calls.clear()
         assert torch.equal(fresh.get(NS, tokens), kv)
         assert inline.calls["heads"] == 1 and inline.calls["get"] == 8 and inline.most == 1
+
+
+def test_read_ahead_holds_at_most_its_bound_of_fetched_shards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads that finish faster than the store takes them do not pile up: at most READ_AHEAD started and not
+    yet taken (their bytes held), however long the prompt."""
+    from kvtier import store as store_module
+
+    tier = SlowTier(0.0)
+    tokens = synthetic_tokens(4, 16 * T)
+    kv = synthetic_kv(tokens)
+    with open_store(tier, dram="16MiB") as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+    held: list[int] = []
+    real = store_module.KVStore._read_ahead
+
+    def watched(self: KVStore, read: object) -> None:
+        real(self, read)
+        time.sleep(0.002)  # the reads run ahead meanwhile
+        held.append(len(read.started))  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(store_module.KVStore, "_read_ahead", watched)
+    with open_store(tier, dram="16MiB") as fresh:
+        assert torch.equal(fresh.get(NS, tokens), kv)
+    assert held and max(held) == store_module.READ_AHEAD
+
+
+def test_a_tier_that_said_it_lacks_a_shard_is_not_asked_for_it_and_local_only_reads_skip_remote_tiers() -> None:
+    front, back = DictTier("front"), DictTier("back")
+    tokens = synthetic_tokens(5, 2 * T)
+    kv = synthetic_kv(tokens)
+    cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "8MiB", "page_bytes": "4KiB"},
+                       "tiers": [{"type": "filesystem", "name": n, "path": "/unused"} for n in ("front", "back")]})
+    with KVStore(cfg, tiers=[front, back]) as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+    front.objects.clear()  # only the back tier holds the chunks now
+    with KVStore(cfg, tiers=[front, back]) as fresh:
+        front.calls.clear()
+        back.calls.clear()
+        assert torch.equal(fresh.get(NS, tokens), kv)
+        assert "get" not in front.calls  # it answered "none" to the one batched question; never asked again
+        assert back.calls == {"heads": 1, "get": 2}
+    assert len(front.objects) == 2  # what was read from the back tier was also written to the front one
+    front.objects.clear()
+    front.local = True  # e.g. a local disk in front of Redis: a load that must not wait on a network
+    with KVStore(cfg, tiers=[front, back]) as fresh:
+        back.calls.clear()
+        out: list[int] = []
+        assert fresh.load(NS, tokens, lambda first, got: out.append(first), layers=kv.shape[0],
+                          head_dim=kv.shape[4], dtype=kv.dtype, local_only=True) == 0
+        assert not out and back.calls == {}  # a miss, never a call to the remote tier

@@ -127,6 +127,10 @@ class _Labelled:
         self._registry = registry
         self._labels = labels
 
+    def restricted_registry(self, names: Sequence[str]) -> _Labelled:
+        """The same, for the families asked for (``/metrics?name[]=...``)."""
+        return _Labelled(self._registry.restricted_registry(names), self._labels)  # type: ignore[arg-type]
+
     def collect(self) -> Iterator[Metric]:
         extra = dict(self._labels)
         for family in self._registry.collect():

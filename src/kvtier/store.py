@@ -113,6 +113,7 @@ class _Read:
     tp_size: int
     kv_heads: int | None
     shape: _Shape | None  # None until the first shard read fixes it
+    tiers: list[Tier]  # the secondary tiers it may read (e.g. only the local ones)
     pinned: list[DramEntry] = dataclasses.field(default_factory=list)
     # What each tier said it holds of the chunks DRAM lacks (one batched question per tier and read; a re-plan
     # after a failed piece asks again), and the shard reads planned from it, in order, started READ_AHEAD ahead.
@@ -383,7 +384,7 @@ class KVStore:
 
     def load(self, ns: Namespace, tokens: Tokens, sink: Callable[[int, torch.Tensor], None], *, layers: int,
              head_dim: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, offset: int = 0,
-             kv_heads: int | None = None, device: torch.device | str = "cpu") -> int:
+             kv_heads: int | None = None, device: torch.device | str = "cpu", local_only: bool = False) -> int:
         """Hand the canonical KV of ``tokens[offset:]`` (this rank's heads) to ``sink`` without copying it first.
 
         ``sink(first, kv)`` gets ``kv`` ``[count, layers, 2, heads, chunk_tokens, head_dim]`` for ``count``
@@ -393,19 +394,20 @@ class KVStore:
         one missing or unreadable (the caller recomputes the rest; 0: ``sink`` was never called). The checks are
         :meth:`get`'s, against ``layers``, ``head_dim`` and ``dtype``. ``device`` is where ``sink`` copies
         to: for another device than the CPU only gap-free runs are grouped, so each view is dense (a copy of a
-        view with gaps to a GPU is staged through a temporary).
+        view with gaps to a GPU is staged through a temporary). ``local_only`` reads DRAM and the
+        :attr:`~kvtier.tiers.base.Tier.local` tiers only: a load that must never wait on a network.
         """
         def feed(plans: list[list[_Piece]], shape: _Shape) -> None:
             for first, kv in self._chunk_views(plans, shape, torch.device(device)):
                 sink(first, kv)
 
         chunks = self._read(ns, tokens, tp_rank, tp_size, offset, kv_heads, _Shape(layers, head_dim, dtype), feed,
-                            partial=True)
+                            partial=True, local_only=local_only)
         return chunks * self.chunk_tokens
 
     def _read(self, ns: Namespace, tokens: Tokens, tp_rank: int, tp_size: int, offset: int,
               kv_heads: int | None, wanted: _Shape | None, use: Callable[[list[list[_Piece]], _Shape], None],
-              partial: bool = False) -> int:
+              partial: bool = False, local_only: bool = False) -> int:
         """Plan the chunks of ``tokens[offset:]`` (pinning DRAM entries, fetching and promoting the rest), hand
         the plans to ``use``, then release what was pinned; returns how many chunks were handed over. On a miss:
         0 (``use`` not called), or with ``partial`` the chunks before it."""
@@ -424,7 +426,8 @@ class KVStore:
                 raise ValueError(f"the caller expects {wanted}, the KV put in this namespace is {shape}")
             shape = wanted
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
-        read = _Read(ns.id, tp_rank, tp_size, kv_heads, shape)
+        read = _Read(ns.id, tp_rank, tp_size, kv_heads, shape,
+                     [t for t in self.tiers if t.local] if local_only else self.tiers)
         try:
             self._plan_reads(read, chunks[offset // t:])
             plans = []
@@ -451,10 +454,10 @@ class KVStore:
     def _plan_reads(self, read: _Read, chunks: list[str]) -> None:
         """Ask each tier once which of ``chunks`` it holds, for the chunks DRAM and the tiers before it lack, and
         line up the shard reads that would fill them, to be started :data:`READ_AHEAD` ahead of their use."""
-        if not self.tiers:
+        if not read.tiers:
             return
         missing = [c for c in chunks if self._plan_heads(read, self.dram.ranges(read.namespace, c)) is None]
-        for tier in self.tiers:
+        for tier in read.tiers:
             if not missing:
                 break
             answer = dict(zip(missing, self._tier_heads(tier, read.namespace, missing)))
@@ -474,8 +477,9 @@ class KVStore:
         self._read_ahead(read)
 
     def _read_ahead(self, read: _Read) -> None:
-        """Start the next lined-up shard reads, keeping :data:`READ_AHEAD` of them in flight."""
-        while read.ahead and sum(not f.done() for f in read.started.values()) < READ_AHEAD:
+        """Start the next lined-up shard reads, keeping at most :data:`READ_AHEAD` of them started and not yet
+        taken (running or done: a done one holds its bytes)."""
+        while read.ahead and len(read.started) < READ_AHEAD:
             tier, key = read.ahead.pop()
             if self._read_outage[tier.name].resting():
                 continue
@@ -494,7 +498,7 @@ class KVStore:
 
     def _plan_chunk(self, read: _Read, chunk: str, parent: str | None) -> list[_Piece] | None:
         """Where this rank's heads of one chunk come from: DRAM alone, else DRAM plus each tier in turn."""
-        for source in ["dram", *self.tiers]:
+        for source in ["dram", *read.tiers]:
             # A failed piece (missing or corrupt) is removed from its tier, so each retry plans without it.
             for attempt in range(_REPLANS):
                 ranges = self.dram.ranges(read.namespace, chunk)
@@ -607,7 +611,7 @@ class KVStore:
         also queued for the tiers configured in front of it (e.g. a local disk before Redis), so a later DRAM miss
         finds it there: a cascade write like any other, skipped when that tier holds it already.
         """
-        for index, tier in enumerate(self.tiers):
+        for tier in read.tiers:
             if key.heads not in read.heads.get(tier.name, {}).get(key.chunk, [key.heads]):
                 continue  # this tier said it lacks the shard: no round trip to hear it again
             got = self._read_verified(tier, key, read)
@@ -621,7 +625,7 @@ class KVStore:
                 except BaseException:
                     self.dram.abort(entry)
                     raise
-                front = self._writers[:index]
+                front = self._writers[:self.tiers.index(tier)]
                 entry.created = header.created  # copied into the front tiers, it keeps its age (and TTL)
                 self.dram.commit(entry, keep_refs=1 + len(front))
                 read.pinned.append(entry)
@@ -635,7 +639,10 @@ class KVStore:
     def _read_verified(self, tier: Tier, key: ShardKey, read: _Read) -> tuple[frame.Header, memoryview] | None:
         outage = self._read_outage[tier.name]
         started = read.started.pop((tier.name, key), None)
-        if started is None and outage.resting():
+        if outage.resting():  # failed since this read was started: do not wait on it (nor call it a success)
+            if started is not None:
+                started.cancel()
+            self._read_ahead(read)
             return None
         try:
             try:

@@ -24,11 +24,15 @@ class DaemonPool:
         self._queue: queue.Queue[tuple[Future[Any], Callable[[], Any]] | None] = queue.Queue(maxsize=max_queued)
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def submit(self, job: Callable[[], Any]) -> Future[Any]:
         """Queue ``job``; raises ``queue.Full`` when the queue is bounded and full. A future cancelled before a
         thread takes it never runs."""
         future: Future[Any] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self._name}: submit after close (no thread would run it)")
         self._queue.put_nowait((future, job))
         with self._lock:
             if not self._threads:
@@ -49,6 +53,8 @@ class DaemonPool:
 
     def close(self) -> None:
         """Let the threads end once the queue is drained (a thread stuck in a call ends with the process)."""
+        with self._lock:
+            self._closed = True
         for _ in self._threads:
             try:
                 self._queue.put_nowait(None)

@@ -383,6 +383,81 @@ def test_loads_from_a_stalled_redis_run_beside_the_steps(engines: Engines, model
     assert torch.equal(reader.read(blocks, 512), reference_kv(shared)[:, :, :, :512])
 
 
+def _redis_hit(engines: Engines, model_dir: Any, redis_server: Any, prefix: str, seeds: list[int]) -> tuple:
+    """A reader engine whose lookups found ``seeds``' prompts in Redis only (a writer engine stored them)."""
+    def config(dram: str) -> Any:
+        return vllm_config(str(model_dir), {"chunk_tokens": 256, "dram": {"capacity_bytes": dram},
+                                            "tiers": [{"type": "redis", **redis_server.tier_options(),
+                                                       "key_prefix": prefix, "socket_timeout": 10}]})
+
+    writer = engines(config=config("16MiB"))
+    for seed in seeds:
+        writer.prefill(request(f"w{seed}", prompt(seed)))
+    shared_store(writer.scheduler._kv_transfer_config.kv_connector_extra_config["config"]).flush()
+    reader = engines(config=config("24MiB"))
+    reqs = [request(f"r{seed}", prompt(seed)) for seed in seeds]
+    for req in reqs:
+        deadline = time.monotonic() + 10
+        while (answer := reader.scheduler.get_num_new_matched_tokens(req, 0))[0] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert answer == (512, True)
+    return reader, reqs
+
+
+def test_an_asynchronous_load_reports_what_vanished_and_an_aborted_one_finishes_at_once(
+        engines: Engines, model_dir: Any, redis_server: Any, unique_prefix: str) -> None:
+    reader, (gone, stuck, aborted) = _redis_hit(engines, model_dir, redis_server, unique_prefix, [70, 71, 72])
+    blocks = {req.request_id: reader._free[6 * i:6 * i + 6] for i, req in enumerate((gone, stuck, aborted))}
+    for req in (gone, stuck, aborted):
+        reader.scheduler.update_state_after_alloc(
+            req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks[req.request_id]],)), 512)
+    meta = reader.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    assert [load.asynchronous for load in meta.loads] == [True] * 3
+    redis_server.cli("flushall")  # every chunk vanishes between the lookup and the load
+    redis_server.cli("client", "pause", "1500", "all")  # and the loads' first reads wait
+    worker = reader.workers[0]
+    try:
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        worker.clear_connector_metadata()
+        # Two load threads wait on Redis; the third load has not started: its request is aborted.
+        assert worker.get_finished({"r72"}) == (None, {"r72"})
+        assert worker.get_block_ids_with_load_errors() == set(blocks["r72"][:4])
+        finished: set[str] = set()
+        errors: set[int] = set()
+        deadline = time.monotonic() + 8
+        while finished != {"r70", "r71"}:
+            assert time.monotonic() < deadline
+            finished |= worker.get_finished(set())[1] or set()
+            errors |= worker.get_block_ids_with_load_errors()  # reported no later than the finish
+            time.sleep(0.02)
+    finally:
+        redis_server.cli("ping")
+    assert errors == set(blocks["r70"][:4]) | set(blocks["r71"][:4])  # vLLM recomputes what vanished
+
+
+def test_an_asynchronous_load_that_cannot_be_planned_is_reported_finished_and_failed(
+        engines: Engines, model_dir: Any, redis_server: Any, unique_prefix: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM parks a request promised an asynchronous load until a worker reports it finished: if planning the
+    load fails, the workers still report it (every block failed), or the request would wait forever."""
+    reader, (req,) = _redis_hit(engines, model_dir, redis_server, unique_prefix, [73])
+    monkeypatch.setattr(reader.scheduler._scheduler, "_namespaces", {})  # planning raises (KeyError)
+    blocks = reader._free[:6]
+    reader.scheduler.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), 512)
+    meta = reader.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    assert not meta.loads and meta.abandoned == {"r73": blocks[:4]}
+    worker = reader.workers[0]
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)  # type: ignore[arg-type]
+    worker.clear_connector_metadata()
+    assert worker.get_finished(set()) == (None, {"r73"})
+    assert worker.get_block_ids_with_load_errors() == set(blocks[:4])
+    assert counters(reader.scheduler._kv_transfer_config.kv_connector_extra_config["config"])[
+        "connector_errors_total{hook=update_state_after_alloc}"] == 1
+
+
 # -- saves --------------------------------------------------------------------------------------------------------
 def test_a_prefix_the_store_holds_is_not_gathered_or_put_again(engines: Engines, store_cfg: dict,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:

@@ -94,6 +94,7 @@ def _serve(job: dict, work: Path, log: Callable[[str], None], *, kvtier: bool) -
                         _counter(port, "vllm:external_prefix_cache_hits_total"))
 
             times: list[float] = []
+            before = (0.0, 0.0)
             for req in job["requests"]:
                 if req["round"] == 1 and not times:
                     before = counters()  # round 0 computed and stored every document: count the repeats only

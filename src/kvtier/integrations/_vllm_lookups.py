@@ -20,9 +20,9 @@ from concurrent.futures import Future
 
 from prometheus_client import Counter
 
-from kvtier.threads import DaemonPool
 from kvtier.keys import Namespace
 from kvtier.store import KVStore
+from kvtier.threads import DaemonPool
 
 log = logging.getLogger("kvtier.integrations.vllm")
 THREADS = 4  # lookups in flight at once; a stalled tier rests after its first failure, so few are enough
@@ -36,10 +36,6 @@ class Held:
 
     tokens: int
     local: int
-
-    @property
-    def remote(self) -> bool:
-        return self.tokens > self.local
 
 
 @dataclasses.dataclass

@@ -52,6 +52,9 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[Transfer] = dataclasses.field(default_factory=list)
     saves: list[Transfer] = dataclasses.field(default_factory=list)
     invalid: list[int] = dataclasses.field(default_factory=list)
+    # Asynchronous loads promised to vLLM that no load fills (planning failed): request -> its blocks. Workers
+    # report each finished at once, its blocks failed (vLLM waits for the finish, else forever).
+    abandoned: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     step: int = 0  # this metadata's number: workers report the last they ran (KVTierWorkerMetadata.steps)
 
 
@@ -91,13 +94,14 @@ class SchedulerSide:
         # the KV all of them compute after it, for every request over those blocks, vLLM's prefix-cache sharers
         # included). A save over blocks loaded in a step waits until every worker has reported that step (its
         # failures arrive with the report); with vLLM's asynchronous scheduling that is a step or two later.
-        self._workers = workers
+        self._workers = workers  # tensor-parallel ranks: each reports its steps
         self._step = 0  # numbers each metadata; workers echo the last they ran
         self._unheard: dict[int, int] = {}  # block loaded in a step not yet reported by every worker -> the step
         self._namespaces: dict[str, Namespace] = {}
         self._hits: dict[str, _Hit] = {}  # request -> what its lookup promised
         self._loads: dict[str, Transfer] = {}  # planned at allocation, sent with the next metadata
         self._invalid: list[int] = []
+        self._abandoned: dict[str, list[int]] = {}
         self._tracked: dict[str, _Tracked] = {}
 
     # -- lookups ---------------------------------------------------------------------------------------------
@@ -128,7 +132,7 @@ class SchedulerSide:
             return 0, False
         # Loads from DRAM and local tiers run in the step (no step's delay added to a fast hit); a load that may
         # wait on a server runs beside the steps, so a stalled server delays only the requests that need it.
-        remote = end > held.local
+        remote = end > held.local  # some chunk the hit needs is held only across a network
         self._hits[rid] = _Hit(num_computed_tokens, tokens, remote)
         return end - num_computed_tokens, remote
 
@@ -138,7 +142,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         rid = request.request_id
-        hit = self._hits.pop(rid)
+        hit = self._hits[rid]  # kept until the load is planned: invalidate() needs it if planning fails
         end = hit.computed + num_external_tokens
         # For a request resumed after preemption the tokens include its output so far. The chunks named are
         # whole; the blocks listed end where the hit does.
@@ -146,28 +150,35 @@ class SchedulerSide:
         chunks_end = -(-end // self._chunk) * self._chunk
         self._loads[rid] = Transfer(rid, self._namespaces[rid], hit.tokens[:chunks_end], block_ids, hit.computed,
                                     hit.asynchronous)
+        del self._hits[rid]
 
     def invalidate(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """After a failed :meth:`after_alloc`: have the workers report the promised blocks as failed, so vLLM
         recomputes them. Without the engine's own hit (lost with the failure) that is every block from the
-        first: more than needed, but nothing promised stays unfilled."""
+        first: more than needed, but nothing promised stays unfilled. vLLM waits for an asynchronous load to be
+        reported finished: the workers report this one at once, every block failed."""
         self._loads.pop(request.request_id, None)
         hit = self._hits.pop(request.request_id, None)
         computed = 0 if hit is None else hit.computed
         ids = blocks.get_block_ids()[0]
-        self._invalid.extend(ids[computed // self._bs:(computed + num_external_tokens) // self._bs] or ids)
+        failed = ids[computed // self._bs:(computed + num_external_tokens) // self._bs] or ids
+        if hit is not None and hit.asynchronous:
+            self._abandoned[request.request_id] = list(failed)
+        else:
+            self._invalid.extend(failed)
 
     # -- plans -----------------------------------------------------------------------------------------------
     def take_loads(self) -> KVTierMetadata:
         """A step's metadata with the loads planned since the last one: vLLM already counts their tokens as
         computed, so they go out whatever happens to the rest of the plan."""
         self._step += 1
-        meta = KVTierMetadata(loads=list(self._loads.values()), invalid=self._invalid, step=self._step)
+        meta = KVTierMetadata(loads=list(self._loads.values()), invalid=self._invalid, abandoned=self._abandoned,
+                              step=self._step)
         if self._workers > 1:
             for load in meta.loads:
                 if not load.asynchronous:  # vLLM shares an asynchronous load's blocks only once it is reported
                     self._unheard.update(dict.fromkeys(load.block_ids[load.offset // self._bs:], self._step))
-        self._loads, self._invalid = {}, []
+        self._loads, self._invalid, self._abandoned = {}, [], {}
         return meta
 
     def plan_saves(self, meta: KVTierMetadata, scheduler_output: SchedulerOutput) -> None:
@@ -225,7 +236,8 @@ class SchedulerSide:
             for tracked in self._tracked.values():
                 if tracked.saved and not invalid.isdisjoint(tracked.block_ids):
                     tracked.saved = False
-        if self._unheard and isinstance(report, KVTierWorkerMetadata) and len(report.steps) == self._workers:
+        if self._unheard and isinstance(report, KVTierWorkerMetadata) and \
+                report.steps.keys() == set(range(self._workers)):
             heard = min(report.steps.values())  # every worker ran (and reported the failures of) steps up to it
             self._unheard = {block: step for block, step in self._unheard.items() if step > heard}
 

@@ -21,10 +21,10 @@ from kvtier.errors import ConfigError
 from kvtier.integrations._vllm_dram_index import DramReport, KVTierWorkerMetadata
 from kvtier.integrations._vllm_scheduler import KVTierMetadata, Transfer
 from kvtier.integrations._vllm_shared import ConnectorMetrics
-from kvtier.threads import DaemonPool
 from kvtier.integrations.layouts import Layout, gather, kv_shape, scatter_chunks
 from kvtier.keys import rank_heads
 from kvtier.store import KVStore
+from kvtier.threads import DaemonPool
 
 log = logging.getLogger("kvtier.integrations.vllm")
 
@@ -50,7 +50,8 @@ class WorkerSide:
         self._failed_before: set[int] = set()
         self._report: DramReport | None = None  # from registration on: a worker role exists in this process
         self._background = DaemonPool("kvtier-load", LOAD_THREADS)
-        self._async: dict[str, tuple[Transfer, Future[set[int]]]] = {}  # request -> its load, until reported
+        # request -> (its blocks, its load's outcome: the blocks it failed), until reported finished
+        self._async: dict[str, tuple[set[int], Future[set[int]]]] = {}
         self._step = 0  # the last metadata's step whose loads ran here
 
     def register(self, kv_caches: dict[str, torch.Tensor], tp: TensorParallel) -> None:
@@ -90,34 +91,51 @@ class WorkerSide:
                 return
             for load in meta.loads:
                 if load.asynchronous:
-                    self._async[load.request_id] = (load, self._background.submit(
-                        lambda load=load: self._failed_blocks(load, rank, size)))
+                    self._async[load.request_id] = (self._promised(load), self._background.submit(
+                        lambda load=load: self._failed_blocks(load, rank, size, background=True)))
                 else:
-                    self._failed |= self._failed_blocks(load, rank, size)
+                    self._failed |= self._failed_blocks(load, rank, size, background=False)
+        self._abandon(meta)
         self._load_errors |= self._failed
 
-    def _failed_blocks(self, load: Transfer, rank: int, size: int) -> set[int]:
-        """Run one load; the blocks it did not fill (vLLM recomputes them). Never raises."""
+    def _promised(self, load: Transfer) -> set[int]:
+        return set(load.block_ids[load.offset // self._bs:])
+
+    def _abandon(self, meta: KVTierMetadata) -> None:
+        """Asynchronous loads that will not run: reported finished at the next chance, every block failed."""
+        for rid, blocks in meta.abandoned.items():
+            if rid not in self._async:
+                failed: Future[set[int]] = Future()
+                failed.set_result(set(blocks))
+                self._async[rid] = (set(blocks), failed)
+
+    def _failed_blocks(self, load: Transfer, rank: int, size: int, *, background: bool) -> set[int]:
+        """Run one load; the blocks it did not fill (vLLM recomputes them). Never raises.
+
+        A load in the step (``background`` False) reads DRAM and local tiers only: its lookup found every chunk
+        there, and one evicted since is recomputed rather than read from a server the step would wait on."""
         try:
-            end = self._load(load, rank, size)
-            if self._caches[0].is_cuda:  # reported finished only once the copies have landed
+            end = self._load(load, rank, size, local_only=not background)
+            if background and self._caches[0].is_cuda:  # reported finished only once the copies have landed
                 torch.cuda.current_stream(self._caches[0].device).synchronize()
             return set(load.block_ids[end // self._bs:])
         except Exception as exc:
             self._metrics.error("start_load_kv", exc, load.request_id)
-            return set(load.block_ids[load.offset // self._bs:])
+            return self._promised(load)
 
-    def finished_loads(self) -> set[str]:
+    def finished_loads(self, finished_requests: set[str]) -> set[str]:
         """Requests whose asynchronous loads ended since the last call; their failed blocks join the load errors
-        reported with them (vLLM wants them no later than the finish)."""
+        reported with them (vLLM wants them no later than the finish). Loads of ``finished_requests`` (aborted)
+        that have not started are cancelled: reported finished at once."""
+        for rid in finished_requests & self._async.keys():
+            self._async[rid][1].cancel()
         done = {rid for rid, (_, future) in self._async.items() if future.done()}
         for rid in done:
-            load, future = self._async.pop(rid)
+            blocks, future = self._async.pop(rid)
             try:
                 self._load_errors |= future.result()
-            except BaseException as exc:  # _failed_blocks never raises; if it did, nothing was loaded for sure
-                self._metrics.error("start_load_kv", exc, rid)
-                self._load_errors.update(load.block_ids[load.offset // self._bs:])
+            except BaseException:  # cancelled (its request was aborted); _failed_blocks itself never raises
+                self._load_errors |= blocks
         return done
 
     def fail(self, meta: KVTierMetadata, exc: BaseException) -> None:
@@ -128,16 +146,16 @@ class WorkerSide:
         for load in meta.loads:
             if load.request_id in self._async:
                 continue  # on a load thread already: it reports itself
-            blocks = set(load.block_ids[load.offset // self._bs:])
             if load.asynchronous:  # vLLM waits for it to be reported finished, failed or not
                 failed: Future[set[int]] = Future()
-                failed.set_result(blocks)
-                self._async[load.request_id] = (load, failed)
+                failed.set_result(self._promised(load))
+                self._async[load.request_id] = (self._promised(load), failed)
             else:
-                self._failed |= blocks
+                self._failed |= self._promised(load)
+        self._abandon(meta)
         self._load_errors |= self._failed
 
-    def _load(self, load: Transfer, rank: int, size: int) -> int:
+    def _load(self, load: Transfer, rank: int, size: int, *, local_only: bool = False) -> int:
         """Copy the stored chunks straight from the store's DRAM (or a tier's read buffer) into the blocks; returns
         the first token not loaded (``len(load.block_ids) * block_size`` when all were): the chunks before a missing
         one load."""
@@ -155,7 +173,7 @@ class WorkerSide:
         loaded = from_chunk + self._store.load(
             load.namespace, load.tokens, sink, layers=len(self._caches), head_dim=head_dim,
             dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=from_chunk, kv_heads=self._kv_heads,
-            device=self._caches[0].device)
+            device=self._caches[0].device, local_only=local_only)
         end = max(min(loaded, stop), load.offset)
         if end < stop:
             log.warning("kvtier: request %s: KV for %d of %d tokens vanished before loading; vLLM recomputes them",

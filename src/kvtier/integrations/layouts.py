@@ -90,7 +90,7 @@ def scatter_chunks(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: 
     per, first = chunk // bs, skip // bs
     ids = _block_list(block_ids)
     room = count * per - first  # blocks the chunks fill after the skip
-    if not max(room - per, 0) < len(ids) <= room or (count == 1 and len(ids) > room):
+    if not max(room - per, 0) < len(ids) <= room:
         raise ValueError(f"{count} chunks after skipping {skip} tokens fill {room} blocks; got {len(ids)} block "
                          f"ids (at most one chunk's worth fewer, ending inside the last chunk)")
     keep = per - (room - len(ids))  # blocks of the last chunk written

@@ -109,7 +109,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._metrics = metrics
         self._scheduler = None if names is None else SchedulerSide(
             store, names, metrics, block_size=block_size, kv_heads=kv_heads,
-            workers=vllm_config.parallel_config.world_size,
+            workers=vllm_config.parallel_config.tensor_parallel_size,
             tp_size=vllm_config.parallel_config.tensor_parallel_size, lookup_timeout=lookup_timeout)
         self._worker_side = None if role == KVConnectorRole.SCHEDULER else WorkerSide(
             store, metrics, block_size=block_size, kv_heads=kv_heads)
@@ -211,7 +211,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose asynchronous loads ended (their failed blocks are in this step's load errors)."""
         try:
-            return None, self._worker.finished_loads() or None
+            return None, self._worker.finished_loads(finished_req_ids) or None
         except Exception as exc:  # a load never reported finished would hold its request forever: log loudly
             self._metrics.error("get_finished", exc)
             return None, None
