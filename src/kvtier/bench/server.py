@@ -21,13 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _post(port: int, body: dict) -> dict:
+def post_completion(port: int, body: dict) -> dict:
+    """POST ``body`` to a vLLM OpenAI server's /v1/completions; its JSON reply."""
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as reply:
@@ -51,14 +52,14 @@ def run(job: dict, work: Path, log: Callable[[str], None]) -> dict[str, object]:
 
 
 def _serve(job: dict, work: Path, log: Callable[[str], None], *, kvtier: bool) -> dict[str, object]:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", job["model"],
             "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "bfloat16",
             "--max-model-len", str(job["max_model_len"]), "--max-num-batched-tokens", str(job["max_model_len"]),
             "--num-gpu-blocks-override", str(job["small_blocks" if kvtier else "large_blocks"]),
             "--block-size", "128", "--gpu-memory-utilization", "0.3"]
     if kvtier:
-        store = {**job["store"], "tiers": [], "metrics_port": _free_port()}  # DRAM only
+        store = {**job["store"], "tiers": [], "metrics_port": free_port()}  # DRAM only
         argv += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -84,7 +85,7 @@ def _serve(job: dict, work: Path, log: Callable[[str], None], *, kvtier: bool) -
 
             def ttft(tokens: list[int]) -> float:
                 start = time.perf_counter()
-                _post(port, {"model": job["model"], "prompt": tokens, "max_tokens": 1, "temperature": 0})
+                post_completion(port, {"model": job["model"], "prompt": tokens, "max_tokens": 1, "temperature": 0})
                 return time.perf_counter() - start
 
             def counters() -> tuple[float, float]:
