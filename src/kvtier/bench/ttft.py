@@ -76,10 +76,10 @@ def _secondary_tier(kind: str | None, work: Path) -> Iterator[dict]:
 
 def run(quick: bool, json_path: Path | None, work_dir: Path | None, shared: str | None = None,
         prefix_tokens: int | None = None) -> int:
-    profile = dict(PROFILES["quick" if quick else "full"])
+    profile = dict(PROFILES["quick" if quick else "full"], name="quick" if quick else "full")
     phases = SHARED_PHASES if shared else PHASES
     if prefix_tokens is not None:  # 3 documents asked twice: vLLM's memory of 1.5 documents still cannot keep them
-        profile.update(doc_tokens=prefix_tokens, docs=3, rounds=2, unique=0)
+        profile.update(doc_tokens=prefix_tokens, docs=3, rounds=2, unique=0, name=f"{prefix_tokens}-token prefixes")
         phases = tuple(p for p in phases if p in LONG_PHASES)
     model = prepare_model()
     from transformers import AutoTokenizer
@@ -146,7 +146,7 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
             if isinstance(times, list):
                 rows[label] = _summary(times)
     base = rows["vLLM, recompute"]["mean"]
-    print(f"\nkvtier bench ({'quick' if profile['docs'] == 3 else 'full'}): SmolLM2-135M-Instruct on vLLM "
+    print(f"\nkvtier bench ({profile['name']}): SmolLM2-135M-Instruct on vLLM "
           f"(CPU), {profile['docs']} documents of {profile['doc_tokens']} tokens, secondary tier: {secondary}, "
           f"{machine()}\n")
     print("| phase | TTFT mean | p50 | p90 | speedup vs recompute (mean) |")

@@ -56,6 +56,7 @@ class KVTierMetadata(KVConnectorMetadata):
     # report each finished at once, its blocks failed (vLLM waits for the finish, else forever).
     abandoned: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     step: int = 0  # this metadata's number: workers report the last they ran (KVTierWorkerMetadata.steps)
+    idle: bool = False  # the step runs no model (e.g. every request waits for an asynchronous load)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -148,6 +148,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = self._sched.take_loads()
+        meta.idle = not scheduler_output.total_num_scheduled_tokens
         try:
             self._sched.plan_saves(meta, scheduler_output)
         except Exception as exc:  # per-request failures are contained inside; this is anything else
