@@ -364,7 +364,10 @@ def test_loads_from_a_stalled_redis_run_beside_the_steps(engines: Engines, model
         worker.wait_for_save()
         worker.clear_connector_metadata()
         assert time.monotonic() - paused < 0.3  # handed to a load thread: the step did not wait
+        assert meta.idle  # no request ran in it: vLLM would step again at once, holding the GIL
+        began = time.monotonic()
         assert worker.get_finished(set()) == (None, None)
+        assert time.monotonic() - began >= 0.009  # so an idle step gives the load thread the GIL for a while
         other = reader.prefill(request("dram-while-paused", local))  # a whole step, served from DRAM
         assert other.hit == 512 and not other.load_errors
         assert time.monotonic() - paused < 1.5  # all of it within the pause
