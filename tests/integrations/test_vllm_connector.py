@@ -170,8 +170,8 @@ def test_with_several_workers_saves_over_loaded_blocks_wait_for_every_workers_re
 def test_a_request_sharing_blocks_whose_load_failed_does_not_save_before_the_failure_is_heard(
         engines: Engines, store_cfg: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """One worker, vLLM's asynchronous scheduling: step N's load fails, step N+1 (planned before the scheduler
-    heard it) schedules a request sharing those blocks through vLLM's prefix cache. The worker remembers its
-    failure for that step: the sharer's KV, computed over the unfilled blocks, is not saved."""
+    heard it) schedules a request sharing those blocks through vLLM's prefix cache. The worker no longer knows
+    step N's failures then, so the sharer's save waits until the scheduler has heard step N."""
     tokens = prompt(12, 1000)
     engines().prefill(request("first", tokens[:700]))  # stores 2 chunks
     mini = engines()
@@ -183,16 +183,26 @@ def test_a_request_sharing_blocks_whose_load_failed_does_not_save_before_the_fai
     assert sched.get_num_new_matched_tokens(req, 0) == (512, False)
     blocks = mini._free[:8]
     step_n = admit(mini, req, blocks, 0, 512)
-    errors, _ = mini.run_workers(step_n, req, blocks, 512)  # the scheduler does not hear of it yet
+    assert [save.request_id for save in step_n.saves] == ["loads"]  # in its own step: the worker knows
+    errors, reports = mini.run_workers(step_n, req, blocks, 512)  # the scheduler does not hear of it yet
     assert errors == set(blocks[:4])
+    ns = sched._scheduler._names.for_request(req)
+    assert store.held(ns, tokens[:768], kv_heads=2) == 512  # the worker skipped that save: its load failed
     sharer = request("shares", tokens[:900])
     assert sched.get_num_new_matched_tokens(sharer, 512) == (0, False)
     shared_blocks = blocks[:4] + mini._free[8:12]
     step_n1 = admit(mini, sharer, shared_blocks, 512, 0)
-    assert [save.request_id for save in step_n1.saves] == ["shares"]  # the scheduler side cannot know yet
+    assert not step_n1.saves  # over blocks loaded in step N, which the scheduler has not heard yet
     mini.run_workers(step_n1, sharer, shared_blocks, 512)
-    ns = sched._scheduler._names.for_request(sharer)
     assert store.held(ns, tokens[:768], kv_heads=2) == 512  # the third chunk, computed over garbage, not saved
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids=errors, kv_connector_worker_meta=reports))
+    later = SchedulerOutput.make_empty()
+    cached = later.scheduled_cached_reqs
+    cached.req_ids, cached.new_block_ids, cached.num_computed_tokens = [sharer.request_id], [None], [900]
+    cached.new_token_ids, cached.num_output_tokens = [[]], [1]
+    later.num_scheduled_tokens = {sharer.request_id: 1}
+    # Heard (and, in the real engine, recomputed): the save goes out.
+    assert [save.request_id for save in sched.build_connector_meta(later).saves] == ["shares"]
 
 
 def test_a_load_missing_a_chunk_loads_the_chunks_before_it(engines: Engines, store_cfg: dict,

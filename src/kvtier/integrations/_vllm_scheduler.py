@@ -91,10 +91,11 @@ class SchedulerSide:
         self._chunk = store.chunk_tokens
         self._bs = block_size
         self._kv_heads = kv_heads
-        # With several workers in one forward pass, one worker cannot see another's failed load (which spoils
-        # the KV all of them compute after it, for every request over those blocks, vLLM's prefix-cache sharers
-        # included). A save over blocks loaded in a step waits until every worker has reported that step (its
-        # failures arrive with the report); with vLLM's asynchronous scheduling that is a step or two later.
+        # A save must not store KV computed over blocks whose load failed, for any request over those blocks
+        # (vLLM's prefix-cache sharers included). A worker knows its own failures of the step it runs, not
+        # another rank's, nor (once the step is over) the failures of a step the scheduler has not heard yet: vLLM's
+        # asynchronous scheduling plans a step before the last one's output arrives. So a save over blocks loaded
+        # in a step the workers have not all reported waits (with several workers, even in that same step).
         self._workers = workers  # tensor-parallel ranks: each reports its steps
         self._step = 0  # numbers each metadata; workers echo the last they ran
         self._unheard: dict[int, int] = {}  # block loaded in a step not yet reported by every worker -> the step
@@ -175,10 +176,9 @@ class SchedulerSide:
         self._step += 1
         meta = KVTierMetadata(loads=list(self._loads.values()), invalid=self._invalid, abandoned=self._abandoned,
                               step=self._step)
-        if self._workers > 1:
-            for load in meta.loads:
-                if not load.asynchronous:  # vLLM shares an asynchronous load's blocks only once it is reported
-                    self._unheard.update(dict.fromkeys(load.block_ids[load.offset // self._bs:], self._step))
+        for load in meta.loads:
+            if not load.asynchronous:  # vLLM shares an asynchronous load's blocks only once it is reported
+                self._unheard.update(dict.fromkeys(load.block_ids[load.offset // self._bs:], self._step))
         self._loads, self._invalid, self._abandoned = {}, [], {}
         return meta
 
@@ -219,13 +219,19 @@ class SchedulerSide:
         upto = len(tracked.tokens) // self._chunk * self._chunk  # the prompt's whole chunks
         if tracked.saved or upto == 0 or computed_after_step < upto:
             return
-        if self._unheard and not self._unheard.keys().isdisjoint(tracked.block_ids[:upto // self._bs]):
+        if self._unheard and self._over_unheard(tracked.block_ids[:upto // self._bs], meta.step):
             return  # computed over blocks whose load some worker has not reported yet: planned again next step
         tracked.saved = True
         # From the start: the worker skips what the store holds (store.held), which after a failed load
         # excludes the chunks that failed, so they are saved once recomputed.
         meta.saves.append(Transfer(rid, tracked.namespace, tracked.tokens[:upto],
                                    tracked.block_ids[:upto // self._bs], 0))
+
+    def _over_unheard(self, blocks: list[int], step: int) -> bool:
+        """Whether ``blocks`` hold a load not yet reported by every worker, that a save in ``step`` cannot trust.
+        A lone worker skips saves over its own failures of the step it runs; several cannot see each other's."""
+        last = step if self._workers > 1 else step - 1
+        return any(self._unheard.get(block, last + 1) <= last for block in blocks)
 
     def connector_output(self, output: KVConnectorOutput) -> None:
         """Learn what the workers' DRAM now holds. Blocks whose load failed are recomputed: save the requests

@@ -49,9 +49,6 @@ class WorkerSide:
         self._layout: Layout = "cpu"
         self._load_errors: set[int] = set()  # reported to vLLM, then cleared
         self._failed: set[int] = set()  # this step's failed blocks: saves over them would store wrong KV
-        # The step before's: vLLM's asynchronous scheduling plans a step before it hears the last one's failures,
-        # so a request sharing those blocks through vLLM's prefix cache may save over them in the next step.
-        self._failed_before: set[int] = set()
         self._report: DramReport | None = None  # from registration on: a worker role exists in this process
         self._background = DaemonPool("kvtier-load", LOAD_THREADS)
         # request -> (its blocks, its load's outcome: the blocks it failed), until reported finished
@@ -201,8 +198,7 @@ class WorkerSide:
 
     # -- saves -----------------------------------------------------------------------------------------------
     def save(self, meta: KVTierMetadata, tp: TensorParallel) -> None:
-        failed = self._failed | self._failed_before
-        self._failed_before, self._failed = self._failed, set()
+        failed, self._failed = self._failed, set()
         if not meta.saves:
             return
         rank, size = tp()
