@@ -71,3 +71,27 @@ def test_lookups_beyond_the_queue_are_answered_inline(monkeypatch: pytest.Monkey
         finally:
             tier.gate.set()
             lookups.close()
+
+
+def test_an_idle_step_waits_briefly_for_a_background_lookup() -> None:
+    """With nothing to run, vLLM would plan the next step at once, holding the GIL the lookup threads need: the
+    connector waits for them instead, a bounded while, and no longer than the lookup takes."""
+    tier = StalledTier()
+    cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "1MiB"},
+                       "tiers": [{"type": "filesystem", "name": "stalled", "path": "/unused"}]})
+    outcomes = Counter("outcomes", "test", ["outcome"], registry=CollectorRegistry())
+    with KVStore(cfg, tiers=[tier], allocate_dram=False) as store:
+        lookups = _vllm_lookups.Lookups(store, 4, lambda ns, chunk: False, timeout=60, outcomes=outcomes)
+        try:
+            assert lookups.held("r", NS, synthetic_tokens(1, 2 * T)) is None
+            start = time.monotonic()
+            lookups.wait(0.05)
+            assert time.monotonic() - start >= 0.045  # the tier is stalled: the whole bound
+            threading.Timer(0.05, tier.gate.set).start()
+            start = time.monotonic()
+            lookups.wait(5)
+            assert time.monotonic() - start < 2  # returned once the lookup ended, not after the bound
+            assert lookups.held("r", NS, synthetic_tokens(1, 2 * T)) is not None
+        finally:
+            tier.gate.set()
+            lookups.close()

@@ -16,7 +16,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from prometheus_client import Counter
 
@@ -107,6 +107,12 @@ class Lookups:
             return Held(inline, inline)
         self._pending[request_id] = _Pending(ns, tokens, future, time.monotonic() + self._timeout, inline)
         return None
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for any background lookup still under way to end (the GIL is free meanwhile)."""
+        running = [p.future for p in self._pending.values() if p.answer is None and not p.future.done()]
+        if running:
+            wait(running, timeout, FIRST_COMPLETED)
 
     def forget(self, request_id: str) -> None:
         """Drop a request's lookup and answer (its blocks are allocated, it ended, or it asks anew)."""

@@ -21,6 +21,7 @@ from kvtier.integrations._vllm_namespace import Namespaces, Skip
 from kvtier.integrations._vllm_shared import ConnectorMetrics
 from kvtier.keys import Namespace
 from kvtier.store import KVStore
+from kvtier.threads import IDLE_WAIT_SECONDS
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -252,6 +253,11 @@ class SchedulerSide:
         for table in (self._tracked, self._namespaces, self._hits, self._loads):
             table.pop(request_id, None)
         self._lookups.forget(request_id)
+
+    def idle(self) -> None:
+        """The step just planned runs no model (e.g. every request waits for a lookup): vLLM would plan the next
+        at once, holding the GIL the lookup threads need; give them a moment instead."""
+        self._lookups.wait(IDLE_WAIT_SECONDS)
 
     def close(self) -> None:
         self._lookups.close()

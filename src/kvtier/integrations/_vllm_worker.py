@@ -24,16 +24,12 @@ from kvtier.integrations._vllm_shared import ConnectorMetrics
 from kvtier.integrations.layouts import Layout, gather, kv_shape, scatter_chunks
 from kvtier.keys import rank_heads
 from kvtier.store import KVStore
-from kvtier.threads import DaemonPool
+from kvtier.threads import IDLE_WAIT_SECONDS, DaemonPool
 
 log = logging.getLogger("kvtier.integrations.vllm")
 
 TensorParallel = Callable[[], tuple[int, int]]  # -> (rank, size)
 LOAD_THREADS = 2  # asynchronous loads in flight at once; the rest wait in order (none is ever dropped)
-# In a step that runs no model, how long get_finished waits for an asynchronous load to end. vLLM steps again at
-# once, in a loop that holds the GIL; a load thread, which takes the GIL back after every socket read, then
-# waited up to the switch interval each time (measured: a 16-chunk Redis load took 3.7 s instead of 0.1 s).
-IDLE_WAIT_SECONDS = 0.01
 
 
 class WorkerSide:

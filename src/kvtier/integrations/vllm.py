@@ -151,6 +151,8 @@ class KVTierConnector(KVConnectorBase_V1):
         meta.idle = not scheduler_output.total_num_scheduled_tokens
         try:
             self._sched.plan_saves(meta, scheduler_output)
+            if meta.idle:
+                self._sched.idle()
         except Exception as exc:  # per-request failures are contained inside; this is anything else
             self._metrics.error("build_connector_meta", exc)
         return meta
