@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -44,14 +45,20 @@ class StalledTier(Tier):
         return iter([])
 
 
+@contextlib.contextmanager
+def lookups_over(tier: Tier) -> Iterator[tuple[_vllm_lookups.Lookups, Counter]]:
+    """A scheduler's lookups over a store whose one tier is ``tier`` (a network tier), and their outcome counter."""
+    cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "1MiB"},
+                       "tiers": [{"type": "filesystem", "name": tier.name, "path": "/unused"}]})
+    outcomes = Counter("outcomes", "test", ["outcome"], registry=CollectorRegistry())
+    with KVStore(cfg, tiers=[tier], allocate_dram=False) as store:
+        yield _vllm_lookups.Lookups(store, 4, lambda ns, chunk: False, timeout=60, outcomes=outcomes), outcomes
+
+
 def test_lookups_beyond_the_queue_are_answered_inline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_vllm_lookups, "MAX_QUEUED", 2)
     tier = StalledTier()
-    cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "1MiB"},
-                       "tiers": [{"type": "filesystem", "name": "stalled", "path": "/unused"}]})
-    outcomes = Counter("outcomes", "test", ["outcome"], registry=CollectorRegistry())
-    with KVStore(cfg, tiers=[tier], allocate_dram=False) as store:
-        lookups = _vllm_lookups.Lookups(store, 4, lambda ns, chunk: False, timeout=60, outcomes=outcomes)
+    with lookups_over(tier) as (lookups, outcomes):
         try:
             start = time.monotonic()
             held = [lookups.held(f"r{i}", NS, synthetic_tokens(i, 2 * T)) for i in range(10)]
@@ -77,11 +84,7 @@ def test_an_idle_step_waits_briefly_for_a_background_lookup() -> None:
     """With nothing to run, vLLM would plan the next step at once, holding the GIL the lookup threads need: the
     connector waits for them instead, a bounded while, and no longer than the lookup takes."""
     tier = StalledTier()
-    cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "1MiB"},
-                       "tiers": [{"type": "filesystem", "name": "stalled", "path": "/unused"}]})
-    outcomes = Counter("outcomes", "test", ["outcome"], registry=CollectorRegistry())
-    with KVStore(cfg, tiers=[tier], allocate_dram=False) as store:
-        lookups = _vllm_lookups.Lookups(store, 4, lambda ns, chunk: False, timeout=60, outcomes=outcomes)
+    with lookups_over(tier) as (lookups, outcomes):
         try:
             assert lookups.held("r", NS, synthetic_tokens(1, 2 * T)) is None
             start = time.monotonic()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate a
 from kvtier.bench.model import prepare_model  # noqa: E402
 from kvtier.bench.server import free_port  # noqa: E402
 from kvtier.bench.server import post_completion as post  # noqa: E402
+from kvtier.bench.server import stop  # noqa: E402
 
 
 def scrape(ports: range) -> dict[str, float]:
@@ -83,10 +83,5 @@ def test_openai_server_reuses_stored_prefixes(tmp_path: Path, tiers: str) -> Non
         # scheduler's process (lookups only) tells itself apart by its label.
         assert scrape(range(metrics, metrics + 8)) == {"scheduler": 0, "worker": 4}
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop(server)
         log.close()

@@ -35,6 +35,17 @@ def post_completion(port: int, body: dict) -> dict:
         return json.loads(reply.read())
 
 
+def stop(server: subprocess.Popen) -> None:
+    """Stop a server started in a session of its own (``start_new_session``) with every process it started:
+    SIGTERM to its process group, SIGKILL after 60 s."""
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
 def _counter(port: int, name: str) -> float:
     """A vLLM counter from the server's /metrics, summed over its label sets."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
@@ -107,12 +118,7 @@ def _serve(job: dict, work: Path, log: Callable[[str], None], *, kvtier: bool) -
             after = counters()
             queries, hits = after[0] - before[0], after[1] - before[1]
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+            stop(server)
     if not kvtier:
         return {"vLLM prefix-cache hit, API server": times}
     return {"kvtier, API server, DRAM hit (DRAM-only config)": times,
