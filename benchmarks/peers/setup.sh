@@ -8,15 +8,7 @@ cd "$(dirname "$0")"
 REPO=$(cd ../.. && pwd)
 export LMCACHE_TRACK_USAGE=false LMCACHE_LOG_LEVEL=WARNING
 
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-  for cand in python3.11 python3; do
-    if command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-      PY=$cand; break
-    fi
-  done
-fi
-[ -n "$PY" ] || { echo "peers setup: kvtier needs Python 3.11 (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
+source "$REPO/scripts/python311.sh"
 
 VPY=.venv/bin/python
 if [ ! -x "$VPY" ]; then

@@ -80,9 +80,9 @@ def test_lookups_beyond_the_queue_are_answered_inline(monkeypatch: pytest.Monkey
             lookups.close()
 
 
-def test_an_idle_step_waits_briefly_for_a_background_lookup() -> None:
-    """With nothing to run, vLLM would plan the next step at once, holding the GIL the lookup threads need: the
-    connector waits for them instead, a bounded while, and no longer than the lookup takes."""
+def test_waiting_for_background_lookups_is_bounded_and_ends_with_the_lookup() -> None:
+    """What an idle step calls (with nothing to run, vLLM would plan the next step at once, holding the GIL the
+    lookup threads need): a wait bounded by its timeout, and no longer than the lookup takes."""
     tier = StalledTier()
     with lookups_over(tier) as (lookups, outcomes):
         try:
