@@ -11,11 +11,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from kvtier import frame
 from kvtier.config import TierSpec
 from kvtier.dram import DramEntry, DramPool
 from kvtier.errors import TierError
+from kvtier.keys import ShardKey
 from kvtier.metrics import StoreMetrics
 from kvtier.tiers.base import Tier
 
@@ -69,8 +71,10 @@ class CascadeWriter:
     so a slow tier never holds more than that much of the pool.
     """
 
-    def __init__(self, tier: Tier, pool: DramPool, metrics: StoreMetrics, spec: TierSpec) -> None:
+    def __init__(self, tier: Tier, pool: DramPool, metrics: StoreMetrics, spec: TierSpec,
+                 on_stored: Callable[[ShardKey], None] | None = None) -> None:
         self.tier = tier
+        self._on_stored = on_stored  # told of every shard the tier holds after a write (or held already)
         self._pool = pool
         self._metrics = metrics
         self._queue: queue.Queue[DramEntry | None] = queue.Queue(maxsize=spec.queue_depth)
@@ -164,6 +168,8 @@ class CascadeWriter:
         start = time.perf_counter()
         if self._present_in_tier(entry):
             self._present.inc()
+            if self._on_stored is not None:
+                self._on_stored(entry.key)
             return
         try:
             views = self._pool.views(entry)
@@ -181,3 +187,5 @@ class CascadeWriter:
         self._outage.succeeded()
         self._metrics.tier_write_seconds.labels(self.tier.name).observe(time.perf_counter() - start)
         self._metrics.bytes_written.labels(self.tier.name).inc(len(header) + entry.meta.nbytes)
+        if self._on_stored is not None:
+            self._on_stored(entry.key)

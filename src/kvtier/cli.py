@@ -5,6 +5,7 @@
     kvtier cache verify --config FILE [--tier NAME] [--repair]
     kvtier cache purge  --config FILE (--namespace NS | --older-than AGE | --all) [--tier NAME]
     kvtier bench [--quick] [--json PATH] [--shared-tier redis|redis-cluster|s3|mooncake] [--prefix-tokens N]
+    kvtier router --config FILE
 
 The cache commands open the tiers only (no DRAM pool), so they are safe to run beside a serving process.
 """
@@ -182,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefix-tokens", type=_prefix_tokens, metavar="N",
                        help="documents of N tokens (a multiple of 256, 1024 to 32768; e.g. 8192, 16384) instead "
                             "of 4096: the hit phases only, 3 documents asked twice")
+    router = top.add_parser("router", help="a cache-aware OpenAI-compatible router in front of vLLM API servers")
+    router.add_argument("--config", required=True, help="router config (YAML; see the README's 'Running a fleet')")
+    router.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
@@ -201,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvtier.bench.ttft import run
 
         return run(args.quick, args.json, args.work_dir, args.shared_tier, args.prefix_tokens)
+    if args.group == "router":
+        return _router(args)
     try:
         tiers = open_tiers(load_config(args.config))
     except KVTierError as exc:
@@ -214,6 +220,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for tier in tiers:
             tier.close()
+
+
+def _router(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvtier.router.config import load_router_config
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_router_config(args.config)
+    except KVTierError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
+    try:
+        from kvtier.router.app import serve
+    except ImportError as exc:
+        print(f"kvtier: the router needs its extras: pip install 'kvtier[router]' ({exc})", file=sys.stderr)
+        return 2
+    serve(config)
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -158,7 +159,10 @@ class KVStore:
         specs = {spec.name: spec for spec in config.tiers}
         default = TierSpec(type="", name="", options={})  # tiers passed in without a spec
         spec = [specs.get(t.name, default) for t in self.tiers]
-        self._writers = [CascadeWriter(t, self.dram, self.metrics, s) for t, s in zip(self.tiers, spec)]
+        self._tier_watchers: list[list[tuple[ShardKey, str]]] = []
+        self._tier_watch_lock = threading.Lock()
+        self._writers = [CascadeWriter(t, self.dram, self.metrics, s, on_stored=self._tier_stored_hook(t.name))
+                         for t, s in zip(self.tiers, spec)]
         self._read_outage = {t.name: Outage(t.name, "reads", s.retry_seconds) for t, s in zip(self.tiers, spec)}
         self._shapes: OrderedDict[str, _Shape] = OrderedDict()  # namespace id -> its shards' shape, bounded
         self._logged: set[tuple[str, str, str]] = set()  # kinds of contained tier faults already logged
@@ -255,6 +259,27 @@ class KVStore:
                 break
             n += 1
         return n * self.chunk_tokens
+
+    def watch_tier_writes(self) -> int:
+        """Start recording, for one reader, every shard a secondary tier came to hold through the cascade;
+        returns the reader's handle for :meth:`take_tier_writes` (nothing is recorded without a reader)."""
+        with self._tier_watch_lock:
+            self._tier_watchers.append([])
+            return len(self._tier_watchers) - 1
+
+    def take_tier_writes(self, watcher: int) -> list[tuple[ShardKey, str]]:
+        """(shard, tier name) for each cascade write that landed since this reader's last call, in order."""
+        with self._tier_watch_lock:
+            landed, self._tier_watchers[watcher] = self._tier_watchers[watcher], []
+        return landed
+
+    def _tier_stored_hook(self, tier: str) -> Callable[[ShardKey], None]:
+        def stored(key: ShardKey) -> None:
+            if self._tier_watchers:
+                with self._tier_watch_lock:
+                    for landed in self._tier_watchers:
+                        landed.append((key, tier))
+        return stored
 
     def in_dram(self, namespace: str, chunk: str, heads: HeadRange) -> bool:
         """Whether DRAM holds ``heads`` of one chunk (namespace id and chunk key in hex)."""

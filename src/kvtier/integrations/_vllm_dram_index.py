@@ -2,7 +2,8 @@
 with a store of its own, so the scheduler's store never sees the chunks their DRAM holds.
 
 Worker side, :class:`DramReport`: after each step, which chunks this rank's DRAM came to hold whole for the rank's
-heads, and which it no longer holds (evicted, discarded), as :class:`KVTierWorkerMetadata`. vLLM aggregates the
+heads, and which it no longer holds (evicted, discarded), and which shards of this rank's heads the cascade wrote
+into a secondary tier (for the KV events kvtier publishes), as :class:`KVTierWorkerMetadata`. vLLM aggregates the
 reports of every rank and hands them to the scheduler side with the step's output, where :class:`WorkerDram`
 counts a chunk as held only while every tensor-parallel rank holds it. A chunk the index wrongly believes held
 (evicted after the report) costs a failed load, which vLLM recomputes; never wrong KV.
@@ -17,8 +18,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from kvtier.keys import rank_heads
 from kvtier.store import KVStore
 
-# (namespace id, chunk key, tensor-parallel rank, held now?)
-Event = tuple[str, str, int, bool]
+# (namespace id, chunk key, tensor-parallel rank, place, held now?); place is "dram" or a secondary tier's name,
+# whose shards are reported once, when written (a tier's own evictions are not seen here)
+Event = tuple[str, str, int, str, bool]
+DRAM = "dram"
 
 
 @dataclasses.dataclass
@@ -43,23 +46,28 @@ class DramReport:
         self._held: set[tuple[str, str]] = set()  # what the scheduler was told this rank holds
         self._changed: dict[tuple[str, str], None] = {}  # chunks to look at again, in order
         self._watcher = store.dram.watch()  # a reader of its own: other workers sharing the store read theirs
+        self._tier_watcher = store.watch_tier_writes() if store.tiers else None
 
     def take(self, rank: int, size: int, step: int) -> KVTierWorkerMetadata:
         for key, _ in self._store.dram.take_changes(self._watcher):
             self._changed[(key.namespace, key.chunk)] = None
-        if not self._changed:
-            return KVTierWorkerMetadata([], {rank: step})
         heads = rank_heads(self._kv_heads, rank, size)
         events: list[Event] = []
+        if self._tier_watcher is not None:
+            events += [(key.namespace, key.chunk, rank, tier, True)
+                       for key, tier in self._store.take_tier_writes(self._tier_watcher) if key.heads == heads]
+        if not self._changed:
+            return KVTierWorkerMetadata(events, {rank: step})
+        dram: list[Event] = []
         for namespace, chunk in self._changed:
             now = self._store.in_dram(namespace, chunk, heads)
             if now != ((namespace, chunk) in self._held):
-                events.append((namespace, chunk, rank, now))
+                dram.append((namespace, chunk, rank, DRAM, now))
         # Only now, nothing having failed: what this rank says it holds changes with what it reports.
-        for namespace, chunk, _, now in events:
+        for namespace, chunk, _, _, now in dram:
             (self._held.add if now else self._held.discard)((namespace, chunk))
         self._changed.clear()
-        return KVTierWorkerMetadata(events, {rank: step})
+        return KVTierWorkerMetadata(dram + events, {rank: step})
 
 
 class WorkerDram:
@@ -69,14 +77,22 @@ class WorkerDram:
         self._tp = tp_size
         self._ranks: dict[tuple[str, str], set[int]] = {}
 
-    def apply(self, meta: KVConnectorWorkerMetadata | None) -> None:
+    def apply(self, meta: KVConnectorWorkerMetadata | None) -> list[tuple[str, str, bool]]:
+        """Take a step's reports; returns the chunks every rank now holds (True) or no longer all hold (False)."""
         if not isinstance(meta, KVTierWorkerMetadata):
-            return
-        for namespace, chunk, rank, held in meta.events:
+            return []
+        changed: list[tuple[str, str, bool]] = []
+        for namespace, chunk, rank, place, held in meta.events:
+            if place != DRAM:
+                continue
             ranks = self._ranks.setdefault((namespace, chunk), set())
+            was = len(ranks) == self._tp
             (ranks.add if held else ranks.discard)(rank)
+            if (len(ranks) == self._tp) != was:
+                changed.append((namespace, chunk, not was))
             if not ranks:
                 del self._ranks[(namespace, chunk)]
+        return changed
 
     def holds(self, namespace: str, chunk: str) -> bool:
         """Whether every rank holds its heads of this chunk in DRAM (as last reported)."""

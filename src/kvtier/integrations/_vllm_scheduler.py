@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvtier.integrations._vllm_dram_index import KVTierWorkerMetadata, WorkerDram
+from kvtier.integrations._vllm_events import KVEvents
 from kvtier.integrations._vllm_lookups import Lookups
 from kvtier.integrations._vllm_namespace import Namespaces, Skip
 from kvtier.integrations._vllm_shared import ConnectorMetrics
@@ -24,6 +25,7 @@ from kvtier.store import KVStore
 from kvtier.threads import IDLE_WAIT_SECONDS
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -83,8 +85,11 @@ class SchedulerSide:
     """Lookups and plans. Each hook raises what it cannot handle; the connector contains it."""
 
     def __init__(self, store: KVStore, namespaces: Namespaces, metrics: ConnectorMetrics, *, block_size: int,
-                 kv_heads: int, workers: int, tp_size: int, lookup_timeout: float) -> None:
+                 kv_heads: int, workers: int, tp_size: int, lookup_timeout: float, events: bool = False) -> None:
         self._store = store
+        # kvtier's KV events, published with the engine's when vLLM publishes events
+        self._events = KVEvents(store.tiers, tp_size, block_size, store.chunk_tokens) if events else None
+        self._requests: dict[str, Request] = {}  # looked up and not finished: their block hashes name events
         self._worker_dram = WorkerDram(tp_size)  # what the workers' DRAM holds, as they report it
         self._lookups = Lookups(store, kv_heads, self._worker_dram.holds, lookup_timeout, metrics.async_lookups)
         self._names = namespaces
@@ -122,6 +127,8 @@ class SchedulerSide:
             self._metrics.skip(skip.reason, str(skip), rid)
             return 0, False
         self._namespaces[rid] = ns
+        if self._events is not None:
+            self._requests[rid] = request
         tokens = list(request.all_token_ids)
         cap = (len(tokens) - 1) // self._bs * self._bs
         whole = len(tokens) // self._chunk * self._chunk
@@ -153,6 +160,8 @@ class SchedulerSide:
         chunks_end = -(-end // self._chunk) * self._chunk
         self._loads[rid] = Transfer(rid, self._namespaces[rid], hit.tokens[:chunks_end], block_ids, hit.computed,
                                     hit.asynchronous)
+        if self._events is not None:
+            self._events.register(request, self._namespaces[rid], hit.tokens[:chunks_end])
         del self._hits[rid]
 
     def invalidate(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -223,6 +232,9 @@ class SchedulerSide:
         if self._unheard and self._over_unheard(tracked.block_ids[:upto // self._bs], meta.step):
             return  # computed over blocks whose load some worker has not reported yet: planned again next step
         tracked.saved = True
+        request = self._requests.get(rid)
+        if self._events is not None and request is not None:
+            self._events.register(request, tracked.namespace, tracked.tokens[:upto])
         # From the start: the worker skips what the store holds (store.held), which after a failed load
         # excludes the chunks that failed, so they are saved once recomputed.
         meta.saves.append(Transfer(rid, tracked.namespace, tracked.tokens[:upto],
@@ -238,7 +250,9 @@ class SchedulerSide:
         """Learn what the workers' DRAM now holds. Blocks whose load failed are recomputed: save the requests
         holding them again once they are."""
         report = output.kv_connector_worker_meta
-        self._worker_dram.apply(report)
+        changed = self._worker_dram.apply(report)
+        if self._events is not None:
+            self._events.apply(changed, report)
         invalid = output.invalid_block_ids
         if invalid:
             for tracked in self._tracked.values():
@@ -249,8 +263,11 @@ class SchedulerSide:
             heard = min(report.steps.values())  # every worker ran (and reported the failures of) steps up to it
             self._unheard = {block: step for block, step in self._unheard.items() if step > heard}
 
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._events.take() if self._events is not None else []
+
     def finished(self, request_id: str) -> None:
-        for table in (self._tracked, self._namespaces, self._hits, self._loads):
+        for table in (self._tracked, self._namespaces, self._hits, self._loads, self._requests):
             table.pop(request_id, None)
         self._lookups.forget(request_id)
 

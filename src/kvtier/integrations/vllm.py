@@ -39,6 +39,7 @@ from kvtier.integrations._vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -72,6 +73,11 @@ def _check_parallelism(vllm_config: VllmConfig) -> None:
         if size != 1:
             raise ConfigError(f"KVTierConnector: parallel_config.{field} is {size}; kvtier supports tensor and "
                               "data parallelism only (its keys carry heads, not layers or token slices)")
+
+
+def _events_enabled(vllm_config: VllmConfig) -> bool:
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(config is not None and config.enable_kv_cache_events)
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -110,7 +116,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler = None if names is None else SchedulerSide(
             store, names, metrics, block_size=block_size, kv_heads=kv_heads,
             workers=vllm_config.parallel_config.tensor_parallel_size,
-            tp_size=vllm_config.parallel_config.tensor_parallel_size, lookup_timeout=lookup_timeout)
+            tp_size=vllm_config.parallel_config.tensor_parallel_size, lookup_timeout=lookup_timeout,
+            events=_events_enabled(vllm_config))
         self._worker_side = None if role == KVConnectorRole.SCHEDULER else WorkerSide(
             store, metrics, block_size=block_size, kv_heads=kv_heads)
 
@@ -162,6 +169,15 @@ class KVTierConnector(KVConnectorBase_V1):
             self._sched.connector_output(connector_output)
         except Exception as exc:
             self._metrics.error("update_connector_output", exc)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """kvtier's own KV events (what its DRAM and tiers came to hold or lost), published by vLLM with the
+        engine's when ``--kv-events-config`` enables them (:mod:`._vllm_events`)."""
+        try:
+            return self._sched.take_events()
+        except Exception as exc:
+            self._metrics.error("take_events", exc)
+            return []
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         try:

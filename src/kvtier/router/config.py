@@ -1,0 +1,167 @@
+"""The router's configuration: a YAML file validated into frozen dataclasses (errors name the field).
+
+    listen: 127.0.0.1:8000
+    tokenizer: /models/llama-3-8b        # the engines' model directory: tokenizer and chat template
+    block_size: 16                       # the engines' --block-size (all engines the same)
+    policy: cache_aware                  # cache_aware | round_robin | session
+    engines:
+      - name: e0
+        url: http://10.0.0.1:8000
+        kv_events: tcp://10.0.0.1:5557          # the engine's --kv-events-config endpoint, as the router reaches it
+        kv_events_replay: tcp://10.0.0.1:5558   # its replay_endpoint
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import urllib.parse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from kvtier.config import build_dataclass, check_url_port
+from kvtier.errors import ConfigError
+
+Policy = Literal["cache_aware", "round_robin", "session"]
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_ZMQ = re.compile(r"(tcp|ipc|inproc)://.+")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """One vLLM OpenAI API server of the fleet."""
+
+    name: str
+    url: str
+    kv_events: str | None = None  # ZMQ endpoint of the engine's KV events (None: routed without its cache)
+    kv_events_replay: str | None = None  # the engine's replay endpoint: gaps and a router restart are refilled
+    kv_events_bind: bool = False  # the router binds the endpoint (engines configured to connect to it)
+    weight: float = 1.0  # > 1: a faster engine, its predicted times divided by the weight
+
+    def check(self, field: str) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ConfigError(f"{field}.name: 1-64 letters, digits, '_', '.' or '-', got {self.name!r}")
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"{field}.url: expected http://host:port or https://host:port, got {self.url!r}")
+        check_url_port(self.url, f"{field}.url")
+        for name in ("kv_events", "kv_events_replay"):
+            value = getattr(self, name)
+            if value is not None and not _ZMQ.fullmatch(value):
+                raise ConfigError(f"{field}.{name}: expected a ZMQ endpoint (tcp://host:port, ipc://path or "
+                                  f"inproc://name), got {value!r}")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ConfigError(f"{field}.kv_events_replay: set only with kv_events")
+        if not 0 < self.weight <= 100:
+            raise ConfigError(f"{field}.weight: must be in (0, 100], got {self.weight}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = 5.0  # opening a connection to an engine
+    first_byte_s: float = 600.0  # until the engine's first byte (a whole answer, when not streaming)
+    idle_s: float = 120.0  # between two chunks of a stream
+
+    def check(self, field: str) -> None:
+        for f in dataclasses.fields(self):
+            if not 0 < getattr(self, f.name) <= 86400:
+                raise ConfigError(f"{field}.{f.name}: must be in (0, 86400] seconds, got {getattr(self, f.name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Starting points of the cost model, in seconds per token; prefill is calibrated online per engine."""
+
+    prefill_s_per_token: float = 1e-3
+    host_s_per_token: float = 2e-5  # kvtier DRAM on the engine's host
+    disk_s_per_token: float = 4e-5  # an engine-local kvtier tier on storage
+    shared_s_per_token: float = 1e-4  # a shared kvtier tier (Redis, S3, Mooncake)
+    decode_s_per_request: float = 0.01  # what each request decoding on an engine adds to a new request's wait
+
+    def check(self, field: str) -> None:
+        for f in dataclasses.fields(self):
+            if not 0 <= getattr(self, f.name) <= 10:
+                raise ConfigError(f"{field}.{f.name}: must be in [0, 10] seconds, got {getattr(self, f.name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    engines: tuple[EngineConfig, ...]
+    tokenizer: str
+    block_size: int = 16
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: Policy = "cache_aware"
+    session_header: str = "X-Session-ID"
+    timeouts: Timeouts = Timeouts()
+    costs: Costs = Costs()
+    retries: int = 1  # other engines tried when one fails before its first byte
+    health_interval_s: float = 2.0
+    metrics_interval_s: float = 5.0
+    reserve_s: float = 10.0  # how long blocks a routed request will compute count before the engine's events
+
+
+_TOP = {f.name for f in dataclasses.fields(RouterConfig)} - {"host", "port"} | {"listen"}
+
+
+def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) -> RouterConfig:
+    """Validate a mapping, or read a YAML file, into a :class:`RouterConfig`."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            source = yaml.safe_load(path.read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read router config {path}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"router config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(source, Mapping):
+        raise ConfigError(f"router config: expected a mapping, got {type(source).__name__}")
+    unknown = sorted(set(source) - _TOP)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key; allowed: {', '.join(sorted(_TOP))}")
+    raw = dict(source)
+    listen = raw.pop("listen", "127.0.0.1:8000")
+    host, sep, port = str(listen).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"listen: expected host:port with a port in 1-65535, got {listen!r}")
+    engines_raw = raw.pop("engines", None)
+    if not isinstance(engines_raw, list) or not engines_raw:
+        raise ConfigError("engines: required, a list of engines (name, url, kv_events, kv_events_replay)")
+    engines = tuple(build_dataclass(EngineConfig, e, f"engines[{i}]") for i, e in enumerate(engines_raw))
+    names = [e.name for e in engines]
+    for i, name in enumerate(names):
+        if names.index(name) != i:
+            raise ConfigError(f"engines[{i}].name: {name!r} is used twice; give each engine a distinct name")
+    timeouts = build_dataclass(Timeouts, raw.pop("timeouts", {}) or {}, "timeouts")
+    costs = build_dataclass(Costs, raw.pop("costs", {}) or {}, "costs")
+    raw.setdefault("tokenizer", None)
+    if not isinstance(raw["tokenizer"], str) or not raw["tokenizer"]:
+        raise ConfigError("tokenizer: required, the engines' model directory (its tokenizer and chat template)")
+    config = build_dataclass(_Scalars, raw, "")
+    if not 1 <= config.block_size <= 4096:
+        raise ConfigError(f"block_size: must be the engines' --block-size, in [1, 4096], got {config.block_size}")
+    if not 0 <= config.retries <= 16:
+        raise ConfigError(f"retries: must be in [0, 16], got {config.retries}")
+    for name in ("health_interval_s", "metrics_interval_s", "reserve_s"):
+        if not 0 < getattr(config, name) <= 3600:
+            raise ConfigError(f"{name}: must be in (0, 3600] seconds, got {getattr(config, name)}")
+    if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", config.session_header):
+        raise ConfigError(f"session_header: an HTTP header name, got {config.session_header!r}")
+    return RouterConfig(engines=engines, host=host.strip("[]"), port=int(port), timeouts=timeouts, costs=costs,
+                        **dataclasses.asdict(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scalars:
+    tokenizer: str
+    block_size: int = 16
+    policy: Policy = "cache_aware"
+    session_header: str = "X-Session-ID"
+    retries: int = 1
+    health_interval_s: float = 2.0
+    metrics_interval_s: float = 5.0
+    reserve_s: float = 10.0

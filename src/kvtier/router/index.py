@@ -1,0 +1,268 @@
+"""Which engine can serve which prefix, from where: the router's exact index of the fleet's KV blocks.
+
+Blocks are keyed by the router itself, from token ids, never by the engines' hashes: key ``i`` is a BLAKE2b
+digest of key ``i-1``, block ``i``'s token ids and its extra keys (LoRA name, cache salt, multimodal
+identifiers, as vLLM's events carry them). A request's keys come from its tokens the same way, so the index
+needs no agreement on hash algorithm or seed between the router and the engines, only the block size. Each
+engine's hashes map to keys (``BlockRemoved`` names hashes only); entries are reference counts per engine and
+place, since vLLM can store one hash twice and remove it once.
+
+Places, best first: the engine's own memory, then kvtier's host DRAM and local disk on that engine's host, then
+a shared tier (``locality`` REMOTE) that every engine can load from. Blocks the router has just sent a request
+to compute are *reserved* on that engine for a few seconds, so a burst that shares a new prefix sees it before
+the engine's events arrive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+
+import msgpack
+import numpy as np
+
+from kvtier.router.events import BlockHash, Removed, Stored
+
+_ROOT = hashlib.blake2b(b"kvtier-router-blocks/1", digest_size=16).digest()
+
+
+class Place(enum.IntEnum):
+    """Where an engine would take a block from, in order of preference."""
+
+    ENGINE = 0  # the engine's own KV memory (vLLM's prefix cache)
+    HOST = 1  # kvtier's DRAM on the engine's host (medium CPU, LOCAL)
+    DISK = 2  # an engine-local kvtier tier on storage (medium STORAGE, LOCAL)
+    SHARED = 3  # a shared tier (locality REMOTE): every engine can load it
+
+
+def place_of(medium: str | None, locality: str | None) -> Place:
+    if (locality or "").upper() == "REMOTE":
+        return Place.SHARED
+    kind = (medium or "GPU").upper()
+    if kind == "CPU":
+        return Place.HOST
+    if kind == "STORAGE":
+        return Place.DISK
+    return Place.ENGINE
+
+
+def block_key(parent: bytes | None, tokens: Sequence[int], extra: Sequence[object] | None) -> bytes:
+    h = hashlib.blake2b(parent or _ROOT, digest_size=16)
+    h.update(msgpack.packb(list(extra) if extra else [], use_bin_type=True))
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def request_keys(tokens: Sequence[int], block_size: int, *, lora_name: str | None = None,
+                 cache_salt: str | None = None) -> list[bytes]:
+    """The keys of a prompt's whole blocks, as the events of an engine that computed them give them.
+
+    Extra keys follow vLLM: the LoRA name on every block, the cache salt on the first block only."""
+    keys: list[bytes] = []
+    parent: bytes | None = None
+    lora = [lora_name] if lora_name else []
+    for i in range(len(tokens) // block_size):
+        extra = lora + [cache_salt] if i == 0 and cache_salt else lora
+        parent = block_key(parent, tokens[i * block_size:(i + 1) * block_size], extra)
+        keys.append(parent)
+    return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """How an engine would serve a prompt's leading blocks: its own prefix hit, then kvtier's places."""
+
+    engine: int = 0
+    host: int = 0
+    disk: int = 0
+    shared: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.engine + self.host + self.disk + self.shared
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.keys: dict[BlockHash, bytes] = {}  # engine hash -> key
+        self.refs: Counter[BlockHash] = Counter()  # references to a hash over every place
+        self.held: Counter[tuple[BlockHash, Place]] = Counter()
+
+
+@dataclasses.dataclass
+class IndexCounts:
+    """What the index could not use, for the router's metrics."""
+
+    orphans: int = 0  # stored blocks whose parent no engine announced
+    unknown_removals: int = 0  # removals of blocks never announced (or already removed)
+    skipped: Counter[str] = dataclasses.field(default_factory=Counter)  # stored events not indexed, by reason
+
+
+class PrefixIndex:
+    """The fleet's blocks by key, per engine and place, with reservations made at routing time."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._engines: dict[str, _Engine] = defaultdict(_Engine)
+        self._holders: dict[bytes, Counter[tuple[str, Place]]] = {}
+        self._reserved: dict[bytes, dict[str, float]] = {}  # key -> engine -> deadline (monotonic)
+        self.counts = IndexCounts()
+
+    # --- events ---------------------------------------------------------------------------------------------
+    def stored(self, engine: str, event: Stored) -> None:
+        if event.group not in (None, 0):
+            self.counts.skipped["kv_cache_group"] += 1  # hybrid models' other groups: not routed on
+            return
+        state = self._engines[engine]
+        place = place_of(event.medium, event.locality)
+        if not event.token_ids:
+            # Offloading tiers may announce hashes only: the engine announced their tokens before.
+            for h in event.hashes:
+                if h in state.keys:
+                    self._hold(engine, state, h, state.keys[h], place)
+                else:
+                    self.counts.orphans += 1
+            return
+        if event.block_size != self.block_size or len(event.token_ids) != len(event.hashes) * self.block_size:
+            self.counts.skipped["block_size"] += 1  # a partial block, or an engine with another block size
+            return
+        parent_key: bytes | None = None
+        if event.parent is not None:
+            parent_key = self._key_of(engine, event.parent)
+            if parent_key is None:
+                self.counts.orphans += len(event.hashes)
+                return
+        bs = self.block_size
+        for i, h in enumerate(event.hashes):
+            extra = event.extra_keys[i] if event.extra_keys else None
+            parent_key = block_key(parent_key, event.token_ids[i * bs:(i + 1) * bs], extra)
+            self._hold(engine, state, h, parent_key, place)
+
+    def _key_of(self, engine: str, h: BlockHash) -> bytes | None:
+        key = self._engines[engine].keys.get(h)
+        if key is None:
+            # Engines with the same hash settings name the same prefix with the same hash: a parent announced
+            # by another engine (e.g. loaded from a shared tier this engine never computed) still resolves.
+            for other in self._engines.values():
+                if h in other.keys:
+                    return other.keys[h]
+        return key
+
+    def _hold(self, engine: str, state: _Engine, h: BlockHash, key: bytes, place: Place) -> None:
+        state.keys[h] = key
+        state.refs[h] += 1
+        state.held[h, place] += 1
+        self._holders.setdefault(key, Counter())[engine, place] += 1
+
+    def removed(self, engine: str, event: Removed) -> None:
+        if event.group not in (None, 0):
+            return
+        state = self._engines[engine]
+        place = place_of(event.medium, event.locality)
+        for h in event.hashes:
+            if not state.held.get((h, place)):
+                self.counts.unknown_removals += 1
+                continue
+            key = state.keys[h]
+            state.held[h, place] -= 1
+            if not state.held[h, place]:
+                del state.held[h, place]
+            state.refs[h] -= 1
+            if not state.refs[h]:
+                del state.refs[h], state.keys[h]
+            holders = self._holders[key]
+            holders[engine, place] -= 1
+            if not holders[engine, place]:
+                del holders[engine, place]
+                if not holders:
+                    del self._holders[key]
+
+    def clear(self, engine: str, places: Iterable[Place] = tuple(Place)) -> None:
+        """Forget what ``engine`` holds in ``places`` (all of them: it restarted, died or cleared its cache)."""
+        wanted = set(places)
+        state = self._engines.get(engine)
+        if state is None:
+            return
+        for (h, place), n in list(state.held.items()):
+            if place in wanted:
+                self.removed(engine, Removed(hashes=(h,) * n, medium=_MEDIUM[place],
+                                             locality="REMOTE" if place is Place.SHARED else None))
+        if wanted == set(Place):
+            for holders in self._reserved.values():
+                holders.pop(engine, None)
+
+    def blocks(self, engine: str) -> int:
+        """Distinct blocks ``engine`` holds anywhere."""
+        state = self._engines.get(engine)
+        return len(state.refs) if state else 0
+
+    def places(self, engine: str) -> dict[str, int]:
+        """Blocks ``engine`` announced, per place."""
+        counts = dict.fromkeys((p.name.lower() for p in Place), 0)
+        state = self._engines.get(engine)
+        for _, place in (state.held if state else ()):
+            counts[place.name.lower()] += 1
+        return counts
+
+    # --- routing --------------------------------------------------------------------------------------------
+    def reserve(self, engine: str, keys: Sequence[bytes], seconds: float) -> None:
+        """Credit ``engine`` with ``keys`` for ``seconds``: a request routed there is about to compute them."""
+        deadline = time.monotonic() + seconds
+        for key in keys:
+            self._reserved.setdefault(key, {})[engine] = deadline
+
+    def unreserve(self, engine: str, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            holders = self._reserved.get(key)
+            if holders is not None:
+                holders.pop(engine, None)
+                if not holders:
+                    del self._reserved[key]
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, holders in self._reserved.items()
+                    if all(deadline <= now for deadline in holders.values())]:
+            del self._reserved[key]
+
+    def match(self, keys: Sequence[bytes], engines: Sequence[str]) -> dict[str, Match]:
+        """For each engine: its leading run of blocks in its own memory (or reserved there), then the run that
+        kvtier would load (from the engine's host DRAM, its disk, or any shared tier), stopping at the first
+        block it cannot take from anywhere."""
+        now = time.monotonic()
+        result: dict[str, Match] = {}
+        for engine in engines:
+            counts = [0, 0, 0, 0]
+            own = True  # still in the run of the engine's own prefix hit
+            for key in keys:
+                holders = self._holders.get(key)
+                reserved = self._reserved.get(key, {}).get(engine, 0.0) > now
+                if own and (reserved or (holders is not None and holders.get((engine, Place.ENGINE)))):
+                    counts[Place.ENGINE] += 1
+                    continue
+                own = False
+                place = self._best_outside(holders, engine)
+                if place is None:
+                    break
+                counts[place] += 1
+            result[engine] = Match(*counts)
+        return result
+
+    @staticmethod
+    def _best_outside(holders: Counter[tuple[str, Place]] | None, engine: str) -> Place | None:
+        if not holders:
+            return None
+        if holders.get((engine, Place.HOST)):
+            return Place.HOST
+        if holders.get((engine, Place.DISK)):
+            return Place.DISK
+        if any(place is Place.SHARED for _, place in holders):
+            return Place.SHARED
+        return None
+
+
+_MEDIUM = {Place.ENGINE: "GPU", Place.HOST: "CPU", Place.DISK: "STORAGE", Place.SHARED: "STORAGE"}

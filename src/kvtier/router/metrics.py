@@ -1,0 +1,54 @@
+"""The router's Prometheus metrics, under ``kvtier_router_*`` (never the engines' ``vllm:`` names)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("kvtier_router_requests", "Requests routed, by engine, policy reason and outcome",
+                                ["engine", "reason", "outcome"], registry=r)
+        self.retries = Counter("kvtier_router_retries", "Requests sent to another engine after one failed before "
+                               "its first byte, by the engine that failed", ["engine"], registry=r)
+        self.stream_errors = Counter("kvtier_router_stream_errors", "Streams ended with an SSE error event after "
+                                     "their first byte, by engine and cause", ["engine", "cause"], registry=r)
+        self.client_aborts = Counter("kvtier_router_client_aborts", "Requests the client left before the end "
+                                     "(the upstream request is aborted)", ["engine"], registry=r)
+        self.predicted_cached = Counter("kvtier_router_predicted_cached_tokens", "Prompt tokens predicted cached "
+                                        "on the chosen engine, for requests whose answer reported cached_tokens",
+                                        ["engine"], registry=r)
+        self.actual_cached = Counter("kvtier_router_actual_cached_tokens", "Prompt tokens the engine reported "
+                                     "cached (usage.prompt_tokens_details.cached_tokens)", ["engine"], registry=r)
+        self.predictions = Counter("kvtier_router_cache_predictions", "Answers with cached_tokens, by whether the "
+                                   "prediction was exact, over or under", ["engine", "outcome"], registry=r)
+        self.ttft = Histogram("kvtier_router_ttft_seconds", "Time to the first byte of a streamed answer, as the "
+                              "router sees it", ["engine"], registry=r, buckets=_TTFT_BUCKETS)
+        self.predicted_ttft = Histogram("kvtier_router_predicted_ttft_seconds", "Predicted TTFT of the chosen "
+                                        "engine", ["engine"], registry=r, buckets=_TTFT_BUCKETS)
+        self.index_blocks = Gauge("kvtier_router_index_blocks", "Distinct blocks the index credits an engine with",
+                                  ["engine"], registry=r)
+        self.event_batches = Counter("kvtier_router_event_batches", "KV-event batches applied", ["engine"],
+                                     registry=r)
+        self.event_lag = Histogram("kvtier_router_event_lag_seconds", "From a batch's timestamp to its arrival",
+                                   ["engine"], registry=r, buckets=_LAG_BUCKETS)
+        self.event_gaps = Counter("kvtier_router_event_gaps", "KV-event batches missed and not recovered by replay",
+                                  ["engine"], registry=r)
+        self.event_replays = Counter("kvtier_router_event_replays", "Replays asked of an engine's replay socket",
+                                     ["engine"], registry=r)
+        self.event_resets = Counter("kvtier_router_event_resets", "Times an engine's entries were cleared (restart, "
+                                    "death, AllBlocksCleared)", ["engine", "cause"], registry=r)
+        self.event_errors = Counter("kvtier_router_event_errors", "Malformed KV-event messages skipped",
+                                    ["engine", "kind"], registry=r)
+        self.index_unusable = Gauge("kvtier_router_index_unusable", "Stored blocks the index could not place "
+                                    "(orphans, other block sizes), since start", ["reason"], registry=r)
+        self.healthy = Gauge("kvtier_router_engine_healthy", "1 if the engine answers /health", ["engine"],
+                             registry=r)
+        self.prefill_rate = Gauge("kvtier_router_prefill_seconds_per_token", "Calibrated prefill cost",
+                                  ["engine"], registry=r)
+        self.in_flight = Gauge("kvtier_router_in_flight", "Requests sent to an engine and not finished",
+                               ["engine"], registry=r)

@@ -1,0 +1,189 @@
+"""Choosing an engine: predicted time to first token per engine, or round-robin, or session affinity.
+
+Cache-aware routing predicts, for every healthy engine,
+
+    TTFT = wait + prefill_s_per_token x tokens it would compute + load_s_per_token[place] x tokens kvtier loads
+
+where ``wait`` is the router's own account of the engine (the prefill left of requests it sent there and has not
+seen start answering, plus a cost per request decoding there), and takes the smallest. Accounting happens at
+decision time, before any event arrives: the request's blocks are reserved on its engine and its prefill
+counts in that engine's wait at once. Prefill cost per token is calibrated per engine, online, from the
+engines' own prefill counters and from the first bytes the router sees.
+
+Nothing here does I/O: the proxy calls :meth:`Router.decide`, then :meth:`Router.started` /
+:meth:`Router.first_byte` / :meth:`Router.finished` as the request goes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import time
+from collections.abc import Sequence
+
+from kvtier.router.config import Costs, RouterConfig
+from kvtier.router.index import Match, PrefixIndex, request_keys
+from kvtier.router.prompts import Prompt
+
+_EWMA = 0.3  # weight of a new calibration sample
+
+
+@dataclasses.dataclass
+class Flight:
+    """One request the router sent to an engine and has not seen finish."""
+
+    engine: str
+    prefill_s: float
+    load_s: float
+    wait_s: float
+    uncached: int
+    reserved: Sequence[bytes] = ()  # blocks credited to the engine before its events
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    answering: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    engine: str
+    reason: str  # prefix | load | no_prefix | round_robin | session | unindexed
+    match: Match
+    predicted_cached: int  # tokens the engine should find cached (what vLLM reports as cached_tokens)
+    predicted_s: float
+    uncached: int
+    load_s: float
+    wait_s: float
+
+
+class EngineState:
+    def __init__(self, name: str, costs: Costs, weight: float) -> None:
+        self.name = name
+        self.weight = weight
+        self.healthy = False
+        self.prefill_s_per_token = costs.prefill_s_per_token
+        self.base_s = 0.0  # what a request costs beyond prefill and loads (scheduling, one decode step, HTTP)
+        self.flights: dict[int, Flight] = {}
+
+    def wait_s(self, costs: Costs, now: float) -> float:
+        queued = sum(max(0.0, f.prefill_s + f.load_s - (now - f.started)) for f in self.flights.values()
+                     if not f.answering)
+        decoding = sum(1 for f in self.flights.values() if f.answering)
+        return queued + decoding * costs.decode_s_per_request
+
+    def calibrate_prefill(self, seconds_per_token: float) -> None:
+        if 0 < seconds_per_token < 1:
+            self.prefill_s_per_token += _EWMA * (seconds_per_token - self.prefill_s_per_token)
+
+
+class Router:
+    """The fleet as the policy sees it: engine states, the prefix index, the configured costs."""
+
+    def __init__(self, config: RouterConfig, index: PrefixIndex) -> None:
+        self.config = config
+        self.index = index
+        self.engines = {e.name: EngineState(e.name, config.costs, e.weight) for e in config.engines}
+        self._next = itertools.count()
+        self._ids = itertools.count()
+
+    def healthy(self) -> list[str]:
+        return [name for name, e in self.engines.items() if e.healthy]
+
+    def keys(self, prompt: Prompt) -> list[bytes]:
+        return request_keys(prompt.tokens, self.config.block_size, lora_name=prompt.lora_name,
+                            cache_salt=prompt.cache_salt)
+
+    def decide(self, prompt: Prompt | None, session: str | None = None) -> list[Decision]:
+        """Healthy engines in the order to try them; empty when none is healthy."""
+        names = self.healthy()
+        if not names:
+            return []
+        keys = self.keys(prompt) if prompt is not None else []
+        matches = self.index.match(keys, names) if keys else {n: Match() for n in names}
+        n_tokens = len(prompt.tokens) if prompt is not None else 0
+        now = time.monotonic()
+        costed = {n: self._cost(self.engines[n], matches[n], n_tokens, now) for n in names}
+        policy = self.config.policy
+        if policy == "round_robin" or (policy == "session" and not session):
+            start = next(self._next) % len(names)
+            order = names[start:] + names[:start]
+            reason = "round_robin"
+        elif policy == "session":
+            assert session is not None
+            # Rendezvous hashing: a session keeps its engine while that engine is healthy, and only the
+            # sessions of an engine that leaves move.
+            order = sorted(names, key=lambda n: hashlib.blake2b(f"{session}\0{n}".encode(), digest_size=8).digest(),
+                           reverse=True)
+            reason = "session"
+        else:
+            tie = next(self._next)
+            order = sorted(names, key=lambda n: (round(costed[n][0], 4), len(self.engines[n].flights),
+                                                 (names.index(n) - tie) % len(names)))
+            best_blocks = max(m.blocks for m in matches.values())
+            first = matches[order[0]].blocks
+            reason = ("unindexed" if prompt is None else "no_prefix" if best_blocks == 0
+                      else "prefix" if first == best_blocks else "load")
+        return [Decision(engine=n, reason=reason if i == 0 else "retry", match=matches[n],
+                         predicted_cached=costed[n][1], predicted_s=costed[n][0], uncached=costed[n][2],
+                         load_s=costed[n][3], wait_s=costed[n][4]) for i, n in enumerate(order)]
+
+    def _cost(self, engine: EngineState, match: Match, n_tokens: int,
+              now: float) -> tuple[float, int, int, float, float]:
+        """(predicted seconds, cached tokens, tokens to compute, load seconds, wait seconds)."""
+        bs = self.config.block_size
+        costs = self.config.costs
+        # vLLM never takes the prompt's last token from a cache: it computes at least one token.
+        cap = max(0, (n_tokens - 1) // bs * bs)
+        cached = min(match.blocks * bs, cap)
+        own = min(match.engine * bs, cached)
+        left = cached - own
+        load_s = 0.0
+        for blocks, rate in ((match.host, costs.host_s_per_token), (match.disk, costs.disk_s_per_token),
+                             (match.shared, costs.shared_s_per_token)):
+            tokens = min(blocks * bs, left)
+            load_s += tokens * rate
+            left -= tokens
+        uncached = n_tokens - cached
+        wait = engine.wait_s(costs, now)
+        seconds = wait + (engine.base_s + uncached * engine.prefill_s_per_token + load_s) / engine.weight
+        return seconds, cached, uncached, load_s, wait
+
+    # --- the request's life ---------------------------------------------------------------------------------
+    def started(self, decision: Decision, keys: Sequence[bytes]) -> int:
+        """Account the request on its engine at once; returns its flight id."""
+        engine = self.engines[decision.engine]
+        flight_id = next(self._ids)
+        reserved = keys[decision.match.engine:]
+        engine.flights[flight_id] = Flight(
+            engine=decision.engine, prefill_s=decision.uncached * engine.prefill_s_per_token / engine.weight,
+            load_s=decision.load_s, wait_s=decision.wait_s, uncached=decision.uncached, reserved=reserved)
+        if reserved:
+            self.index.reserve(decision.engine, reserved, self.config.reserve_s)
+        return flight_id
+
+    def first_byte(self, engine: str, flight_id: int, ttft_s: float) -> None:
+        """The engine started answering a streamed request after ``ttft_s``: it left the queue, and when nothing
+        was ahead of it, its TTFT calibrates the engine's base cost and prefill cost per token."""
+        state = self.engines[engine]
+        flight = state.flights.get(flight_id)
+        if flight is None:
+            return
+        flight.answering = True
+        if flight.wait_s > 0.1 * ttft_s:
+            return  # queued behind others: says little about prefill speed
+        spent = ttft_s - flight.load_s
+        if flight.uncached < self.config.block_size:
+            state.base_s += _EWMA * (max(0.0, spent) - state.base_s)
+        else:
+            state.calibrate_prefill((spent - state.base_s) * state.weight / flight.uncached)
+
+    def finished(self, engine: str, flight_id: int, computed: bool = True) -> None:
+        """The request ended; ``computed`` False: it failed or was refused, so its blocks will not appear."""
+        flight = self.engines[engine].flights.pop(flight_id, None)
+        if flight is not None and not computed and flight.reserved:
+            self.index.unreserve(engine, flight.reserved)
+
+    def lost(self, engine: str) -> None:
+        """The engine failed or stopped answering: route around it and forget what it held until it is back."""
+        state = self.engines[engine]
+        state.healthy = False
+        self.index.clear(engine)

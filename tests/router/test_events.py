@@ -1,0 +1,145 @@
+"""The KV-event wire format (both shapes, encoded by vLLM's own classes) and one engine's stream put in order."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from kvtier.router.events import Batch, Cleared, EventError, Feed, Removed, Stored, decode_batch
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+msgspec = pytest.importorskip("msgspec")
+
+
+def vllm_payload(*events: object, ts: float = 1.0) -> bytes:
+    """A batch exactly as vLLM's ZMQ publisher encodes it."""
+    return msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=ts, events=list(events)))
+
+
+def test_map_form_from_vllm_decodes_every_field():
+    stored = kv_events.BlockStored(block_hashes=[11, 12], parent_block_hash=10, token_ids=list(range(8)),
+                                   block_size=4, lora_id=None, medium="GPU", lora_name=None,
+                                   extra_keys=[("salt-a",), None], group_idx=0)
+    removed = kv_events.BlockRemoved(block_hashes=[12], medium="CPU", locality="LOCAL", ownership="kvtier:dram")
+    batch, ignored = decode_batch(vllm_payload(stored, removed, kv_events.AllBlocksCleared(), ts=5.5))
+    assert ignored == 0 and batch.ts == 5.5
+    assert batch.events == (
+        Stored(hashes=(11, 12), parent=10, token_ids=tuple(range(8)), block_size=4, medium="GPU",
+               extra_keys=(["salt-a"], None), group=0),
+        Removed(hashes=(12,), medium="CPU", locality="LOCAL", ownership="kvtier:dram"),
+        Cleared())
+
+
+def test_defaults_omitted_by_vllm_read_as_none():
+    # omit_defaults: a BlockRemoved with only its required fields; a bytes hash (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)
+    removed = kv_events.BlockRemoved(block_hashes=[b"\x01" * 32], medium=None)
+    batch, _ = decode_batch(vllm_payload(removed))
+    assert batch.events == (Removed(hashes=(b"\x01" * 32,)),)
+
+
+def test_array_form_of_older_engines():
+    payload = msgpack.packb([2.0, [["BlockStored", [1], None, [5, 6], 2, None, "GPU"],
+                                   ["BlockRemoved", [1], "GPU"], ["AllBlocksCleared"]], 0])
+    batch, ignored = decode_batch(payload)
+    assert ignored == 0 and batch.dp_rank == 0
+    assert batch.events == (Stored(hashes=(1,), parent=None, token_ids=(5, 6), block_size=2, medium="GPU"),
+                            Removed(hashes=(1,), medium="GPU"), Cleared())
+
+
+def test_unknown_event_types_are_counted_not_fatal():
+    payload = msgpack.packb([1.0, [{"type": "SomethingNew", "x": 1}, {"type": "AllBlocksCleared"}]])
+    batch, ignored = decode_batch(payload)
+    assert ignored == 1 and batch.events == (Cleared(),)
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0, "x"]),
+    msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1.5], "parent_block_hash": None,
+                          "token_ids": [1], "block_size": 1}]]),
+    msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                          "token_ids": ["a"], "block_size": 1}]]),
+    msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                          "token_ids": [1, 2], "block_size": 1, "extra_keys": [None]}]]),
+    msgpack.packb([1.0, [["BlockRemoved", [1], "GPU", 0, None, None, "too", "many"]]]),
+    msgpack.packb([1.0, [42]]),
+])
+def test_malformed_batches_raise_event_error(payload):
+    with pytest.raises(EventError):
+        decode_batch(payload)
+
+
+class Recorder:
+    def __init__(self):
+        self.applied: list[float] = []
+        self.clears = 0
+        self.gaps: list[int] = []
+
+    def feed(self) -> Feed:
+        return Feed(apply=lambda b: self.applied.append(b.ts), clear=self._clear, on_gap=self.gaps.append)
+
+    def _clear(self):
+        self.clears += 1
+
+
+def b(seq: int) -> Batch:
+    return Batch(ts=float(seq), events=())
+
+
+def test_feed_joins_by_replaying_from_zero_then_applies_in_order():
+    r = Recorder()
+    feed = r.feed()
+    assert feed.live(5, b(5)) == 0  # joined a running engine: ask for everything it buffered
+    assert feed.live(6, b(6)) is None  # held while the replay is out
+    feed.replayed([(s, b(s)) for s in range(0, 7)])
+    assert r.applied == [0, 1, 2, 3, 4, 5, 6] and r.gaps == []
+    # the live socket then brings what the replay already applied: duplicates, not a restart
+    assert feed.live(5, b(5)) is None and feed.live(6, b(6)) is None
+    assert feed.live(7, b(7)) is None
+    assert r.applied[-1] == 7 and r.clears == 0
+
+
+def test_feed_gap_is_replayed_and_lost_batches_are_counted():
+    r = Recorder()
+    feed = r.feed()
+    feed.live(0, b(0))
+    feed.replayed([(0, b(0))])
+    assert feed.live(1, b(1)) is None
+    assert feed.live(4, b(4)) == 2  # 2 and 3 missing
+    feed.replayed([(3, b(3)), (4, b(4))])  # the engine's buffer no longer has 2
+    assert r.applied == [0, 1, 3, 4] and r.gaps == [1]
+    feed.live(5, b(5))
+    assert r.applied[-1] == 5
+
+
+def test_feed_sequence_going_back_is_a_restart_and_clears():
+    r = Recorder()
+    feed = r.feed()
+    feed.live(0, b(0))
+    feed.replayed([])
+    for s in range(1, 10):
+        feed.live(s, b(s))
+    # 7 after 9 with no replay in between: a new engine process whose first batches were missed
+    assert feed.live(7, b(107)) == 0
+    assert r.clears == 1
+    feed.replayed([(s, b(100 + s)) for s in range(8)])
+    assert r.applied[10:] == [100 + s for s in range(8)]
+
+
+def test_feed_restart_at_zero():
+    r = Recorder()
+    feed = r.feed()
+    feed.live(0, b(0))
+    feed.replayed([])
+    feed.live(1, b(1))
+    assert feed.live(0, b(100)) == 0  # a new process: seq 0 again
+    assert r.clears == 1
+    feed.replayed([(0, b(100))])
+    assert r.applied == [0, 1, 100]
+
+
+def test_feed_without_replay_answer_applies_what_it_holds():
+    r = Recorder()
+    feed = r.feed()
+    assert feed.live(3, b(3)) == 0
+    feed.replayed([])  # the replay socket gave nothing in time
+    assert r.applied == [3] and r.gaps == [3]

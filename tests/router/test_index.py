@@ -1,0 +1,138 @@
+"""The router's index fed with events as vLLM builds them: hashes from vLLM's own hashing code, extra keys from
+vLLM's own conversion; reference counts, places, orphans, clears and reservations."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvtier.router.events import Removed, Stored
+from kvtier.router.index import Match, Place, PrefixIndex, request_keys
+
+kvu = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+hashing = pytest.importorskip("vllm.utils.hashing")
+
+BS = 4
+
+
+def vllm_blocks(tokens, *, salt=None, lora=None, hash_name="sha256_cbor"):
+    """(event hashes, event extra keys) of a prompt's full blocks, computed by vLLM's own functions."""
+    fn = hashing.get_hash_fn_by_name(hash_name)
+    kvu.init_none_hash(fn)
+    hashes, extras, parent = [], [], None
+    for i in range(len(tokens) // BS):
+        tagged = []
+        if lora:
+            tagged.append(("lora", lora, "/adapters/" + lora))
+        if i == 0 and salt:
+            tagged.append(("cache_salt", salt))
+        tagged_keys = tuple(tagged) or None
+        parent = kvu.hash_block_tokens(fn, parent, tokens[i * BS:(i + 1) * BS], tagged_keys)
+        hashes.append(kvu.maybe_convert_block_hash(parent))
+        extras.append(tagged_keys)
+    return hashes, kvu.to_event_extra_keys(extras)
+
+
+def stored(tokens, start=0, end=None, *, salt=None, lora=None, medium="GPU", locality=None):
+    hashes, extras = vllm_blocks(tokens, salt=salt, lora=lora)
+    end = len(hashes) if end is None else end
+    return Stored(hashes=tuple(hashes[start:end]), parent=hashes[start - 1] if start else None,
+                  token_ids=tuple(tokens[start * BS:end * BS]), block_size=BS, lora_name=lora, medium=medium,
+                  extra_keys=tuple(extras[start:end]) if extras else None, locality=locality)
+
+
+TOKENS = list(range(100, 124))  # 6 blocks
+
+
+def test_keys_from_vllm_events_equal_the_routers_keys_for_the_same_prompt():
+    index = PrefixIndex(BS)
+    index.stored("e0", stored(TOKENS, 0, 2))
+    index.stored("e0", stored(TOKENS, 2, 5))  # a later event chains through the first one's hashes
+    keys = request_keys(TOKENS + [1, 2], BS)
+    assert index.match(keys, ["e0", "e1"]) == {"e0": Match(engine=5), "e1": Match()}
+    other = request_keys(TOKENS[:8] + [9] * 16, BS)
+    assert index.match(other, ["e0"])["e0"] == Match(engine=2)
+
+
+def test_salt_and_lora_only_match_their_own_namespace():
+    index = PrefixIndex(BS)
+    index.stored("e0", stored(TOKENS, salt="tenant-a"))
+    index.stored("e1", stored(TOKENS, lora="sql"))
+    for kw, want in [({}, {}), ({"cache_salt": "tenant-a"}, {"e0": 6}), ({"cache_salt": "tenant-b"}, {}),
+                     ({"lora_name": "sql"}, {"e1": 6}), ({"lora_name": "sql", "cache_salt": "tenant-a"}, {})]:
+        got = index.match(request_keys(TOKENS, BS, **kw), ["e0", "e1"])
+        assert {e: m.blocks for e, m in got.items() if m.blocks} == want, kw
+
+
+def test_reference_counts_a_hash_stored_twice_and_removed_once():
+    index = PrefixIndex(BS)
+    index.stored("e0", stored(TOKENS, 0, 3))
+    index.stored("e0", stored(TOKENS, 0, 3))  # vLLM does not dedupe
+    hashes, _ = vllm_blocks(TOKENS)
+    index.removed("e0", Removed(hashes=tuple(hashes[:3]), medium="GPU"))
+    keys = request_keys(TOKENS, BS)
+    assert index.match(keys, ["e0"])["e0"] == Match(engine=3)
+    index.removed("e0", Removed(hashes=(hashes[1],), medium="GPU"))
+    assert index.match(keys, ["e0"])["e0"] == Match(engine=1)  # stops at the removed block
+    index.removed("e0", Removed(hashes=(hashes[1],), medium="GPU"))
+    assert index.counts.unknown_removals == 1
+
+
+def test_places_and_the_shared_tier_credits_every_engine():
+    index = PrefixIndex(BS)
+    index.stored("e0", stored(TOKENS, 0, 2))  # engine memory
+    index.stored("e0", stored(TOKENS, 0, 3, medium="CPU", locality="LOCAL"))  # kvtier DRAM
+    index.stored("e0", stored(TOKENS, 0, 4, medium="STORAGE", locality="LOCAL"))  # kvtier disk
+    index.stored("e0", stored(TOKENS, 0, 6, medium="STORAGE", locality="REMOTE"))  # kvtier Redis
+    got = index.match(request_keys(TOKENS, BS), ["e0", "e1"])
+    assert got["e0"] == Match(engine=2, host=1, disk=1, shared=2)
+    assert got["e1"] == Match(shared=6)  # loads all of it from the shared tier
+    index.clear("e0", [Place.SHARED])
+    assert index.match(request_keys(TOKENS, BS), ["e1"])["e1"] == Match()
+
+
+def test_remove_by_medium_leaves_other_places():
+    index = PrefixIndex(BS)
+    hashes, _ = vllm_blocks(TOKENS)
+    index.stored("e0", stored(TOKENS, 0, 3))
+    index.stored("e0", Stored(hashes=tuple(hashes[:3]), parent=None, token_ids=(), block_size=0, medium="CPU"))
+    index.removed("e0", Removed(hashes=tuple(hashes[:3]), medium="GPU"))
+    assert index.match(request_keys(TOKENS, BS), ["e0"])["e0"] == Match(host=3)
+
+
+def test_orphans_are_counted_not_credited_and_other_block_sizes_skipped():
+    index = PrefixIndex(BS)
+    index.stored("e0", stored(TOKENS, 2, 4))  # parent never announced
+    assert index.counts.orphans == 2
+    assert index.match(request_keys(TOKENS, BS), ["e0"])["e0"] == Match()
+    index.stored("e0", Stored(hashes=(1,), parent=None, token_ids=tuple(range(8)), block_size=8))
+    assert index.counts.skipped["block_size"] == 1
+
+
+def test_parent_announced_by_another_engine_resolves():
+    index = PrefixIndex(BS)
+    index.stored("e0", stored(TOKENS, 0, 2))
+    index.stored("e1", stored(TOKENS, 2, 4, medium="STORAGE", locality="REMOTE"))
+    assert index.match(request_keys(TOKENS, BS), ["e1"])["e1"] == Match()  # block 0-1 are only on e0's memory
+    index.stored("e1", stored(TOKENS, 0, 2, medium="STORAGE", locality="REMOTE"))
+    assert index.match(request_keys(TOKENS, BS), ["e0"])["e0"] == Match(engine=2, shared=2)
+
+
+def test_clear_forgets_one_engine():
+    index = PrefixIndex(BS)
+    index.stored("e0", stored(TOKENS))
+    index.stored("e1", stored(TOKENS))
+    index.clear("e0")
+    got = index.match(request_keys(TOKENS, BS), ["e0", "e1"])
+    assert got == {"e0": Match(), "e1": Match(engine=6)} and index.blocks("e0") == 0
+
+
+def test_reservations_count_until_they_expire():
+    index = PrefixIndex(BS)
+    keys = request_keys(TOKENS, BS)
+    index.reserve("e1", keys[:4], seconds=0.2)
+    assert index.match(keys, ["e1"])["e1"] == Match(engine=4)
+    time.sleep(0.25)
+    index.expire()
+    assert index.match(keys, ["e1"])["e1"] == Match()

@@ -1,0 +1,156 @@
+"""Routing decisions from the index and the router's own accounting (no I/O)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.router.config import load_router_config
+from kvtier.router.events import Stored
+from kvtier.router.index import PrefixIndex, block_key
+from kvtier.router.policy import Router
+from kvtier.router.prompts import Prompt
+
+BS = 16
+
+
+def make(policy="cache_aware", engines=("e0", "e1"), **costs) -> Router:
+    config = load_router_config({
+        "tokenizer": "/unused", "block_size": BS, "policy": policy,
+        "engines": [{"name": n, "url": f"http://127.0.0.1:{8100 + i}"} for i, n in enumerate(engines)],
+        "costs": {"prefill_s_per_token": 1e-3, "decode_s_per_request": 0.01, **costs}})
+    router = Router(config, PrefixIndex(BS))
+    for state in router.engines.values():
+        state.healthy = True
+    return router
+
+
+def hold(router: Router, engine: str, tokens, medium="GPU", locality=None) -> None:
+    """Announce ``tokens``' whole blocks on ``engine`` as its events would."""
+    parent = None
+    for i in range(len(tokens) // BS):
+        block = tuple(tokens[i * BS:(i + 1) * BS])
+        h = hash(("h", engine, tuple(tokens[:(i + 1) * BS])))
+        router.index.stored(engine, Stored(hashes=(h,), parent=parent, token_ids=block, block_size=BS,
+                                           medium=medium, locality=locality))
+        parent = h
+
+
+DOC = list(range(1000, 1000 + 64 * BS))  # 1,024 tokens
+
+
+def test_goes_where_the_prefix_is_and_predicts_vllms_cached_tokens():
+    router = make()
+    hold(router, "e1", DOC)
+    first = router.decide(Prompt(DOC + [1, 2, 3]))[0]
+    assert (first.engine, first.reason, first.predicted_cached) == ("e1", "prefix", 64 * BS)
+    # asked again exactly: vLLM computes the last token, so the last block is not a hit
+    assert router.decide(Prompt(DOC))[0].predicted_cached == 63 * BS
+
+
+def test_a_burst_sharing_a_new_prefix_does_not_all_land_on_one_engine():
+    router = make()
+    order = []
+    flights = []
+    for i in range(6):
+        decision = router.decide(Prompt(DOC + [i] * 20))[0]
+        flights.append((decision.engine, router.started(decision, router.keys(Prompt(DOC + [i] * 20)))))
+        order.append((decision.engine, decision.reason))
+    # The first computes the prefix. The second finds it reserved on e0, behind 1 s of prefill, and computing
+    # it on the idle e1 is as fast: it goes there. From then on both hold it and the load decides.
+    assert order[:2] == [("e0", "no_prefix"), ("e1", "load")]
+    assert all(reason == "prefix" for _, reason in order[2:]), order
+    assert Counter(e for e, _ in order) == {"e0": 3, "e1": 3}
+    for engine, flight in flights:
+        router.finished(engine, flight)
+
+
+def test_a_prefix_in_a_shared_tier_spreads_over_the_fleet():
+    router = make(shared_s_per_token=1e-5)
+    hold(router, "e0", DOC)
+    hold(router, "e0", DOC, medium="STORAGE", locality="REMOTE")
+    engines = []
+    for i in range(8):
+        prompt = Prompt(DOC + [i] * 20)
+        decision = router.decide(prompt)[0]
+        router.started(decision, router.keys(prompt))  # none finishes: the load builds up
+        engines.append(decision.engine)
+    assert set(engines) == {"e0", "e1"} and max(Counter(engines).values()) <= 5
+
+
+def test_without_a_shared_tier_a_busy_holder_still_loses_to_an_idle_engine_eventually():
+    router = make()
+    hold(router, "e0", DOC)
+    engines = []
+    for i in range(40):
+        prompt = Prompt(DOC + [i] * 200)
+        decision = router.decide(prompt)[0]
+        router.started(decision, router.keys(prompt))
+        engines.append(decision.engine)
+    assert engines[0] == "e0" and "e1" in engines
+
+
+def test_round_robin_and_session_affinity():
+    router = make("round_robin", engines=("a", "b", "c"))
+    assert [router.decide(Prompt(DOC))[0].engine for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    router = make("session", engines=("a", "b", "c"))
+    picks = {s: router.decide(Prompt(DOC), session=s)[0].engine for s in ("u1", "u2", "u3", "u4", "u5", "u6")}
+    assert all(router.decide(Prompt([1]), session=s)[0].engine == e for s, e in picks.items())
+    lost = picks["u1"]
+    router.engines[lost].healthy = False
+    moved = {s: router.decide(Prompt(DOC), session=s)[0].engine for s in picks}
+    assert all(moved[s] == e for s, e in picks.items() if e != lost)  # only the lost engine's sessions move
+    assert lost not in moved.values()
+
+
+def test_unhealthy_engines_are_not_candidates_and_none_healthy_gives_nothing():
+    router = make()
+    router.engines["e0"].healthy = False
+    assert [d.engine for d in router.decide(Prompt(DOC))] == ["e1"]
+    router.engines["e1"].healthy = False
+    assert router.decide(Prompt(DOC)) == []
+
+
+def test_lost_engine_is_forgotten():
+    router = make()
+    hold(router, "e0", DOC)
+    router.lost("e0")
+    router.engines["e0"].healthy = True
+    assert router.decide(Prompt(DOC + [1]))[0].match.blocks == 0
+
+
+def test_first_byte_calibrates_prefill_cost():
+    router = make()
+    prompt = Prompt(DOC)
+    decision = router.decide(prompt)[0]
+    flight = router.started(decision, router.keys(prompt))
+    router.first_byte(decision.engine, flight, ttft_s=0.5)  # 1,024 tokens in 0.5 s, nothing ahead
+    assert router.engines[decision.engine].prefill_s_per_token < 1e-3
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"engines": []}, "engines"),
+    ({"engines": [{"name": "a", "url": "ftp://x"}]}, "engines[0].url"),
+    ({"engines": [{"name": "a", "url": "http://x:1", "kv_events": "udp://x"}]}, "engines[0].kv_events"),
+    ({"engines": [{"name": "a", "url": "http://x:1"}, {"name": "a", "url": "http://y:1"}]}, "engines[1].name"),
+    ({"policy": "fastest"}, "policy"),
+    ({"listen": "8000"}, "listen"),
+    ({"block_size": 0}, "block_size"),
+    ({"timeouts": {"idle_s": 0}}, "timeouts.idle_s"),
+    ({"costs": {"prefill_s_per_token": -1}}, "costs.prefill_s_per_token"),
+    ({"colour": "blue"}, "colour"),
+    ({"tokenizer": ""}, "tokenizer"),
+])
+def test_config_errors_name_the_field(patch, field):
+    base = {"tokenizer": "/m", "engines": [{"name": "a", "url": "http://127.0.0.1:1"}]}
+    with pytest.raises(ConfigError, match="^" + re.escape(field)):
+        load_router_config({**base, **patch})
+
+
+def test_block_key_depends_on_parent_tokens_and_extras():
+    a = block_key(None, [1, 2], None)
+    assert a == block_key(None, [1, 2], [])
+    assert len({a, block_key(a, [1, 2], None), block_key(None, [1, 3], None), block_key(None, [1, 2], ["s"])}) == 4
