@@ -31,7 +31,8 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-_SECRET_FIELDS = ("secret", "password", "token", "credential")
+_SECRET_FIELDS = ("secret", "password", "passwd", "credential")
+_SECRET_PARTS = ("token", "key")  # whole parts of a name: auth_token, api_key; not chunk_tokens, key_prefix
 _URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]*")
 _SECRET_QUERY = re.compile(r"(?i)((?:password|passwd|secret|token|access_key|secret_key)=)[^&#\s'\"]*")
 
@@ -58,7 +59,9 @@ def redact(text: str) -> str:
 def shown(field: str, value: object) -> str:
     """How a config value appears in an error: secrets never, URLs without their password."""
     name = field.rpartition(".")[2].lower()
-    if any(word in name for word in _SECRET_FIELDS):
+    parts = re.split(r"[_\-]", name)
+    if any(word in name for word in _SECRET_FIELDS) or (parts[-1] in _SECRET_PARTS and len(parts) > 1) \
+            or name in ("token", "apikey", "api_key"):
         return "<redacted>"
     return redact(repr(value))
 
@@ -127,6 +130,12 @@ def _coerce(tp: Any, value: object, field: str, size: bool) -> object:
         return parse_size(value, field)
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads 2e-5 (no dot) as a string: take it as the number it is meant to be
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{field}: expected {_describe(tp)}, got {shown(field, value)}") from None
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         if not math.isfinite(value):
             raise ConfigError(f"{field}: must be a finite number, got {value!r}")

@@ -136,3 +136,13 @@ def test_reservations_count_until_they_expire():
     time.sleep(0.25)
     index.expire()
     assert index.match(keys, ["e1"])["e1"] == Match()
+
+
+def test_a_reservation_ends_when_the_engine_announces_the_block():
+    index = PrefixIndex(BS)
+    keys = request_keys(TOKENS, BS)
+    index.reserve("e0", keys, seconds=60)
+    index.stored("e0", stored(TOKENS))
+    hashes, _ = vllm_blocks(TOKENS)
+    index.removed("e0", Removed(hashes=tuple(hashes[3:]), medium="GPU"))  # evicted: no longer credited
+    assert index.match(keys, ["e0"])["e0"] == Match(engine=3)

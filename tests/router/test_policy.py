@@ -21,7 +21,7 @@ def make(policy="cache_aware", engines=("e0", "e1"), **costs) -> Router:
     config = load_router_config({
         "tokenizer": "/unused", "block_size": BS, "policy": policy,
         "engines": [{"name": n, "url": f"http://127.0.0.1:{8100 + i}"} for i, n in enumerate(engines)],
-        "costs": {"prefill_s_per_token": 1e-3, "decode_s_per_request": 0.01, **costs}})
+        "costs": {"prefill_tokens_per_s": 1000, "decode_s_per_request": 0.01, **costs}})
     router = Router(config, PrefixIndex(BS))
     for state in router.engines.values():
         state.healthy = True
@@ -69,7 +69,7 @@ def test_a_burst_sharing_a_new_prefix_does_not_all_land_on_one_engine():
 
 
 def test_a_prefix_in_a_shared_tier_spreads_over_the_fleet():
-    router = make(shared_s_per_token=1e-5)
+    router = make(shared_tokens_per_s=100_000)
     hold(router, "e0", DOC)
     hold(router, "e0", DOC, medium="STORAGE", locality="REMOTE")
     engines = []
@@ -140,7 +140,8 @@ def test_first_byte_calibrates_prefill_cost():
     ({"listen": "8000"}, "listen"),
     ({"block_size": 0}, "block_size"),
     ({"timeouts": {"idle_s": 0}}, "timeouts.idle_s"),
-    ({"costs": {"prefill_s_per_token": -1}}, "costs.prefill_s_per_token"),
+    ({"costs": {"prefill_tokens_per_s": 0}}, "costs.prefill_tokens_per_s"),
+    ({"costs": {"shared_tokens_per_s": "fast"}}, "costs.shared_tokens_per_s"),
     ({"colour": "blue"}, "colour"),
     ({"tokenizer": ""}, "tokenizer"),
 ])

@@ -184,7 +184,7 @@ class RouterApp:
         self._prefill_counters[name] = (seconds, tokens)
         if before is not None and tokens - before[1] >= self.config.block_size:
             state = self.router.engines[name]
-            state.calibrate_prefill((seconds - before[0]) / (tokens - before[1]) * state.weight)
+            state.calibrate_prefill((seconds - before[0]) / (tokens - before[1]))
         self.metrics.prefill_rate.labels(name).set(self.router.engines[name].prefill_s_per_token)
 
     # --- HTTP -----------------------------------------------------------------------------------------------
@@ -233,6 +233,10 @@ class RouterApp:
         if not decisions:
             return _error(503, "no engine is healthy", "no_healthy_engine", retry_after=True)
         keys = self.router.keys(prompt) if prompt is not None else []
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: %s", request_id, "; ".join(
+                f"{d.engine} {d.predicted_s:.3f}s (wait {d.wait_s:.3f}, load {d.load_s:.3f}, compute {d.uncached}, "
+                f"{d.match})" for d in decisions))
         headers = _forwarded(request.headers, request_id)
         stream = bool(body.get("stream"))
         t0 = time.monotonic()
@@ -366,6 +370,7 @@ def _reply_headers(upstream: Mapping[str, str], decision: Decision, request_id: 
     headers["X-KVTier-Engine"] = decision.engine
     headers["X-KVTier-Route-Reason"] = decision.reason
     headers["X-KVTier-Predicted-Cached-Tokens"] = str(decision.predicted_cached)
+    headers["X-KVTier-Predicted-TTFT"] = f"{decision.predicted_s:.4f}"
     return headers
 
 

@@ -40,7 +40,7 @@ class EngineConfig:
     kv_events: str | None = None  # ZMQ endpoint of the engine's KV events (None: routed without its cache)
     kv_events_replay: str | None = None  # the engine's replay endpoint: gaps and a router restart are refilled
     kv_events_bind: bool = False  # the router binds the endpoint (engines configured to connect to it)
-    weight: float = 1.0  # > 1: a faster engine, its predicted times divided by the weight
+    weight: float = 1.0  # > 1: a faster engine; until calibrated, its prefill is taken as this much faster
 
     def check(self, field: str) -> None:
         if not _NAME.fullmatch(self.name):
@@ -74,18 +74,23 @@ class Timeouts:
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """Starting points of the cost model, in seconds per token; prefill is calibrated online per engine."""
+    """Starting points of the cost model. Prefill speed is calibrated online per engine; load speeds are what
+    kvtier moves per second from each place into an engine (``kvtier bench`` measures them on your hardware)."""
 
-    prefill_s_per_token: float = 1e-3
-    host_s_per_token: float = 2e-5  # kvtier DRAM on the engine's host
-    disk_s_per_token: float = 4e-5  # an engine-local kvtier tier on storage
-    shared_s_per_token: float = 1e-4  # a shared kvtier tier (Redis, S3, Mooncake)
+    prefill_tokens_per_s: float = 1000.0
+    host_tokens_per_s: float = 50_000.0  # kvtier DRAM on the engine's host
+    disk_tokens_per_s: float = 25_000.0  # an engine-local kvtier tier on storage
+    shared_tokens_per_s: float = 10_000.0  # a shared kvtier tier (Redis, S3, Mooncake)
     decode_s_per_request: float = 0.01  # what each request decoding on an engine adds to a new request's wait
 
     def check(self, field: str) -> None:
         for f in dataclasses.fields(self):
-            if not 0 <= getattr(self, f.name) <= 10:
-                raise ConfigError(f"{field}.{f.name}: must be in [0, 10] seconds, got {getattr(self, f.name)}")
+            value = getattr(self, f.name)
+            if f.name.endswith("_tokens_per_s") and not 1 <= value <= 1e9:
+                raise ConfigError(f"{field}.{f.name}: must be in [1, 1e9] tokens per second, got {value}")
+        if not 0 <= self.decode_s_per_request <= 10:
+            raise ConfigError(f"{field}.decode_s_per_request: must be in [0, 10] seconds, got "
+                              f"{self.decode_s_per_request}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -157,6 +157,12 @@ class PrefixIndex:
         state.refs[h] += 1
         state.held[h, place] += 1
         self._holders.setdefault(key, Counter())[engine, place] += 1
+        if place is Place.ENGINE:
+            # The engine announced it: from now on its events say how long it keeps it (a reservation that
+            # outlived an eviction would credit a block the engine no longer has).
+            reserved = self._reserved.get(key)
+            if reserved is not None and reserved.pop(engine, None) is not None and not reserved:
+                del self._reserved[key]
 
     def removed(self, engine: str, event: Removed) -> None:
         if event.group not in (None, 0):

@@ -60,7 +60,8 @@ class EngineState:
         self.name = name
         self.weight = weight
         self.healthy = False
-        self.prefill_s_per_token = costs.prefill_s_per_token
+        self.prefill_s_per_token = 1 / costs.prefill_tokens_per_s / weight
+        self.calibrated = False  # until then the fleet's calibrated engines speak for it
         self.base_s = 0.0  # what a request costs beyond prefill and loads (scheduling, one decode step, HTTP)
         self.flights: dict[int, Flight] = {}
 
@@ -72,7 +73,10 @@ class EngineState:
 
     def calibrate_prefill(self, seconds_per_token: float) -> None:
         if 0 < seconds_per_token < 1:
-            self.prefill_s_per_token += _EWMA * (seconds_per_token - self.prefill_s_per_token)
+            if self.calibrated:
+                self.prefill_s_per_token += _EWMA * (seconds_per_token - self.prefill_s_per_token)
+            else:
+                self.prefill_s_per_token, self.calibrated = seconds_per_token, True
 
 
 class Router:
@@ -137,15 +141,23 @@ class Router:
         own = min(match.engine * bs, cached)
         left = cached - own
         load_s = 0.0
-        for blocks, rate in ((match.host, costs.host_s_per_token), (match.disk, costs.disk_s_per_token),
-                             (match.shared, costs.shared_s_per_token)):
+        for blocks, rate in ((match.host, costs.host_tokens_per_s), (match.disk, costs.disk_tokens_per_s),
+                             (match.shared, costs.shared_tokens_per_s)):
             tokens = min(blocks * bs, left)
-            load_s += tokens * rate
+            load_s += tokens / rate
             left -= tokens
         uncached = n_tokens - cached
         wait = engine.wait_s(costs, now)
-        seconds = wait + (engine.base_s + uncached * engine.prefill_s_per_token + load_s) / engine.weight
+        seconds = wait + engine.base_s + uncached * self.prefill_rate(engine) + load_s
         return seconds, cached, uncached, load_s, wait
+
+    def prefill_rate(self, engine: EngineState) -> float:
+        """Seconds per computed token: the engine's own calibration, else the mean of the engines calibrated
+        (so an engine the router has not yet seen work is not judged slower or faster than its peers)."""
+        if engine.calibrated:
+            return engine.prefill_s_per_token
+        known = [e.prefill_s_per_token * e.weight for e in self.engines.values() if e.calibrated]
+        return sum(known) / len(known) / engine.weight if known else engine.prefill_s_per_token
 
     # --- the request's life ---------------------------------------------------------------------------------
     def started(self, decision: Decision, keys: Sequence[bytes]) -> int:
@@ -154,7 +166,7 @@ class Router:
         flight_id = next(self._ids)
         reserved = keys[decision.match.engine:]
         engine.flights[flight_id] = Flight(
-            engine=decision.engine, prefill_s=decision.uncached * engine.prefill_s_per_token / engine.weight,
+            engine=decision.engine, prefill_s=decision.uncached * self.prefill_rate(engine),
             load_s=decision.load_s, wait_s=decision.wait_s, uncached=decision.uncached, reserved=reserved)
         if reserved:
             self.index.reserve(decision.engine, reserved, self.config.reserve_s)
@@ -174,7 +186,7 @@ class Router:
         if flight.uncached < self.config.block_size:
             state.base_s += _EWMA * (max(0.0, spent) - state.base_s)
         else:
-            state.calibrate_prefill((spent - state.base_s) * state.weight / flight.uncached)
+            state.calibrate_prefill((spent - state.base_s) / flight.uncached)
 
     def finished(self, engine: str, flight_id: int, computed: bool = True) -> None:
         """The request ended; ``computed`` False: it failed or was refused, so its blocks will not appear."""

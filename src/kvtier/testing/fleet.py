@@ -106,5 +106,6 @@ class RouterProcess(Process):
         self.url = f"http://127.0.0.1:{self.port}"
         path = work / f"{name}.yaml"
         path.write_text(json.dumps({**config, "listen": f"127.0.0.1:{self.port}"}))
-        argv = [sys.executable, "-m", "kvtier.cli", "router", "--config", str(path)]
+        argv = [sys.executable, "-m", "kvtier.cli", "router", "--config", str(path), "--log-level",
+                os.environ.get("KVTIER_ROUTER_LOG_LEVEL", "INFO")]
         super().__init__(name, argv, work / f"{name}.log", dict(os.environ), self.url + "/health")
