@@ -155,3 +155,21 @@ def test_block_key_depends_on_parent_tokens_and_extras():
     a = block_key(None, [1, 2], None)
     assert a == block_key(None, [1, 2], [])
     assert len({a, block_key(a, [1, 2], None), block_key(None, [1, 3], None), block_key(None, [1, 2], ["s"])}) == 4
+
+
+def test_ttfts_beside_decoding_requests_calibrate_their_cost():
+    router = make(engines=("e0",), decode_s_per_request=0.01)
+    flights = []
+    for i in range(3):  # three requests answering on e0
+        prompt = Prompt([i] * 4)
+        decision = router.decide(prompt)[0]
+        flight = router.started(decision, router.keys(prompt))
+        router.first_byte(decision.engine, flight, ttft_s=0.01)
+        flights.append((decision.engine, flight))
+    engine = flights[0][0]
+    for _ in range(10):  # a short prompt that took 0.31 s beside three decoding: 0.1 s each
+        decision = router.decide(Prompt([7] * 4))[0]
+        flight = router.started(decision, [])
+        router.first_byte(engine, flight, ttft_s=0.31)
+        router.finished(engine, flight)
+    assert 0.08 < router.engines[engine].decode_s < 0.11

