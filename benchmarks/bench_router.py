@@ -110,6 +110,7 @@ def vllm_bench(base_url: str, model: Path, workload: str, seed: int, prompts: in
 def run_policy(engines: list[Engine], model: Path, work: Path, policy: str, workload: str, seed: int,
                prompts: int, shared: bool) -> dict:
     config = {"tokenizer": str(model), "block_size": BLOCK_SIZE, "policy": policy, "health_interval_s": 1,
+              "explain_headers": True,
               "engines": [e.router_entry() for e in engines]}
     if shared:
         config["costs"] = {"shared_tokens_per_s": 30000}  # Redis on loopback here

@@ -79,7 +79,7 @@ def test_a_save_publishes_dram_and_tier_events_that_vllm_decodes_and_the_router_
         batch, _ = decode_batch(wire)
         for event in batch.events:
             index.stored("e0", event)
-        assert index.match(request_keys(tokens, BLOCK, cache_salt=salt), ["e0"])["e0"] == Match(host=8)
+        assert index.match(request_keys(tokens, BLOCK, cache_salt=salt), ["e0"])["e0"] == Match(host=8, kvtier=8)
         other = "tenant-b" if salt else "tenant-a"
         assert index.match(request_keys(tokens, BLOCK, cache_salt=other), ["e0"])["e0"] == Match()
         # DRAM dropped (evicted): the same blocks are announced removed from kvtier's DRAM, not from the tier
@@ -90,7 +90,7 @@ def test_a_save_publishes_dram_and_tier_events_that_vllm_decodes_and_the_router_
         for event in removed:
             index.removed("e0", decode_batch(msgspec.msgpack.Encoder().encode(
                 KVEventBatch(ts=0.0, events=[event])))[0].events[0])
-        assert index.match(request_keys(tokens, BLOCK, cache_salt=salt), ["e0"])["e0"] == Match(disk=8)
+        assert index.match(request_keys(tokens, BLOCK, cache_salt=salt), ["e0"])["e0"] == Match(disk=8, kvtier=8)
     finally:
         engine.shutdown()
 

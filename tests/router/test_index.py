@@ -86,8 +86,9 @@ def test_places_and_the_shared_tier_credits_every_engine():
     index.stored("e0", stored(TOKENS, 0, 4, medium="STORAGE", locality="LOCAL"))  # kvtier disk
     index.stored("e0", stored(TOKENS, 0, 6, medium="STORAGE", locality="REMOTE"))  # kvtier Redis
     got = index.match(request_keys(TOKENS, BS), ["e0", "e1"])
-    assert got["e0"] == Match(engine=2, host=1, disk=1, shared=2)
-    assert got["e1"] == Match(shared=6)  # loads all of it from the shared tier
+    # e0: its own memory for 2 blocks; kvtier holds all 6 for it (DRAM first, then disk, then Redis)
+    assert got["e0"] == Match(engine=2, host=1, disk=1, shared=2, kvtier=6)
+    assert got["e1"] == Match(shared=6, kvtier=6)  # loads all of it from the shared tier
     index.clear("e0", [Place.SHARED])
     assert index.match(request_keys(TOKENS, BS), ["e1"])["e1"] == Match()
 
@@ -98,7 +99,7 @@ def test_remove_by_medium_leaves_other_places():
     index.stored("e0", stored(TOKENS, 0, 3))
     index.stored("e0", Stored(hashes=tuple(hashes[:3]), parent=None, token_ids=(), block_size=0, medium="CPU"))
     index.removed("e0", Removed(hashes=tuple(hashes[:3]), medium="GPU"))
-    assert index.match(request_keys(TOKENS, BS), ["e0"])["e0"] == Match(host=3)
+    assert index.match(request_keys(TOKENS, BS), ["e0"])["e0"] == Match(host=3, kvtier=3)
 
 
 def test_orphans_are_counted_not_credited_and_other_block_sizes_skipped():
@@ -116,7 +117,7 @@ def test_parent_announced_by_another_engine_resolves():
     index.stored("e1", stored(TOKENS, 2, 4, medium="STORAGE", locality="REMOTE"))
     assert index.match(request_keys(TOKENS, BS), ["e1"])["e1"] == Match()  # block 0-1 are only on e0's memory
     index.stored("e1", stored(TOKENS, 0, 2, medium="STORAGE", locality="REMOTE"))
-    assert index.match(request_keys(TOKENS, BS), ["e0"])["e0"] == Match(engine=2, shared=2)
+    assert index.match(request_keys(TOKENS, BS), ["e0"])["e0"] == Match(engine=2, shared=2, kvtier=4)
 
 
 def test_clear_forgets_one_engine():
@@ -146,3 +147,22 @@ def test_a_reservation_ends_when_the_engine_announces_the_block():
     hashes, _ = vllm_blocks(TOKENS)
     index.removed("e0", Removed(hashes=tuple(hashes[3:]), medium="GPU"))  # evicted: no longer credited
     assert index.match(keys, ["e0"])["e0"] == Match(engine=3)
+
+
+def test_a_hash_reused_for_other_tokens_replaces_the_old_block():
+    index = PrefixIndex(BS)
+    first = Stored(hashes=(7,), parent=None, token_ids=(1, 2, 3, 4), block_size=BS)
+    index.stored("e0", first)
+    index.stored("e0", Stored(hashes=(7,), parent=None, token_ids=(5, 6, 7, 8), block_size=BS))
+    index.removed("e0", Removed(hashes=(7,), medium="GPU"))  # no KeyError, and nothing left credited
+    assert index.blocks("e0") == 0
+    assert index.match(request_keys([1, 2, 3, 4], BS), ["e0"])["e0"] == Match()
+
+
+def test_one_failed_request_leaves_anothers_reservation():
+    index = PrefixIndex(BS)
+    keys = request_keys(TOKENS, BS)
+    index.reserve("e0", keys, seconds=60)
+    index.reserve("e0", keys, seconds=60)
+    index.unreserve("e0", keys)
+    assert index.match(keys, ["e0"])["e0"].engine == 6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 
 import pytest
@@ -173,3 +174,31 @@ def test_ttfts_beside_decoding_requests_calibrate_their_cost():
         router.first_byte(engine, flight, ttft_s=0.31)
         router.finished(engine, flight)
     assert 0.08 < router.engines[engine].decode_s < 0.11
+
+
+def test_kvtier_hits_count_whole_chunks_only():
+    router = make()  # block 16, kvtier chunks of 256 = 16 blocks
+    hold(router, "e1", DOC[:40 * BS], medium="CPU", locality="LOCAL")  # 2.5 chunks in kvtier's DRAM
+    decision = [d for d in router.decide(Prompt(DOC + [1]))if d.engine == "e1"][0]
+    assert decision.predicted_cached == 2 * 256  # the half chunk is not served
+    assert decision.load_s == pytest.approx(512 / router.config.costs.host_tokens_per_s)
+    # a prompt ending inside its third chunk: kvtier serves the whole chunks before its end
+    decision = [d for d in router.decide(Prompt(DOC[:600]))if d.engine == "e1"][0]
+    assert decision.predicted_cached == 512
+
+
+def test_requests_not_streamed_count_as_decoding_once_their_prefill_is_over():
+    router = make(engines=("e0",))
+    decision = router.decide(Prompt([1] * 4))[0]
+    router.started(decision, [])
+    state = router.engines["e0"]
+    queued, decoding = state.load(time.monotonic() + 60)
+    assert (queued, decoding) == (0.0, 1)
+
+
+def test_one_odd_sample_moves_a_calibration_by_a_bounded_step():
+    router = make(engines=("e0",))
+    state = router.engines["e0"]
+    state.calibrate_prefill(1e-3)
+    state.calibrate_prefill(1e-9)  # e.g. an answer that computed nothing it was predicted to
+    assert state.prefill_s_per_token >= 0.8e-3

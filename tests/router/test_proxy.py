@@ -54,8 +54,10 @@ class ScriptedEngine:
         self.requests.append(body)
         self.headers.append(request.headers.copy())
         mode = body["prompt"].split()[0]
-        if mode == "fail500" or self.broken:
+        if mode == "fail500" or (self.broken and mode != "hang"):
             return web.json_response({"error": "boom"}, status=500)
+        if mode == "hang" and self.broken:
+            await asyncio.sleep(3600)  # accepts the connection, never answers, not even its headers
         if mode == "bad400":
             return web.json_response({"error": {"message": "too long"}}, status=400)
         if not body.get("stream"):
@@ -68,6 +70,7 @@ class ScriptedEngine:
             if mode == "stall":
                 await asyncio.sleep(3600)
             if mode == "cut":
+                await asyncio.sleep(0.2)  # the first chunk reaches the router before the connection goes
                 request.transport.close()
                 return reply
             if mode == "slow":
@@ -98,7 +101,8 @@ def run(scenario: Callable[[str, list[ScriptedEngine], RouterApp], Awaitable[Non
         for engine in engines:
             runner, engine.url = await serve(engine.app(), handler_cancellation=True)
             runners.append(runner)
-        config = load_router_config({"tokenizer": "unused", "block_size": 4, "policy": "round_robin",
+        config = load_router_config({"tokenizer": "unused", "block_size": 4, "chunk_tokens": 16,
+                                     "policy": "round_robin", "explain_headers": True,
                                      "engines": [{"name": f"e{i}", "url": e.url} for i, e in enumerate(engines)],
                                      "timeouts": {"idle_s": 1.0, "first_byte_s": 5.0}, **overrides})
         app = RouterApp(config, tokenizer=WordTokenizer())
@@ -207,3 +211,29 @@ def test_no_healthy_engine_gives_503_and_health_says_so():
             async with session.get(url + "/health") as reply:
                 assert reply.status == 503
     run(main, health_interval_s=3600)
+
+
+def test_an_engine_that_never_sends_its_headers_is_given_up_after_first_byte_s():
+    async def main(url, engines, app):
+        engines[0].broken = True
+        status, headers, body = await post(url, "hang x")
+        assert status == 200 and headers["X-KVTier-Engine"] == "e1"
+    run(main, timeouts={"first_byte_s": 0.5, "idle_s": 1.0})
+
+
+def test_the_report_mode_that_would_corrupt_reference_counts_is_not_forwarded():
+    async def main(url, engines, app):
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "m", "prompt": "ok x", "vllm_xargs": {"kv_cache_report_mode": "full", "other": 1}}
+            async with session.post(url + "/v1/completions", json=body) as reply:
+                assert reply.status == 200
+        assert engines[0].requests[0]["vllm_xargs"] == {"other": 1}
+    run(main)
+
+
+def test_routing_headers_only_when_asked_for():
+    async def main(url, engines, app):
+        status, headers, _ = await post(url, "ok x")
+        assert status == 200 and headers["X-Request-Id"]
+        assert not any(h.startswith("X-KVTier") for h in headers)
+    run(main, explain_headers=False)

@@ -40,6 +40,7 @@ class _Blocks:
     parent: Any  # the hash of the block before the chunk; None for the first
     tokens: np.ndarray
     lora_name: str | None
+    lora_id: int | None
     extra_keys: list[tuple[Any, ...] | None] | None
 
 
@@ -49,8 +50,13 @@ class KVEvents:
         self._tp = tp_size
         self._bs = block_size
         self._chunk = chunk_tokens
-        self._blocks: OrderedDict[tuple[str, str], _Blocks] = OrderedDict()
-        self._landed: dict[tuple[str, str, str], set[int]] = {}  # (namespace, chunk, tier) -> ranks reported
+        self._blocks: OrderedDict[tuple[str, str], _Blocks] = OrderedDict()  # recently saved or loaded
+        # Announced as held in DRAM: kept until announced removed (the DRAM's capacity bounds it), or consumers
+        # would credit a chunk the DRAM dropped for good.
+        self._in_dram: dict[tuple[str, str], list[Any]] = {}
+        # (namespace, chunk, tier) -> ranks that reported the write; bounded like _blocks (a rank that never
+        # reports its shard leaves an entry behind)
+        self._landed: OrderedDict[tuple[str, str, str], set[int]] = OrderedDict()
         self._events: list[KVCacheEvent] = []
         self.unnamed = 0  # reports of chunks whose blocks were no longer remembered (no event)
 
@@ -63,6 +69,7 @@ class KVEvents:
         if n_chunks == 0:
             return
         lora = request.lora_request.name if request.lora_request is not None else None
+        lora_id = request.lora_request.adapter_id if request.lora_request is not None else None
         salt = request.cache_salt or None
         per_chunk = self._chunk // self._bs
         ids = np.asarray(tokens[:n_chunks * self._chunk], dtype=np.int64)
@@ -80,7 +87,7 @@ class KVEvents:
                 hashes=[maybe_convert_block_hash(h) for h in hashes[first:first + per_chunk]],
                 parent=maybe_convert_block_hash(hashes[first - 1]) if first else None,
                 tokens=ids[i * self._chunk:(i + 1) * self._chunk].astype(np.int32), lora_name=lora,
-                extra_keys=extra)
+                lora_id=lora_id, extra_keys=extra)
             if len(self._blocks) > _CHUNKS_KEPT:
                 self._blocks.popitem(last=False)
 
@@ -88,14 +95,16 @@ class KVEvents:
         """Events for a step's reports: ``dram`` as :meth:`WorkerDram.apply` returned it (chunks every rank now
         holds, or no longer all hold), and the tier writes in ``report``."""
         for namespace, chunk, held in dram:
-            blocks = self._named(namespace, chunk)
-            if blocks is None:
+            if not held:
+                hashes = self._in_dram.pop((namespace, chunk), None)
+                if hashes is not None:
+                    self._events.append(BlockRemoved(block_hashes=hashes, medium="CPU", group_idx=0,
+                                                     locality="LOCAL", ownership=f"kvtier:{DRAM}"))
                 continue
-            if held:
+            blocks = self._named(namespace, chunk)
+            if blocks is not None and (namespace, chunk) not in self._in_dram:
+                self._in_dram[(namespace, chunk)] = blocks.hashes
                 self._events.append(self._stored(blocks, "CPU", "LOCAL", DRAM))
-            else:
-                self._events.append(BlockRemoved(block_hashes=blocks.hashes, medium="CPU", locality="LOCAL",
-                                                 ownership=f"kvtier:{DRAM}"))
         if not isinstance(report, KVTierWorkerMetadata):
             return
         for namespace, chunk, rank, place, _ in report.events:
@@ -104,6 +113,8 @@ class KVEvents:
             ranks = self._landed.setdefault((namespace, chunk, place), set())
             ranks.add(rank)
             if len(ranks) < self._tp:
+                if len(self._landed) > _CHUNKS_KEPT:
+                    self._landed.popitem(last=False)
                 continue
             del self._landed[(namespace, chunk, place)]
             blocks = self._named(namespace, chunk)
@@ -118,9 +129,9 @@ class KVEvents:
 
     def _stored(self, blocks: _Blocks, medium: str, locality: str, tier: str) -> BlockStored:
         return BlockStored(block_hashes=blocks.hashes, parent_block_hash=blocks.parent,
-                           token_ids=blocks.tokens.tolist(), block_size=self._bs, lora_id=None, medium=medium,
-                           lora_name=blocks.lora_name, extra_keys=blocks.extra_keys, locality=locality,
-                           ownership=f"kvtier:{tier}")
+                           token_ids=blocks.tokens.tolist(), block_size=self._bs, lora_id=blocks.lora_id,
+                           medium=medium, lora_name=blocks.lora_name, extra_keys=blocks.extra_keys, group_idx=0,
+                           locality=locality, ownership=f"kvtier:{tier}")
 
     def take(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

@@ -26,7 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import Batch, Cleared, Feed, Removed, Stored, Subscriber
-from kvtier.router.index import PrefixIndex
+from kvtier.router.index import LOCAL_PLACES, Place, PrefixIndex
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Decision, Router
 from kvtier.router.prompts import Prompt, PromptError, Tokenizer, read_prompt
@@ -37,6 +37,7 @@ _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding
         "proxy-authorization", "proxy-authenticate", "accept-encoding"}
 _USAGE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _APP = web.AppKey("router", object)
+_LOST_AFTER = 3  # health checks failed in a row before an engine's entries are cleared
 
 
 class _Upstream(Exception):
@@ -56,7 +57,8 @@ class RouterApp:
         self._zmq: zmq.asyncio.Context | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
-        self._prefill_counters: dict[str, tuple[float, float]] = {}
+        self._prefill_counters: dict[str, tuple[float, float, float]] = {}
+        self._failures: dict[str, int] = {}  # health checks failed in a row, per engine
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def web_app(self) -> web.Application:
@@ -72,15 +74,17 @@ class RouterApp:
         return app
 
     async def _start(self, app: web.Application) -> None:
+        # No Accept-Encoding of the client's own: engines answer uncompressed, which passes through as it is.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False)
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding",))
         self._zmq = zmq.asyncio.Context()
         for engine in self.config.engines:
             if engine.kv_events is None:
                 continue
             name = engine.name
             feed = Feed(apply=lambda batch, name=name: self._apply(name, batch),
-                        clear=lambda name=name: self.index.clear(name),
+                        clear=lambda name=name: self.index.clear(name, LOCAL_PLACES),
                         on_gap=lambda missed, name=name: self.metrics.event_gaps.labels(name).inc(missed),
                         on_reset=lambda name=name: self.metrics.event_resets.labels(name, "sequence").inc())
             sub = Subscriber(self._zmq, name, engine.kv_events, engine.kv_events_replay, feed,
@@ -117,7 +121,7 @@ class RouterApp:
             elif isinstance(event, Removed):
                 self.index.removed(engine, event)
             elif isinstance(event, Cleared):
-                self.index.clear(engine)
+                self.index.clear(engine, (Place.ENGINE,))  # vLLM's own cache only: kvtier's places stay
                 self.metrics.event_resets.labels(engine, "all_blocks_cleared").inc()
         self.metrics.event_batches.labels(engine).inc()
         self.metrics.index_blocks.labels(engine).set(self.index.blocks(engine))
@@ -126,36 +130,57 @@ class RouterApp:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
-            await asyncio.gather(*(self._check(name) for name in self.urls))
-            self.index.expire()
-            counts = self.index.counts
-            self.metrics.index_unusable.labels("orphan").set(counts.orphans)
-            self.metrics.index_unusable.labels("block_size").set(counts.skipped["block_size"])
+            try:
+                await asyncio.gather(*(self._check(name) for name in self.urls))
+                self.index.expire()
+                counts = self.index.counts
+                self.metrics.index_unusable.labels("orphan").set(counts.orphans)
+                for reason, n in counts.skipped.items():
+                    self.metrics.index_unusable.labels(reason).set(n)
+            except Exception:  # the loop must outlive any one check's surprise
+                log.exception("health check round failed")
 
     async def _check(self, name: str) -> None:
+        """One /health check. An engine is routed to again at its first answer; it is lost (its entries in the
+        index cleared) only after :data:`_LOST_AFTER` checks in a row fail, not at one slow answer."""
         assert self._session is not None
         state = self.router.engines[name]
+        timeout = aiohttp.ClientTimeout(total=min(5.0, self.config.health_interval_s * 2))
         try:
-            timeout = aiohttp.ClientTimeout(total=min(5.0, self.config.health_interval_s * 2))
             async with self._session.get(self.urls[name] + "/health", timeout=timeout) as reply:
                 ok = reply.status == 200
-            if ok and not self.base_models:
-                async with self._session.get(self.urls[name] + "/v1/models", timeout=timeout) as reply:
-                    models = (await reply.json()).get("data", [])
-                self.base_models = {m["id"] for m in models if isinstance(m, Mapping) and not m.get("parent")}
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+        except Exception:  # refused, reset, timed out, malformed: not healthy this time
             ok = False
-        if ok and not state.healthy:
-            log.info("engine %s is up", name)
-        if not ok and state.healthy:
-            self._lost(name, "health")
-        state.healthy = ok
+        if ok:
+            if not state.healthy:
+                log.info("engine %s is up", name)
+            state.healthy = True
+            self._failures[name] = 0
+            if not self.base_models:
+                await self._learn_models(name, timeout)
+        else:
+            state.healthy = False
+            self._failures[name] = self._failures.get(name, 0) + 1
+            if self._failures[name] == _LOST_AFTER:
+                self._lost(name, "health")
         self.metrics.healthy.labels(name).set(1 if ok else 0)
 
+    async def _learn_models(self, name: str, timeout: aiohttp.ClientTimeout) -> None:
+        """The engines' base model names (a request for another model is a LoRA adapter's)."""
+        assert self._session is not None
+        try:
+            async with self._session.get(self.urls[name] + "/v1/models", timeout=timeout) as reply:
+                data = (await reply.json()).get("data")
+            self.base_models = {m["id"] for m in data if isinstance(m, Mapping) and isinstance(m.get("id"), str)
+                                and not m.get("parent")}
+        except Exception as exc:  # not fatal: requests are routed as base-model ones until it answers
+            log.warning("engine %s: cannot read /v1/models (%s: %s)", name, type(exc).__name__, exc)
+
     def _lost(self, name: str, cause: str) -> None:
-        """An engine stopped answering: nothing is routed there, and whatever it held counts for nothing until
-        its events say otherwise (a restarted engine starts empty)."""
-        log.warning("engine %s lost (%s): its index entries are cleared", name, cause)
+        """An engine stopped answering: nothing is routed there, and what it held in its own memory and on its
+        host counts for nothing until its events say otherwise (a restarted engine starts empty). What it wrote
+        to a shared tier stays credited: every other engine can still load it."""
+        log.warning("engine %s lost (%s): its local index entries are cleared", name, cause)
         self.router.lost(name)
         sub = self.subscribers.get(name)
         if sub is not None:
@@ -167,10 +192,15 @@ class RouterApp:
     async def _scrape_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.metrics_interval_s)
-            await asyncio.gather(*(self._scrape(name) for name in self.router.healthy()), return_exceptions=True)
+            results = await asyncio.gather(*(self._scrape(name) for name in self.router.healthy()),
+                                           return_exceptions=True)
+            for result in results:
+                if isinstance(result, Exception):
+                    log.warning("scraping an engine's /metrics failed: %s: %s", type(result).__name__, result)
 
     async def _scrape(self, name: str) -> None:
-        """Prefill seconds per computed token from the engine's own counters, since the last scrape."""
+        """Prefill seconds per computed token from the engine's own counters, when exactly one request was
+        prefilled since the last scrape (with several, their prefill times overlap and would add up)."""
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=5)
         try:
@@ -179,12 +209,13 @@ class RouterApp:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return
         seconds = _sample_sum(text, "vllm:request_prefill_time_seconds_sum")
+        count = _sample_sum(text, "vllm:request_prefill_time_seconds_count")
         tokens = _sample_sum(text, "vllm:request_prefill_kv_computed_tokens_sum")
         before = self._prefill_counters.get(name)
-        self._prefill_counters[name] = (seconds, tokens)
-        if before is not None and tokens - before[1] >= self.config.block_size:
+        self._prefill_counters[name] = (seconds, count, tokens)
+        if before is not None and count - before[1] == 1 and tokens - before[2] >= self.config.block_size:
             state = self.router.engines[name]
-            state.calibrate_prefill((seconds - before[0]) / (tokens - before[1]))
+            state.calibrate_prefill((seconds - before[0]) / (tokens - before[2]))
 
     # --- HTTP -----------------------------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
@@ -219,15 +250,21 @@ class RouterApp:
         raw = await request.read()
         try:
             body = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return _error(400, "the request body is not JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "invalid_request_error")
+        xargs = body.get("vllm_xargs")
+        if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
+            # "full" makes the engine announce reused blocks again without removing them: the index counts
+            # references, and would credit evicted blocks for good. The router owns what engines announce.
+            body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
+            raw = json.dumps(body).encode()
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         prompt: Prompt | None
         try:
             prompt = read_prompt(self.tokenizer, request.path, body, self.base_models)
-        except PromptError as exc:
+        except (PromptError, RecursionError) as exc:
             log.info("request %s routed without its cache: %s", request_id, exc)
             prompt = None  # the engine will answer with its own validation error, or serve it
         decisions = self.router.decide(prompt, request.headers.get(self.config.session_header))
@@ -266,15 +303,18 @@ class RouterApp:
                 body = await self._whole(upstream)
                 outcome = "ok"
                 reply = web.Response(status=upstream.status, body=body,
-                                     headers=_reply_headers(upstream.headers, decision, headers["X-Request-Id"]))
+                                     headers=_reply_headers(upstream.headers, decision, headers["X-Request-Id"],
+                                                             self.config.explain_headers))
                 self._compare(decision, body[-4096:])
                 return reply
             first = await self._first(upstream)
             ttft = time.monotonic() - t0
-            self.router.first_byte(name, flight, ttft)
-            self.metrics.ttft.labels(name).observe(ttft)
+            if upstream.status < 300:  # an error answers fast and says nothing about prefill
+                self.router.first_byte(name, flight, ttft)
+                self.metrics.ttft.labels(name).observe(ttft)
             reply = web.StreamResponse(status=upstream.status,
-                                       headers=_reply_headers(upstream.headers, decision, headers["X-Request-Id"]))
+                                       headers=_reply_headers(upstream.headers, decision, headers["X-Request-Id"],
+                                                             self.config.explain_headers))
             await reply.prepare(request)
             await reply.write(first)
             tail = first[-4096:]
@@ -318,11 +358,17 @@ class RouterApp:
         assert self._session is not None
         timeouts = self.config.timeouts
         try:
-            upstream = await self._session.post(
+            # first_byte_s from the request on: an engine that accepts the connection and never answers (not
+            # even its headers) is given up on too
+            upstream = await asyncio.wait_for(self._session.post(
                 self.urls[name] + path, data=raw, headers=headers,
-                timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=None))
+                timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=None)),
+                timeouts.first_byte_s)
+        except aiohttp.ClientConnectionError as exc:
+            # Not routed to until its next good health check; its entries stay unless it stays down.
+            self.router.engines[name].healthy = False
+            raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            self._lost(name, "connect")
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
         if upstream.status >= 500:
             upstream.close()
@@ -365,9 +411,12 @@ def _forwarded(incoming: Mapping[str, str], request_id: str) -> dict[str, str]:
     return headers
 
 
-def _reply_headers(upstream: Mapping[str, str], decision: Decision, request_id: str) -> dict[str, str]:
-    headers = {k: v for k, v in upstream.items() if k.lower() not in _HOP | {"content-encoding", "date", "server"}}
+def _reply_headers(upstream: Mapping[str, str], decision: Decision, request_id: str,
+                   explain: bool) -> dict[str, str]:
+    headers = {k: v for k, v in upstream.items() if k.lower() not in _HOP | {"date", "server", "x-request-id"}}
     headers["X-Request-Id"] = request_id
+    if not explain:
+        return headers
     headers["X-KVTier-Engine"] = decision.engine
     headers["X-KVTier-Route-Reason"] = decision.reason
     headers["X-KVTier-Predicted-Cached-Tokens"] = str(decision.predicted_cached)

@@ -126,12 +126,13 @@ def _event(raw: object) -> Event | None:
         hashes = tuple(_hash(h) for h in _list(fields, "block_hashes"))
         parent = fields.get("parent_block_hash")
         tokens = _list(fields, "token_ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise EventError("token_ids: expected integers")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and -2**63 <= t < 2**63 for t in tokens):
+            raise EventError("token_ids: expected 64-bit integers")
         block_size = _opt_int(fields, "block_size")
         extra = fields.get("extra_keys")
-        if extra is not None and (not isinstance(extra, (list, tuple)) or len(extra) != len(hashes)):
-            raise EventError("extra_keys: expected one entry per block hash")
+        if extra is not None and (not isinstance(extra, (list, tuple)) or len(extra) != len(hashes)
+                                  or not all(e is None or isinstance(e, (list, tuple)) for e in extra)):
+            raise EventError("extra_keys: expected one list (or null) per block hash")
         return Stored(hashes=hashes, parent=None if parent is None else _hash(parent), token_ids=tuple(tokens),
                       block_size=block_size or 0, lora_name=_opt_str(fields, "lora_name"),
                       medium=_opt_str(fields, "medium"), extra_keys=None if extra is None else tuple(extra),
@@ -153,14 +154,19 @@ def decode_batch(payload: bytes) -> tuple[Batch, int]:
     since applying the rest out of context could credit blocks the engine does not hold."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise EventError(f"not msgpack: {exc}") from exc
+    except Exception as exc:  # msgpack raises several kinds (TypeError for an unhashable map key, ...)
+        raise EventError(f"not msgpack: {type(exc).__name__}: {exc}") from exc
     if not isinstance(raw, (list, tuple)) or len(raw) not in (2, 3) or not isinstance(raw[1], (list, tuple)):
         raise EventError(f"a batch must be [ts, events, dp_rank], got {raw!r:.80}")
     ts = raw[0]
     if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         raise EventError(f"batch ts: expected a number, got {ts!r:.40}")
-    events = [_event(e) for e in raw[1]]
+    try:
+        events = [_event(e) for e in raw[1]]
+    except EventError:
+        raise
+    except Exception as exc:  # e.g. an unhashable value where a hash belongs
+        raise EventError(f"malformed event: {type(exc).__name__}: {exc}") from exc
     kept = tuple(e for e in events if e is not None)
     dp_rank = raw[2] if len(raw) == 3 else None
     return Batch(ts=float(ts), events=kept, dp_rank=dp_rank if isinstance(dp_rank, int) else None), \
@@ -172,7 +178,8 @@ class Feed:
 
     ``apply`` receives the batches in order; ``clear`` forgets what the engine was credited with. ``live`` returns
     the sequence number to ask the replay socket for when batches are missing (None: go on), and the replay's
-    answer goes to ``replayed``.
+    answer goes to ``replayed``. A hole that no replay can fill any more (the engine's buffer moved past it)
+    leaves the index unsure of what the engine holds: its entries are cleared and rebuilt from what follows.
     """
 
     def __init__(self, apply: Callable[[Batch], None], clear: Callable[[], None],
@@ -184,7 +191,9 @@ class Feed:
         self._on_reset = on_reset
         self.next_seq: int | None = None  # the sequence number expected next; None: nothing applied yet
         self._held: dict[int, Batch] = {}  # batches past a gap, waiting for the replay to fill it
-        self._dups: range | None = None  # what the last replay applied: the live socket may bring it again
+        # What the last replay applied: the live socket may bring the same batches again. Kept by content, so a
+        # restarted engine's new batch under an old number is not taken for a duplicate.
+        self._recent: dict[int, Batch] = {}
         self.replaying = False
 
     def live(self, seq: int, batch: Batch) -> int | None:
@@ -193,7 +202,7 @@ class Feed:
             self._held[seq] = batch
             return self._ask(0)
         if seq >= self.next_seq:
-            self._dups = None  # the live stream is past what the last replay brought
+            self._recent.clear()  # the live stream is past what the last replay brought
         if seq == self.next_seq and not self._held:
             self._apply(batch)
             self.next_seq += 1
@@ -201,9 +210,9 @@ class Feed:
         if seq >= self.next_seq:
             self._held[seq] = batch
             return self._ask(self.next_seq)
-        if self.replaying or seq in self._held or (self._dups is not None and seq in self._dups):
+        if self._held.get(seq) == batch or self._recent.get(seq) == batch:
             return None  # a duplicate of what a replay brought, queued on the live socket meanwhile
-        # The sequence went back outside a replay: a new engine process (numbers restart at 0).
+        # The sequence went back with other content: a new engine process (numbers restart at 0).
         log.warning("engine's event sequence went back from %d to %d: it restarted; its entries are cleared",
                     self.next_seq, seq)
         self.reset()
@@ -216,13 +225,18 @@ class Feed:
         self.replaying = True
         return start
 
+    def replay_start(self) -> int:
+        """Where a replay should start: the first batch not yet applied."""
+        return self.next_seq or 0
+
     def replayed(self, batches: Sequence[tuple[int, Batch]]) -> None:
-        """The replay's answer (empty when the socket gave none in time): applies what it brought and the held
-        batches that follow on. A hole no replay filled is lost for good: it is skipped and counted as a gap."""
+        """The replay's answer, as complete as the engine could make it: applies it and the held batches that
+        follow on. A hole still left is lost for good: counted as a gap, and the engine's entries are rebuilt
+        from the batches after it."""
         self.replaying = False
-        start = self.next_seq
         for seq, batch in batches:
             self._held.setdefault(seq, batch)
+        self._recent = dict(batches)
         if self.next_seq is None and self._held and min(self._held) > 0:
             # Joined late: the engine no longer holds its first batches, so it may hold blocks never announced.
             self._on_gap(min(self._held))
@@ -232,11 +246,13 @@ class Feed:
                 del self._held[first]  # already applied
                 continue
             if self.next_seq is not None and first > self.next_seq:
+                log.warning("engine's events %d-%d are lost (no longer in its replay buffer): its entries are "
+                            "rebuilt from the events after them", self.next_seq, first - 1)
                 self._on_gap(first - self.next_seq)
+                self._clear()
+                self._on_reset()
             self._apply(self._held.pop(first))
             self.next_seq = first + 1
-        if self.next_seq is not None:
-            self._dups = range(start or 0, self.next_seq)
 
     def reset(self) -> None:
         """Forget the engine's entries and where its stream was (engine restarted, died, or is unknown)."""
@@ -244,11 +260,19 @@ class Feed:
         self._on_reset()
         self.next_seq = None
         self._held.clear()
-        self._dups = None
+        self._recent.clear()
+        self.replaying = False
+
+
+_REPLAY_ROUNDS = 64  # an engine's replay socket drops what exceeds its send queue: ask again from the first hole
 
 
 class Subscriber:
-    """Reads one engine's event and replay sockets in the router's event loop and drives its :class:`Feed`."""
+    """Reads one engine's event and replay sockets in the router's event loop and drives its :class:`Feed`.
+
+    Nothing an engine sends can stop it: a message that cannot be decoded or applied is counted and skipped
+    (the sequence hole it leaves is replayed), and should the task fail anyway it starts again, rebuilding the
+    engine's entries from its replay buffer."""
 
     def __init__(self, ctx: zmq.asyncio.Context, name: str, endpoint: str, replay_endpoint: str | None,
                  feed: Feed, *, bind: bool = False, replay_timeout_s: float = 2.0,
@@ -266,17 +290,32 @@ class Subscriber:
         self._on_error = on_error
         self._on_replay = on_replay
         self._task: asyncio.Task | None = None
-        self.last_ts: float | None = None  # wall time of the newest batch applied
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events-{self.name}")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if self._stopping or task.cancelled():
+            return
+        log.error("engine %s: KV-event task failed (%r); restarting it in 1 s, its entries rebuilt by replay",
+                  self.name, task.exception())
+        self._on_error("task")
+        self.feed.reset()
+        asyncio.get_running_loop().call_later(1.0, self._restart)
+
+    def _restart(self) -> None:
+        if not self._stopping:
+            self.start()
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, Exception):
                 pass
 
     def _decode(self, payload: bytes) -> Batch | None:
@@ -293,6 +332,7 @@ class Subscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)  # queue what the loop has not read yet rather than drop it
         try:
             (sub.bind if self._bind else sub.connect)(self._endpoint)
             # A router that starts beside running engines learns their caches from the replay buffers at once,
@@ -308,25 +348,49 @@ class Subscriber:
                 batch = self._decode(frames[2])
                 if batch is None:
                     continue  # its sequence number stays unapplied: the next batch shows a gap, and replay retries
-                start = self.feed.live(seq, batch)
-                if start is not None:
-                    await self._replay(start)
+                try:
+                    start = self.feed.live(seq, batch)
+                except Exception:  # an index bug must not blind the router to this engine for good
+                    log.exception("engine %s: applying KV events failed; its entries are rebuilt", self.name)
+                    self._on_error("apply")
+                    self.feed.reset()
+                    start = self.feed._ask(0)
+                await self._replay(start)
         finally:
             sub.close(linger=0)
 
     async def _replay(self, start: int | None) -> None:
+        """Fetch from ``start`` until the engine's answer is contiguous and ended (its socket drops what
+        exceeds its send queue), or stops bringing anything new; then hand it to the feed."""
         if start is None:
             return
-        batches: list[tuple[int, Batch]] = []
-        if self._replay_endpoint is not None:
+        got: dict[int, Batch] = {}
+        ask = start
+        for _ in range(_REPLAY_ROUNDS if self._replay_endpoint is not None else 0):
             self._on_replay()
-            batches = await self._fetch(start)
-        self.feed.replayed(batches)
+            batches, ended = await self._fetch(ask)
+            new = [seq for seq, _ in batches if seq not in got]
+            got.update((seq, b) for seq, b in batches if seq not in got)
+            if not new:
+                break
+            low = max(start, min(got))
+            hole = next((seq for seq in range(low, max(got) + 1) if seq not in got), None)
+            if hole is None and ended:
+                break
+            ask = hole if hole is not None else max(got) + 1
+        try:
+            self.feed.replayed(sorted(got.items()))
+        except Exception:
+            log.exception("engine %s: applying replayed KV events failed; its entries are cleared", self.name)
+            self._on_error("apply")
+            self.feed.reset()
 
-    async def _fetch(self, start: int) -> list[tuple[int, Batch]]:
-        """The engine's buffered batches from ``start`` on (those that came, if it gave no end marker in time)."""
+    async def _fetch(self, start: int) -> tuple[list[tuple[int, Batch]], bool]:
+        """The engine's buffered batches from ``start`` on, and whether its end marker came (else: what came
+        before the timeout)."""
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
         got: list[tuple[int, Batch]] = []
         try:
             dealer.connect(self._replay_endpoint)
@@ -335,16 +399,16 @@ class Subscriber:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not await dealer.poll(left * 1000):
-                    log.warning("engine %s: no replay from %s within %.1f s", self.name, self._replay_endpoint,
-                                self._replay_timeout_s)
-                    return got
+                    log.warning("engine %s: replay from %s: no end marker within %.1f s", self.name,
+                                self._replay_endpoint, self._replay_timeout_s)
+                    return got, False
                 frames = await dealer.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
                     self._on_error("frames")
-                    return got
+                    return got, False
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_SEQ:
-                    return got
+                    return got, True
                 batch = self._decode(frames[3])
                 if batch is not None:
                     got.append((seq, batch))

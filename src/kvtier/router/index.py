@@ -74,16 +74,20 @@ def request_keys(tokens: Sequence[int], block_size: int, *, lora_name: str | Non
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-    """How an engine would serve a prompt's leading blocks: its own prefix hit, then kvtier's places."""
+    """How an engine could serve a prompt's leading blocks. ``engine``: its own prefix hit (blocks in its memory
+    or reserved there). ``kvtier``: the leading blocks kvtier holds for it (its host DRAM, its disk, any shared
+    tier), whatever the engine holds; ``host``, ``disk`` and ``shared`` count, by place, those of them past the
+    engine's hit (what kvtier would load)."""
 
     engine: int = 0
     host: int = 0
     disk: int = 0
     shared: int = 0
+    kvtier: int = 0
 
     @property
     def blocks(self) -> int:
-        return self.engine + self.host + self.disk + self.shared
+        return max(self.engine, self.kvtier)
 
 
 class _Engine:
@@ -109,7 +113,8 @@ class PrefixIndex:
         self.block_size = block_size
         self._engines: dict[str, _Engine] = defaultdict(_Engine)
         self._holders: dict[bytes, Counter[tuple[str, Place]]] = {}
-        self._reserved: dict[bytes, dict[str, float]] = {}  # key -> engine -> deadline (monotonic)
+        # key -> engine -> [deadline (monotonic), requests reserving it]
+        self._reserved: dict[bytes, dict[str, list]] = {}
         self.counts = IndexCounts()
 
     # --- events ---------------------------------------------------------------------------------------------
@@ -153,6 +158,15 @@ class PrefixIndex:
         return key
 
     def _hold(self, engine: str, state: _Engine, h: BlockHash, key: bytes, place: Place) -> None:
+        old = state.keys.get(h)
+        if old is not None and old != key:
+            # The engine names other tokens with a hash it used before (a collision of its 64-bit event hashes):
+            # the old block's entries go, or a later removal would take them from the wrong key.
+            self.counts.skipped["hash_reused"] += 1
+            for (held_hash, held_place), n in list(state.held.items()):
+                if held_hash == h:
+                    self.removed(engine, Removed(hashes=(h,) * n, medium=_MEDIUM[held_place],
+                                                 locality="REMOTE" if held_place is Place.SHARED else None))
         state.keys[h] = key
         state.refs[h] += 1
         state.held[h, place] += 1
@@ -197,7 +211,7 @@ class PrefixIndex:
             if place in wanted:
                 self.removed(engine, Removed(hashes=(h,) * n, medium=_MEDIUM[place],
                                              locality="REMOTE" if place is Place.SHARED else None))
-        if wanted == set(Place):
+        if Place.ENGINE in wanted:
             for holders in self._reserved.values():
                 holders.pop(engine, None)
 
@@ -219,43 +233,58 @@ class PrefixIndex:
         """Credit ``engine`` with ``keys`` for ``seconds``: a request routed there is about to compute them."""
         deadline = time.monotonic() + seconds
         for key in keys:
-            self._reserved.setdefault(key, {})[engine] = deadline
+            entry = self._reserved.setdefault(key, {}).setdefault(engine, [0.0, 0])
+            entry[0] = max(entry[0], deadline)
+            entry[1] += 1
 
     def unreserve(self, engine: str, keys: Sequence[bytes]) -> None:
+        """One request's reservation of ``keys`` ends (it failed): others' reservations stay."""
         for key in keys:
             holders = self._reserved.get(key)
-            if holders is not None:
-                holders.pop(engine, None)
+            entry = holders.get(engine) if holders is not None else None
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del holders[engine]
                 if not holders:
                     del self._reserved[key]
 
+    def _reserved_for(self, key: bytes, engine: str, now: float) -> bool:
+        entry = self._reserved.get(key, {}).get(engine)
+        return entry is not None and entry[0] > now
+
     def expire(self) -> None:
         now = time.monotonic()
-        for key in [k for k, holders in self._reserved.items()
-                    if all(deadline <= now for deadline in holders.values())]:
-            del self._reserved[key]
+        for key in list(self._reserved):
+            holders = self._reserved[key]
+            for engine in [e for e, entry in holders.items() if entry[0] <= now]:
+                del holders[engine]
+            if not holders:
+                del self._reserved[key]
 
     def match(self, keys: Sequence[bytes], engines: Sequence[str]) -> dict[str, Match]:
-        """For each engine: its leading run of blocks in its own memory (or reserved there), then the run that
-        kvtier would load (from the engine's host DRAM, its disk, or any shared tier), stopping at the first
-        block it cannot take from anywhere."""
+        """For each engine, how it could serve the leading blocks of ``keys`` (see :class:`Match`)."""
         now = time.monotonic()
         result: dict[str, Match] = {}
         for engine in engines:
-            counts = [0, 0, 0, 0]
-            own = True  # still in the run of the engine's own prefix hit
+            own = 0
             for key in keys:
                 holders = self._holders.get(key)
-                reserved = self._reserved.get(key, {}).get(engine, 0.0) > now
-                if own and (reserved or (holders is not None and holders.get((engine, Place.ENGINE)))):
-                    counts[Place.ENGINE] += 1
-                    continue
-                own = False
-                place = self._best_outside(holders, engine)
+                if not (self._reserved_for(key, engine, now) or (holders and holders.get((engine, Place.ENGINE)))):
+                    break
+                own += 1
+            counts = [0, 0, 0, 0]
+            kvtier = 0
+            for i, key in enumerate(keys):
+                place = self._best_outside(self._holders.get(key), engine)
                 if place is None:
                     break
-                counts[place] += 1
-            result[engine] = Match(*counts)
+                kvtier += 1
+                if i >= own:
+                    counts[place] += 1
+            result[engine] = Match(engine=own, host=counts[Place.HOST], disk=counts[Place.DISK],
+                                   shared=counts[Place.SHARED], kvtier=kvtier)
         return result
 
     @staticmethod
@@ -271,4 +300,6 @@ class PrefixIndex:
         return None
 
 
+LOCAL_PLACES = (Place.ENGINE, Place.HOST, Place.DISK)  # lost when an engine's process restarts (kvtier's
+# disk survives, but is not announced again); what it wrote to a shared tier stays there for every engine
 _MEDIUM = {Place.ENGINE: "GPU", Place.HOST: "CPU", Place.DISK: "STORAGE", Place.SHARED: "STORAGE"}

@@ -23,10 +23,17 @@ import time
 from collections.abc import Sequence
 
 from kvtier.router.config import Costs, RouterConfig
-from kvtier.router.index import Match, PrefixIndex, request_keys
+from kvtier.router.index import LOCAL_PLACES, Match, PrefixIndex, request_keys
 from kvtier.router.prompts import Prompt
 
 _EWMA = 0.3  # weight of a new calibration sample
+_BAND = 2.0  # a sample moves a calibrated value by at most this factor: one odd request cannot swing routing
+
+
+def _step(current: float, sample: float, floor: float = 1e-6) -> float:
+    """``current`` moved toward ``sample`` (kept within a factor of :data:`_BAND` of ``current``)."""
+    ref = max(current, floor)
+    return current + _EWMA * (min(max(sample, ref / _BAND), ref * _BAND) - current)
 
 
 @dataclasses.dataclass
@@ -72,17 +79,25 @@ class EngineState:
         self.flights: dict[int, Flight] = {}
 
     def load(self, now: float) -> tuple[float, int]:
-        """(prefill and load time left of the requests not yet answering, requests answering)."""
-        queued = sum(max(0.0, f.prefill_s + f.load_s - (now - f.started)) for f in self.flights.values()
-                     if not f.answering)
-        return queued, sum(1 for f in self.flights.values() if f.answering)
+        """(prefill and load time left of the requests not yet answering, requests answering). A request whose
+        answer the router does not stream to see (not streamed) counts as answering once its predicted prefill
+        has passed: it is decoding."""
+        queued, decoding = 0.0, 0
+        for f in self.flights.values():
+            left = 0.0 if f.answering else f.prefill_s + f.load_s - (now - f.started)
+            if left > 0:
+                queued += left
+            else:
+                decoding += 1
+        return queued, decoding
 
     def calibrate_prefill(self, seconds_per_token: float) -> None:
-        if 0 < seconds_per_token < 1:
-            if self.calibrated:
-                self.prefill_s_per_token += _EWMA * (seconds_per_token - self.prefill_s_per_token)
-            else:
-                self.prefill_s_per_token, self.calibrated = seconds_per_token, True
+        if not 0 < seconds_per_token < 1:
+            return
+        if self.calibrated:
+            self.prefill_s_per_token = _step(self.prefill_s_per_token, seconds_per_token)
+        else:
+            self.prefill_s_per_token, self.calibrated = seconds_per_token, True
 
 
 class Router:
@@ -141,9 +156,12 @@ class Router:
         costs = self.config.costs
         # vLLM never takes the prompt's last token from a cache: it computes at least one token.
         cap = max(0, (n_tokens - 1) // bs * bs)
-        cached = min(match.blocks * bs, cap)
-        own = min(match.engine * bs, cached)
-        left = cached - own
+        own = min(match.engine * bs, cap)
+        # kvtier serves whole chunks of the prompt (from the first), up to where vLLM's hit may go
+        chunk = self.config.chunk_tokens
+        kvtier_end = min(match.kvtier * bs // chunk * chunk, n_tokens // chunk * chunk, cap)
+        cached = max(own, kvtier_end)
+        left = cached - own  # loaded by kvtier, from its places in order past the engine's hit
         load_s = 0.0
         for blocks, rate in ((match.host, costs.host_tokens_per_s), (match.disk, costs.disk_tokens_per_s),
                              (match.shared, costs.shared_tokens_per_s)):
@@ -180,8 +198,8 @@ class Router:
         return flight_id
 
     def first_byte(self, engine: str, flight_id: int, ttft_s: float) -> None:
-        """The engine started answering a streamed request after ``ttft_s``: it left the queue, and its TTFT
-        calibrates the engine. Alone there: the base cost (little to compute) or the prefill cost per token.
+        """The engine started answering a streamed request (with a 2xx) after ``ttft_s``: it left the queue, and
+        its TTFT calibrates the engine. Alone there: the base cost (little to compute) or the prefill cost per token.
         Beside requests decoding and nothing queued: what each decoding request adds to the wait."""
         state = self.engines[engine]
         flight = state.flights.get(flight_id)
@@ -193,10 +211,9 @@ class Router:
             return  # queued behind other prefills: says little about any one cost
         if flight.decoding:
             own = state.base_s + flight.uncached * self.prefill_rate(state)
-            sample = (spent - own) / flight.decoding
-            state.decode_s += _EWMA * (min(max(sample, 0.0), 1.0) - state.decode_s)
+            state.decode_s = _step(state.decode_s, (spent - own) / flight.decoding, floor=1e-3)
         elif flight.uncached < self.config.block_size:
-            state.base_s += _EWMA * (max(0.0, spent) - state.base_s)
+            state.base_s = _step(state.base_s, spent, floor=1e-3)
         else:
             state.calibrate_prefill((spent - state.base_s) / flight.uncached)
 
@@ -207,7 +224,8 @@ class Router:
             self.index.unreserve(engine, flight.reserved)
 
     def lost(self, engine: str) -> None:
-        """The engine failed or stopped answering: route around it and forget what it held until it is back."""
+        """The engine stopped answering: route around it and forget what it held in its own memory and on its
+        host (a restarted engine starts empty); what it wrote to a shared tier is still there for the others."""
         state = self.engines[engine]
         state.healthy = False
-        self.index.clear(engine)
+        self.index.clear(engine, LOCAL_PLACES)

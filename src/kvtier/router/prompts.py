@@ -32,7 +32,8 @@ class Tokenizer:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of prompts: route by the first
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                            for t in prompt):
             return list(prompt)
         if isinstance(prompt, str):
             add_special = body.get("add_special_tokens", True)
