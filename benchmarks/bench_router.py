@@ -5,10 +5,11 @@ each (DRAM only, 128 MiB: about 5,600 tokens of this model), then the same fleet
 kvtier. The router runs in front with one policy at a time; every policy gets prompts of its own (another seed),
 so none finds what an earlier one left in the caches. Workloads (``vllm bench serve``):
 
-- ``prefix_repetition``: 6 documents of 1,024 tokens, each asked with 128-token suffixes, 60 requests at 1/s,
-  16 tokens out. Held everywhere, the documents do not fit one engine's memory; split, they do.
+- ``prefix_repetition``: 12 documents of 1,024 tokens, each asked with 128-token suffixes, 96 requests at 1.5/s
+  (up to 4 at once), 16 tokens out. The documents are more than one engine's memory holds (its KV space and
+  kvtier's DRAM: about 10,700 tokens), and half of them fit: where a request goes decides whether it is a hit.
 - ``hot prefix`` (vLLM's ``random`` dataset with a common prefix): every request starts with the same 1,536
-  tokens, then 128 of its own; 60 requests at 4/s (up to 8 at once): more than one engine serves comfortably.
+  tokens, then 128 of its own; 120 requests at 4/s (up to 8 at once): more than one engine serves comfortably.
 
 Session affinity needs a session per client: this script's wrapper of vLLM's request function sends
 ``X-Session-ID`` = a hash of the prompt's first 2,000 characters (its document), as a client keeping one session
@@ -18,7 +19,7 @@ per conversation would. Router overhead: a one-token completion asked directly o
     python benchmarks/bench_router.py [--json PATH] [--quick]
 
 Prints a Markdown table (TTFT p50/p90/p99, throughput, cached-token share, engine shares) with the ratios the
-README's targets name; about 15 minutes (``--quick``: 20 requests per workload, about 8).
+README's targets name; about 15 minutes (``--quick``: a quarter of the requests, about 8).
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def install_session_headers() -> None:
     serve.ASYNC_REQUEST_FUNCS["openai"] = with_session
 
 
+PROMPTS = {"prefix_repetition": 96, "hot_prefix": 120}
+
+
 def vllm_bench(base_url: str, model: Path, workload: str, seed: int, prompts: int) -> dict:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -99,8 +103,8 @@ def vllm_bench(base_url: str, model: Path, workload: str, seed: int, prompts: in
             "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90,99", "--ignore-eos"]
     if workload == "prefix_repetition":
         argv += ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
-                 "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "6",
-                 "--prefix-repetition-output-len", "16", "--request-rate", "1", "--max-concurrency", "4"]
+                 "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "12",
+                 "--prefix-repetition-output-len", "16", "--request-rate", "1.5", "--max-concurrency", "4"]
     else:
         argv += ["--dataset-name", "random", "--random-prefix-len", "1536", "--random-input-len", "128",
                  "--random-output-len", "16", "--request-rate", "4", "--max-concurrency", "8"]
@@ -181,10 +185,10 @@ def fleet(model: Path, work: Path, store: dict) -> list[Engine]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--quick", action="store_true", help="20 requests per workload")
+    parser.add_argument("--quick", action="store_true", help="a quarter of the requests per workload")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "results" / "bench-router")
     args = parser.parse_args()
-    prompts = 20 if args.quick else 60
+    scale = 4 if args.quick else 1
     work = args.work_dir / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True)
     model = prepare_model()
@@ -199,7 +203,8 @@ def main() -> int:
         seed = 1
         for workload in ("prefix_repetition", "hot_prefix"):
             for policy in ("round_robin", "session", "cache_aware"):
-                rows.append(run_policy(engines, model, work, policy, workload, seed, prompts, shared=False))
+                rows.append(run_policy(engines, model, work, policy, workload, seed, PROMPTS[workload] // scale,
+                                       shared=False))
                 seed += 1
     finally:
         for engine in engines:
@@ -211,25 +216,25 @@ def main() -> int:
         engines = fleet(model, work, shared)
         try:
             for workload in ("prefix_repetition", "hot_prefix"):
-                rows.append(run_policy(engines, model, work, "cache_aware", workload, seed, prompts, shared=True))
+                rows.append(run_policy(engines, model, work, "cache_aware", workload, seed,
+                                       PROMPTS[workload] // scale, shared=True))
                 seed += 1
         finally:
             for engine in engines:
                 engine.stop()
     finally:
         redis.stop()
-    report(rows, over, args, prompts)
+    report(rows, over, args)
     return 0
 
 
-def report(rows: list[dict], over: dict, args: argparse.Namespace, prompts: int) -> None:
-    print(f"\nRouter policies, {date.today()}, {platform.processor() or platform.machine()}, 2 engines x 1 core, "
-          f"{prompts} requests per workload\n")
-    print("| workload | policy | TTFT p50 | p90 | p99 | req/s | cached share | engine shares |")
-    print("|---|---|---|---|---|---|---|---|")
+def report(rows: list[dict], over: dict, args: argparse.Namespace) -> None:
+    print(f"\nRouter policies, {date.today()}, {platform.processor() or platform.machine()}, 2 engines x 1 core\n")
+    print("| workload | policy | requests | TTFT p50 | p90 | p99 | req/s | cached share | engine shares |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         shares = " / ".join(f"{v:.0%}" for v in r["engine_share"].values())
-        print(f"| {r['workload']} | {r['policy']} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms | "
+        print(f"| {r['workload']} | {r['policy']} | {r['completed']} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms | "
               f"{r['ttft_p99_ms']:.0f} ms | {r['throughput_req_s']:.2f} | {r['cached_share']:.0%} | {shares} |")
 
     def row(workload: str, policy: str) -> dict:
@@ -250,8 +255,7 @@ def report(rows: list[dict], over: dict, args: argparse.Namespace, prompts: int)
         print(f"{name}: {value:.2f}")
     if args.json:
         args.json.write_text(json.dumps({"date": str(date.today()), "machine": platform.processor(),
-                                         "prompts": prompts, "rows": rows, "overhead": over, "ratios": ratios},
-                                        indent=2))
+                                         "rows": rows, "overhead": over, "ratios": ratios}, indent=2))
 
 
 if __name__ == "__main__":

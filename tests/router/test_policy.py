@@ -202,3 +202,15 @@ def test_one_odd_sample_moves_a_calibration_by_a_bounded_step():
     state.calibrate_prefill(1e-3)
     state.calibrate_prefill(1e-9)  # e.g. an answer that computed nothing it was predicted to
     assert state.prefill_s_per_token >= 0.8e-3
+
+
+def test_a_ttft_that_included_a_kvtier_load_calibrates_nothing():
+    router = make(engines=("e0",))
+    hold(router, "e0", DOC, medium="STORAGE", locality="REMOTE")
+    state = router.engines["e0"]
+    before = (state.prefill_s_per_token, state.base_s, state.decode_s)
+    prompt = Prompt(DOC + [1] * 40)
+    decision = router.decide(prompt)[0]
+    assert decision.load_s > 0
+    router.first_byte("e0", router.started(decision, router.keys(prompt)), ttft_s=5.0)
+    assert (state.prefill_s_per_token, state.base_s, state.decode_s) == before

@@ -206,9 +206,12 @@ class Router:
         if flight is None:
             return
         flight.answering = True
-        spent = ttft_s - flight.load_s
-        if flight.queued_s > 0.1 * ttft_s:
-            return  # queued behind other prefills: says little about any one cost
+        spent = ttft_s
+        if flight.queued_s > 0.1 * ttft_s or flight.load_s:
+            # Queued behind other prefills, or waiting on a kvtier load (whose real cost, an extra engine step
+            # for a load from a shared tier among them, the configured speeds do not hold): says little about
+            # any one cost, and would make an engine that loads look slow at computing.
+            return
         if flight.decoding:
             own = state.base_s + flight.uncached * self.prefill_rate(state)
             state.decode_s = _step(state.decode_s, (spent - own) / flight.decoding, floor=1e-3)
