@@ -214,3 +214,15 @@ def test_a_ttft_that_included_a_kvtier_load_calibrates_nothing():
     assert decision.load_s > 0
     router.first_byte("e0", router.started(decision, router.keys(prompt)), ttft_s=5.0)
     assert (state.prefill_s_per_token, state.base_s, state.decode_s) == before
+
+
+def test_between_near_equals_the_shorter_queue_wins():
+    router = make()
+    hold(router, "e0", DOC)
+    hold(router, "e1", DOC)
+    router.engines["e0"].prefill_s_per_token = 0.9e-3  # calibrated a little faster
+    router.engines["e0"].calibrated = router.engines["e1"].calibrated = True
+    busy = router.decide(Prompt(DOC + [1]))[0]
+    assert busy.engine == "e0"
+    router.started(busy, [])  # one request already there
+    assert router.decide(Prompt(DOC + [2]))[0].engine == "e1"

@@ -28,6 +28,7 @@ from kvtier.router.prompts import Prompt
 
 _EWMA = 0.3  # weight of a new calibration sample
 _BAND = 2.0  # a sample moves a calibrated value by at most this factor: one odd request cannot swing routing
+_NEAR_TIE, _NEAR_TIE_S = 0.1, 0.02  # predicted times within 10% + 20 ms of the best are a near tie
 
 
 def _step(current: float, sample: float, floor: float = 1e-6) -> float:
@@ -143,6 +144,13 @@ class Router:
             tie = next(self._next)
             order = sorted(names, key=lambda n: (round(costed[n].predicted_s, 4), len(self.engines[n].flights),
                                                  (names.index(n) - tie) % len(names)))
+            # Engines within a near tie of the best are told apart by their queues alone (fewest requests in
+            # flight first): the calibrated costs are estimates, and between equals the shortest queue balances
+            # better than their noise.
+            best = costed[order[0]].predicted_s
+            near = [n for n in order if costed[n].predicted_s <= best * (1 + _NEAR_TIE) + _NEAR_TIE_S]
+            near.sort(key=lambda n: (len(self.engines[n].flights), (names.index(n) - tie) % len(names)))
+            order = near + [n for n in order if n not in near]
             best_blocks = max(m.blocks for m in matches.values())
             first = matches[order[0]].blocks
             reason = ("unindexed" if prompt is None else "no_prefix" if best_blocks == 0
@@ -207,14 +215,17 @@ class Router:
             return
         flight.answering = True
         spent = ttft_s
-        if flight.queued_s > 0.1 * ttft_s or flight.load_s:
-            # Queued behind other prefills, or waiting on a kvtier load (whose real cost, an extra engine step
-            # for a load from a shared tier among them, the configured speeds do not hold): says little about
-            # any one cost, and would make an engine that loads look slow at computing.
+        if flight.load_s:
+            # Waiting on a kvtier load (whose real cost, an extra engine step for a load from a shared tier among
+            # them, the configured speeds do not hold): would make an engine that loads look slow at computing.
             return
         if flight.decoding:
-            own = state.base_s + flight.uncached * self.prefill_rate(state)
+            # Others answering beside it: what is left after its own prefill and the prefills predicted ahead
+            # of it is what they cost it, per request (under load this is the sample that matters most).
+            own = state.base_s + flight.uncached * self.prefill_rate(state) + flight.queued_s
             state.decode_s = _step(state.decode_s, (spent - own) / flight.decoding, floor=1e-3)
+        elif flight.queued_s > 0.1 * ttft_s:
+            return  # queued behind other prefills alone: says little about any one cost
         elif flight.uncached < self.config.block_size:
             state.base_s = _step(state.base_s, spent, floor=1e-3)
         else:
