@@ -28,7 +28,7 @@ from kvtier.router.prompts import Prompt
 
 _EWMA = 0.3  # weight of a new calibration sample
 _BAND = 2.0  # a sample moves a calibrated value by at most this factor: one odd request cannot swing routing
-_NEAR_TIE, _NEAR_TIE_S = 0.1, 0.02  # predicted times within 10% + 20 ms of the best are a near tie
+_NEAR_TIE, _NEAR_TIE_S = 0.25, 0.05  # predicted times within 25% + 50 ms of the best are a near tie
 
 
 def _step(current: float, sample: float, floor: float = 1e-6) -> float:
