@@ -132,7 +132,7 @@ def test_clear_forgets_one_engine():
 def test_reservations_count_until_they_expire():
     index = PrefixIndex(BS)
     keys = request_keys(TOKENS, BS)
-    index.reserve("e1", keys[:4], seconds=0.2)
+    index.reserve("e1", keys[:4], seconds=0.2, token=1)
     assert index.match(keys, ["e1"])["e1"] == Match(engine=4)
     time.sleep(0.25)
     index.expire()
@@ -142,7 +142,7 @@ def test_reservations_count_until_they_expire():
 def test_a_reservation_ends_when_the_engine_announces_the_block():
     index = PrefixIndex(BS)
     keys = request_keys(TOKENS, BS)
-    index.reserve("e0", keys, seconds=60)
+    index.reserve("e0", keys, seconds=60, token=1)
     index.stored("e0", stored(TOKENS))
     hashes, _ = vllm_blocks(TOKENS)
     index.removed("e0", Removed(hashes=tuple(hashes[3:]), medium="GPU"))  # evicted: no longer credited
@@ -162,7 +162,11 @@ def test_a_hash_reused_for_other_tokens_replaces_the_old_block():
 def test_one_failed_request_leaves_anothers_reservation():
     index = PrefixIndex(BS)
     keys = request_keys(TOKENS, BS)
-    index.reserve("e0", keys, seconds=60)
-    index.reserve("e0", keys, seconds=60)
-    index.unreserve("e0", keys)
+    index.reserve("e0", keys, seconds=60, token=1)
+    index.reserve("e0", keys, seconds=60, token=2)
+    index.unreserve("e0", keys, token=1)
     assert index.match(keys, ["e0"])["e0"].engine == 6
+    index.unreserve("e0", keys, token=1)  # taken back twice: still only its own
+    assert index.match(keys, ["e0"])["e0"].engine == 6
+    index.unreserve("e0", keys, token=2)
+    assert index.match(keys, ["e0"])["e0"].engine == 0

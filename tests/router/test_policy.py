@@ -226,3 +226,26 @@ def test_between_near_equals_the_shorter_queue_wins():
     assert busy.engine == "e0"
     router.started(busy, [])  # one request already there
     assert router.decide(Prompt(DOC + [2]))[0].engine == "e1"
+
+
+def test_a_second_request_on_a_reserved_prefix_keeps_it_reserved_when_the_first_fails():
+    router = make(engines=("e0",))
+    first, second = Prompt(DOC + [1]), Prompt(DOC + [2])
+    f1 = router.started(router.decide(first)[0], router.keys(first))
+    d2 = router.decide(second)[0]
+    assert d2.match.engine == 64  # the first request's reservation
+    router.started(d2, router.keys(second))
+    router.finished("e0", f1, computed=False)
+    assert router.decide(Prompt(DOC + [3]))[0].match.engine == 64  # the second still computes them
+
+
+@pytest.mark.parametrize("endpoint, field", [
+    ({"kv_events": "tcp://*:5557"}, "engines[0].kv_events"),
+    ({"kv_events": "tcp://10.0.0.1:5557", "kv_events_replay": "tcp://0.0.0.0:5558"}, "engines[0].kv_events_replay"),
+    ({"kv_events": "tcp://10.0.0.1"}, "engines[0].kv_events"),
+])
+def test_endpoints_the_router_cannot_connect_to_are_refused(endpoint, field):
+    with pytest.raises(ConfigError, match="^" + re.escape(field)):
+        load_router_config({"tokenizer": "/m", "engines": [{"name": "a", "url": "http://127.0.0.1:1", **endpoint}]})
+    load_router_config({"tokenizer": "/m", "engines": [{"name": "a", "url": "http://127.0.0.1:1",
+                                                        "kv_events": "tcp://*:5557", "kv_events_bind": True}]})

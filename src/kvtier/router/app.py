@@ -184,7 +184,7 @@ class RouterApp:
         self.router.lost(name)
         sub = self.subscribers.get(name)
         if sub is not None:
-            sub.feed.reset()
+            sub.feed.reset(counted=False)
         self.metrics.event_resets.labels(name, cause).inc()
         self.metrics.healthy.labels(name).set(0)
         self.metrics.index_blocks.labels(name).set(0)
@@ -293,6 +293,7 @@ class RouterApp:
         """One attempt on one engine. Raises :class:`_Upstream` when the engine fails before the client got a
         byte (a whole answer, when not streaming): the caller tries the next engine."""
         name = decision.engine
+        attempt = time.monotonic()
         flight = self.router.started(decision, keys)
         self.metrics.predicted_ttft.labels(name).observe(decision.predicted_s)
         outcome = "aborted"
@@ -308,10 +309,11 @@ class RouterApp:
                 self._compare(decision, body[-4096:])
                 return reply
             first = await self._first(upstream)
-            ttft = time.monotonic() - t0
+            now = time.monotonic()
             if upstream.status < 300:  # an error answers fast and says nothing about prefill
-                self.router.first_byte(name, flight, ttft)
-                self.metrics.ttft.labels(name).observe(ttft)
+                # this engine's own time calibrates it; the client's (with any engine tried before) is the metric
+                self.router.first_byte(name, flight, now - attempt)
+                self.metrics.ttft.labels(name).observe(now - t0)
             reply = web.StreamResponse(status=upstream.status,
                                        headers=_reply_headers(upstream.headers, decision, headers["X-Request-Id"],
                                                              self.config.explain_headers))

@@ -54,6 +54,14 @@ class EngineConfig:
             if value is not None and not _ZMQ.fullmatch(value):
                 raise ConfigError(f"{field}.{name}: expected a ZMQ endpoint (tcp://host:port, ipc://path or "
                                   f"inproc://name), got {value!r}")
+        wildcard = re.compile(r"tcp://(\*|0\.0\.0\.0|\[?::\]?):")
+        for name, binds in (("kv_events", self.kv_events_bind), ("kv_events_replay", False)):
+            value = getattr(self, name)
+            if value is not None and wildcard.match(value) and not binds:
+                raise ConfigError(f"{field}.{name}: {value!r} is an address to bind, not to connect to: give the "
+                                  f"engine's host (tcp://HOST:PORT){'' if binds or name.endswith('replay') else ', or set kv_events_bind: true'}")
+            if value is not None and value.startswith("tcp://") and not re.fullmatch(r"tcp://.+:\d{1,5}", value):
+                raise ConfigError(f"{field}.{name}: expected tcp://HOST:PORT, got {value!r}")
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ConfigError(f"{field}.kv_events_replay: set only with kv_events")
         if not 0 < self.weight <= 100:

@@ -195,6 +195,7 @@ class Feed:
         # restarted engine's new batch under an old number is not taken for a duplicate.
         self._recent: dict[int, Batch] = {}
         self.replaying = False
+        self.generation = 0  # bumped by reset: a replay asked before a reset answers a question no longer asked
 
     def live(self, seq: int, batch: Batch) -> int | None:
         if self.next_seq is None:
@@ -239,7 +240,7 @@ class Feed:
         self._recent = dict(batches)
         if self.next_seq is None and self._held and min(self._held) > 0:
             # Joined late: the engine no longer holds its first batches, so it may hold blocks never announced.
-            self._on_gap(min(self._held))
+            log.info("joined an engine's events at %d: what it announced before is unknown", min(self._held))
         while self._held:
             first = min(self._held)
             if self.next_seq is not None and first < self.next_seq:
@@ -254,10 +255,13 @@ class Feed:
             self._apply(self._held.pop(first))
             self.next_seq = first + 1
 
-    def reset(self) -> None:
-        """Forget the engine's entries and where its stream was (engine restarted, died, or is unknown)."""
+    def reset(self, counted: bool = True) -> None:
+        """Forget the engine's entries and where its stream was (engine restarted, died, or is unknown);
+        ``counted`` False when the caller counts the reset under a cause of its own."""
         self._clear()
-        self._on_reset()
+        if counted:
+            self._on_reset()
+        self.generation += 1
         self.next_seq = None
         self._held.clear()
         self._recent.clear()
@@ -291,6 +295,7 @@ class Subscriber:
         self._on_replay = on_replay
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._restart_s = 1.0  # doubles at each failure in a row, up to 60 s
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events-{self.name}")
@@ -299,11 +304,12 @@ class Subscriber:
     def _ended(self, task: asyncio.Task) -> None:
         if self._stopping or task.cancelled():
             return
-        log.error("engine %s: KV-event task failed (%r); restarting it in 1 s, its entries rebuilt by replay",
-                  self.name, task.exception())
+        log.error("engine %s: KV-event task failed (%r); restarting it in %.0f s, its entries rebuilt by replay",
+                  self.name, task.exception(), self._restart_s)
         self._on_error("task")
         self.feed.reset()
-        asyncio.get_running_loop().call_later(1.0, self._restart)
+        asyncio.get_running_loop().call_later(self._restart_s, self._restart)
+        self._restart_s = min(60.0, self._restart_s * 2)
 
     def _restart(self) -> None:
         if not self._stopping:
@@ -341,6 +347,7 @@ class Subscriber:
                 await self._replay(self.feed._ask(0))
             while True:
                 frames = await sub.recv_multipart()
+                self._restart_s = 1.0  # reading again
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self._on_error("frames")
                     continue
@@ -366,18 +373,22 @@ class Subscriber:
             return
         got: dict[int, Batch] = {}
         ask = start
+        generation = self.feed.generation
         for _ in range(_REPLAY_ROUNDS if self._replay_endpoint is not None else 0):
             self._on_replay()
             batches, ended = await self._fetch(ask)
             new = [seq for seq, _ in batches if seq not in got]
             got.update((seq, b) for seq, b in batches if seq not in got)
-            if not new:
-                break
+            if not new or (ask > start and ask not in got):
+                break  # nothing new, or the hole asked for is not coming (gone from the buffer, undecodable)
             low = max(start, min(got))
             hole = next((seq for seq in range(low, max(got) + 1) if seq not in got), None)
             if hole is None and ended:
                 break
             ask = hole if hole is not None else max(got) + 1
+        if self.feed.generation != generation:
+            self.feed.replaying = False
+            return  # the feed was reset meanwhile: the next batch asks for everything again
         try:
             self.feed.replayed(sorted(got.items()))
         except Exception:
@@ -393,7 +404,12 @@ class Subscriber:
         dealer.setsockopt(zmq.RCVHWM, 0)
         got: list[tuple[int, Batch]] = []
         try:
-            dealer.connect(self._replay_endpoint)
+            try:
+                dealer.connect(self._replay_endpoint)
+            except zmq.ZMQError as exc:
+                log.warning("engine %s: cannot reach its replay socket %s: %s", self.name, self._replay_endpoint, exc)
+                self._on_error("replay_endpoint")
+                return got, False
             await dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
             deadline = time.monotonic() + self._replay_timeout_s
             while True:

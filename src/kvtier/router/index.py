@@ -113,8 +113,8 @@ class PrefixIndex:
         self.block_size = block_size
         self._engines: dict[str, _Engine] = defaultdict(_Engine)
         self._holders: dict[bytes, Counter[tuple[str, Place]]] = {}
-        # key -> engine -> [deadline (monotonic), requests reserving it]
-        self._reserved: dict[bytes, dict[str, list]] = {}
+        # key -> engine -> request token -> deadline (monotonic)
+        self._reserved: dict[bytes, dict[str, dict[int, float]]] = {}
         self.counts = IndexCounts()
 
     # --- events ---------------------------------------------------------------------------------------------
@@ -229,37 +229,48 @@ class PrefixIndex:
         return counts
 
     # --- routing --------------------------------------------------------------------------------------------
-    def reserve(self, engine: str, keys: Sequence[bytes], seconds: float) -> None:
-        """Credit ``engine`` with ``keys`` for ``seconds``: a request routed there is about to compute them."""
+    def reserve(self, engine: str, keys: Sequence[bytes], seconds: float, token: int) -> None:
+        """Credit ``engine`` with ``keys`` for ``seconds``: request ``token`` routed there is about to compute
+        them. Each request's reservation is its own: one that fails takes back only its own."""
         deadline = time.monotonic() + seconds
         for key in keys:
-            entry = self._reserved.setdefault(key, {}).setdefault(engine, [0.0, 0])
-            entry[0] = max(entry[0], deadline)
-            entry[1] += 1
+            self._reserved.setdefault(key, {}).setdefault(engine, {})[token] = deadline
 
-    def unreserve(self, engine: str, keys: Sequence[bytes]) -> None:
-        """One request's reservation of ``keys`` ends (it failed): others' reservations stay."""
+    def unreserve(self, engine: str, keys: Sequence[bytes], token: int) -> None:
         for key in keys:
             holders = self._reserved.get(key)
-            entry = holders.get(engine) if holders is not None else None
-            if entry is None:
+            tokens = holders.get(engine) if holders is not None else None
+            if tokens is None or tokens.pop(token, None) is None:
                 continue
-            entry[1] -= 1
-            if entry[1] <= 0:
+            if not tokens:
                 del holders[engine]
                 if not holders:
                     del self._reserved[key]
 
     def _reserved_for(self, key: bytes, engine: str, now: float) -> bool:
-        entry = self._reserved.get(key, {}).get(engine)
-        return entry is not None and entry[0] > now
+        tokens = self._reserved.get(key, {}).get(engine)
+        return tokens is not None and any(deadline > now for deadline in tokens.values())
+
+    def announced_run(self, engine: str, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the engine announced holding in its own memory (reservations aside)."""
+        run = 0
+        for key in keys:
+            holders = self._holders.get(key)
+            if not (holders and holders.get((engine, Place.ENGINE))):
+                break
+            run += 1
+        return run
 
     def expire(self) -> None:
         now = time.monotonic()
         for key in list(self._reserved):
             holders = self._reserved[key]
-            for engine in [e for e, entry in holders.items() if entry[0] <= now]:
-                del holders[engine]
+            for engine in list(holders):
+                tokens = holders[engine]
+                for token in [t for t, deadline in tokens.items() if deadline <= now]:
+                    del tokens[token]
+                if not tokens:
+                    del holders[engine]
             if not holders:
                 del self._reserved[key]
 

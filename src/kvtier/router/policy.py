@@ -28,7 +28,7 @@ from kvtier.router.prompts import Prompt
 
 _EWMA = 0.3  # weight of a new calibration sample
 _BAND = 2.0  # a sample moves a calibrated value by at most this factor: one odd request cannot swing routing
-_NEAR_TIE, _NEAR_TIE_S = 0.25, 0.05  # predicted times within 25% + 50 ms of the best are a near tie
+_NEAR_TIE = 0.25  # predicted times within 25% of the best plus one block's prefill are a near tie
 
 
 def _step(current: float, sample: float, floor: float = 1e-6) -> float:
@@ -145,10 +145,12 @@ class Router:
             order = sorted(names, key=lambda n: (round(costed[n].predicted_s, 4), len(self.engines[n].flights),
                                                  (names.index(n) - tie) % len(names)))
             # Engines within a near tie of the best are told apart by their queues alone (fewest requests in
-            # flight first): the calibrated costs are estimates, and between equals the shortest queue balances
-            # better than their noise.
+            # flight first): the calibrated costs are estimates, and between near equals the shortest queue
+            # balances better than their noise.
             best = costed[order[0]].predicted_s
-            near = [n for n in order if costed[n].predicted_s <= best * (1 + _NEAR_TIE) + _NEAR_TIE_S]
+            # slack: a share of the best, and one block's prefill (what a near tie can hide on fast engines too)
+            slack = best * _NEAR_TIE + self.config.block_size * self.prefill_rate(self.engines[order[0]])
+            near = [n for n in order if costed[n].predicted_s <= best + slack]
             near.sort(key=lambda n: (len(self.engines[n].flights), (names.index(n) - tie) % len(names)))
             order = near + [n for n in order if n not in near]
             best_blocks = max(m.blocks for m in matches.values())
@@ -196,13 +198,15 @@ class Router:
         """Account the request on its engine at once; returns its flight id."""
         engine = self.engines[decision.engine]
         flight_id = next(self._ids)
-        reserved = keys[decision.match.engine:]
+        # From where the engine's own announcements end: blocks another request reserved are this one's to
+        # compute too, should that one fail
+        reserved = keys[self.index.announced_run(decision.engine, keys):]
         engine.flights[flight_id] = Flight(
             engine=decision.engine, prefill_s=decision.uncached * self.prefill_rate(engine),
             load_s=decision.load_s, queued_s=decision.queued_s, decoding=decision.decoding, uncached=decision.uncached,
             reserved=reserved)
         if reserved:
-            self.index.reserve(decision.engine, reserved, self.config.reserve_s)
+            self.index.reserve(decision.engine, reserved, self.config.reserve_s, flight_id)
         return flight_id
 
     def first_byte(self, engine: str, flight_id: int, ttft_s: float) -> None:
@@ -235,7 +239,7 @@ class Router:
         """The request ended; ``computed`` False: it failed or was refused, so its blocks will not appear."""
         flight = self.engines[engine].flights.pop(flight_id, None)
         if flight is not None and not computed and flight.reserved:
-            self.index.unreserve(engine, flight.reserved)
+            self.index.unreserve(engine, flight.reserved, flight_id)
 
     def lost(self, engine: str) -> None:
         """The engine stopped answering: route around it and forget what it held in its own memory and on its
