@@ -19,7 +19,7 @@ per conversation would. Router overhead: a one-token completion asked directly o
     python benchmarks/bench_router.py [--json PATH] [--quick]
 
 Prints a Markdown table (TTFT p50/p90/p99, throughput, cached-token share, engine shares) with the ratios the
-README's targets name; about 15 minutes (``--quick``: a quarter of the requests, about 8).
+README's targets name; about 10 minutes here (``--quick``: a quarter of the requests, about 5).
 """
 
 from __future__ import annotations

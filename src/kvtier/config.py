@@ -61,7 +61,7 @@ def shown(field: str, value: object) -> str:
     name = field.rpartition(".")[2].lower()
     parts = re.split(r"[_\-]", name)
     if any(word in name for word in _SECRET_FIELDS) or (parts[-1] in _SECRET_PARTS and len(parts) > 1) \
-            or name in ("token", "apikey", "api_key"):
+            or name in ("token", "apikey"):
         return "<redacted>"
     return redact(repr(value))
 

@@ -21,7 +21,9 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 
 from kvtier.router.events import decode_batch  # noqa: E402
 from kvtier.router.index import Match, PrefixIndex, request_keys  # noqa: E402
-from tests.integrations.mini_engine import BLOCK, MiniEngine, vllm_config  # noqa: E402
+import torch  # noqa: E402
+
+from tests.integrations.mini_engine import BLOCK, MiniEngine, reference_kv, vllm_config  # noqa: E402
 
 
 def hashed_request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
@@ -100,5 +102,28 @@ def test_no_events_unless_vllm_publishes_them(model_dir: Path, store_cfg: dict) 
     try:
         engine.prefill(hashed_request("r1", list(range(600))))
         assert engine.scheduler.take_events() == []
+    finally:
+        engine.shutdown()
+
+
+def test_a_failure_naming_blocks_for_events_costs_neither_the_save_nor_the_load(model_dir: Path, store_cfg: dict,
+                                                                               monkeypatch) -> None:
+    from kvtier.integrations._vllm_events import KVEvents
+
+    def broken(self, request, namespace, tokens):
+        raise RuntimeError("naming failed")
+
+    monkeypatch.setattr(KVEvents, "register", broken)
+    config = vllm_config(str(model_dir), store_cfg)
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq")
+    engine = MiniEngine(config)
+    try:
+        tokens = list(range(3000, 3000 + 2 * 256 + 10))
+        saved = engine.prefill(hashed_request("r1", tokens))
+        assert [len(s.tokens) for s in saved.meta.saves] == [512]  # the save went out all the same
+        engine.finish(hashed_request("r1", tokens))
+        again = engine.prefill(hashed_request("r2", tokens))
+        assert again.hit == 512 and not again.load_errors  # and its chunks load
+        assert torch.equal(engine.read(again.blocks, 512), reference_kv(tokens)[:, :, :, :512])
     finally:
         engine.shutdown()

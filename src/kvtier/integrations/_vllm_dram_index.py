@@ -40,13 +40,15 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 class DramReport:
     """Turns one worker store's DRAM changes into held / gone events for its rank."""
 
-    def __init__(self, store: KVStore, kv_heads: int) -> None:
+    def __init__(self, store: KVStore, kv_heads: int, *, tier_writes: bool = False) -> None:
         self._store = store
         self._kv_heads = kv_heads
         self._held: set[tuple[str, str]] = set()  # what the scheduler was told this rank holds
         self._changed: dict[tuple[str, str], None] = {}  # chunks to look at again, in order
         self._watcher = store.dram.watch()  # a reader of its own: other workers sharing the store read theirs
-        self._tier_watcher = store.watch_tier_writes() if store.tiers else None
+        # the cascade's writes, reported only for kvtier's KV events (otherwise they would ride every step for
+        # nothing)
+        self._tier_watcher = store.watch_tier_writes() if tier_writes and store.tiers else None
 
     def take(self, rank: int, size: int, step: int) -> KVTierWorkerMetadata:
         for key, _ in self._store.dram.take_changes(self._watcher):

@@ -160,9 +160,8 @@ class SchedulerSide:
         chunks_end = -(-end // self._chunk) * self._chunk
         self._loads[rid] = Transfer(rid, self._namespaces[rid], hit.tokens[:chunks_end], block_ids, hit.computed,
                                     hit.asynchronous)
-        if self._events is not None:
-            self._events.register(request, self._namespaces[rid], hit.tokens[:chunks_end])
         del self._hits[rid]
+        self._announce(request, self._namespaces[rid], hit.tokens[:chunks_end])
 
     def invalidate(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """After a failed :meth:`after_alloc`: have the workers report the promised blocks as failed, so vLLM
@@ -232,13 +231,23 @@ class SchedulerSide:
         if self._unheard and self._over_unheard(tracked.block_ids[:upto // self._bs], meta.step):
             return  # computed over blocks whose load some worker has not reported yet: planned again next step
         tracked.saved = True
-        request = self._requests.get(rid)
-        if self._events is not None and request is not None:
-            self._events.register(request, tracked.namespace, tracked.tokens[:upto])
         # From the start: the worker skips what the store holds (store.held), which after a failed load
         # excludes the chunks that failed, so they are saved once recomputed.
         meta.saves.append(Transfer(rid, tracked.namespace, tracked.tokens[:upto],
                                    tracked.block_ids[:upto // self._bs], 0))
+        request = self._requests.get(rid)
+        if request is not None:
+            self._announce(request, tracked.namespace, tracked.tokens[:upto])
+
+    def _announce(self, request: Request, namespace: Namespace, tokens: list[int]) -> None:
+        """Name the blocks of a planned save or load for kvtier's KV events. Only after the plan, and contained:
+        a failure here costs an announcement, never the save or the load."""
+        if self._events is None:
+            return
+        try:
+            self._events.register(request, namespace, tokens)
+        except Exception as exc:
+            self._metrics.error("take_events", exc, request.request_id)
 
     def _over_unheard(self, blocks: list[int], step: int) -> bool:
         """Whether ``blocks`` hold a load not yet reported by every worker, that a save in ``step`` cannot trust.

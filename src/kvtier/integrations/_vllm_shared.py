@@ -35,6 +35,7 @@ _CONSEQUENCE = {
     "start_load_kv": "the blocks are reported as load errors and vLLM recomputes them",
     "wait_for_save": "the save is dropped",
     "build_connector_worker_meta": "the scheduler misses chunks this worker's DRAM holds",
+    "take_events": "kvtier's KV events leave those chunks unannounced",
 }
 
 

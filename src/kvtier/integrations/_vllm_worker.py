@@ -35,8 +35,10 @@ LOAD_THREADS = 2  # asynchronous loads in flight at once; the rest wait in order
 class WorkerSide:
     """The engine's KV caches, and the loads and saves of each step."""
 
-    def __init__(self, store: KVStore, metrics: ConnectorMetrics, *, block_size: int, kv_heads: int) -> None:
+    def __init__(self, store: KVStore, metrics: ConnectorMetrics, *, block_size: int, kv_heads: int,
+                 report_tier_writes: bool = False) -> None:
         self._store = store
+        self._report_tier_writes = report_tier_writes  # for kvtier's KV events: only when vLLM publishes them
         self._metrics = metrics
         self._chunk = store.chunk_tokens
         self._bs = block_size
@@ -71,7 +73,7 @@ class WorkerSide:
         rank, size = tp()
         if size > 1:  # each rank's process serves its own metrics
             self._store.metrics.process_labels["tp_rank"] = str(rank)
-        self._report = DramReport(self._store, self._kv_heads)
+        self._report = DramReport(self._store, self._kv_heads, tier_writes=self._report_tier_writes)
         heads, want = kv_shape(self._caches, self._layout, 0)[2], rank_heads(self._kv_heads, rank, size).count
         if heads != want:
             raise ConfigError(f"KVTierConnector: rank {rank} of {size} holds {heads} KV heads, but a model with "

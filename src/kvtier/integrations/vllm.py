@@ -119,7 +119,8 @@ class KVTierConnector(KVConnectorBase_V1):
             tp_size=vllm_config.parallel_config.tensor_parallel_size, lookup_timeout=lookup_timeout,
             events=_events_enabled(vllm_config))
         self._worker_side = None if role == KVConnectorRole.SCHEDULER else WorkerSide(
-            store, metrics, block_size=block_size, kv_heads=kv_heads)
+            store, metrics, block_size=block_size, kv_heads=kv_heads,
+            report_tier_writes=_events_enabled(vllm_config))
 
     @property
     def _sched(self) -> SchedulerSide:

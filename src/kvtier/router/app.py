@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
         "proxy-authorization", "proxy-authenticate", "accept-encoding"}
 _USAGE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_APP = web.AppKey("router", object)
 _LOST_AFTER = 3  # health checks failed in a row before an engine's entries are cleared
 
 
@@ -63,7 +62,6 @@ class RouterApp:
     # --- lifecycle ------------------------------------------------------------------------------------------
     def web_app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
-        app[_APP] = self
         app.router.add_post("/v1/completions", self._proxy)
         app.router.add_post("/v1/chat/completions", self._proxy)
         app.router.add_get("/v1/models", self._models)
@@ -267,10 +265,10 @@ class RouterApp:
         except (PromptError, RecursionError) as exc:
             log.info("request %s routed without its cache: %s", request_id, exc)
             prompt = None  # the engine will answer with its own validation error, or serve it
-        decisions = self.router.decide(prompt, request.headers.get(self.config.session_header))
+        keys = self.router.keys(prompt) if prompt is not None else []
+        decisions = self.router.decide(prompt, request.headers.get(self.config.session_header), keys)
         if not decisions:
             return _error(503, "no engine is healthy", "no_healthy_engine", retry_after=True)
-        keys = self.router.keys(prompt) if prompt is not None else []
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s: %s", request_id, "; ".join(
                 f"{d.engine} {d.predicted_s:.3f}s (wait {d.wait_s:.3f}, load {d.load_s:.3f}, compute {d.uncached}, "

@@ -58,8 +58,9 @@ class EngineConfig:
         for name, binds in (("kv_events", self.kv_events_bind), ("kv_events_replay", False)):
             value = getattr(self, name)
             if value is not None and wildcard.match(value) and not binds:
+                hint = "" if name == "kv_events_replay" else ", or set kv_events_bind: true"
                 raise ConfigError(f"{field}.{name}: {value!r} is an address to bind, not to connect to: give the "
-                                  f"engine's host (tcp://HOST:PORT){'' if binds or name.endswith('replay') else ', or set kv_events_bind: true'}")
+                                  f"engine's host (tcp://HOST:PORT){hint}")
             if value is not None and value.startswith("tcp://") and not re.fullmatch(r"tcp://.+:\d{1,5}", value):
                 raise ConfigError(f"{field}.{name}: expected tcp://HOST:PORT, got {value!r}")
         if self.kv_events_replay is not None and self.kv_events is None:

@@ -201,7 +201,7 @@ class Feed:
         if self.next_seq is None:
             # Joined a running engine (or it restarted): what came before is in its replay buffer.
             self._held[seq] = batch
-            return self._ask(0)
+            return self.ask(0)
         if seq >= self.next_seq:
             self._recent.clear()  # the live stream is past what the last replay brought
         if seq == self.next_seq and not self._held:
@@ -210,7 +210,7 @@ class Feed:
             return None
         if seq >= self.next_seq:
             self._held[seq] = batch
-            return self._ask(self.next_seq)
+            return self.ask(self.next_seq)
         if self._held.get(seq) == batch or self._recent.get(seq) == batch:
             return None  # a duplicate of what a replay brought, queued on the live socket meanwhile
         # The sequence went back with other content: a new engine process (numbers restart at 0).
@@ -218,9 +218,10 @@ class Feed:
                     self.next_seq, seq)
         self.reset()
         self._held[seq] = batch
-        return self._ask(0)
+        return self.ask(0)
 
-    def _ask(self, start: int) -> int | None:
+    def ask(self, start: int) -> int | None:
+        """``start`` if no replay is out (the caller is to ask for one from there), else None."""
         if self.replaying:
             return None
         self.replaying = True
@@ -344,7 +345,7 @@ class Subscriber:
             # A router that starts beside running engines learns their caches from the replay buffers at once,
             # instead of waiting for their next batch.
             if self._replay_endpoint is not None:
-                await self._replay(self.feed._ask(0))
+                await self._replay(self.feed.ask(0))
             while True:
                 frames = await sub.recv_multipart()
                 self._restart_s = 1.0  # reading again
@@ -361,7 +362,7 @@ class Subscriber:
                     log.exception("engine %s: applying KV events failed; its entries are rebuilt", self.name)
                     self._on_error("apply")
                     self.feed.reset()
-                    start = self.feed._ask(0)
+                    start = self.feed.ask(0)
                 await self._replay(start)
         finally:
             sub.close(linger=0)

@@ -41,7 +41,6 @@ def _step(current: float, sample: float, floor: float = 1e-6) -> float:
 class Flight:
     """One request the router sent to an engine and has not seen finish."""
 
-    engine: str
     prefill_s: float
     load_s: float
     queued_s: float  # prefill and loads of requests ahead of it, at decision time
@@ -118,12 +117,15 @@ class Router:
         return request_keys(prompt.tokens, self.config.block_size, lora_name=prompt.lora_name,
                             cache_salt=prompt.cache_salt)
 
-    def decide(self, prompt: Prompt | None, session: str | None = None) -> list[Decision]:
-        """Healthy engines in the order to try them; empty when none is healthy."""
+    def decide(self, prompt: Prompt | None, session: str | None = None,
+               keys: Sequence[bytes] | None = None) -> list[Decision]:
+        """Healthy engines in the order to try them; empty when none is healthy. ``keys``: the prompt's block
+        keys, when the caller has them already."""
         names = self.healthy()
         if not names:
             return []
-        keys = self.keys(prompt) if prompt is not None else []
+        if keys is None:
+            keys = self.keys(prompt) if prompt is not None else []
         matches = self.index.match(keys, names) if keys else {n: Match() for n in names}
         n_tokens = len(prompt.tokens) if prompt is not None else 0
         now = time.monotonic()
@@ -202,7 +204,7 @@ class Router:
         # compute too, should that one fail
         reserved = keys[self.index.announced_run(decision.engine, keys):]
         engine.flights[flight_id] = Flight(
-            engine=decision.engine, prefill_s=decision.uncached * self.prefill_rate(engine),
+            prefill_s=decision.uncached * self.prefill_rate(engine),
             load_s=decision.load_s, queued_s=decision.queued_s, decoding=decision.decoding, uncached=decision.uncached,
             reserved=reserved)
         if reserved:
