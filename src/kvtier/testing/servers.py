@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -29,15 +30,43 @@ class ServerError(RuntimeError):
     """A test server could not be started."""
 
 
-def free_port(below: int = 65536) -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now, under ``below`` (servers that derive a second
-    port as port + 10000 need room above)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port < below:
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+_rng = random.Random()  # its own: a test that seeds the global generator must not give two processes one port
+
+
+def free_port(room: int = 0) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's ephemeral range, together
+    with ``port + room`` (servers that derive a second port, as port + 10000, need room above).
+
+    Never an ephemeral port: a client polling a port whose server is still starting could otherwise be given
+    that very port as its own source port and connect to itself (reading its own request back as the answer),
+    and any outgoing connection could take the port before the server binds it.
+    """
+    try:
+        low = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    top = low - room
+    if top <= 10000:
+        raise ServerError(f"no room for a port and port + {room} below the ephemeral range (from {low})")
+    for _ in range(1000):
+        port = _rng.randrange(10000, top)
+        if port in _handed_out or (room and port + room in _handed_out):
+            continue
+        if all(_bindable(p) for p in ((port, port + room) if room else (port,))):
+            _handed_out.update((port, port + room) if room else (port,))
             return port
+    raise ServerError(f"no free port found in [10000, {top})")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class BlackHole:
@@ -133,7 +162,7 @@ class RedisServer:
                  port: int | None = None) -> None:
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port(below=55536 if cluster else 65536)  # the cluster bus is port + 10000
+        self.port = port or free_port(room=10000 if cluster else 0)  # the cluster bus is port + 10000
         self.maxmemory = maxmemory
         self.cluster = cluster
         self._proc: _Process | None = None
@@ -216,7 +245,7 @@ class S3Server:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.credentials = credentials
         # weed derives gRPC ports as port + 10000.
-        self.master_port, self.volume_port, self.filer_port, self.port = (free_port(below=55536) for _ in range(4))
+        self.master_port, self.volume_port, self.filer_port, self.port = (free_port(room=10000) for _ in range(4))
         self._proc: _Process | None = None
 
     @property
