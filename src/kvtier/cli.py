@@ -6,6 +6,7 @@
     kvtier cache purge  --config FILE (--namespace NS | --older-than AGE | --all) [--tier NAME]
     kvtier bench [--quick] [--json PATH] [--shared-tier redis|redis-cluster|s3|mooncake] [--prefix-tokens N]
     kvtier router --config FILE
+    kvtier simulate --trace FILE [--block-tokens N] [--capacities N,N,...] [--policies P,P] [--out DIR]
 
 The cache commands open the tiers only (no DRAM pool), so they are safe to run beside a serving process.
 """
@@ -186,7 +187,77 @@ def build_parser() -> argparse.ArgumentParser:
     router = top.add_parser("router", help="a cache-aware OpenAI-compatible router in front of vLLM API servers")
     router.add_argument("--config", required=True, help="router config (YAML; see the README's 'Running a fleet')")
     router.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    simulate = top.add_parser("simulate", help="replay a request trace: prefix-hit ratio per eviction policy and "
+                                               "cache capacity, with Belady's and the infinite cache's lines")
+    simulate.add_argument("--trace", required=True, type=Path,
+                          help="JSONL: Mooncake lines (timestamp, input_length, output_length, hash_ids), or "
+                               "token_ids / prompt lines re-chunked with kvtier's keys")
+    simulate.add_argument("--block-tokens", type=_positive, default=512, metavar="N",
+                          help="tokens per block: the size hash_ids were cut at, or kvtier's chunk_tokens for "
+                               "token and text traces (default 512, the Mooncake traces')")
+    simulate.add_argument("--tokenizer", metavar="MODEL_DIR", help="a local model directory whose tokenizer "
+                                                                   "turns a text trace's prompts into tokens")
+    simulate.add_argument("--capacities", type=_capacities, metavar="N,N,...",
+                          help="cache sizes in blocks (default: 24 log-spaced from 1 to the trace's distinct "
+                               "blocks)")
+    simulate.add_argument("--policies", type=_policies, default=["lru", "prefix_lru"], metavar="P,P",
+                          help="eviction policies to compare (default lru,prefix_lru)")
+    simulate.add_argument("--out", type=Path, default=Path("results/simulate"),
+                          help="where cache.json, cache.csv and hit_ratio.png go (default results/simulate)")
+    simulate.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
+def _capacities(text: str) -> list[int]:
+    return [_positive(part) for part in text.split(",") if part.strip()]
+
+
+def _policies(text: str) -> list[str]:
+    from kvtier.eviction import POLICIES
+
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    for name in names:
+        if name not in POLICIES.names():
+            raise argparse.ArgumentTypeError(f"unknown policy {name!r}; known: {', '.join(POLICIES.names())}")
+    return names
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from kvtier.sim.report import cache_report
+    from kvtier.sim.trace import load_trace
+
+    tokenizer = None
+    try:
+        if args.tokenizer:
+            tokenizer = _tokenizer(args.tokenizer)
+        trace = load_trace(args.trace, args.block_tokens, tokenizer)
+    except KVTierError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
+    cache_report(trace, args.capacities, args.policies, args.out, plot=not args.no_plot)
+    return 0
+
+
+def _tokenizer(model_dir: str):
+    from kvtier.errors import ConfigError
+
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (ImportError, OSError, ValueError) as exc:
+        raise ConfigError(f"--tokenizer: cannot load a tokenizer from {model_dir!r}: {exc}") from exc
+    return lambda text: tok(text, add_special_tokens=False)["input_ids"]
 
 
 def _prefix_tokens(text: str) -> int:
@@ -207,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args.quick, args.json, args.work_dir, args.shared_tier, args.prefix_tokens)
     if args.group == "router":
         return _router(args)
+    if args.group == "simulate":
+        return _simulate(args)
     try:
         tiers = open_tiers(load_config(args.config))
     except KVTierError as exc:

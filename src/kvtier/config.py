@@ -180,7 +180,7 @@ class DramConfig:
     """The primary tier: a preallocated pool of host memory."""
 
     capacity_bytes: int = 4 * 2**30
-    eviction: str = "lru"
+    eviction: str = "prefix_lru"  # never below LRU on the traces `kvtier simulate` replays (README)
     page_bytes: int = 2**20
     pin_memory: bool | None = None  # None: pin when CUDA is available
 

@@ -187,6 +187,7 @@ class DramPool:
             held = self._by_key.get(key)
             if held is not None:
                 if held.meta == meta:
+                    self._policy.touch(key)  # stored again: as recent as a read (the simulator's model too)
                     return "present"
                 self._discard_locked(held)  # another shape under this key (e.g. a hostile promotion): replace
             if self._free.count + self._idle_pages < need:

@@ -1,0 +1,1 @@
+"""Know before you deploy: traces, the exact cache layer, and the ``kvtier simulate`` report."""
