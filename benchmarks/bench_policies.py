@@ -1,0 +1,61 @@
+"""Eviction policies on the Mooncake traces: prefix-hit ratio of lru and prefix_lru (the store's own policy
+classes, replayed as the DRAM pool runs them) against oracle admission, Belady's MIN and the infinite cache.
+
+    .venv/bin/python benchmarks/bench_policies.py [--json benchmarks/results/policies-DATE.json]
+
+The default DRAM policy is the one this script shows never losing (README, "Choosing the eviction policy").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_store import machine  # noqa: E402
+
+from kvtier.sim.cache import default_capacities  # noqa: E402
+from kvtier.sim.report import cache_report  # noqa: E402
+from kvtier.sim.trace import load_trace  # noqa: E402
+
+TRACES = Path(__file__).parent / "traces"
+HEADLINE = (1000, 3000, 10000, 30000)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=Path(f"benchmarks/results/policies-{date.today()}.json"))
+    parser.add_argument("--plots", type=Path, default=Path("benchmarks/results"),
+                        help="where the hit-ratio PNGs go (policies-<trace>.png)")
+    args = parser.parse_args()
+    results = {"date": str(date.today()), "machine": machine(), "python": platform.python_version(), "traces": {}}
+    for name in ("conversation", "synthetic"):
+        trace = load_trace(TRACES / f"{name}_trace.jsonl")
+        caps = sorted(set(default_capacities(trace)) | set(HEADLINE))
+        out = Path(f"/tmp/kvtier-bench-policies/{name}")
+        report = cache_report(trace, caps, ["lru", "prefix_lru"], out)
+        (args.plots / f"policies-{name}.png").write_bytes((out / "hit_ratio.png").read_bytes())
+        ratio = report["hit_ratio"]
+        worst = min(ratio["prefix_lru"][str(c)] / ratio["lru"][str(c)] for c in caps if ratio["lru"][str(c)] > 0)
+        report["prefix_lru_over_lru_worst"] = round(worst, 4)
+        results["traces"][name] = report
+        print(f"{name}: prefix_lru / lru at its worst capacity = {worst:.4f}\n")
+    print("| trace | capacity (blocks) | lru | prefix_lru | oracle admission | Belady | infinite |")
+    print("|---|---|---|---|---|---|---|")
+    for name, report in results["traces"].items():
+        for c in HEADLINE:
+            r = report["hit_ratio"]
+            print(f"| {name} | {c:,} | " + " | ".join(f"{r[k][str(c)]:.3f}" for k in
+                                                    ("lru", "prefix_lru", "oracle_admit", "belady", "infinite")) + " |")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
