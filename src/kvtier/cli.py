@@ -6,6 +6,7 @@
     kvtier cache purge  --config FILE (--namespace NS | --older-than AGE | --all) [--tier NAME]
     kvtier bench [--quick] [--json PATH] [--shared-tier redis|redis-cluster|s3|mooncake] [--prefix-tokens N]
     kvtier router --config FILE
+    kvtier calibrate [--quick] [--out FILE] [--model DIR] [--config FILE]
     kvtier simulate --trace FILE [--block-tokens N] [--capacities N,N,...] [--policies P,P] [--out DIR]
 
 The cache commands open the tiers only (no DRAM pool), so they are safe to run beside a serving process.
@@ -187,6 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
     router = top.add_parser("router", help="a cache-aware OpenAI-compatible router in front of vLLM API servers")
     router.add_argument("--config", required=True, help="router config (YAML; see the README's 'Running a fleet')")
     router.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    calibrate = top.add_parser("calibrate", help="measure this machine for the simulator: prefill, decode and the "
+                                                 "engine's hit floor on vLLM, loads and stores per kvtier tier")
+    calibrate.add_argument("--quick", action="store_true", help="a smaller grid (a few minutes on 2 cores)")
+    calibrate.add_argument("--out", type=Path, default=Path("calibration.json"),
+                           help="the calibration file to write (default calibration.json)")
+    calibrate.add_argument("--model", type=Path, help="a local model directory vLLM loads (default: SmolLM2-135M, "
+                                                      "prepared as `kvtier bench` does)")
+    calibrate.add_argument("--config", help="a kvtier config whose tiers to measure, each on its own behind DRAM "
+                                            "(default: DRAM and a filesystem tier in a scratch directory)")
+    calibrate.add_argument("--work-dir", type=Path, help="keep the engine's log and job here")
     simulate = top.add_parser("simulate", help="replay a request trace: prefix-hit ratio per eviction policy and "
                                                "cache capacity, with Belady's and the infinite cache's lines")
     simulate.add_argument("--trace", required=True, type=Path,
@@ -248,6 +259,41 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from kvtier.sim.calibrate import calibrate
+
+    chunk_tokens, tiers = 256, None
+    try:
+        if args.config:
+            config = load_config(args.config)
+            chunk_tokens = config.chunk_tokens
+            tiers = [("dram", None)] + [(t.name, {"type": t.type, "name": t.name, **t.options,
+                                                  "queue_depth": t.queue_depth, "queue_bytes": t.queue_bytes,
+                                                  "workers": t.workers, "retry_seconds": t.retry_seconds})
+                                        for t in config.tiers]
+        if args.model is None:
+            from kvtier.bench.model import prepare_model
+
+            model = prepare_model()
+        else:
+            model = args.model
+        result = calibrate(model, args.out, args.quick, tiers, chunk_tokens, args.work_dir)
+    except KVTierError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
+    fit = result["prefill"]["fit"]
+    print(f"prefill: {fit['a']:.3f} + {fit['b']:.2e}*new + {fit['c']:.2e}*new*(new + 2*cached) s "
+          f"(worst point off by {fit['max_rel_error']:.0%})")
+    floor, decode = result["hit_floor"]["fit"], result["decode"]["fit"]
+    print(f"engine hit floor: {floor['intercept']:.3f} + {floor['slope']:.2e}*tokens s; decode step: "
+          f"{decode['intercept'] * 1000:.1f} + {decode['slope'] * 1000:.2f}*batch ms")
+    for name, tier in result["tiers"].items():
+        print(f"tier {name}: load latency {tier['latency_s'] * 1000:.1f} ms, "
+              f"{tier['bandwidth_bytes_per_s'] / 2**30:.2f} GiB/s")
+    print(f"wrote {args.out}")
+    return 0
+
+
 def _tokenizer(model_dir: str):
     from kvtier.errors import ConfigError
 
@@ -280,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _router(args)
     if args.group == "simulate":
         return _simulate(args)
+    if args.group == "calibrate":
+        return _calibrate(args)
     try:
         tiers = open_tiers(load_config(args.config))
     except KVTierError as exc:

@@ -1,0 +1,98 @@
+"""``kvtier calibrate``'s engine sweeps, in a process of their own (vLLM, in-process engine, CPU or GPU).
+
+Usage: ``python -m kvtier.sim._engine_sweep JOB_JSON OUT_JSON``. The job names the model and the grids:
+
+- prefill: for each (cached, new) pair, a fresh random prefix of ``cached`` tokens is computed once (vLLM's own
+  prefix cache keeps it), then the prefix plus ``new`` tokens is timed to its first token;
+- hit floor: a prompt asked again exactly (vLLM recomputes only its last block);
+- decode: ``batch`` requests generating ``steps`` tokens against the same requests generating one: the
+  difference over ``steps - 1`` is one decode step at that batch size.
+
+Prompts are random token ids (timing does not depend on content), fresh for every measurement so that nothing is
+cached unless the sweep cached it on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+BLOCK = 128
+
+
+def log(msg: str) -> None:
+    print(f"calibrate: {msg}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    import numpy as np
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rng = np.random.default_rng(job.get("seed", 0))
+    low, high = 1000, max(1001, job["vocab_size"] - 1000)
+
+    def tokens(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(low, high, n)]
+
+    longest = max(max(c + n for c, n in job["prefill"]), max(job["hit_floor"]))
+    max_len = -(-(longest + 8) // BLOCK) * BLOCK
+    started = time.perf_counter()
+    llm = LLM(model=job["model"], enforce_eager=True, enable_prefix_caching=True, dtype="bfloat16",
+              max_model_len=max_len, max_num_batched_tokens=max_len, block_size=BLOCK,
+              num_gpu_blocks_override=3 * (max_len // BLOCK) + max(job["decode_batches"]) * 2 + 8,
+              gpu_memory_utilization=0.3, max_num_seqs=max(256, max(job["decode_batches"])))
+    log(f"engine up in {time.perf_counter() - started:.1f} s (max_model_len {max_len})")
+
+    def run(prompts: list[list[int]], steps: int) -> float:
+        start = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                     SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - start
+
+    run([tokens(64)], 2)  # first-call costs (kernels, allocations) are nobody's prefill
+    out: dict[str, list] = {"prefill": [], "hit_floor": [], "decode": []}
+    repeats = job["repeats"]
+    for i, (cached, new) in enumerate(job["prefill"], 1):
+        times = []
+        for _ in range(repeats):
+            prefix = tokens(cached)
+            if cached:
+                run([prefix], 1)
+            times.append(run([prefix + tokens(new)], 1))
+        out["prefill"].append({"cached": cached, "new": new, "seconds": statistics.median(times)})
+        log(f"prefill {i}/{len(job['prefill'])}: {new} new tokens after {cached} cached: "
+            f"{statistics.median(times):.3f} s")
+    for length in job["hit_floor"]:
+        times = []
+        for _ in range(repeats):
+            prompt = tokens(length)
+            run([prompt], 1)
+            times.append(run([prompt], 1))
+        out["hit_floor"].append({"tokens": length, "seconds": statistics.median(times)})
+        log(f"hit floor: {length} tokens asked again: {statistics.median(times):.3f} s")
+    steps = job["decode_steps"]
+    for batch in job["decode_batches"]:
+        per_step = []
+        for _ in range(repeats):
+            one = run([tokens(job["decode_prompt"]) for _ in range(batch)], 1)
+            many = run([tokens(job["decode_prompt"]) for _ in range(batch)], steps)
+            per_step.append(max(many - one, 0.0) / (steps - 1))
+        out["decode"].append({"batch": batch, "step_seconds": statistics.median(per_step)})
+        log(f"decode: batch {batch}: {statistics.median(per_step) * 1000:.1f} ms per step")
+    import vllm
+
+    out["vllm"] = vllm.__version__
+    Path(sys.argv[2]).write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

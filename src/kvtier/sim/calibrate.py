@@ -1,0 +1,300 @@
+"""``kvtier calibrate``: measure this machine for the simulator, into a calibration file.
+
+Two parts. The engine's (in a process of its own, see :mod:`kvtier.sim._engine_sweep`): prefill time against
+new and already-cached tokens, fitted as ``a + b*new + c*new*(new + 2*cached)`` (linear work plus attention over
+the whole context); the engine's own hit floor (a prompt asked again); decode step time against batch size.
+The tiers' (here, through kvtier's own store): load and store time of a prompt's chunks per tier, at 1, 2 and 4
+concurrent streams, as a per-load latency plus bytes over bandwidth.
+
+The file carries a fingerprint of the machine and software; :func:`mismatches` says how another machine differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import KVTierError
+
+VERSION = 1
+GRIDS = {
+    "quick": dict(prefill=[(0, 128), (0, 512), (0, 1024), (0, 2048), (2048, 128), (2048, 512), (2048, 1024)],
+                  hit_floor=[1024, 2048], decode_batches=[1, 8], decode_steps=16, decode_prompt=64, repeats=1,
+                  chunks=8, streams=[1, 2, 4]),
+    "full": dict(prefill=[(0, 128), (0, 256), (0, 512), (0, 1024), (0, 2048), (0, 4096), (0, 8192), (1024, 256),
+                          (1024, 1024), (1024, 4096), (4096, 256), (4096, 1024), (4096, 4096)],
+                 hit_floor=[1024, 4096, 8192], decode_batches=[1, 4, 16, 32], decode_steps=32, decode_prompt=64,
+                 repeats=3, chunks=16, streams=[1, 2, 4]),
+}
+
+
+class CalibrationError(KVTierError, ValueError):
+    """A calibration file is unreadable or malformed: the message names the file and the field."""
+
+
+def fingerprint(model_dir: Path | None = None) -> dict[str, Any]:
+    """What a calibration depends on: the CPU, its cores and memory, the accelerator, the software, the model."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import importlib.metadata
+
+    import torch
+
+    try:
+        kvtier_version = importlib.metadata.version("kvtier")
+    except importlib.metadata.PackageNotFoundError:
+        kvtier_version = None
+    out: dict[str, Any] = {
+        "cpu": cpu, "cores": os.cpu_count(), "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(), "torch": torch.__version__, "kvtier": kvtier_version,
+    }
+    if model_dir is not None:
+        from kvtier.keys import fingerprint_model
+
+        out["model"] = fingerprint_model(model_dir)
+    return out
+
+
+def mismatches(calibration: dict[str, Any], model_dir: Path | None = None) -> list[str]:
+    """How this machine differs from the one the calibration was measured on (empty when it does not)."""
+    then, now = calibration["fingerprint"], fingerprint(model_dir)
+    keys = ["cpu", "cores", "accelerator", "torch", "model"]
+    out = []
+    for key in keys:
+        if key == "model" and model_dir is None:
+            continue
+        if then.get(key) != now.get(key):
+            out.append(f"{key}: calibrated with {then.get(key)!r}, this machine has {now.get(key)!r}")
+    if abs(then.get("memory_bytes", 0) - now["memory_bytes"]) > 0.05 * now["memory_bytes"]:
+        out.append(f"memory_bytes: calibrated with {then.get('memory_bytes')}, this machine has {now['memory_bytes']}")
+    return out
+
+
+def fit_prefill(points: list[dict[str, float]]) -> dict[str, float]:
+    """Relative least squares of ``seconds = a + b*new + c*new*(new + 2*cached)``, with the worst relative
+    error."""
+    new = np.array([p["new"] for p in points], dtype=float)
+    cached = np.array([p["cached"] for p in points], dtype=float)
+    seconds = np.array([p["seconds"] for p in points], dtype=float)
+    design = np.stack([np.ones_like(new), new, new * (new + 2 * cached)], axis=1)
+    # Relative least squares: a 50 ms point matters as much as a 20 s one (plain least squares fits the long
+    # prompts and leaves the short ones off by 200%).
+    (a, b, c), *_ = np.linalg.lstsq(design / seconds[:, None], np.ones_like(seconds), rcond=None)
+    predicted = design @ np.array([a, b, c])
+    return {"a": float(a), "b": float(b), "c": float(c),
+            "max_rel_error": float(np.max(np.abs(predicted - seconds) / seconds))}
+
+
+def prefill_seconds(fit: dict[str, float], new: float, cached: float = 0.0) -> float:
+    return fit["a"] + fit["b"] * new + fit["c"] * new * (new + 2 * cached)
+
+
+def fit_line(xs: list[float], ys: list[float]) -> dict[str, float]:
+    """``y = intercept + slope * x`` by least squares (a single point: slope 0)."""
+    if len(xs) == 1:
+        return {"intercept": float(ys[0]), "slope": 0.0}
+    slope, intercept = np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 1)
+    return {"intercept": float(intercept), "slope": float(slope)}
+
+
+def model_facts(model_dir: Path) -> dict[str, int]:
+    """Layers, KV heads, head size, vocabulary and KV bytes per token (bf16) from a model's config.json."""
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        layers, heads = int(cfg["num_hidden_layers"]), int(cfg.get("num_key_value_heads",
+                                                                   cfg["num_attention_heads"]))
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        vocab = int(cfg["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CalibrationError(f"{model_dir}/config.json: cannot read the model's shape ({exc!r})") from exc
+    return {"layers": layers, "kv_heads": heads, "head_dim": head_dim, "vocab_size": vocab,
+            "kv_bytes_per_token": layers * 2 * heads * head_dim * 2}
+
+
+def sweep_engine(model_dir: Path, grid: dict[str, Any], vocab_size: int, work: Path) -> dict[str, Any]:
+    """Run the engine sweeps in a fresh process (vLLM keeps state per process); progress goes to stderr."""
+    job = {"model": str(model_dir), "vocab_size": vocab_size, **{k: grid[k] for k in (
+        "prefill", "hit_floor", "decode_batches", "decode_steps", "decode_prompt", "repeats")}}
+    (work / "engine-job.json").write_text(json.dumps(job))
+    out = work / "engine.json"
+    env = {**os.environ, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+    with open(work / "engine.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.sim._engine_sweep", str(work / "engine-job.json"),
+                                 str(out)], stdout=log, stderr=subprocess.PIPE, text=True, env=env)
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            log.write(line)
+            if line.startswith("calibrate:"):
+                print(line.rstrip(), file=sys.stderr, flush=True)
+        code = proc.wait()
+    if code != 0 or not out.exists():
+        tail = (work / "engine.log").read_text()[-3000:]
+        raise KVTierError(f"the engine sweep failed (exit {code}); the end of {work / 'engine.log'}:\n{tail}")
+    return json.loads(out.read_text())
+
+
+def sweep_tiers(tiers: list[tuple[str, dict[str, Any] | None]], shape: dict[str, int], chunk_tokens: int,
+                chunks: int, streams: list[int], log: Callable[[str], None]) -> dict[str, Any]:
+    """Load and store times of ``chunks``-chunk prompts through kvtier per tier (None: DRAM alone), at each
+    number of concurrent streams. A secondary tier is measured as a load path really runs: DRAM dropped, the
+    chunks read from the tier and promoted."""
+    import torch
+
+    from kvtier import KVStore, Namespace
+
+    ns = Namespace("kvtier-calibrate", "bfloat16")
+    per_chunk = shape["kv_bytes_per_token"] * chunk_tokens
+    prompt_tokens = chunks * chunk_tokens
+    page = min(2**20, max(4096, per_chunk))
+    need = (sum(streams) + 2) * chunks * -(-per_chunk // page) * page  # every prompt put, and one more chunk
+    kv = torch.randn(shape["layers"], 2, shape["kv_heads"], prompt_tokens, shape["head_dim"]).to(torch.bfloat16)
+    results: dict[str, Any] = {}
+    counter = iter(range(10**9))
+    for name, tier in tiers:
+        cfg = {"chunk_tokens": chunk_tokens, "dram": {"capacity_bytes": need, "page_bytes": page},
+               "tiers": [] if tier is None else [tier]}
+        with KVStore.from_config(cfg) as store:
+            def prompt() -> list[int]:
+                base = next(counter) * prompt_tokens
+                return list(range(base, base + prompt_tokens))
+
+            rows = []
+            for s in streams:
+                prompts = [prompt() for _ in range(s)]
+                start = time.perf_counter()
+                for p in prompts:
+                    store.put(ns, p, kv)
+                store.flush()
+                stored = time.perf_counter() - start
+                if tier is not None:
+                    store.drop_dram()
+                waits: list[float] = [0.0] * s
+                missed: list[bool] = [False] * s
+
+                def load(i: int) -> None:
+                    t0 = time.perf_counter()
+                    missed[i] = store.get(ns, prompts[i]) is None
+                    waits[i] = time.perf_counter() - t0
+
+                threads = [threading.Thread(target=load, args=(i,)) for i in range(s)]
+                start = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - start
+                if any(missed):
+                    raise KVTierError(f"tier {name}: a calibration prompt written a moment ago was not found "
+                                      "(is the tier too small, or failing? see the log)")
+                total = s * chunks * per_chunk
+                rows.append({"streams": s, "load_seconds": max(waits), "load_bytes_per_s": total / wall,
+                             "store_seconds": stored, "store_bytes_per_s": total / stored})
+                log(f"tier {name}: {s} stream(s) of {chunks} chunks ({chunks * per_chunk / 2**20:.0f} MiB each): "
+                    f"load {max(waits) * 1000:.1f} ms ({total / wall / 2**30:.2f} GiB/s), "
+                    f"store {total / stored / 2**30:.2f} GiB/s")
+            # One chunk alone: the fixed cost of a load, beside the bandwidth of a long one.
+            one = prompt()[:chunk_tokens]
+            store.put(ns, one, kv[:, :, :, :chunk_tokens])
+            store.flush()
+            if tier is not None:
+                store.drop_dram()
+            t0 = time.perf_counter()
+            store.get(ns, one)
+            single = time.perf_counter() - t0
+            bandwidth = rows[0]["load_bytes_per_s"]
+            latency = max(single - per_chunk / bandwidth, 0.0)
+            results[name] = {"kind": "dram" if tier is None else str(tier.get("type")), "streams": rows,
+                             "one_chunk_seconds": single, "latency_s": latency, "bandwidth_bytes_per_s": bandwidth}
+    return results
+
+
+def load_calibration(path: str | Path) -> dict[str, Any]:
+    """Read and check a calibration file; every problem names the file and the field."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise CalibrationError(f"{path}: cannot read the calibration: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+
+    def need(obj: Any, dotted: str, kind: type | tuple[type, ...]) -> Any:
+        value = obj
+        for part in dotted.split("."):
+            if not isinstance(value, dict) or part not in value:
+                raise CalibrationError(f"{path}: {dotted}: missing (recalibrate with `kvtier calibrate`)")
+            value = value[part]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise CalibrationError(f"{path}: {dotted}: expected {getattr(kind, '__name__', kind)}, "
+                                   f"got {type(value).__name__}")
+        return value
+
+    if need(data, "version", int) != VERSION:
+        raise CalibrationError(f"{path}: version: this kvtier reads version {VERSION}, the file is "
+                               f"version {data['version']}")
+    need(data, "fingerprint", dict)
+    for field in ("a", "b", "c"):
+        need(data, f"prefill.fit.{field}", (int, float))
+    for field in ("intercept", "slope"):
+        need(data, f"decode.fit.{field}", (int, float))
+        need(data, f"hit_floor.fit.{field}", (int, float))
+    for name in need(data, "tiers", dict):
+        for field in ("latency_s", "bandwidth_bytes_per_s"):
+            value = need(data, f"tiers.{name}.{field}", (int, float))
+            if value < 0 or (field == "bandwidth_bytes_per_s" and value == 0):
+                raise CalibrationError(f"{path}: tiers.{name}.{field}: must be positive, got {value}")
+    return data
+
+
+def calibrate(model_dir: Path, out: Path, quick: bool, tiers: list[tuple[str, dict[str, Any] | None]] | None,
+              chunk_tokens: int, work: Path | None = None) -> dict[str, Any]:
+    """Measure, fit and write the calibration file; returns its content. ``tiers`` are (name, tier config)
+    pairs, None for DRAM alone; by default DRAM and a filesystem tier in the scratch directory."""
+    grid = GRIDS["quick" if quick else "full"]
+    shape = model_facts(model_dir)
+
+    def log(msg: str) -> None:
+        print(f"calibrate: {msg}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-calibrate-") as scratch:
+        work = work or Path(scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        log(f"engine sweeps ({len(grid['prefill'])} prefill points, {len(grid['hit_floor'])} hit floors, "
+            f"{len(grid['decode_batches'])} batch sizes; vLLM starting)")
+        engine = sweep_engine(model_dir, grid, shape["vocab_size"], work)
+        if tiers is None:
+            tiers = [("dram", None), ("filesystem", {"type": "filesystem", "path": str(work / "kv")})]
+        log("tier sweeps")
+        tier_results = sweep_tiers(tiers, shape, chunk_tokens, grid["chunks"], grid["streams"], log)
+    floor = engine["hit_floor"]
+    decode = engine["decode"]
+    result = {
+        "version": VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "grid": "quick" if quick else "full",
+        "fingerprint": {**fingerprint(model_dir), "vllm": engine["vllm"]},
+        "model": {"path": str(model_dir), **shape, "chunk_tokens": chunk_tokens},
+        "prefill": {"points": engine["prefill"], "fit": fit_prefill(engine["prefill"])},
+        "hit_floor": {"points": floor, "fit": fit_line([p["tokens"] for p in floor], [p["seconds"] for p in floor])},
+        "decode": {"points": decode, "fit": fit_line([p["batch"] for p in decode],
+                                                     [p["step_seconds"] for p in decode])},
+        "tiers": tier_results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
