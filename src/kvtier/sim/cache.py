@@ -107,47 +107,71 @@ def lru_curve(trace: Trace, progress: Progress | None = None) -> LRUCurve:
     return LRUCurve(histogram, trace.accesses)
 
 
+class BlockCache:
+    """One cache of ``capacity`` blocks (None: unbounded) evicting by a named policy, with the DRAM pool's
+    two-phase puts: :meth:`put` touches the blocks already resident and reserves the rest, evicting only what was
+    committed before (never the same put's blocks); those are committed together, in order. When nothing
+    committed is left to evict, the rest of the put is dropped, as the pool answers "full"."""
+
+    def __init__(self, policy: str, capacity: int | None) -> None:
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be >= 1 block, got {capacity}")
+        self.capacity = capacity
+        self._order = POLICIES.resolve(policy, "policy")()
+        self.resident: set[int] = set()
+
+    def run(self, blocks: Sequence[int], start: int = 0) -> int:
+        """How many blocks from ``start`` on are resident, in a row."""
+        end = start
+        while end < len(blocks) and blocks[end] in self.resident:
+            end += 1
+        return end - start
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            if block in self.resident:
+                self._order.touch(block)
+
+    def put(self, blocks: Sequence[int], admit: Callable[[int], bool] | None = None) -> list[int]:
+        """Store ``blocks`` (a prompt's whole blocks, in order); returns those newly stored."""
+        pending: dict[int, int | None] = {}  # reserved block -> parent, in order
+        for j, block in enumerate(blocks):
+            if block in self.resident:
+                self._order.touch(block)
+                continue
+            if block in pending or (admit is not None and not admit(block)):
+                continue
+            if self.capacity is not None and len(self.resident) + len(pending) >= self.capacity:
+                victim = self._order.victim(_always)
+                if victim is None:
+                    break  # only this put's own reservations left: the pool answers "full"
+                self._order.remove(victim)
+                self.resident.discard(victim)  # type: ignore[arg-type]
+            pending[block] = blocks[j - 1] if j else None
+        for block, parent in pending.items():
+            self._order.insert(block, block, parent)
+            self.resident.add(block)
+        return list(pending)
+
+
+def _always(_key: object) -> bool:
+    return True
+
+
 def replay(trace: Trace, policy: str, capacity: int, progress: Progress | None = None,
            admit: Callable[[int, int], bool] | None = None) -> HitCount:
-    """Replay the trace through a cache of ``capacity`` blocks evicting with the named policy, exactly as the
-    DRAM pool does: the hit run is read (touched); then the request's whole blocks are put in order, a resident
-    one touched, a new one reserved (evicting only what was committed before: nothing of this request), and the
-    new ones committed at the end, in order. When nothing committed is left to evict, the rest is dropped.
-
-    ``admit(block, request index)``, when given, decides whether a new block is stored at all."""
-    if capacity < 1:
-        raise ValueError(f"capacity must be >= 1 block, got {capacity}")
-    order = POLICIES.resolve(policy, "policy")()
-    resident: set[int] = set()
-
-    def always(_key: object) -> bool:
-        return True
-
+    """Replay the trace through a :class:`BlockCache` of ``capacity`` blocks, as the DRAM pool runs: each
+    request's hit run is read (touched), then its whole blocks are put. ``admit(block, request index)``, when
+    given, decides whether a new block is stored at all."""
+    cache = BlockCache(policy, capacity)
     hits = 0
     for count, request in enumerate(trace.requests, 1):
         blocks = request.blocks[:request.whole]
-        run = 0
-        while run < len(blocks) and blocks[run] in resident:
-            order.touch(blocks[run])
-            run += 1
+        run = cache.run(blocks)
+        cache.touch(blocks[:run])
         hits += run
-        pending: dict[int, int | None] = {}  # reserved block -> parent, in order
-        for j, block in enumerate(blocks):
-            if block in resident:
-                order.touch(block)
-                continue
-            if block in pending or (admit is not None and not admit(block, count - 1)):
-                continue
-            if len(resident) + len(pending) >= capacity:
-                victim = order.victim(always)
-                if victim is None:
-                    break  # only this request's own reservations left: the pool answers "full"
-                order.remove(victim)
-                resident.discard(victim)  # type: ignore[arg-type]
-            pending[block] = blocks[j - 1] if j else None
-        for block, parent in pending.items():
-            order.insert(block, block, parent)
-            resident.add(block)
+        i = count - 1
+        cache.put(blocks, None if admit is None else (lambda block: admit(block, i)))
         if progress is not None and count % 1000 == 0:
             progress(1000)
     if progress is not None:

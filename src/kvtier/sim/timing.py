@@ -1,0 +1,311 @@
+"""The timing layer: a trace replayed against one vLLM-like engine, with or without kvtier, on a calibration.
+
+A step-by-step copy of what matters in vLLM v1's scheduler, in blocks of the trace's size:
+
+- every step has a token budget (``max_num_batched_tokens``); running requests go first (one token each when
+  decoding, the next chunk of their prompt when prefilling), then waiting ones in arrival order, up to
+  ``max_num_seqs`` running;
+- the engine's KV space is a pool of blocks; a finished prompt's whole blocks stay in it as its prefix cache
+  (shared by reference, evicted least recently released first); a request that finds no free block preempts the
+  latest running request, whose blocks are freed and which later computes its prompt and output again;
+- with kvtier, a request admitted for the first time (or again after a preemption) loads the blocks after the
+  engine's own hit that DRAM or a tier holds (in that order), in the step it is scheduled: serially, as on
+  CPU; when its prefill completes its whole blocks are put in DRAM (a copy in that step) and cascaded to every
+  tier in the background (no step time; the tiers' caches see them at once). A block read from a tier is
+  promoted into DRAM. Neither the engine nor kvtier hits a prompt's last token.
+
+A step lasts ``a + sum(b*n + c*n*(n + 2*m))`` over its prefill chunks (``n`` tokens after ``m`` computed ones)
+plus ``d1`` per decoding request, or ``d0 + d1*decoding`` without a prefill, plus its loads and DRAM copies,
+all from :mod:`kvtier.sim.calibrate`'s fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from kvtier.sim.cache import BlockCache
+from kvtier.sim.deployment import Deployment
+from kvtier.sim.trace import Trace
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """The calibration's fits, as the timing layer uses them."""
+
+    a: float
+    b: float
+    c: float
+    d0: float
+    d1: float
+    kv_bytes_per_token: int
+    load: dict[str, tuple[float, float]]  # tier name ("dram" too) -> (latency s, bytes/s)
+    dram_store_bytes_per_s: float
+
+    @classmethod
+    def from_calibration(cls, cal: dict[str, Any]) -> Costs:
+        tiers = cal["tiers"]
+        dram = tiers.get("dram", {})
+        store = dram.get("streams", [{}])[0].get("store_bytes_per_s") or dram.get("bandwidth_bytes_per_s", 1e10)
+        return cls(a=cal["prefill"]["fit"]["a"], b=cal["prefill"]["fit"]["b"], c=cal["prefill"]["fit"]["c"],
+                   d0=cal["decode"]["fit"]["intercept"], d1=cal["decode"]["fit"]["slope"],
+                   kv_bytes_per_token=int(cal["model"]["kv_bytes_per_token"]),
+                   load={n: (t["latency_s"], t["bandwidth_bytes_per_s"]) for n, t in tiers.items()},
+                   dram_store_bytes_per_s=float(store))
+
+    def chunk(self, new: int, done: int) -> float:
+        """A prefill chunk of ``new`` tokens after ``done`` computed ones, without the step's fixed cost."""
+        return self.b * new + self.c * new * (new + 2 * done)
+
+
+@dataclasses.dataclass
+class _Request:
+    index: int
+    arrival: float
+    blocks: tuple[int, ...]  # whole blocks
+    prompt: int
+    output: int
+    computed: int = 0  # tokens whose KV the engine holds (hits and loads included)
+    generated: int = 0
+    shared: list[int] = dataclasses.field(default_factory=list)  # prefix-cache blocks it references
+    private: int = 0  # blocks of its own
+    registered: bool = False
+    admitted: bool = False
+    engine_hit: int = 0  # tokens, at its first admission
+    loaded: dict[str, int] = dataclasses.field(default_factory=dict)  # tokens per tier, every admission
+    ttft: float | None = None
+    finish: float | None = None
+    preemptions: int = 0
+
+    @property
+    def target(self) -> int:
+        """Tokens to compute before the next output token: the prompt, and what it had generated before a
+        preemption."""
+        return self.prompt + max(self.generated - 1, 0) if self.generated else self.prompt
+
+
+class _Pool:
+    """The engine's KV blocks: private blocks of running requests, and cached prompt blocks with references."""
+
+    def __init__(self, blocks: int, prefix_caching: bool) -> None:
+        self.total = blocks
+        self.caching = prefix_caching
+        self.refs: OrderedDict[int, int] = OrderedDict()  # cached block -> references; unreferenced first
+        self.private = 0
+
+    @property
+    def free(self) -> int:
+        return self.total - len(self.refs) - self.private
+
+    def allocate(self, count: int) -> bool:
+        while self.free < count:
+            victim = next((b for b, r in self.refs.items() if r == 0), None)
+            if victim is None:
+                return False
+            del self.refs[victim]
+        self.private += count
+        return True
+
+    def hit(self, blocks: tuple[int, ...], limit: int) -> int:
+        run = 0
+        while self.caching and run < min(len(blocks), limit) and blocks[run] in self.refs:
+            run += 1
+        return run
+
+    def take(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] = self.refs.get(b, 0) + 1
+            self.refs.move_to_end(b)
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.refs.move_to_end(b)  # evicted after the unreferenced blocks released before it
+
+
+def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, Any]:
+    """Replay ``trace``; returns per-request rows and aggregates."""
+    bt = trace.block_tokens
+    engine = deployment.engine
+    pool = _Pool(engine.kv_tokens // bt, engine.prefix_caching)
+    chunk_bytes = costs.kv_bytes_per_token * bt
+    kv = deployment.kvtier
+    dram = tiers = None
+    if kv is not None:
+        dram = BlockCache(kv.policy, max(1, kv.dram_bytes // chunk_bytes))
+        tiers = [(t.name, BlockCache("lru", None if t.capacity_bytes is None else max(1, t.capacity_bytes // chunk_bytes)))
+                 for t in kv.tiers]
+        for name in ["dram", *(t.name for t in kv.tiers)]:
+            if name not in costs.load:
+                raise ValueError(f"kvtier.tiers: {name!r} is not a tier of the calibration "
+                                 f"(calibrated: {', '.join(costs.load)})")
+    # A request whose prompt and output the whole KV space cannot hold is refused, as vLLM refuses a prompt
+    # beyond max_model_len; it is counted, not timed.
+    fits = [r for r in trace.requests if -(-(r.input_length + max(r.output_length, 1)) // bt) <= pool.total]
+    if not fits:
+        raise ValueError(f"engine.kv_tokens: {engine.kv_tokens} tokens hold no request of the trace whole")
+    reqs = [_Request(i, r.timestamp_ms / 1000 / deployment.time_scale, r.blocks[:r.whole], r.input_length,
+                     max(r.output_length, 1)) for i, r in enumerate(fits)]
+    arrivals = iter(reqs)
+    upcoming = next(arrivals, None)
+    waiting: list[_Request] = []
+    running: list[_Request] = []
+    now = 0.0
+    stored_bytes: dict[str, int] = {}
+    loaded_bytes: dict[str, int] = {}
+    preemptions = 0
+    steps = 0
+    while upcoming is not None or waiting or running:
+        while upcoming is not None and upcoming.arrival <= now:
+            waiting.append(upcoming)
+            upcoming = next(arrivals, None)
+        if not waiting and not running:
+            now = upcoming.arrival  # type: ignore[union-attr]
+            continue
+        budget = engine.max_num_batched_tokens
+        plan: list[tuple[_Request, int]] = []
+        load_s = 0.0
+
+        def blocks_for(tokens: int) -> int:
+            return -(-tokens // bt)
+
+        def preempt(victim: _Request) -> None:
+            nonlocal preemptions
+            running.remove(victim)
+            pool.release(victim.shared)
+            pool.private -= victim.private
+            victim.shared, victim.private, victim.computed, victim.registered = [], 0, 0, False
+            victim.admitted = False
+            victim.preemptions += 1
+            preemptions += 1
+            waiting.insert(0, victim)
+
+        for r in list(running):
+            if r not in running or budget == 0:
+                continue
+            n = min(r.target - r.computed, budget) if r.computed < r.target else 1
+            need = blocks_for(r.computed + n) - len(r.shared) - r.private
+            while need > 0 and not pool.allocate(need):
+                victim = running[-1]
+                preempt(victim)
+                if victim is r:
+                    break
+            if r not in running:
+                continue
+            r.private += max(need, 0)
+            plan.append((r, n))
+            budget -= n
+        while waiting and budget > 0 and len(running) < engine.max_num_seqs:
+            r = waiting[0]
+            limit = (r.target - 1) // bt  # the last token is always computed
+            hit = pool.hit(r.blocks, limit)
+            sources: list[tuple[str, int]] = []
+            if dram is not None and tiers is not None:
+                j = hit
+                while j < min(len(r.blocks), limit):
+                    block = r.blocks[j]
+                    where = "dram" if block in dram.resident else next(
+                        (name for name, cache in tiers if block in cache.resident), None)
+                    if where is None:
+                        break
+                    sources.append((where, block))
+                    j += 1
+            done = (hit + len(sources)) * bt
+            n = min(r.target - done, budget)
+            need = blocks_for(done + n) - hit
+            if not pool.allocate(need):
+                break
+            waiting.pop(0)
+            pool.take(list(r.blocks[:hit]))
+            r.shared, r.private, r.computed = list(r.blocks[:hit]), need, done
+            if not r.admitted and r.preemptions == 0:
+                r.engine_hit = hit * bt
+            r.admitted = True
+            per_tier: dict[str, list[int]] = {}
+            for where, block in sources:
+                per_tier.setdefault(where, []).append(block)
+            for where, blocks in per_tier.items():
+                latency, bandwidth = costs.load[where]
+                size = len(blocks) * chunk_bytes
+                load_s += latency + size / bandwidth
+                loaded_bytes[where] = loaded_bytes.get(where, 0) + size
+                r.loaded[where] = r.loaded.get(where, 0) + len(blocks) * bt
+            if dram is not None and tiers is not None and sources:
+                dram.touch([b for w, b in sources if w == "dram"])
+                for name, cache in tiers:
+                    cache.touch([b for w, b in sources if w == name])
+                dram.put([b for w, b in sources if w != "dram"])  # promoted
+            running.append(r)
+            plan.append((r, n))
+            budget -= n
+        if not plan:  # nothing running and the next waiting request does not fit yet: it never will by waiting
+            assert not running and upcoming is not None, "a fitting request could not be scheduled on an idle engine"
+            now = upcoming.arrival
+            continue
+        prefills = [(r, n) for r, n in plan if r.computed < r.target]
+        decodes = len(plan) - len(prefills)
+        step = (costs.a + sum(costs.chunk(n, r.computed) for r, n in prefills) + costs.d1 * decodes
+                if prefills else costs.d0 + costs.d1 * decodes) + load_s
+        finished_prefill = [r for r, n in prefills if r.computed + n >= r.target]
+        if dram is not None and tiers is not None:
+            for r in finished_prefill:
+                if r.generated == 0:
+                    new = dram.put(list(r.blocks))
+                    stored_bytes["dram"] = stored_bytes.get("dram", 0) + len(new) * chunk_bytes
+                    step += len(new) * chunk_bytes / costs.dram_store_bytes_per_s
+                    for name, cache in tiers:
+                        written = cache.put(new)
+                        stored_bytes[name] = stored_bytes.get(name, 0) + len(written) * chunk_bytes
+        now += step
+        steps += 1
+        for r, n in plan:
+            if r.computed < r.target:
+                r.computed += n
+                if r.computed < r.target:
+                    continue
+                if not r.registered:  # its whole prompt blocks join the prefix cache (a copy another
+                    own = [b for b in r.blocks if b not in r.shared]  # request cached meanwhile is freed)
+                    pool.private -= len(own)
+                    r.private -= len(own)
+                    pool.take(own)
+                    r.shared += own
+                    r.registered = True
+            else:
+                r.computed += 1
+            r.generated += 1
+            if r.ttft is None:
+                r.ttft = now - r.arrival
+            if r.generated >= r.output:
+                r.finish = now
+                running.remove(r)
+                pool.release(r.shared)
+                pool.private -= r.private
+                r.shared, r.private = [], 0
+    out = _summary(reqs, now, preemptions, steps, stored_bytes, loaded_bytes, costs, bt)
+    out["refused"] = len(trace.requests) - len(fits)
+    return out
+
+
+def _summary(reqs: list[_Request], end: float, preemptions: int, steps: int, stored: dict[str, int],
+             loaded: dict[str, int], costs: Costs, bt: int) -> dict[str, Any]:
+    ttft = np.array([r.ttft for r in reqs], dtype=float)
+    span = max(end - reqs[0].arrival, 1e-9)
+    avoided = sum(costs.chunk(sum(r.loaded.values()), r.engine_hit) for r in reqs)
+    rows = [{"request": r.index, "arrival_s": round(r.arrival, 6), "ttft_s": round(r.ttft or 0.0, 6),
+             "finish_s": round(r.finish or 0.0, 6), "prompt_tokens": r.prompt, "engine_hit_tokens": r.engine_hit,
+             "loaded_tokens": dict(r.loaded), "preemptions": r.preemptions} for r in reqs]
+    return {
+        "requests": rows,
+        "ttft_s": {"p50": float(np.percentile(ttft, 50)), "p90": float(np.percentile(ttft, 90)),
+                   "p99": float(np.percentile(ttft, 99)), "mean": float(ttft.mean())},
+        "makespan_s": span, "requests_per_s": len(reqs) / span,
+        "output_tokens_per_s": sum(r.output for r in reqs) / span,
+        "engine_hit_tokens": sum(r.engine_hit for r in reqs),
+        "loaded_tokens": {k: sum(r.loaded.get(k, 0) for r in reqs) for k in sorted({k for r in reqs for k in r.loaded})},
+        "avoided_prefill_s": avoided, "loaded_bytes": loaded, "stored_bytes": stored,
+        "preemptions": preemptions, "steps": steps,
+    }

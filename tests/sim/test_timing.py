@@ -1,0 +1,125 @@
+"""The timing layer against hand-computed cases (costs chosen so every step can be added up by hand)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.sim.deployment import DeploymentError, load_deployment
+from kvtier.sim.timing import Costs, simulate
+from kvtier.sim.trace import Request, Trace
+
+B = 4  # tokens per block
+# A step with a prefill: 0.1 s + 0.01 s a new token + 0.001 s a new token per token of context (n*(n + 2m));
+# a decode step: 0.05 s + 0.002 s per decoding request. Loads: DRAM 0.001 s + 1 MB/s, disk 0.01 s + 0.5 MB/s.
+COSTS = Costs(a=0.1, b=0.01, c=0.001, d0=0.05, d1=0.002, kv_bytes_per_token=1000,
+              load={"dram": (0.001, 1e6), "disk": (0.01, 5e5)}, dram_store_bytes_per_s=4e6)
+CHUNK = 1000 * B  # bytes per block
+
+
+def trace(*requests: tuple[float, list[int], int, int]) -> Trace:
+    """(arrival s, block ids, prompt tokens, output tokens) per request."""
+    return Trace(tuple(Request(t * 1000, n, out, tuple(blocks), n // B) for t, blocks, n, out in requests), B, "t")
+
+
+def deployment(kv_tokens: int = 64, budget: int = 64, kvtier: dict | None = None, caching: bool = True):
+    return load_deployment({"engine": {"kv_tokens": kv_tokens, "max_num_batched_tokens": budget,
+                                       "prefix_caching": caching}, "kvtier": kvtier})
+
+
+def test_one_request_prefills_in_one_step_then_decodes() -> None:
+    out = simulate(trace((0, [1, 2, 3], 12, 3)), deployment(), COSTS)
+    prefill = 0.1 + 0.01 * 12 + 0.001 * 12 * 12
+    assert out["ttft_s"]["p50"] == pytest.approx(prefill)
+    assert out["requests"][0]["finish_s"] == pytest.approx(prefill + 2 * (0.05 + 0.002))
+    assert out["steps"] == 3 and out["preemptions"] == 0
+
+
+def test_a_long_prompt_is_chunked_to_the_token_budget() -> None:
+    out = simulate(trace((0, [1, 2, 3, 4], 16, 1)), deployment(budget=8), COSTS)
+    first = 0.1 + 0.01 * 8 + 0.001 * 8 * 8
+    second = 0.1 + 0.01 * 8 + 0.001 * 8 * (8 + 2 * 8)
+    assert out["ttft_s"]["p50"] == pytest.approx(first + second)
+
+
+def test_the_engine_prefix_cache_serves_all_but_the_last_block() -> None:
+    # The second asks the same 12 tokens after the first finished: 8 tokens hit, the last block is computed.
+    out = simulate(trace((0, [1, 2, 3], 12, 1), (10, [1, 2, 3], 12, 1)), deployment(), COSTS)
+    assert out["requests"][1]["engine_hit_tokens"] == 8
+    assert out["requests"][1]["ttft_s"] == pytest.approx(0.1 + 0.01 * 4 + 0.001 * 4 * (4 + 2 * 8))
+    off = simulate(trace((0, [1, 2, 3], 12, 1), (10, [1, 2, 3], 12, 1)), deployment(caching=False), COSTS)
+    assert off["requests"][1]["engine_hit_tokens"] == 0
+
+
+def test_kvtier_loads_what_the_engine_evicted_from_dram_then_disk() -> None:
+    # KV space of 4 blocks: request 2 (another prompt) evicts request 1's first blocks; request 3 repeats request 1.
+    requests = trace((0, [1, 2, 3], 12, 1), (10, [7, 8, 9], 12, 1), (20, [1, 2, 3], 12, 1))
+    plain = simulate(requests, deployment(kv_tokens=16), COSTS)
+    assert plain["requests"][2]["engine_hit_tokens"] == 0
+    full = 0.1 + 0.01 * 12 + 0.001 * 144
+    assert plain["requests"][2]["ttft_s"] == pytest.approx(full)
+    store = 3 * CHUNK / 4e6  # the DRAM copy of a finished prompt's blocks, in its step
+    rest = 0.1 + 0.01 * 4 + 0.001 * 4 * (4 + 2 * 8)
+    with_dram = simulate(requests, deployment(kv_tokens=16, kvtier={"dram_bytes": 10 * CHUNK, "tiers": []}), COSTS)
+    assert with_dram["requests"][0]["ttft_s"] == pytest.approx(full + store)
+    assert with_dram["requests"][2]["loaded_tokens"] == {"dram": 8}  # never the last block
+    assert with_dram["requests"][2]["ttft_s"] == pytest.approx(0.001 + 2 * CHUNK / 1e6 + rest)
+    assert with_dram["loaded_bytes"] == {"dram": 2 * CHUNK} and with_dram["stored_bytes"]["dram"] == 6 * CHUNK
+    # DRAM of 3 blocks holds only request 2's: request 1's come back from the disk tier.
+    with_disk = simulate(requests, deployment(kv_tokens=16, kvtier={"dram_bytes": 3 * CHUNK,
+                                                                    "tiers": [{"name": "disk"}]}), COSTS)
+    assert with_disk["requests"][2]["loaded_tokens"] == {"disk": 8}
+    # Its third block was not in DRAM (evicted): computed, then copied there.
+    assert with_disk["requests"][2]["ttft_s"] == pytest.approx(0.01 + 2 * CHUNK / 5e5 + rest + CHUNK / 4e6)
+    assert with_disk["avoided_prefill_s"] == pytest.approx(0.01 * 8 + 0.001 * 8 * 8)
+
+
+def test_memory_pressure_preempts_the_latest_request_and_kvtier_saves_its_recompute() -> None:
+    # 5 blocks of KV; two 8-token prompts decoding 8 tokens each need 4 + 4 blocks at their end: the later one
+    # is preempted and computes its prompt (and output so far) again.
+    requests = trace((0, [1, 2], 8, 8), (0, [5, 6], 8, 8))
+    plain = simulate(requests, deployment(kv_tokens=20), COSTS)
+    assert plain["preemptions"] >= 1 and plain["requests"][1]["preemptions"] >= 1
+    cached = simulate(requests, deployment(kv_tokens=20, kvtier={"dram_bytes": 10 * CHUNK}), COSTS)
+    assert cached["preemptions"] == plain["preemptions"]
+    assert cached["loaded_tokens"].get("dram", 0) > 0  # the preempted prompt came back from DRAM
+    assert cached["requests"][1]["finish_s"] < plain["requests"][1]["finish_s"]
+
+
+def test_refused_and_arrival_gaps() -> None:
+    out = simulate(trace((0, [1], 4, 1), (5, [2, 3, 4, 5, 6, 7], 24, 1)), deployment(kv_tokens=16), COSTS)
+    assert out["refused"] == 1 and len(out["requests"]) == 1
+    later = simulate(trace((0, [1], 4, 1), (5, [2], 4, 1)), deployment(), COSTS)
+    assert later["requests"][1]["ttft_s"] == pytest.approx(0.1 + 0.04 + 0.016)  # an idle engine: no queueing
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({}, r"engine: expected a mapping"),
+    ({"engine": {}}, r"engine.kv_tokens: missing"),
+    ({"engine": {"kv_tokens": 0}}, r"engine.kv_tokens: expected an integer >= 1, got 0"),
+    ({"engine": {"kv_tokens": 64, "budget": 3}}, r"engine.budget: unknown key; allowed: kv_tokens, "),
+    ({"engine": {"kv_tokens": 64, "prefix_caching": "yes"}}, r"engine.prefix_caching: expected true or false"),
+    ({"engine": {"kv_tokens": 64}, "kvtier": {}}, r"kvtier.dram_bytes: missing"),
+    ({"engine": {"kv_tokens": 64}, "kvtier": {"dram_bytes": "lots"}}, r"kvtier.dram_bytes: expected a byte size"),
+    ({"engine": {"kv_tokens": 64}, "kvtier": {"dram_bytes": "1GiB", "policy": "mru"}},
+     r"kvtier.policy: unknown policy 'mru'; known: lru, prefix_lru"),
+    ({"engine": {"kv_tokens": 64}, "kvtier": {"dram_bytes": "1GiB", "tiers": [{"capacity_bytes": 1}]}},
+     r"kvtier.tiers\[0\].name: expected the name"),
+    ({"engine": {"kv_tokens": 64}, "time_scale": 0}, r"time_scale: expected a number > 0"),
+])
+def test_a_bad_deployment_names_the_field(raw: dict, message: str) -> None:
+    with pytest.raises(DeploymentError, match=message):
+        load_deployment(raw)
+
+
+def test_deployment_files_and_unknown_tiers(tmp_path: Path) -> None:
+    path = tmp_path / "d.yaml"
+    path.write_text("engine:\n  kv_tokens: 64\nkvtier:\n  dram_bytes: 1MiB\n  tiers:\n    - name: nvme\n")
+    dep = load_deployment(path)
+    assert dep.kvtier is not None and dep.kvtier.dram_bytes == 2**20 and dep.kvtier.tiers[0].name == "nvme"
+    with pytest.raises(ValueError, match=r"'nvme' is not a tier of the calibration \(calibrated: dram, disk\)"):
+        simulate(trace((0, [1], 4, 1)), dep, COSTS)
+    path.write_text("engine: [")
+    with pytest.raises(DeploymentError, match=r"d.yaml: not YAML"):
+        load_deployment(path)
