@@ -7,6 +7,7 @@
     kvtier bench [--quick] [--json PATH] [--shared-tier redis|redis-cluster|s3|mooncake] [--prefix-tokens N]
     kvtier router --config FILE
     kvtier calibrate [--quick] [--out FILE] [--model DIR] [--config FILE]
+    kvtier validate --trace FILE --deployment FILE --calibration FILE [--model DIR] [--out DIR]
     kvtier simulate --trace FILE [--block-tokens N] [--capacities N,N,...] [--policies P,P] [--out DIR]
 
 The cache commands open the tiers only (no DRAM pool), so they are safe to run beside a serving process.
@@ -198,6 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--config", help="a kvtier config whose tiers to measure, each on its own behind DRAM "
                                             "(default: DRAM and a filesystem tier in a scratch directory)")
     calibrate.add_argument("--work-dir", type=Path, help="keep the engine's log and job here")
+    validate = top.add_parser("validate", help="replay a trace on vLLM with kvtier and compare the simulator's "
+                                               "predicted TTFT and hit ratio with what was measured")
+    validate.add_argument("--trace", required=True, type=Path, help="the trace to replay (as for simulate)")
+    validate.add_argument("--block-tokens", type=_positive, default=512, metavar="N",
+                          help="tokens per block of the trace; kvtier's chunk size in the real run (default 512)")
+    validate.add_argument("--deployment", required=True, type=Path, help="engine and kvtier (DRAM, filesystem)")
+    validate.add_argument("--calibration", required=True, type=Path, help="from `kvtier calibrate` on this machine")
+    validate.add_argument("--model", type=Path, help="the model the calibration measured (default: SmolLM2-135M)")
+    validate.add_argument("--out", type=Path, default=Path("results/validate"),
+                          help="where validate.json, validate.png and the server's log go")
     simulate = top.add_parser("simulate", help="replay a request trace: prefix-hit ratio per eviction policy and "
                                                "cache capacity, with Belady's and the infinite cache's lines")
     simulate.add_argument("--trace", required=True, type=Path,
@@ -215,7 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="eviction policies to compare (default lru,prefix_lru)")
     simulate.add_argument("--out", type=Path, default=Path("results/simulate"),
                           help="where cache.json, cache.csv and hit_ratio.png go (default results/simulate)")
-    simulate.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    simulate.add_argument("--deployment", type=Path, help="also time the trace against this deployment (engine, "
+                                                           "kvtier tiers; YAML), with and without kvtier")
+    simulate.add_argument("--calibration", type=Path, help="the `kvtier calibrate` file the timing uses (needed "
+                                                            "with --deployment)")
+    simulate.add_argument("--no-plot", action="store_true", help="skip the PNGs")
     return parser
 
 
@@ -255,7 +270,34 @@ def _simulate(args: argparse.Namespace) -> int:
     except KVTierError as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 2
+    deployment = calibration = None
+    if (args.deployment is None) != (args.calibration is None):
+        print("kvtier: --deployment and --calibration go together (the timing layer needs both)", file=sys.stderr)
+        return 2
+    if args.deployment is not None:
+        from kvtier.sim.calibrate import load_calibration, mismatches
+        from kvtier.sim.deployment import load_deployment
+
+        try:
+            deployment = load_deployment(args.deployment)
+            calibration = load_calibration(args.calibration)
+        except KVTierError as exc:
+            print(f"kvtier: {exc}", file=sys.stderr)
+            return 2
+        for line in mismatches(calibration):
+            print(f"kvtier: warning: {args.calibration} was measured on another machine: {line}", file=sys.stderr)
+        if calibration["model"].get("chunk_tokens") and trace.block_tokens % 128:
+            print(f"kvtier: warning: blocks of {trace.block_tokens} tokens are not whole engine blocks of 128",
+                  file=sys.stderr)
     cache_report(trace, args.capacities, args.policies, args.out, plot=not args.no_plot)
+    if deployment is not None:
+        from kvtier.sim.report import timing_report
+
+        try:
+            timing_report(trace, deployment, calibration, args.out, plot=not args.no_plot)
+        except ValueError as exc:
+            print(f"kvtier: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -294,6 +336,34 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace) -> int:
+    from kvtier.sim.calibrate import load_calibration, mismatches
+    from kvtier.sim.deployment import load_deployment
+    from kvtier.sim.trace import load_trace
+    from kvtier.sim.validate import validate
+
+    try:
+        trace = load_trace(args.trace, args.block_tokens)
+        deployment = load_deployment(args.deployment)
+        calibration = load_calibration(args.calibration)
+        if deployment.kvtier is None:
+            print("kvtier: validate needs a deployment with kvtier (its `kvtier` section)", file=sys.stderr)
+            return 2
+        if args.model is None:
+            from kvtier.bench.model import prepare_model
+
+            model = prepare_model()
+        else:
+            model = args.model
+        for line in mismatches(calibration, model):
+            print(f"kvtier: warning: {args.calibration} was measured on another machine: {line}", file=sys.stderr)
+        result = validate(trace, deployment, calibration, model, args.out)
+    except KVTierError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
+    return 0 if result["pass"] else 1
+
+
 def _tokenizer(model_dir: str):
     from kvtier.errors import ConfigError
 
@@ -328,6 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _simulate(args)
     if args.group == "calibrate":
         return _calibrate(args)
+    if args.group == "validate":
+        return _validate(args)
     try:
         tiers = open_tiers(load_config(args.config))
     except KVTierError as exc:

@@ -53,26 +53,36 @@ def test_the_engine_prefix_cache_serves_all_but_the_last_block() -> None:
 
 
 def test_kvtier_loads_what_the_engine_evicted_from_dram_then_disk() -> None:
-    # KV space of 4 blocks: request 2 (another prompt) evicts request 1's first blocks; request 3 repeats request 1.
+    # KV space of 4 blocks: request 2 (another prompt) evicts request 1's last two blocks (vLLM frees a request's
+    # blocks tail first); request 3 repeats request 1: block 1 from the engine, block 2 from kvtier, and the last
+    # block (never a hit) computed.
     requests = trace((0, [1, 2, 3], 12, 1), (10, [7, 8, 9], 12, 1), (20, [1, 2, 3], 12, 1))
-    plain = simulate(requests, deployment(kv_tokens=16), COSTS)
-    assert plain["requests"][2]["engine_hit_tokens"] == 0
-    full = 0.1 + 0.01 * 12 + 0.001 * 144
-    assert plain["requests"][2]["ttft_s"] == pytest.approx(full)
-    store = 3 * CHUNK / 4e6  # the DRAM copy of a finished prompt's blocks, in its step
     rest = 0.1 + 0.01 * 4 + 0.001 * 4 * (4 + 2 * 8)
-    with_dram = simulate(requests, deployment(kv_tokens=16, kvtier={"dram_bytes": 10 * CHUNK, "tiers": []}), COSTS)
+    plain = simulate(requests, deployment(kv_tokens=16), COSTS)
+    assert plain["requests"][2]["engine_hit_tokens"] == 4
+    assert plain["requests"][2]["ttft_s"] == pytest.approx(0.1 + 0.01 * 8 + 0.001 * 8 * (8 + 2 * 4))
+    full = 0.1 + 0.01 * 12 + 0.001 * 144
+    store = 3 * CHUNK / 4e6  # the DRAM copy of a finished prompt's blocks, in its step
+    with_dram = simulate(requests, deployment(kv_tokens=16, kvtier={"dram_bytes": 10 * 4096, "page_bytes": 4096}),
+                         COSTS)
     assert with_dram["requests"][0]["ttft_s"] == pytest.approx(full + store)
-    assert with_dram["requests"][2]["loaded_tokens"] == {"dram": 8}  # never the last block
-    assert with_dram["requests"][2]["ttft_s"] == pytest.approx(0.001 + 2 * CHUNK / 1e6 + rest)
-    assert with_dram["loaded_bytes"] == {"dram": 2 * CHUNK} and with_dram["stored_bytes"]["dram"] == 6 * CHUNK
-    # DRAM of 3 blocks holds only request 2's: request 1's come back from the disk tier.
-    with_disk = simulate(requests, deployment(kv_tokens=16, kvtier={"dram_bytes": 3 * CHUNK,
+    assert with_dram["requests"][2]["loaded_tokens"] == {"dram": 4} and \
+        with_dram["requests"][2]["engine_hit_tokens"] == 4
+    assert with_dram["requests"][2]["ttft_s"] == pytest.approx(0.001 + CHUNK / 1e6 + rest)
+    assert with_dram["loaded_bytes"] == {"dram": CHUNK} and with_dram["stored_bytes"]["dram"] == 6 * CHUNK
+    # DRAM of 3 pages of 4 KiB (a block each) holds only request 2's: block 2 comes back from the disk tier,
+    # and blocks 1 and 3 are copied into DRAM again when request 3 is done.
+    with_disk = simulate(requests, deployment(kv_tokens=16, kvtier={"dram_bytes": 3 * 4096, "page_bytes": 4096,
                                                                     "tiers": [{"name": "disk"}]}), COSTS)
-    assert with_disk["requests"][2]["loaded_tokens"] == {"disk": 8}
-    # Its third block was not in DRAM (evicted): computed, then copied there.
-    assert with_disk["requests"][2]["ttft_s"] == pytest.approx(0.01 + 2 * CHUNK / 5e5 + rest + CHUNK / 4e6)
-    assert with_disk["avoided_prefill_s"] == pytest.approx(0.01 * 8 + 0.001 * 8 * 8)
+    assert with_disk["requests"][2]["loaded_tokens"] == {"disk": 4}
+    assert with_disk["requests"][2]["ttft_s"] == pytest.approx(0.01 + CHUNK / 5e5 + rest + 2 * CHUNK / 4e6)
+    assert with_disk["avoided_prefill_s"] == pytest.approx(0.01 * 4 + 0.001 * 4 * (4 + 2 * 4))
+    # Pages: a block of 4,000 bytes takes a whole page of 4,096, so 40,000 bytes hold 9 blocks, not 10: after ten
+    # other prompts the first one's block is gone from DRAM (the engine's 2 blocks hold none of them either).
+    ten = trace(*[(i, [i * 10 + 1, 1000 + i], 5, 1) for i in range(10)], (20, [1, 2000], 5, 1))
+    tight = simulate(ten, deployment(kv_tokens=8, kvtier={"dram_bytes": 10 * 4000, "page_bytes": 4096}), COSTS)
+    roomy = simulate(ten, deployment(kv_tokens=8, kvtier={"dram_bytes": 10 * 4096, "page_bytes": 4096}), COSTS)
+    assert tight["requests"][10]["loaded_tokens"] == {} and roomy["requests"][10]["loaded_tokens"] == {"dram": 4}
 
 
 def test_memory_pressure_preempts_the_latest_request_and_kvtier_saves_its_recompute() -> None:
@@ -81,7 +91,8 @@ def test_memory_pressure_preempts_the_latest_request_and_kvtier_saves_its_recomp
     requests = trace((0, [1, 2], 8, 8), (0, [5, 6], 8, 8))
     plain = simulate(requests, deployment(kv_tokens=20), COSTS)
     assert plain["preemptions"] >= 1 and plain["requests"][1]["preemptions"] >= 1
-    cached = simulate(requests, deployment(kv_tokens=20, kvtier={"dram_bytes": 10 * CHUNK}), COSTS)
+    cached = simulate(requests, deployment(kv_tokens=20, kvtier={"dram_bytes": 10 * 4096, "page_bytes": 4096}),
+                      COSTS)
     assert cached["preemptions"] == plain["preemptions"]
     assert cached["loaded_tokens"].get("dram", 0) > 0  # the preempted prompt came back from DRAM
     assert cached["requests"][1]["finish_s"] < plain["requests"][1]["finish_s"]

@@ -10,6 +10,7 @@ A YAML or JSON mapping; unknown keys, wrong types and bad values are a :class:`D
     kvtier:                         # omit (or null) for the engine alone
       dram_bytes: 2GiB
       policy: prefix_lru
+      page_bytes: 1MiB              # the pool's page (a chunk takes whole pages)
       tiers:                        # in lookup order; each name must be a tier of the calibration
         - name: filesystem
           capacity_bytes: null      # null: unbounded
@@ -53,6 +54,7 @@ class KVTierSpec:
     dram_bytes: int
     policy: str = "prefix_lru"
     tiers: tuple[TierSpec, ...] = ()
+    page_bytes: int = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +88,7 @@ def load_deployment(source: str | Path | Mapping[str, Any]) -> Deployment:
         prefix_caching=_bool(engine, "prefix_caching", "engine", default=True))
     kv = None
     if top.get("kvtier") is not None:
-        section = _mapping(top["kvtier"], "kvtier", ("dram_bytes", "policy", "tiers"))
+        section = _mapping(top["kvtier"], "kvtier", ("dram_bytes", "policy", "tiers", "page_bytes"))
         policy = section.get("policy", "prefix_lru")
         if not isinstance(policy, str) or policy not in POLICIES.names():
             raise DeploymentError(f"kvtier.policy: unknown policy {policy!r}; known: {', '.join(POLICIES.names())}")
@@ -102,7 +104,11 @@ def load_deployment(source: str | Path | Mapping[str, Any]) -> Deployment:
             specs.append(TierSpec(entry["name"], _bytes(entry, "capacity_bytes", field, required=False)))
         if len({t.name for t in specs}) != len(specs):
             raise DeploymentError("kvtier.tiers: names must differ")
-        kv = KVTierSpec(_bytes(section, "dram_bytes", "kvtier", required=True), policy, tuple(specs))  # type: ignore[arg-type]
+        page = _bytes(section, "page_bytes", "kvtier", required=False) or 2**20
+        if page < 4096:
+            raise DeploymentError(f"kvtier.page_bytes: must be at least 4096, got {page}")
+        kv = KVTierSpec(_bytes(section, "dram_bytes", "kvtier", required=True), policy, tuple(specs),  # type: ignore[arg-type]
+                        page)
     scale = top.get("time_scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
         raise DeploymentError(f"time_scale: expected a number > 0, got {scale!r}")

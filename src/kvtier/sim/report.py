@@ -86,3 +86,71 @@ def _plot(trace: Trace, caps: Sequence[int], table: dict[str, dict[int, HitCount
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def timing_report(trace: Trace, deployment, calibration: dict, out: Path, plot: bool = True) -> dict:
+    """Run the timing layer with the deployment as described and, when it has kvtier, without; write
+    ``timing.json``, ``requests.csv`` and ``ttft_cdf.png`` under ``out``; print a summary."""
+    from kvtier.sim.timing import Costs, simulate
+
+    costs = Costs.from_calibration(calibration)
+    runs = {"kvtier": deployment} if deployment.kvtier is not None else {}
+    runs["engine_alone"] = deployment.without_kvtier()
+    results = {}
+    for name, dep in runs.items():
+        started = time.monotonic()
+        print(f"simulate: timing {name} ...", file=sys.stderr, flush=True)
+        results[name] = simulate(trace, dep, costs)
+        print(f"simulate: timing {name}: {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {name: {k: v for k, v in r.items() if k != "requests"} for name, r in results.items()}
+    (out / "timing.json").write_text(json.dumps({"trace": trace.source, "deployment": _plain(deployment),
+                                                 "calibration": calibration.get("created"), "runs": summary},
+                                                indent=1) + "\n")
+    with (out / "requests.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["run", "request", "arrival_s", "ttft_s", "finish_s", "prompt_tokens", "engine_hit_tokens",
+                         "loaded_tokens", "preemptions"])
+        for name, r in results.items():
+            for row in r["requests"]:
+                writer.writerow([name, row["request"], row["arrival_s"], row["ttft_s"], row["finish_s"],
+                                 row["prompt_tokens"], row["engine_hit_tokens"],
+                                 ";".join(f"{k}={v}" for k, v in row["loaded_tokens"].items()), row["preemptions"]])
+    for name, r in results.items():
+        t = r["ttft_s"]
+        loaded = ", ".join(f"{k} {v:,}" for k, v in r["loaded_tokens"].items()) or "none"
+        print(f"{name:>12}: TTFT p50 {t['p50']:.3f} s, p90 {t['p90']:.3f} s, p99 {t['p99']:.3f} s; "
+              f"{r['requests_per_s']:.2f} req/s; engine hits {r['engine_hit_tokens']:,} tokens; loaded {loaded}; "
+              f"avoided prefill {r['avoided_prefill_s']:.1f} s; preemptions {r['preemptions']}; "
+              f"refused {r['refused']}")
+    if plot:
+        _plot_cdf(results, out / "ttft_cdf.png", Path(trace.source).name)
+    print(f"wrote {out / 'timing.json'}, {out / 'requests.csv'}" + (f", {out / 'ttft_cdf.png'}" if plot else ""))
+    return summary
+
+
+def _plain(deployment) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(deployment)
+
+
+def _plot_cdf(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in results.items():
+        ttft = np.sort([row["ttft_s"] for row in r["requests"]])
+        ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name.replace("_", " "))
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("share of requests")
+    ax.set_title(f"{title}: TTFT, simulated")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

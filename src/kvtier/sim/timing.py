@@ -6,7 +6,8 @@ A step-by-step copy of what matters in vLLM v1's scheduler, in blocks of the tra
   decoding, the next chunk of their prompt when prefilling), then waiting ones in arrival order, up to
   ``max_num_seqs`` running;
 - the engine's KV space is a pool of blocks; a finished prompt's whole blocks stay in it as its prefix cache
-  (shared by reference, evicted least recently released first); a request that finds no free block preempts the
+  (shared by reference; a finished request's blocks are released tail first, and the least recently
+  released is evicted first, so a prompt loses its tail before its head, as in vLLM); a request that finds no free block preempts the
   latest running request, whose blocks are freed and which later computes its prompt and output again;
 - with kvtier, a request admitted for the first time (or again after a preemption) loads the blocks after the
   engine's own hit that DRAM or a tier holds (in that order), in the step it is scheduled: serially, as on
@@ -136,7 +137,8 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
     kv = deployment.kvtier
     dram = tiers = None
     if kv is not None:
-        dram = BlockCache(kv.policy, max(1, kv.dram_bytes // chunk_bytes))
+        pages = -(-chunk_bytes // kv.page_bytes)  # the pool hands out whole pages
+        dram = BlockCache(kv.policy, max(1, (kv.dram_bytes // kv.page_bytes) // pages))
         tiers = [(t.name, BlockCache("lru", None if t.capacity_bytes is None else max(1, t.capacity_bytes // chunk_bytes)))
                  for t in kv.tiers]
         for name in ["dram", *(t.name for t in kv.tiers)]:
@@ -176,7 +178,7 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
         def preempt(victim: _Request) -> None:
             nonlocal preemptions
             running.remove(victim)
-            pool.release(victim.shared)
+            pool.release(victim.shared[::-1])
             pool.private -= victim.private
             victim.shared, victim.private, victim.computed, victim.registered = [], 0, 0, False
             victim.admitted = False
@@ -282,7 +284,7 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
             if r.generated >= r.output:
                 r.finish = now
                 running.remove(r)
-                pool.release(r.shared)
+                pool.release(r.shared[::-1])  # tail first, as vLLM frees: the tail is evicted before the head
                 pool.private -= r.private
                 r.shared, r.private = [], 0
     out = _summary(reqs, now, preemptions, steps, stored_bytes, loaded_bytes, costs, bt)
