@@ -134,3 +134,20 @@ def test_deployment_files_and_unknown_tiers(tmp_path: Path) -> None:
     path.write_text("engine: [")
     with pytest.raises(DeploymentError, match=r"d.yaml: not YAML"):
         load_deployment(path)
+
+
+def test_on_a_cpu_engine_the_tier_writes_take_the_engines_time() -> None:
+    import dataclasses
+
+    # The first request's blocks are written to the disk tier while the second (arriving at once) computes.
+    cpu = dataclasses.replace(COSTS, store={"disk": 2e6}, shared_cpu=True)
+    requests = trace((0, [1, 2, 3], 12, 1), (0, [5], 4, 1))
+    first = 0.1 + 0.01 * 12 + 0.001 * 144 + 3 * CHUNK / 4e6
+    second = 0.1 + 0.01 * 4 + 0.001 * 16 + CHUNK / 4e6
+    solo = dataclasses.replace(cpu, shared_cpu=False)
+    chunked = load_deployment({"engine": {"kv_tokens": 64, "max_num_batched_tokens": 12},  # one request a step
+                               "kvtier": {"dram_bytes": 10 * 4096, "page_bytes": 4096, "tiers": [{"name": "disk"}]}})
+    assert simulate(requests, chunked, solo)["requests"][1]["ttft_s"] == pytest.approx(first + second)
+    on_cpu = simulate(requests, chunked, cpu)
+    assert on_cpu["requests"][0]["ttft_s"] == pytest.approx(first)  # its own writes come after its token
+    assert on_cpu["requests"][1]["ttft_s"] == pytest.approx(first + second + 3 * CHUNK / 2e6)

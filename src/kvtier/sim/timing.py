@@ -12,7 +12,8 @@ A step-by-step copy of what matters in vLLM v1's scheduler, in blocks of the tra
 - with kvtier, a request admitted for the first time (or again after a preemption) loads the blocks after the
   engine's own hit that DRAM or a tier holds (in that order), in the step it is scheduled: serially, as on
   CPU; when its prefill completes its whole blocks are put in DRAM (a copy in that step) and cascaded to every
-  tier in the background (no step time; the tiers' caches see them at once). A block read from a tier is
+  tier in the background (the tiers' caches see them at once; on a GPU that takes no step time, but an engine
+  computing on the CPU loses the writes' time, as they run on its cores: the next step takes it). A block read from a tier is
   promoted into DRAM. Neither the engine nor kvtier hits a prompt's last token.
 
 A step lasts ``a + sum(b*n + c*n*(n + 2*m))`` over its prefill chunks (``n`` tokens after ``m`` computed ones)
@@ -45,6 +46,8 @@ class Costs:
     kv_bytes_per_token: int
     load: dict[str, tuple[float, float]]  # tier name ("dram" too) -> (latency s, bytes/s)
     dram_store_bytes_per_s: float
+    store: dict[str, float] = dataclasses.field(default_factory=dict)  # secondary tier -> write bytes/s
+    shared_cpu: bool = False  # the engine computes on the CPU: background tier writes take its cores' time
 
     @classmethod
     def from_calibration(cls, cal: dict[str, Any]) -> Costs:
@@ -55,7 +58,10 @@ class Costs:
                    d0=cal["decode"]["fit"]["intercept"], d1=cal["decode"]["fit"]["slope"],
                    kv_bytes_per_token=int(cal["model"]["kv_bytes_per_token"]),
                    load={n: (t["latency_s"], t["bandwidth_bytes_per_s"]) for n, t in tiers.items()},
-                   dram_store_bytes_per_s=float(store))
+                   dram_store_bytes_per_s=float(store),
+                   store={n: float(t["streams"][0]["store_bytes_per_s"]) for n, t in tiers.items()
+                          if n != "dram" and t.get("streams")},
+                   shared_cpu=cal["fingerprint"].get("accelerator") is None)
 
     def chunk(self, new: int, done: int) -> float:
         """A prefill chunk of ``new`` tokens after ``done`` computed ones, without the step's fixed cost."""
@@ -161,6 +167,7 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
     loaded_bytes: dict[str, int] = {}
     preemptions = 0
     steps = 0
+    owed = background = 0.0  # seconds of tier writes the engine's cores owe (CPU engine only)
     while upcoming is not None or waiting or running:
         while upcoming is not None and upcoming.arrival <= now:
             waiting.append(upcoming)
@@ -262,7 +269,10 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
                     for name, cache in tiers:
                         written = cache.put(new)
                         stored_bytes[name] = stored_bytes.get(name, 0) + len(written) * chunk_bytes
-        now += step
+                        if costs.shared_cpu and name in costs.store:
+                            background += len(written) * chunk_bytes / costs.store[name]
+        now += step + owed  # the background writes queued before this step ran on the engine's cores during it
+        owed, background = background, 0.0
         steps += 1
         for r, n in plan:
             if r.computed < r.target:

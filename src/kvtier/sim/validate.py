@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -87,8 +88,9 @@ def compare(predicted: list[dict[str, Any]], measured: list[dict[str, Any]]) -> 
     return out
 
 
-def engine_config(deployment: Deployment, trace: Trace, work: Path, metrics_port: int) -> dict[str, Any]:
-    """The kvtier config the real run uses: DRAM and filesystem tiers as the deployment sizes them."""
+def engine_config(deployment: Deployment, trace: Trace, kv_dir: Path, metrics_port: int) -> dict[str, Any]:
+    """The kvtier config the real run uses: DRAM and filesystem tiers (under ``kv_dir``) as the deployment sizes
+    them."""
     kv = deployment.kvtier
     assert kv is not None
     tiers = []
@@ -96,7 +98,7 @@ def engine_config(deployment: Deployment, trace: Trace, work: Path, metrics_port
         if tier.name not in ("filesystem", "disk"):
             raise KVTierError(f"kvtier.tiers: validate runs DRAM and a filesystem tier (named filesystem or "
                               f"disk) on this machine; {tier.name!r} is not one")
-        tiers.append({"type": "filesystem", "name": tier.name, "path": str(work / "kv"),
+        tiers.append({"type": "filesystem", "name": tier.name, "path": str(kv_dir / tier.name),
                       "capacity_bytes": tier.capacity_bytes, "queue_depth": 4096})
     return {"chunk_tokens": trace.block_tokens, "metrics_port": metrics_port,
             "dram": {"capacity_bytes": kv.dram_bytes, "eviction": kv.policy, "page_bytes": kv.page_bytes},
@@ -151,14 +153,17 @@ async def _replay(port: int, model: str, trace: Trace, prompts: list[list[int]],
     return results
 
 
-def _warm_up(port: int, model: str, vocab_size: int) -> None:
-    """A server's first requests pay one-time costs (allocations, first kernels) no simulation should be held
-    to, as calibration's sweeps skip them too. Prompts shorter than one engine block leave nothing cached."""
+def _warm_up(port: int, model: str, vocab_size: int, longest: int) -> None:
+    """A server's first requests pay one-time costs (allocations, first kernels at a size) no simulation should
+    be held to, as calibration's sweeps skip them too: a short prompt, then one as long as the trace's longest.
+    Their random tokens never match the trace's; what they leave in the engine's cache and in DRAM is the least
+    recently used there, so it is evicted before anything of the trace."""
     from kvtier.bench.server import post_completion
 
     rng = np.random.default_rng(12345)
-    for _ in range(3):
-        post_completion(port, {"model": model, "prompt": [int(t) for t in rng.integers(1000, vocab_size - 1000, 100)],
+    for length in (100, longest):
+        post_completion(port, {"model": model, "prompt": [int(t) for t in rng.integers(1000, vocab_size - 1000,
+                                                                                        length)],
                                "max_tokens": 8, "temperature": 0, "ignore_eos": True})
 
 
@@ -181,8 +186,9 @@ def measure(trace: Trace, deployment: Deployment, model: Path, vocab_size: int, 
             "--enable-chunked-prefill"]
     if not engine.prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    scratch = tempfile.TemporaryDirectory(prefix="kvtier-validate-")  # the tiers' files: gone when done
     if deployment.kvtier is not None:
-        config = engine_config(deployment, trace, work, metrics_port)
+        config = engine_config(deployment, trace, Path(scratch.name), metrics_port)
         argv += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -204,7 +210,7 @@ def measure(trace: Trace, deployment: Deployment, model: Path, vocab_size: int, 
                     if time.monotonic() > deadline:
                         raise KVTierError("vLLM's API server did not answer /health within 600 s") from None
                     time.sleep(1)
-            _warm_up(port, str(model), vocab_size)
+            _warm_up(port, str(model), vocab_size, max(r.input_length for r in trace.requests))
             log(f"engine up; replaying {len(prompts)} requests over "
                 f"{trace.requests[-1].timestamp_ms / 1000 / deployment.time_scale:.0f} s")
             names = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total",
@@ -214,6 +220,7 @@ def measure(trace: Trace, deployment: Deployment, model: Path, vocab_size: int, 
             after = {n: _counter(port, n) for n in names}
         finally:
             stop(server)
+            scratch.cleanup()
     counters = {n.split(":", 1)[1]: after[n] - before[n] for n in names}
     return {"requests": rows, "counters": counters}
 
