@@ -151,3 +151,18 @@ def test_on_a_cpu_engine_the_tier_writes_take_the_engines_time() -> None:
     on_cpu = simulate(requests, chunked, cpu)
     assert on_cpu["requests"][0]["ttft_s"] == pytest.approx(first)  # its own writes come after its token
     assert on_cpu["requests"][1]["ttft_s"] == pytest.approx(first + second + 3 * CHUNK / 2e6)
+
+
+def test_break_even_lengths_and_a_tier_slower_than_recompute() -> None:
+    import dataclasses
+
+    from kvtier.sim.breakeven import break_even, needed_bandwidth, recompute_s, served_s
+
+    assert recompute_s(COSTS, 8) == pytest.approx(0.1 + 0.08 + 0.064)
+    # 9 tokens from DRAM: 8 loaded (2 blocks), 1 computed after them.
+    assert served_s(COSTS, "dram", 9, B) == pytest.approx(0.001 + 8000 / 1e6 + 0.1 + 0.01 + 0.001 * (1 + 16))
+    assert break_even(COSTS, "dram", B, grid=[4, 8, 16, 64]) == 8  # at 4 tokens nothing is loaded: a tie
+    slow = dataclasses.replace(COSTS, load={**COSTS.load, "s3": (0.5, 1e3)})
+    assert break_even(slow, "s3", B, grid=[8, 16, 64]) is None  # 1 KB/s: recompute always wins
+    # The bandwidth that ties recompute: 1,000 bytes a token over the time 64 tokens take to compute.
+    assert needed_bandwidth(COSTS, 64) == pytest.approx(64 * 1000 / (0.01 * 64 + 0.001 * 64 * 64))

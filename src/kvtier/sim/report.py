@@ -102,11 +102,14 @@ def timing_report(trace: Trace, deployment, calibration: dict, out: Path, plot: 
         print(f"simulate: timing {name} ...", file=sys.stderr, flush=True)
         results[name] = simulate(trace, dep, costs)
         print(f"simulate: timing {name}: {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    from kvtier.sim import breakeven
+
+    lengths = breakeven.table(costs, trace.block_tokens)
     out.mkdir(parents=True, exist_ok=True)
     summary = {name: {k: v for k, v in r.items() if k != "requests"} for name, r in results.items()}
     (out / "timing.json").write_text(json.dumps({"trace": trace.source, "deployment": _plain(deployment),
-                                                 "calibration": calibration.get("created"), "runs": summary},
-                                                indent=1) + "\n")
+                                                 "calibration": calibration.get("created"), "runs": summary,
+                                                 "by_prompt_length": lengths}, indent=1) + "\n")
     with (out / "requests.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["run", "request", "arrival_s", "ttft_s", "finish_s", "prompt_tokens", "engine_hit_tokens",
@@ -123,9 +126,15 @@ def timing_report(trace: Trace, deployment, calibration: dict, out: Path, plot: 
               f"{r['requests_per_s']:.2f} req/s; engine hits {r['engine_hit_tokens']:,} tokens; loaded {loaded}; "
               f"avoided prefill {r['avoided_prefill_s']:.1f} s; preemptions {r['preemptions']}; "
               f"refused {r['refused']}")
+    for tier, row in lengths["tiers"].items():
+        even = row["break_even_tokens"]
+        print(f"{'break-even':>12}: {tier} beats recompute from {even:,} tokens" if even is not None else
+              f"{'break-even':>12}: {tier} never beats recompute up to 16K tokens")
     if plot:
         _plot_cdf(results, out / "ttft_cdf.png", Path(trace.source).name)
-    print(f"wrote {out / 'timing.json'}, {out / 'requests.csv'}" + (f", {out / 'ttft_cdf.png'}" if plot else ""))
+        breakeven.plot(lengths, out / "ttft_vs_length.png", Path(trace.source).name)
+    print(f"wrote {out / 'timing.json'}, {out / 'requests.csv'}" +
+          (f", {out / 'ttft_cdf.png'}, {out / 'ttft_vs_length.png'}" if plot else ""))
     return summary
 
 
