@@ -358,7 +358,7 @@ def _validate(args: argparse.Namespace) -> int:
         for line in mismatches(calibration, model):
             print(f"kvtier: warning: {args.calibration} was measured on another machine: {line}", file=sys.stderr)
         result = validate(trace, deployment, calibration, model, args.out)
-    except KVTierError as exc:
+    except (KVTierError, ValueError) as exc:  # ValueError: a deployment the calibration cannot cost
         print(f"kvtier: {exc}", file=sys.stderr)
         return 2
     return 0 if result["pass"] else 1

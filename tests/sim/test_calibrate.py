@@ -25,7 +25,7 @@ def test_the_prefill_fit_recovers_linear_and_attention_terms() -> None:
 
 
 def minimal(**changes) -> dict:
-    data = {"version": 1, "fingerprint": fingerprint(),
+    data = {"version": 1, "fingerprint": fingerprint(), "model": {"kv_bytes_per_token": 23040},
             "prefill": {"fit": {"a": 0.01, "b": 3e-4, "c": 9e-8}},
             "decode": {"fit": {"intercept": 0.013, "slope": 5e-4}},
             "hit_floor": {"fit": {"intercept": 0.05, "slope": 3e-5}},
@@ -50,6 +50,10 @@ def minimal(**changes) -> dict:
     ({"tiers__dram__bandwidth_bytes_per_s": 0}, r"tiers.dram.bandwidth_bytes_per_s: must be positive, got 0"),
     ({"tiers__dram__latency_s": -1}, r"tiers.dram.latency_s: must be positive, got -1"),
     ({"fingerprint": None}, r"fingerprint: missing"),
+    ({"prefill__fit__a": float("nan")}, r"prefill.fit.a: nan is not a usable value"),
+    ({"prefill__fit__c": -1e-5}, r"prefill.fit.c: -1e-05 is not a usable value \(must be >= 0.0\)"),
+    ({"decode__fit__intercept": -1}, r"decode.fit.intercept: a negative step time"),
+    ({"model": None}, r"model.kv_bytes_per_token: missing"),
 ])
 def test_a_malformed_calibration_names_the_field(tmp_path: Path, changes: dict, message: str) -> None:
     path = tmp_path / "cal.json"

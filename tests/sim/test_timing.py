@@ -166,3 +166,12 @@ def test_break_even_lengths_and_a_tier_slower_than_recompute() -> None:
     assert break_even(slow, "s3", B, grid=[8, 16, 64]) is None  # 1 KB/s: recompute always wins
     # The bandwidth that ties recompute: 1,000 bytes a token over the time 64 tokens take to compute.
     assert needed_bandwidth(COSTS, 64) == pytest.approx(64 * 1000 / (0.01 * 64 + 0.001 * 64 * 64))
+
+
+def test_kvtier_loads_nothing_when_it_lost_the_prefix_the_engine_still_holds() -> None:
+    # Request 2 evicts request 1's blocks 2-3 from the engine and block 1 from an LRU DRAM of 4 blocks; kvtier's
+    # lookup counts from the first chunk, so request 3 loads nothing though DRAM holds block 2.
+    requests = trace((0, [1, 2, 3], 12, 1), (10, [7, 8, 9], 9, 1), (20, [1, 2, 3], 12, 1))
+    out = simulate(requests, deployment(kv_tokens=16, kvtier={"dram_bytes": 4 * 4096, "page_bytes": 4096,
+                                                              "policy": "lru"}), COSTS)
+    assert out["requests"][2]["engine_hit_tokens"] == 4 and out["requests"][2]["loaded_tokens"] == {}

@@ -132,10 +132,15 @@ class BlockCache:
             if block in self.resident:
                 self._order.touch(block)
 
-    def put(self, blocks: Sequence[int], admit: Callable[[int], bool] | None = None) -> list[int]:
-        """Store ``blocks`` (a prompt's whole blocks, in order); returns those newly stored."""
+    def put(self, blocks: Sequence[int], admit: Callable[[int], bool] | None = None, start: int = 0,
+            only: set[int] | None = None) -> list[int]:
+        """Store ``blocks[start:]`` (a prompt's whole blocks, in order; the earlier ones name parents), or of
+        those only the ones in ``only``; returns those newly stored."""
         pending: dict[int, int | None] = {}  # reserved block -> parent, in order
-        for j, block in enumerate(blocks):
+        for j in range(start, len(blocks)):
+            block = blocks[j]
+            if only is not None and block not in only:
+                continue
             if block in self.resident:
                 self._order.touch(block)
                 continue

@@ -12,6 +12,7 @@ The file carries a fingerprint of the machine and software; :func:`mismatches` s
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -249,15 +250,26 @@ def load_calibration(path: str | Path) -> dict[str, Any]:
         raise CalibrationError(f"{path}: version: this kvtier reads version {VERSION}, the file is "
                                f"version {data['version']}")
     need(data, "fingerprint", dict)
+    def finite(dotted: str, minimum: float | None = None) -> None:
+        value = need(data, dotted, (int, float))
+        if not math.isfinite(value) or (minimum is not None and value < minimum):
+            raise CalibrationError(f"{path}: {dotted}: {value} is not a usable value"
+                                   + (f" (must be >= {minimum})" if minimum is not None else "")
+                                   + "; recalibrate")
+
     for field in ("a", "b", "c"):
-        need(data, f"prefill.fit.{field}", (int, float))
+        finite(f"prefill.fit.{field}", 0.0 if field == "c" else None)
     for field in ("intercept", "slope"):
-        need(data, f"decode.fit.{field}", (int, float))
-        need(data, f"hit_floor.fit.{field}", (int, float))
+        finite(f"decode.fit.{field}")
+        finite(f"hit_floor.fit.{field}")
+    if need(data, "decode.fit.intercept", (int, float)) < 0:
+        raise CalibrationError(f"{path}: decode.fit.intercept: a negative step time; recalibrate")
+    if need(data, "model.kv_bytes_per_token", int) < 1:
+        raise CalibrationError(f"{path}: model.kv_bytes_per_token: must be positive")
     for name in need(data, "tiers", dict):
         for field in ("latency_s", "bandwidth_bytes_per_s"):
             value = need(data, f"tiers.{name}.{field}", (int, float))
-            if value < 0 or (field == "bandwidth_bytes_per_s" and value == 0):
+            if not math.isfinite(value) or value < 0 or (field == "bandwidth_bytes_per_s" and value == 0):
                 raise CalibrationError(f"{path}: tiers.{name}.{field}: must be positive, got {value}")
     return data
 

@@ -53,14 +53,14 @@ class Costs:
     def from_calibration(cls, cal: dict[str, Any]) -> Costs:
         tiers = cal["tiers"]
         dram = tiers.get("dram", {})
-        store = dram.get("streams", [{}])[0].get("store_bytes_per_s") or dram.get("bandwidth_bytes_per_s", 1e10)
+        store = (dram.get("streams") or [{}])[0].get("store_bytes_per_s") or dram.get("bandwidth_bytes_per_s", 1e10)
         return cls(a=cal["prefill"]["fit"]["a"], b=cal["prefill"]["fit"]["b"], c=cal["prefill"]["fit"]["c"],
                    d0=cal["decode"]["fit"]["intercept"], d1=cal["decode"]["fit"]["slope"],
                    kv_bytes_per_token=int(cal["model"]["kv_bytes_per_token"]),
                    load={n: (t["latency_s"], t["bandwidth_bytes_per_s"]) for n, t in tiers.items()},
                    dram_store_bytes_per_s=float(store),
                    store={n: float(t["streams"][0]["store_bytes_per_s"]) for n, t in tiers.items()
-                          if n != "dram" and t.get("streams")},
+                          if n != "dram" and t.get("streams") and t["streams"][0].get("store_bytes_per_s", 0) > 0},
                    shared_cpu=cal["fingerprint"].get("accelerator") is None)
 
     def chunk(self, new: int, done: int) -> float:
@@ -153,11 +153,12 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
                                  f"(calibrated: {', '.join(costs.load)})")
     # A request whose prompt and output the whole KV space cannot hold is refused, as vLLM refuses a prompt
     # beyond max_model_len; it is counted, not timed.
-    fits = [r for r in trace.requests if -(-(r.input_length + max(r.output_length, 1)) // bt) <= pool.total]
+    fits = [(i, r) for i, r in enumerate(trace.requests)
+            if -(-(r.input_length + max(r.output_length, 1)) // bt) <= pool.total]
     if not fits:
         raise ValueError(f"engine.kv_tokens: {engine.kv_tokens} tokens hold no request of the trace whole")
     reqs = [_Request(i, r.timestamp_ms / 1000 / deployment.time_scale, r.blocks[:r.whole], r.input_length,
-                     max(r.output_length, 1)) for i, r in enumerate(fits)]
+                     max(r.output_length, 1)) for i, r in fits]  # numbered by their place in the trace
     arrivals = iter(reqs)
     upcoming = next(arrivals, None)
     waiting: list[_Request] = []
@@ -182,8 +183,11 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
         def blocks_for(tokens: int) -> int:
             return -(-tokens // bt)
 
+        preempted_now = False  # as vLLM: a step that preempted admits no waiting request
+
         def preempt(victim: _Request) -> None:
-            nonlocal preemptions
+            nonlocal preemptions, preempted_now
+            preempted_now = True
             running.remove(victim)
             pool.release(victim.shared[::-1])
             pool.private -= victim.private
@@ -208,28 +212,32 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
             r.private += max(need, 0)
             plan.append((r, n))
             budget -= n
-        while waiting and budget > 0 and len(running) < engine.max_num_seqs:
+        while waiting and budget > 0 and len(running) < engine.max_num_seqs and not preempted_now:
             r = waiting[0]
             limit = (r.target - 1) // bt  # the last token is always computed
             hit = pool.hit(r.blocks, limit)
             sources: list[tuple[str, int]] = []
             if dram is not None and tiers is not None:
-                j = hit
+                # kvtier's lookup counts the chunks it holds from the first one; it loads those past the
+                # engine's hit.
+                j = 0
                 while j < min(len(r.blocks), limit):
                     block = r.blocks[j]
                     where = "dram" if block in dram.resident else next(
                         (name for name, cache in tiers if block in cache.resident), None)
                     if where is None:
                         break
-                    sources.append((where, block))
+                    if j >= hit:
+                        sources.append((where, block))
                     j += 1
             done = (hit + len(sources)) * bt
             n = min(r.target - done, budget)
             need = blocks_for(done + n) - hit
+            pool.take(list(r.blocks[:hit]))  # the hit blocks are held first: allocating cannot evict them
             if not pool.allocate(need):
+                pool.release(list(r.blocks[:hit])[::-1])
                 break
             waiting.pop(0)
-            pool.take(list(r.blocks[:hit]))
             r.shared, r.private, r.computed = list(r.blocks[:hit]), need, done
             if not r.admitted and r.preemptions == 0:
                 r.engine_hit = hit * bt
@@ -247,7 +255,9 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
                 dram.touch([b for w, b in sources if w == "dram"])
                 for name, cache in tiers:
                     cache.touch([b for w, b in sources if w == name])
-                dram.put([b for w, b in sources if w != "dram"])  # promoted
+                promoted = {b for w, b in sources if w != "dram"}  # into DRAM, each under its own parent
+                if promoted:
+                    dram.put(r.blocks, start=hit, only=promoted)
             running.append(r)
             plan.append((r, n))
             budget -= n
@@ -263,7 +273,8 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
         if dram is not None and tiers is not None:
             for r in finished_prefill:
                 if r.generated == 0:
-                    new = dram.put(list(r.blocks))
+                    # The worker stores from the first chunk DRAM does not hold (its leading run untouched).
+                    new = dram.put(r.blocks, start=dram.run(r.blocks))
                     stored_bytes["dram"] = stored_bytes.get("dram", 0) + len(new) * chunk_bytes
                     step += len(new) * chunk_bytes / costs.dram_store_bytes_per_s
                     for name, cache in tiers:

@@ -119,6 +119,8 @@ def _request(row: dict, where: str, block_tokens: int, ids: dict[object, int],
         if len(raw) != -(-length // block_tokens):
             raise TraceError(f"{where}: hash_ids: {len(raw)} ids for input_length {length}; blocks of "
                              f"{block_tokens} tokens need {-(-length // block_tokens)} (is --block-tokens right?)")
+        if len(set(raw)) != len(raw):
+            raise TraceError(f"{where}: hash_ids: an id repeats; prefix-chained ids never do")
         keys: list[object] = list(raw)
         whole = length // block_tokens
     else:
@@ -130,9 +132,9 @@ def _request(row: dict, where: str, block_tokens: int, ids: dict[object, int],
             tokens = list(tokenizer(row["prompt"]))
         else:
             tokens = row["token_ids"]
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                       for t in tokens):
-                raise TraceError(f"{where}: token_ids: expected a list of non-negative integers")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                       and 0 <= t < 2**63 for t in tokens):
+                raise TraceError(f"{where}: token_ids: expected a list of integers in [0, 2**63)")
         if not tokens:
             raise TraceError(f"{where}: {kinds[0]}: an empty prompt")
         for field in ("cache_salt", "lora"):
@@ -150,6 +152,8 @@ def _request(row: dict, where: str, block_tokens: int, ids: dict[object, int],
 
 def _number(row: dict, field: str, where: str) -> float:
     value = row.get(field)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 2**53:
+        raise TraceError(f"{where}: {field}: {value} is too large")
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise TraceError(f"{where}: {field}: expected a number >= 0, got {value!r}")
     return float(value)

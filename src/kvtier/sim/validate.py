@@ -219,7 +219,10 @@ def measure(trace: Trace, deployment: Deployment, model: Path, vocab_size: int, 
             rows = asyncio.run(_replay(port, str(model), trace, prompts, deployment.time_scale, log))
             after = {n: _counter(port, n) for n in names}
         finally:
-            stop(server)
+            try:
+                stop(server)
+            except ProcessLookupError:
+                pass  # it had exited already (the error above says why)
             scratch.cleanup()
     counters = {n.split(":", 1)[1]: after[n] - before[n] for n in names}
     return {"requests": rows, "counters": counters}
