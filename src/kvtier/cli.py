@@ -9,6 +9,8 @@
     kvtier calibrate [--quick] [--out FILE] [--model DIR] [--config FILE]
     kvtier validate --trace FILE --deployment FILE --calibration FILE [--model DIR] [--out DIR]
     kvtier simulate --trace FILE [--block-tokens N] [--capacities N,N,...] [--policies P,P] [--out DIR]
+    kvtier simulate --scenario preemption --calibration FILE [--out DIR]
+    kvtier decide --card FILE --facts FILE --calibration FILE [--out DIR]
 
 The cache commands open the tiers only (no DRAM pool), so they are safe to run beside a serving process.
 """
@@ -211,7 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="where validate.json, validate.png and the server's log go")
     simulate = top.add_parser("simulate", help="replay a request trace: prefix-hit ratio per eviction policy and "
                                                "cache capacity, with Belady's and the infinite cache's lines")
-    simulate.add_argument("--trace", required=True, type=Path,
+    simulate.add_argument("--scenario", choices=["preemption"],
+                          help="a named scenario instead of a trace (needs --calibration): preemption sweeps how "
+                               "many prompts arrive at once at an engine whose KV space overflows, with and "
+                               "without kvtier's DRAM tier")
+    simulate.add_argument("--trace", type=Path,
                           help="JSONL: Mooncake lines (timestamp, input_length, output_length, hash_ids), or "
                                "token_ids / prompt lines re-chunked with kvtier's keys")
     simulate.add_argument("--block-tokens", type=_positive, default=512, metavar="N",
@@ -231,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--calibration", type=Path, help="the `kvtier calibrate` file the timing uses (needed "
                                                             "with --deployment)")
     simulate.add_argument("--no-plot", action="store_true", help="skip the PNGs")
+    decide = top.add_parser("decide", help="from a workload card and deployment facts: no offloading, "
+                                           "engine-local offloading or a shared tier, with the numbers why")
+    decide.add_argument("--card", required=True, type=Path, help="the workload card (YAML; see kvtier.sim.card)")
+    decide.add_argument("--facts", required=True, type=Path, help="engines, memory, disk and shared tiers "
+                                                                  "(YAML; see kvtier.sim.decide)")
+    decide.add_argument("--calibration", required=True, type=Path, help="from `kvtier calibrate`")
+    decide.add_argument("--out", type=Path, help="write decide.json (and heatmap.png) here")
+    decide.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return parser
 
 
@@ -262,6 +276,11 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvtier.sim.report import cache_report
     from kvtier.sim.trace import load_trace
 
+    if (args.trace is None) == (args.scenario is None):
+        print("kvtier: simulate needs --trace or --scenario (one of them)", file=sys.stderr)
+        return 2
+    if args.scenario is not None:
+        return _scenario(args)
     tokenizer = None
     try:
         if args.tokenizer:
@@ -298,6 +317,26 @@ def _simulate(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kvtier: {exc}", file=sys.stderr)
             return 2
+    return 0
+
+
+def _scenario(args: argparse.Namespace) -> int:
+    from kvtier.sim import scenario
+    from kvtier.sim.calibrate import load_calibration, mismatches
+    from kvtier.sim.timing import Costs
+
+    if args.calibration is None or args.deployment is not None:
+        print("kvtier: --scenario takes --calibration (and no --deployment: the scenario has its own)",
+              file=sys.stderr)
+        return 2
+    try:
+        calibration = load_calibration(args.calibration)
+    except KVTierError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
+    for line in mismatches(calibration):
+        print(f"kvtier: warning: {args.calibration} was measured on another machine: {line}", file=sys.stderr)
+    scenario.report(scenario.preemption(Costs.from_calibration(calibration)), args.out, plot=not args.no_plot)
     return 0
 
 
@@ -364,6 +403,38 @@ def _validate(args: argparse.Namespace) -> int:
     return 0 if result["pass"] else 1
 
 
+def _decide(args: argparse.Namespace) -> int:
+    import json
+
+    from kvtier.sim.calibrate import load_calibration, mismatches
+    from kvtier.sim.card import load_card
+    from kvtier.sim.decide import decide, load_facts, print_decision
+
+    try:
+        card = load_card(args.card)
+        facts = load_facts(args.facts)
+        calibration = load_calibration(args.calibration)
+        for line in mismatches(calibration):
+            print(f"kvtier: warning: {args.calibration} was measured on another machine: {line}", file=sys.stderr)
+        result = decide(card, facts, calibration, log=lambda msg: print(f"decide: {msg}", file=sys.stderr,
+                                                                         flush=True))
+    except (KVTierError, ValueError) as exc:  # ValueError: facts the calibration cannot cost
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
+    print_decision(result)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decide.json").write_text(json.dumps(result, indent=1) + "\n")
+        written = [args.out / "decide.json"]
+        if not args.no_plot:
+            from kvtier.sim.report import plot_heatmap
+
+            plot_heatmap(result["heatmap"], args.out / "heatmap.png", args.card.name)
+            written.append(args.out / "heatmap.png")
+        print(f"wrote {', '.join(map(str, written))}")
+    return 0
+
+
 def _tokenizer(model_dir: str):
     from kvtier.errors import ConfigError
 
@@ -400,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _calibrate(args)
     if args.group == "validate":
         return _validate(args)
+    if args.group == "decide":
+        return _decide(args)
     try:
         tiers = open_tiers(load_config(args.config))
     except KVTierError as exc:

@@ -132,7 +132,7 @@ def test_deployment_files_and_unknown_tiers(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"'nvme' is not a tier of the calibration \(calibrated: dram, disk\)"):
         simulate(trace((0, [1], 4, 1)), dep, COSTS)
     path.write_text("engine: [")
-    with pytest.raises(DeploymentError, match=r"d.yaml: not YAML"):
+    with pytest.raises(DeploymentError, match=r"d.yaml: the deployment is not YAML"):
         load_deployment(path)
 
 

@@ -24,11 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from kvtier.config import parse_size
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import KVTierError
 from kvtier.eviction import POLICIES
+from kvtier.sim.fields import Fields
 
 
 class DeploymentError(KVTierError, ValueError):
@@ -69,89 +67,53 @@ class Deployment:
 
 def load_deployment(source: str | Path | Mapping[str, Any]) -> Deployment:
     """Parse a deployment from a mapping or a YAML/JSON file."""
-    if isinstance(source, Mapping):
-        raw: Any = source
-    else:
-        try:
-            raw = yaml.safe_load(Path(source).read_text())
-        except OSError as exc:
-            raise DeploymentError(f"{source}: cannot read the deployment: {exc.strerror or exc}") from exc
-        except yaml.YAMLError as exc:
-            raise DeploymentError(f"{source}: not YAML: {exc}") from None
-    top = _mapping(raw, "deployment", ("engine", "kvtier", "time_scale"))
-    engine = _mapping(top.get("engine"), "engine", ("kv_tokens", "max_num_batched_tokens", "max_num_seqs",
-                                                    "prefix_caching"))
-    spec = EngineSpec(
-        kv_tokens=_int(engine, "kv_tokens", "engine", required=True),
-        max_num_batched_tokens=_int(engine, "max_num_batched_tokens", "engine", default=2048),
-        max_num_seqs=_int(engine, "max_num_seqs", "engine", default=256),
-        prefix_caching=_bool(engine, "prefix_caching", "engine", default=True))
+    raw = _FIELDS.load(source, "deployment")
+    top = _FIELDS.mapping(raw, "deployment", ("engine", "kvtier", "time_scale"))
+    engine = _FIELDS.mapping(top.get("engine"), "engine", ENGINE_KEYS)
+    spec = engine_spec(engine, "engine")
     kv = None
     if top.get("kvtier") is not None:
-        section = _mapping(top["kvtier"], "kvtier", ("dram_bytes", "policy", "tiers", "page_bytes"))
+        section = _FIELDS.mapping(top["kvtier"], "kvtier", ("dram_bytes", "policy", "tiers", "page_bytes"))
         policy = section.get("policy", "prefix_lru")
         if not isinstance(policy, str) or policy not in POLICIES.names():
             raise DeploymentError(f"kvtier.policy: unknown policy {policy!r}; known: {', '.join(POLICIES.names())}")
-        tiers = section.get("tiers", []) or []
-        if not isinstance(tiers, list):
-            raise DeploymentError(f"kvtier.tiers: expected a list, got {type(tiers).__name__}")
-        specs = []
-        for i, tier in enumerate(tiers):
-            field = f"kvtier.tiers[{i}]"
-            entry = _mapping(tier, field, ("name", "capacity_bytes"))
-            if not isinstance(entry.get("name"), str) or not entry["name"]:
-                raise DeploymentError(f"{field}.name: expected the name of a calibrated tier")
-            specs.append(TierSpec(entry["name"], _bytes(entry, "capacity_bytes", field, required=False)))
-        if len({t.name for t in specs}) != len(specs):
-            raise DeploymentError("kvtier.tiers: names must differ")
-        page = _bytes(section, "page_bytes", "kvtier", required=False) or 2**20
+        specs = tier_specs(section.get("tiers", []) or [], "kvtier.tiers")
+        page = _FIELDS.size(section, "page_bytes", "kvtier", required=False) or 2**20
         if page < 4096:
             raise DeploymentError(f"kvtier.page_bytes: must be at least 4096, got {page}")
-        kv = KVTierSpec(_bytes(section, "dram_bytes", "kvtier", required=True), policy, tuple(specs),  # type: ignore[arg-type]
-                        page)
-    scale = top.get("time_scale", 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
-        raise DeploymentError(f"time_scale: expected a number > 0, got {scale!r}")
-    return Deployment(spec, kv, float(scale))
+        kv = KVTierSpec(_FIELDS.size(section, "dram_bytes", "kvtier", required=True), policy,  # type: ignore[arg-type]
+                        specs, page)
+    scale = _FIELDS.number(top, "time_scale", "deployment", default=1.0, positive=True)
+    return Deployment(spec, kv, scale)
 
 
-def _mapping(value: Any, field: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise DeploymentError(f"{field}: expected a mapping, got {type(value).__name__}")
-    for key in value:
-        if key not in allowed:
-            raise DeploymentError(f"{field}.{key}: unknown key; allowed: {', '.join(allowed)}")
-    return value
+ENGINE_KEYS = ("kv_tokens", "max_num_batched_tokens", "max_num_seqs", "prefix_caching")
 
 
-def _int(section: Mapping[str, Any], key: str, field: str, required: bool = False, default: int = 0) -> int:
-    if key not in section:
-        if required:
-            raise DeploymentError(f"{field}.{key}: missing")
-        return default
-    value = section[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DeploymentError(f"{field}.{key}: expected an integer >= 1, got {value!r}")
-    return value
+def engine_spec(engine: Mapping[str, Any], field: str, fields: Fields | None = None) -> EngineSpec:
+    """An ``engine`` section (``field`` names it in errors, raised through ``fields``)."""
+    f = fields or _FIELDS
+    return EngineSpec(
+        kv_tokens=f.int(engine, "kv_tokens", field, required=True),
+        max_num_batched_tokens=f.int(engine, "max_num_batched_tokens", field, default=2048),
+        max_num_seqs=f.int(engine, "max_num_seqs", field, default=256),
+        prefix_caching=f.bool(engine, "prefix_caching", field, default=True))
 
 
-def _bool(section: Mapping[str, Any], key: str, field: str, default: bool) -> bool:
-    value = section.get(key, default)
-    if not isinstance(value, bool):
-        raise DeploymentError(f"{field}.{key}: expected true or false, got {value!r}")
-    return value
+def tier_specs(tiers: Any, field: str, fields: Fields | None = None) -> tuple[TierSpec, ...]:
+    """A list of ``{name, capacity_bytes}``: tiers of the calibration, in lookup order."""
+    f = fields or _FIELDS
+    if not isinstance(tiers, list):
+        raise f.error(f"{field}: expected a list, got {type(tiers).__name__}")
+    specs = []
+    for i, tier in enumerate(tiers):
+        entry = f.mapping(tier, f"{field}[{i}]", ("name", "capacity_bytes"))
+        if not isinstance(entry.get("name"), str) or not entry["name"]:
+            raise f.error(f"{field}[{i}].name: expected the name of a calibrated tier")
+        specs.append(TierSpec(entry["name"], f.size(entry, "capacity_bytes", f"{field}[{i}]", required=False)))
+    if len({t.name for t in specs}) != len(specs):
+        raise f.error(f"{field}: names must differ")
+    return tuple(specs)
 
 
-def _bytes(section: Mapping[str, Any], key: str, field: str, required: bool) -> int | None:
-    value = section.get(key)
-    if value is None:
-        if required:
-            raise DeploymentError(f"{field}.{key}: missing")
-        return None
-    try:
-        out = parse_size(value, f"{field}.{key}")
-    except ConfigError as exc:
-        raise DeploymentError(str(exc)) from None
-    if out < 1:
-        raise DeploymentError(f"{field}.{key}: must be positive, got {value!r}")
-    return out
+_FIELDS = Fields(DeploymentError)

@@ -163,3 +163,34 @@ def _plot_cdf(results: dict, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_heatmap(grid: dict, path: Path, title: str) -> None:
+    """TTFT p90 over DRAM (columns) by disk (rows) sizes, each cell labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = grid["ttft_p90_s"]
+    fig, ax = plt.subplots(figsize=(1.2 * len(grid["dram_bytes"]) + 2, 0.7 * len(grid["disk_bytes"]) + 2))
+    image = ax.imshow(values, cmap="viridis_r", aspect="auto", origin="lower")
+    ax.set_xticks(range(len(grid["dram_bytes"])), [_size(b) for b in grid["dram_bytes"]])
+    ax.set_yticks(range(len(grid["disk_bytes"])), [_size(b) if b else "none" for b in grid["disk_bytes"]])
+    for i, row in enumerate(values):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white", fontsize=8)
+    ax.set_xlabel("kvtier DRAM per engine")
+    ax.set_ylabel(f"{grid['disk_tier']} per engine")
+    ax.set_title(f"{title}: TTFT p90 (s)")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -134,13 +135,21 @@ class _Pool:
                 self.refs.move_to_end(b)  # evicted after the unreferenced blocks released before it
 
 
-def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, Any]:
-    """Replay ``trace``; returns per-request rows and aggregates."""
+def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | None = None,
+             elsewhere: Mapping[int, float] | None = None, store_log: dict[int, float] | None = None
+             ) -> dict[str, Any]:
+    """Replay ``trace``; returns per-request rows and aggregates.
+
+    ``shared`` names a tier the engine shares with others: besides what this engine wrote to it, it holds each
+    block of ``elsewhere`` from that time on (written by another engine). ``store_log``, when given, gets the
+    time each block was first written to the shared tier by this engine.
+    """
     bt = trace.block_tokens
     engine = deployment.engine
     pool = _Pool(engine.kv_tokens // bt, engine.prefix_caching)
     chunk_bytes = costs.kv_bytes_per_token * bt
     kv = deployment.kvtier
+    inf = float("inf")
     dram = tiers = None
     if kv is not None:
         pages = -(-chunk_bytes // kv.page_bytes)  # the pool hands out whole pages
@@ -168,6 +177,7 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
     loaded_bytes: dict[str, int] = {}
     preemptions = 0
     steps = 0
+    prefilled = 0  # tokens computed by prefill chunks (recomputation after preemptions included)
     owed = background = 0.0  # seconds of tier writes the engine's cores owe (CPU engine only)
     while upcoming is not None or waiting or running:
         while upcoming is not None and upcoming.arrival <= now:
@@ -224,7 +234,9 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
                 while j < min(len(r.blocks), limit):
                     block = r.blocks[j]
                     where = "dram" if block in dram.resident else next(
-                        (name for name, cache in tiers if block in cache.resident), None)
+                        (name for name, cache in tiers if block in cache.resident
+                         or (name == shared and elsewhere is not None and elsewhere.get(block, inf) <= now)),
+                        None)
                     if where is None:
                         break
                     if j >= hit:
@@ -266,6 +278,7 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
             now = upcoming.arrival
             continue
         prefills = [(r, n) for r, n in plan if r.computed < r.target]
+        prefilled += sum(n for _, n in prefills)
         decodes = len(plan) - len(prefills)
         step = (costs.a + sum(costs.chunk(n, r.computed) for r, n in prefills) + costs.d1 * decodes
                 if prefills else costs.d0 + costs.d1 * decodes) + load_s
@@ -280,6 +293,9 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
                     for name, cache in tiers:
                         written = cache.put(new)
                         stored_bytes[name] = stored_bytes.get(name, 0) + len(written) * chunk_bytes
+                        if name == shared and store_log is not None:
+                            for block in written:
+                                store_log.setdefault(block, now + step)
                         if costs.shared_cpu and name in costs.store:
                             background += len(written) * chunk_bytes / costs.store[name]
         now += step + owed  # the background writes queued before this step ran on the engine's cores during it
@@ -310,6 +326,7 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs) -> dict[str, An
                 r.shared, r.private = [], 0
     out = _summary(reqs, now, preemptions, steps, stored_bytes, loaded_bytes, costs, bt)
     out["refused"] = len(trace.requests) - len(fits)
+    out["prefilled_tokens"] = prefilled
     return out
 
 

@@ -142,7 +142,8 @@ async def _replay(port: int, model: str, trace: Trace, prompts: list[list[int]],
                 usage = event.get("usage") or {}
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached
         results[i] = {"ttft_s": (first or time.perf_counter()) - sent, "cached_tokens": cached,
-                      "prompt_tokens": request.input_length}
+                      "prompt_tokens": request.input_length, "sent_s": sent - start,
+                      "finish_s": time.perf_counter() - start}
         done += 1
         log(f"request {i + 1}/{len(prompts)} ({done} done): {request.input_length} tokens, "
             f"TTFT {results[i]['ttft_s']:.3f} s, {cached} cached")

@@ -1,0 +1,184 @@
+"""Workload cards: a few numbers that describe a workload, turned into a seeded trace ``kvtier decide`` times.
+
+A YAML mapping; every key is optional (the defaults below) and a bad one is a :class:`CardError` naming it::
+
+    requests: 200            # how many requests the trace holds
+    seed: 0
+    arrival:
+      rate_per_s: 1.0        # requests per second, all sessions together
+      burstiness: 1.0        # coefficient of variation of the gaps between sessions: 1 Poisson, 0 even, >1 bursts
+    prompt_tokens:           # each turn's new tokens (the user's message): lognormal
+      median: 1000
+      p90: 1000              # equal to the median: every message is that long
+    output_tokens: 64
+    shared_prefix:
+      tokens: 0              # a system prompt at the head of every prompt
+      fan_out: 1             # how many different ones; each session picks one
+    sessions:
+      turns: 1               # each turn's prompt is the last prompt, its answer and a new message
+      think_time_s: 0.0      # between a session's turns
+    tenants: 1               # KV is never shared across tenants (each has its own cache salt)
+    lora_adapters: 0         # sessions spread over adapters of one base model (0: the base model); not shared
+    documents:
+      count: 0               # a document after the system prompt, drawn with a Zipf popularity
+      tokens: 4000
+      skew: 1.0              # Zipf exponent (0: uniform)
+
+Blocks are keyed as kvtier keys chunks: by everything before them and by their tenant and adapter, so two
+prompts share a block exactly when they share every token up to its end in the same tenant and adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import KVTierError
+from kvtier.sim.fields import Fields
+from kvtier.sim.trace import Request, Trace
+
+
+class CardError(KVTierError, ValueError):
+    """A workload card is malformed: the message names the field."""
+
+
+_F = Fields(CardError)
+_TOP = ("requests", "seed", "arrival", "prompt_tokens", "output_tokens", "shared_prefix", "sessions", "tenants",
+        "lora_adapters", "documents")
+_MAX_TOKENS = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Card:
+    requests: int = 200
+    seed: int = 0
+    rate_per_s: float = 1.0
+    burstiness: float = 1.0
+    prompt_median: int = 1000
+    prompt_p90: int = 1000
+    output_tokens: int = 64
+    prefix_tokens: int = 0
+    fan_out: int = 1
+    turns: int = 1
+    think_time_s: float = 0.0
+    tenants: int = 1
+    lora_adapters: int = 0
+    documents: int = 0
+    document_tokens: int = 4000
+    skew: float = 1.0
+    source: str = "card"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A card's trace, with the session of every request (routing keeps a session on one engine)."""
+
+    trace: Trace
+    sessions: tuple[int, ...]
+
+
+def load_card(source: str | Path | Mapping[str, Any]) -> Card:
+    top = _F.mapping(_F.load(source, "workload card"), "card", _TOP)
+    arrival = _F.section(top, "arrival", ("rate_per_s", "burstiness"))
+    prompt = _F.section(top, "prompt_tokens", ("median", "p90"))
+    prefix = _F.section(top, "shared_prefix", ("tokens", "fan_out"))
+    sessions = _F.section(top, "sessions", ("turns", "think_time_s"))
+    docs = _F.section(top, "documents", ("count", "tokens", "skew"))
+    median = _F.int(prompt, "median", "prompt_tokens", default=1000)
+    p90 = _F.int(prompt, "p90", "prompt_tokens", default=median)
+    if p90 < median:
+        raise CardError(f"prompt_tokens.p90: {p90} is below the median {median}")
+    card = Card(
+        requests=_F.int(top, "requests", "card", default=200),
+        seed=_F.int(top, "seed", "card", default=0, minimum=0),
+        rate_per_s=_F.number(arrival, "rate_per_s", "arrival", default=1.0, positive=True),
+        burstiness=_F.number(arrival, "burstiness", "arrival", default=1.0),
+        prompt_median=median, prompt_p90=p90,
+        output_tokens=_F.int(top, "output_tokens", "card", default=64),
+        prefix_tokens=_F.int(prefix, "tokens", "shared_prefix", default=0, minimum=0),
+        fan_out=_F.int(prefix, "fan_out", "shared_prefix", default=1),
+        turns=_F.int(sessions, "turns", "sessions", default=1),
+        think_time_s=_F.number(sessions, "think_time_s", "sessions", default=0.0),
+        tenants=_F.int(top, "tenants", "card", default=1),
+        lora_adapters=_F.int(top, "lora_adapters", "card", default=0, minimum=0),
+        documents=_F.int(docs, "count", "documents", default=0, minimum=0),
+        document_tokens=_F.int(docs, "tokens", "documents", default=4000),
+        skew=_F.number(docs, "skew", "documents", default=1.0),
+        source=str(source) if not isinstance(source, Mapping) else "card")
+    if card.requests > 1_000_000:
+        raise CardError(f"card.requests: at most 1000000, got {card.requests}")
+    for field, value in (("shared_prefix.tokens", card.prefix_tokens), ("documents.tokens", card.document_tokens),
+                         ("prompt_tokens.p90", card.prompt_p90), ("output_tokens", card.output_tokens)):
+        if value > _MAX_TOKENS:
+            raise CardError(f"{field}: at most {_MAX_TOKENS} tokens, got {value}")
+    return card
+
+
+def generate(card: Card, block_tokens: int) -> Workload:
+    """The card's trace, the same for the same card and seed."""
+    rng = np.random.default_rng(card.seed)
+    sessions = -(-card.requests // card.turns)
+    mean_gap = card.turns / card.rate_per_s  # between session starts, so that requests arrive at rate_per_s
+    if card.burstiness == 0:
+        gaps = np.full(sessions, mean_gap)
+    else:
+        shape = 1 / card.burstiness**2
+        gaps = rng.gamma(shape, mean_gap / shape, sessions)
+    starts = np.cumsum(gaps) - gaps[0]
+    sigma = math.log(card.prompt_p90 / card.prompt_median) / 1.2816  # z of the 90th percentile
+    if card.documents:
+        weights = 1.0 / np.arange(1, card.documents + 1) ** card.skew
+        weights /= weights.sum()
+    rows: list[tuple[float, int, list[tuple[object, int]], tuple[int, int]]] = []
+    for s in range(sessions):
+        namespace = (int(rng.integers(card.tenants)),
+                     int(rng.integers(card.lora_adapters)) if card.lora_adapters else -1)
+        head: list[tuple[object, int]] = []
+        if card.prefix_tokens:
+            head.append((("system", int(rng.integers(card.fan_out))), card.prefix_tokens))
+        if card.documents:
+            head.append((("document", int(rng.choice(card.documents, p=weights))), card.document_tokens))
+        for turn in range(card.turns):
+            if len(rows) == card.requests:
+                break
+            message = int(min(_MAX_TOKENS, max(1, round(card.prompt_median * math.exp(sigma * rng.standard_normal())))))
+            head = head + [(("message", s, turn), message)]
+            rows.append((float(starts[s] + turn * card.think_time_s), s, head, namespace))
+            head = head + [(("answer", s, turn), card.output_tokens)]
+    rows.sort(key=lambda row: row[0])
+    ids: dict[object, int] = {}
+    requests = []
+    for index, (at, _, segments, namespace) in enumerate(rows):
+        blocks, length = _blocks(segments, namespace, block_tokens, ids)
+        if length % block_tokens:  # the partial tail: never stored, never shared
+            blocks.append(ids.setdefault(("tail", index), len(ids)))
+        requests.append(Request(at * 1000, length, card.output_tokens, tuple(blocks), length // block_tokens))
+    return Workload(Trace(tuple(requests), block_tokens, card.source), tuple(row[1] for row in rows))
+
+
+def _blocks(segments: list[tuple[object, int]], namespace: tuple[int, int], block_tokens: int,
+            ids: dict[object, int]) -> tuple[list[int], int]:
+    """The prompt's whole blocks, each keyed by its parent's key and the pieces of segments it holds."""
+    blocks: list[int] = []
+    parent: object = namespace
+    pieces: list[tuple[object, int, int]] = []
+    filled = 0
+    length = 0
+    for segment, size in segments:
+        offset = 0
+        while offset < size:
+            take = min(size - offset, block_tokens - filled)
+            pieces.append((segment, offset, offset + take))
+            offset += take
+            filled += take
+            if filled == block_tokens:
+                parent = ids.setdefault((parent, tuple(pieces)), len(ids))
+                blocks.append(parent)  # type: ignore[arg-type]
+                pieces, filled = [], 0
+        length += size
+    return blocks, length

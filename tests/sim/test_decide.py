@@ -1,0 +1,170 @@
+"""``kvtier decide``: its rule on hand-made numbers, a shared tier seen across engines, the costs and sizes it
+reports, and its answers against the right answers measured on vLLM (benchmarks/decide/measure.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.sim.calibrate import load_calibration
+from kvtier.sim.card import generate, load_card
+from kvtier.sim.decide import FactsError, choose, crossing_share, decide, load_facts, unique
+from kvtier.sim.deployment import load_deployment
+from kvtier.sim.timing import Costs, simulate
+from kvtier.sim.trace import Request, Trace
+
+ROOT = Path(__file__).resolve().parents[2]
+CALIBRATION = ROOT / "benchmarks" / "results" / "calibration-2026-12-01.json"
+
+
+def option(p50: float, p90: float) -> dict[str, float]:
+    return {"ttft_p50_s": p50, "ttft_p90_s": p90}
+
+
+@pytest.mark.parametrize("options, answer, rival, close", [
+    ({"none": option(1, 2), "local": option(0.99, 1.98)}, "none", "local", False),  # 1% gains nothing
+    ({"none": option(1, 2), "local": option(1.01, 2.08)}, "none", "local", False),  # it costs
+    ({"none": option(1, 2), "local": option(0.97, 2.0)}, "none", "local", True),  # 3%: close to paying
+    ({"none": option(1, 2), "local": option(0.5, 1.0)}, "local", "none", False),
+    ({"none": option(1, 2), "local": option(0.93, 2.0)}, "local", "none", True),  # pays, barely
+    ({"none": option(1, 2), "local": option(0.5, 2.2)}, "none", "local", True),  # p50 halved, p90 10% worse
+    # a shared tier must beat local by 5% too, and a near rival makes the answer close
+    ({"none": option(1, 2), "local": option(0.5, 1.0), "shared:redis": option(0.5, 0.97)}, "local",
+     "shared:redis", True),
+    ({"none": option(1, 2), "local": option(0.5, 1.0), "shared:redis": option(0.3, 0.6)}, "shared:redis", "none",
+     False),
+])
+def test_choose(options, answer, rival, close) -> None:
+    assert choose(options) == (answer, rival, close)
+
+
+FACTS = {"engine": {"kv_tokens": 2048, "max_num_batched_tokens": 4096}, "dram_bytes": "1GiB"}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"engnes": 2}, "facts.engnes: unknown key"),
+    ({"engines": 0}, "facts.engines: expected an integer >= 1"),
+    ({"routing": "random"}, "routing: expected session or round_robin"),
+    ({"dram_bytes": None}, "facts.dram_bytes: missing"),
+    ({"disk_bytes": "lots"}, "disk_bytes"),
+    ({"policy": "mru"}, "policy: unknown policy 'mru'; known:"),
+    ({"shared": [{"name": "redis", "size": 1}]}, r"shared\[0\].size: unknown key"),
+    ({"engine": {"kv_tokens": -1}}, "engine.kv_tokens: expected an integer >= 1"),
+])
+def test_bad_facts_name_the_field(change, message) -> None:
+    with pytest.raises(FactsError, match=message):
+        load_facts({k: v for k, v in {**FACTS, **change}.items() if v is not None})
+
+
+def test_a_tier_the_calibration_did_not_measure_is_an_error() -> None:
+    facts = load_facts({**FACTS, "shared": [{"name": "redis"}]})
+    with pytest.raises(FactsError, match="shared: 'redis' is not a tier of the calibration"):
+        decide(load_card({"requests": 5}), facts, load_calibration(CALIBRATION))
+
+
+def trace(*requests: tuple[float, list[int]]) -> Trace:
+    return Trace(tuple(Request(t * 1000, 4 * len(b), 1, tuple(b), len(b)) for t, b in requests), 4, "t")
+
+
+COSTS = Costs(a=0.1, b=0.01, c=0.0, d0=0.05, d1=0.0, kv_bytes_per_token=1000,
+              load={"dram": (0.001, 1e6), "shared": (0.01, 1e6)}, dram_store_bytes_per_s=1e9)
+SHARED = load_deployment({"engine": {"kv_tokens": 64}, "kvtier": {"dram_bytes": 1 << 20, "page_bytes": 4096,
+                                                                  "tiers": [{"name": "shared"}]}})
+
+
+def test_a_shared_tier_serves_what_another_engine_wrote_from_when_it_was_written() -> None:
+    # Engine A computes blocks 1-3 (and a last block 4); its store log says when they reached the shared tier.
+    log: dict[int, float] = {}
+    first = simulate(trace((0, [1, 2, 3, 4])), SHARED, COSTS, shared="shared", store_log=log)
+    stored = first["requests"][0]["ttft_s"]
+    assert set(log) == {1, 2, 3, 4} and all(at == pytest.approx(stored) for at in log.values())
+    # Engine B asks the same prompt before and after that time: only after does it load blocks 1-3.
+    before = simulate(trace((stored / 2, [1, 2, 3, 4])), SHARED, COSTS, shared="shared", elsewhere=log)
+    after = simulate(trace((stored + 0.01, [1, 2, 3, 4])), SHARED, COSTS, shared="shared", elsewhere=log)
+    assert before["loaded_tokens"] == {}
+    assert after["loaded_tokens"] == {"shared": 12}
+    # one load of 3 blocks, the last block computed, and its copy into DRAM
+    assert after["requests"][0]["ttft_s"] == pytest.approx(0.01 + 12 * 1000 / 1e6 + 0.1 + 0.01 * 4 + 4000 / 1e9)
+    # Without sharing, the log is nobody's.
+    alone = simulate(trace((stored + 0.01, [1, 2, 3, 4])), SHARED, COSTS)
+    assert alone["loaded_tokens"] == {}
+
+
+def test_crossing_share_counts_reuse_last_seen_on_another_engine() -> None:
+    w = generate(load_card({"requests": 40, "shared_prefix": {"tokens": 1024}, "sessions": {"turns": 2},
+                            "prompt_tokens": {"median": 100, "p90": 100}}), 256)
+    assert crossing_share(w, 1, "session") == 0.0
+    # Round robin over two engines: consecutive requests alternate engines, so most prefix reuse crosses.
+    assert crossing_share(w, 2, "round_robin") > 0.3
+    assert crossing_share(w, 2, "session") < crossing_share(w, 2, "round_robin")
+
+
+def test_unique_keeps_arrivals_and_lengths_and_shares_nothing() -> None:
+    t = generate(load_card({"requests": 30, "shared_prefix": {"tokens": 1024}}), 256).trace
+    u = unique(t)
+    assert [(r.timestamp_ms, r.input_length, r.whole) for r in u.requests] == \
+        [(r.timestamp_ms, r.input_length, r.whole) for r in t.requests]
+    blocks = [b for r in u.requests for b in r.blocks]
+    assert len(blocks) == len(set(blocks))
+
+
+def test_two_engines_round_robin_pay_for_a_shared_tier_and_a_slow_one_does_not() -> None:
+    cal = copy.deepcopy(load_calibration(CALIBRATION))
+    fs = cal["tiers"]["filesystem"]
+    cal["tiers"]["fast"] = copy.deepcopy(fs)
+    slow = cal["tiers"]["slow"] = copy.deepcopy(fs)  # a tier slower than recomputing: 2 MB/s
+    slow["bandwidth_bytes_per_s"] = 2e6
+    slow["streams"][0]["load_bytes_per_s"] = 2e6
+    card = load_card({"requests": 60, "arrival": {"rate_per_s": 0.5}, "shared_prefix": {"tokens": 1024, "fan_out": 8},
+                      "prompt_tokens": {"median": 60, "p90": 120}, "output_tokens": 8})
+    facts = load_facts({"engines": 2, "routing": "round_robin", "engine": {"kv_tokens": 2048,
+                                                                           "max_num_batched_tokens": 4096},
+                        "dram_bytes": "60MiB", "shared": [{"name": "fast"}, {"name": "slow"}]})
+    out = decide(card, facts, cal)
+    assert out["answer"] == "shared:fast"
+    o = out["options"]
+    assert o["shared:fast"]["loaded_tokens"].get("fast", 0) > 0
+    assert o["shared:fast"]["ttft_p90_s"] < 0.95 * o["local"]["ttft_p90_s"]
+    assert o["shared:slow"]["ttft_p50_s"] > o["local"]["ttft_p50_s"]
+    assert out["tiers"]["slow"]["break_even_tokens"] is None
+    assert out["tiers"]["fast"]["break_even_tokens"] is not None
+    assert out["crossing_share"] > 0.3
+    assert any("slow: delivers 0.00 GB/s" in line and "slower than recompute" in line for line in out["reasons"])
+
+
+def test_decide_gives_the_answers_measured_on_vllm() -> None:
+    """benchmarks/decide/measure.py measured each card without offloading and with kvtier on vLLM and applied
+    decide's rule to the measured TTFTs; decide, from the calibration alone, must give the same answers."""
+    runs = sorted((ROOT / "benchmarks" / "results").glob("decide-*.json"))
+    assert runs, "no measured run under benchmarks/results"
+    results = json.loads(runs[-1].read_text())
+    facts = load_facts(ROOT / "benchmarks" / "decide" / "facts.yaml")
+    calibration = load_calibration(ROOT / results["calibration"])
+    assert results["cards"], "no cards were measured"
+    for name, row in results["cards"].items():
+        card = load_card(ROOT / "benchmarks" / "decide" / "cards" / f"{name}.yaml")
+        assert decide(card, facts, calibration)["answer"] == row["measured_answer"], name
+
+
+def test_the_command_prints_and_writes_the_decision(tmp_path: Path) -> None:
+    (tmp_path / "card.yaml").write_text("requests: 20\nshared_prefix: {tokens: 1024}\ntenants: 4\n"
+                                        "prompt_tokens: {median: 100}\n")
+    (tmp_path / "facts.yaml").write_text("engine: {kv_tokens: 2048}\ndram_bytes: 200MiB\ndisk_bytes: 1GiB\n")
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "decide", "--card", str(tmp_path / "card.yaml"),
+                          "--facts", str(tmp_path / "facts.yaml"), "--calibration", str(CALIBRATION),
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("answer: local")
+    assert "cost when nothing is reused" in run.stdout and "decide: timing local" in run.stderr
+    saved = json.loads((tmp_path / "out" / "decide.json").read_text())
+    assert saved["answer"] == "local" and set(saved["options"]) == {"none", "local"}
+    (tmp_path / "card.yaml").write_text("requests: 20\nshared_prefix: {tokens: -5}\n")
+    bad = subprocess.run([sys.executable, "-m", "kvtier.cli", "decide", "--card", str(tmp_path / "card.yaml"),
+                          "--facts", str(tmp_path / "facts.yaml"), "--calibration", str(CALIBRATION)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "shared_prefix.tokens: expected an integer >= 0" in bad.stderr
