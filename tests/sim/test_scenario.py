@@ -33,8 +33,9 @@ def test_preemptions_start_when_demand_passes_the_kv_space_and_the_dram_tier_avo
         assert n * 1024 <= r["prefilled_tokens"]["kvtier"] < r["prefilled_tokens"]["engine_alone"]
         assert r["re_prefill_avoided_tokens"] == r["prefilled_tokens"]["engine_alone"] - r["prefilled_tokens"]["kvtier"]
         assert r["loaded_tokens"] > 0
-    # Below the KV space the tier costs a little (its copies), so it pays only past it.
+    # Below the KV space the tier costs a little (its copies); past it, the re-prefill it avoids is time won.
     assert rows[1]["throughput_gain"] <= 0
+    assert rows[4]["throughput_gain"] > 0 and rows[8]["throughput_gain"] > 0
     assert out["pays_from_utilization"] is None or out["pays_from_utilization"] > 1.0
 
 

@@ -24,7 +24,8 @@ def trace(*requests: tuple[float, list[int], int, int]) -> Trace:
 
 
 def deployment(kv_tokens: int = 64, budget: int = 64, kvtier: dict | None = None, caching: bool = True):
-    return load_deployment({"engine": {"kv_tokens": kv_tokens, "max_num_batched_tokens": budget,
+    """An engine whose KV space has ``kv_tokens`` usable tokens (and vLLM's null block, of B tokens, besides)."""
+    return load_deployment({"engine": {"kv_tokens": kv_tokens + B, "block_size": B, "max_num_batched_tokens": budget,
                                        "prefix_caching": caching}, "kvtier": kvtier})
 
 
@@ -98,6 +99,15 @@ def test_memory_pressure_preempts_the_latest_request_and_kvtier_saves_its_recomp
     assert cached["requests"][1]["finish_s"] < plain["requests"][1]["finish_s"]
 
 
+def test_one_block_of_the_kv_space_is_vllms_null_block() -> None:
+    # 16 tokens of KV space in blocks of 4: three blocks usable, so a 12-token prompt generating 1 token fits
+    # and a 16-token one does not.
+    space = load_deployment({"engine": {"kv_tokens": 16, "block_size": B}})
+    assert simulate(trace((0, [1, 2, 3], 11, 1)), space, COSTS)["refused"] == 0
+    with pytest.raises(ValueError, match="hold no request"):
+        simulate(trace((0, [1, 2, 3, 4], 16, 1)), space, COSTS)
+
+
 def test_refused_and_arrival_gaps() -> None:
     out = simulate(trace((0, [1], 4, 1), (5, [2, 3, 4, 5, 6, 7], 24, 1)), deployment(kv_tokens=16), COSTS)
     assert out["refused"] == 1 and len(out["requests"]) == 1
@@ -106,7 +116,7 @@ def test_refused_and_arrival_gaps() -> None:
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({}, r"engine: expected a mapping"),
+    ({}, r"engine: missing \(expected a mapping"),
     ({"engine": {}}, r"engine.kv_tokens: missing"),
     ({"engine": {"kv_tokens": 0}}, r"engine.kv_tokens: expected an integer >= 1, got 0"),
     ({"engine": {"kv_tokens": 64, "budget": 3}}, r"engine.budget: unknown key; allowed: kv_tokens, "),
@@ -145,7 +155,7 @@ def test_on_a_cpu_engine_the_tier_writes_take_the_engines_time() -> None:
     first = 0.1 + 0.01 * 12 + 0.001 * 144 + 3 * CHUNK / 4e6
     second = 0.1 + 0.01 * 4 + 0.001 * 16 + CHUNK / 4e6
     solo = dataclasses.replace(cpu, shared_cpu=False)
-    chunked = load_deployment({"engine": {"kv_tokens": 64, "max_num_batched_tokens": 12},  # one request a step
+    chunked = load_deployment({"engine": {"kv_tokens": 68, "block_size": B, "max_num_batched_tokens": 12},  # one a step
                                "kvtier": {"dram_bytes": 10 * 4096, "page_bytes": 4096, "tiers": [{"name": "disk"}]}})
     assert simulate(requests, chunked, solo)["requests"][1]["ttft_s"] == pytest.approx(first + second)
     on_cpu = simulate(requests, chunked, cpu)

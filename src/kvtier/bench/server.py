@@ -30,6 +30,20 @@ def post_completion(port: int, body: dict) -> dict:
         return json.loads(reply.read())
 
 
+def server_env() -> dict[str, str]:
+    """The environment vLLM's API server runs in for a measurement: the server's own defaults (multiprocessing on),
+    and the same compute cores with and without a KV connector.
+
+    On CPU, vLLM binds its worker's OpenMP threads to the cores it does not reserve, and reserves one core per
+    rank, plus one more when a KV connector is configured; on 2 cores the second reservation leaves none, and
+    vLLM then falls back to all of them. So by default vLLM alone computes on 1 core of 2 and vLLM with kvtier
+    on 2: a comparison between them would credit kvtier with a core. Reserving none for both (unless the
+    caller set ``VLLM_CPU_NUM_OF_RESERVED_CPU``) makes them compute on the same cores."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return env
+
+
 def stop(server: subprocess.Popen) -> None:
     """Stop a server started in a session of its own (``start_new_session``) with every process it started:
     SIGTERM to its process group, SIGKILL after 60 s."""
@@ -70,7 +84,7 @@ def _serve(job: dict, work: Path, log: Callable[[str], None], *, kvtier: bool) -
             "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"config": store}})]
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # the server's default
+    env = server_env()
     name = "api_server_kvtier" if kvtier else "api_server_vllm"
     with open(work / f"{name}.log", "w") as server_log:
         server = subprocess.Popen(argv, stdout=server_log, stderr=subprocess.STDOUT, env=env,

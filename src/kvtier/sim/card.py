@@ -5,9 +5,10 @@ A YAML mapping; every key is optional (the defaults below) and a bad one is a :c
     requests: 200            # how many requests the trace holds
     seed: 0
     arrival:
-      rate_per_s: 1.0        # requests per second, all sessions together
+      rate_per_s: 1.0        # requests per second, all sessions together (the trace opens in steady state)
       burstiness: 1.0        # coefficient of variation of the gaps between sessions: 1 Poisson, 0 even, >1 bursts
-    prompt_tokens:           # each turn's new tokens (the user's message): lognormal
+    prompt_tokens:           # each turn's new tokens (the user's message), lognormal; the prompt is the
+                             # shared prefix, the document, the session's earlier turns and this message
       median: 1000
       p90: 1000              # equal to the median: every message is that long
     output_tokens: 64
@@ -16,7 +17,7 @@ A YAML mapping; every key is optional (the defaults below) and a bad one is a :c
       fan_out: 1             # how many different ones; each session picks one
     sessions:
       turns: 1               # each turn's prompt is the last prompt, its answer and a new message
-      think_time_s: 0.0      # between a session's turns
+      think_time_s: 0.0      # between a session's turns (> 0 when turns > 1)
     tenants: 1               # KV is never shared across tenants (each has its own cache salt)
     lora_adapters: 0         # sessions spread over adapters of one base model (0: the base model); not shared
     documents:
@@ -51,6 +52,8 @@ _F = Fields(CardError)
 _TOP = ("requests", "seed", "arrival", "prompt_tokens", "output_tokens", "shared_prefix", "sessions", "tenants",
         "lora_adapters", "documents")
 _MAX_TOKENS = 1 << 20
+_MAX_PROMPT = 1 << 20
+_MAX_TURNS = 10_000_000  # turns of all sessions generated (under 100 MB of message lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,82 +86,112 @@ class Workload:
 
 
 def load_card(source: str | Path | Mapping[str, Any]) -> Card:
-    top = _F.mapping(_F.load(source, "workload card"), "card", _TOP)
+    raw = _F.load(source, "workload card")
+    top = _F.mapping({} if raw is None else raw, "card", _TOP)  # an empty card takes every default
     arrival = _F.section(top, "arrival", ("rate_per_s", "burstiness"))
     prompt = _F.section(top, "prompt_tokens", ("median", "p90"))
     prefix = _F.section(top, "shared_prefix", ("tokens", "fan_out"))
     sessions = _F.section(top, "sessions", ("turns", "think_time_s"))
     docs = _F.section(top, "documents", ("count", "tokens", "skew"))
-    median = _F.int(prompt, "median", "prompt_tokens", default=1000)
-    p90 = _F.int(prompt, "p90", "prompt_tokens", default=median)
+    median = _F.int(prompt, "median", "prompt_tokens", default=1000, maximum=_MAX_TOKENS)
+    p90 = _F.int(prompt, "p90", "prompt_tokens", default=median, maximum=_MAX_TOKENS)
     if p90 < median:
         raise CardError(f"prompt_tokens.p90: {p90} is below the median {median}")
     card = Card(
-        requests=_F.int(top, "requests", "card", default=200),
+        requests=_F.int(top, "requests", "card", default=200, maximum=1_000_000),
         seed=_F.int(top, "seed", "card", default=0, minimum=0),
-        rate_per_s=_F.number(arrival, "rate_per_s", "arrival", default=1.0, positive=True),
-        burstiness=_F.number(arrival, "burstiness", "arrival", default=1.0),
+        rate_per_s=_F.number(arrival, "rate_per_s", "arrival", default=1.0, minimum=1e-6, maximum=1e6),
+        burstiness=_F.number(arrival, "burstiness", "arrival", default=1.0, maximum=100),
         prompt_median=median, prompt_p90=p90,
-        output_tokens=_F.int(top, "output_tokens", "card", default=64),
-        prefix_tokens=_F.int(prefix, "tokens", "shared_prefix", default=0, minimum=0),
-        fan_out=_F.int(prefix, "fan_out", "shared_prefix", default=1),
-        turns=_F.int(sessions, "turns", "sessions", default=1),
-        think_time_s=_F.number(sessions, "think_time_s", "sessions", default=0.0),
-        tenants=_F.int(top, "tenants", "card", default=1),
-        lora_adapters=_F.int(top, "lora_adapters", "card", default=0, minimum=0),
-        documents=_F.int(docs, "count", "documents", default=0, minimum=0),
-        document_tokens=_F.int(docs, "tokens", "documents", default=4000),
-        skew=_F.number(docs, "skew", "documents", default=1.0),
+        output_tokens=_F.int(top, "output_tokens", "card", default=64, maximum=_MAX_TOKENS),
+        prefix_tokens=_F.int(prefix, "tokens", "shared_prefix", default=0, minimum=0, maximum=_MAX_TOKENS),
+        fan_out=_F.int(prefix, "fan_out", "shared_prefix", default=1, maximum=1_000_000),
+        turns=_F.int(sessions, "turns", "sessions", default=1, maximum=1000),
+        think_time_s=_F.number(sessions, "think_time_s", "sessions", default=0.0, maximum=1e6),
+        tenants=_F.int(top, "tenants", "card", default=1, maximum=1_000_000),
+        lora_adapters=_F.int(top, "lora_adapters", "card", default=0, minimum=0, maximum=100_000),
+        documents=_F.int(docs, "count", "documents", default=0, minimum=0, maximum=1_000_000),
+        document_tokens=_F.int(docs, "tokens", "documents", default=4000, maximum=_MAX_TOKENS),
+        skew=_F.number(docs, "skew", "documents", default=1.0, maximum=10),
         source=str(source) if not isinstance(source, Mapping) else "card")
-    if card.requests > 1_000_000:
-        raise CardError(f"card.requests: at most 1000000, got {card.requests}")
-    for field, value in (("shared_prefix.tokens", card.prefix_tokens), ("documents.tokens", card.document_tokens),
-                         ("prompt_tokens.p90", card.prompt_p90), ("output_tokens", card.output_tokens)):
-        if value > _MAX_TOKENS:
-            raise CardError(f"{field}: at most {_MAX_TOKENS} tokens, got {value}")
+    if 0 < card.burstiness < 0.01:
+        raise CardError(f"arrival.burstiness: 0 (even gaps) or from 0.01 to 100, got {card.burstiness!r}")
+    if card.turns > 1 and card.think_time_s <= 0:
+        raise CardError("sessions.think_time_s: must be > 0 when sessions.turns > 1 (a turn is sent after the "
+                        "previous one's answer)")
     return card
 
 
 def generate(card: Card, block_tokens: int) -> Workload:
-    """The card's trace, the same for the same card and seed."""
-    rng = np.random.default_rng(card.seed)
-    sessions = -(-card.requests // card.turns)
-    mean_gap = card.turns / card.rate_per_s  # between session starts, so that requests arrive at rate_per_s
-    if card.burstiness == 0:
-        gaps = np.full(sessions, mean_gap)
-    else:
-        shape = 1 / card.burstiness**2
-        gaps = rng.gamma(shape, mean_gap / shape, sessions)
-    starts = np.cumsum(gaps) - gaps[0]
-    sigma = math.log(card.prompt_p90 / card.prompt_median) / 1.2816  # z of the 90th percentile
-    if card.documents:
-        weights = 1.0 / np.arange(1, card.documents + 1) ** card.skew
-        weights /= weights.sum()
-    rows: list[tuple[float, int, list[tuple[object, int]], tuple[int, int]]] = []
-    for s in range(sessions):
-        namespace = (int(rng.integers(card.tenants)),
-                     int(rng.integers(card.lora_adapters)) if card.lora_adapters else -1)
-        head: list[tuple[object, int]] = []
-        if card.prefix_tokens:
-            head.append((("system", int(rng.integers(card.fan_out))), card.prefix_tokens))
-        if card.documents:
-            head.append((("document", int(rng.choice(card.documents, p=weights))), card.document_tokens))
-        for turn in range(card.turns):
-            if len(rows) == card.requests:
-                break
-            message = int(min(_MAX_TOKENS, max(1, round(card.prompt_median * math.exp(sigma * rng.standard_normal())))))
-            head = head + [(("message", s, turn), message)]
-            rows.append((float(starts[s] + turn * card.think_time_s), s, head, namespace))
-            head = head + [(("answer", s, turn), card.output_tokens)]
-    rows.sort(key=lambda row: row[0])
+    """The card's trace, the same for the same card and seed.
+
+    Sessions start as a renewal process (gamma gaps with the card's coefficient of variation) at
+    ``rate_per_s / turns``, their turns ``think_time_s`` apart. Sessions begin before time 0, so that the trace
+    opens in steady state (its first requests include later turns of sessions already under way, whose history
+    the engine never computed) and holds the first ``requests`` requests from time 0 on: they arrive at
+    ``rate_per_s`` from the first to the last.
+    """
+    span = (card.turns - 1) * card.think_time_s
+    session_rate = card.rate_per_s / card.turns
+    horizon = card.requests / card.rate_per_s
+    sessions = math.ceil((span + horizon) * session_rate * 1.25) + 8
+    while True:
+        if sessions * card.turns > _MAX_TURNS:
+            raise CardError(f"sessions.think_time_s: sessions lasting {span:g} s at {card.rate_per_s:g} requests/s "
+                            f"need over {_MAX_TURNS:,} turns of sessions for {card.requests} requests; shorten the think "
+                            "time or lower the rate")
+        rows = _sessions(card, sessions, span, block_tokens)
+        if len(rows) >= card.requests:
+            break
+        sessions *= 2  # an unlucky draw: arrivals thinner than their mean
+    rows = sorted(rows, key=lambda row: row[0])[:card.requests]
     ids: dict[object, int] = {}
     requests = []
     for index, (at, _, segments, namespace) in enumerate(rows):
         blocks, length = _blocks(segments, namespace, block_tokens, ids)
+        if length > _MAX_PROMPT:
+            raise CardError(f"sessions.turns: a prompt reaches {length:,} tokens (shared prefix + document + turns "
+                            f"x (message + answer)); at most {_MAX_PROMPT:,}")
         if length % block_tokens:  # the partial tail: never stored, never shared
             blocks.append(ids.setdefault(("tail", index), len(ids)))
         requests.append(Request(at * 1000, length, card.output_tokens, tuple(blocks), length // block_tokens))
     return Workload(Trace(tuple(requests), block_tokens, card.source), tuple(row[1] for row in rows))
+
+
+def _sessions(card: Card, count: int, span: float, block_tokens: int
+              ) -> list[tuple[float, int, list[tuple[object, int]], tuple[int, int]]]:
+    """Every turn from time 0 on of ``count`` sessions, the first starting ``span`` seconds before 0."""
+    rng = np.random.default_rng(card.seed)
+    mean_gap = card.turns / card.rate_per_s
+    if card.burstiness == 0:
+        gaps = np.full(count, mean_gap)
+    else:
+        shape = 1 / card.burstiness**2
+        gaps = rng.gamma(shape, mean_gap / shape, count)
+    starts = np.cumsum(gaps) - gaps[0] - span
+    tenants = rng.integers(card.tenants, size=count)
+    adapters = rng.integers(card.lora_adapters, size=count) if card.lora_adapters else np.full(count, -1)
+    systems = rng.integers(card.fan_out, size=count)
+    if card.documents:
+        weights = 1.0 / np.arange(1, card.documents + 1) ** card.skew
+        documents = rng.choice(card.documents, size=count, p=weights / weights.sum())
+    sigma = math.log(card.prompt_p90 / card.prompt_median) / 1.2816  # z of the 90th percentile
+    messages = np.clip(np.round(card.prompt_median * np.exp(sigma * rng.standard_normal((count, card.turns)))),
+                       1, _MAX_TOKENS).astype(int)
+    rows = []
+    for s in range(count):
+        head: list[tuple[object, int]] = []
+        if card.prefix_tokens:
+            head.append((("system", int(systems[s])), card.prefix_tokens))
+        if card.documents:
+            head.append((("document", int(documents[s])), card.document_tokens))
+        for turn in range(card.turns):
+            at = float(starts[s] + turn * card.think_time_s)
+            head = head + [(("message", s, turn), int(messages[s, turn]))]
+            if at >= 0:
+                rows.append((at, s, head, (int(tenants[s]), int(adapters[s]))))
+            head = head + [(("answer", s, turn), card.output_tokens)]
+    return rows
 
 
 def _blocks(segments: list[tuple[object, int]], namespace: tuple[int, int], block_tokens: int,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -61,9 +62,9 @@ _F = Fields(FactsError)
 @dataclasses.dataclass(frozen=True)
 class Facts:
     engine: EngineSpec
+    dram_bytes: int
     engines: int = 1
     routing: str = "session"
-    dram_bytes: int = 2**31
     disk_bytes: int | None = None
     disk_tier: str = "filesystem"
     shared: tuple[TierSpec, ...] = ()
@@ -77,23 +78,26 @@ def load_facts(source: str | Path | Mapping[str, Any]) -> Facts:
                       "block_tokens"))
     routing = top.get("routing", "session")
     if routing not in ("session", "round_robin"):
-        raise FactsError(f"routing: expected session or round_robin, got {routing!r}")
+        raise FactsError(f"facts.routing: expected session or round_robin, got {routing!r}")
     policy = top.get("policy", "prefix_lru")
     if not isinstance(policy, str) or policy not in POLICIES.names():
-        raise FactsError(f"policy: unknown policy {policy!r}; known: {', '.join(POLICIES.names())}")
+        raise FactsError(f"facts.policy: unknown policy {policy!r}; known: {', '.join(POLICIES.names())}")
     disk_tier = top.get("disk_tier", "filesystem")
-    if not isinstance(disk_tier, str) or not disk_tier:
-        raise FactsError(f"disk_tier: expected a tier name of the calibration, got {disk_tier!r}")
-    return Facts(
-        engine=engine_spec(_F.mapping(top.get("engine"), "engine", ENGINE_KEYS), "engine", _F),
-        engines=_F.int(top, "engines", "facts", default=1),
-        routing=routing,
-        dram_bytes=_F.size(top, "dram_bytes", "facts", required=True),  # type: ignore[arg-type]
-        disk_bytes=_F.size(top, "disk_bytes", "facts", required=False),
-        disk_tier=disk_tier,
-        shared=tier_specs(top.get("shared") or [], "shared", _F),
-        policy=policy,
-        block_tokens=_F.int(top, "block_tokens", "facts", default=0) or None)
+    if not isinstance(disk_tier, str) or not disk_tier or disk_tier == "dram":
+        raise FactsError(f"facts.disk_tier: expected a (non-DRAM) tier name of the calibration, got {disk_tier!r}")
+    engine = engine_spec(_F.mapping(top.get("engine"), "engine", ENGINE_KEYS), "engine", _F)
+    disk = _F.size(top, "disk_bytes", "facts", required=False)
+    shared = tier_specs([] if top.get("shared") is None else top["shared"], "facts.shared", _F)
+    for i, tier in enumerate(shared):
+        if tier.name == "dram" or (disk and tier.name == disk_tier):
+            raise FactsError(f"facts.shared[{i}].name: {tier.name!r} is kvtier's DRAM or the local disk tier; a "
+                             "shared tier needs a name of its own")
+    block = _F.int(top, "block_tokens", "facts", default=0, maximum=16384) or None
+    if block is not None and block > engine.kv_tokens:
+        raise FactsError(f"facts.block_tokens: {block} is more than the engine's KV space ({engine.kv_tokens} tokens)")
+    return Facts(engine=engine, engines=_F.int(top, "engines", "facts", default=1, maximum=4096), routing=routing,
+                 dram_bytes=_F.size(top, "dram_bytes", "facts", required=True),  # type: ignore[arg-type]
+                 disk_bytes=disk, disk_tier=disk_tier, shared=shared, policy=policy, block_tokens=block)
 
 
 def split(workload: Workload, engines: int, routing: str) -> list[Trace]:
@@ -106,17 +110,18 @@ def split(workload: Workload, engines: int, routing: str) -> list[Trace]:
 
 
 def crossing_share(workload: Workload, engines: int, routing: str) -> float:
-    """Of the block accesses that reuse a block seen before, the share whose last access was on another engine:
-    the reuse only a shared tier (or a router) can serve."""
-    last: dict[int, int] = {}
+    """Of the block accesses that reuse a block seen before, the share on an engine that never had it: the reuse
+    only a shared tier (or a router sending the request where the block is) can serve."""
+    seen: dict[int, set[int]] = {}
     reuses = crossing = 0
     for i, (request, session) in enumerate(zip(workload.trace.requests, workload.sessions)):
         engine = (session if routing == "session" else i) % engines
         for block in request.blocks[:request.whole]:
-            if block in last:
+            where = seen.setdefault(block, set())
+            if where:
                 reuses += 1
-                crossing += last[block] != engine
-            last[block] = engine
+                crossing += engine not in where
+            where.add(engine)
     return crossing / reuses if reuses else 0.0
 
 
@@ -131,36 +136,69 @@ def unique(trace: Trace) -> Trace:
 
 
 def run_option(parts: list[Trace], deployment: Deployment, costs: Costs, shared: str | None = None) -> dict[str, Any]:
-    """Time every engine's share; with a shared tier, twice (the second time seeing the others' writes)."""
-    elsewhere: list[dict[int, float] | None] = [None] * len(parts)
+    """Time every engine's share of the requests, and put the results together.
+
+    With a shared tier and several engines, each engine is timed once to learn when it writes each block to the
+    tier, then again seeing the other engines' blocks from then until the tier evicts them. The tier's capacity
+    is one LRU over every engine's writes in the order they happen (reads do not refresh it); each engine's own
+    writes, in the second pass, take its share of the capacity."""
+    elsewhere: list[dict[int, tuple[float, float]] | None] = [None] * len(parts)
     if shared is not None and len(parts) > 1:
+        assert deployment.kvtier is not None
         logs: list[dict[int, float]] = []
         for part in parts:
             logs.append({})
             simulate(part, deployment, costs, shared=shared, store_log=logs[-1])
-        for e in range(len(parts)):
-            seen: dict[int, float] = {}
-            for other, log in enumerate(logs):
-                if other != e:
-                    for block, at in log.items():
-                        if at < seen.get(block, float("inf")):
-                            seen[block] = at
-            elsewhere[e] = seen
+        tier = next(t for t in deployment.kvtier.tiers if t.name == shared)
+        chunk = costs.kv_bytes_per_token * parts[0].block_tokens
+        capacity = None if tier.capacity_bytes is None else max(1, tier.capacity_bytes // chunk)
+        elsewhere = _windows(logs, capacity)
+        share = None if tier.capacity_bytes is None else max(chunk, tier.capacity_bytes // len(parts))
+        tiers = tuple(dataclasses.replace(t, capacity_bytes=share) if t.name == shared else t
+                      for t in deployment.kvtier.tiers)
+        deployment = dataclasses.replace(deployment, kvtier=dataclasses.replace(deployment.kvtier, tiers=tiers))
     runs = [simulate(part, deployment, costs, shared=shared, elsewhere=elsewhere[e]) for e, part in enumerate(parts)]
-    ttft = np.array([row["ttft_s"] for run in runs for row in run["requests"]])
-    prompts = sum(r.input_length for part in parts for r in part.requests)
+    rows = [row for run in runs for row in run["requests"]]
+    ttft = np.array([row["ttft_s"] for row in rows])
     loaded: dict[str, int] = {}
     for run in runs:
-        for tier, tokens in run["loaded_tokens"].items():
-            loaded[tier] = loaded.get(tier, 0) + tokens
-    engine_hits = sum(run["engine_hit_tokens"] for run in runs)
+        for tier_name, tokens in run["loaded_tokens"].items():
+            loaded[tier_name] = loaded.get(tier_name, 0) + tokens
+    # A preempted request loads again what it loaded before: a request's hits count up to its prompt once.
+    first = sum(min(row["engine_hit_tokens"] + sum(row["loaded_tokens"].values()), row["prompt_tokens"])
+                for row in rows)
     return {"ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
             "ttft_mean_s": float(ttft.mean()),
-            "hit_ratio": (engine_hits + sum(loaded.values())) / prompts,
-            "engine_hit_tokens": engine_hits, "loaded_tokens": loaded,
+            "hit_ratio": first / sum(row["prompt_tokens"] for row in rows),
+            "engine_hit_tokens": sum(run["engine_hit_tokens"] for run in runs), "loaded_tokens": loaded,
             "output_tokens_per_s": sum(run["output_tokens_per_s"] for run in runs),
             "preemptions": sum(run["preemptions"] for run in runs),
             "refused": sum(run["refused"] for run in runs)}
+
+
+def _windows(logs: list[dict[int, float]], capacity: int | None) -> list[dict[int, tuple[float, float]]]:
+    """For each engine, when each block another engine wrote is in the shared tier: from its first write by
+    another engine until the tier (an LRU of ``capacity`` blocks over all writes in time order) evicts it."""
+    writes = sorted((at, engine, block) for engine, log in enumerate(logs) for block, at in log.items())
+    evicted: dict[int, list[float]] = {}
+    resident: OrderedDict[int, None] = OrderedDict()
+    for at, _, block in writes:
+        if block in resident:
+            resident.move_to_end(block)
+            continue
+        resident[block] = None
+        if capacity is not None and len(resident) > capacity:
+            victim, _ = resident.popitem(last=False)
+            evicted.setdefault(victim, []).append(at)
+    out: list[dict[int, tuple[float, float]]] = []
+    for e in range(len(logs)):
+        window: dict[int, tuple[float, float]] = {}
+        for at, engine, block in writes:
+            if engine != e and block not in window:
+                until = next((t for t in evicted.get(block, ()) if t >= at), float("inf"))
+                window[block] = (at, until)
+        out.append(window)
+    return out
 
 
 def deployments(facts: Facts) -> dict[str, tuple[Deployment, str | None]]:
@@ -176,26 +214,28 @@ def deployments(facts: Facts) -> dict[str, tuple[Deployment, str | None]]:
 
 
 def choose(options: Mapping[str, Mapping[str, float]]) -> tuple[str, str | None, bool]:
-    """The answer, its nearest rival and whether the answer is close, from each option's ``ttft_p50_s`` and
-    ``ttft_p90_s`` (``none`` among them); see the module docstring.
+    """The answer, its nearest rival and whether the answer is close, from each option's ``ttft_p50_s``,
+    ``ttft_p90_s`` and (when given) ``output_tokens_per_s``, ``none`` among them; see the module docstring.
 
-    When the answer is ``none`` the rival is the option that gains most, and the answer is close when that gain
-    reaches half of :data:`PAYS`. Otherwise the rival is ``none`` or, when another option comes within
-    :data:`CLOSE` on p90, that one; close when the answer gains less than twice :data:`PAYS` over ``none`` or
-    a rival comes within :data:`CLOSE`."""
+    An option pays when it pays against ``none`` (:func:`_pays`); a shared tier must pay against ``local`` too.
+    The answer is the paying option with the lowest p90, or ``none``. When it is ``none``, the rival is the
+    option that gains most, and the answer is close when that gain reaches half of :data:`PAYS`. Otherwise the
+    rival is the nearest other option that pays against ``none`` when its p90 is within :data:`CLOSE` (the
+    answer is then close), else ``none`` (close when the answer gains less than twice :data:`PAYS`)."""
     base = options["none"]
     others = [n for n in options if n != "none"]
     paying = [n for n in others if _pays(base, options[n])]
-    answer = min(paying, key=lambda n: options[n]["ttft_p90_s"]) if paying else "none"
-    if answer.startswith("shared:") and "local" in paying and not _pays(options["local"], options[answer]):
-        answer = "local"
+    eligible = [n for n in paying if not (n.startswith("shared:") and "local" in options
+                                          and not _pays(options["local"], options[n]))]
+    answer = min(eligible, key=lambda n: options[n]["ttft_p90_s"]) if eligible else "none"
     if answer == "none":
         rival = max(others, key=lambda n: _best_gain(base, options[n]), default=None)
         return answer, rival, rival is not None and _best_gain(base, options[rival]) >= PAYS / 2
-    near = [n for n in others if n != answer
-            and abs(1 - options[answer]["ttft_p90_s"] / options[n]["ttft_p90_s"]) < CLOSE]
-    if near:
-        return answer, near[0], True
+    p90 = options[answer]["ttft_p90_s"]
+    distance = {n: abs(1 - p90 / options[n]["ttft_p90_s"]) for n in paying if n != answer}
+    near = min(distance, key=distance.__getitem__, default=None)
+    if near is not None and distance[near] < CLOSE:
+        return answer, near, True
     return answer, "none", _best_gain(base, options[answer]) < 2 * PAYS
 
 
@@ -208,20 +248,27 @@ def _gain(base: Mapping[str, Any], option: Mapping[str, Any], key: str) -> float
 
 
 def _pays(base: Mapping[str, Any], option: Mapping[str, Any]) -> bool:
-    """It cuts p50 or p90 by PAYS and worsens neither by as much."""
+    """It cuts TTFT p50 or p90 by PAYS, and worsens neither, nor throughput, by as much."""
     g50, g90 = _gain(base, option, "ttft_p50_s"), _gain(base, option, "ttft_p90_s")
-    return max(g50, g90) >= PAYS and min(g50, g90) > -PAYS
+    throughput = ("output_tokens_per_s" not in base or "output_tokens_per_s" not in option
+                  or option["output_tokens_per_s"] > (1 - PAYS) * base["output_tokens_per_s"])
+    return max(g50, g90) >= PAYS and min(g50, g90) > -PAYS and throughput
 
 
-def size_for_reuse(trace: Trace, chunk_bytes: int) -> int:
-    """Bytes an LRU cache of the trace's blocks needs to keep :data:`SIZE_SHARE` of an unbounded one's hits."""
+def size_for_reuse(trace: Trace) -> int:
+    """Blocks an LRU cache of the trace needs to keep :data:`SIZE_SHARE` of an unbounded one's hits."""
     best = infinite(trace).hits
     if best == 0:
         return 0
     curve = lru_curve(trace)
-    capacity = next((c for c in range(1, curve.saturation + 1) if curve.at(c).hits >= SIZE_SHARE * best),
-                    curve.saturation)
-    return capacity * chunk_bytes
+    low, high = 1, curve.saturation  # hits grow with capacity: the smallest capacity reaching the share
+    while low < high:
+        mid = (low + high) // 2
+        if curve.at(mid).hits >= SIZE_SHARE * best:
+            high = mid
+        else:
+            low = mid + 1
+    return low
 
 
 def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> dict[str, Any]:
@@ -234,8 +281,8 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
     bt = facts.block_tokens or int(calibration["model"].get("chunk_tokens") or 256)
     for name in [*(t.name for t in facts.shared), *([facts.disk_tier] if facts.disk_bytes else [])]:
         if name not in costs.load:
-            raise FactsError(f"{'disk_tier' if name == facts.disk_tier else 'shared'}: {name!r} is not a tier of "
-                             f"the calibration (calibrated: {', '.join(costs.load)}); measure it with "
+            raise FactsError(f"facts.{'disk_tier' if name == facts.disk_tier else 'shared'}: {name!r} is not a tier "
+                             f"of the calibration (calibrated: {', '.join(costs.load)}); measure it with "
                              "`kvtier calibrate --config`")
     workload = generate(card, bt)
     trace = workload.trace
@@ -250,7 +297,7 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
     grid_result = size_grid(parts, facts, costs, chunk_bytes)
     say("timing the same arrivals with nothing shared (the cost at zero hits)")
     lonely = [unique(part) for part in parts]
-    zero = {name: run_option(lonely, plans[name][0], costs) for name in ("none", "local")}
+    zero = {name: run_option(lonely, deployment, costs, shared) for name, (deployment, shared) in plans.items()}
     median_prompt = int(np.median([r.input_length for r in trace.requests]))
     tiers = {"dram": None, **({facts.disk_tier: None} if facts.disk_bytes else {}),
              **{t.name: None for t in facts.shared}}
@@ -259,8 +306,9 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
     tier_facts = {t: {"bandwidth_bytes_per_s": costs.load[t][1], "latency_s": costs.load[t][0],
                       "needed_bytes_per_s_at_median_prompt": needed,
                       "break_even_tokens": breakeven.break_even(costs, t, bt, grid)} for t in tiers}
-    local_need = max(size_for_reuse(part, chunk_bytes) for part in parts)
-    shared_need = size_for_reuse(trace, chunk_bytes)
+    pages = -(-chunk_bytes // plans["local"][0].kvtier.page_bytes)  # type: ignore[union-attr]
+    local_need = max(size_for_reuse(part) for part in parts) * pages * plans["local"][0].kvtier.page_bytes  # type: ignore[union-attr]
+    shared_need = size_for_reuse(trace) * chunk_bytes
     answer, rival, close = choose(options)
     result = {
         "card": dataclasses.asdict(card), "facts": _plain(facts), "block_tokens": bt,
@@ -269,15 +317,18 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
         "answer": answer,
         "rival": rival,
         "close": close,
-        "zero_hit_cost": {
-            "ttft_p50_ratio": zero["local"]["ttft_p50_s"] / zero["none"]["ttft_p50_s"],
-            "ttft_p90_ratio": zero["local"]["ttft_p90_s"] / zero["none"]["ttft_p90_s"],
-            "throughput_ratio": zero["local"]["output_tokens_per_s"] / zero["none"]["output_tokens_per_s"]},
+        "zero_hit_cost": {name: {
+            "ttft_p50_ratio": z["ttft_p50_s"] / zero["none"]["ttft_p50_s"],
+            "ttft_p90_ratio": z["ttft_p90_s"] / zero["none"]["ttft_p90_s"],
+            "throughput_ratio": z["output_tokens_per_s"] / zero["none"]["output_tokens_per_s"]}
+            for name, z in zero.items() if name != "none"},
+        "engines_used": len(parts),
         "crossing_share": crossing_share(workload, facts.engines, facts.routing),
         "tiers": tier_facts,
         "heatmap": grid_result,
         "sizes": {"local_bytes_for_reuse": local_need, "shared_bytes_for_reuse": shared_need,
-                  "dram_bytes": facts.dram_bytes, "disk_bytes": facts.disk_bytes},
+                  "dram_bytes": facts.dram_bytes, "disk_bytes": facts.disk_bytes,
+                  "shared_capacity_bytes": {t.name: t.capacity_bytes for t in facts.shared}},
     }
     result["reasons"] = _reasons(result)
     result["measure_next"] = _next(result) if result["close"] else []
@@ -290,7 +341,9 @@ def size_grid(parts: list[Trace], facts: Facts, costs: Costs, chunk_bytes: int) 
     drams = sorted({max(chunk_bytes, int(facts.dram_bytes * f)) for f in (0.125, 0.25, 0.5, 1, 2, 4)})
     footprint = max(part.distinct_blocks for part in parts) * chunk_bytes
     top = facts.disk_bytes or max(footprint, chunk_bytes)
-    disks = [0, *sorted({max(chunk_bytes, int(top * f)) for f in (0.0625, 0.25, 1)})]
+    disks = [0]
+    if facts.disk_tier in costs.load:  # a disk the calibration did not measure cannot be timed
+        disks += sorted({max(chunk_bytes, int(top * f)) for f in (0.0625, 0.25, 1)})
     p90 = []
     for disk in disks:
         tiers = (TierSpec(facts.disk_tier, disk),) if disk else ()
@@ -306,8 +359,9 @@ def _plain(facts: Facts) -> dict[str, Any]:
     return dataclasses.asdict(facts)
 
 
-def _gib(n: float | None) -> str:
-    return "none" if n is None else f"{n / 2**30:.2f} GiB"
+def _change(base: Mapping[str, Any], option: Mapping[str, Any], key: str) -> str:
+    gain = _gain(base, option, key)
+    return f"{abs(gain):.1%} {'lower' if gain >= 0 else 'higher'} than none"
 
 
 def _reasons(r: dict[str, Any]) -> list[str]:
@@ -316,52 +370,80 @@ def _reasons(r: dict[str, Any]) -> list[str]:
     for name, o in r["options"].items():
         if name == "none":
             out.append(f"no offloading: TTFT p50 {o['ttft_p50_s']:.3f} s, p90 {o['ttft_p90_s']:.3f} s, "
-                       f"prefix hits {o['hit_ratio']:.1%} of prompt tokens (the engine's own cache)")
+                       f"{o['output_tokens_per_s']:.1f} output tokens/s; prefix hits {o['hit_ratio']:.1%} of prompt "
+                       "tokens (the engine's own cache)")
             continue
-        out.append(f"{name}: TTFT p50 {o['ttft_p50_s']:.3f} s ({_gain(base, o, 'ttft_p50_s'):+.1%} vs none), "
-                   f"p90 {o['ttft_p90_s']:.3f} s ({_gain(base, o, 'ttft_p90_s'):+.1%}); prefix hits "
-                   f"{o['hit_ratio']:.1%} (engine {base['hit_ratio']:.1%} without offloading)")
+        out.append(f"{name}: TTFT p50 {o['ttft_p50_s']:.3f} s ({_change(base, o, 'ttft_p50_s')}), p90 "
+                   f"{o['ttft_p90_s']:.3f} s ({_change(base, o, 'ttft_p90_s')}), {o['output_tokens_per_s']:.1f} "
+                   f"output tokens/s; prefix hits {o['hit_ratio']:.1%}")
     refused = r["options"]["none"]["refused"]
     if refused:
         out.append(f"{refused} of {r['requests']} requests do not fit the engine's KV space (prompt and output) "
                    "and were left out of every option")
-    z = r["zero_hit_cost"]
-    out.append(f"cost when nothing is reused (same arrivals, every prompt unique): local TTFT p50 x"
-               f"{z['ttft_p50_ratio']:.3f}, p90 x{z['ttft_p90_ratio']:.3f}, throughput x{z['throughput_ratio']:.3f}")
-    out.append(f"reuse that crosses engines: {r['crossing_share']:.1%} of reused blocks were last used on another "
-               f"engine ({r['facts']['engines']} engine(s), {r['facts']['routing']} routing)")
+    for name, z in r["zero_hit_cost"].items():
+        out.append(f"{name} when nothing is reused (same arrivals, every prompt unique): TTFT p50 "
+                   f"x{z['ttft_p50_ratio']:.3f}, p90 x{z['ttft_p90_ratio']:.3f}, throughput "
+                   f"x{z['throughput_ratio']:.3f} of none's")
+    out.append(f"reuse that crosses engines: {r['crossing_share']:.1%} of reused blocks reach an engine that never "
+               f"had them ({r['engines_used']} engine(s) serving, {r['facts']['routing']} routing)")
     for tier, t in r["tiers"].items():
         even = t["break_even_tokens"]
-        out.append(f"{tier}: delivers {t['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; beating recompute at the median "
-                   f"prompt ({r['median_prompt_tokens']:,} tokens) needs {t['needed_bytes_per_s_at_median_prompt'] / 1e9:.3f}"
-                   f" GB/s; break-even prompt length " + (f"{even:,} tokens" if even is not None else
-                                                          "none up to 16K tokens (slower than recompute)"))
+        out.append(f"{tier}: delivers {_rate(t['bandwidth_bytes_per_s'])}; beating recompute at the median prompt "
+                   f"({r['median_prompt_tokens']:,} tokens) needs {_rate(t['needed_bytes_per_s_at_median_prompt'])};"
+                   " break-even prompt length " + (f"{even:,} tokens" if even is not None else
+                                                   "none up to 16K tokens (slower than recompute)"))
     s = r["sizes"]
-    out.append(f"sizes to keep {SIZE_SHARE:.0%} of the reuse: {_gib(s['local_bytes_for_reuse'])} per engine "
-               f"(given: DRAM {_gib(s['dram_bytes'])}, disk {_gib(s['disk_bytes'])}), "
-               f"{_gib(s['shared_bytes_for_reuse'])} in a shared tier")
+    line = (f"sizes to keep {SIZE_SHARE:.0%} of the reuse: {_size(s['local_bytes_for_reuse'])} of DRAM per engine "
+            f"(given: DRAM {_size(s['dram_bytes'])}, disk {_size(s['disk_bytes']) if s['disk_bytes'] else 'none'})")
+    if s["shared_capacity_bytes"]:
+        line += f", {_size(s['shared_bytes_for_reuse'])} in a shared tier (given: " + ", ".join(
+            f"{name} {_size(c)}" for name, c in s["shared_capacity_bytes"].items()) + ")"
+    out.append(line)
     return out
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "unbounded"
+    from kvtier.sim.report import size_label
+
+    return size_label(n) if n else "none"
 
 
 def _next(r: dict[str, Any]) -> list[str]:
     out = [f"the answer ({r['answer']}) is close to {r['rival']}: replay a trace of your own traffic on both "
            "with `kvtier validate`"]
-    z = r["zero_hit_cost"]
-    if max(z["ttft_p90_ratio"], 1 / z["throughput_ratio"]) > 1.02:
-        out.append("offloading costs over 2% when nothing hits: measure your engine's throughput with no reuse, "
-                   "with and without kvtier (`kvtier bench`)")
+    for name, z in r["zero_hit_cost"].items():
+        if max(z["ttft_p90_ratio"], 1 / z["throughput_ratio"]) > 1.02:
+            out.append(f"{name} costs over 2% when nothing hits: measure your engine's throughput with no reuse, "
+                       "with and without kvtier (`kvtier bench`)")
     for tier, t in r["tiers"].items():
         if t["bandwidth_bytes_per_s"] < 2 * t["needed_bytes_per_s_at_median_prompt"]:
             out.append(f"{tier} delivers less than twice the bandwidth recompute needs: measure it at the "
                        "concurrency you run (`kvtier calibrate --config`)")
-    if r["crossing_share"] > 0.2 and r["facts"]["engines"] > 1:
+    if r["crossing_share"] > 0.2 and r["engines_used"] > 1:
         out.append("much of the reuse crosses engines: measure what a cache-aware router keeps local "
                    "(`kvtier router`) before paying for a shared tier")
     return out
 
 
+def _answer_line(r: dict[str, Any]) -> str:
+    line = f"answer: {r['answer']}"
+    if r["answer"].startswith("shared:"):
+        name = r["answer"].split(":", 1)[1]
+        need, given = r["sizes"]["shared_bytes_for_reuse"], r["sizes"]["shared_capacity_bytes"].get(name)
+        line += f", sized to {_size(need)} ({SIZE_SHARE:.0%} of the reuse)"
+        if given is not None and given < need:
+            line += f"; the {_size(given)} timed holds less"
+    return line + (f" (close to {r['rival']})" if r["close"] else "")
+
+
 def print_decision(r: dict[str, Any], out=sys.stdout) -> None:
-    print(f"answer: {r['answer']}" + (f" (close to {r['rival']})" if r["close"] else ""), file=out)
+    print(_answer_line(r), file=out)
     for line in r["reasons"]:
         print(f"  - {line}", file=out)
     if r["measure_next"]:

@@ -7,6 +7,7 @@ A YAML or JSON mapping; unknown keys, wrong types and bad values are a :class:`D
       max_num_batched_tokens: 2048  # the scheduler's token budget per step (prefills are chunked to it)
       max_num_seqs: 256             # requests running at once
       prefix_caching: true
+      block_size: 128               # vLLM's block (--block-size); one block is vLLM's null block, never used
     kvtier:                         # omit (or null) for the engine alone
       dram_bytes: 2GiB
       policy: prefix_lru
@@ -39,6 +40,7 @@ class EngineSpec:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     prefix_caching: bool = True
+    block_size: int = 128  # vLLM's block; one block of the KV space is vLLM's null block, never handed out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +89,7 @@ def load_deployment(source: str | Path | Mapping[str, Any]) -> Deployment:
     return Deployment(spec, kv, scale)
 
 
-ENGINE_KEYS = ("kv_tokens", "max_num_batched_tokens", "max_num_seqs", "prefix_caching")
+ENGINE_KEYS = ("kv_tokens", "max_num_batched_tokens", "max_num_seqs", "prefix_caching", "block_size")
 
 
 def engine_spec(engine: Mapping[str, Any], field: str, fields: Fields | None = None) -> EngineSpec:
@@ -97,7 +99,8 @@ def engine_spec(engine: Mapping[str, Any], field: str, fields: Fields | None = N
         kv_tokens=f.int(engine, "kv_tokens", field, required=True),
         max_num_batched_tokens=f.int(engine, "max_num_batched_tokens", field, default=2048),
         max_num_seqs=f.int(engine, "max_num_seqs", field, default=256),
-        prefix_caching=f.bool(engine, "prefix_caching", field, default=True))
+        prefix_caching=f.bool(engine, "prefix_caching", field, default=True),
+        block_size=f.int(engine, "block_size", field, default=128, maximum=4096))
 
 
 def tier_specs(tiers: Any, field: str, fields: Fields | None = None) -> tuple[TierSpec, ...]:

@@ -37,6 +37,8 @@ class Fields:
             raise self.error(f"{source}: the {what} is not YAML: {exc}") from None
 
     def mapping(self, value: Any, field: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+        if value is None:
+            raise self.error(f"{field}: missing (expected a mapping with {', '.join(allowed)})")
         if not isinstance(value, Mapping):
             raise self.error(f"{field}: expected a mapping, got {type(value).__name__}")
         for key in value:
@@ -50,23 +52,24 @@ class Fields:
         return {} if value is None else self.mapping(value, key, allowed)
 
     def int(self, section: Mapping[str, Any], key: str, field: str, required: bool = False, default: int = 0,
-            minimum: int = 1) -> int:
+            minimum: int = 1, maximum: int = 2**53) -> int:
         if key not in section:
             if required:
                 raise self.error(f"{field}.{key}: missing")
             return default
         value = section[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum or value > 2**53:
-            raise self.error(f"{field}.{key}: expected an integer >= {minimum}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum or value > maximum:
+            bound = f">= {minimum}" if maximum == 2**53 else f"from {minimum} to {maximum}"
+            raise self.error(f"{field}.{key}: expected an integer {bound}, got {value!r}")
         return value
 
     def number(self, section: Mapping[str, Any], key: str, field: str, default: float, minimum: float = 0.0,
-               positive: bool = False) -> float:
+               maximum: float = 1e9, positive: bool = False) -> float:
         value = section.get(key, default)
         bad = isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
-        if bad or value < minimum or (positive and value <= 0):
-            bound = f"> {minimum}" if positive else f">= {minimum}"
-            raise self.error(f"{field}.{key}: expected a number {bound}, got {value!r}")
+        if bad or value < minimum or value > maximum or (positive and value <= 0):
+            low = f"> {minimum:g}" if positive and minimum == 0 else f">= {minimum:g}"
+            raise self.error(f"{field}.{key}: expected a number {low} and <= {maximum:g}, got {value!r}")
         return float(value)
 
     def bool(self, section: Mapping[str, Any], key: str, field: str, default: bool) -> bool:

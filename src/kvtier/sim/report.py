@@ -175,8 +175,8 @@ def plot_heatmap(grid: dict, path: Path, title: str) -> None:
     values = grid["ttft_p90_s"]
     fig, ax = plt.subplots(figsize=(1.2 * len(grid["dram_bytes"]) + 2, 0.7 * len(grid["disk_bytes"]) + 2))
     image = ax.imshow(values, cmap="viridis_r", aspect="auto", origin="lower")
-    ax.set_xticks(range(len(grid["dram_bytes"])), [_size(b) for b in grid["dram_bytes"]])
-    ax.set_yticks(range(len(grid["disk_bytes"])), [_size(b) if b else "none" for b in grid["disk_bytes"]])
+    ax.set_xticks(range(len(grid["dram_bytes"])), [size_label(b) for b in grid["dram_bytes"]])
+    ax.set_yticks(range(len(grid["disk_bytes"])), [size_label(b) if b else "none" for b in grid["disk_bytes"]])
     for i, row in enumerate(values):
         for j, v in enumerate(row):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white", fontsize=8)
@@ -189,7 +189,7 @@ def plot_heatmap(grid: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _size(n: int) -> str:
+def size_label(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.3g} {unit}"

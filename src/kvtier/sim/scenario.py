@@ -6,15 +6,15 @@ are freed, and when it is scheduled again it computes its prompt and what it had
 DRAM tier, the prompt's chunks were stored when its prefill finished, so only the generated tokens (and what
 the engine's own cache no longer holds of the last chunk) are recomputed. The scenario sweeps ``N``, times both
 deployments, and reports per ``N`` the KV demand over the KV space (utilization), preemptions, tokens prefilled,
-re-prefill avoided and throughput, and the lowest utilization at which the CPU tier pays
-(:data:`PAYS` more output tokens per second).
+re-prefill avoided and throughput, and the lowest utilization swept at which the CPU tier pays
+(:data:`PAYS` more output tokens per second). Its parameters are :class:`Preemption`'s defaults (sized for a small
+model on CPU); from Python, pass another :class:`Preemption`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +86,11 @@ def report(result: dict[str, Any], out: Path, plot: bool = True) -> None:
               f"{r['output_tokens_per_s']['engine_alone']:>7.1f} {r['output_tokens_per_s']['kvtier']:>9.1f} "
               f"{r['throughput_gain']:>+6.1%}")
     pays = result["pays_from_utilization"]
-    print(f"the CPU tier pays ({PAYS:.0%} more throughput) from a KV demand of {pays:.2f}x the engine's KV space"
-          if pays is not None else "the CPU tier does not pay at any concurrency swept")
+    print(f"the CPU tier first pays ({PAYS:.0%} more throughput) at a KV demand of {pays:.2f}x the engine's KV space"
+          if pays is not None else f"the CPU tier gives {PAYS:.0%} more throughput at no concurrency swept")
     if plot:
         _plot(result, out / "preemption.png")
-    print(f"wrote {out / 'preemption.json'}" + (f", {out / 'preemption.png'}" if plot else ""), file=sys.stderr)
+    print(f"wrote {out / 'preemption.json'}" + (f", {out / 'preemption.png'}" if plot else ""))
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

@@ -136,20 +136,21 @@ class _Pool:
 
 
 def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | None = None,
-             elsewhere: Mapping[int, float] | None = None, store_log: dict[int, float] | None = None
+             elsewhere: Mapping[int, tuple[float, float]] | None = None, store_log: dict[int, float] | None = None
              ) -> dict[str, Any]:
     """Replay ``trace``; returns per-request rows and aggregates.
 
     ``shared`` names a tier the engine shares with others: besides what this engine wrote to it, it holds each
-    block of ``elsewhere`` from that time on (written by another engine). ``store_log``, when given, gets the
-    time each block was first written to the shared tier by this engine.
+    block of ``elsewhere`` during its ``(from, until)`` seconds (written by another engine, then evicted).
+    ``store_log``, when given, gets the time each block this engine wrote to the shared tier was written
+    (the end of the step that stored it, plus the write at the tier's calibrated store bandwidth).
     """
     bt = trace.block_tokens
     engine = deployment.engine
-    pool = _Pool(engine.kv_tokens // bt, engine.prefix_caching)
+    pool = _Pool(max(0, engine.kv_tokens - engine.block_size) // bt, engine.prefix_caching)  # less vLLM's null block
     chunk_bytes = costs.kv_bytes_per_token * bt
     kv = deployment.kvtier
-    inf = float("inf")
+    never = (float("inf"), float("inf"))
     dram = tiers = None
     if kv is not None:
         pages = -(-chunk_bytes // kv.page_bytes)  # the pool hands out whole pages
@@ -235,7 +236,8 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | N
                     block = r.blocks[j]
                     where = "dram" if block in dram.resident else next(
                         (name for name, cache in tiers if block in cache.resident
-                         or (name == shared and elsewhere is not None and elsewhere.get(block, inf) <= now)),
+                         or (name == shared and elsewhere is not None
+                             and elsewhere.get(block, never)[0] <= now < elsewhere.get(block, never)[1])),
                         None)
                     if where is None:
                         break
@@ -294,8 +296,9 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | N
                         written = cache.put(new)
                         stored_bytes[name] = stored_bytes.get(name, 0) + len(written) * chunk_bytes
                         if name == shared and store_log is not None:
+                            done = now + step + len(written) * chunk_bytes / costs.store.get(name, float("inf"))
                             for block in written:
-                                store_log.setdefault(block, now + step)
+                                store_log.setdefault(block, done)
                         if costs.shared_cpu and name in costs.store:
                             background += len(written) * chunk_bytes / costs.store[name]
         now += step + owed  # the background writes queued before this step ran on the engine's cores during it

@@ -171,19 +171,19 @@ def _warm_up(port: int, model: str, vocab_size: int, longest: int) -> None:
 def measure(trace: Trace, deployment: Deployment, model: Path, vocab_size: int, work: Path, log) -> dict[str, Any]:
     """Run the trace against vLLM's OpenAI server with kvtier; per-request TTFT and cached tokens, and the
     engine's and kvtier's hit counters."""
-    from kvtier.bench.server import stop
+    from kvtier.bench.server import server_env, stop
     from kvtier.testing.servers import free_port
 
     work.mkdir(parents=True, exist_ok=True)
     port, metrics_port = free_port(), free_port()
     engine = deployment.engine
     longest = max(r.input_length + max(r.output_length, 1) for r in trace.requests)
-    max_len = -(-(longest + 1) // 128) * 128
+    max_len = -(-(longest + 1) // engine.block_size) * engine.block_size
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_len),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens), "--max-num-seqs",
-            str(engine.max_num_seqs), "--num-gpu-blocks-override", str(engine.kv_tokens // 128),
-            "--block-size", "128", "--gpu-memory-utilization", "0.3", "--enable-prompt-tokens-details",
+            str(engine.max_num_seqs), "--num-gpu-blocks-override", str(engine.kv_tokens // engine.block_size),
+            "--block-size", str(engine.block_size), "--gpu-memory-utilization", "0.3", "--enable-prompt-tokens-details",
             "--enable-chunked-prefill"]
     if not engine.prefix_caching:
         argv.append("--no-enable-prefix-caching")
@@ -194,7 +194,7 @@ def measure(trace: Trace, deployment: Deployment, model: Path, vocab_size: int, 
             "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"config": config}})]
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env = server_env()
     env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     prompts = prompt_tokens(trace, vocab_size)
     with open(work / "server.log", "w") as server_log:
