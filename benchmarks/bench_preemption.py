@@ -1,7 +1,7 @@
 """The preemption scenario predicted and measured: `kvtier simulate --scenario preemption` against vLLM-CPU.
 
-For each concurrency N of the scenario (N different 1,024-token prompts generating 256 tokens each, all sent at
-once, on an engine with a KV space of 4,096 tokens: 32 blocks of 128), vLLM's OpenAI server is run without and with
+For each concurrency N of the scenario (N different 768-token prompts generating 384 tokens each, all sent at
+once, on an engine with a KV space of 4,096 tokens: 32 blocks of 128, one of them vLLM's null block), vLLM's OpenAI server is run without and with
 kvtier's DRAM tier (alternating which goes first), and its preemption counter and the time to finish all N (output
 tokens per second) are set beside the simulator's prediction from the calibration. Writes
 benchmarks/results/preemption-DATE.json and preemption-DATE.png.
@@ -30,7 +30,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", required=True, type=Path)
-    parser.add_argument("--concurrency", default="2,4,6,8,12")
+    parser.add_argument("--concurrency", default="2,4,8")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/kvtier-preemption"))
     args = parser.parse_args()
     calibration = load_calibration(args.calibration)

@@ -43,7 +43,7 @@ def test_the_command_writes_the_scenario_and_refuses_wrong_arguments(tmp_path: P
     run = subprocess.run([sys.executable, "-m", "kvtier.cli", "simulate", "--scenario", "preemption",
                           "--calibration", str(CALIBRATION), "--out", str(tmp_path)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert "preemption scenario: prompts of 1024 tokens" in run.stdout
+    assert "preemption scenario: prompts of 768 tokens" in run.stdout
     saved = json.loads((tmp_path / "preemption.json").read_text())
     assert saved["scenario"] == "preemption" and len(saved["rows"]) == len(Preemption().concurrency)
     assert (tmp_path / "preemption.png").stat().st_size > 0

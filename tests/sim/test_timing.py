@@ -185,3 +185,29 @@ def test_kvtier_loads_nothing_when_it_lost_the_prefix_the_engine_still_holds() -
     out = simulate(requests, deployment(kv_tokens=16, kvtier={"dram_bytes": 4 * 4096, "page_bytes": 4096,
                                                               "policy": "lru"}), COSTS)
     assert out["requests"][2]["engine_hit_tokens"] == 4 and out["requests"][2]["loaded_tokens"] == {}
+
+
+def test_simulate_with_a_deployment_writes_the_timing_report(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    lines = (root / "benchmarks" / "validate" / "trace.jsonl").read_text().splitlines()[:20]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "simulate", "--trace", str(tmp_path / "t.jsonl"),
+                          "--block-tokens", "256", "--deployment", str(root / "benchmarks" / "validate" /
+                                                                         "deployment.yaml"),
+                          "--calibration", str(root / "benchmarks" / "results" / "calibration-2026-12-01.json"),
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    report = json.loads((tmp_path / "out" / "timing.json").read_text())
+    assert set(report["runs"]) == {"kvtier", "engine_alone"}
+    assert report["runs"]["kvtier"]["ttft_s"]["p50"] < report["runs"]["engine_alone"]["ttft_s"]["p50"]
+    grid = report["heatmap"]
+    assert grid["disk_tier"] == "filesystem" and grid["disk_bytes"][0] == 0
+    assert len(grid["ttft_p90_s"]) == len(grid["disk_bytes"]) and len(grid["ttft_p90_s"][0]) == len(grid["dram_bytes"])
+    # more DRAM never makes p90 worse without a disk here (the same trace, a bigger cache)
+    assert grid["ttft_p90_s"][0][-1] <= grid["ttft_p90_s"][0][0]
+    for name in ("ttft_cdf.png", "ttft_vs_length.png", "heatmap.png", "requests.csv", "hit_ratio.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0, name

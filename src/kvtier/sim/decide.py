@@ -294,7 +294,7 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
         say(f"timing {name} on {len(trace.requests)} requests, {len(parts)} engine(s)")
         options[name] = run_option(parts, deployment, costs, shared)
     say("timing DRAM x disk sizes for the heatmap")
-    grid_result = size_grid(parts, facts, costs, chunk_bytes)
+    grid_result = size_grid(parts, plans["local"][0], facts.disk_tier, facts.disk_bytes, costs)
     say("timing the same arrivals with nothing shared (the cost at zero hits)")
     lonely = [unique(part) for part in parts]
     zero = {name: run_option(lonely, deployment, costs, shared) for name, (deployment, shared) in plans.items()}
@@ -335,24 +335,27 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
     return result
 
 
-def size_grid(parts: list[Trace], facts: Facts, costs: Costs, chunk_bytes: int) -> dict[str, Any]:
-    """Engine-local offloading's TTFT p90 over DRAM sizes (an eighth to four times the facts') by disk sizes
-    (none, and a sixteenth to all of the facts' disk, or to the trace's footprint when the facts have none)."""
-    drams = sorted({max(chunk_bytes, int(facts.dram_bytes * f)) for f in (0.125, 0.25, 0.5, 1, 2, 4)})
+def size_grid(parts: list[Trace], local: Deployment, disk_tier: str, disk_bytes: int | None, costs: Costs
+              ) -> dict[str, Any]:
+    """Engine-local offloading's TTFT p90 over DRAM sizes (an eighth to four times ``local``'s) by sizes of the
+    disk tier (none, and a sixteenth to all of ``disk_bytes``, or of the trace's footprint when it is None)."""
+    assert local.kvtier is not None
+    chunk_bytes = costs.kv_bytes_per_token * parts[0].block_tokens
+    drams = sorted({max(chunk_bytes, int(local.kvtier.dram_bytes * f)) for f in (0.125, 0.25, 0.5, 1, 2, 4)})
     footprint = max(part.distinct_blocks for part in parts) * chunk_bytes
-    top = facts.disk_bytes or max(footprint, chunk_bytes)
+    top = disk_bytes or max(footprint, chunk_bytes)
     disks = [0]
-    if facts.disk_tier in costs.load:  # a disk the calibration did not measure cannot be timed
+    if disk_tier in costs.load:  # a disk the calibration did not measure cannot be timed
         disks += sorted({max(chunk_bytes, int(top * f)) for f in (0.0625, 0.25, 1)})
     p90 = []
     for disk in disks:
-        tiers = (TierSpec(facts.disk_tier, disk),) if disk else ()
+        tiers = (TierSpec(disk_tier, disk),) if disk else ()
         row = []
         for dram in drams:
-            deployment = Deployment(facts.engine, KVTierSpec(dram, facts.policy, tiers))
-            row.append(run_option(parts, deployment, costs)["ttft_p90_s"])
+            kv = dataclasses.replace(local.kvtier, dram_bytes=dram, tiers=tiers)
+            row.append(run_option(parts, dataclasses.replace(local, kvtier=kv), costs)["ttft_p90_s"])
         p90.append(row)
-    return {"dram_bytes": drams, "disk_bytes": disks, "disk_tier": facts.disk_tier, "ttft_p90_s": p90}
+    return {"dram_bytes": drams, "disk_bytes": disks, "disk_tier": disk_tier, "ttft_p90_s": p90}
 
 
 def _plain(facts: Facts) -> dict[str, Any]:

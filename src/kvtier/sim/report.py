@@ -105,11 +105,19 @@ def timing_report(trace: Trace, deployment, calibration: dict, out: Path, plot: 
     from kvtier.sim import breakeven
 
     lengths = breakeven.table(costs, trace.block_tokens)
+    grid = None
+    if deployment.kvtier is not None:
+        from kvtier.sim.decide import size_grid
+
+        tier = deployment.kvtier.tiers[0] if deployment.kvtier.tiers else None
+        print("simulate: timing DRAM x disk sizes for the heatmap ...", file=sys.stderr, flush=True)
+        grid = size_grid([trace], deployment, tier.name if tier else "filesystem",
+                         tier.capacity_bytes if tier else None, costs)
     out.mkdir(parents=True, exist_ok=True)
     summary = {name: {k: v for k, v in r.items() if k != "requests"} for name, r in results.items()}
     (out / "timing.json").write_text(json.dumps({"trace": trace.source, "deployment": _plain(deployment),
                                                  "calibration": calibration.get("created"), "runs": summary,
-                                                 "by_prompt_length": lengths}, indent=1) + "\n")
+                                                 "by_prompt_length": lengths, "heatmap": grid}, indent=1) + "\n")
     with (out / "requests.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["run", "request", "arrival_s", "ttft_s", "finish_s", "prompt_tokens", "engine_hit_tokens",
@@ -133,8 +141,11 @@ def timing_report(trace: Trace, deployment, calibration: dict, out: Path, plot: 
     if plot:
         _plot_cdf(results, out / "ttft_cdf.png", Path(trace.source).name)
         breakeven.plot(lengths, out / "ttft_vs_length.png", Path(trace.source).name)
+        if grid is not None:
+            plot_heatmap(grid, out / "heatmap.png", Path(trace.source).name)
     print(f"wrote {out / 'timing.json'}, {out / 'requests.csv'}" +
-          (f", {out / 'ttft_cdf.png'}, {out / 'ttft_vs_length.png'}" if plot else ""))
+          (f", {out / 'ttft_cdf.png'}, {out / 'ttft_vs_length.png'}" if plot else "") +
+          (f", {out / 'heatmap.png'}" if plot and grid is not None else ""))
     return summary
 
 

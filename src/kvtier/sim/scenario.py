@@ -27,8 +27,8 @@ PAYS = 0.05
 
 @dataclasses.dataclass(frozen=True)
 class Preemption:
-    prompt_tokens: int = 1024
-    output_tokens: int = 256
+    prompt_tokens: int = 768
+    output_tokens: int = 384
     kv_tokens: int = 4096
     block_tokens: int = 128  # vLLM's block and kvtier's chunk: preemption happens a block at a time
     max_num_batched_tokens: int = 8192
