@@ -132,13 +132,14 @@ def test_crossing_share_counts_reuse_on_an_engine_that_never_had_the_block() -> 
     assert crossing_share(w, 2, "round_robin") > crossing_share(w, 2, "session") > 0
 
 
-def test_unique_keeps_arrivals_and_lengths_and_shares_nothing() -> None:
+def test_unique_keeps_arrivals_and_lengths_and_shares_nothing_across_engines() -> None:
     t = generate(load_card({"requests": 30, "shared_prefix": {"tokens": 1024}}), 256).trace
-    u = unique(t)
-    assert [(r.timestamp_ms, r.input_length, r.whole) for r in u.requests] == \
+    halves = [Trace(t.requests[:15], 256, "a"), Trace(t.requests[15:], 256, "b")]
+    u = unique(halves)
+    assert [(r.timestamp_ms, r.input_length, r.whole) for part in u for r in part.requests] == \
         [(r.timestamp_ms, r.input_length, r.whole) for r in t.requests]
-    blocks = [b for r in u.requests for b in r.blocks]
-    assert len(blocks) == len(set(blocks))
+    blocks = [b for part in u for r in part.requests for b in r.blocks]
+    assert len(blocks) == len(set(blocks))  # engine b's blocks are not engine a's either
 
 
 def test_two_engines_round_robin_pay_for_a_shared_tier_and_a_slow_one_does_not() -> None:
@@ -164,6 +165,8 @@ def test_two_engines_round_robin_pay_for_a_shared_tier_and_a_slow_one_does_not()
     assert out["crossing_share"] > 0.1
     assert any("slow: delivers 2.0 MB/s" in line and "slower than recompute" in line for line in out["reasons"])
     assert "sized to" in print_answer(out)
+    # with nothing reused, a shared tier finds nothing another engine wrote: it cannot be faster than none
+    assert out["zero_hit_cost"]["shared:fast"]["ttft_p50_ratio"] >= 0.999
 
 
 def test_a_shared_tier_smaller_than_the_reuse_gives_less() -> None:

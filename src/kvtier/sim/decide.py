@@ -125,14 +125,17 @@ def crossing_share(workload: Workload, engines: int, routing: str) -> float:
     return crossing / reuses if reuses else 0.0
 
 
-def unique(trace: Trace) -> Trace:
-    """The same arrivals and lengths with nothing shared: what offloading costs when it never hits."""
+def unique(parts: list[Trace]) -> list[Trace]:
+    """The same arrivals and lengths with nothing shared, on any engine: what offloading costs when it never
+    hits."""
     out, fresh = [], 0
-    for r in trace.requests:
-        blocks = tuple(range(fresh, fresh + len(r.blocks)))
-        fresh += len(r.blocks)
-        out.append(dataclasses.replace(r, blocks=blocks))
-    return Trace(tuple(out), trace.block_tokens, trace.source)
+    for trace in parts:
+        requests = []
+        for r in trace.requests:
+            requests.append(dataclasses.replace(r, blocks=tuple(range(fresh, fresh + len(r.blocks)))))
+            fresh += len(r.blocks)
+        out.append(Trace(tuple(requests), trace.block_tokens, trace.source))
+    return out
 
 
 def run_option(parts: list[Trace], deployment: Deployment, costs: Costs, shared: str | None = None) -> dict[str, Any]:
@@ -296,7 +299,7 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
     say("timing DRAM x disk sizes for the heatmap")
     grid_result = size_grid(parts, plans["local"][0], facts.disk_tier, facts.disk_bytes, costs)
     say("timing the same arrivals with nothing shared (the cost at zero hits)")
-    lonely = [unique(part) for part in parts]
+    lonely = unique(parts)
     zero = {name: run_option(lonely, deployment, costs, shared) for name, (deployment, shared) in plans.items()}
     median_prompt = int(np.median([r.input_length for r in trace.requests]))
     tiers = {"dram": None, **({facts.disk_tier: None} if facts.disk_bytes else {}),
