@@ -147,7 +147,9 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | N
     """
     bt = trace.block_tokens
     engine = deployment.engine
-    pool = _Pool(max(0, engine.kv_tokens - engine.block_size) // bt, engine.prefix_caching)  # less vLLM's null block
+    # vLLM's KV space less its null block, in the trace's blocks (rounded up: a trace block may be several of
+    # vLLM's, and a request vLLM fits must fit here)
+    pool = _Pool(-(-max(0, engine.kv_tokens - engine.block_size) // bt), engine.prefix_caching)
     chunk_bytes = costs.kv_bytes_per_token * bt
     kv = deployment.kvtier
     never = (float("inf"), float("inf"))
