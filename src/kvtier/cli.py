@@ -294,7 +294,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print("kvtier: --deployment and --calibration go together (the timing layer needs both)", file=sys.stderr)
         return 2
     if args.deployment is not None:
-        from kvtier.sim.calibrate import load_calibration, mismatches
+        from kvtier.sim.calibrate import load_calibration
         from kvtier.sim.deployment import load_deployment
 
         try:
@@ -303,8 +303,7 @@ def _simulate(args: argparse.Namespace) -> int:
         except KVTierError as exc:
             print(f"kvtier: {exc}", file=sys.stderr)
             return 2
-        for line in mismatches(calibration):
-            print(f"kvtier: warning: {args.calibration} was measured on another machine: {line}", file=sys.stderr)
+        _warn_mismatches(args.calibration, calibration)
         if calibration["model"].get("chunk_tokens") and trace.block_tokens % 128:
             print(f"kvtier: warning: blocks of {trace.block_tokens} tokens are not whole engine blocks of 128",
                   file=sys.stderr)
@@ -320,9 +319,17 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_mismatches(path: Path, calibration: dict, model: Path | None = None) -> None:
+    """Warn, naming each difference, when a calibration was measured on another machine or software."""
+    from kvtier.sim.calibrate import mismatches
+
+    for line in mismatches(calibration, model):
+        print(f"kvtier: warning: {path} was measured on another machine: {line}", file=sys.stderr)
+
+
 def _scenario(args: argparse.Namespace) -> int:
     from kvtier.sim import scenario
-    from kvtier.sim.calibrate import load_calibration, mismatches
+    from kvtier.sim.calibrate import load_calibration
     from kvtier.sim.timing import Costs
 
     if args.calibration is None or args.deployment is not None:
@@ -334,8 +341,7 @@ def _scenario(args: argparse.Namespace) -> int:
     except KVTierError as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 2
-    for line in mismatches(calibration):
-        print(f"kvtier: warning: {args.calibration} was measured on another machine: {line}", file=sys.stderr)
+    _warn_mismatches(args.calibration, calibration)
     scenario.report(scenario.preemption(Costs.from_calibration(calibration)), args.out, plot=not args.no_plot)
     return 0
 
@@ -376,7 +382,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from kvtier.sim.calibrate import load_calibration, mismatches
+    from kvtier.sim.calibrate import load_calibration
     from kvtier.sim.deployment import load_deployment
     from kvtier.sim.trace import load_trace
     from kvtier.sim.validate import validate
@@ -394,8 +400,7 @@ def _validate(args: argparse.Namespace) -> int:
             model = prepare_model()
         else:
             model = args.model
-        for line in mismatches(calibration, model):
-            print(f"kvtier: warning: {args.calibration} was measured on another machine: {line}", file=sys.stderr)
+        _warn_mismatches(args.calibration, calibration, model)
         result = validate(trace, deployment, calibration, model, args.out)
     except (KVTierError, ValueError) as exc:  # ValueError: a deployment the calibration cannot cost
         print(f"kvtier: {exc}", file=sys.stderr)
@@ -406,7 +411,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _decide(args: argparse.Namespace) -> int:
     import json
 
-    from kvtier.sim.calibrate import load_calibration, mismatches
+    from kvtier.sim.calibrate import load_calibration
     from kvtier.sim.card import load_card
     from kvtier.sim.decide import decide, load_facts, print_decision
 
@@ -414,8 +419,7 @@ def _decide(args: argparse.Namespace) -> int:
         card = load_card(args.card)
         facts = load_facts(args.facts)
         calibration = load_calibration(args.calibration)
-        for line in mismatches(calibration):
-            print(f"kvtier: warning: {args.calibration} was measured on another machine: {line}", file=sys.stderr)
+        _warn_mismatches(args.calibration, calibration)
         result = decide(card, facts, calibration, log=lambda msg: print(f"decide: {msg}", file=sys.stderr,
                                                                          flush=True))
     except (KVTierError, ValueError) as exc:  # ValueError: facts the calibration cannot cost

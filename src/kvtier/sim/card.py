@@ -140,7 +140,7 @@ def generate(card: Card, block_tokens: int) -> Workload:
             raise CardError(f"sessions.think_time_s: sessions lasting {span:g} s at {card.rate_per_s:g} requests/s "
                             f"need over {_MAX_TURNS:,} turns of sessions for {card.requests} requests; shorten the think "
                             "time or lower the rate")
-        rows = _sessions(card, sessions, span, block_tokens)
+        rows = _sessions(card, sessions, span)
         if len(rows) >= card.requests:
             break
         sessions *= 2  # an unlucky draw: arrivals thinner than their mean
@@ -158,7 +158,7 @@ def generate(card: Card, block_tokens: int) -> Workload:
     return Workload(Trace(tuple(requests), block_tokens, card.source), tuple(row[1] for row in rows))
 
 
-def _sessions(card: Card, count: int, span: float, block_tokens: int
+def _sessions(card: Card, count: int, span: float
               ) -> list[tuple[float, int, list[tuple[object, int]], tuple[int, int]]]:
     """Every turn from time 0 on of ``count`` sessions, the first starting ``span`` seconds before 0."""
     rng = np.random.default_rng(card.seed)
