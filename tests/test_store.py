@@ -31,6 +31,38 @@ def test_put_get_round_trip_is_exact(make_store) -> None:
     assert torch.equal(store.get(NS, tokens[:T]), kv[:, :, :, :T])
 
 
+def test_put_from_a_source_stores_what_put_stores(make_store) -> None:
+    """A source writing straight into DRAM (the connector's save) stores exactly the chunks put would, from a
+    whole-chunk offset on; a source that raises stores none of them and leaks no page."""
+    store = make_store()
+    tokens = synthetic_tokens(11, 6 * T)
+    kv = synthetic_kv(tokens)
+    asked: list[tuple[int, int]] = []
+
+    def source(first: int, dst: torch.Tensor) -> None:
+        asked.append((first, dst.shape[0]))
+        chunk = 2 * T + first * T  # offset 2 chunks: chunk `first` holds tokens from here
+        dst.copy_(kv[:, :, :, chunk:chunk + dst.shape[0] * T].unflatten(3, (dst.shape[0], T))
+                  .permute(3, 0, 1, 2, 4, 5))
+
+    layers, _, heads, _, dim = kv.shape
+    assert store.put(NS, tokens[:2 * T], kv[:, :, :, :2 * T]) == 2 * T
+    assert store.put_from(NS, tokens, source, layers=layers, head_dim=dim, dtype=kv.dtype, offset=2 * T,
+                          kv_heads=heads) == 6 * T
+    assert sum(n for _, n in asked) == 4  # only the chunks DRAM lacked
+    assert torch.equal(store.get(NS, tokens), kv)
+
+    def broken(first: int, dst: torch.Tensor) -> None:
+        raise RuntimeError("the engine's copy failed")
+
+    other = synthetic_tokens(12, 3 * T)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        store.put_from(NS, other, broken, layers=layers, head_dim=dim, dtype=kv.dtype, kv_heads=heads)
+    assert store.lookup(NS, other) == 0
+    assert store.dram.audit() == {"refs": store.dram.audit()["refs"], "pending": 0, "lost_pages": 0,
+                                  "idle_mismatch": 0}
+
+
 def test_only_the_shared_prefix_hits(make_store) -> None:
     store = make_store()
     a = synthetic_tokens(2, 4 * T)

@@ -201,29 +201,26 @@ class DramPool:
             self._pending.add(key)
             return DramEntry(key, meta, parent, extents)
 
-    def write_chunks(self, kv: torch.Tensor, chunks: list[tuple[int, DramEntry]], chunk_tokens: int) -> None:
-        """Copy chunk ``i`` of ``kv`` (tokens ``[i*T, (i+1)*T)`` on axis 3) into each reserved entry.
+    def fill_chunks(self, fill: Callable[[int, torch.Tensor], None], chunks: list[tuple[int, DramEntry]],
+                    device: torch.device) -> None:
+        """Have ``fill(i, view)`` write chunk ``i`` (and those after it) into the reserved entries of ``chunks``.
 
-        Consecutive chunks whose entries lie at one fixed stride in the arena are filled by a single strided
-        copy: one large copy runs at memcpy speed, where many small ones pay a per-copy cost each. From a CUDA
-        tensor into pinned memory the copies are asynchronous: synchronize the stream before commit.
+        ``view`` is ``[count, *shape]`` over consecutive entries that lie at one fixed stride in the arena (a run,
+        filled by one strided copy: one large copy runs at memcpy speed, where many small ones pay a per-copy
+        cost each), or a one-chunk buffer for an entry whose pages are scattered, copied in after. ``device`` is
+        where ``fill`` copies from (see :meth:`runs`). From a CUDA tensor into pinned memory the copies may be
+        asynchronous: synchronize the stream before commit.
         """
-        t = chunk_tokens
-        non_blocking = kv.is_cuda and self.pinned
-        for run in self.runs(chunks, kv.device):
+        for run in self.runs(chunks, device):
             i0, first = run[0]
-            src = kv[:, :, :, i0 * t:(i0 + len(run)) * t]
-            if tuple(src.shape[:3]) + tuple(src.shape[4:]) != tuple(first.meta.shape[:3]) + first.meta.shape[4:] \
-                    or src.dtype != first.meta.dtype or src.shape[3] != len(run) * t:
-                raise ValueError(f"kv is {tuple(kv.shape)} {kv.dtype}, entries expect chunks of "
-                                 f"{first.meta.shape} {first.meta.dtype}")
             if len(first.extents) == 1:
-                self.run_view(first, len(run)).copy_(src.unflatten(3, (len(run), t)).permute(3, 0, 1, 2, 4, 5),
-                                                      non_blocking=non_blocking)
+                fill(i0, self.run_view(first, len(run)))
                 continue
-            flat = src.contiguous().reshape(-1).view(torch.uint8)
+            buf = torch.empty((1, *first.meta.shape), dtype=first.meta.dtype)
+            fill(i0, buf)
+            flat = buf.view(-1).view(torch.uint8)
             for (start, end), region in zip(self._spans(first), self._regions(first)):
-                region.copy_(flat[start:end], non_blocking=non_blocking)
+                region.copy_(flat[start:end])
 
     def runs(self, chunks: list[tuple[int, DramEntry]], device: torch.device) -> list[list[tuple[int, DramEntry]]]:
         """Group consecutive chunks whose single-extent entries follow each other at a fixed page stride.

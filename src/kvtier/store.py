@@ -208,7 +208,39 @@ class KVStore:
         heads = rank_heads(kv.shape[2] * tp_size if kv_heads is None else kv_heads, tp_rank, tp_size)
         if heads.count != kv.shape[2]:
             raise ValueError(f"kv holds {kv.shape[2]} KV heads, rank {tp_rank} of {tp_size} holds {heads}")
-        meta = frame.ShardMeta(kv.shape[0], t, kv.shape[4], kv.dtype, heads)
+        non_blocking = kv.is_cuda and self.dram.pinned
+
+        def copy(first: int, dst: torch.Tensor) -> None:
+            src = kv[:, :, :, first * t:(first + dst.shape[0]) * t]
+            dst.copy_(src.unflatten(3, (dst.shape[0], t)).permute(3, 0, 1, 2, 4, 5), non_blocking=non_blocking)
+
+        return self._put(ns, tokens, frame.ShardMeta(kv.shape[0], t, kv.shape[4], kv.dtype, heads), copy, offset,
+                         kv.device, start)
+
+    def put_from(self, ns: Namespace, tokens: Tokens, source: Callable[[int, torch.Tensor], None], *, layers: int,
+                 head_dim: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, offset: int = 0,
+                 kv_heads: int, device: torch.device | str = "cpu") -> int:
+        """Store the whole chunks of ``tokens[offset:]``, having ``source`` write their KV straight into DRAM: the
+        mirror of :meth:`load`, with no staging copy of the prompt.
+
+        ``source(first, dst)`` fills ``dst`` ``[count, layers, 2, rank's heads, chunk_tokens, head_dim]`` (any
+        strides: a view of DRAM pages, or a one-chunk buffer) with ``count`` consecutive chunks from chunk
+        ``first`` (counted from ``offset``'s chunk); only chunks DRAM lacks are asked for. ``device`` is where
+        ``source`` copies from (a CUDA source's asynchronous copies are waited for before the chunks become
+        visible). Returns what :meth:`put` returns; a source that raises stores none of this call's chunks.
+        """
+        if self._closed:
+            raise RuntimeError("KVStore.put_from after close: its cascade writers have stopped")
+        start = time.perf_counter()
+        t = self.chunk_tokens
+        if offset % t or not 0 <= offset <= len(tokens):
+            raise ValueError(f"offset must be a whole number of {t}-token chunks within the tokens, got {offset}")
+        meta = frame.ShardMeta(layers, t, head_dim, dtype, rank_heads(kv_heads, tp_rank, tp_size))
+        return self._put(ns, tokens, meta, source, offset, torch.device(device), start)
+
+    def _put(self, ns: Namespace, tokens: Tokens, meta: frame.ShardMeta, source: Callable[[int, torch.Tensor], None],
+             offset: int, device: torch.device, start: float) -> int:
+        t = self.chunk_tokens
         self._remember_shape(ns.id, _Shape.of(meta))  # the caller's own KV: it defines the shape
         first = offset // t
         held = 0  # leading chunks from `first` on now in DRAM
@@ -217,11 +249,11 @@ class KVStore:
         reserved: list[tuple[int, DramEntry]] = []
         try:  # phase 1: reserve every chunk, then copy them all (asynchronously from a CUDA tensor)
             for i, key in enumerate(chunk_keys(ns, tokens, t)):
-                skey = ShardKey(namespace, key.hex(), heads)
+                skey = ShardKey(namespace, key.hex(), meta.heads)
                 if i < first:
                     parent = skey.chunk
                     continue
-                i -= first  # the chunk's index in kv
+                i -= first  # the chunk's index from offset's
                 entry = self.dram.reserve(skey, meta, parent)
                 parent = skey.chunk
                 if entry == "full":
@@ -231,9 +263,9 @@ class KVStore:
                 if isinstance(entry, DramEntry):
                     reserved.append((i, entry))
                 held += 1
-            self.dram.write_chunks(kv, reserved, t)
-            if kv.is_cuda:
-                torch.cuda.current_stream(kv.device).synchronize()
+            self.dram.fill_chunks(source, reserved, device)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
         except BaseException:
             for _, entry in reserved:
                 self.dram.abort(entry)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.integrations.layouts import gather, scatter_chunks
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.integrations.layouts import block_runs, gather, gather_chunks, scatter_chunks
 
 LAYERS, HEADS, DIM, BS, BLOCKS = 3, 4, 8, 16, 12
 
@@ -103,3 +106,58 @@ def test_scatter_chunks_from_strided_views(layout: str, skip: int, stop: int) ->
     assert torch.equal(reference(caches, others, layout), reference(before, others, layout))
     with pytest.raises(ValueError, match="block ids"):
         scatter_chunks(kv, caches, blocks[:3], layout)  # ends before the last chunk: not this call's chunks
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), layout=st.sampled_from(["cpu", "flash"]))
+def test_runs_of_blocks_copy_like_single_blocks(data: st.DataObject, layout: str) -> None:
+    """Block tables with runs of consecutive ids (as vLLM allocates them) and jumps between them, written and read
+    run by run, hold exactly what a token-by-token reading of the layout says, and no other block changes."""
+    per = data.draw(st.sampled_from([1, 2, 3]), label="blocks per chunk")
+    count = data.draw(st.integers(1, 3), label="chunks")
+    first = data.draw(st.integers(0, per - 1), label="skipped blocks")
+    room = count * per - first
+    n = data.draw(st.integers(max(room - per, 0) + 1, room), label="blocks written")
+    blocks = data.draw(st.permutations(range(BLOCKS)), label="order")[:n]
+    if data.draw(st.booleans(), label="consecutive"):
+        start = data.draw(st.integers(0, BLOCKS - n), label="first block")
+        blocks = list(range(start, start + n))
+    caches = make_caches(layout)
+    before = [c.clone() for c in caches]
+    kv = torch.randn(count, LAYERS + 1, 2, HEADS, per * BS, DIM).to(torch.bfloat16)[:, :LAYERS]
+    scatter_chunks(kv, caches, blocks, layout, first * BS)
+    canonical = torch.cat([kv[i] for i in range(count)], dim=3)[:, :, :, first * BS:(first + n) * BS]
+    assert torch.equal(reference(caches, blocks, layout), canonical)
+    assert torch.equal(gather(caches, blocks, layout), canonical)
+    others = [b for b in range(BLOCKS) if b not in blocks]
+    assert torch.equal(reference(caches, others, layout), reference(before, others, layout))
+
+
+def test_block_runs() -> None:
+    assert block_runs([4, 5, 6, 2, 3, 9]) == [(0, 4, 3), (3, 2, 2), (5, 9, 1)]
+    assert block_runs([]) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), layout=st.sampled_from(["cpu", "flash"]), staged=st.booleans())
+def test_gather_chunks_into_strided_pages(data: st.DataObject, layout: str, staged: bool) -> None:
+    """A save's gather straight into DRAM pages (a strided view with gaps between chunks) holds exactly the
+    blocks' KV, chunk by chunk; ``staged``: into another dtype, a chunk at a time through a buffer (the path a
+    GPU cache takes into host pages)."""
+    per = data.draw(st.sampled_from([1, 2, 3]), label="blocks per chunk")
+    count = data.draw(st.integers(1, 3), label="chunks")
+    blocks = data.draw(st.permutations(range(BLOCKS)), label="order")[:count * per]
+    if data.draw(st.booleans(), label="consecutive"):
+        start = data.draw(st.integers(0, BLOCKS - count * per), label="first block")
+        blocks = list(range(start, start + count * per))
+    caches = make_caches(layout)
+    dtype = torch.float32 if staged else torch.bfloat16
+    out = torch.zeros(count, LAYERS + 1, 2, HEADS, per * BS, DIM, dtype=dtype)[:, :LAYERS]
+    gather_chunks(caches, blocks, layout, out)
+    want = reference(caches, blocks, layout).to(dtype)
+    assert torch.equal(torch.cat([out[i] for i in range(count)], dim=3), want)
+
+
+def test_gather_chunks_needs_whole_chunks() -> None:
+    with pytest.raises(ValueError, match="2 chunks of 32 tokens need 4 whole 16-token blocks; got 3 block ids"):
+        gather_chunks(make_caches("cpu"), [0, 1, 2], "cpu", torch.zeros(2, LAYERS, 2, HEADS, 32, DIM))

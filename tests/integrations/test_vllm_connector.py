@@ -476,13 +476,13 @@ def test_a_prefix_the_store_holds_is_not_gathered_or_put_again(engines: Engines,
     store = shared_store(store_cfg)
     assert store is not None
     puts: list[int] = []
-    real_put = store.put
+    real_put = store.put_from
 
     def put(*args: Any, **kwargs: Any) -> int:
         puts.append(kwargs["offset"])
         return real_put(*args, **kwargs)
 
-    monkeypatch.setattr(store, "put", put)
+    monkeypatch.setattr(store, "put_from", put)
     # vLLM's own prefix cache holds the whole prompt (5 blocks): no lookup, but a save is planned.
     repeat = mini.prefill(request("repeat", tokens), computed=640)
     assert repeat.hit == 0 and repeat.meta.saves
@@ -540,7 +540,7 @@ def test_store_failures_are_a_miss_load_errors_or_a_dropped_save(engines: Engine
     assert failed.hit == 512 and failed.load_errors == set(failed.blocks[:4])  # vLLM recomputes them
     ok = mini.prefill(request("r5", tokens))
     assert ok.hit == 512 and not ok.load_errors
-    patch_store(store, {"put": 1})
+    patch_store(store, {"put_from": 1})
     other = prompt(9)
     mini.prefill(request("dropped", other))
     assert mini.prefill(request("recomputed", other)).hit == 0  # the failed put stored nothing, the next one did

@@ -3,7 +3,8 @@
 Loads from DRAM and local tiers run in ``start_load_kv``, before the forward pass; a load that may wait on a
 server (the scheduler marks it asynchronous) runs on a load thread while the steps go on, and is reported
 finished through ``get_finished``, with its failed blocks among that step's load errors. Saves run in
-``wait_for_save``, after the forward pass, into DRAM (the store cascades to secondary tiers in the background).
+``wait_for_save``, after the forward pass, straight from the paged blocks into DRAM (the store cascades to
+secondary tiers in the background).
 Each load or save that fails is contained on its own: a failed load becomes load errors (vLLM recomputes those
 blocks), a failed save is dropped; both are counted. Layouts are converted by
 :mod:`kvtier.integrations.layouts`.
@@ -21,7 +22,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations._vllm_dram_index import DramReport, KVTierWorkerMetadata
 from kvtier.integrations._vllm_scheduler import KVTierMetadata, Transfer
 from kvtier.integrations._vllm_shared import ConnectorMetrics
-from kvtier.integrations.layouts import Layout, gather, kv_shape, scatter_chunks
+from kvtier.integrations.layouts import Layout, gather_chunks, kv_shape, scatter_chunks
 from kvtier.keys import rank_heads
 from kvtier.store import KVStore
 from kvtier.threads import IDLE_WAIT_SECONDS, DaemonPool
@@ -215,6 +216,13 @@ class WorkerSide:
         start = max(save.offset, held)
         if start >= len(save.tokens):
             return
-        kv = gather(self._caches, save.block_ids[start // self._bs:], self._layout)
-        self._store.put(save.namespace, save.tokens, kv, tp_rank=rank, tp_size=size, offset=start,
-                        kv_heads=self._kv_heads)
+        per = self._chunk // self._bs
+        blocks = save.block_ids[start // self._bs:]
+
+        def source(first: int, dst: torch.Tensor) -> None:  # straight from the paged blocks into DRAM pages
+            gather_chunks(self._caches, blocks[first * per:(first + dst.shape[0]) * per], self._layout, dst)
+
+        layers, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
+        self._store.put_from(save.namespace, save.tokens, source, layers=layers, head_dim=head_dim,
+                             dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=start,
+                             kv_heads=self._kv_heads, device=self._caches[0].device)

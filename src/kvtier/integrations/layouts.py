@@ -7,11 +7,12 @@ are converted here, at the engine's edge, and never stored.
 - ``cpu``: vLLM's CPU backend, ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` (K then V in the last axis).
 - ``flash``: vLLM's GPU flash-attention backend, ``[2, num_blocks, block_size, kv_heads, head_dim]``.
 
-Both functions work on any device: gathers and scatters run where the caches are.
+Every function works on any device: gathers and scatters run where the caches are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
@@ -52,22 +53,115 @@ def _as_canonical_blocks(cache: torch.Tensor, layout: Layout) -> torch.Tensor:
     return cache.permute(1, 0, 3, 2, 4)
 
 
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive block ids: (position of the run's first id in ``block_ids``, its block, length).
+
+    A run is one slice of a layer's cache: copying it is one strided copy, where an indexed copy (``index_put``)
+    of the same bytes measured 2.5x slower on CPU (SmolLM2, 32 blocks: 36 ms against 14 ms)."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, block in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            first, start, length = runs[-1]
+            runs[-1] = (first, start, length + 1)
+        else:
+            runs.append((pos, block, 1))
+    return runs
+
+
 def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor, layout: Layout,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The canonical KV of the tokens in ``block_ids`` (whole blocks, in order), one layer per cache.
 
-    ``out`` (``[layers, 2, kv_heads, len(block_ids) * block_size, head_dim]``), when given, receives it.
+    ``out`` (``[layers, 2, kv_heads, len(block_ids) * block_size, head_dim]``), when given, receives it. One copy
+    per layer and run of consecutive blocks.
     """
     _check(layout)
-    idx = torch.as_tensor(_block_list(block_ids), dtype=torch.long, device=caches[0].device)
+    runs = block_runs(_block_list(block_ids))
+    n = len(block_ids)
     for layer, cache in enumerate(caches):
-        blocks = _as_canonical_blocks(cache, layout).index_select(0, idx)  # [n, 2, H, bs, D]
-        n, _, heads, bs, dim = blocks.shape
+        blocks = _as_canonical_blocks(cache, layout)  # [blocks, 2, H, bs, D]
+        _, _, heads, bs, dim = blocks.shape
         if out is None:
             out = torch.empty((len(caches), 2, heads, n * bs, dim), dtype=cache.dtype, device=cache.device)
-        out[layer].view(2, heads, n, bs, dim).copy_(blocks.permute(1, 2, 0, 3, 4))
+        dst = out[layer].view(2, heads, n, bs, dim).permute(2, 0, 1, 3, 4)  # [n, 2, H, bs, D]
+        for pos, block, length in runs:
+            dst[pos:pos + length].copy_(blocks[block:block + length])
     assert out is not None, "gather needs at least one layer"
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Blocks ``[block, block + blocks)`` of chunk ``chunk`` (``chunks`` > 0: that many whole chunks from
+    ``chunk`` on) hold the consecutive cache blocks from ``dest`` on: one strided copy per layer."""
+
+    chunk: int
+    chunks: int
+    block: int
+    blocks: int
+    dest: int
+
+
+def _pieces(ids: list[int], per: int, first: int) -> list[_Piece]:
+    """The copies that move chunks of ``per`` blocks, from block ``first`` of the first chunk on, to or from the
+    cache blocks ``ids``: one per run of consecutive ids within a chunk, or per run of whole chunks."""
+    pieces: list[_Piece] = []
+    for pos, dest, length in block_runs(ids):
+        q, end = first + pos, first + pos + length  # blocks counted from the first chunk's start
+        while q < end:
+            c, a = divmod(q, per)
+            whole = (end - q) // per if a == 0 else 0
+            piece = _Piece(c, whole, a, whole * per or min(per - a, end - q), dest)
+            pieces.append(piece)
+            dest += piece.blocks
+            q += piece.blocks
+    return pieces
+
+
+def _chunk_blocks(kv: torch.Tensor, layer: int, per: int, bs: int) -> torch.Tensor:
+    """One layer of ``[count, layers, 2, H, chunk, D]`` chunks as ``[count, per, 2, H, bs, D]`` blocks (a view)."""
+    return kv[:, layer].unflatten(3, (per, bs)).permute(0, 3, 1, 2, 4, 5)
+
+
+def _cache_span(blocks: torch.Tensor, piece: _Piece, per: int) -> torch.Tensor:
+    span = blocks[piece.dest:piece.dest + piece.blocks]
+    return span.unflatten(0, (piece.chunks, per)) if piece.chunks else span
+
+
+def _chunk_span(chunks: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    if piece.chunks:
+        return chunks[piece.chunk:piece.chunk + piece.chunks]
+    return chunks[piece.chunk, piece.block:piece.block + piece.blocks]
+
+
+def gather_chunks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor, layout: Layout,
+                  out: torch.Tensor) -> None:
+    """Read the blocks ``block_ids`` into ``out``, ``[count, layers, 2, H, chunk_tokens, D]`` with any strides
+    (e.g. a view of the store's DRAM pages): whole chunks, ``chunk_tokens / block_size`` blocks each. The mirror
+    of :func:`scatter_chunks`; a copy to another device goes a chunk at a time through a buffer on the caches'
+    device (torch would stage a strided cross-device copy of the whole run)."""
+    _check(layout)
+    count, layers, _, _, chunk, _ = out.shape
+    if layers != len(caches):
+        raise ValueError(f"out holds {layers} layers, the engine has {len(caches)}")
+    bs = block_size_of(caches[0], layout)
+    ids = _block_list(block_ids)
+    if chunk % bs or len(ids) != count * (chunk // bs):
+        raise ValueError(f"{count} chunks of {chunk} tokens need {count * chunk // bs} whole {bs}-token blocks; "
+                         f"got {len(ids)} block ids")
+    per = chunk // bs
+    if out.device != caches[0].device or out.dtype != caches[0].dtype:
+        for c in range(count):
+            buf = torch.empty((1, *out.shape[1:]), dtype=caches[0].dtype, device=caches[0].device)
+            gather_chunks(caches, ids[c * per:(c + 1) * per], layout, buf)
+            out[c:c + 1].copy_(buf)
+        return
+    pieces = _pieces(ids, per, 0)
+    for layer, cache in enumerate(caches):
+        blocks = _as_canonical_blocks(cache, layout)  # [blocks, 2, H, bs, D]
+        dst = _chunk_blocks(out, layer, per, bs)
+        for piece in pieces:
+            _chunk_span(dst, piece).copy_(_cache_span(blocks, piece, per))
 
 
 def scatter_chunks(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
@@ -77,8 +171,8 @@ def scatter_chunks(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: 
     tokens (whole blocks: the engine computed them itself). Fewer block ids than the chunks fill end the write
     inside the last chunk (a hit that stops a block before the prompt's last token).
 
-    One indexed copy per layer and run of whole chunks, straight from the source: no staging buffer, no
-    per-block loop.
+    Straight from the source, no staging buffer: per layer, one strided copy for each run of consecutive blocks
+    within a chunk, and one for each run of whole chunks whose blocks follow each other.
     """
     _check(layout)
     count, layers, _, _, chunk, _ = kv.shape
@@ -93,22 +187,11 @@ def scatter_chunks(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: 
     if not max(room - per, 0) < len(ids) <= room:
         raise ValueError(f"{count} chunks after skipping {skip} tokens fill {room} blocks; got {len(ids)} block "
                          f"ids (at most one chunk's worth fewer, ending inside the last chunk)")
-    keep = per - (room - len(ids))  # blocks of the last chunk written
-    idx = torch.as_tensor([-1] * first + ids + [-1] * (room - len(ids)), dtype=torch.long,
-                          device=caches[0].device).view(count, per)
-    # Chunks written whole go in one indexed copy; a first chunk entered past its start, or a last one left
-    # before its end, each in one more.
-    whole_from, whole_to = (1 if first else 0), (count if keep == per else count - 1)
-    if count == 1 and (first or keep < per):
-        parts = [(0, first, keep)]
-    else:
-        parts = ([(0, first, per)] if first else []) + ([(count - 1, 0, keep)] if keep < per else [])
+    pieces = _pieces(ids, per, first)
     for layer, cache in enumerate(caches):
         blocks = _as_canonical_blocks(cache, layout)  # [blocks, 2, H, bs, D]
-        src = kv[:, layer].unflatten(3, (per, bs)).permute(0, 3, 1, 2, 4, 5)  # [count, per, 2, H, bs, D]
+        src = _chunk_blocks(kv, layer, per, bs)  # [count, per, 2, H, bs, D]
         if src.device != cache.device or src.dtype != cache.dtype:
             src = src.to(cache.device, cache.dtype)
-        if whole_to > whole_from:
-            blocks[idx[whole_from:whole_to]] = src[whole_from:whole_to]
-        for c, a, b in parts:
-            blocks[idx[c, a:b]] = src[c, a:b]
+        for piece in pieces:
+            _cache_span(blocks, piece, per).copy_(_chunk_span(src, piece))
