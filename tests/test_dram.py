@@ -178,3 +178,45 @@ def test_each_watcher_reads_the_changes_since_it_began() -> None:
     assert pool.take_changes(first) == [(skey(1), True), (skey(0), False), (skey(2), True), (skey(1), False)]
     assert pool.take_changes(first) == []
     assert pool.take_changes(second) == [(skey(0), False), (skey(2), True), (skey(1), False)]
+
+
+def test_a_put_of_many_chunks_takes_consecutive_pages_after_evicting() -> None:
+    """Evicting an old prefix leaf first frees its pages back to front; reserved together, the new chunks still
+    get one run of pages (one copy for the whole put), where chunk-by-chunk reservations got one run each."""
+    pool = DramPool(8 * PAGE, PAGE, PrefixLRUPolicy())  # four 2-page shards
+    for i in range(4):
+        put(pool, i, parent=i - 1 if i else None)
+    got = pool.reserve_chunks([(skey(10 + i), skey(9 + i).chunk if i else None) for i in range(3)], META)
+    entries = [e for e in got if isinstance(e, DramEntry)]
+    assert len(entries) == 3 and resident(pool) == {0}
+    assert len(pool.runs(list(enumerate(entries)), torch.device("cpu"))) == 1
+    for e in entries:
+        pool.abort(e)
+    assert pool.audit()["lost_pages"] == 0
+
+
+def test_reserving_chunks_never_evicts_one_it_calls_present() -> None:
+    pool = DramPool(6 * PAGE, PAGE, LRUPolicy())  # three 2-page shards
+    for i in range(3):
+        put(pool, i)
+    # Chunk 0 is held (the least recent: LRU's first victim); chunks 5 and 6 need two shards' pages.
+    got = pool.reserve_chunks([(skey(0), None), (skey(5), skey(0).chunk), (skey(6), skey(5).chunk)], META)
+    assert got[0] == "present" and all(isinstance(e, DramEntry) for e in got[1:])
+    assert 0 in resident(pool)
+    for e in got[1:]:
+        pool.commit(e)  # type: ignore[arg-type]
+    assert resident(pool) == {0, 5, 6} and pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0,
+                                                            "idle_mismatch": 0}
+
+
+def test_reserving_chunks_stops_at_the_first_that_cannot_fit() -> None:
+    pool = DramPool(6 * PAGE, PAGE, LRUPolicy())
+    busy = put(pool, 0)
+    pool.acquire(skey(0).namespace, skey(0).chunk, [skey(0).heads])  # pinned: 4 pages can be had
+    got = pool.reserve_chunks([(skey(i), None) for i in (0, 1, 2, 3, 4)], META)
+    assert got[0] == "present" and isinstance(got[1], DramEntry) and isinstance(got[2], DramEntry)
+    assert got[3:] == ["full"]  # chunk 3 does not fit; chunk 4 is not even tried
+    for e in got[1:3]:
+        pool.abort(e)  # type: ignore[arg-type]
+    pool.release(busy)
+    assert pool.audit()["lost_pages"] == 0

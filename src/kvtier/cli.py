@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefix-tokens", type=_prefix_tokens, metavar="N",
                        help="documents of N tokens (a multiple of 256, 1024 to 32768; e.g. 8192, 16384) instead "
                             "of 4096: the hit phases only, 3 documents asked twice")
+    bench.add_argument("--chunk-tokens", type=int, choices=(128, 256, 512), default=256,
+                       help="kvtier's chunk size (default 256; 128 is vLLM-CPU's block: hits end where the "
+                            "engine's own do, at the cost of twice the chunks)")
     router = top.add_parser("router", help="a cache-aware OpenAI-compatible router in front of vLLM API servers")
     router.add_argument("--config", required=True, help="router config (YAML; see the README's 'Running a fleet')")
     router.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -466,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.group == "bench":
         from kvtier.bench.ttft import run
 
-        return run(args.quick, args.json, args.work_dir, args.shared_tier, args.prefix_tokens)
+        return run(args.quick, args.json, args.work_dir, args.shared_tier, args.prefix_tokens, args.chunk_tokens)
     if args.group == "router":
         return _router(args)
     if args.group == "simulate":

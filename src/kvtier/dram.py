@@ -34,6 +34,14 @@ class _FreePages:
         self._lens: dict[int, int] = {0: pages} if pages else {}
         self.count = pages
 
+    def take_run(self, n: int) -> Extent | None:
+        """``n`` consecutive pages (first fit), or None when no free run is that long."""
+        for start in self._starts:
+            if self._lens[start] >= n:
+                self._remove_prefix(start, n)
+                return (start, n)
+        return None
+
     def take(self, n: int) -> list[Extent] | None:
         if n > self.count:
             return None
@@ -201,6 +209,50 @@ class DramPool:
             self._pending.add(key)
             return DramEntry(key, meta, parent, extents)
 
+    def reserve_chunks(self, chunks: list[tuple[ShardKey, str | None]], meta: ShardMeta) -> list[Reservation]:
+        """:meth:`reserve` for consecutive chunks of one shape (key, parent), in order, under one lock; the list
+        ends after the first ``"full"``. The new entries get consecutive pages where the free pages allow, so
+        their copy is one run (:meth:`fill_chunks`); entries already held stay pinned while the others evict, so
+        none this call calls present is evicted by it."""
+        need = -(-meta.nbytes // self.page_bytes)
+        if self._arena is None:
+            self.allocate()
+        out: list[Reservation | tuple[ShardKey, str | None]] = []
+        with self._lock:
+            held: list[DramEntry] = []
+            for key, parent in chunks:
+                entry = self._by_key.get(key)
+                if key in self._pending or (entry is not None and entry.meta == meta):
+                    if entry is not None:
+                        self._policy.touch(key)  # stored again: as recent as a read (the simulator's model too)
+                        self._pin_locked(entry)
+                        held.append(entry)
+                    out.append("present")
+                    continue
+                if entry is not None:
+                    self._discard_locked(entry)  # another shape under this key (e.g. a hostile promotion): replace
+                out.append((key, parent))
+            try:
+                fresh = [i for i, r in enumerate(out) if isinstance(r, tuple)]
+                fit = min(len(fresh), (self._free.count + self._idle_pages) // need)
+                if fit < len(fresh):  # chunks after one that cannot fit could never be reached: not reserved
+                    out[fresh[fit]:] = ["full"]
+                while self._free.count < fit * need:
+                    victim = self._policy.victim(self._evictable)
+                    assert victim is not None, "idle pages were counted but no entry is evictable"
+                    self._evict(self._by_key[victim])  # type: ignore[index]
+                run = self._free.take_run(fit * need) if fit > 1 else None
+                for n, i in enumerate(fresh[:fit]):
+                    key, parent = out[i]  # type: ignore[misc]
+                    extents = [(run[0] + n * need, need)] if run is not None else self._free.take(need)
+                    assert extents is not None, "free pages were counted"
+                    self._pending.add(key)
+                    out[i] = DramEntry(key, meta, parent, extents)
+            finally:
+                for entry in held:
+                    self._release_locked(entry)
+        return out  # type: ignore[return-value]
+
     def fill_chunks(self, fill: Callable[[int, torch.Tensor], None], chunks: list[tuple[int, DramEntry]],
                     device: torch.device) -> None:
         """Have ``fill(i, view)`` write chunk ``i`` (and those after it) into the reserved entries of ``chunks``.
@@ -286,21 +338,27 @@ class DramPool:
             if any(e is None for e in entries):
                 return None
             for entry in entries:
-                if entry.refs == 0:  # type: ignore[union-attr]
-                    self._idle_pages -= entry.pages  # type: ignore[union-attr]
-                entry.refs += 1  # type: ignore[union-attr]
+                self._pin_locked(entry)  # type: ignore[arg-type]
                 self._policy.touch(entry.key)  # type: ignore[union-attr]
             return entries  # type: ignore[return-value]
 
+    def _pin_locked(self, entry: DramEntry) -> None:
+        if entry.refs == 0:
+            self._idle_pages -= entry.pages
+        entry.refs += 1
+
     def release(self, entry: DramEntry) -> None:
         with self._lock:
-            assert entry.refs > 0, f"release of unpinned entry {entry.key.name}"
-            entry.refs -= 1
-            if entry.refs == 0:
-                if self._by_key.get(entry.key) is entry:
-                    self._idle_pages += entry.pages
-                elif entry.discarded:
-                    self._free.give(entry.extents)  # the last reader of a discarded entry is done
+            self._release_locked(entry)
+
+    def _release_locked(self, entry: DramEntry) -> None:
+        assert entry.refs > 0, f"release of unpinned entry {entry.key.name}"
+        entry.refs -= 1
+        if entry.refs == 0:
+            if self._by_key.get(entry.key) is entry:
+                self._idle_pages += entry.pages
+            elif entry.discarded:
+                self._free.give(entry.extents)  # the last reader of a discarded entry is done
 
     def discard(self, entry: DramEntry) -> None:
         """Remove a committed entry from the index now (e.g. it holds another shape than its readers expect);

@@ -244,20 +244,15 @@ class KVStore:
         self._remember_shape(ns.id, _Shape.of(meta))  # the caller's own KV: it defines the shape
         first = offset // t
         held = 0  # leading chunks from `first` on now in DRAM
-        parent = None
         namespace = ns.id
         reserved: list[tuple[int, DramEntry]] = []
+        chunks = [key.hex() for key in chunk_keys(ns, tokens, t)]
+        wanted = [(ShardKey(namespace, chunk, meta.heads), chunks[i - 1] if i else None)
+                  for i, chunk in enumerate(chunks) if i >= first]
         try:  # phase 1: reserve every chunk, then copy them all (asynchronously from a CUDA tensor)
-            for i, key in enumerate(chunk_keys(ns, tokens, t)):
-                skey = ShardKey(namespace, key.hex(), meta.heads)
-                if i < first:
-                    parent = skey.chunk
-                    continue
-                i -= first  # the chunk's index from offset's
-                entry = self.dram.reserve(skey, meta, parent)
-                parent = skey.chunk
+            for i, entry in enumerate(self.dram.reserve_chunks(wanted, meta)):  # i: the chunk's index from offset's
                 if entry == "full":
-                    # Chunks after a missing one could never be reached by a prefix lookup: stop here.
+                    # Chunks after a missing one could never be reached by a prefix lookup: not reserved.
                     self._dram_full.inc()
                     break
                 if isinstance(entry, DramEntry):
