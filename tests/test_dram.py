@@ -196,17 +196,43 @@ def test_a_put_of_many_chunks_takes_consecutive_pages_after_evicting() -> None:
 
 
 def test_reserving_chunks_never_evicts_one_it_calls_present() -> None:
-    pool = DramPool(6 * PAGE, PAGE, LRUPolicy())  # three 2-page shards
-    for i in range(3):
+    pool = DramPool(4 * PAGE, PAGE, LRUPolicy())  # two 2-page shards
+    for i in range(2):
         put(pool, i)
-    # Chunk 0 is held (the least recent: LRU's first victim); chunks 5 and 6 need two shards' pages.
+    # Chunk 0 is held; chunks 5 and 6 need both shards' pages: only chunk 1's can go, so chunk 6 does not fit.
     got = pool.reserve_chunks([(skey(0), None), (skey(5), skey(0).chunk), (skey(6), skey(5).chunk)], META)
-    assert got[0] == "present" and all(isinstance(e, DramEntry) for e in got[1:])
-    assert 0 in resident(pool)
-    for e in got[1:]:
-        pool.commit(e)  # type: ignore[arg-type]
-    assert resident(pool) == {0, 5, 6} and pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0,
-                                                            "idle_mismatch": 0}
+    assert got[0] == "present" and isinstance(got[1], DramEntry) and got[2:] == ["full"]
+    assert resident(pool) == {0}
+    pool.commit(got[1])  # type: ignore[arg-type]
+    assert resident(pool) == {0, 5} and pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0,
+                                                         "idle_mismatch": 0}
+
+
+def test_a_held_child_does_not_keep_its_missing_parent_out() -> None:
+    """Chunk 1 is held but its parent 0 is not (LRU evicted it): storing 0 may evict 1, as storing chunk by chunk
+    would, rather than refusing the prefix to keep a chunk no lookup reaches without it."""
+    pool = DramPool(4 * PAGE, PAGE, LRUPolicy())
+    put(pool, 1, parent=0)
+    busy = put(pool, 7)
+    pool.acquire(busy.key.namespace, busy.key.chunk, [busy.key.heads])
+    got = pool.reserve_chunks([(skey(0), None), (skey(1), skey(0).chunk)], META)
+    assert isinstance(got[0], DramEntry) and got[1:] == ["full"]
+    pool.abort(got[0])  # type: ignore[arg-type]
+    pool.release(busy)
+    assert pool.audit()["lost_pages"] == 0
+
+
+def test_a_key_listed_twice_is_reserved_once() -> None:
+    pool = DramPool(8 * PAGE, PAGE, LRUPolicy())
+    got = pool.reserve_chunks([(skey(1), None), (skey(1), None)], META)
+    assert isinstance(got[0], DramEntry) and got[1] == "present"
+    pool.commit(got[0])  # type: ignore[arg-type]
+    assert pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+
+
+def test_an_empty_reservation_allocates_nothing() -> None:
+    pool = DramPool(8 * PAGE, PAGE, LRUPolicy(), allocate=False)
+    assert pool.reserve_chunks([], META) == [] and not pool.allocated
 
 
 def test_reserving_chunks_stops_at_the_first_that_cannot_fit() -> None:

@@ -186,72 +186,95 @@ class DramPool:
     # -- two-phase insert --------------------------------------------------------------------------------------
     def reserve(self, key: ShardKey, meta: ShardMeta, parent: str | None) -> Reservation:
         """Claim pages for ``key``, evicting unpinned entries as needed. The entry holds one reference."""
-        need = -(-meta.nbytes // self.page_bytes)
         if self._arena is None:
             self.allocate()  # deferred until the first shard needs it
         with self._lock:
-            if key in self._pending:
-                return "present"
-            held = self._by_key.get(key)
-            if held is not None:
-                if held.meta == meta:
-                    self._policy.touch(key)  # stored again: as recent as a read (the simulator's model too)
-                    return "present"
-                self._discard_locked(held)  # another shape under this key (e.g. a hostile promotion): replace
-            if self._free.count + self._idle_pages < need:
-                return "full"  # even evicting every idle entry would not make room: evict nothing
-            extents = self._free.take(need)
-            while extents is None:
-                victim = self._policy.victim(self._evictable)
-                assert victim is not None, "idle pages were counted but no entry is evictable"
-                self._evict(self._by_key[victim])  # type: ignore[index]
-                extents = self._free.take(need)
-            self._pending.add(key)
-            return DramEntry(key, meta, parent, extents)
+            return self._reserve_locked(key, meta, parent)
+
+    def _held_locked(self, key: ShardKey, meta: ShardMeta) -> DramEntry | bool:
+        """Whether ``key`` is held in this shape (its entry) or being written (True); False if not, discarding an
+        entry of another shape under it (e.g. a hostile promotion): the put replaces it."""
+        if key in self._pending:
+            return True
+        held = self._by_key.get(key)
+        if held is None:
+            return False
+        if held.meta == meta:
+            self._policy.touch(key)  # stored again: as recent as a read (the simulator's model too)
+            return held
+        self._discard_locked(held)
+        return False
+
+    def _reserve_locked(self, key: ShardKey, meta: ShardMeta, parent: str | None) -> Reservation:
+        if self._held_locked(key, meta) is not False:
+            return "present"
+        need = -(-meta.nbytes // self.page_bytes)
+        if self._free.count + self._idle_pages < need:
+            return "full"  # even evicting every idle entry would not make room: evict nothing
+        self._evict_until(need)
+        extents = self._free.take(need)
+        assert extents is not None, "free pages were counted"
+        self._pending.add(key)
+        return DramEntry(key, meta, parent, extents)
+
+    def _evict_until(self, free: int) -> None:
+        while self._free.count < free:
+            victim = self._policy.victim(self._evictable)
+            assert victim is not None, "idle pages were counted but no entry is evictable"
+            self._evict(self._by_key[victim])  # type: ignore[index]
 
     def reserve_chunks(self, chunks: list[tuple[ShardKey, str | None]], meta: ShardMeta) -> list[Reservation]:
         """:meth:`reserve` for consecutive chunks of one shape (key, parent), in order, under one lock; the list
-        ends after the first ``"full"``. The new entries get consecutive pages where the free pages allow, so
-        their copy is one run (:meth:`fill_chunks`); entries already held stay pinned while the others evict, so
-        none this call calls present is evicted by it."""
-        need = -(-meta.nbytes // self.page_bytes)
+        ends at the first ``"full"``. When every new chunk fits without evicting one this call finds held, the
+        new entries get consecutive pages where the free pages allow, so their copy is one run
+        (:meth:`fill_chunks`): evicting an old prefix leaf first frees its pages back to front, and chunk-by-chunk
+        reservations would each take a run of their own. Otherwise chunk by chunk."""
+        if not chunks:
+            return []
         if self._arena is None:
             self.allocate()
-        out: list[Reservation | tuple[ShardKey, str | None]] = []
+        need = -(-meta.nbytes // self.page_bytes)
+        out: list[Reservation] = []
         with self._lock:
-            held: list[DramEntry] = []
-            for key, parent in chunks:
-                entry = self._by_key.get(key)
-                if key in self._pending or (entry is not None and entry.meta == meta):
-                    if entry is not None:
-                        self._policy.touch(key)  # stored again: as recent as a read (the simulator's model too)
+            held: list[DramEntry] = []  # pinned while the new chunks evict: each stays what this call says
+            fresh: dict[ShardKey, int] = {}  # new key -> its place in `out`
+            try:
+                for key, _ in chunks:
+                    entry = self._held_locked(key, meta) if key not in fresh else True
+                    if isinstance(entry, DramEntry):
                         self._pin_locked(entry)
                         held.append(entry)
+                    if entry is False:
+                        fresh[key] = len(out)
                     out.append("present")
-                    continue
-                if entry is not None:
-                    self._discard_locked(entry)  # another shape under this key (e.g. a hostile promotion): replace
-                out.append((key, parent))
-            try:
-                fresh = [i for i, r in enumerate(out) if isinstance(r, tuple)]
-                fit = min(len(fresh), (self._free.count + self._idle_pages) // need)
-                if fit < len(fresh):  # chunks after one that cannot fit could never be reached: not reserved
-                    out[fresh[fit]:] = ["full"]
-                while self._free.count < fit * need:
-                    victim = self._policy.victim(self._evictable)
-                    assert victim is not None, "idle pages were counted but no entry is evictable"
-                    self._evict(self._by_key[victim])  # type: ignore[index]
-                run = self._free.take_run(fit * need) if fit > 1 else None
-                for n, i in enumerate(fresh[:fit]):
-                    key, parent = out[i]  # type: ignore[misc]
-                    extents = [(run[0] + n * need, need)] if run is not None else self._free.take(need)
-                    assert extents is not None, "free pages were counted"
-                    self._pending.add(key)
-                    out[i] = DramEntry(key, meta, parent, extents)
+                if self._free.count + self._idle_pages >= len(fresh) * need:
+                    self._evict_until(len(fresh) * need)
+                    run = self._free.take_run(len(fresh) * need) if len(fresh) > 1 else None
+                    for n, (key, i) in enumerate(fresh.items()):
+                        extents = [(run[0] + n * need, need)] if run is not None else self._free.take(need)
+                        assert extents is not None, "free pages were counted"
+                        self._pending.add(key)
+                        out[i] = DramEntry(key, meta, chunks[i][1], extents)
+                    return out
             finally:
                 for entry in held:
                     self._release_locked(entry)
-        return out  # type: ignore[return-value]
+            # Chunk by chunk, pinning each held one once passed: a held child of a missing parent may go to make
+            # room for the parent, but no chunk this call calls present goes.
+            out, held = [], []
+            try:
+                for key, parent in chunks:
+                    entry = self._held_locked(key, meta)
+                    if isinstance(entry, DramEntry):
+                        self._pin_locked(entry)
+                        held.append(entry)
+                    out.append("present" if entry is not False else self._reserve_locked(key, meta, parent))
+                    if out[-1] == "full":
+                        break
+            finally:
+                for entry in held:
+                    self._release_locked(entry)
+            return out
 
     def fill_chunks(self, fill: Callable[[int, torch.Tensor], None], chunks: list[tuple[int, DramEntry]],
                     device: torch.device) -> None:

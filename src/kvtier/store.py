@@ -208,11 +208,12 @@ class KVStore:
         heads = rank_heads(kv.shape[2] * tp_size if kv_heads is None else kv_heads, tp_rank, tp_size)
         if heads.count != kv.shape[2]:
             raise ValueError(f"kv holds {kv.shape[2]} KV heads, rank {tp_rank} of {tp_size} holds {heads}")
-        non_blocking = kv.is_cuda and self.dram.pinned
 
         def copy(first: int, dst: torch.Tensor) -> None:
+            # Asynchronous only into pinned pages (waited for before commit), never into a buffer read at once.
             src = kv[:, :, :, first * t:(first + dst.shape[0]) * t]
-            dst.copy_(src.unflatten(3, (dst.shape[0], t)).permute(3, 0, 1, 2, 4, 5), non_blocking=non_blocking)
+            dst.copy_(src.unflatten(3, (dst.shape[0], t)).permute(3, 0, 1, 2, 4, 5),
+                      non_blocking=kv.is_cuda and dst.is_pinned())
 
         return self._put(ns, tokens, frame.ShardMeta(kv.shape[0], t, kv.shape[4], kv.dtype, heads), copy, offset,
                          kv.device, start)
@@ -262,6 +263,8 @@ class KVStore:
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
         except BaseException:
+            if device.type == "cuda":  # copies already started must land before their pages are handed out again
+                torch.cuda.current_stream(device).synchronize()
             for _, entry in reserved:
                 self.dram.abort(entry)
             raise

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.integrations import layouts
 from kvtier.integrations.layouts import block_runs, gather, gather_chunks, scatter_chunks
 
 LAYERS, HEADS, DIM, BS, BLOCKS = 3, 4, 8, 16, 12
@@ -109,10 +111,16 @@ def test_scatter_chunks_from_strided_views(layout: str, skip: int, stop: int) ->
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.data(), layout=st.sampled_from(["cpu", "flash"]))
-def test_runs_of_blocks_copy_like_single_blocks(data: st.DataObject, layout: str) -> None:
+@given(data=st.data(), layout=st.sampled_from(["cpu", "flash"]), indexed=st.booleans())
+def test_runs_of_blocks_copy_like_single_blocks(data: st.DataObject, layout: str, indexed: bool) -> None:
     """Block tables with runs of consecutive ids (as vLLM allocates them) and jumps between them, written and read
-    run by run, hold exactly what a token-by-token reading of the layout says, and no other block changes."""
+    run by run (CPU) or by one indexed copy per layer (``indexed``: a GPU's path, run here on CPU tensors), hold
+    exactly what a token-by-token reading of the layout says, and no other block changes."""
+    with mock.patch.object(layouts, "_by_runs", lambda device: not indexed):
+        check_runs_of_blocks(data, layout)
+
+
+def check_runs_of_blocks(data: st.DataObject, layout: str) -> None:
     per = data.draw(st.sampled_from([1, 2, 3]), label="blocks per chunk")
     count = data.draw(st.integers(1, 3), label="chunks")
     first = data.draw(st.integers(0, per - 1), label="skipped blocks")
@@ -139,11 +147,16 @@ def test_block_runs() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(data=st.data(), layout=st.sampled_from(["cpu", "flash"]), staged=st.booleans())
-def test_gather_chunks_into_strided_pages(data: st.DataObject, layout: str, staged: bool) -> None:
+@given(data=st.data(), layout=st.sampled_from(["cpu", "flash"]), staged=st.booleans(), indexed=st.booleans())
+def test_gather_chunks_into_strided_pages(data: st.DataObject, layout: str, staged: bool, indexed: bool) -> None:
     """A save's gather straight into DRAM pages (a strided view with gaps between chunks) holds exactly the
     blocks' KV, chunk by chunk; ``staged``: into another dtype, a chunk at a time through a buffer (the path a
-    GPU cache takes into host pages)."""
+    GPU cache takes into host pages); ``indexed``: a GPU's indexed copies."""
+    with mock.patch.object(layouts, "_by_runs", lambda device: not indexed):
+        check_gather_chunks(data, layout, staged)
+
+
+def check_gather_chunks(data: st.DataObject, layout: str, staged: bool) -> None:
     per = data.draw(st.sampled_from([1, 2, 3]), label="blocks per chunk")
     count = data.draw(st.integers(1, 3), label="chunks")
     blocks = data.draw(st.permutations(range(BLOCKS)), label="order")[:count * per]
@@ -161,3 +174,20 @@ def test_gather_chunks_into_strided_pages(data: st.DataObject, layout: str, stag
 def test_gather_chunks_needs_whole_chunks() -> None:
     with pytest.raises(ValueError, match="2 chunks of 32 tokens need 4 whole 16-token blocks; got 3 block ids"):
         gather_chunks(make_caches("cpu"), [0, 1, 2], "cpu", torch.zeros(2, LAYERS, 2, HEADS, 32, DIM))
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+def test_block_ids_and_heads_outside_the_cache_are_refused(layout: str) -> None:
+    """A slice past the last block would read the last block again and a one-head chunk would be broadcast into
+    every head: both are refused, never copied."""
+    caches = make_caches(layout)
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 12\), got 11..12"):
+        gather(caches, [11, 12], layout)
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 12\), got -1..0"):
+        scatter_chunks(torch.zeros(1, LAYERS, 2, HEADS, 2 * BS, DIM), caches, [-1, 0], layout)
+    one_head = torch.zeros(1, LAYERS, 2, 1, BS, DIM, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"kv is \(1, 3, 2, 1, 16, 8\); the engine's cache holds chunks of "
+                                         r"\[layers, 2, 4 KV heads, tokens, 8\]"):
+        scatter_chunks(one_head, caches, [0], layout)
+    with pytest.raises(ValueError, match="out is"):
+        gather_chunks(caches, [0], layout, one_head)

@@ -31,8 +31,8 @@ def post_completion(port: int, body: dict) -> dict:
 
 
 def server_env() -> dict[str, str]:
-    """The environment vLLM's API server runs in for a measurement: the server's own defaults (multiprocessing on),
-    and the same compute cores with and without a KV connector.
+    """The environment vLLM runs in for a measurement: the server's own defaults (multiprocessing on; an
+    in-process engine sets it off), and the same compute cores with and without a KV connector.
 
     On CPU, vLLM binds its worker's OpenMP threads to the cores it does not reserve, and reserves one core per
     rank, plus one more when a KV connector is configured; on 2 cores the second reservation leaves none, and

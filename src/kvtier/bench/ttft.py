@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.model import prepare_model
+from kvtier.bench.server import server_env
 from kvtier.bench.workload import documents, requests
 
 BLOCK = 128
@@ -129,7 +130,7 @@ def _run_phases(job: dict, work: Path, profile: dict, json_path: Path | None, ph
         with open(work / f"{phase}.log", "w") as engine_log:  # vLLM logs to stdout: keep it out of the table
             proc = subprocess.run([sys.executable, "-m", "kvtier.bench.phase", str(work / "job.json"), phase,
                                    str(out)], stdout=engine_log,
-                                  env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                  env={**server_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                                        # prefixes beyond the model's 8,192 positions (--prefix-tokens 16384)
                                        "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})

@@ -56,8 +56,9 @@ def _as_canonical_blocks(cache: torch.Tensor, layout: Layout) -> torch.Tensor:
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive block ids: (position of the run's first id in ``block_ids``, its block, length).
 
-    A run is one slice of a layer's cache: copying it is one strided copy, where an indexed copy (``index_put``)
-    of the same bytes measured 2.5x slower on CPU (SmolLM2, 32 blocks: 36 ms against 14 ms)."""
+    On CPU a run is one slice of a layer's cache, copied by one strided copy, where an indexed copy
+    (``index_put``) of the same bytes measured 3x slower (SmolLM2, 32 blocks: 36 ms against 12 ms; one copy per
+    block, the worst case of a table with no two consecutive ids, took 18 ms)."""
     runs: list[tuple[int, int, int]] = []
     for pos, block in enumerate(block_ids):
         if runs and runs[-1][1] + runs[-1][2] == block:
@@ -68,25 +69,42 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _by_runs(device: torch.device) -> bool:
+    """Whether copies on ``device`` go run by run (CPU) or as one indexed copy per layer (a GPU, where many small
+    copies would each pay a kernel launch)."""
+    return device.type == "cpu"
+
+
+def _checked_ids(block_ids: Sequence[int] | torch.Tensor, blocks: torch.Tensor) -> list[int]:
+    ids = _block_list(block_ids)
+    if ids and not (0 <= min(ids) and max(ids) < blocks.shape[0]):
+        raise ValueError(f"block ids must be in [0, {blocks.shape[0]}), got {min(ids)}..{max(ids)}")
+    return ids
+
+
+def _check_kv(kv: torch.Tensor, blocks: torch.Tensor, what: str) -> None:
+    """``kv`` (``[count, layers, 2, H, tokens, D]``) holds the heads and head size of ``blocks``' cache (a copy
+    would broadcast one head into all of them without a word)."""
+    _, _, heads, _, dim = blocks.shape
+    if kv.dim() != 6 or kv.shape[2] != 2 or kv.shape[3] != heads or kv.shape[5] != dim:
+        raise ValueError(f"{what} is {tuple(kv.shape)}; the engine's cache holds chunks of [layers, 2, {heads} "
+                         f"KV heads, tokens, {dim}]")
+
+
 def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor, layout: Layout,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The canonical KV of the tokens in ``block_ids`` (whole blocks, in order), one layer per cache.
 
-    ``out`` (``[layers, 2, kv_heads, len(block_ids) * block_size, head_dim]``), when given, receives it. One copy
-    per layer and run of consecutive blocks.
+    ``out`` (``[layers, 2, kv_heads, len(block_ids) * block_size, head_dim]``), when given, receives it.
     """
     _check(layout)
-    runs = block_runs(_block_list(block_ids))
-    n = len(block_ids)
-    for layer, cache in enumerate(caches):
-        blocks = _as_canonical_blocks(cache, layout)  # [blocks, 2, H, bs, D]
-        _, _, heads, bs, dim = blocks.shape
-        if out is None:
-            out = torch.empty((len(caches), 2, heads, n * bs, dim), dtype=cache.dtype, device=cache.device)
-        dst = out[layer].view(2, heads, n, bs, dim).permute(2, 0, 1, 3, 4)  # [n, 2, H, bs, D]
-        for pos, block, length in runs:
-            dst[pos:pos + length].copy_(blocks[block:block + length])
-    assert out is not None, "gather needs at least one layer"
+    first = _as_canonical_blocks(caches[0], layout)
+    ids = _checked_ids(block_ids, first)
+    _, _, heads, bs, dim = first.shape
+    if out is None:
+        out = torch.empty((len(caches), 2, heads, len(ids) * bs, dim), dtype=first.dtype, device=first.device)
+    if ids:
+        gather_chunks(caches, ids, layout, out.unsqueeze(0))  # one chunk of all the blocks
     return out
 
 
@@ -138,28 +156,34 @@ def gather_chunks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | tor
                   out: torch.Tensor) -> None:
     """Read the blocks ``block_ids`` into ``out``, ``[count, layers, 2, H, chunk_tokens, D]`` with any strides
     (e.g. a view of the store's DRAM pages): whole chunks, ``chunk_tokens / block_size`` blocks each. The mirror
-    of :func:`scatter_chunks`; a copy to another device goes a chunk at a time through a buffer on the caches'
-    device (torch would stage a strided cross-device copy of the whole run)."""
+    of :func:`scatter_chunks`; a copy to another device or dtype goes a chunk at a time through a buffer on the
+    caches' device (torch would stage a strided cross-device copy of the whole run)."""
     _check(layout)
     count, layers, _, _, chunk, _ = out.shape
     if layers != len(caches):
         raise ValueError(f"out holds {layers} layers, the engine has {len(caches)}")
-    bs = block_size_of(caches[0], layout)
-    ids = _block_list(block_ids)
+    first = _as_canonical_blocks(caches[0], layout)
+    _check_kv(out, first, "out")
+    ids = _checked_ids(block_ids, first)
+    bs = first.shape[3]
     if chunk % bs or len(ids) != count * (chunk // bs):
         raise ValueError(f"{count} chunks of {chunk} tokens need {count * chunk // bs} whole {bs}-token blocks; "
                          f"got {len(ids)} block ids")
     per = chunk // bs
-    if out.device != caches[0].device or out.dtype != caches[0].dtype:
+    if out.device != first.device or out.dtype != first.dtype:
         for c in range(count):
-            buf = torch.empty((1, *out.shape[1:]), dtype=caches[0].dtype, device=caches[0].device)
+            buf = torch.empty((1, *out.shape[1:]), dtype=first.dtype, device=first.device)
             gather_chunks(caches, ids[c * per:(c + 1) * per], layout, buf)
             out[c:c + 1].copy_(buf)
         return
-    pieces = _pieces(ids, per, 0)
+    runs = _by_runs(first.device)
+    pieces = _pieces(ids, per, 0) if runs else []
+    idx = None if runs else torch.as_tensor(ids, dtype=torch.long, device=first.device)
     for layer, cache in enumerate(caches):
         blocks = _as_canonical_blocks(cache, layout)  # [blocks, 2, H, bs, D]
-        dst = _chunk_blocks(out, layer, per, bs)
+        dst = _chunk_blocks(out, layer, per, bs)  # [count, per, 2, H, bs, D]
+        if idx is not None:
+            dst.copy_(blocks.index_select(0, idx).unflatten(0, (count, per)))
         for piece in pieces:
             _chunk_span(dst, piece).copy_(_cache_span(blocks, piece, per))
 
@@ -171,27 +195,34 @@ def scatter_chunks(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: 
     tokens (whole blocks: the engine computed them itself). Fewer block ids than the chunks fill end the write
     inside the last chunk (a hit that stops a block before the prompt's last token).
 
-    Straight from the source, no staging buffer: per layer, one strided copy for each run of consecutive blocks
-    within a chunk, and one for each run of whole chunks whose blocks follow each other.
+    Straight from the source, no staging buffer: on CPU, per layer, one strided copy for each run of consecutive
+    blocks within a chunk, and one for each run of whole chunks whose blocks follow each other; on a GPU, one
+    indexed copy per layer (of the layer's chunks, moved to the device first when they are elsewhere).
     """
     _check(layout)
     count, layers, _, _, chunk, _ = kv.shape
     if layers != len(caches):
         raise ValueError(f"kv holds {layers} layers, the engine has {len(caches)}")
-    bs = block_size_of(caches[0], layout)
+    first_cache = _as_canonical_blocks(caches[0], layout)
+    _check_kv(kv, first_cache, "kv")
+    bs = first_cache.shape[3]
     if chunk % bs or skip % bs or not 0 <= skip < chunk:
         raise ValueError(f"chunks of {chunk} tokens, skip {skip}: both must be whole {bs}-token blocks, skip < chunk")
     per, first = chunk // bs, skip // bs
-    ids = _block_list(block_ids)
+    ids = _checked_ids(block_ids, first_cache)
     room = count * per - first  # blocks the chunks fill after the skip
     if not max(room - per, 0) < len(ids) <= room:
         raise ValueError(f"{count} chunks after skipping {skip} tokens fill {room} blocks; got {len(ids)} block "
                          f"ids (at most one chunk's worth fewer, ending inside the last chunk)")
-    pieces = _pieces(ids, per, first)
+    runs = _by_runs(first_cache.device)
+    pieces = _pieces(ids, per, first) if runs else []
+    idx = None if runs else torch.as_tensor(ids, dtype=torch.long, device=first_cache.device)
     for layer, cache in enumerate(caches):
         blocks = _as_canonical_blocks(cache, layout)  # [blocks, 2, H, bs, D]
         src = _chunk_blocks(kv, layer, per, bs)  # [count, per, 2, H, bs, D]
         if src.device != cache.device or src.dtype != cache.dtype:
             src = src.to(cache.device, cache.dtype)
+        if idx is not None:
+            blocks.index_copy_(0, idx, src.flatten(0, 1)[first:first + len(ids)])
         for piece in pieces:
             _cache_span(blocks, piece, per).copy_(_chunk_span(src, piece))
