@@ -236,33 +236,45 @@ def test_a_tier_error_rests_the_tier(tier: DictTier) -> None:
 def test_a_put_stops_at_the_first_chunk_that_does_not_fit(tier: DictTier, monkeypatch) -> None:
     tokens = synthetic_tokens(8, 4 * T)
     with open_store(tier) as store:
-        reserve, calls = store.dram.reserve, []
+        reserve = store.dram.reserve_chunks
 
-        def third_is_full(key, meta, parent):  # e.g. every page pinned at that moment, freed just after
-            calls.append(key)
-            return "full" if len(calls) == 3 else reserve(key, meta, parent)
+        def third_is_full(chunks, meta):  # e.g. every page pinned at that moment, freed just after
+            assert len(chunks) == 4
+            return [*reserve(chunks[:2], meta), "full"]  # the fourth is not reserved (tests/test_dram.py)
 
-        monkeypatch.setattr(store.dram, "reserve", third_is_full)
+        monkeypatch.setattr(store.dram, "reserve_chunks", third_is_full)
         assert store.put(NS, tokens, synthetic_kv(tokens)) == 2 * T
         store.flush()
-        assert len(calls) == 3  # the fourth chunk is never reserved: no prefix lookup could reach it
         assert len(tier.objects) == 2 and len(store.dram) == 2
         assert store.stats()["dram"]["dropped_writes_total{reason=dram_full}"] == 1
 
 
 def test_a_failed_promotion_copy_releases_its_reservation(tier: DictTier, monkeypatch) -> None:
+    """Both ways a shard reaches DRAM from a tier: read whole and copied in (the first shard of a process, whose
+    shape is not known yet), and read straight into its reserved pages (the rest). A failure in either leaves
+    no reservation behind."""
     tokens = synthetic_tokens(9, 2 * T)
     kv = synthetic_kv(tokens)
     with open_store(tier) as store:
         store.put(NS, tokens, kv)
-        store.flush()
-        store.drop_dram()
+    with open_store(tier) as store:  # a new process
         real = store.dram.write_bytes
         monkeypatch.setattr(store.dram, "write_bytes", lambda entry, payload: (_ for _ in ()).throw(MemoryError()))
         with pytest.raises(MemoryError):
             store.get(NS, tokens)
         assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
         monkeypatch.setattr(store.dram, "write_bytes", real)
+        read_into, calls = tier.get_into, []
+
+        def broken(key, header_len, payload):  # the second shard, read into its pages: the tier breaks midway
+            calls.append(key)
+            raise RuntimeError("connection reset midway")
+
+        monkeypatch.setattr(tier, "get_into", broken)
+        assert store.get(NS, tokens) is None and calls  # a miss, counted; the tier stays in use
+        assert store.stats()[tier.name]["read_errors_total"] == len(calls)
+        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+        monkeypatch.setattr(tier, "get_into", read_into)
         assert torch.equal(store.get(NS, tokens), kv)  # promoted now: nothing was left pending
 
 

@@ -131,15 +131,22 @@ def decode(data: bytes | bytearray | memoryview, expected: ShardKey | None = Non
     Raises :class:`FrameError` when the object is truncated, extended, corrupt or belongs to another key.
     """
     view = memoryview(data).cast("B")
-    header = decode_header(view)
     payload = view[HEADER_LEN:]
-    if len(payload) != header.payload_len:
-        raise FrameError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
-    if expected is not None and header.key != expected:
-        raise FrameError(f"object holds {header.key.name}, expected {expected.name}")
-    if checksum([payload]) != header.payload_checksum:
+    return verify(view[:HEADER_LEN], [payload], expected), payload
+
+
+def verify(header: bytes | memoryview, payload: Sequence[memoryview], expected: ShardKey | None = None) -> Header:
+    """:func:`decode` for an object read in parts: its header, and its payload (e.g. read straight into DRAM
+    pages). Raises :class:`FrameError` as :func:`decode` does."""
+    parsed = decode_header(header)
+    size = sum(len(part) for part in payload)
+    if size != parsed.payload_len:
+        raise FrameError(f"payload is {size} bytes, header says {parsed.payload_len}")
+    if expected is not None and parsed.key != expected:
+        raise FrameError(f"object holds {parsed.key.name}, expected {expected.name}")
+    if checksum(payload) != parsed.payload_checksum:
         raise FrameError("payload checksum mismatch")
-    return header, payload
+    return parsed
 
 
 # Network clients hand back immutable ``bytes``. kvtier only ever copies *from* a payload tensor, so a tensor

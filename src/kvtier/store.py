@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from kvtier.tiers.base import TIERS, Tier
 log = logging.getLogger(__name__)
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
+_R = TypeVar("_R")
 # Re-plans of one chunk after a piece failed; each failure removes a shard, so a few always suffice.
 _REPLANS = 8
 _SHAPES_KEPT = 4096
@@ -662,13 +663,31 @@ class KVStore:
         """Read one shard from the first tier that holds a valid copy and promote it into DRAM.
 
         Returns the promoted DRAM entry, pinned for the caller (added to ``read.pinned``), so the copy out joins
-        the DRAM runs; or, when DRAM has no room, a tensor over the fetched bytes. A shard promoted from a tier is
-        also queued for the tiers configured in front of it (e.g. a local disk before Redis), so a later DRAM miss
-        finds it there: a cascade write like any other, skipped when that tier holds it already.
+        the DRAM runs; or, when DRAM has no room, a tensor over the fetched bytes. Once the read knows its shape,
+        a tier read inline (not ahead) reads straight into the reserved DRAM pages, verified there: no read
+        buffer, no copy after it. A shard promoted from a tier is also queued for the tiers configured in front of
+        it (e.g. a local disk before Redis), so a later DRAM miss finds it there: a cascade write like any other,
+        skipped when that tier holds it already.
         """
         for tier in read.tiers:
             if key.heads not in read.heads.get(tier.name, {}).get(key.chunk, [key.heads]):
                 continue  # this tier said it lacks the shard: no round trip to hear it again
+            if read.shape is not None and not tier.read_ahead:
+                shape = read.shape
+                entry = self.dram.reserve(key, frame.ShardMeta(shape.layers, self.chunk_tokens, shape.head_dim,
+                                                               shape.dtype, key.heads), parent)
+                if isinstance(entry, DramEntry):
+                    try:
+                        created = self._read_into(tier, key, entry)
+                    except BaseException:
+                        self.dram.abort(entry)
+                        raise
+                    if created is None:
+                        self.dram.abort(entry)
+                        continue
+                    self._promote(read, tier, entry, created)
+                    return entry
+                # present (promoted by another read meanwhile) or no room: read the bytes as they are
             got = self._read_verified(tier, key, read)
             if got is None:
                 continue
@@ -680,37 +699,79 @@ class KVStore:
                 except BaseException:
                     self.dram.abort(entry)
                     raise
-                front = self._writers[:self.tiers.index(tier)]
-                entry.created = header.created  # copied into the front tiers, it keeps its age (and TTL)
-                self.dram.commit(entry, keep_refs=1 + len(front))
-                read.pinned.append(entry)
-                self.metrics.promotions.labels(tier.name).inc()
-                for writer in front:
-                    writer.submit(entry)
+                self._promote(read, tier, entry, header.created)
                 return entry
             return frame.payload_tensor(payload, header.meta)
         return None
 
+    def _promote(self, read: _Read, tier: Tier, entry: DramEntry, created: float) -> None:
+        """Make a shard read from ``tier`` visible in DRAM, pinned for ``read``, and queue it for the tiers in
+        front of ``tier``."""
+        front = self._writers[:self.tiers.index(tier)]
+        entry.created = created  # copied into the front tiers, it keeps its age (and TTL)
+        self.dram.commit(entry, keep_refs=1 + len(front))
+        read.pinned.append(entry)
+        self.metrics.promotions.labels(tier.name).inc()
+        for writer in front:
+            writer.submit(entry)
+
+    def _read_into(self, tier: Tier, key: ShardKey, entry: DramEntry) -> float | None:
+        """Read one shard from ``tier`` into a reserved DRAM entry and verify it there; its creation time, or None
+        (missing, corrupt or unreadable: counted as :meth:`_read_verified` counts them; the entry is not
+        aborted here)."""
+        start = time.perf_counter()
+
+        def read() -> frame.Header | None:
+            head = tier.get_into(key, frame.HEADER_LEN, self.dram.views(entry))
+            if head is None:
+                return None
+            header = frame.verify(head, self.dram.views(entry), expected=key)
+            if header.meta != entry.meta:
+                raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected {entry.meta.shape} "
+                                       f"{entry.meta.dtype}")
+            return header
+
+        header = self._guarded(tier, key, read)
+        if header is None:
+            return None
+        self.metrics.tier_read_seconds.labels(tier.name).observe(time.perf_counter() - start)
+        self.metrics.bytes_read.labels(tier.name).inc(frame.HEADER_LEN + entry.meta.nbytes)
+        return header.created
+
     def _read_verified(self, tier: Tier, key: ShardKey, read: _Read) -> tuple[frame.Header, memoryview] | None:
-        outage = self._read_outage[tier.name]
         started = read.started.pop((tier.name, key), None)
-        if outage.resting():  # failed since this read was started: do not wait on it (nor call it a success)
+        if self._read_outage[tier.name].resting():  # failed since this read was started: do not wait on it
             if started is not None:
                 started.cancel()
             self._read_ahead(read)
             return None
-        try:
+
+        def fetched() -> _Fetched | None:
             try:
                 got = self._get(tier, key) if started is None else started.result()
             finally:
                 self._read_ahead(read)
-            if got is None:
-                outage.succeeded()
-                return None
-            header, payload = got.header, got.payload
-            if not read.admit(header.meta, self.chunk_tokens):
-                raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected chunks of "
-                                       f"{read.shape} with {self.chunk_tokens} tokens")
+            if got is not None and not read.admit(got.header.meta, self.chunk_tokens):
+                raise frame.FrameError(f"holds {got.header.meta.shape} {got.header.meta.dtype}, expected chunks "
+                                       f"of {read.shape} with {self.chunk_tokens} tokens")
+            return got
+
+        got = self._guarded(tier, key, fetched)
+        if got is None:
+            return None
+        self.metrics.tier_read_seconds.labels(tier.name).observe(got.seconds)
+        self.metrics.bytes_read.labels(tier.name).inc(got.nbytes)
+        return got.header, got.payload
+
+    def _guarded(self, tier: Tier, key: ShardKey, read: Callable[[], _R | None]) -> _R | None:
+        """``read()`` of one shard from ``tier``, its faults contained: a corrupt or malformed object is counted
+        and removed, a tier error counts toward the tier's outage, anything else is a counted miss (the tier stays
+        in use). None for any of them, and for a tier resting after an outage."""
+        outage = self._read_outage[tier.name]
+        if outage.resting():
+            return None
+        try:
+            got = read()
         except (frame.FrameError, ObjectError) as exc:
             outage.succeeded()
             self.metrics.corrupt.labels(tier.name).inc()
@@ -725,9 +786,7 @@ class KVStore:
             self._unexpected(tier, "get", exc)
             return None
         outage.succeeded()
-        self.metrics.tier_read_seconds.labels(tier.name).observe(got.seconds)
-        self.metrics.bytes_read.labels(tier.name).inc(got.nbytes)
-        return header, payload
+        return got
 
     def _remove(self, tier: Tier, key: ShardKey) -> None:
         try:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kvtier.errors import ObjectError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import Tier
 
@@ -74,6 +75,18 @@ class TierConformance:
         blob = os.urandom(8 * 2**20 + 17)
         tier.put(key(10), [memoryview(blob)[:2**20], memoryview(blob)[2**20:]])
         assert bytes(tier.get(key(10)) or b"") == blob
+
+    def test_get_into_buffers(self, tier: Tier) -> None:
+        """A read in two parts: the header returned, the payload written into the caller's buffers (e.g. DRAM
+        pages, as several extents); an object of another size is malformed, not half-written into them."""
+        blob = os.urandom(96 + 3 * 2**20 + 5)
+        tier.put(key(12), [memoryview(blob)])
+        pages = [bytearray(2**20), bytearray(2 * 2**20 + 5)]
+        assert tier.get_into(key(12), 96, [memoryview(p) for p in pages]) == blob[:96]
+        assert b"".join(pages) == blob[96:]
+        with pytest.raises(ObjectError, match="expected"):
+            tier.get_into(key(12), 96, [memoryview(bytearray(3 * 2**20))])
+        assert tier.get_into(key(13), 96, [memoryview(bytearray(8))]) is None
 
     def test_concurrent_writers(self, tier: Tier) -> None:
         errors: list[BaseException] = []

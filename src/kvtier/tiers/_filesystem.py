@@ -41,14 +41,14 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
 from kvtier import frame
-from kvtier.errors import ConfigError, TierError
+from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
@@ -98,6 +98,9 @@ class _File:
     last_used: float
 
 
+_T = TypeVar("_T")
+
+
 class _Rejected(Exception):
     """A file where a shard should be is not one we will read (its reason is the message)."""
 
@@ -118,6 +121,22 @@ def _file_name(key: ShardKey) -> str:
 def _bytes_view(part: Buffer) -> memoryview:
     view = memoryview(part)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _read_fully(fd: int, buffers: list[memoryview]) -> int:
+    """Fill ``buffers`` in order from ``fd`` (``readv`` until they are full or the file ends); bytes read."""
+    total, left = 0, [b for b in buffers if len(b)]
+    while left:
+        n = os.readv(fd, left)
+        if n == 0:
+            break
+        total += n
+        while left and n >= len(left[0]):
+            n -= len(left[0])
+            left.pop(0)
+        if n:
+            left[0] = left[0][n:]
+    return total
 
 
 def _header_created(head: bytes | memoryview, now: float) -> float | None:
@@ -543,6 +562,29 @@ class FilesystemTier(Tier):
         raise TierError(f"{self.name}: temp files in {self.root / _TMP_DIR} keep vanishing before they are locked")
 
     def get(self, key: ShardKey) -> Buffer | None:
+        def whole(fd: int, st: os.stat_result, indexed: int) -> memoryview:
+            buf = np.empty(min(st.st_size, indexed + 1), dtype=np.uint8)  # not zero-filled first
+            view = buf.data
+            return view[:_read_fully(fd, [view])]
+
+        return self._get(key, whole)
+
+    def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
+        """One ``readv`` into a small header buffer and the caller's payload buffers (e.g. DRAM pages): no read
+        buffer, no copy after it."""
+        want = header_len + sum(len(part) for part in payload)
+
+        def parts(fd: int, st: os.stat_result, indexed: int) -> bytes:
+            header = bytearray(header_len)
+            if st.st_size != want or _read_fully(fd, [memoryview(header), *payload]) != want:
+                raise ObjectError(f"{self.name}: {key.name} is {st.st_size} bytes, expected {want}")
+            return bytes(header)
+
+        return self._get(key, parts)
+
+    def _get(self, key: ShardKey, read: Callable[[int, os.stat_result, int], _T]) -> _T | None:
+        """``read(fd, its status, the size indexed)`` on the key's file, or None when it is not there (dropped
+        from the index) or not a file we read (removed)."""
         now = time.time()
         with self._lock:
             info = self._files.get(key)
@@ -556,7 +598,7 @@ class FilesystemTier(Tier):
             info.last_used = now
             indexed = info.size
         try:
-            data = self._read(key, indexed)
+            data = self._read(key, indexed, read)
         except OSError as exc:
             raise TierError(f"{self.name}: cannot read {key.name}: {_reason(exc)}") from exc
         if data is None:
@@ -564,7 +606,7 @@ class FilesystemTier(Tier):
                 self._drop_locked(key)
         return data
 
-    def _read(self, key: ShardKey, indexed: int) -> memoryview | None:
+    def _read(self, key: ShardKey, indexed: int, read: Callable[[int, os.stat_result, int], _T]) -> _T | None:
         sub_fd = self._open_sub(key.namespace, key.chunk[:2], create=False)
         if sub_fd is None:
             return None
@@ -572,10 +614,7 @@ class FilesystemTier(Tier):
         try:
             fd, st = self._open_shard(sub_fd, name)
             try:
-                buf = np.empty(min(st.st_size, indexed + 1), dtype=np.uint8)  # not zero-filled first
-                view, got = buf.data, 0
-                while got < len(buf) and (n := os.readv(fd, [view[got:]])):
-                    got += n
+                data = read(fd, st, indexed)
                 try:
                     os.utime(fd)  # record the use: LRU order survives a restart
                 except OSError:
@@ -589,7 +628,7 @@ class FilesystemTier(Tier):
             return None
         finally:
             os.close(sub_fd)
-        return view[:got]
+        return data
 
     def delete(self, key: ShardKey) -> bool:
         with self._lock:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from kvtier.config import build_dataclass
+from kvtier.errors import ObjectError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.registry import Registry
 
@@ -59,6 +60,25 @@ class Tier(ABC):
     @abstractmethod
     def get(self, key: ShardKey) -> Buffer | None:
         """The bytes stored under ``key``, or None if absent."""
+
+    def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
+        """Read the object under ``key`` in two parts: its first ``header_len`` bytes are returned, the rest is
+        written into ``payload`` (writable buffers, in order), or None if absent. An object whose size is not
+        ``header_len`` plus the buffers' is malformed (:class:`~kvtier.errors.ObjectError`); the caller verifies
+        the rest. The default copies what :meth:`get` returns; a tier that can read into the buffers directly
+        (a file: ``readv``) saves that copy."""
+        blob = self.get(key)
+        if blob is None:
+            return None
+        view = memoryview(blob).cast("B")
+        if len(view) != header_len + sum(len(p) for p in payload):
+            raise ObjectError(f"{self.name}: {key.name} is {len(view)} bytes, expected "
+                              f"{header_len + sum(len(p) for p in payload)}")
+        pos = header_len
+        for part in payload:
+            part[:] = view[pos:pos + len(part)]
+            pos += len(part)
+        return bytes(view[:header_len])
 
     @abstractmethod
     def delete(self, key: ShardKey) -> bool:
