@@ -12,19 +12,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from kvtier.bench.server import server_env
+
 
 def phase(work: Path, name: str) -> float:
     out = work / f"{name}.json"
     with open(work / f"{name}.log", "w") as log:
         subprocess.run([sys.executable, "-m", "kvtier.bench.phase", str(work / "job.json"), name, str(out)],
-                       stdout=log, check=True, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       stdout=log, check=True, env={**server_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                                      "VLLM_LOGGING_LEVEL": "WARNING"})
     return float(json.loads(out.read_text())["throughput"])
 

@@ -195,19 +195,6 @@ def test_a_put_of_many_chunks_takes_consecutive_pages_after_evicting() -> None:
     assert pool.audit()["lost_pages"] == 0
 
 
-def test_reserving_chunks_never_evicts_one_it_calls_present() -> None:
-    pool = DramPool(4 * PAGE, PAGE, LRUPolicy())  # two 2-page shards
-    for i in range(2):
-        put(pool, i)
-    # Chunk 0 is held; chunks 5 and 6 need both shards' pages: only chunk 1's can go, so chunk 6 does not fit.
-    got = pool.reserve_chunks([(skey(0), None), (skey(5), skey(0).chunk), (skey(6), skey(5).chunk)], META)
-    assert got[0] == "present" and isinstance(got[1], DramEntry) and got[2:] == ["full"]
-    assert resident(pool) == {0}
-    pool.commit(got[1])  # type: ignore[arg-type]
-    assert resident(pool) == {0, 5} and pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0,
-                                                         "idle_mismatch": 0}
-
-
 def test_a_held_child_does_not_keep_its_missing_parent_out() -> None:
     """Chunk 1 is held but its parent 0 is not (LRU evicted it): storing 0 may evict 1, as storing chunk by chunk
     would, rather than refusing the prefix to keep a chunk no lookup reaches without it."""

@@ -259,21 +259,12 @@ class DramPool:
             finally:
                 for entry in held:
                     self._release_locked(entry)
-            # Chunk by chunk, pinning each held one once passed: a held child of a missing parent may go to make
-            # room for the parent, but no chunk this call calls present goes.
-            out, held = [], []
-            try:
-                for key, parent in chunks:
-                    entry = self._held_locked(key, meta)
-                    if isinstance(entry, DramEntry):
-                        self._pin_locked(entry)
-                        held.append(entry)
-                    out.append("present" if entry is not False else self._reserve_locked(key, meta, parent))
-                    if out[-1] == "full":
-                        break
-            finally:
-                for entry in held:
-                    self._release_locked(entry)
+            # Chunk by chunk, as reserve would (the simulator's model, kvtier.sim.cache, is this one).
+            out = []
+            for key, parent in chunks:
+                out.append(self._reserve_locked(key, meta, parent))
+                if out[-1] == "full":
+                    break
             return out
 
     def fill_chunks(self, fill: Callable[[int, torch.Tensor], None], chunks: list[tuple[int, DramEntry]],

@@ -8,20 +8,19 @@ promoted into DRAM and copied out. A missing, unreadable or corrupt shard is a m
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from kvtier import frame
+from kvtier._reads import Fetched, Piece, Read, Shape, full_cover, valid_range
 from kvtier.cascade import CascadeWriter, Outage
 from kvtier.config import StoreConfig, TierSpec, load_config
 from kvtier.dram import DramEntry, DramPool
@@ -62,76 +61,6 @@ def open_tiers(config: StoreConfig) -> list[Tier]:
     return tiers
 
 
-def _valid_range(rng: object) -> bool:
-    return isinstance(rng, HeadRange) and 0 <= rng.start < rng.stop <= rng.total
-
-
-def _full_cover(ranges: list[HeadRange], kv_heads: int | None = None) -> bool:
-    """Whether ``ranges`` hold every head (of ``kv_heads``, else of any head count they record)."""
-    totals = {kv_heads} if kv_heads is not None else {r.total for r in ranges}
-    return any(cover([r for r in ranges if r.total == total], 0, total) is not None for total in totals)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shape:
-    """What every shard of one namespace has in common (its heads and tokens are fixed by its key)."""
-
-    layers: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, meta: frame.ShardMeta) -> _Shape:
-        return cls(meta.num_layers, meta.head_dim, meta.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Fetched:
-    """A shard read from a tier and verified against its key and checksum (not yet against the read's shape)."""
-
-    header: frame.Header
-    payload: memoryview
-    nbytes: int
-    seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    """Heads ``[dst, dst + count)`` of one chunk's output come from heads ``[src, src + count)`` of ``source``
-    (a pinned DRAM entry or a fetched shard)."""
-
-    source: DramEntry | torch.Tensor
-    src: int
-    dst: int
-    count: int
-
-
-@dataclasses.dataclass
-class _Read:
-    """One get in progress: what it reads and expects, and the DRAM entries it pinned (released at its end)."""
-
-    namespace: str
-    tp_rank: int
-    tp_size: int
-    kv_heads: int | None
-    shape: _Shape | None  # None until the first shard read fixes it
-    tiers: list[Tier]  # the secondary tiers it may read (e.g. only the local ones)
-    pinned: list[DramEntry] = dataclasses.field(default_factory=list)
-    # What each tier said it holds of the chunks DRAM lacks (one batched question per tier and read; a re-plan
-    # after a failed piece asks again), and the shard reads planned from it, in order, started READ_AHEAD ahead.
-    heads: dict[str, dict[str, list[HeadRange]]] = dataclasses.field(default_factory=dict)
-    ahead: list[tuple[Tier, ShardKey]] = dataclasses.field(default_factory=list)
-    started: dict[tuple[str, ShardKey], Future[_Fetched]] = dataclasses.field(default_factory=dict)
-
-    def admit(self, meta: frame.ShardMeta, chunk_tokens: int) -> bool:
-        """Whether a shard of this shape belongs in this read (the first one fixes the shape when none was)."""
-        if meta.chunk_tokens != chunk_tokens:
-            return False
-        if self.shape is None:
-            self.shape = _Shape.of(meta)
-        return _Shape.of(meta) == self.shape
-
-
 class KVStore:
     """KV chunks in a DRAM pool backed by secondary tiers. Thread-safe; use as a context manager."""
 
@@ -165,7 +94,7 @@ class KVStore:
         self._writers = [CascadeWriter(t, self.dram, self.metrics, s, on_stored=self._tier_stored_hook(t.name))
                          for t, s in zip(self.tiers, spec)]
         self._read_outage = {t.name: Outage(t.name, "reads", s.retry_seconds) for t, s in zip(self.tiers, spec)}
-        self._shapes: OrderedDict[str, _Shape] = OrderedDict()  # namespace id -> its shards' shape, bounded
+        self._shapes: OrderedDict[str, Shape] = OrderedDict()  # namespace id -> its shards' shape, bounded
         self._logged: set[tuple[str, str, str]] = set()  # kinds of contained tier faults already logged
         # Read-ahead from secondary tiers, a pool per tier: reads stuck in a stalled server hold up no other tier's.
         self._readers = {t.name: DaemonPool(f"kvtier-read-{t.name}", _READ_THREADS) for t in self.tiers}
@@ -243,7 +172,7 @@ class KVStore:
     def _put(self, ns: Namespace, tokens: Tokens, meta: frame.ShardMeta, source: Callable[[int, torch.Tensor], None],
              offset: int, device: torch.device, start: float) -> int:
         t = self.chunk_tokens
-        self._remember_shape(ns.id, _Shape.of(meta))  # the caller's own KV: it defines the shape
+        self._remember_shape(ns.id, Shape.of(meta))  # the caller's own KV: it defines the shape
         first = offset // t
         held = 0  # leading chunks from `first` on now in DRAM
         namespace = ns.id
@@ -317,7 +246,7 @@ class KVStore:
         ranges = [r for r in self.dram.ranges(namespace, chunk) if r.total == heads.total]
         return cover(ranges, heads.start, heads.stop) is not None
 
-    def _remember_shape(self, namespace: str, shape: _Shape) -> None:
+    def _remember_shape(self, namespace: str, shape: Shape) -> None:
         self._shapes[namespace] = shape
         self._shapes.move_to_end(namespace)
         if len(self._shapes) > _SHAPES_KEPT:  # one per tenant salt: keep the recent ones
@@ -357,7 +286,7 @@ class KVStore:
     def _available(self, namespace: str, chunks: list[str], kv_heads: int | None,
                    elsewhere: Callable[[str, str], bool] | None, tiers: list[Tier]) -> int:
         def in_memory(chunk: str) -> bool:
-            return _full_cover(self.dram.ranges(namespace, chunk), kv_heads) or \
+            return full_cover(self.dram.ranges(namespace, chunk), kv_heads) or \
                 (elsewhere is not None and elsewhere(namespace, chunk))
 
         n = 0
@@ -371,7 +300,7 @@ class KVStore:
             ranges = self.dram.ranges(namespace, chunk)
             for heads in per_tier:
                 ranges.extend(heads[i])
-            if not (_full_cover(ranges, kv_heads) or in_memory(chunk)):
+            if not (full_cover(ranges, kv_heads) or in_memory(chunk)):
                 break
             n += 1
         return n
@@ -394,7 +323,7 @@ class KVStore:
             return [[] for _ in chunks]
         outage.succeeded()
         if not isinstance(heads, list) or len(heads) != len(chunks) or not all(
-                isinstance(found, list) and all(_valid_range(h) for h in found) for found in heads):
+                isinstance(found, list) and all(valid_range(h) for h in found) for found in heads):
             self._unexpected(tier, "lookup", ValueError(f"malformed answer for {len(chunks)} chunks: {heads!r:.200}"))
             return [[] for _ in chunks]
         return heads
@@ -425,10 +354,10 @@ class KVStore:
         if out is not None:
             if out.dim() != 5:
                 raise ValueError(f"out must be [layers, 2, heads, tokens, head_dim], got shape {tuple(out.shape)}")
-            wanted = _Shape(out.shape[0], out.shape[4], out.dtype)
+            wanted = Shape(out.shape[0], out.shape[4], out.dtype)
         result: list[torch.Tensor] = []
 
-        def copy(plans: list[list[_Piece]], shape: _Shape) -> None:
+        def copy(plans: list[list[Piece]], shape: Shape) -> None:
             got = self._copy_out(plans, shape, out)
             if got.is_cuda:  # copies from pinned pages run asynchronously: end them before the pins are released
                 torch.cuda.current_stream(got.device).synchronize()
@@ -453,16 +382,16 @@ class KVStore:
         view with gaps to a GPU is staged through a temporary). ``local_only`` reads DRAM and the
         :attr:`~kvtier.tiers.base.Tier.local` tiers only: a load that must never wait on a network.
         """
-        def feed(plans: list[list[_Piece]], shape: _Shape) -> None:
+        def feed(plans: list[list[Piece]], shape: Shape) -> None:
             for first, kv in self._chunk_views(plans, shape, torch.device(device)):
                 sink(first, kv)
 
-        chunks = self._read(ns, tokens, tp_rank, tp_size, offset, kv_heads, _Shape(layers, head_dim, dtype), feed,
+        chunks = self._read(ns, tokens, tp_rank, tp_size, offset, kv_heads, Shape(layers, head_dim, dtype), feed,
                             partial=True, local_only=local_only)
         return chunks * self.chunk_tokens
 
     def _read(self, ns: Namespace, tokens: Tokens, tp_rank: int, tp_size: int, offset: int,
-              kv_heads: int | None, wanted: _Shape | None, use: Callable[[list[list[_Piece]], _Shape], None],
+              kv_heads: int | None, wanted: Shape | None, use: Callable[[list[list[Piece]], Shape], None],
               partial: bool = False, local_only: bool = False) -> int:
         """Plan the chunks of ``tokens[offset:]`` (pinning DRAM entries, fetching and promoting the rest), hand
         the plans to ``use``, then release what was pinned; returns how many chunks were handed over. On a miss:
@@ -482,7 +411,7 @@ class KVStore:
                 raise ValueError(f"the caller expects {wanted}, the KV put in this namespace is {shape}")
             shape = wanted
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
-        read = _Read(ns.id, tp_rank, tp_size, kv_heads, shape,
+        read = Read(ns.id, tp_rank, tp_size, kv_heads, shape,
                      [t for t in self.tiers if t.local] if local_only else self.tiers)
         try:
             self._plan_reads(read, chunks[offset // t:])
@@ -507,7 +436,7 @@ class KVStore:
         self.metrics.get_seconds.observe(time.perf_counter() - start)
         return len(plans)
 
-    def _plan_reads(self, read: _Read, chunks: list[str]) -> None:
+    def _plan_reads(self, read: Read, chunks: list[str]) -> None:
         """Ask each tier once which of ``chunks`` it holds, for the chunks DRAM and the tiers before it lack, and
         line up the shard reads that would fill them, to be started :data:`READ_AHEAD` ahead of their use."""
         if not read.tiers:
@@ -532,7 +461,7 @@ class KVStore:
         read.ahead.reverse()  # popped from the end, in chunk order
         self._read_ahead(read)
 
-    def _read_ahead(self, read: _Read) -> None:
+    def _read_ahead(self, read: Read) -> None:
         """Start the next lined-up shard reads, keeping at most :data:`READ_AHEAD` of them started and not yet
         taken (running or done: a done one holds its bytes)."""
         while read.ahead and len(read.started) < READ_AHEAD:
@@ -543,16 +472,16 @@ class KVStore:
                 lambda tier=tier, key=key: self._get(tier, key))
 
     @staticmethod
-    def _get(tier: Tier, key: ShardKey) -> _Fetched | None:
+    def _get(tier: Tier, key: ShardKey) -> Fetched | None:
         """Read and verify one shard (on any thread); raises what the tier or the check raises."""
         start = time.perf_counter()
         blob = tier.get(key)
         if blob is None:
             return None
         header, payload = frame.decode(blob, expected=key)
-        return _Fetched(header, payload, len(blob), time.perf_counter() - start)
+        return Fetched(header, payload, len(blob), time.perf_counter() - start)
 
-    def _plan_chunk(self, read: _Read, chunk: str, parent: str | None) -> list[_Piece] | None:
+    def _plan_chunk(self, read: Read, chunk: str, parent: str | None) -> list[Piece] | None:
         """Where this rank's heads of one chunk come from: DRAM alone, else DRAM plus each tier in turn."""
         for source in ["dram", *read.tiers]:
             # A failed piece (missing or corrupt) is removed from its tier, so each retry plans without it.
@@ -574,7 +503,7 @@ class KVStore:
         return None
 
     @staticmethod
-    def _plan_heads(read: _Read, ranges: list[HeadRange]) -> tuple[HeadRange, list[tuple[HeadRange, int, int]]] \
+    def _plan_heads(read: Read, ranges: list[HeadRange]) -> tuple[HeadRange, list[tuple[HeadRange, int, int]]] \
             | None:
         """This rank's heads and the ranges that cover them. Without ``kv_heads``, each head count recorded for
         the chunk is tried in turn (a tier may hold shards that claim another count)."""
@@ -589,10 +518,10 @@ class KVStore:
                 return want, plan
         return None
 
-    def _gather(self, read: _Read, chunk: str, parent: str | None, plan: list[tuple[HeadRange, int, int]],
-                lo: int) -> list[_Piece] | None:
+    def _gather(self, read: Read, chunk: str, parent: str | None, plan: list[tuple[HeadRange, int, int]],
+                lo: int) -> list[Piece] | None:
         """Pin the planned DRAM entries and fetch the rest; None if a piece went missing or does not fit."""
-        pieces: list[_Piece] = []
+        pieces: list[Piece] = []
         for rng, a, b in plan:
             entries = self.dram.acquire(read.namespace, chunk, [rng])
             source: DramEntry | torch.Tensor | None
@@ -603,7 +532,7 @@ class KVStore:
                     # Put by a caller with another shape, or promoted by a read that expected nothing: not
                     # what this read needs. Drop it, so the next put of this chunk stores the right one.
                     log.warning("dram: dropping %s: holds %s, this read expects %s", source.key.name,
-                                _Shape.of(source.meta), read.shape)
+                                Shape.of(source.meta), read.shape)
                     self.metrics.corrupt.labels("dram").inc()
                     self.dram.discard(source)
                     return None
@@ -611,10 +540,10 @@ class KVStore:
                 source = self._fetch(read, ShardKey(read.namespace, chunk, rng), parent)
                 if source is None:
                     return None
-            pieces.append(_Piece(source, a - rng.start, a - lo, b - a))
+            pieces.append(Piece(source, a - rng.start, a - lo, b - a))
         return pieces
 
-    def _copy_out(self, plans: list[list[_Piece]], shape: _Shape, out: torch.Tensor | None) -> torch.Tensor:
+    def _copy_out(self, plans: list[list[Piece]], shape: Shape, out: torch.Tensor | None) -> torch.Tensor:
         """Copy every chunk into ``out`` (allocated when None), from :meth:`_chunk_views`: consecutive chunks each
         served whole by one DRAM entry, laid out at a fixed stride, move in one copy."""
         t = self.chunk_tokens
@@ -629,7 +558,7 @@ class KVStore:
             dst.copy_(kv, non_blocking=out.is_cuda and kv.is_pinned())
         return out
 
-    def _chunk_views(self, plans: list[list[_Piece]], shape: _Shape,
+    def _chunk_views(self, plans: list[list[Piece]], shape: Shape,
                      device: torch.device) -> list[tuple[int, torch.Tensor]]:
         """Each planned chunk as ``[count, layers, 2, heads, T, head_dim]`` views, consecutive DRAM chunks at one
         stride together; a chunk assembled from several head ranges is copied into a buffer of its own."""
@@ -659,7 +588,7 @@ class KVStore:
             views.append((i, buf))
         return sorted(views, key=lambda v: v[0])
 
-    def _fetch(self, read: _Read, key: ShardKey, parent: str | None) -> DramEntry | torch.Tensor | None:
+    def _fetch(self, read: Read, key: ShardKey, parent: str | None) -> DramEntry | torch.Tensor | None:
         """Read one shard from the first tier that holds a valid copy and promote it into DRAM.
 
         Returns the promoted DRAM entry, pinned for the caller (added to ``read.pinned``), so the copy out joins
@@ -704,7 +633,7 @@ class KVStore:
             return frame.payload_tensor(payload, header.meta)
         return None
 
-    def _promote(self, read: _Read, tier: Tier, entry: DramEntry, created: float) -> None:
+    def _promote(self, read: Read, tier: Tier, entry: DramEntry, created: float) -> None:
         """Make a shard read from ``tier`` visible in DRAM, pinned for ``read``, and queue it for the tiers in
         front of ``tier``."""
         front = self._writers[:self.tiers.index(tier)]
@@ -738,7 +667,7 @@ class KVStore:
         self.metrics.bytes_read.labels(tier.name).inc(frame.HEADER_LEN + entry.meta.nbytes)
         return header.created
 
-    def _read_verified(self, tier: Tier, key: ShardKey, read: _Read) -> tuple[frame.Header, memoryview] | None:
+    def _read_verified(self, tier: Tier, key: ShardKey, read: Read) -> tuple[frame.Header, memoryview] | None:
         started = read.started.pop((tier.name, key), None)
         if self._read_outage[tier.name].resting():  # failed since this read was started: do not wait on it
             if started is not None:
@@ -746,7 +675,7 @@ class KVStore:
             self._read_ahead(read)
             return None
 
-        def fetched() -> _Fetched | None:
+        def fetched() -> Fetched | None:
             try:
                 got = self._get(tier, key) if started is None else started.result()
             finally:

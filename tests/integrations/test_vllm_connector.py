@@ -242,6 +242,20 @@ def test_a_prompt_asked_again_exactly_loads_into_its_last_chunk(engines: Engines
     assert torch.equal(mini.read(behind.blocks[6:7], 128), reference_kv(tokens)[:, :, :, 768:896])
 
 
+@pytest.mark.parametrize(("chunk", "hit"), [(256, 512), (128, 640)])
+def test_chunks_of_one_block_hit_as_far_as_the_engine(engines: Engines, model_dir: Any, tmp_path: Any,
+                                                      chunk: int, hit: int) -> None:
+    """A 700-token prompt asked again exactly: vLLM's own hit would end at its last whole block before the last
+    token (640). kvtier's chunks of 256 end at 512; chunks of one block (128) end where vLLM's would."""
+    config = vllm_config(str(model_dir), {"chunk_tokens": chunk, "dram": {"capacity_bytes": "32MiB"}})
+    mini = engines(config=config)
+    tokens = prompt(31)
+    mini.prefill(request("first", tokens))
+    again = mini.prefill(request("again", tokens))
+    assert again.hit == hit and not again.load_errors
+    assert torch.equal(mini.read(again.blocks[:hit // 128], hit), reference_kv(tokens)[:, :, :, :hit])
+
+
 # -- the scheduler in another process than the workers (vLLM's API server) ------------------------------------
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_a_scheduler_in_another_process_hits_the_workers_dram(engines: Engines, model_dir: Any,

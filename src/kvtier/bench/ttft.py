@@ -182,6 +182,7 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"machine": machine(), "profile": profile, "secondary": secondary,
+                                         "vllm_cpu_reserved": server_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"],
                                          "ttft": rows, "vs_engine_hit": ratios, "noreuse_tokens_per_s": noreuse,
                                          "raw": results}, indent=2))
     return 0

@@ -1,0 +1,85 @@
+"""The records of one read from the store (:class:`~kvtier.store.KVStore`'s ``get`` and ``load``): what it
+expects, what each tier said it holds, the shard reads started ahead, and where each chunk's heads come from.
+Plain data, used by the store in the caller's process."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+
+import torch
+
+from kvtier import frame
+from kvtier.dram import DramEntry
+from kvtier.keys import HeadRange, ShardKey, cover
+from kvtier.tiers.base import Tier
+
+
+def valid_range(rng: object) -> bool:
+    return isinstance(rng, HeadRange) and 0 <= rng.start < rng.stop <= rng.total
+
+
+def full_cover(ranges: list[HeadRange], kv_heads: int | None = None) -> bool:
+    """Whether ``ranges`` hold every head (of ``kv_heads``, else of any head count they record)."""
+    totals = {kv_heads} if kv_heads is not None else {r.total for r in ranges}
+    return any(cover([r for r in ranges if r.total == total], 0, total) is not None for total in totals)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What every shard of one namespace has in common (its heads and tokens are fixed by its key)."""
+
+    layers: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, meta: frame.ShardMeta) -> Shape:
+        return cls(meta.num_layers, meta.head_dim, meta.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """A shard read from a tier and verified against its key and checksum (not yet against the read's shape)."""
+
+    header: frame.Header
+    payload: memoryview
+    nbytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Heads ``[dst, dst + count)`` of one chunk's output come from heads ``[src, src + count)`` of ``source``
+    (a pinned DRAM entry or a fetched shard)."""
+
+    source: DramEntry | torch.Tensor
+    src: int
+    dst: int
+    count: int
+
+
+@dataclasses.dataclass
+class Read:
+    """One get in progress: what it reads and expects, and the DRAM entries it pinned (released at its end)."""
+
+    namespace: str
+    tp_rank: int
+    tp_size: int
+    kv_heads: int | None
+    shape: Shape | None  # None until the first shard read fixes it
+    tiers: list[Tier]  # the secondary tiers it may read (e.g. only the local ones)
+    pinned: list[DramEntry] = dataclasses.field(default_factory=list)
+    # What each tier said it holds of the chunks DRAM lacks (one batched question per tier and read; a re-plan
+    # after a failed piece asks again), and the shard reads planned from it, in order, started READ_AHEAD ahead.
+    heads: dict[str, dict[str, list[HeadRange]]] = dataclasses.field(default_factory=dict)
+    ahead: list[tuple[Tier, ShardKey]] = dataclasses.field(default_factory=list)
+    started: dict[tuple[str, ShardKey], Future[Fetched]] = dataclasses.field(default_factory=dict)
+
+    def admit(self, meta: frame.ShardMeta, chunk_tokens: int) -> bool:
+        """Whether a shard of this shape belongs in this read (the first one fixes the shape when none was)."""
+        if meta.chunk_tokens != chunk_tokens:
+            return False
+        if self.shape is None:
+            self.shape = Shape.of(meta)
+        return Shape.of(meta) == self.shape
