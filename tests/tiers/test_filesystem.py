@@ -133,3 +133,15 @@ def test_chunks_written_by_another_process_are_found_on_lookup(tmp_path: Path) -
     assert got[1] == [] and got[2] == []  # the prefix ends at chunk 3: nothing after it is looked for
     assert bytes(reader.get(key(1, HeadRange(2, 4, 4))) or b"") == b"hi"
     assert reader.heads(NS_A, [key(2).chunk]) == [[HeadRange(0, 4, 4)]]
+
+
+def test_get_into_more_buffers_than_one_readv_takes(tmp_path: Path) -> None:
+    """A DRAM entry scattered over many pages is read in several readv calls (Linux takes 1024 buffers at most)."""
+    import os
+
+    tier = FilesystemTier("fs", FilesystemOptions(path=str(tmp_path)))
+    blob = os.urandom(96 + 3000 * 16)
+    tier.put(key(1), [blob])
+    pages = [bytearray(16) for _ in range(3000)]
+    assert tier.get_into(key(1), 96, [memoryview(p) for p in pages]) == blob[:96]
+    assert b"".join(pages) == blob[96:]

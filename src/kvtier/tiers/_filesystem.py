@@ -99,6 +99,7 @@ class _File:
 
 
 _T = TypeVar("_T")
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
 class _Rejected(Exception):
@@ -127,7 +128,7 @@ def _read_fully(fd: int, buffers: list[memoryview]) -> int:
     """Fill ``buffers`` in order from ``fd`` (``readv`` until they are full or the file ends); bytes read."""
     total, left = 0, [b for b in buffers if len(b)]
     while left:
-        n = os.readv(fd, left)
+        n = os.readv(fd, left[:_IOV_MAX])  # a DRAM entry of many extents: more buffers than one call takes
         if n == 0:
             break
         total += n
