@@ -91,6 +91,17 @@ def _check_kv(kv: torch.Tensor, blocks: torch.Tensor, what: str) -> None:
                          f"KV heads, tokens, {dim}]")
 
 
+def _checked_caches(kv: torch.Tensor, caches: Sequence[torch.Tensor], layout: Layout, what: str) -> torch.Tensor:
+    """The first cache as canonical blocks, once ``kv`` (chunks to copy to or from ``caches``) is checked against
+    the caches' layer count, heads and head size."""
+    _check(layout)
+    if kv.dim() == 6 and kv.shape[1] != len(caches):
+        raise ValueError(f"{what} holds {kv.shape[1]} layers, the engine has {len(caches)}")
+    first = _as_canonical_blocks(caches[0], layout)
+    _check_kv(kv, first, what)
+    return first
+
+
 def gather(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor, layout: Layout,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The canonical KV of the tokens in ``block_ids`` (whole blocks, in order), one layer per cache.
@@ -158,12 +169,8 @@ def gather_chunks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | tor
     (e.g. a view of the store's DRAM pages): whole chunks, ``chunk_tokens / block_size`` blocks each. The mirror
     of :func:`scatter_chunks`; a copy to another device or dtype goes a chunk at a time through a buffer on the
     caches' device (torch would stage a strided cross-device copy of the whole run)."""
-    _check(layout)
-    count, layers, _, _, chunk, _ = out.shape
-    if layers != len(caches):
-        raise ValueError(f"out holds {layers} layers, the engine has {len(caches)}")
-    first = _as_canonical_blocks(caches[0], layout)
-    _check_kv(out, first, "out")
+    first = _checked_caches(out, caches, layout, "out")
+    count, _, _, _, chunk, _ = out.shape
     ids = _checked_ids(block_ids, first)
     bs = first.shape[3]
     if chunk % bs or len(ids) != count * (chunk // bs):
@@ -199,12 +206,8 @@ def scatter_chunks(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: 
     blocks within a chunk, and one for each run of whole chunks whose blocks follow each other; on a GPU, one
     indexed copy per layer (of the layer's chunks, moved to the device first when they are elsewhere).
     """
-    _check(layout)
-    count, layers, _, _, chunk, _ = kv.shape
-    if layers != len(caches):
-        raise ValueError(f"kv holds {layers} layers, the engine has {len(caches)}")
-    first_cache = _as_canonical_blocks(caches[0], layout)
-    _check_kv(kv, first_cache, "kv")
+    first_cache = _checked_caches(kv, caches, layout, "kv")
+    count, _, _, _, chunk, _ = kv.shape
     bs = first_cache.shape[3]
     if chunk % bs or skip % bs or not 0 <= skip < chunk:
         raise ValueError(f"chunks of {chunk} tokens, skip {skip}: both must be whole {bs}-token blocks, skip < chunk")
