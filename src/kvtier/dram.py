@@ -225,47 +225,39 @@ class DramPool:
 
     def reserve_chunks(self, chunks: list[tuple[ShardKey, str | None]], meta: ShardMeta) -> list[Reservation]:
         """:meth:`reserve` for consecutive chunks of one shape (key, parent), in order, under one lock; the list
-        ends at the first ``"full"``. When every new chunk fits without evicting one this call finds held, the
-        new entries get consecutive pages where the free pages allow, so their copy is one run
-        (:meth:`fill_chunks`): evicting an old prefix leaf first frees its pages back to front, and chunk-by-chunk
-        reservations would each take a run of their own. Otherwise chunk by chunk."""
+        ends at the first ``"full"``. Each chunk is touched or makes room exactly as :meth:`reserve` would in turn
+        (the same victims: the simulator's model, kvtier.sim.cache, is this order), but the pages are taken only
+        after the last chunk, as one run where the free pages allow, so their copy is one (:meth:`fill_chunks`):
+        evicting an old prefix leaf frees its pages back to front, and taking pages chunk by chunk would give
+        each chunk a run of its own."""
         if not chunks:
             return []
         if self._arena is None:
             self.allocate()
         need = -(-meta.nbytes // self.page_bytes)
         out: list[Reservation] = []
+        fresh: dict[ShardKey, int] = {}  # new key -> its place in `out`
         with self._lock:
-            held: list[DramEntry] = []  # pinned while the new chunks evict: each stays what this call says
-            fresh: dict[ShardKey, int] = {}  # new key -> its place in `out`
-            try:
-                for key, _ in chunks:
-                    entry = self._held_locked(key, meta) if key not in fresh else True
-                    if isinstance(entry, DramEntry):
-                        self._pin_locked(entry)
-                        held.append(entry)
-                    if entry is False:
-                        fresh[key] = len(out)
+            for key, _ in chunks:
+                if key in fresh or self._held_locked(key, meta) is not False:
                     out.append("present")
-                if self._free.count + self._idle_pages >= len(fresh) * need:
-                    self._evict_until(len(fresh) * need)
-                    run = self._free.take_run(len(fresh) * need) if len(fresh) > 1 else None
-                    for n, (key, i) in enumerate(fresh.items()):
-                        extents = [(run[0] + n * need, need)] if run is not None else self._free.take(need)
-                        assert extents is not None, "free pages were counted"
-                        self._pending.add(key)
-                        out[i] = DramEntry(key, meta, chunks[i][1], extents)
-                    return out
-            finally:
-                for entry in held:
-                    self._release_locked(entry)
-            # Chunk by chunk, as reserve would (the simulator's model, kvtier.sim.cache, is this one).
-            out = []
-            for key, parent in chunks:
-                out.append(self._reserve_locked(key, meta, parent))
-                if out[-1] == "full":
+                    continue
+                # Free plus idle pages is what evicting can reach; the pages of the new chunks before this one are
+                # still counted free (taken below), so this makes room for all of them, as reserve in turn would.
+                wanted = (len(fresh) + 1) * need
+                if self._free.count + self._idle_pages < wanted:
+                    out.append("full")
                     break
-            return out
+                self._evict_until(wanted)
+                fresh[key] = len(out)
+                out.append("present")  # replaced by its entry below
+            run = self._free.take_run(len(fresh) * need) if len(fresh) > 1 else None
+            for n, (key, i) in enumerate(fresh.items()):
+                extents = [(run[0] + n * need, need)] if run is not None else self._free.take(need)
+                assert extents is not None, "free pages were counted"
+                self._pending.add(key)
+                out[i] = DramEntry(key, meta, chunks[i][1], extents)
+        return out
 
     def fill_chunks(self, fill: Callable[[int, torch.Tensor], None], chunks: list[tuple[int, DramEntry]],
                     device: torch.device) -> None:
