@@ -169,8 +169,9 @@ def test_a_paused_redis_fails_a_call_after_socket_timeout(redis_server: RedisSer
     tier.heads(NS_A, chunks)  # a pooled connection, as in a running engine
     redis_server.cli("client", "pause", "3000", "all")  # (CLIENT UNPAUSE would wait for its end too)
     try:
-        # The first call waits on its pooled connection, the second on a new one (its handshake is paused too).
-        waits = [timed_failure(lambda: tier.heads(NS_A, chunks)), timed_failure(lambda: tier.get(key(1)))]
+        # The first call waits on its pooled connection, the others on new ones (their handshake is paused too).
+        waits = [timed_failure(lambda: tier.heads(NS_A, chunks)), timed_failure(lambda: tier.get(key(1))),
+                 timed_failure(lambda: tier.get_into(key(1), 96, [memoryview(bytearray(8))]))]
     finally:
         redis_server.cli("ping")  # answered when the pause ends: the next test finds the server answering
         tier.close()
@@ -183,7 +184,8 @@ def test_a_black_holed_redis_fails_a_call_after_socket_timeout(cluster: bool) ->
     with BlackHole() as hole:
         tier = RedisTier.from_config("redis", {"url": f"redis://127.0.0.1:{hole.port}/0", "cluster": cluster,
                                                "socket_timeout": timeout, "connect_timeout": timeout}, "tiers[0]")
-        waits = [timed_failure(lambda: tier.heads(NS_A, [key(1).chunk])), timed_failure(lambda: tier.get(key(1)))]
+        waits = [timed_failure(lambda: tier.heads(NS_A, [key(1).chunk])), timed_failure(lambda: tier.get(key(1))),
+                 timed_failure(lambda: tier.get_into(key(1), 96, [memoryview(bytearray(8))]))]
         tier.close()
     assert all(timeout * 0.9 <= w < timeout + MARGIN for w in waits), waits
 

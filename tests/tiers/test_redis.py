@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,3 +178,113 @@ def test_cluster_mode_against_a_plain_server_is_a_tier_error(redis_server: Redis
         with pytest.raises(TierError, match="cannot connect to .*Cluster mode is not enabled"):
             tier.heads(NS_A, [key(1).chunk])
     tier.close()
+
+
+def read_into(tier: RedisTier, k, size: int, header: int = 96) -> tuple[bytes | None, bytes]:
+    """get_into over two buffers (as DRAM pages of one entry): the header and the payload it wrote."""
+    pages = [bytearray(size // 3), bytearray(size - header - size // 3)]
+    head = tier.get_into(k, header, [memoryview(p) for p in pages])
+    return head, b"".join(pages)
+
+
+@pytest.mark.parametrize("kind", ["redis_server", "redis_cluster"])
+def test_get_into_reads_one_segment_itself_and_the_rest_through_get(kind: str, request, unique_prefix: str) -> None:
+    server = request.getfixturevalue(kind)
+    cluster = kind == "redis_cluster"
+    tier = open_tier(server.url, cluster=cluster, key_prefix=unique_prefix)
+    segmented = open_tier(server.url, cluster=cluster, key_prefix=unique_prefix, segment_bytes=4096)
+    blobs = {i: os.urandom(10_000 + i) for i in range(8)}
+    for i, blob in blobs.items():
+        (segmented if i % 2 else tier).put(key(i), [blob])
+    for i, blob in blobs.items():
+        assert read_into(tier, key(i), len(blob)) == (blob[:96], blob[96:])
+    # Another head range of a stored chunk is absent (one round trip, no fallback); so is an unknown chunk.
+    assert tier.get_into(key(0, HeadRange(0, 2, 4)), 96, [memoryview(bytearray(8))]) is None
+    assert tier.get_into(key(99), 96, [memoryview(bytearray(8))]) is None
+    tier.close()
+    segmented.close()
+
+
+def test_get_into_after_a_restart_reconnects(tmp_path: Path, unique_prefix: str) -> None:
+    server = RedisServer(tmp_path / "restart").start()
+    try:
+        tier = open_tier(server.url, key_prefix=unique_prefix)
+        blob = os.urandom(50_000)
+        tier.put(key(1), [blob])
+        assert read_into(tier, key(1), len(blob))[0] == blob[:96]  # a pooled connection
+        server.stop()
+        server.start()  # empty (no persistence): the pooled connection is dead, the next call needs a new one
+        assert tier.get_into(key(1), 96, [memoryview(bytearray(len(blob) - 96))]) is None
+        tier.put(key(1), [blob])
+        assert read_into(tier, key(1), len(blob)) == (blob[:96], blob[96:])
+        tier.close()
+    finally:
+        server.stop()
+
+
+class CuttingServer:
+    """A fault a real server does not make on demand: a RESP server that answers a shard's read with the start of
+    its reply, then closes the connection (``stall=False``) or says nothing more (``stall=True``)."""
+
+    def __init__(self, size: int, *, stall: bool) -> None:
+        self.size, self.stall, self.reads = size, stall, 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._open.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        data = b""
+        while True:
+            try:
+                got = conn.recv(65536)
+            except OSError:
+                return
+            if not got:
+                return
+            data += got
+            if b"HELLO" in data:  # the client's handshake: RESP3
+                conn.sendall(b"%1\r\n+proto\r\n:3\r\n")
+                data = b""
+                continue
+            if b"HGET" not in data:  # the rest of it (CLIENT SETINFO ...): one +OK per command
+                conn.sendall(b"+OK\r\n" * data.count(b"*"))
+                data = b""
+                continue
+            self.reads += 1
+            field = f"{key(1).heads}:0/1".encode()
+            conn.sendall(b"*1\r\n$%d\r\n%s\r\n$%d\r\n" % (len(field), field, self.size) + b"x" * (self.size // 2))
+            if not self.stall:
+                conn.close()
+                return
+
+    def close(self) -> None:
+        self._listener.close()
+        for conn in self._open:
+            conn.close()
+
+
+@pytest.mark.parametrize("stall", [False, True])
+def test_a_reply_cut_short_is_a_tier_error(stall: bool) -> None:
+    size = 200_000
+    server = CuttingServer(size, stall=stall)
+    try:
+        tier = open_tier(f"redis://127.0.0.1:{server.port}/0", socket_timeout=0.5)
+        start = time.monotonic()
+        with pytest.raises(TierError, match="get"):
+            tier.get_into(key(1), 96, [memoryview(bytearray(size - 96))])
+        # A closed connection is tried once more on a new one (a restart looks the same); a stalled one is not.
+        assert server.reads == (1 if stall else 2)
+        assert time.monotonic() - start < (1.5 if stall else 0.5)
+        tier.close()
+    finally:
+        server.close()

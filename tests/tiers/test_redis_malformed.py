@@ -123,3 +123,30 @@ def test_listing_skips_names_that_are_not_prefix_hex_colon_hex(server, tier: Red
     assert [o.key for o in tier.list()] == [key(41)]
     assert [o.key for o in tier.list(NS_A)] == [key(41)]
     assert list(tier.list("*")) == [] and list(tier.list("")) == []
+
+
+def test_get_into_meets_other_writers_keys_and_the_connection_stays_in_step(server, tier: RedisTier) -> None:
+    """Read straight from the socket, a bad reply must neither be half taken for KV nor leave unread bytes on a
+    pooled connection for the next read to take for its own."""
+    good = b"h" * 96 + b"k" * 5000
+    tier.put(key(50), [good])
+
+    def read(chunk: int, size: int = len(good)) -> bytes | None:
+        pages = bytearray(size - 96)
+        head = tier.get_into(key(chunk), 96, [memoryview(pages)])
+        assert head is None or head + pages == good
+        return head
+
+    cli(server, "set", hash_name(tier, 51), "x")
+    with pytest.raises(ObjectError, match="WRONGTYPE"):
+        read(51)
+    assert read(50) == good[:96]
+    with pytest.raises(ObjectError, match="expected"):  # another size than the caller's entry
+        read(50, size=len(good) + 1)
+    assert read(50) == good[:96]
+    # Fields that are not ours, one of them longer than any of ours: read through get, still the shard.
+    raw(server, "HSET", hash_name(tier, 50).encode(), b"f" * 5000, b"junk", b"0-4of4:0/1x", b"junk")
+    assert read(50) == good[:96]
+    raw(server, "HSET", hash_name(tier, 52).encode(), b"0-4of4:1/2", b"half a shard")
+    assert read(52) is None
+    assert read(50) == good[:96]

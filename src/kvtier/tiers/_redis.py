@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from kvtier.config import check_url_port, redact_url
 from kvtier.errors import ConfigError, ObjectError, TierError
@@ -40,6 +40,7 @@ _MAX_CONNECTIONS = 1024  # per process; more is a typo, and each one is a socket
 # A shard's field: ``<heads>:<i>/<n>`` in ASCII digits (``int()`` alone would also take " 1", "+1" or "١").
 _FIELD = re.compile(rb"([0-9]+-[0-9]+of[0-9]+):([0-9]{1,9})/([0-9]{1,9})")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
+_FIELD_MAX = 64  # bytes of a field name get_into reads itself; one of ours is ``<a>-<b>of<n>:<i>/<n>``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +174,87 @@ def _connection_class(tls: bool) -> type:
     return PackingConnection
 
 
+class _Unexpected(Exception):
+    """A reply :meth:`RedisTier.get_into` does not read itself (a redirection, a shard in several segments):
+    the connection is dropped and redis-py's own path reads the shard."""
+
+
+class _Replies:
+    """Reads the RESP replies of a pipelined call straight from a connection's socket: reply lines through a small
+    buffer, a bulk string's bytes straight into the caller's buffers (redis-py parses a reply into a bytes object
+    of its own, at about 1 GB/s here, to be copied again). Any surprise leaves the connection unusable: the
+    caller drops it."""
+
+    _LINE_MAX = 1 << 16
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+
+    def _fill(self) -> None:
+        data = self._sock.recv(self._LINE_MAX)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        self._buf += data
+
+    def line(self) -> bytes:
+        while (end := self._buf.find(b"\r\n")) < 0:
+            if len(self._buf) > self._LINE_MAX:
+                raise _Unexpected("a reply line longer than 64 KiB")
+            self._fill()
+        line = bytes(self._buf[:end])
+        del self._buf[:end + 2]
+        return line
+
+    def bulk(self, limit: int) -> bytes | None:
+        """A bulk string of at most ``limit`` bytes (None for a null); an error reply is raised."""
+        size = self.length(self.line(), b"$")
+        if size is None:
+            return None
+        if size > limit:
+            raise _Unexpected(f"a reply of {size} bytes where at most {limit} were expected")
+        while len(self._buf) < size + 2:
+            self._fill()
+        value = bytes(self._buf[:size])
+        self._end(size)
+        return value
+
+    def length(self, line: bytes, kind: bytes) -> int | None:
+        """The length a reply line announces (``$`` bulk, ``*`` array), None for a null (RESP2 or RESP3)."""
+        if line.startswith(b"-"):
+            reply = line[1:].decode("utf-8", "replace")
+            if reply.startswith("WRONGTYPE"):
+                raise ObjectError(reply)
+            raise _Unexpected(reply)  # MOVED, ASK, LOADING, ...: redis-py's path knows what to do
+        if line == b"_" or line == kind + b"-1":
+            return None
+        if not line.startswith(kind) or not line[1:].isdigit():
+            raise _Unexpected(f"an unexpected reply {line[:40]!r}")
+        return int(line[1:])
+
+    def into(self, parts: Sequence[memoryview]) -> None:
+        """Fill each of ``parts`` in turn from the reply: what the line buffer holds, then the socket."""
+        for part in parts:
+            take = min(len(part), len(self._buf))
+            part[:take] = self._buf[:take]
+            del self._buf[:take]
+            while take < len(part):
+                got = self._sock.recv_into(part[take:])
+                if not got:
+                    raise ConnectionError("the server closed the connection")
+                take += got
+
+    def _end(self, size: int) -> None:
+        if self._buf[size:size + 2] != b"\r\n":
+            raise _Unexpected("a bulk reply not ended by CRLF")
+        del self._buf[:size + 2]
+
+    def end(self) -> None:
+        while len(self._buf) < 2:
+            self._fill()
+        self._end(0)
+
+
 def _escape_glob(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
@@ -245,9 +327,7 @@ class RedisTier(Tier):
         except self._errors as exc:
             if _wrong_type(exc):  # one key of another type: the server is fine
                 raise ObjectError(f"{self.name}: {what}: the key is not a hash (WRONGTYPE)") from exc
-            if self.options.cluster:
-                self._drop_client()
-            raise TierError(f"{self.name}: {what} failed: {exc}") from exc
+            self._failed(what, exc)
 
     def _drop_client(self) -> None:
         # Also after a cluster error: a cluster client that lost every node keeps a stale slot map, so the next
@@ -333,6 +413,70 @@ class RedisTier(Tier):
             return b"".join(values)
 
         return self._call(f"get {key.name}", read)
+
+    def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
+        """The usual one-segment shard in one round trip (its field list and that segment, pipelined), read from
+        the socket straight into ``payload`` (e.g. DRAM pages): no reply object, no copy after it. A shard in
+        several segments, a cluster's redirection or a field list not kvtier's goes through :meth:`get`."""
+        name = self._hash(key.namespace, key.chunk)
+        for attempt in range(2):
+            try:
+                pool = self._pool_for(name)
+                conn = pool.get_connection()
+            except self._errors as exc:
+                self._failed(f"get {key.name}", exc)
+            try:
+                header = self._stream(conn, name, key.heads, header_len, payload)
+            except BaseException as exc:
+                conn.disconnect()  # a reply may be half read: the connection goes
+                pool.release(conn)
+                if isinstance(exc, _Unexpected):
+                    return super().get_into(key, header_len, payload)
+                if isinstance(exc, ObjectError):
+                    raise ObjectError(f"{self.name}: get {key.name}: {exc}") from exc
+                if attempt == 0 and isinstance(exc, (ConnectionError, self._redis.ConnectionError)):
+                    continue  # a pooled connection the server closed (a restart): once more, on a new one
+                if isinstance(exc, (OSError, *self._errors)):
+                    self._failed(f"get {key.name}", exc)
+                raise
+            pool.release(conn)
+            return header
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def _pool_for(self, name: str) -> Any:
+        client = self._client()
+        if not self.options.cluster:
+            return client.connection_pool
+        return client.get_redis_connection(client.get_node_from_key(name)).connection_pool
+
+    @staticmethod
+    def _stream(conn: Any, name: str, heads: HeadRange, header_len: int, payload: Sequence[memoryview]) \
+            -> bytes | None:
+        single = f"{heads}:0/1"
+        conn.send_packed_command(conn.pack_commands([("HKEYS", name), ("HGET", name, single)]))
+        if conn._sock is None:  # redis-py's own socket, connected by the send
+            raise _Unexpected("no socket")
+        replies = _Replies(conn._sock)
+        count = replies.length(replies.line(), b"*") or 0
+        fields = [replies.bulk(_FIELD_MAX) for _ in range(count)]
+        shard = _complete([f for f in fields if f is not None]).get(heads)
+        size = replies.length(replies.line(), b"$")
+        if shard is None and size is None:
+            return None
+        if shard != [single.encode()] or size is None:
+            raise _Unexpected("not a shard of one segment")
+        want = header_len + sum(len(part) for part in payload)
+        if size != want:
+            raise ObjectError(f"{size} bytes, expected {want}")
+        header = bytearray(header_len)
+        replies.into([memoryview(header), *payload])
+        replies.end()
+        return bytes(header)
+
+    def _failed(self, what: str, exc: BaseException) -> NoReturn:
+        if self.options.cluster:
+            self._drop_client()
+        raise TierError(f"{self.name}: {what} failed: {exc}") from exc
 
     def delete(self, key: ShardKey) -> bool:
         name = self._hash(key.namespace, key.chunk)
