@@ -167,7 +167,7 @@ def test_a_paused_redis_fails_a_call_after_socket_timeout(redis_server: RedisSer
                                            "socket_timeout": timeout}, "tiers[0]")
     chunks = [key(i).chunk for i in range(16)]
     tier.heads(NS_A, chunks)  # a pooled connection, as in a running engine
-    redis_server.cli("client", "pause", "3000", "all")  # (CLIENT UNPAUSE would wait for its end too)
+    redis_server.cli("client", "pause", "5000", "all")  # (CLIENT UNPAUSE would wait for its end too)
     try:
         # The first call waits on its pooled connection, the others on new ones (their handshake is paused too).
         waits = [timed_failure(lambda: tier.heads(NS_A, chunks)), timed_failure(lambda: tier.get(key(1))),

@@ -17,6 +17,7 @@ an outage of the tier; the next put in that namespace rewrites it.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import math
@@ -34,6 +35,7 @@ from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 _MARKER = "heads"
+_NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 _MARKER_REFRESH = 30.0  # seconds between rewrites of a namespace's marker by one process
 # Bounds on what a marker may say: a lookup asks for every slice of every count, so a count of 10**8 written by
 # a broken (or hostile) writer would make each lookup build 10**8 names.
@@ -213,6 +215,31 @@ class MooncakeTier(Tier):
             return None
         blob = store.get(name)
         return blob or None  # evicted between the two calls: a miss
+
+    def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
+        """Over TCP, one call that lays the object out over a small header buffer and ``payload`` (e.g. DRAM
+        pages): no object of its bytes, no copy, and no existence check first. Over RDMA the buffers would have
+        to be registered with the transfer engine first (not done): there, :meth:`get` and a copy."""
+        if self.options.protocol != "tcp":
+            return super().get_into(key, header_len, payload)
+        store = self._store()
+        name = self._object(key)
+        header = bytearray(header_len)
+        buffers = [memoryview(header), *payload]
+        pointers = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in buffers]
+        want = sum(len(b) for b in buffers)
+        rc = store.batch_get_into_multi_buffers([name], [pointers], [[len(b) for b in buffers]])
+        rc = rc[0] if len(rc) == 1 else -1
+        if rc == _NOT_FOUND:
+            return None
+        if rc != want:
+            size = store.get_size(name) if rc < 0 else rc
+            if size == _NOT_FOUND:  # removed since (a purge, the store's eviction)
+                return None
+            if size >= 0 and size != want:
+                raise ObjectError(f"{self.name}: {key.name} is {size} bytes, expected {want}")
+            self._check(min(rc, -1), f"get {key.name}")
+        return bytes(header)
 
     def delete(self, key: ShardKey) -> bool:
         store = self._store()
