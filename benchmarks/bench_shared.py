@@ -6,7 +6,9 @@ For each tier, real servers start on loopback (kvtier.testing.servers). For chun
 256-token chunk of SmolLM2-135M, 5.9 MB, and of an 8B-class model, 33.6 MB) it times:
 - put: the tier writing header + payload, vs the raw client writing one value of the same size
   (redis-py SET, boto3 put_object, Mooncake put);
-- get: the tier reading and kvtier verifying the object (checksum, header), vs the raw client's plain read.
+- get: the tier reading and kvtier verifying the object (checksum, header), vs the raw client's plain read;
+- get_into: the same read as a hit makes it, into preallocated pages (as DRAM's), verified there.
+For Redis, the raw client's GETs of all objects in one pipeline are also timed against one at a time.
 For Redis, the get is also timed with a 1 MiB socket read size (the tier's default is redis-py's 64 KiB) to
 show what a larger read size buys. Prints a markdown table (pasted into the README) and the machine it ran on.
 """
@@ -26,7 +28,7 @@ import torch
 
 from bench_store import log, machine, paired  # run as a script from benchmarks/
 from kvtier import TIERS
-from kvtier.frame import ShardMeta, decode, encode_header
+from kvtier.frame import HEADER_LEN, ShardMeta, decode, encode_header, verify
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.testing import servers
 from kvtier.tiers.base import Tier
@@ -49,7 +51,7 @@ def start(kind: str, root: Path) -> tuple[Any, dict, Callable[[], Any]]:
 
         def raw() -> Any:
             client = RedisCluster.from_url(server.url) if kind == "redis-cluster" else redis.Redis.from_url(server.url)
-            return _Raw(lambda k, v: client.set(k, v), lambda k: client.get(k), client.close)
+            return _Raw(lambda k, v: client.set(k, v), lambda k: client.get(k), client.close, client)
 
         return server, {"type": "redis", **server.tier_options()}, raw
     if kind == "s3":
@@ -82,8 +84,9 @@ def start(kind: str, root: Path) -> tuple[Any, dict, Callable[[], Any]]:
 
 
 class _Raw:
-    def __init__(self, put: Callable[[str, bytes], Any], get: Callable[[str], Any], close: Callable[[], Any]):
-        self.put, self.get, self.close = put, get, close
+    def __init__(self, put: Callable[[str, bytes], Any], get: Callable[[str], Any], close: Callable[[], Any],
+                 client: Any = None):
+        self.put, self.get, self.close, self.client = put, get, close, client
 
 
 def bench_tier(kind: str, shape: str, objects: int, repeats: int, root: Path) -> list[dict]:
@@ -118,12 +121,40 @@ def bench_tier(kind: str, shape: str, objects: int, repeats: int, root: Path) ->
             for i in range(objects):
                 assert len(raw.get(f"{shape}-{i}")) == len(value)
 
+        # As a hit reads a shard: into reserved pages (here, one buffer per object, as scattered as DRAM's
+        # extents: two each), verified there.
+        pages = [[memoryview(bytearray(n)) for n in (len(payload) // 2, len(payload) - len(payload) // 2)]
+                 for _ in keys]
+
+        def tier_get_into() -> None:
+            for k, into in zip(keys, pages):
+                header = tier.get_into(k, HEADER_LEN, into)
+                assert header is not None
+                verify(header, into, expected=k)
+
         nbytes = objects * len(value)
         raw_w, tier_w = paired(repeats, raw_put, tier_put)
         raw_r, tier_r = paired(repeats, raw_get, tier_get)
+        raw_r2, into_r = paired(repeats, raw_get, tier_get_into)
         rows = [{"tier": kind, "shape": shape, "op": op, "bytes": nbytes, "gbps": nbytes / t / 1e9,
                  "baseline_gbps": nbytes / b / 1e9, "ratio": b / t}
-                for op, t, b in (("put", tier_w, raw_w), ("get + verify", tier_r, raw_r))]
+                for op, t, b in (("put", tier_w, raw_w), ("get + verify", tier_r, raw_r),
+                                 ("get_into pages + verify", into_r, raw_r2))]
+        if kind in ("redis", "redis-cluster"):
+            # Whether a load's reads would gain from one pipeline across chunks: the raw client's GETs of every
+            # object in one round trip, against one at a time.
+            client = raw.client
+
+            def pipelined() -> None:
+                pipe = client.pipeline(transaction=False)
+                for i in range(objects):
+                    pipe.get(f"{shape}-{i}")
+                assert all(len(v) == len(value) for v in pipe.execute())
+
+            one_r, piped_r = paired(repeats, raw_get, pipelined)
+            rows.append({"tier": kind, "shape": shape, "op": "raw GETs, all in one pipeline (baseline: one at a "
+                         "time)", "bytes": nbytes, "gbps": nbytes / piped_r / 1e9,
+                         "baseline_gbps": nbytes / one_r / 1e9, "ratio": one_r / piped_r})
         if options["type"] == "redis":
             wide = TIERS.resolve("redis", "type").from_config(kind, {**kind_options, "socket_read_bytes": 2**20},
                                                                  "tiers[0]")

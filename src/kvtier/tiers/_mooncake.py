@@ -225,21 +225,23 @@ class MooncakeTier(Tier):
         store = self._store()
         name = self._object(key)
         header = bytearray(header_len)
-        buffers = [memoryview(header), *payload]
+        buffers = [b for b in (memoryview(header), *payload) if b.nbytes]
         pointers = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in buffers]
-        want = sum(len(b) for b in buffers)
-        rc = store.batch_get_into_multi_buffers([name], [pointers], [[len(b) for b in buffers]])
+        want = sum(b.nbytes for b in buffers)
+        rc = store.batch_get_into_multi_buffers([name], [pointers], [[b.nbytes for b in buffers]])
         rc = rc[0] if len(rc) == 1 else -1
+        if rc == want:
+            return bytes(header)
         if rc == _NOT_FOUND:
             return None
-        if rc != want:
-            size = store.get_size(name) if rc < 0 else rc
-            if size == _NOT_FOUND:  # removed since (a purge, the store's eviction)
-                return None
-            if size >= 0 and size != want:
-                raise ObjectError(f"{self.name}: {key.name} is {size} bytes, expected {want}")
-            self._check(min(rc, -1), f"get {key.name}")
-        return bytes(header)
+        # Why it failed: the master unreachable is the tier's error; an object of another size is malformed; an
+        # object there that could not be read (being replaced, say) is a miss, as a failed get always was.
+        present = store.is_exist(name)
+        self._check(present, f"get {key.name}")
+        size = store.get_size(name) if present else -1
+        if size >= 0 and size != want:
+            raise ObjectError(f"{self.name}: {key.name} is {size} bytes, expected {want}")
+        return None
 
     def delete(self, key: ShardKey) -> bool:
         store = self._store()

@@ -176,7 +176,12 @@ def _connection_class(tls: bool) -> type:
 
 class _Unexpected(Exception):
     """A reply :meth:`RedisTier.get_into` does not read itself (a redirection, a shard in several segments):
-    the connection is dropped and redis-py's own path reads the shard."""
+    redis-py's own path reads the shard. ``in_step``: both replies were read whole, the connection may serve the
+    next call; otherwise it is dropped."""
+
+    def __init__(self, reason: str, *, in_step: bool = False) -> None:
+        super().__init__(reason)
+        self.in_step = in_step
 
 
 class _Replies:
@@ -190,6 +195,11 @@ class _Replies:
     def __init__(self, sock: Any) -> None:
         self._sock = sock
         self._buf = bytearray()
+
+    @property
+    def drained(self) -> bool:
+        """Nothing read beyond the replies taken: the connection is in step for its next call."""
+        return not self._buf
 
     def _fill(self) -> None:
         data = self._sock.recv(self._LINE_MAX)
@@ -207,17 +217,30 @@ class _Replies:
         return line
 
     def bulk(self, limit: int) -> bytes | None:
-        """A bulk string of at most ``limit`` bytes (None for a null); an error reply is raised."""
+        """A bulk string, or None for a null or one longer than ``limit`` bytes (read past: not one of ours);
+        an error reply is raised."""
         size = self.length(self.line(), b"$")
         if size is None:
             return None
         if size > limit:
-            raise _Unexpected(f"a reply of {size} bytes where at most {limit} were expected")
+            self._skip(size)
+            return None
         while len(self._buf) < size + 2:
             self._fill()
         value = bytes(self._buf[:size])
         self._end(size)
         return value
+
+    def _skip(self, size: int) -> None:
+        scratch = memoryview(bytearray(min(size, self._LINE_MAX)))
+        left = size - min(size, len(self._buf))
+        del self._buf[:size - left]
+        while left:
+            got = self._sock.recv_into(scratch[:min(left, len(scratch))])
+            if not got:
+                raise ConnectionError("the server closed the connection")
+            left -= got
+        self.end()
 
     def length(self, line: bytes, kind: bytes) -> int | None:
         """The length a reply line announces (``$`` bulk, ``*`` array), None for a null (RESP2 or RESP3)."""
@@ -417,31 +440,41 @@ class RedisTier(Tier):
     def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
         """The usual one-segment shard in one round trip (its field list and that segment, pipelined), read from
         the socket straight into ``payload`` (e.g. DRAM pages): no reply object, no copy after it. A shard in
-        several segments, a cluster's redirection or a field list not kvtier's goes through :meth:`get`."""
+        several segments, a cluster's redirection or an error reply other than WRONGTYPE goes through
+        :meth:`get`."""
         name = self._hash(key.namespace, key.chunk)
-        for attempt in range(2):
-            try:
-                pool = self._pool_for(name)
-                conn = pool.get_connection()
-            except self._errors as exc:
-                self._failed(f"get {key.name}", exc)
-            try:
-                header = self._stream(conn, name, key.heads, header_len, payload)
-            except BaseException as exc:
-                conn.disconnect()  # a reply may be half read: the connection goes
-                pool.release(conn)
-                if isinstance(exc, _Unexpected):
-                    return super().get_into(key, header_len, payload)
-                if isinstance(exc, ObjectError):
-                    raise ObjectError(f"{self.name}: get {key.name}: {exc}") from exc
-                if attempt == 0 and isinstance(exc, (ConnectionError, self._redis.ConnectionError)):
-                    continue  # a pooled connection the server closed (a restart): once more, on a new one
-                if isinstance(exc, (OSError, *self._errors)):
-                    self._failed(f"get {key.name}", exc)
-                raise
+        try:
+            pool = self._pool_for(name)
+            conn = pool.get_connection()
+        except self._errors as exc:
+            self._failed(f"get {key.name}", exc)
+        command = conn.pack_commands([("HKEYS", name), ("HGET", name, f"{key.heads}:0/1")])
+        in_step = False  # whether the connection may serve the next call; otherwise it is dropped
+        try:
+            for attempt in range(2):
+                try:
+                    conn.send_packed_command(command)
+                    replies = _Replies(conn._sock)  # redis-py's own socket, connected by the send
+                    header = self._stream(replies, key.heads, header_len, payload)
+                    in_step = replies.drained
+                    return header
+                except (ConnectionError, self._redis.ConnectionError):
+                    # A pooled connection the server closed (a restart): once more, on this connection anew. Not a
+                    # timeout: the server is stalled, and a second wait would double the caller's.
+                    conn.disconnect()
+                    if attempt:
+                        raise
+        except _Unexpected as exc:
+            in_step = exc.in_step
+        except ObjectError as exc:
+            raise ObjectError(f"{self.name}: get {key.name}: {exc}") from exc
+        except (OSError, *self._errors) as exc:
+            self._failed(f"get {key.name}", exc)
+        finally:
+            if not in_step:
+                conn.disconnect()  # a reply may be half read
             pool.release(conn)
-            return header
-        raise AssertionError("unreachable: the second attempt returns or raises")
+        return super().get_into(key, header_len, payload)
 
     def _pool_for(self, name: str) -> Any:
         client = self._client()
@@ -450,22 +483,17 @@ class RedisTier(Tier):
         return client.get_redis_connection(client.get_node_from_key(name)).connection_pool
 
     @staticmethod
-    def _stream(conn: Any, name: str, heads: HeadRange, header_len: int, payload: Sequence[memoryview]) \
-            -> bytes | None:
-        single = f"{heads}:0/1"
-        conn.send_packed_command(conn.pack_commands([("HKEYS", name), ("HGET", name, single)]))
-        if conn._sock is None:  # redis-py's own socket, connected by the send
-            raise _Unexpected("no socket")
-        replies = _Replies(conn._sock)
+    def _stream(replies: _Replies, heads: HeadRange, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
         count = replies.length(replies.line(), b"*") or 0
         fields = [replies.bulk(_FIELD_MAX) for _ in range(count)]
+        single = f"{heads}:0/1".encode()
         shard = _complete([f for f in fields if f is not None]).get(heads)
         size = replies.length(replies.line(), b"$")
         if shard is None and size is None:
             return None
-        if shard != [single.encode()] or size is None:
-            raise _Unexpected("not a shard of one segment")
-        want = header_len + sum(len(part) for part in payload)
+        if shard != [single] or size is None:
+            raise _Unexpected("not a shard of one segment", in_step=size is None)
+        want = header_len + sum(part.nbytes for part in payload)
         if size != want:
             raise ObjectError(f"{size} bytes, expected {want}")
         header = bytearray(header_len)
