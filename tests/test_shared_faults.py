@@ -224,7 +224,8 @@ def test_a_black_holed_s3_fails_a_call_within_attempts_times_read_timeout(s3_ser
         assert any("no answer at start" in r.message for r in caplog.records)
         many = [key(i).chunk for i in range(64)]  # more listings than the pool has threads (16)
         waits = [timed_failure(lambda: tier.heads(NS_A, many)), timed_failure(lambda: tier.heads(NS_A, many)),
-                 timed_failure(lambda: tier.get(key(1)))]
+                 timed_failure(lambda: tier.get(key(1))),
+                 timed_failure(lambda: tier.get_into(key(1), 96, [memoryview(bytearray(8))]))]
         tier.close()
     # Per attempt: the read timeout, plus connecting and botocore's back-off (under 0.1 s here); its retry quota
     # may end retries early after many timeouts, hence no lower bound beyond one attempt. The first lookup also

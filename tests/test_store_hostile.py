@@ -456,6 +456,39 @@ def test_a_get_from_a_network_tier_asks_once_and_reads_ahead_within_its_bound() 
         assert inline.calls["heads"] == 1 and inline.calls["get"] == 8 and inline.most == 1
 
 
+def test_reads_ahead_go_straight_into_dram_and_a_miss_leaves_nothing_reserved() -> None:
+    """With the shape known, each read ahead fills a DRAM entry reserved for it, on a reading thread; a load that
+    stops at a missing chunk aborts the entries read ahead beyond it (not left reserved: a later put stores
+    them), after their reads end (their pages are written until then)."""
+    tier = SlowTier(0.02)
+    tokens = synthetic_tokens(6, 8 * T)
+    kv = synthetic_kv(tokens)
+    with open_store(tier, dram="16MiB") as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+    readers: list[str] = []
+    plain_get_into = tier.get_into
+
+    def get_into(key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
+        readers.append(threading.current_thread().name)
+        return plain_get_into(key, header_len, payload)
+
+    tier.get_into = get_into  # type: ignore[method-assign]
+    del tier.objects[keys_of(tokens)[5]]
+    shape = {"layers": kv.shape[0], "head_dim": kv.shape[4], "dtype": kv.dtype}
+    with open_store(tier, dram="16MiB") as fresh:
+        loaded: list[torch.Tensor] = []
+        assert fresh.load(NS, tokens, lambda first, got: loaded.append(got.clone()), **shape) == 5 * T
+        assert torch.equal(torch.cat(loaded).permute(1, 2, 3, 0, 4, 5).flatten(3, 4), kv[:, :, :, :5 * T])
+        # chunks 0-4, then 6 and 7 read ahead of the miss at 5: all into DRAM pages, none on the caller's thread
+        assert len(readers) == 7 and all(name.startswith("kvtier-read") for name in readers), readers
+        assert fresh.held(NS, tokens, kv_heads=4) == 5 * T
+        fresh.put(NS, tokens, kv)
+        assert fresh.held(NS, tokens, kv_heads=4) == 8 * T  # 6 and 7 were not left reserved ("present")
+        tier.objects.clear()
+        assert torch.equal(fresh.get(NS, tokens), kv)
+
+
 def test_read_ahead_holds_at_most_its_bound_of_fetched_shards(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reads that finish faster than the store takes them do not pile up: at most READ_AHEAD started and not
     yet taken (their bytes held), however long the prompt."""

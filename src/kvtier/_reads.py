@@ -59,6 +59,16 @@ class Piece:
     count: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Filling:
+    """A shard read ahead straight into its reserved DRAM entry; the future gives its creation time once verified
+    there, or None (missing, corrupt, unreadable: counted by the reader). The entry is the read's to promote or
+    abort, once the future is done."""
+
+    entry: DramEntry
+    future: Future[float | None]
+
+
 @dataclasses.dataclass
 class Read:
     """One get in progress: what it reads and expects, and the DRAM entries it pinned (released at its end)."""
@@ -73,8 +83,8 @@ class Read:
     # What each tier said it holds of the chunks DRAM lacks (one batched question per tier and read; a re-plan
     # after a failed piece asks again), and the shard reads planned from it, in order, started READ_AHEAD ahead.
     heads: dict[str, dict[str, list[HeadRange]]] = dataclasses.field(default_factory=dict)
-    ahead: list[tuple[Tier, ShardKey]] = dataclasses.field(default_factory=list)
-    started: dict[tuple[str, ShardKey], Future[Fetched]] = dataclasses.field(default_factory=dict)
+    ahead: list[tuple[Tier, ShardKey, str | None]] = dataclasses.field(default_factory=list)  # and its parent
+    started: dict[tuple[str, ShardKey], Future[Fetched] | Filling] = dataclasses.field(default_factory=dict)
 
     def admit(self, meta: frame.ShardMeta, chunk_tokens: int) -> bool:
         """Whether a shard of this shape belongs in this read (the first one fixes the shape when none was)."""

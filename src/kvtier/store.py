@@ -14,13 +14,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from kvtier import frame
-from kvtier._reads import Fetched, Piece, Read, Shape, full_cover, valid_range
+from kvtier._reads import Fetched, Filling, Piece, Read, Shape, full_cover, valid_range
 from kvtier.cascade import CascadeWriter, Outage
 from kvtier.config import StoreConfig, TierSpec, load_config
 from kvtier.dram import DramEntry, DramPool
@@ -414,7 +415,7 @@ class KVStore:
         read = Read(ns.id, tp_rank, tp_size, kv_heads, shape,
                      [t for t in self.tiers if t.local] if local_only else self.tiers)
         try:
-            self._plan_reads(read, chunks[offset // t:])
+            self._plan_reads(read, chunks, offset // t)
             plans = []
             for i in range(offset // t, len(chunks)):
                 pieces = self._plan_chunk(read, chunks[i], chunks[i - 1] if i else None)
@@ -429,19 +430,26 @@ class KVStore:
             assert read.shape is not None, "a planned chunk fixes the shape"
             use(plans, read.shape)
         finally:
-            for future in read.started.values():
-                future.cancel()  # not needed after all (a miss before them): those not yet running never start
+            for started in read.started.values():  # not needed after all (a miss before them)
+                if isinstance(started, Filling):
+                    if not started.future.cancel():  # running: its pages are written until it ends
+                        futures.wait([started.future])
+                    self.dram.abort(started.entry)
+                else:
+                    started.cancel()  # one not yet running never starts
             for entry in read.pinned:
                 self.dram.release(entry)
         self.metrics.get_seconds.observe(time.perf_counter() - start)
         return len(plans)
 
-    def _plan_reads(self, read: Read, chunks: list[str]) -> None:
-        """Ask each tier once which of ``chunks`` it holds, for the chunks DRAM and the tiers before it lack, and
-        line up the shard reads that would fill them, to be started :data:`READ_AHEAD` ahead of their use."""
+    def _plan_reads(self, read: Read, chunks: list[str], first: int) -> None:
+        """Ask each tier once which of ``chunks[first:]`` it holds, for the chunks DRAM and the tiers before it
+        lack, and line up the shard reads that would fill them, to be started :data:`READ_AHEAD` ahead of their
+        use."""
         if not read.tiers:
             return
-        missing = [c for c in chunks if self._plan_heads(read, self.dram.ranges(read.namespace, c)) is None]
+        parents = {c: chunks[i - 1] if i else None for i, c in enumerate(chunks)}
+        missing = [c for c in chunks[first:] if self._plan_heads(read, self.dram.ranges(read.namespace, c)) is None]
         for tier in read.tiers:
             if not missing:
                 break
@@ -455,7 +463,7 @@ class KVStore:
                     still.append(chunk)
                     continue
                 if tier.read_ahead:
-                    read.ahead.extend((tier, ShardKey(read.namespace, chunk, rng))
+                    read.ahead.extend((tier, ShardKey(read.namespace, chunk, rng), parents[chunk])
                                       for rng, _, _ in found[1] if rng not in dram)
             missing = still
         read.ahead.reverse()  # popped from the end, in chunk order
@@ -463,13 +471,24 @@ class KVStore:
 
     def _read_ahead(self, read: Read) -> None:
         """Start the next lined-up shard reads, keeping at most :data:`READ_AHEAD` of them started and not yet
-        taken (running or done: a done one holds its bytes)."""
+        taken (running or done: a done one holds its bytes). Once the read knows its shape, each reads straight
+        into a DRAM entry reserved for it (:class:`Filling`), verified there by the reading thread: no read buffer,
+        and the check overlaps the next read."""
         while read.ahead and len(read.started) < READ_AHEAD:
-            tier, key = read.ahead.pop()
+            tier, key, parent = read.ahead.pop()
             if self._read_outage[tier.name].resting():
                 continue
-            read.started[(tier.name, key)] = self._readers[tier.name].submit(
-                lambda tier=tier, key=key: self._get(tier, key))
+            readers = self._readers[tier.name]
+            if read.shape is None:
+                read.started[(tier.name, key)] = readers.submit(lambda tier=tier, key=key: self._get(tier, key))
+                continue
+            shape = read.shape
+            entry = self.dram.reserve(key, frame.ShardMeta(shape.layers, self.chunk_tokens, shape.head_dim,
+                                                           shape.dtype, key.heads), parent)
+            if isinstance(entry, DramEntry):
+                read.started[(tier.name, key)] = Filling(entry, readers.submit(
+                    lambda tier=tier, key=key, entry=entry: self._read_into(tier, key, entry)))
+            # else present in DRAM by now (another read promoted it), or no room: read when its turn comes
 
     @staticmethod
     def _get(tier: Tier, key: ShardKey) -> Fetched | None:
@@ -601,7 +620,22 @@ class KVStore:
         for tier in read.tiers:
             if key.heads not in read.heads.get(tier.name, {}).get(key.chunk, [key.heads]):
                 continue  # this tier said it lacks the shard: no round trip to hear it again
-            if read.shape is not None and not tier.read_ahead:
+            filling = read.started.get((tier.name, key))
+            if isinstance(filling, Filling):
+                del read.started[(tier.name, key)]
+                try:
+                    created = filling.future.result()
+                except BaseException:
+                    self.dram.abort(filling.entry)
+                    raise
+                finally:
+                    self._read_ahead(read)
+                if created is None:
+                    self.dram.abort(filling.entry)
+                    continue
+                self._promote(read, tier, filling.entry, created)
+                return filling.entry
+            if read.shape is not None and (not tier.read_ahead or (tier.name, key) not in read.started):
                 shape = read.shape
                 entry = self.dram.reserve(key, frame.ShardMeta(shape.layers, self.chunk_tokens, shape.head_dim,
                                                                shape.dtype, key.heads), parent)

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from kvtier.config import check_url_port
-from kvtier.errors import ConfigError, TierError
+from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
@@ -90,6 +90,9 @@ def _code(exc: Exception) -> str | None:
     """The S3 error code of a failed call. A ClientError has a response; a BotoCoreError such as
     ReadTimeoutError has none, or ``response=None``."""
     return (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")  # type: ignore[no-any-return]
+
+
+_READ_PIECE = 1 << 20  # bytes per read from a response body
 
 
 @TIERS.register("s3")
@@ -204,6 +207,35 @@ class S3Tier(Tier):
             if self._missing(exc):
                 return None
             raise self._fail(f"get {key.name}", exc) from exc
+
+    def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
+        """The body read from the response stream into ``payload`` (e.g. DRAM pages) a piece at a time: no bytes
+        object of the object's size (urllib3's ``readinto`` reads into a temporary of the size asked for, and each
+        reading thread would keep such buffers' memory)."""
+        try:
+            resp = self._s3.get_object(Bucket=self.options.bucket, Key=self._object(key))
+        except self._errors as exc:
+            if self._missing(exc):
+                return None
+            raise self._fail(f"get {key.name}", exc) from exc
+        body = resp["Body"]
+        try:
+            header = bytearray(header_len)
+            want = header_len + sum(part.nbytes for part in payload)
+            if resp.get("ContentLength") != want:
+                raise ObjectError(f"{self.name}: {key.name} is {resp.get('ContentLength')} bytes, expected {want}")
+            for part in (memoryview(header), *payload):
+                done = 0
+                while done < part.nbytes:
+                    got = body.readinto(part[done:done + _READ_PIECE])
+                    if not got:  # (botocore raises first when the body ends before its length)
+                        raise TierError(f"{self.name}: get {key.name}: the body ended early")
+                    done += got
+        except self._errors as exc:
+            raise self._fail(f"get {key.name}", exc) from exc
+        finally:
+            body.close()
+        return bytes(header)
 
     def delete(self, key: ShardKey) -> bool:
         # S3 deletes answer 204 whether or not the object was there; ask first to report it.
