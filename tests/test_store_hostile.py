@@ -458,19 +458,19 @@ def test_a_get_from_a_network_tier_asks_once_and_reads_ahead_within_its_bound() 
 
 def test_reads_ahead_go_straight_into_dram_and_a_miss_leaves_nothing_reserved() -> None:
     """With the shape known, each read ahead fills a DRAM entry reserved for it, on a reading thread; a load that
-    stops at a missing chunk aborts the entries read ahead beyond it (not left reserved: a later put stores
-    them), after their reads end (their pages are written until then)."""
+    stops at a missing chunk leaves the entries read ahead beyond it to be aborted as their reads end (their
+    pages are written until then; the load does not wait): none is left reserved, and a later put stores them."""
     tier = SlowTier(0.02)
     tokens = synthetic_tokens(6, 8 * T)
     kv = synthetic_kv(tokens)
     with open_store(tier, dram="16MiB") as store:
         store.put(NS, tokens, kv)
         store.flush()
-    readers: list[str] = []
+    readers: dict[ShardKey, str] = {}
     plain_get_into = tier.get_into
 
     def get_into(key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
-        readers.append(threading.current_thread().name)
+        readers[key] = threading.current_thread().name
         return plain_get_into(key, header_len, payload)
 
     tier.get_into = get_into  # type: ignore[method-assign]
@@ -480,13 +480,55 @@ def test_reads_ahead_go_straight_into_dram_and_a_miss_leaves_nothing_reserved() 
         loaded: list[torch.Tensor] = []
         assert fresh.load(NS, tokens, lambda first, got: loaded.append(got.clone()), **shape) == 5 * T
         assert torch.equal(torch.cat(loaded).permute(1, 2, 3, 0, 4, 5).flatten(3, 4), kv[:, :, :, :5 * T])
-        # chunks 0-4, then 6 and 7 read ahead of the miss at 5: all into DRAM pages, none on the caller's thread
-        assert len(readers) == 7 and all(name.startswith("kvtier-read") for name in readers), readers
         assert fresh.held(NS, tokens, kv_heads=4) == 5 * T
+        deadline = time.monotonic() + 5  # the load did not wait for them: aborted as each read ends
+        while fresh.dram.audit()["pending"]:
+            assert time.monotonic() < deadline, fresh.dram.audit()
+            time.sleep(0.01)
+        # chunks 0-4 read into DRAM pages, none on the caller's thread; 6 (and 7 unless cancelled before it ran)
+        # read ahead of the miss at 5
+        keys = keys_of(tokens)
+        assert set(keys[:5]) | {keys[6]} <= set(readers) <= set(keys) - {keys[5]}, readers
+        assert all(name.startswith("kvtier-read") for name in readers.values()), readers
+        assert fresh.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
         fresh.put(NS, tokens, kv)
         assert fresh.held(NS, tokens, kv_heads=4) == 8 * T  # 6 and 7 were not left reserved ("present")
         tier.objects.clear()
         assert torch.equal(fresh.get(NS, tokens), kv)
+
+
+def test_reads_ahead_of_a_failed_read_are_not_waited_for_and_leave_nothing_reserved() -> None:
+    """A tier read failing mid-load rests the tier: the reads already started beyond it are not waited for, and
+    their entries are aborted as each ends."""
+    tier = SlowTier(0.5)
+    tokens = synthetic_tokens(7, 8 * T)
+    kv = synthetic_kv(tokens)
+    with open_store(tier, dram="16MiB") as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+    failing = keys_of(tokens)[2]
+    plain_get = tier.get
+
+    def get(key: ShardKey) -> Buffer | None:
+        if key == failing:
+            time.sleep(0.05)
+            raise TierError("mem: the server went away")
+        return plain_get(key)
+
+    tier.get = get  # type: ignore[method-assign]
+    shape = {"layers": kv.shape[0], "head_dim": kv.shape[4], "dtype": kv.dtype}
+    with open_store(tier, dram="16MiB", retry_seconds=60) as fresh:
+        start = time.monotonic()
+        assert fresh.load(NS, tokens, lambda first, got: None, **shape) == 2 * T
+        # chunks 0 and 1 are read together (0.5 s), then 2 (fails at 0.55 s) and 3 (ends at 1 s): the load ends
+        # at the failure, not waiting for 3
+        assert time.monotonic() - start < 0.55 + 0.25
+        deadline = time.monotonic() + 5
+        while fresh.dram.audit()["pending"]:
+            assert time.monotonic() < deadline, fresh.dram.audit()
+            time.sleep(0.01)
+        assert fresh.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+        assert fresh.held(NS, tokens, kv_heads=4) == 2 * T  # what was read beyond the failure was not kept
 
 
 def test_read_ahead_holds_at_most_its_bound_of_fetched_shards(monkeypatch: pytest.MonkeyPatch) -> None:

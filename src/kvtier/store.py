@@ -14,7 +14,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent import futures
 from typing import Any, TypeVar
 
 import numpy as np
@@ -432,9 +431,7 @@ class KVStore:
         finally:
             for started in read.started.values():  # not needed after all (a miss before them)
                 if isinstance(started, Filling):
-                    if not started.future.cancel():  # running: its pages are written until it ends
-                        futures.wait([started.future])
-                    self.dram.abort(started.entry)
+                    self._abort_when_done(started)
                 else:
                     started.cancel()  # one not yet running never starts
             for entry in read.pinned:
@@ -479,16 +476,19 @@ class KVStore:
             if self._read_outage[tier.name].resting():
                 continue
             readers = self._readers[tier.name]
-            if read.shape is None:
+            shape = read.shape
+            entry = None if shape is None else self.dram.reserve(
+                key, frame.ShardMeta(shape.layers, self.chunk_tokens, shape.head_dim, shape.dtype, key.heads), parent)
+            if not isinstance(entry, DramEntry):
+                # the shape not known yet, the shard being written by another read, or no room: its bytes
                 read.started[(tier.name, key)] = readers.submit(lambda tier=tier, key=key: self._get(tier, key))
                 continue
-            shape = read.shape
-            entry = self.dram.reserve(key, frame.ShardMeta(shape.layers, self.chunk_tokens, shape.head_dim,
-                                                           shape.dtype, key.heads), parent)
-            if isinstance(entry, DramEntry):
-                read.started[(tier.name, key)] = Filling(entry, readers.submit(
-                    lambda tier=tier, key=key, entry=entry: self._read_into(tier, key, entry)))
-            # else present in DRAM by now (another read promoted it), or no room: read when its turn comes
+            try:
+                future = readers.submit(lambda tier=tier, key=key, entry=entry: self._read_into(tier, key, entry))
+            except BaseException:
+                self.dram.abort(entry)  # e.g. the store closed meanwhile
+                raise
+            read.started[(tier.name, key)] = Filling(entry, future)
 
     @staticmethod
     def _get(tier: Tier, key: ShardKey) -> Fetched | None:
@@ -623,17 +623,12 @@ class KVStore:
             filling = read.started.get((tier.name, key))
             if isinstance(filling, Filling):
                 del read.started[(tier.name, key)]
-                try:
-                    created = filling.future.result()
-                except BaseException:
-                    self.dram.abort(filling.entry)
-                    raise
-                finally:
-                    self._read_ahead(read)
+                created = self._filled(tier, filling)
+                if created is not None:
+                    self._promote(read, tier, filling.entry, created)
+                self._read_ahead(read)
                 if created is None:
-                    self.dram.abort(filling.entry)
                     continue
-                self._promote(read, tier, filling.entry, created)
                 return filling.entry
             if read.shape is not None and (not tier.read_ahead or (tier.name, key) not in read.started):
                 shape = read.shape
@@ -666,6 +661,27 @@ class KVStore:
                 return entry
             return frame.payload_tensor(payload, header.meta)
         return None
+
+    def _filled(self, tier: Tier, filling: Filling) -> float | None:
+        """The creation time of a shard read ahead into its DRAM entry, or None with the entry aborted: missing,
+        corrupt or unreadable, or its tier failed since the read started (not waited on)."""
+        if self._read_outage[tier.name].resting():
+            self._abort_when_done(filling)
+            return None
+        try:
+            created = filling.future.result()
+        except BaseException:  # (the reader catches what the tier raises: here, e.g. an interrupt of the wait)
+            self._abort_when_done(filling)
+            raise
+        if created is None:
+            self.dram.abort(filling.entry)
+        return created
+
+    def _abort_when_done(self, filling: Filling) -> None:
+        """Abort a read-ahead's entry once its read has ended (at once if it never started or has ended): until
+        then its pages are being written. Never waits."""
+        filling.future.cancel()
+        filling.future.add_done_callback(lambda _: self.dram.abort(filling.entry))
 
     def _promote(self, read: Read, tier: Tier, entry: DramEntry, created: float) -> None:
         """Make a shard read from ``tier`` visible in DRAM, pinned for ``read``, and queue it for the tiers in

@@ -92,7 +92,8 @@ def _code(exc: Exception) -> str | None:
     return (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")  # type: ignore[no-any-return]
 
 
-_READ_PIECE = 1 << 20  # bytes per read from a response body
+# Bytes per read from a response body: each read makes a bytes object of its size (so does urllib3's readinto).
+_READ_PIECE = 1 << 20
 
 
 @TIERS.register("s3")
@@ -209,9 +210,9 @@ class S3Tier(Tier):
             raise self._fail(f"get {key.name}", exc) from exc
 
     def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
-        """The body read from the response stream into ``payload`` (e.g. DRAM pages) a piece at a time: no bytes
-        object of the object's size (urllib3's ``readinto`` reads into a temporary of the size asked for, and each
-        reading thread would keep such buffers' memory)."""
+        """The body copied from the response stream into ``payload`` (e.g. DRAM pages) a MiB at a time: no bytes
+        object of the object's size (each reading thread would keep such buffers' memory). A response without a
+        length (a proxy's chunked reply) is read whole."""
         try:
             resp = self._s3.get_object(Bucket=self.options.bucket, Key=self._object(key))
         except self._errors as exc:
@@ -220,17 +221,21 @@ class S3Tier(Tier):
             raise self._fail(f"get {key.name}", exc) from exc
         body = resp["Body"]
         try:
-            header = bytearray(header_len)
+            size = resp.get("ContentLength")
+            if size is None:
+                return self._split(key, body.read(), header_len, payload)
             want = header_len + sum(part.nbytes for part in payload)
-            if resp.get("ContentLength") != want:
-                raise ObjectError(f"{self.name}: {key.name} is {resp.get('ContentLength')} bytes, expected {want}")
+            if size != want:
+                raise ObjectError(f"{self.name}: {key.name} is {size} bytes, expected {want}")
+            header = bytearray(header_len)
             for part in (memoryview(header), *payload):
                 done = 0
                 while done < part.nbytes:
-                    got = body.readinto(part[done:done + _READ_PIECE])
-                    if not got:  # (botocore raises first when the body ends before its length)
+                    piece = body.read(min(_READ_PIECE, part.nbytes - done))
+                    if not piece:  # (botocore raises first when the body ends before its length)
                         raise TierError(f"{self.name}: get {key.name}: the body ended early")
-                    done += got
+                    part[done:done + len(piece)] = piece
+                    done += len(piece)
         except self._errors as exc:
             raise self._fail(f"get {key.name}", exc) from exc
         finally:

@@ -68,16 +68,18 @@ class Tier(ABC):
         the rest. The default copies what :meth:`get` returns; a tier that can read into the buffers directly
         (a file: ``readv``) saves that copy."""
         blob = self.get(key)
-        if blob is None:
-            return None
+        return None if blob is None else self._split(key, blob, header_len, payload)
+
+    def _split(self, key: ShardKey, blob: Buffer, header_len: int, payload: Sequence[memoryview]) -> bytes:
+        """:meth:`get_into`'s work on an object read whole: its header returned, the rest copied into ``payload``."""
         view = memoryview(blob).cast("B")
-        if len(view) != header_len + sum(len(p) for p in payload):
-            raise ObjectError(f"{self.name}: {key.name} is {len(view)} bytes, expected "
-                              f"{header_len + sum(len(p) for p in payload)}")
+        want = header_len + sum(part.nbytes for part in payload)
+        if len(view) != want:
+            raise ObjectError(f"{self.name}: {key.name} is {len(view)} bytes, expected {want}")
         pos = header_len
         for part in payload:
-            part[:] = view[pos:pos + len(part)]
-            pos += len(part)
+            part[:] = view[pos:pos + part.nbytes]
+            pos += part.nbytes
         return bytes(view[:header_len])
 
     @abstractmethod
