@@ -416,15 +416,30 @@ class SlowTier(DictTier):
                 self.running -= 1
 
 
-def test_a_get_from_a_network_tier_asks_once_and_reads_ahead_within_its_bound() -> None:
-    from kvtier import store as store_module
-
-    tier = SlowTier(0.05)
-    tokens = synthetic_tokens(3, 8 * T)
+def stored(tier: Tier, seed: int, chunks: int) -> tuple[list[int], torch.Tensor]:
+    """A prompt of ``chunks`` chunks and its KV, put through a store of its own into ``tier`` (written through)."""
+    tokens = synthetic_tokens(seed, chunks * T)
     kv = synthetic_kv(tokens)
     with open_store(tier, dram="16MiB") as store:
         store.put(NS, tokens, kv)
         store.flush()
+    return tokens, kv
+
+
+def settled(store: KVStore) -> None:
+    """Wait (up to 5 s) until no DRAM entry is reserved any more, then check that nothing leaked."""
+    deadline = time.monotonic() + 5
+    while store.dram.audit()["pending"]:
+        assert time.monotonic() < deadline, store.dram.audit()
+        time.sleep(0.01)
+    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+
+
+def test_a_get_from_a_network_tier_asks_once_and_reads_ahead_within_its_bound() -> None:
+    from kvtier import store as store_module
+
+    tier = SlowTier(0.05)
+    tokens, kv = stored(tier, 3, 8)
     with open_store(tier, dram="16MiB") as fresh:
         tier.calls.clear()
         start = time.monotonic()
@@ -447,9 +462,7 @@ def test_a_get_from_a_network_tier_asks_once_and_reads_ahead_within_its_bound() 
         assert tier.most == store_module.READ_AHEAD
     inline = SlowTier(0.01)
     inline.read_ahead = False  # e.g. Redis: one read at a time, on the caller's thread
-    with open_store(inline, dram="16MiB") as store:
-        store.put(NS, tokens, kv)
-        store.flush()
+    stored(inline, 3, 8)
     with open_store(inline, dram="16MiB") as fresh:
         inline.calls.clear()
         assert torch.equal(fresh.get(NS, tokens), kv)
@@ -461,11 +474,7 @@ def test_reads_ahead_go_straight_into_dram_and_a_miss_leaves_nothing_reserved() 
     stops at a missing chunk leaves the entries read ahead beyond it to be aborted as their reads end (their
     pages are written until then; the load does not wait): none is left reserved, and a later put stores them."""
     tier = SlowTier(0.02)
-    tokens = synthetic_tokens(6, 8 * T)
-    kv = synthetic_kv(tokens)
-    with open_store(tier, dram="16MiB") as store:
-        store.put(NS, tokens, kv)
-        store.flush()
+    tokens, kv = stored(tier, 6, 8)
     readers: dict[ShardKey, str] = {}
     plain_get_into = tier.get_into
 
@@ -481,16 +490,12 @@ def test_reads_ahead_go_straight_into_dram_and_a_miss_leaves_nothing_reserved() 
         assert fresh.load(NS, tokens, lambda first, got: loaded.append(got.clone()), **shape) == 5 * T
         assert torch.equal(torch.cat(loaded).permute(1, 2, 3, 0, 4, 5).flatten(3, 4), kv[:, :, :, :5 * T])
         assert fresh.held(NS, tokens, kv_heads=4) == 5 * T
-        deadline = time.monotonic() + 5  # the load did not wait for them: aborted as each read ends
-        while fresh.dram.audit()["pending"]:
-            assert time.monotonic() < deadline, fresh.dram.audit()
-            time.sleep(0.01)
+        settled(fresh)  # the load did not wait for them: aborted as each read ends
         # chunks 0-4 read into DRAM pages, none on the caller's thread; 6 and 7 read ahead of the miss at 5 unless
         # cancelled before they ran
         keys = keys_of(tokens)
         assert set(keys[:5]) <= set(readers) <= set(keys) - {keys[5]}, readers
         assert all(name.startswith("kvtier-read") for name in readers.values()), readers
-        assert fresh.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
         fresh.put(NS, tokens, kv)
         assert fresh.held(NS, tokens, kv_heads=4) == 8 * T  # 6 and 7 were not left reserved ("present")
         tier.objects.clear()
@@ -501,11 +506,7 @@ def test_reads_ahead_of_a_failed_read_are_not_waited_for_and_leave_nothing_reser
     """A tier read failing mid-load rests the tier: the reads already started beyond it are not waited for, and
     their entries are aborted as each ends."""
     tier = SlowTier(1.0)
-    tokens = synthetic_tokens(7, 8 * T)
-    kv = synthetic_kv(tokens)
-    with open_store(tier, dram="16MiB") as store:
-        store.put(NS, tokens, kv)
-        store.flush()
+    tokens, kv = stored(tier, 7, 8)
     failing = keys_of(tokens)[2]
     plain_get = tier.get
 
@@ -523,11 +524,7 @@ def test_reads_ahead_of_a_failed_read_are_not_waited_for_and_leave_nothing_reser
         # chunks 0 and 1 are read together (1 s), then 2 (fails at 1.05 s) and 3 (ends at 2 s): the load ends at
         # the failure, not waiting for 3
         assert time.monotonic() - start < 1.05 + 0.5
-        deadline = time.monotonic() + 5
-        while fresh.dram.audit()["pending"]:
-            assert time.monotonic() < deadline, fresh.dram.audit()
-            time.sleep(0.01)
-        assert fresh.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+        settled(fresh)
         assert fresh.held(NS, tokens, kv_heads=4) == 2 * T  # what was read beyond the failure was not kept
 
 
@@ -537,11 +534,7 @@ def test_read_ahead_holds_at_most_its_bound_of_fetched_shards(monkeypatch: pytes
     from kvtier import store as store_module
 
     tier = SlowTier(0.0)
-    tokens = synthetic_tokens(4, 16 * T)
-    kv = synthetic_kv(tokens)
-    with open_store(tier, dram="16MiB") as store:
-        store.put(NS, tokens, kv)
-        store.flush()
+    tokens, kv = stored(tier, 4, 16)
     held: list[int] = []
     real = store_module.KVStore._read_ahead
 

@@ -37,6 +37,10 @@ class Shape:
     def of(cls, meta: frame.ShardMeta) -> Shape:
         return cls(meta.num_layers, meta.head_dim, meta.dtype)
 
+    def meta(self, chunk_tokens: int, heads: HeadRange) -> frame.ShardMeta:
+        """The metadata of this namespace's shard of ``heads`` (what a DRAM entry is reserved for)."""
+        return frame.ShardMeta(self.layers, chunk_tokens, self.head_dim, self.dtype, heads)
+
 
 @dataclasses.dataclass(frozen=True)
 class Fetched:

@@ -476,9 +476,8 @@ class KVStore:
             if self._read_outage[tier.name].resting():
                 continue
             readers = self._readers[tier.name]
-            shape = read.shape
-            entry = None if shape is None else self.dram.reserve(
-                key, frame.ShardMeta(shape.layers, self.chunk_tokens, shape.head_dim, shape.dtype, key.heads), parent)
+            entry = None if read.shape is None else self.dram.reserve(
+                key, read.shape.meta(self.chunk_tokens, key.heads), parent)
             if not isinstance(entry, DramEntry):
                 # the shape not known yet, the shard being written by another read, or no room: its bytes
                 read.started[(tier.name, key)] = readers.submit(lambda tier=tier, key=key: self._get(tier, key))
@@ -625,15 +624,13 @@ class KVStore:
                 del read.started[(tier.name, key)]
                 created = self._filled(tier, filling)
                 if created is not None:
-                    self._promote(read, tier, filling.entry, created)
+                    self._promote(read, tier, filling.entry, created)  # before reading on: nothing left in hand
                 self._read_ahead(read)
-                if created is None:
-                    continue
-                return filling.entry
+                if created is not None:
+                    return filling.entry
+                continue
             if read.shape is not None and (not tier.read_ahead or (tier.name, key) not in read.started):
-                shape = read.shape
-                entry = self.dram.reserve(key, frame.ShardMeta(shape.layers, self.chunk_tokens, shape.head_dim,
-                                                               shape.dtype, key.heads), parent)
+                entry = self.dram.reserve(key, read.shape.meta(self.chunk_tokens, key.heads), parent)
                 if isinstance(entry, DramEntry):
                     try:
                         created = self._read_into(tier, key, entry)

@@ -258,6 +258,7 @@ class _Replies:
     def into(self, parts: Sequence[memoryview]) -> None:
         """Fill each of ``parts`` in turn from the reply: what the line buffer holds, then the socket."""
         for part in parts:
+            part = part.cast("B")  # counted in bytes, as the reply's length is
             take = min(len(part), len(self._buf))
             part[:take] = self._buf[:take]
             del self._buf[:take]
