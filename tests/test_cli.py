@@ -151,8 +151,8 @@ def test_purge_all_leaves_a_deployment_with_a_longer_prefix(redis_server, tmp_pa
     assert "objects:    6" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("value, error", [("8000", "8000: must be a multiple of 256 from 1024 to 32768"),
-                                          ("65536", "65536: must be a multiple of 256"),
+@pytest.mark.parametrize("value, error", [("8032", "8032: must be a multiple of 64 from 1024 to 32768"),
+                                          ("65536", "65536: must be a multiple of 64"),
                                           ("16k", "not a whole number: '16k'")])
 def test_bench_refuses_a_bad_prefix_length(value: str, error: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier import Namespace, chunk_keys, fingerprint_model
-from kvtier.keys import HeadRange, InputSpan, cover
+from kvtier.keys import HeadRange, InputSpan, cover, tail_keys
 
 NS = Namespace(model="m", dtype="bfloat16")
 
@@ -60,6 +60,27 @@ def test_inputs_name_the_chunks_they_cover_and_every_later_one() -> None:
     assert a.id == NS.id  # one namespace in the tiers: text prefixes are shared across images
     assert Namespace(model="m", dtype="bfloat16", inputs=[(20, 10, "image-a")]) == a
     assert a.describe()["inputs"] == 1 and "image-a" not in str(a.describe())
+
+
+def test_a_tail_has_a_key_of_its_own() -> None:
+    """A tail's key names its parent, its length, its tokens and the inputs over it: never a whole chunk's key,
+    nor a shorter tail's, nor one after another prefix."""
+    ns = Namespace(model="m", dtype="bfloat16")
+    tokens = list(range(100, 140))  # 2 chunks of 16 and 8 tokens more
+    keys = chunk_keys(ns, tokens, 16, tail=True)
+    assert keys[:2] == chunk_keys(ns, tokens, 16) and len(keys) == 3
+    assert keys[2] == tail_keys(ns, keys[1], tokens[32:], 32, [8])[0]
+    tails = tail_keys(ns, keys[1], tokens[32:], 32, [8, 4, 1])
+    assert len(set(tails)) == 3 and keys[2] == tails[0]
+    assert tail_keys(ns, keys[0], tokens[32:], 32, [8])[0] != keys[2]  # another parent
+    assert tail_keys(ns, ns.digest, tokens[:16], 0, [15]) [0] not in chunk_keys(ns, tokens, 16)
+    assert chunk_keys(ns, tokens[:32], 16, tail=True) == keys[:2]  # no tokens after the chunks: no tail
+    image = Namespace(model="m", dtype="bfloat16", inputs=(InputSpan(36, 10, "img"),))
+    assert chunk_keys(image, tokens, 16, tail=True)[:2] == keys[:2]  # the image starts in the tail
+    assert chunk_keys(image, tokens, 16, tail=True)[2] != keys[2]
+    assert tail_keys(image, keys[1], tokens[32:], 32, [4]) == tail_keys(ns, keys[1], tokens[32:], 32, [4])
+    with pytest.raises(ValueError, match=r"tail lengths must be in \[1, 8\], got \[9\]"):
+        tail_keys(ns, keys[1], tokens[32:], 32, [9])
 
 
 def test_namespace_rejects_bad_fields() -> None:

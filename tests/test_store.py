@@ -63,6 +63,54 @@ def test_put_from_a_source_stores_what_put_stores(make_store) -> None:
     assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
 
 
+def test_a_tail_is_stored_found_and_loaded_from_dram_and_from_disk(make_store) -> None:
+    """A prompt's whole blocks after its last whole chunk (blocks of 4 here) stored as a tail: a lookup with
+    ``tail_block`` finds the longest stored tail whose tokens it has, a load hands it over, a new process reads it
+    from the disk. Its padding is zeroed whatever the source wrote there; lookups without ``tail_block`` and tails
+    of other lengths or tokens do not see it."""
+    store = make_store()
+    tokens = synthetic_tokens(40, 3 * T + 9)
+    stored = tokens[:3 * T + 8]  # 3 chunks and a tail of 2 blocks
+    kv = synthetic_kv(tokens)
+    layers, _, heads, _, dim = kv.shape
+
+    def source(first: int, dst: torch.Tensor) -> None:  # writes garbage after the tail's tokens
+        dst.fill_(7)
+        for c in range(dst.shape[0]):
+            start = (first + c) * T
+            dst[c, :, :, :, :min(T, len(stored) - start)] = kv[:, :, :, start:min(start + T, len(stored))]
+
+    assert store.put_from(NS, stored, source, layers=layers, head_dim=dim, dtype=kv.dtype, kv_heads=heads,
+                          tail=True) == 3 * T + 8
+    assert store.held(NS, stored, kv_heads=heads, tail=True) == 3 * T + 8
+    assert store.held(NS, stored[:-4], kv_heads=heads, tail=True) == 3 * T  # a tail of one block: not stored
+    assert store.lookup(NS, tokens, tail_block=4) == 3 * T + 8
+    assert store.lookup(NS, tokens) == 3 * T
+    assert store.lookup(NS, tokens[:3 * T + 7], tail_block=4) == 3 * T  # has tokens for a 1-block tail only
+    assert store.lookup(NS, tokens[:3 * T] + synthetic_tokens(41, 8), tail_block=4) == 3 * T
+    for bad in (0, -4, 5, 2 * T):
+        with pytest.raises(ValueError, match=f"tail_block must divide the chunk size {T}, got {bad}"):
+            store.lookup(NS, tokens, tail_block=bad)
+
+    def check(reader: KVStore) -> None:
+        out = torch.full((layers, 2, heads, 4 * T, dim), 3, dtype=kv.dtype)
+
+        def sink(first: int, chunks: torch.Tensor) -> None:
+            out[:, :, :, first * T:(first + chunks.shape[0]) * T] = chunks.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+
+        assert reader.load(NS, stored, sink, layers=layers, head_dim=dim, dtype=kv.dtype, kv_heads=heads,
+                           tail=True) == 3 * T + 8
+        assert torch.equal(out[:, :, :, :3 * T + 8], kv[:, :, :, :3 * T + 8])
+        assert not out[:, :, :, 3 * T + 8:].any()  # zeros: never bytes a page held before
+
+    check(store)
+    store.flush()
+    store.close()
+    fresh = make_store()
+    assert fresh.lookup(NS, tokens, tail_block=4) == 3 * T + 8
+    check(fresh)
+
+
 def test_only_the_shared_prefix_hits(make_store) -> None:
     store = make_store()
     a = synthetic_tokens(2, 4 * T)

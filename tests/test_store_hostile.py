@@ -549,6 +549,92 @@ def test_read_ahead_holds_at_most_its_bound_of_fetched_shards(monkeypatch: pytes
     assert held and max(held) == store_module.READ_AHEAD
 
 
+class BatchTier(SlowTier):
+    """A network tier that reads in batches (Mooncake's batch get): each get_into_many takes ``delay`` seconds;
+    records each batch's size and thread. ``answers`` replaces the answer for a key (an exception, say)."""
+
+    read_ahead = False
+    batch_reads = True
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(delay)
+        self.batches: list[tuple[int, str]] = []
+        self.answers: dict[ShardKey, Exception] = {}
+        self.gate: threading.Event | None = None  # when set, every batch but the first waits for it
+
+    def get_into_many(self, reads: Sequence[tuple[ShardKey, int, Sequence[memoryview]]]) \
+            -> list[bytes | None | Exception]:
+        self.batches.append((len(reads), threading.current_thread().name))
+        self._enter("get_into_many")
+        if self.gate is not None and len(self.batches) > 1:
+            assert self.gate.wait(10)
+        time.sleep(self.delay)
+        out: list[bytes | None | Exception] = []
+        for key, header_len, payload in reads:
+            blob = self.objects.get(key)
+            out.append(self.answers.get(key) or (None if blob is None else self._split(key, blob, header_len,
+                                                                                        payload)))
+        return out
+
+
+def test_a_tier_that_batches_reads_gets_a_loads_shards_in_batches_straight_into_dram() -> None:
+    """20 chunks from a batching tier: every shard read by a batch on a reading thread (none alone, none on the
+    caller's), at most _BATCH a batch, the batches overlapping, the KV exact. A miss in a batch ends the load
+    there; a corrupt answer is counted and removed; a batch that raises a tier error rests the tier. Nothing is
+    left reserved."""
+    from kvtier import store as store_module
+
+    tier = BatchTier(0.05)
+    tokens, kv = stored(tier, 8, 20)
+    shape = {"layers": kv.shape[0], "head_dim": kv.shape[4], "dtype": kv.dtype}
+    with open_store(tier, dram="16MiB") as fresh:
+        tier.calls.clear()
+        start = time.monotonic()
+        loaded: list[torch.Tensor] = []
+        assert fresh.load(NS, tokens, lambda first, got: loaded.append(got.clone()), **shape) == 20 * T
+        took = time.monotonic() - start
+        assert torch.equal(torch.cat(loaded).permute(1, 2, 3, 0, 4, 5).flatten(3, 4), kv)
+        assert sum(n for n, _ in tier.batches) == 20 and max(n for n, _ in tier.batches) == store_module._BATCH
+        assert all(name.startswith("kvtier-read") for _, name in tier.batches), tier.batches
+        assert "get" not in tier.calls and tier.calls["heads"] == 1
+        assert took < 5 * 0.05 * 0.8  # 5 batches one after another would take 0.25 s
+        settled(fresh)
+    keys = keys_of(tokens)
+    tier.objects.pop(keys[6])
+    tier.answers[keys[2]] = ObjectError("mem: not what was stored")
+    with open_store(tier, dram="16MiB") as fresh:
+        assert fresh.load(NS, tokens, lambda first, got: None, **shape) == 2 * T
+        assert fresh.stats()["mem"]["corrupt_objects_total"] == 1 and keys[2] not in tier.objects
+        settled(fresh)
+        assert fresh.held(NS, tokens, kv_heads=4) == 2 * T
+    tier.answers.clear()
+    tier.raise_on["get_into_many"] = TierError("mem: the server went away")
+    with open_store(tier, dram="16MiB", retry_seconds=60) as fresh:
+        assert fresh.load(NS, tokens, lambda first, got: None, **shape) == 0
+        assert fresh.stats()["mem"]["read_errors_total"] >= 1
+        tier.raise_on.clear()
+        tier.calls.clear()
+        assert fresh.load(NS, tokens, lambda first, got: None, **shape) == 0  # resting: not asked
+        assert "get_into_many" not in tier.calls
+        settled(fresh)
+
+
+def test_a_batch_still_reading_keeps_its_entries_reserved_after_the_load_gave_up() -> None:
+    """The load stops at a corrupt shard in the first batch while the second still writes into its entries:
+    those stay reserved (their pages cannot go to anyone) until the batch ends, then are aborted."""
+    tier = BatchTier(0.0)
+    tokens, kv = stored(tier, 9, 8)
+    tier.answers[keys_of(tokens)[1]] = ObjectError("mem: not what was stored")
+    tier.gate = threading.Event()
+    with open_store(tier, dram="16MiB") as fresh:
+        assert fresh.load(NS, tokens, lambda first, got: None, layers=kv.shape[0], head_dim=kv.shape[4],
+                          dtype=kv.dtype) == T
+        assert fresh.dram.audit()["pending"] == 4  # chunks 4-7, still being written
+        tier.gate.set()
+        settled(fresh)
+        assert fresh.held(NS, tokens, kv_heads=4) == T
+
+
 def test_a_tier_that_said_it_lacks_a_shard_is_not_asked_for_it_and_local_only_reads_skip_remote_tiers() -> None:
     front, back = DictTier("front"), DictTier("back")
     tokens = synthetic_tokens(5, 2 * T)

@@ -186,11 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="use this shared tier (a server started on loopback) as the only secondary tier "
                             "instead of the local disk, and report TTFT for hits served from it")
     bench.add_argument("--prefix-tokens", type=_prefix_tokens, metavar="N",
-                       help="documents of N tokens (a multiple of 256, 1024 to 32768; e.g. 8192, 16384) instead "
-                            "of 4096: the hit phases only, 3 documents asked twice")
+                       help="documents of N tokens (a multiple of 64, 1024 to 32768; e.g. 8192, 16384, or 4032: "
+                            "15 chunks and a tail) instead of 4096: the hit phases only, 3 documents asked twice")
     bench.add_argument("--chunk-tokens", type=int, choices=(128, 256, 512), default=256,
                        help="kvtier's chunk size (default 256; 128 is vLLM-CPU's block: hits end where the "
                             "engine's own do, at the cost of twice the chunks)")
+    bench.add_argument("--no-tails", action="store_true",
+                       help="store whole chunks only, not also a prompt's whole blocks after them (its tail): to "
+                            "measure what tails gain")
     router = top.add_parser("router", help="a cache-aware OpenAI-compatible router in front of vLLM API servers")
     router.add_argument("--config", required=True, help="router config (YAML; see the README's 'Running a fleet')")
     router.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -459,8 +462,8 @@ def _prefix_tokens(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value % 256 or not 1024 <= value <= 32768:
-        raise argparse.ArgumentTypeError(f"{value}: must be a multiple of 256 from 1024 to 32768")
+    if value % 64 or not 1024 <= value <= 32768:
+        raise argparse.ArgumentTypeError(f"{value}: must be a multiple of 64 from 1024 to 32768")
     return value
 
 
@@ -469,7 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.group == "bench":
         from kvtier.bench.ttft import run
 
-        return run(args.quick, args.json, args.work_dir, args.shared_tier, args.prefix_tokens, args.chunk_tokens)
+        return run(args.quick, args.json, args.work_dir, args.shared_tier, args.prefix_tokens, args.chunk_tokens,
+                   tails=not args.no_tails)
     if args.group == "router":
         return _router(args)
     if args.group == "simulate":

@@ -109,16 +109,21 @@ def _inputs_in(spans: tuple[InputSpan, ...], start: int, stop: int) -> bytes:
     return bytes(out)
 
 
-def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor,
-               chunk_tokens: int) -> list[bytes]:
-    """Keys of the whole chunks of ``tokens``; a partial trailing chunk gets no key.
-
-    A chunk's key hashes its parent's key, its token ids and the namespace's inputs that overlap it.
-    """
+def _token_ids(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
     ids = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens, dtype=np.int64)
     if ids.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {ids.shape}")
-    ids = ids.astype("<i8", copy=False)
+    return ids.astype("<i8", copy=False)
+
+
+def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor,
+               chunk_tokens: int, *, tail: bool = False) -> list[bytes]:
+    """Keys of the whole chunks of ``tokens``; a partial trailing chunk gets no key, or with ``tail`` a tail key
+    (see :func:`tail_keys`).
+
+    A chunk's key hashes its parent's key, its token ids and the namespace's inputs that overlap it.
+    """
+    ids = _token_ids(tokens)
     keys = []
     prev = namespace.digest
     for i in range(len(ids) // chunk_tokens):
@@ -129,6 +134,34 @@ def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.
             h.update(_inputs_in(namespace.inputs, i * chunk_tokens, (i + 1) * chunk_tokens))
         prev = h.digest()
         keys.append(prev)
+    rest = len(ids) % chunk_tokens
+    if tail and rest:
+        keys += tail_keys(namespace, prev, ids[len(ids) - rest:], len(ids) - rest, [rest])
+    return keys
+
+
+def tail_keys(namespace: Namespace, parent: bytes, tokens: Sequence[int] | np.ndarray | torch.Tensor, start: int,
+              lengths: Sequence[int]) -> list[bytes]:
+    """Keys of tails: the first ``length`` of ``tokens`` for each of ``lengths``. ``tokens`` begin at token
+    ``start`` of the prompt, a chunk boundary right after the chunk whose key is ``parent`` (the namespace's
+    digest at the prompt's start).
+
+    A tail is a prompt's tokens after its last whole chunk, stored as a chunk of its own, so that a prompt asked
+    again loads as far as the engine's own prefix cache would. Its key hashes its parent, its length, its token
+    ids and the inputs overlapping it, with a personalisation of its own: a tail is never taken for a whole chunk
+    or for a tail of another length.
+    """
+    ids = _token_ids(tokens)
+    if any(not 0 < n <= len(ids) for n in lengths):
+        raise ValueError(f"tail lengths must be in [1, {len(ids)}], got {list(lengths)}")
+    keys = []
+    for n in lengths:
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvtier-tail")
+        h.update(struct.pack("<q", n))
+        h.update(ids[:n].tobytes())
+        if namespace.inputs:
+            h.update(_inputs_in(namespace.inputs, start, start + n))
+        keys.append(h.digest())
     return keys
 
 

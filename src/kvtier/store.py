@@ -14,6 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import numpy as np
@@ -26,7 +27,7 @@ from kvtier.config import StoreConfig, TierSpec, load_config
 from kvtier.dram import DramEntry, DramPool
 from kvtier.errors import ObjectError, TierError
 from kvtier.eviction import POLICIES
-from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, cover, rank_heads
+from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, cover, rank_heads, tail_keys
 from kvtier.metrics import StoreMetrics
 from kvtier.threads import DaemonPool
 from kvtier.tiers.base import TIERS, Tier
@@ -44,6 +45,12 @@ _SHAPES_KEPT = 4096
 # 0.17 -> 0.15 s; Redis 0.083 -> 0.090 s and a local disk 0.034 -> 0.043 s (those read inline), and reading
 # threads kept ~10 chunks' worth of freed buffers where inline reads peak at ~2.
 READ_AHEAD = 2
+# From a tier that batches its reads (Tier.batch_reads), each reading thread reads up to _BATCH shards in one call,
+# straight into their reserved DRAM entries, with up to _BATCH_AHEAD shards in flight: the transfers of later
+# batches overlap the verification of the first (into DRAM pages; a shard whose entry cannot be reserved is read
+# as bytes, so up to _BATCH_AHEAD shards' bytes may be held when DRAM is full).
+_BATCH = 4
+_BATCH_AHEAD = 16
 _READ_THREADS = 4  # per tier, shared by the store's concurrent gets
 
 
@@ -59,6 +66,23 @@ def open_tiers(config: StoreConfig) -> list[Tier]:
             tier.close()
         raise
     return tiers
+
+
+def _raised(got: bytes | None | Exception) -> bytes | None:
+    """One answer of :meth:`Tier.get_into_many`: the exception it holds raised, else itself."""
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
+def _padded(source: Callable[[int, torch.Tensor], None], last: int, tokens: int) -> Callable[[int, torch.Tensor], None]:
+    """``source`` for a put whose chunk ``last`` (counted as ``source`` counts) is a tail of ``tokens`` tokens: the
+    rest of that chunk is zeroed, so its pages never carry bytes of the KV they held before (another tenant's)."""
+    def fill(first: int, dst: torch.Tensor) -> None:
+        source(first, dst)
+        if first <= last < first + dst.shape[0]:
+            dst[last - first, :, :, :, tokens:].zero_()
+    return fill
 
 
 class KVStore:
@@ -150,9 +174,12 @@ class KVStore:
 
     def put_from(self, ns: Namespace, tokens: Tokens, source: Callable[[int, torch.Tensor], None], *, layers: int,
                  head_dim: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, offset: int = 0,
-                 kv_heads: int, device: torch.device | str = "cpu") -> int:
+                 kv_heads: int, device: torch.device | str = "cpu", tail: bool = False) -> int:
         """Store the whole chunks of ``tokens[offset:]``, having ``source`` write their KV straight into DRAM: the
-        mirror of :meth:`load`, with no staging copy of the prompt.
+        mirror of :meth:`load`, with no staging copy of the prompt. With ``tail``, the tokens after the last whole
+        chunk are stored too, as a tail (:func:`~kvtier.keys.tail_keys`): a chunk whose first ``len(tokens) %
+        chunk_tokens`` tokens are those, ``source`` asked for it like any chunk (only those tokens are read from
+        it; the store zeroes the rest).
 
         ``source(first, dst)`` fills ``dst`` ``[count, layers, 2, rank's heads, chunk_tokens, head_dim]`` (any
         strides: a view of DRAM pages, or a one-chunk buffer) with ``count`` consecutive chunks from chunk
@@ -167,17 +194,19 @@ class KVStore:
         if offset % t or not 0 <= offset <= len(tokens):
             raise ValueError(f"offset must be a whole number of {t}-token chunks within the tokens, got {offset}")
         meta = frame.ShardMeta(layers, t, head_dim, dtype, rank_heads(kv_heads, tp_rank, tp_size))
-        return self._put(ns, tokens, meta, source, offset, torch.device(device), start)
+        return self._put(ns, tokens, meta, source, offset, torch.device(device), start, tail)
 
     def _put(self, ns: Namespace, tokens: Tokens, meta: frame.ShardMeta, source: Callable[[int, torch.Tensor], None],
-             offset: int, device: torch.device, start: float) -> int:
+             offset: int, device: torch.device, start: float, tail: bool = False) -> int:
         t = self.chunk_tokens
         self._remember_shape(ns.id, Shape.of(meta))  # the caller's own KV: it defines the shape
         first = offset // t
         held = 0  # leading chunks from `first` on now in DRAM
         namespace = ns.id
         reserved: list[tuple[int, DramEntry]] = []
-        chunks = [key.hex() for key in chunk_keys(ns, tokens, t)]
+        chunks = [key.hex() for key in chunk_keys(ns, tokens, t, tail=tail)]
+        if tail and len(tokens) % t:
+            source = _padded(source, len(chunks) - 1 - first, len(tokens) % t)
         wanted = [(ShardKey(namespace, chunk, meta.heads), chunks[i - 1] if i else None)
                   for i, chunk in enumerate(chunks) if i >= first]
         try:  # phase 1: reserve every chunk, then copy them all (asynchronously from a CUDA tensor)
@@ -204,21 +233,22 @@ class KVStore:
             for writer in self._writers:
                 writer.submit(entry)
         self.metrics.put_seconds.observe(time.perf_counter() - start)
-        return offset + held * t
+        return min(offset + held * t, len(tokens))
 
     def held(self, ns: Namespace, tokens: Tokens, *, tp_rank: int = 0, tp_size: int = 1,
-             kv_heads: int) -> int:
-        """Leading tokens (whole chunks) whose shard for this rank's heads is in DRAM: what a put would skip.
+             kv_heads: int, tail: bool = False) -> int:
+        """Leading tokens (whole chunks, and with ``tail`` the tail of ``tokens``) whose shard for this rank's
+        heads is in DRAM: what a put would skip.
 
         Asks DRAM only (no tier I/O), so a caller can decide cheaply what to gather before a put.
         """
         heads = rank_heads(kv_heads, tp_rank, tp_size)
         n = 0
-        for key in chunk_keys(ns, tokens, self.chunk_tokens):
+        for key in chunk_keys(ns, tokens, self.chunk_tokens, tail=tail):
             if not self.in_dram(ns.id, key.hex(), heads):
                 break
             n += 1
-        return n * self.chunk_tokens
+        return min(n * self.chunk_tokens, len(tokens))
 
     def watch_tier_writes(self) -> int:
         """Start recording, for one reader, every shard a secondary tier came to hold through the cascade;
@@ -260,8 +290,14 @@ class KVStore:
 
     def lookup(self, ns: Namespace, tokens: Tokens, *, kv_heads: int | None = None,
                elsewhere: Callable[[str, str], bool] | None = None, local_only: bool = False,
-               count: bool = True) -> int:
-        """How many leading tokens (whole chunks) are available, every head present, in any tiers.
+               count: bool = True, tail_block: int | None = None) -> int:
+        """How many leading tokens (whole chunks, and perhaps a tail) are available, every head present, in any
+        tiers.
+
+        With ``tail_block`` (the engine's block size, a divisor of the chunk size), a tail (see :meth:`put_from`)
+        of whole ``tail_block``-token blocks right after the whole chunks found counts too: the longest one held
+        whose tokens are all in ``tokens``. Tiers across a network are asked about tails only after at least one
+        whole chunk was found (a second question, one per tier), so a miss costs no more round trips than before.
 
         ``kv_heads``, when given, is the model's KV head count: shards recorded with another count are ignored.
         ``elsewhere(namespace id, chunk key)`` says whether a chunk is held whole outside this store, e.g. in
@@ -271,9 +307,18 @@ class KVStore:
         (:meth:`count_lookup`), e.g. when one answer takes several calls. Never raises for a tier's fault: an
         unreachable or misbehaving tier holds nothing.
         """
-        chunks = [k.hex() for k in chunk_keys(ns, tokens, self.chunk_tokens)]
+        t = self.chunk_tokens
+        if tail_block is not None and not (0 < tail_block <= t and t % tail_block == 0):
+            raise ValueError(f"tail_block must divide the chunk size {t}, got {tail_block}")
+        keys = chunk_keys(ns, tokens, t)
         tiers = [t for t in self.tiers if t.local] if local_only else self.tiers
-        found = self._available(ns.id, chunks, kv_heads, elsewhere, tiers) * self.chunk_tokens
+        n = self._available(ns.id, [k.hex() for k in keys], kv_heads, elsewhere, tiers)
+        found = n * t
+        if tail_block and tail_block < t and found + tail_block <= len(tokens):
+            lengths = list(range(min(t - 1, len(tokens) - found) // tail_block * tail_block, 0, -tail_block))
+            tails = tail_keys(ns, keys[n - 1] if n else ns.digest, tokens[found:found + lengths[0]], found, lengths)
+            found += self._longest(ns.id, [k.hex() for k in tails], lengths, kv_heads, elsewhere,
+                                   tiers if n else [tier for tier in tiers if tier.local])
         if count and not local_only:
             self.count_lookup(len(tokens), found)
         return found
@@ -304,6 +349,20 @@ class KVStore:
                 break
             n += 1
         return n
+
+    def _longest(self, namespace: str, tails: list[str], lengths: list[int], kv_heads: int | None,
+                 elsewhere: Callable[[str, str], bool] | None, tiers: list[Tier]) -> int:
+        """The longest of ``lengths`` whose tail (of ``tails``, longest first) is available, or 0; each tier is
+        asked once, about the tails longer than the longest DRAM or ``elsewhere`` holds."""
+        ranges = [self.dram.ranges(namespace, tail) for tail in tails]
+        held = next((i for i, (tail, found) in enumerate(zip(tails, ranges)) if full_cover(found, kv_heads) or
+                     (elsewhere is not None and elsewhere(namespace, tail))), len(tails))
+        if held:
+            for tier in tiers:
+                for found, heads in zip(ranges, self._tier_heads(tier, namespace, tails[:held])):
+                    found.extend(heads)
+        return next((length for found, length in zip(ranges[:held], lengths) if full_cover(found, kv_heads)),
+                    lengths[held] if held < len(lengths) else 0)
 
     def _tier_heads(self, tier: Tier, namespace: str, chunks: list[str]) -> list[list[HeadRange]]:
         outage = self._read_outage[tier.name]
@@ -369,7 +428,8 @@ class KVStore:
 
     def load(self, ns: Namespace, tokens: Tokens, sink: Callable[[int, torch.Tensor], None], *, layers: int,
              head_dim: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, offset: int = 0,
-             kv_heads: int | None = None, device: torch.device | str = "cpu", local_only: bool = False) -> int:
+             kv_heads: int | None = None, device: torch.device | str = "cpu", local_only: bool = False,
+             tail: bool = False) -> int:
         """Hand the canonical KV of ``tokens[offset:]`` (this rank's heads) to ``sink`` without copying it first.
 
         ``sink(first, kv)`` gets ``kv`` ``[count, layers, 2, heads, chunk_tokens, head_dim]`` for ``count``
@@ -380,25 +440,27 @@ class KVStore:
         :meth:`get`'s, against ``layers``, ``head_dim`` and ``dtype``. ``device`` is where ``sink`` copies
         to: for another device than the CPU only gap-free runs are grouped, so each view is dense (a copy of a
         view with gaps to a GPU is staged through a temporary). ``local_only`` reads DRAM and the
-        :attr:`~kvtier.tiers.base.Tier.local` tiers only: a load that must never wait on a network.
+        :attr:`~kvtier.tiers.base.Tier.local` tiers only: a load that must never wait on a network. With
+        ``tail``, ``tokens`` may end inside a chunk: the tail after the last whole chunk (see :meth:`put_from`) is
+        handed over as a chunk of which only those tokens count (the count returned ends with them).
         """
         def feed(plans: list[list[Piece]], shape: Shape) -> None:
             for first, kv in self._chunk_views(plans, shape, torch.device(device)):
                 sink(first, kv)
 
         chunks = self._read(ns, tokens, tp_rank, tp_size, offset, kv_heads, Shape(layers, head_dim, dtype), feed,
-                            partial=True, local_only=local_only)
-        return chunks * self.chunk_tokens
+                            partial=True, local_only=local_only, tail=tail)
+        return min(chunks * self.chunk_tokens, len(tokens) - offset)
 
     def _read(self, ns: Namespace, tokens: Tokens, tp_rank: int, tp_size: int, offset: int,
               kv_heads: int | None, wanted: Shape | None, use: Callable[[list[list[Piece]], Shape], None],
-              partial: bool = False, local_only: bool = False) -> int:
+              partial: bool = False, local_only: bool = False, tail: bool = False) -> int:
         """Plan the chunks of ``tokens[offset:]`` (pinning DRAM entries, fetching and promoting the rest), hand
         the plans to ``use``, then release what was pinned; returns how many chunks were handed over. On a miss:
         0 (``use`` not called), or with ``partial`` the chunks before it."""
         start = time.perf_counter()
         t = self.chunk_tokens
-        if len(tokens) % t or offset % t or not 0 <= offset < len(tokens):
+        if (len(tokens) % t and not tail) or offset % t or not 0 <= offset < len(tokens):
             raise ValueError(f"get needs a whole number of {t}-token chunks after a whole-chunk offset, got "
                              f"{len(tokens)} tokens and offset {offset}")
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
@@ -410,7 +472,7 @@ class KVStore:
             if shape is not None and wanted != shape:
                 raise ValueError(f"the caller expects {wanted}, the KV put in this namespace is {shape}")
             shape = wanted
-        chunks = [k.hex() for k in chunk_keys(ns, tokens, t)]
+        chunks = [k.hex() for k in chunk_keys(ns, tokens, t, tail=tail)]
         read = Read(ns.id, tp_rank, tp_size, kv_heads, shape,
                      [t for t in self.tiers if t.local] if local_only else self.tiers)
         try:
@@ -459,10 +521,14 @@ class KVStore:
                 if found is None:
                     still.append(chunk)
                     continue
-                if tier.read_ahead:
+                if tier.read_ahead or tier.batch_reads:
                     read.ahead.extend((tier, ShardKey(read.namespace, chunk, rng), parents[chunk])
                                       for rng, _, _ in found[1] if rng not in dram)
             missing = still
+        if missing:  # no source holds this chunk: the read stops there, so nothing beyond it is read ahead
+            order = {c: i for i, c in enumerate(chunks)}
+            stop = min(order[c] for c in missing)
+            read.ahead = [item for item in read.ahead if order[item[1].chunk] < stop]
         read.ahead.reverse()  # popped from the end, in chunk order
         self._read_ahead(read)
 
@@ -470,10 +536,22 @@ class KVStore:
         """Start the next lined-up shard reads, keeping at most :data:`READ_AHEAD` of them started and not yet
         taken (running or done: a done one holds its bytes). Once the read knows its shape, each reads straight
         into a DRAM entry reserved for it (:class:`Filling`), verified there by the reading thread: no read buffer,
-        and the check overlaps the next read."""
-        while read.ahead and len(read.started) < READ_AHEAD:
-            tier, key, parent = read.ahead.pop()
+        and the check overlaps the next read. A tier that batches its reads gets them :data:`_BATCH` at a time,
+        up to :data:`_BATCH_AHEAD` started (:meth:`_read_batch`)."""
+        while read.ahead:
+            tier, key, parent = read.ahead[-1]
+            batch = tier.batch_reads and read.shape is not None
+            if (_BATCH_AHEAD - len(read.started) < min(_BATCH, len(read.ahead))) if batch else \
+                    len(read.started) >= READ_AHEAD:
+                break  # (a batch waits for room for a whole one)
+            read.ahead.pop()
             if self._read_outage[tier.name].resting():
+                continue
+            if batch:
+                keys = [(key, parent)]
+                while read.ahead and read.ahead[-1][0] is tier and len(keys) < _BATCH:
+                    keys.append(read.ahead.pop()[1:])
+                self._read_batch(read, tier, keys)
                 continue
             readers = self._readers[tier.name]
             entry = None if read.shape is None else self.dram.reserve(
@@ -488,6 +566,54 @@ class KVStore:
                 self.dram.abort(entry)  # e.g. the store closed meanwhile
                 raise
             read.started[(tier.name, key)] = Filling(entry, future)
+
+    def _read_batch(self, read: Read, tier: Tier, keys: list[tuple[ShardKey, str | None]]) -> None:
+        """Start one batched read of ``keys`` from ``tier`` into DRAM entries reserved for them (a shard whose entry
+        cannot be reserved is read as bytes, alone). Each shard's future is marked running from the start: a
+        read that no longer needs it cannot cancel it, and aborts its entry only once the batch has ended."""
+        assert read.shape is not None
+        readers = self._readers[tier.name]
+        batch: list[tuple[ShardKey, DramEntry, Future[float | None]]] = []
+        try:
+            for key, parent in keys:
+                entry = self.dram.reserve(key, read.shape.meta(self.chunk_tokens, key.heads), parent)
+                if not isinstance(entry, DramEntry):
+                    read.started[(tier.name, key)] = readers.submit(lambda key=key: self._get(tier, key))
+                    continue
+                future: Future[float | None] = Future()
+                future.set_running_or_notify_cancel()
+                batch.append((key, entry, future))
+            if batch:
+                readers.submit(lambda: self._fill_batch(tier, batch))
+        except BaseException:
+            for _, entry, _ in batch:
+                self.dram.abort(entry)  # e.g. the store closed meanwhile
+            raise
+        for key, entry, future in batch:
+            read.started[(tier.name, key)] = Filling(entry, future)
+
+    def _fill_batch(self, tier: Tier, batch: list[tuple[ShardKey, DramEntry, Future[float | None]]]) -> None:
+        """On a reading thread: one :meth:`Tier.get_into_many` of the batch, then each shard verified in its
+        entry, its future given the outcome (what :meth:`_read_into` returns). Every future ends, whatever
+        happens (a load waits on them)."""
+        start = time.perf_counter()
+        try:
+            got: list[bytes | None | Exception] = tier.get_into_many(
+                [(key, frame.HEADER_LEN, self.dram.views(entry)) for key, entry, _ in batch])
+            if not isinstance(got, list) or len(got) != len(batch):
+                raise ValueError(f"get_into_many returned {len(got) if isinstance(got, list) else got!r:.100} "
+                                 f"answers for {len(batch)} reads")
+        except Exception as exc:
+            got = [exc] * len(batch)
+        except BaseException as exc:  # e.g. an interrupt: the reads fail, the loads waiting on them go on
+            for _, _, future in batch:
+                future.set_exception(exc)
+            raise
+        for (key, entry, future), head in zip(batch, got):
+            try:
+                future.set_result(self._read_into(tier, key, entry, lambda head=head: _raised(head), start))
+            except BaseException as exc:
+                future.set_exception(exc)
 
     @staticmethod
     def _get(tier: Tier, key: ShardKey) -> Fetched | None:
@@ -629,7 +755,8 @@ class KVStore:
                 if created is not None:
                     return filling.entry
                 continue
-            if read.shape is not None and (not tier.read_ahead or (tier.name, key) not in read.started):
+            if read.shape is not None and (not (tier.read_ahead or tier.batch_reads) or
+                                           (tier.name, key) not in read.started):
                 entry = self.dram.reserve(key, read.shape.meta(self.chunk_tokens, key.heads), parent)
                 if isinstance(entry, DramEntry):
                     try:
@@ -691,14 +818,16 @@ class KVStore:
         for writer in front:
             writer.submit(entry)
 
-    def _read_into(self, tier: Tier, key: ShardKey, entry: DramEntry) -> float | None:
+    def _read_into(self, tier: Tier, key: ShardKey, entry: DramEntry,
+                   fetched: Callable[[], bytes | None] | None = None, start: float | None = None) -> float | None:
         """Read one shard from ``tier`` into a reserved DRAM entry and verify it there; its creation time, or None
         (missing, corrupt or unreadable: counted as :meth:`_read_verified` counts them; the entry is not
-        aborted here)."""
-        start = time.perf_counter()
+        aborted here). ``fetched``: the shard's header, read into the entry already (by a batch started at
+        ``start``), instead of a read here."""
+        start = time.perf_counter() if start is None else start
 
         def read() -> frame.Header | None:
-            head = tier.get_into(key, frame.HEADER_LEN, self.dram.views(entry))
+            head = tier.get_into(key, frame.HEADER_LEN, self.dram.views(entry)) if fetched is None else fetched()
             if head is None:
                 return None
             header = frame.verify(head, self.dram.views(entry), expected=key)

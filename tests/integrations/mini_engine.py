@@ -34,11 +34,12 @@ BLOCK = 128
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # the tiny Llama of the fixtures
 
 
-def vllm_config(model_dir: str, store: dict, **engine: object) -> VllmConfig:
-    """A VllmConfig for the tiny model with kvtier as its connector over store config ``store``."""
+def vllm_config(model_dir: str, store: dict, extra: dict | None = None, **engine: object) -> VllmConfig:
+    """A VllmConfig for the tiny model with kvtier as its connector over store config ``store`` (and the other
+    ``kv_connector_extra_config`` keys in ``extra``)."""
     kv = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
                           kv_role="kv_both", kv_load_failure_policy="recompute",
-                          kv_connector_extra_config={"config": store})
+                          kv_connector_extra_config={"config": store, **(extra or {})})
     args = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=2048,
                 dtype="bfloat16", block_size=BLOCK, kv_transfer_config=kv)
     args.update(engine)

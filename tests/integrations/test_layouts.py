@@ -151,7 +151,8 @@ def test_block_runs() -> None:
 def test_gather_chunks_into_strided_pages(data: st.DataObject, layout: str, staged: bool, indexed: bool) -> None:
     """A save's gather straight into DRAM pages (a strided view with gaps between chunks) holds exactly the
     blocks' KV, chunk by chunk; ``staged``: into another dtype, a chunk at a time through a buffer (the path a
-    GPU cache takes into host pages); ``indexed``: a GPU's indexed copies."""
+    GPU cache takes into host pages); ``indexed``: a GPU's indexed copies. A tail (fewer blocks than the last
+    chunk holds) fills the start of the last chunk and, gathered in place, writes nothing after it."""
     with mock.patch.object(layouts, "_by_runs", lambda device: not indexed):
         check_gather_chunks(data, layout, staged)
 
@@ -163,17 +164,24 @@ def check_gather_chunks(data: st.DataObject, layout: str, staged: bool) -> None:
     if data.draw(st.booleans(), label="consecutive"):
         start = data.draw(st.integers(0, BLOCKS - count * per), label="first block")
         blocks = list(range(start, start + count * per))
+    blocks = blocks[:len(blocks) - data.draw(st.integers(0, per - 1), label="blocks missing from the tail")]
     caches = make_caches(layout)
     dtype = torch.float32 if staged else torch.bfloat16
     out = torch.zeros(count, LAYERS + 1, 2, HEADS, per * BS, DIM, dtype=dtype)[:, :LAYERS]
     gather_chunks(caches, blocks, layout, out)
     want = reference(caches, blocks, layout).to(dtype)
-    assert torch.equal(torch.cat([out[i] for i in range(count)], dim=3), want)
+    got = torch.cat([out[i] for i in range(count)], dim=3)
+    assert torch.equal(got[:, :, :, :len(blocks) * BS], want)
+    if not staged:
+        assert not got[:, :, :, len(blocks) * BS:].any()
 
 
-def test_gather_chunks_needs_whole_chunks() -> None:
-    with pytest.raises(ValueError, match="2 chunks of 32 tokens need 4 whole 16-token blocks; got 3 block ids"):
-        gather_chunks(make_caches("cpu"), [0, 1, 2], "cpu", torch.zeros(2, LAYERS, 2, HEADS, 32, DIM))
+@pytest.mark.parametrize("ids", [[0, 1], [0, 1, 2, 3, 4]])
+def test_gather_chunks_needs_its_chunks_blocks(ids: list[int]) -> None:
+    """Blocks for every chunk but the last, which may be a tail: no fewer (a chunk gathered from nothing), no more."""
+    with pytest.raises(ValueError, match=rf"2 chunks of 32 tokens hold 4 whole 16-token blocks \(at most one "
+                                         rf"chunk's worth fewer, ending inside the last chunk\); got {len(ids)} "):
+        gather_chunks(make_caches("cpu"), ids, "cpu", torch.zeros(2, LAYERS, 2, HEADS, 32, DIM))
 
 
 @pytest.mark.parametrize("layout", ["cpu", "flash"])

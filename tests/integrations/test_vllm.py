@@ -28,7 +28,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 SHARED = prompt(2, 2 * CHUNK)
 PROMPTS = {
-    "long": prompt(1, 700),  # two whole chunks can be stored and loaded
+    "long": prompt(1, 700),  # two whole chunks and a tail of one 128-token block can be stored and loaded
     **{f"batch{i}": SHARED + prompt(10 + i, 300) for i in range(4)},  # 812 tokens: 2 shared chunks + 1 own
     "newcomer": SHARED + prompt(20, 300),
     "solo3": prompt(3, 700),
@@ -73,8 +73,8 @@ def test_loads_give_identical_tokens_corruption_recomputes_salt_isolates(model_d
     first, stats1, second, stats2, _, _, third, stats3, salted, stats4 = out
     assert first == second == third == salted == [expected["long"]]
     assert stats1["dram"].get("hit_chunks_total", 0) == 0
-    assert stats2["dram"]["hit_chunks_total"] == 2  # the second run loaded both chunks
-    assert stats2["_store"]["lookup_hit_tokens_total"] == 512
+    assert stats2["dram"]["hit_chunks_total"] == 3  # the second run loaded both chunks and the tail
+    assert stats2["_store"]["lookup_hit_tokens_total"] == 640
     # After DRAM was dropped and a file corrupted: verification caught it, vLLM recomputed.
     assert stats3["filesystem"]["corrupt_objects_total"] == 1
     # Another tenant's salt: no hit at all.
@@ -84,13 +84,18 @@ def test_loads_give_identical_tokens_corruption_recomputes_salt_isolates(model_d
 def test_a_prompt_asked_again_exactly_loads_as_far_as_vllms_own_hit(model_dir: Path, tmp_path: Path,
                                                                      expected: dict) -> None:
     """512 tokens, asked again: vLLM computes the last token, so its own hit would be 384 (three 128-token
-    blocks); kvtier loads as far, the second chunk in part, and the tokens are those of recomputing."""
+    blocks); kvtier loads as far, the second chunk in part, and the tokens are those of recomputing. 700 tokens
+    (2 chunks and 188 tokens): vLLM's own hit would be 640; kvtier loads the prompt's tail (its fifth block) too."""
     out = engine(model_dir, store_config(tmp_path), [
-        generate("exact"), {"op": "timed_generate", "prompts": [PROMPTS["exact"]]}, {"op": "stats"}])
-    first, again, stats = out
+        generate("exact"), {"op": "timed_generate", "prompts": [PROMPTS["exact"]]}, {"op": "stats"},
+        generate("long"), {"op": "timed_generate", "prompts": [PROMPTS["long"]]}, {"op": "stats"}])
+    first, again, stats, long_first, long_again, long_stats = out
     assert first == again["tokens"] == [expected["exact"]]
     assert again["cached"] == [3 * 128]
     assert stats["dram"]["hit_chunks_total"] == 2
+    assert long_first == long_again["tokens"] == [expected["long"]]
+    assert long_again["cached"] == [5 * 128]
+    assert long_stats["dram"]["hit_chunks_total"] == 2 + 3
 
 
 def test_shared_prefix_is_stored_once_and_loaded_by_every_prompt(model_dir: Path, tmp_path: Path,
@@ -114,8 +119,8 @@ def test_a_new_process_hits_what_an_earlier_one_stored(model_dir: Path, tmp_path
     second = engine(model_dir, cfg, [generate("long"), {"op": "stats"}])
     assert first[0] == second[0] == [expected["long"]]
     assert first[1]["filesystem"].get("hit_chunks_total", 0) == 0
-    assert second[1]["filesystem"]["hit_chunks_total"] == 2  # read from disk, promoted into DRAM
-    assert second[1]["filesystem"]["promotions_total"] == 2
+    assert second[1]["filesystem"]["hit_chunks_total"] == 3  # 2 chunks and the tail read from disk, promoted
+    assert second[1]["filesystem"]["promotions_total"] == 3
 
 
 def test_preempted_requests_are_restored_from_the_store(model_dir: Path, tmp_path: Path) -> None:
@@ -142,8 +147,8 @@ def test_two_engines_share_prefixes_through_redis(model_dir: Path, server: str, 
     assert a[0] == b[0] == [expected["long"]]
     assert a[1]["redis"].get("hit_chunks_total", 0) == 0
     assert a[1]["redis"]["written_bytes_total"] > 0
-    assert b[1]["redis"]["hit_chunks_total"] == 2  # both chunks came from Redis, none recomputed
-    assert b[1]["_store"]["lookup_hit_tokens_total"] == 2 * CHUNK
+    assert b[1]["redis"]["hit_chunks_total"] == 3  # both chunks and the tail came from Redis, none recomputed
+    assert b[1]["_store"]["lookup_hit_tokens_total"] == 2 * CHUNK + 128
 
 
 def test_a_paused_redis_delays_only_the_requests_that_need_it(model_dir: Path, redis_server: Any,
@@ -166,7 +171,7 @@ def test_a_paused_redis_delays_only_the_requests_that_need_it(model_dir: Path, r
     pause = pause_ms / 1000
     assert max(from_dram) < pause - 0.5, timed  # served from B's DRAM while Redis was paused
     assert needs_redis > pause - 0.5, timed  # waited for Redis...
-    assert stats["redis"]["hit_chunks_total"] == 2  # ...and loaded its prefix from there once it resumed
+    assert stats["redis"]["hit_chunks_total"] == 3  # ...and loaded its prefix from there once it resumed
     assert timed["longest_step"] < 1.0, timed  # no step waited on the paused server
 
 
@@ -183,19 +188,19 @@ def test_with_prefix_caching_repeats_are_not_saved_again_but_failed_loads_are(mo
     ], enable_prefix_caching=True)
     first, stats1, repeat, stats2, _, _, _, recovered, stats3, _, _, reloaded, stats4 = out
     assert first == repeat == recovered == reloaded == [expected["long"]]
-    chunk_bytes = stats1["dram"]["written_bytes_total"] / 2
+    chunk_bytes = stats1["dram"]["written_bytes_total"] / 3  # 2 chunks and the tail
     assert stats1["_store"]["put_seconds_count"] == 1
     # The repeat: nothing gathered, nothing put, nothing written anywhere.
     assert stats2["_store"]["put_seconds_count"] == 1
     assert stats2["dram"]["written_bytes_total"] == stats1["dram"]["written_bytes_total"]
     assert stats2["filesystem"]["written_bytes_total"] == stats1["filesystem"]["written_bytes_total"]
-    # The corrupt chunk was caught and removed, vLLM recomputed both chunks, and both were put again; the disk
-    # gets back the one it lost.
+    # The corrupt chunk was caught and removed, vLLM recomputed the prompt, and its chunks and tail were put
+    # again; the disk gets back the one it lost.
     assert stats3["filesystem"]["corrupt_objects_total"] == 1
-    assert stats3["dram"]["written_bytes_total"] == stats2["dram"]["written_bytes_total"] + 2 * chunk_bytes
-    assert len(list((tmp_path / "kv").rglob("*.kv"))) == 2
+    assert stats3["dram"]["written_bytes_total"] == stats2["dram"]["written_bytes_total"] + 3 * chunk_bytes
+    assert len(list((tmp_path / "kv").rglob("*.kv"))) == 3
     # What was saved after the recomputation loads, from disk, and gives the same tokens.
-    assert stats4["filesystem"]["hit_chunks_total"] == stats3["filesystem"].get("hit_chunks_total", 0) + 2
+    assert stats4["filesystem"]["hit_chunks_total"] == stats3["filesystem"].get("hit_chunks_total", 0) + 3
 
 
 def test_tier_and_store_failures_never_reach_the_engine(model_dir: Path, expected: dict) -> None:
@@ -217,4 +222,4 @@ def test_tier_and_store_failures_never_reach_the_engine(model_dir: Path, expecte
     assert before["connector_errors_total{hook=get_num_new_matched_tokens}"] >= 1
     assert before["connector_errors_total{hook=start_load_kv}"] >= 1
     assert before["connector_errors_total{hook=wait_for_save}"] == 2
-    assert after["dram"]["hit_chunks_total"] - out[-3]["dram"].get("hit_chunks_total", 0) == 4
+    assert after["dram"]["hit_chunks_total"] - out[-3]["dram"].get("hit_chunks_total", 0) == 6  # 2 chunks, 1 tail each

@@ -38,7 +38,7 @@ Engines = Callable[..., MiniEngine]
 PLACEHOLDER = 7  # the image token id: the same for every image
 
 
-def prompt(seed: int, n: int = 700) -> list[int]:
+def prompt(seed: int, n: int = 600) -> list[int]:
     return np.random.default_rng(seed).integers(10, 512, n).tolist()
 
 
@@ -68,7 +68,7 @@ def test_prompt_embeds_requests_are_neither_looked_up_nor_saved(engines: Engines
     assert mini.prefill(request("ids", zeros)).meta.saves  # KV of token id 0 is stored
     embeds = torch.randn(700, 256)
     only_embeds = mini.prefill(request("pe", None, prompt_embeds=embeds))  # type: ignore[arg-type]
-    mixed = mini.prefill(request("mixed", prompt(2), prompt_embeds=embeds,
+    mixed = mini.prefill(request("mixed", prompt(2, 700), prompt_embeds=embeds,
                                  prompt_is_token_ids=[i >= 350 for i in range(700)]))
     for step in (only_embeds, mixed):
         assert step.hit == 0 and not step.meta.saves and not step.meta.loads
@@ -102,13 +102,13 @@ def test_replicated_heads_written_at_tp4_are_read_at_tp1_and_tp2(engines: Engine
 def test_with_several_workers_a_save_waits_for_the_step_after_its_load(engines: Engines, store_cfg: dict) -> None:
     """One rank cannot see another's failed load, which spoils what every rank computes after it."""
     tokens = prompt(10, 1000)  # 3 whole chunks
-    engines().prefill(request("first", tokens[:700]))  # stores 2
+    engines().prefill(request("first", tokens[:600]))  # stores 2
     mini = engines(tp_size=2, tensor_parallel_size=2)
     req = request("longer", tokens)
     step = mini.prefill(req)
     assert step.hit == 512 and step.meta.loads and not step.meta.saves
     assert mini.decode(req, step.blocks).saves  # the load's outcome is known now
-    assert engines().prefill(request("again", tokens)).hit == 768
+    assert engines().prefill(request("again", tokens)).hit == 896  # 3 chunks and the tail
 
 
 def admit(mini: MiniEngine, req: Any, blocks: list[int], computed: int, hit: int) -> Any:
@@ -128,7 +128,7 @@ def test_with_several_workers_saves_over_loaded_blocks_wait_for_every_workers_re
     load fails in step N: neither the loading request nor one sharing its blocks through vLLM's prefix cache may
     save (rank 0 would store KV computed over rank 1's garbage) until every rank has reported step N."""
     tokens = prompt(11, 1000)  # 3 whole chunks
-    engines().prefill(request("first", tokens[:700]))  # stores 2
+    engines().prefill(request("first", tokens[:600]))  # stores 2
     mini = engines(tp_size=2, tensor_parallel_size=2)
 
     def broken(*args: Any) -> int:
@@ -173,7 +173,7 @@ def test_a_request_sharing_blocks_whose_load_failed_does_not_save_before_the_fai
     heard it) schedules a request sharing those blocks through vLLM's prefix cache. The worker no longer knows
     step N's failures then, so the sharer's save waits until the scheduler has heard step N."""
     tokens = prompt(12, 1000)
-    engines().prefill(request("first", tokens[:700]))  # stores 2 chunks
+    engines().prefill(request("first", tokens[:600]))  # stores 2 chunks
     mini = engines()
     store = shared_store(store_cfg)
     assert store is not None
@@ -242,18 +242,40 @@ def test_a_prompt_asked_again_exactly_loads_into_its_last_chunk(engines: Engines
     assert torch.equal(mini.read(behind.blocks[6:7], 128), reference_kv(tokens)[:, :, :, 768:896])
 
 
-@pytest.mark.parametrize(("chunk", "hit"), [(256, 512), (128, 640)])
-def test_chunks_of_one_block_hit_as_far_as_the_engine(engines: Engines, model_dir: Any, tmp_path: Any,
-                                                      chunk: int, hit: int) -> None:
+@pytest.mark.parametrize(("chunk", "tails", "hit"), [(256, False, 512), (256, True, 640), (128, False, 640)])
+def test_a_prompt_asked_again_hits_as_far_as_the_engine(engines: Engines, model_dir: Any, chunk: int, tails: bool,
+                                                        hit: int) -> None:
     """A 700-token prompt asked again exactly: vLLM's own hit would end at its last whole block before the last
-    token (640). kvtier's chunks of 256 end at 512; chunks of one block (128) end where vLLM's would."""
-    config = vllm_config(str(model_dir), {"chunk_tokens": chunk, "dram": {"capacity_bytes": "32MiB"}})
+    token (640). Whole chunks of 256 end at 512; with the prompt's tail (its whole blocks after them, stored by
+    default), or with chunks of one block (128), kvtier's hit ends where vLLM's would."""
+    config = vllm_config(str(model_dir), {"chunk_tokens": chunk, "dram": {"capacity_bytes": "32MiB"}},
+                         {"store_tails": tails})
     mini = engines(config=config)
-    tokens = prompt(31)
+    tokens = prompt(31, 700)
     mini.prefill(request("first", tokens))
     again = mini.prefill(request("again", tokens))
     assert again.hit == hit and not again.load_errors
     assert torch.equal(mini.read(again.blocks[:hit // 128], hit), reference_kv(tokens)[:, :, :, :hit])
+
+
+def test_a_prompt_continued_hits_its_stored_tail(engines: Engines) -> None:
+    """A document (700 tokens: 2 whole chunks and a tail of one block) then a question after it: the question's
+    prompt finds the document's chunks and its tail; another tail after the same chunks is not taken for it."""
+    mini = engines()
+    doc = prompt(32, 700)
+    assert [len(save.tokens) for save in mini.prefill(request("doc", doc)).meta.saves] == [640]
+    question = doc + prompt(33, 300)
+    step = mini.prefill(request("question", question))
+    assert step.hit == 640 and not step.load_errors
+    assert torch.equal(mini.read(step.blocks[:5], 640), reference_kv(doc)[:, :, :, :640])  # what "doc" computed
+    other = mini.prefill(request("other tail", doc[:512] + prompt(34, 188)))
+    assert other.hit == 512 and not other.load_errors
+
+
+def test_store_tails_must_be_a_boolean(model_dir: Any, store_cfg: dict) -> None:
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config.store_tails: .* true or false; got 'yes'"):
+        KVTierConnector(vllm_config(str(model_dir), store_cfg, {"store_tails": "yes"}), KVConnectorRole.SCHEDULER,
+                        kv_cache_config())
 
 
 # -- the scheduler in another process than the workers (vLLM's API server) ------------------------------------

@@ -176,15 +176,16 @@ def test_ttfts_beside_decoding_requests_calibrate_their_cost():
     assert 0.08 < router.engines[engine].decode_s < 0.11
 
 
-def test_kvtier_hits_count_whole_chunks_only():
-    router = make()  # block 16, kvtier chunks of 256 = 16 blocks
-    hold(router, "e1", DOC[:40 * BS], medium="CPU", locality="LOCAL")  # 2.5 chunks in kvtier's DRAM
+def test_kvtier_hits_count_the_blocks_kvtier_announced_up_to_the_prompts_last_block():
+    """kvtier announces whole chunks and a prompt's tail (its blocks after them): it serves every block it
+    announced, to the last whole block before the prompt's last token."""
+    router = make()  # block 16
+    hold(router, "e1", DOC[:40 * BS], medium="CPU", locality="LOCAL")  # 2 chunks of 256 and a tail of 8 blocks
     decision = [d for d in router.decide(Prompt(DOC + [1]))if d.engine == "e1"][0]
-    assert decision.predicted_cached == 2 * 256  # the half chunk is not served
-    assert decision.load_s == pytest.approx(512 / router.config.costs.host_tokens_per_s)
-    # a prompt ending inside its third chunk: kvtier serves the whole chunks before its end
+    assert decision.predicted_cached == 40 * BS
+    assert decision.load_s == pytest.approx(640 / router.config.costs.host_tokens_per_s)
     decision = [d for d in router.decide(Prompt(DOC[:600]))if d.engine == "e1"][0]
-    assert decision.predicted_cached == 512
+    assert decision.predicted_cached == 592  # the last whole block before the prompt's last token
 
 
 def test_requests_not_streamed_count_as_decoding_once_their_prefill_is_over():

@@ -101,7 +101,7 @@ def run(scenario: Callable[[str, list[ScriptedEngine], RouterApp], Awaitable[Non
         for engine in engines:
             runner, engine.url = await serve(engine.app(), handler_cancellation=True)
             runners.append(runner)
-        config = load_router_config({"tokenizer": "unused", "block_size": 4, "chunk_tokens": 16,
+        config = load_router_config({"tokenizer": "unused", "block_size": 4,
                                      "policy": "round_robin", "explain_headers": True,
                                      "engines": [{"name": f"e{i}", "url": e.url} for i, e in enumerate(engines)],
                                      "timeouts": {"idle_s": 1.0, "first_byte_s": 5.0}, **overrides})

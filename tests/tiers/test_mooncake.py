@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -56,6 +58,20 @@ def test_an_object_above_the_local_buffer_is_refused_clearly(mooncake_server: Mo
     tier = open_tier(mooncake_server, key_prefix=unique_prefix, local_buffer_bytes="1MiB")
     with pytest.raises(TierError, match="local_buffer_bytes"):
         tier.put(key(3), [b"x" * (2 * 2**20)])
+    tier.close()
+
+
+def test_over_rdma_reads_go_through_get_and_a_copy(mooncake_server: MooncakeServer, unique_prefix: str) -> None:
+    """Pages not registered with the transfer engine cannot be read into over RDMA: each read is a get and a copy
+    (run here over TCP with the tier told otherwise)."""
+    tier = open_tier(mooncake_server, key_prefix=unique_prefix)
+    blob = os.urandom(96 + 4096)
+    tier.put(key(5), [blob])
+    tier.options = dataclasses.replace(tier.options, protocol="rdma")
+    page = bytearray(4096)
+    assert tier.get_into_many([(key(5), 96, [memoryview(page)]), (key(6), 96, [memoryview(bytearray(8))])]) == \
+        [blob[:96], None]
+    assert bytes(page) == blob[96:]
     tier.close()
 
 

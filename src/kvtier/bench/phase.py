@@ -29,7 +29,8 @@ def engine(job: dict, kvtier: bool, blocks: int):
         args["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
                                       "kv_connector_module_path": "kvtier.integrations.vllm",
                                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                      "kv_connector_extra_config": {"config": job["store"]}}
+                                      "kv_connector_extra_config": {"config": job["store"],
+                                                                    "store_tails": job.get("store_tails", True)}}
     return LLM(**args)
 
 

@@ -86,7 +86,7 @@ def _serve(job: dict, work: Path, log: Callable[[str], None], *, kvtier: bool) -
         argv += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"config": store}})]
+            "kv_connector_extra_config": {"config": store, "store_tails": job.get("store_tails", True)}})]
     env = server_env()
     name = "api_server_kvtier" if kvtier else "api_server_vllm"
     with open(work / f"{name}.log", "w") as server_log:

@@ -76,9 +76,9 @@ def _secondary_tier(kind: str | None, work: Path) -> Iterator[dict]:
 
 
 def run(quick: bool, json_path: Path | None, work_dir: Path | None, shared: str | None = None,
-        prefix_tokens: int | None = None, chunk_tokens: int = 256) -> int:
+        prefix_tokens: int | None = None, chunk_tokens: int = 256, tails: bool = True) -> int:
     profile = dict(PROFILES["quick" if quick else "full"], name="quick" if quick else "full",
-                   chunk_tokens=chunk_tokens)
+                   chunk_tokens=chunk_tokens, tails=tails)
     phases = SHARED_PHASES if shared else PHASES
     if prefix_tokens is not None:  # 3 documents asked twice: vLLM's memory of 1.5 documents still cannot keep them
         profile.update(doc_tokens=prefix_tokens, docs=3, rounds=2, unique=0, name=f"{prefix_tokens}-token prefixes")
@@ -107,6 +107,7 @@ def _job(model: Path, profile: dict, reqs: list, docs: list, max_len: int, per_d
         "small_blocks": max(per_doc + 1, int(1.5 * per_doc)),
         "large_blocks": per_doc * profile["docs"] * profile["rounds"] + 8,
         "store": {"chunk_tokens": profile["chunk_tokens"], "dram": {"capacity_bytes": "2GiB"}, "tiers": [tier]},
+        "store_tails": profile["tails"],
         "secondary": shared or "disk",
         "requests": [{"doc": r.doc, "round": r.question, "tokens": r.tokens} for r in reqs],
         "docs": docs[:profile["docs"]],
@@ -117,7 +118,7 @@ def _job(model: Path, profile: dict, reqs: list, docs: list, max_len: int, per_d
 def _run_phases(job: dict, work: Path, profile: dict, json_path: Path | None, phases: tuple[str, ...]) -> int:
     (work / "job.json").write_text(json.dumps(job))
     log(f"{profile['docs']} documents x {profile['doc_tokens']} tokens, {profile['rounds']} questions each, "
-        f"kvtier chunks of {job['store']['chunk_tokens']} tokens; "
+        f"kvtier chunks of {job['store']['chunk_tokens']} tokens{'' if job['store_tails'] else ', no tails'}; "
         f"vLLM KV memory: {job['small_blocks']} blocks of {BLOCK} tokens")
     results: dict[str, object] = {}
     for phase in phases:
@@ -151,7 +152,8 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
     base = rows["vLLM, recompute"]["mean"]
     print(f"\nkvtier bench ({profile['name']}): SmolLM2-135M-Instruct on vLLM "
           f"(CPU), {profile['docs']} documents of {profile['doc_tokens']} tokens, kvtier chunks of "
-          f"{profile.get('chunk_tokens', 256)} tokens, secondary tier: {secondary}, "
+          f"{profile.get('chunk_tokens', 256)} tokens{'' if profile.get('tails', True) else ' (no tails)'}, "
+          f"secondary tier: {secondary}, "
           f"{machine()}\n")
     print("| phase | TTFT mean | p50 | p90 | speedup vs recompute (mean) |")
     print("|---|---|---|---|---|")

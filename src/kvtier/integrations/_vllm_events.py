@@ -61,32 +61,35 @@ class KVEvents:
         self.unnamed = 0  # reports of chunks whose blocks were no longer remembered (no event)
 
     def register(self, request: Request, namespace: Namespace, tokens: Sequence[int]) -> None:
-        """Remember the blocks of ``tokens``' whole chunks (a save or a load of ``request`` names them)."""
+        """Remember the blocks of ``tokens``' whole chunks and tail (a save or a load of ``request`` names them)."""
         if getattr(request, "mm_features", None):
             return  # multimodal blocks carry extra keys that kvtier does not name: announce none
         hashes = request.block_hashes
-        n_chunks = min(len(tokens) // self._chunk, len(hashes) * self._bs // self._chunk)
-        if n_chunks == 0:
+        per_chunk = self._chunk // self._bs
+        n_blocks = min(len(tokens) // self._bs, len(hashes))
+        if n_blocks * self._bs < len(tokens):  # blocks without hashes yet: the whole chunks before them
+            n_blocks = n_blocks // per_chunk * per_chunk
+        if n_blocks == 0:
             return
         lora = request.lora_request.name if request.lora_request is not None else None
         lora_id = request.lora_request.adapter_id if request.lora_request is not None else None
         salt = request.cache_salt or None
-        per_chunk = self._chunk // self._bs
-        ids = np.asarray(tokens[:n_chunks * self._chunk], dtype=np.int64)
-        for i, key in enumerate(chunk_keys(namespace, ids, self._chunk)):
+        ids = np.asarray(tokens[:n_blocks * self._bs], dtype=np.int64)
+        for i, key in enumerate(chunk_keys(namespace, ids, self._chunk, tail=True)):
             name = (namespace.id, key.hex())
             if name in self._blocks:
                 self._blocks.move_to_end(name)
                 continue
             first = i * per_chunk
+            count = min(per_chunk, n_blocks - first)  # fewer in a tail
             extra: list[tuple[Any, ...] | None] | None = None
             if lora or salt:
                 extra = [tuple([lora] if lora else []) + ((salt,) if salt and first + j == 0 else ()) or None
-                         for j in range(per_chunk)]
+                         for j in range(count)]
             self._blocks[name] = _Blocks(
-                hashes=[maybe_convert_block_hash(h) for h in hashes[first:first + per_chunk]],
+                hashes=[maybe_convert_block_hash(h) for h in hashes[first:first + count]],
                 parent=maybe_convert_block_hash(hashes[first - 1]) if first else None,
-                tokens=ids[i * self._chunk:(i + 1) * self._chunk].astype(np.int32), lora_name=lora,
+                tokens=ids[i * self._chunk:i * self._chunk + count * self._bs].astype(np.int32), lora_name=lora,
                 lora_id=lora_id, extra_keys=extra)
             if len(self._blocks) > _CHUNKS_KEPT:
                 self._blocks.popitem(last=False)

@@ -31,8 +31,8 @@ MAX_QUEUED = 64
 
 @dataclasses.dataclass(frozen=True)
 class Held:
-    """Leading tokens (whole chunks) the store holds for a prefix; ``local`` of them load without waiting on a
-    network (DRAM, the workers' DRAM, local tiers): a load of more than those may wait on a server."""
+    """Leading tokens (whole chunks, then perhaps a tail) the store holds for a prefix; ``local`` of them load
+    without waiting on a network (DRAM, the workers' DRAM, local tiers): a load of more than those may wait on a server."""
 
     tokens: int
     local: int
@@ -49,11 +49,13 @@ class _Pending:
 
 
 class Lookups:
-    """Tokens (whole chunks) the store holds for a request's prefix, answered without waiting on a network."""
+    """Tokens the store holds for a request's prefix, answered without waiting on a network: whole chunks, and
+    with ``tail_block`` (the engine's block size) a tail of whole blocks after them."""
 
     def __init__(self, store: KVStore, kv_heads: int, elsewhere: Callable[[str, str], bool], timeout: float,
-                 outcomes: Counter) -> None:
+                 outcomes: Counter, tail_block: int | None = None) -> None:
         self._store = store
+        self._tail_block = tail_block
         self._kv_heads = kv_heads
         self._elsewhere = elsewhere
         self._timeout = timeout
@@ -90,17 +92,20 @@ class Lookups:
                 return None
             self._store.count_lookup(len(tokens), pending.answer.tokens)
             return pending.answer
-        kv_heads, elsewhere = self._kv_heads, self._reported()
+        kv_heads, elsewhere, tail_block = self._kv_heads, self._reported(), self._tail_block
         if not self._store.remote_tiers:
-            local = self._store.lookup(ns, tokens, kv_heads=kv_heads, elsewhere=elsewhere)
+            local = self._store.lookup(ns, tokens, kv_heads=kv_heads, elsewhere=elsewhere, tail_block=tail_block)
             return Held(local, local)
-        inline = self._store.lookup(ns, tokens, kv_heads=kv_heads, elsewhere=elsewhere, local_only=True)
-        if inline == len(tokens) // self._store.chunk_tokens * self._store.chunk_tokens:
+        inline = self._store.lookup(ns, tokens, kv_heads=kv_heads, elsewhere=elsewhere, local_only=True,
+                                    tail_block=tail_block)
+        if inline >= len(tokens) // self._store.chunk_tokens * self._store.chunk_tokens:
+            # Nothing more to find, or at most a tail (stored with its chunks, so where they are: not worth a
+            # step's wait for a prompt that merely ends past them)
             self._store.count_lookup(len(tokens), inline)
-            return Held(inline, inline)  # nothing more to find
+            return Held(inline, inline)
         try:
-            future = self._pool.submit(lambda: self._store.lookup(ns, tokens, kv_heads=kv_heads,
-                                                                  elsewhere=elsewhere, count=False))
+            future = self._pool.submit(lambda: self._store.lookup(ns, tokens, kv_heads=kv_heads, elsewhere=elsewhere,
+                                                                  count=False, tail_block=tail_block))
         except queue.Full:
             self._outcomes.labels("dropped").inc()
             self._store.count_lookup(len(tokens), inline)

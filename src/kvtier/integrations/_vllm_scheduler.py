@@ -1,8 +1,9 @@
 """The vLLM connector's scheduler side: decides what each engine step loads and saves (no bytes move here).
 
-Per request it looks up the whole chunks beyond vLLM's own prefix-cache hit, plans a load into the blocks vLLM
-allocated for them, and plans one save of the prompt's whole chunks once the step that computes the last of
-them runs. The plans reach the workers as :class:`KVTierMetadata`; what a worker reports back (blocks whose
+Per request it looks up the whole chunks beyond vLLM's own prefix-cache hit (and a tail: the prompt's whole
+blocks after its last whole chunk, see :func:`kvtier.keys.tail_keys`), plans a load into the blocks vLLM
+allocated for them, and plans one save of the prompt's whole chunks and tail once the step that computes the
+last of them runs. The plans reach the workers as :class:`KVTierMetadata`; what a worker reports back (blocks whose
 load failed) re-plans a save. Which chunks a save really writes is the worker's call (``store.held``), since
 only it sees the DRAM its loads filled. Lookups also count the chunks the workers report their DRAM holds
 (:mod:`kvtier.integrations._vllm_dram_index`): in vLLM's API server that DRAM is in other processes.
@@ -34,8 +35,9 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class Transfer:
-    """Move ``tokens[offset:]`` (whole chunks) between the store and ``block_ids``, the blocks of the tokens from
-    the start: a load fills ``block_ids[offset // block_size:]``, which may end inside the last chunk."""
+    """Move ``tokens[offset:]`` (whole chunks, then perhaps a tail) between the store and ``block_ids``, the
+    blocks of the tokens from the start: a load fills ``block_ids[offset // block_size:]``, which may end inside
+    the last chunk."""
 
     request_id: str
     namespace: Namespace
@@ -68,6 +70,7 @@ class _Hit:
 
     computed: int  # vLLM's own prefix-cache hit: the load starts there
     tokens: list[int]
+    stored: int  # the tokens the store holds (whole chunks, then perhaps a tail): the load names those chunks
     asynchronous: bool
 
 
@@ -85,17 +88,21 @@ class SchedulerSide:
     """Lookups and plans. Each hook raises what it cannot handle; the connector contains it."""
 
     def __init__(self, store: KVStore, namespaces: Namespaces, metrics: ConnectorMetrics, *, block_size: int,
-                 kv_heads: int, workers: int, tp_size: int, lookup_timeout: float, events: bool = False) -> None:
+                 kv_heads: int, workers: int, tp_size: int, lookup_timeout: float, events: bool = False,
+                 tails: bool = True) -> None:
         self._store = store
         # kvtier's KV events, published with the engine's when vLLM publishes events
         self._events = KVEvents(store.tiers, tp_size, block_size, store.chunk_tokens) if events else None
         self._requests: dict[str, Request] = {}  # looked up and not finished: their block hashes name events
         self._worker_dram = WorkerDram(tp_size)  # what the workers' DRAM holds, as they report it
-        self._lookups = Lookups(store, kv_heads, self._worker_dram.holds, lookup_timeout, metrics.async_lookups)
+        self._lookups = Lookups(store, kv_heads, self._worker_dram.holds, lookup_timeout, metrics.async_lookups,
+                                block_size if tails else None)
         self._names = namespaces
         self._metrics = metrics
         self._chunk = store.chunk_tokens
         self._bs = block_size
+        # What a request's KV is stored and looked up as: whole blocks (the last chunk may be a tail), else chunks.
+        self._unit = block_size if tails else store.chunk_tokens
         self._kv_heads = kv_heads
         # A save must not store KV computed over blocks whose load failed, for any request over those blocks
         # (vLLM's prefix-cache sharers included). A worker knows its own failures of the step it runs, not
@@ -116,8 +123,9 @@ class SchedulerSide:
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond the engine's own hit that the store holds, or None while a lookup in a tier across a
         network is under way (vLLM asks again); and whether their load runs asynchronously (it may wait on a
-        server). The store holds whole chunks; a hit ends at the last whole block before the prompt's last token
-        (which the engine computes, to sample from), inside a chunk if need be: as far as vLLM's own hit goes."""
+        server). The store holds whole chunks and tails; a hit ends at the last whole block before the prompt's
+        last token (which the engine computes, to sample from), inside a chunk if need be: as far as vLLM's own hit
+        goes."""
         rid = request.request_id
         self._hits.pop(rid, None)
         try:
@@ -131,7 +139,7 @@ class SchedulerSide:
             self._requests[rid] = request
         tokens = list(request.all_token_ids)
         cap = (len(tokens) - 1) // self._bs * self._bs
-        whole = len(tokens) // self._chunk * self._chunk
+        whole = len(tokens) // self._unit * self._unit
         if min(cap, whole) <= num_computed_tokens or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False  # (vLLM would drop a hit for a request that may not read cached prefixes anyway)
         held = self._lookups.held(rid, ns, tokens[:whole])
@@ -143,7 +151,7 @@ class SchedulerSide:
         # Loads from DRAM and local tiers run in the step (no step's delay added to a fast hit); a load that may
         # wait on a server runs beside the steps, so a stalled server delays only the requests that need it.
         remote = end > held.local  # some chunk the hit needs is held only across a network
-        self._hits[rid] = _Hit(num_computed_tokens, tokens, remote)
+        self._hits[rid] = _Hit(num_computed_tokens, tokens, held.tokens, remote)
         return end - num_computed_tokens, remote
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -155,9 +163,10 @@ class SchedulerSide:
         hit = self._hits[rid]  # kept until the load is planned: invalidate() needs it if planning fails
         end = hit.computed + num_external_tokens
         # For a request resumed after preemption the tokens include its output so far. The chunks named are
-        # whole; the blocks listed end where the hit does.
+        # those the store holds up to the hit's end (whole, or the tail found); the blocks listed end where the
+        # hit does.
         block_ids = list(blocks.get_block_ids()[0][:end // self._bs])
-        chunks_end = -(-end // self._chunk) * self._chunk
+        chunks_end = min(-(-end // self._chunk) * self._chunk, hit.stored)
         self._loads[rid] = Transfer(rid, self._namespaces[rid], hit.tokens[:chunks_end], block_ids, hit.computed,
                                     hit.asynchronous)
         del self._hits[rid]
@@ -225,7 +234,7 @@ class SchedulerSide:
 
     def _plan_save(self, meta: KVTierMetadata, rid: str, computed_after_step: int) -> None:
         tracked = self._tracked[rid]
-        upto = len(tracked.tokens) // self._chunk * self._chunk  # the prompt's whole chunks
+        upto = len(tracked.tokens) // self._unit * self._unit  # the prompt's whole chunks (and tail)
         if tracked.saved or upto == 0 or computed_after_step < upto:
             return
         if self._unheard and self._over_unheard(tracked.block_ids[:upto // self._bs], meta.step):

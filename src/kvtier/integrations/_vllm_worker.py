@@ -177,7 +177,7 @@ class WorkerSide:
         loaded = from_chunk + self._store.load(
             load.namespace, load.tokens, sink, layers=len(self._caches), head_dim=head_dim,
             dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=from_chunk, kv_heads=self._kv_heads,
-            device=self._caches[0].device, local_only=local_only)
+            device=self._caches[0].device, local_only=local_only, tail=True)
         end = max(min(loaded, stop), load.offset)
         if end < stop:
             log.warning("kvtier: request %s: KV for %d of %d tokens vanished before loading; vLLM recomputes them",
@@ -212,7 +212,8 @@ class WorkerSide:
     def _save(self, save: Transfer, rank: int, size: int) -> None:
         # Gather only what the store does not hold: after vLLM's own prefix-cache hit, or a load, that is
         # often nothing, and a put of held chunks would only copy them again.
-        held = self._store.held(save.namespace, save.tokens, tp_rank=rank, tp_size=size, kv_heads=self._kv_heads)
+        held = self._store.held(save.namespace, save.tokens, tp_rank=rank, tp_size=size, kv_heads=self._kv_heads,
+                                tail=True)
         start = max(save.offset, held)
         if start >= len(save.tokens):
             return
@@ -225,4 +226,4 @@ class WorkerSide:
         layers, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
         self._store.put_from(save.namespace, save.tokens, source, layers=layers, head_dim=head_dim,
                              dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=start,
-                             kv_heads=self._kv_heads, device=self._caches[0].device)
+                             kv_heads=self._kv_heads, device=self._caches[0].device, tail=True)

@@ -166,16 +166,17 @@ def _chunk_span(chunks: torch.Tensor, piece: _Piece) -> torch.Tensor:
 def gather_chunks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor, layout: Layout,
                   out: torch.Tensor) -> None:
     """Read the blocks ``block_ids`` into ``out``, ``[count, layers, 2, H, chunk_tokens, D]`` with any strides
-    (e.g. a view of the store's DRAM pages): whole chunks, ``chunk_tokens / block_size`` blocks each. The mirror
-    of :func:`scatter_chunks`; a copy to another device or dtype goes a chunk at a time through a buffer on the
-    caches' device (torch would stage a strided cross-device copy of the whole run)."""
+    (e.g. a view of the store's DRAM pages): ``chunk_tokens / block_size`` blocks a chunk, in order. Fewer block
+    ids than the chunks hold end inside the last chunk (a tail), whose other tokens are left undefined. The
+    mirror of :func:`scatter_chunks`; a copy to another device or dtype goes a chunk at a time through a buffer on
+    the caches' device (torch would stage a strided cross-device copy of the whole run)."""
     first = _checked_caches(out, caches, layout, "out")
     count, _, _, _, chunk, _ = out.shape
     ids = _checked_ids(block_ids, first)
     bs = first.shape[3]
-    if chunk % bs or len(ids) != count * (chunk // bs):
-        raise ValueError(f"{count} chunks of {chunk} tokens need {count * chunk // bs} whole {bs}-token blocks; "
-                         f"got {len(ids)} block ids")
+    if chunk % bs or not max(count - 1, 0) * (chunk // bs) < len(ids) <= count * (chunk // bs):
+        raise ValueError(f"{count} chunks of {chunk} tokens hold {count * chunk // bs} whole {bs}-token blocks "
+                         f"(at most one chunk's worth fewer, ending inside the last chunk); got {len(ids)} block ids")
     per = chunk // bs
     if out.device != first.device or out.dtype != first.dtype:
         for c in range(count):
@@ -186,11 +187,14 @@ def gather_chunks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | tor
     runs = _by_runs(first.device)
     pieces = _pieces(ids, per, 0) if runs else []
     idx = None if runs else torch.as_tensor(ids, dtype=torch.long, device=first.device)
+    whole, rest = divmod(len(ids), per)
     for layer, cache in enumerate(caches):
         blocks = _as_canonical_blocks(cache, layout)  # [blocks, 2, H, bs, D]
         dst = _chunk_blocks(out, layer, per, bs)  # [count, per, 2, H, bs, D]
         if idx is not None:
-            dst.copy_(blocks.index_select(0, idx).unflatten(0, (count, per)))
+            dst[:whole].copy_(blocks.index_select(0, idx[:whole * per]).unflatten(0, (whole, per)))
+            if rest:
+                dst[whole, :rest].copy_(blocks.index_select(0, idx[whole * per:]))
         for piece in pieces:
             _chunk_span(dst, piece).copy_(_cache_span(blocks, piece, per))
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KVTierConnector", "KVTierMetadata", "Transfer", "shared_store"]
 
-_EXTRA_KEYS = ("config", "model_fingerprint", "lookup_timeout_seconds")
+_EXTRA_KEYS = ("config", "model_fingerprint", "lookup_timeout_seconds", "store_tails")
 
 
 def _check_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
@@ -96,6 +96,10 @@ class KVTierConnector(KVConnectorBase_V1):
                 not 0 <= lookup_timeout <= 600:
             raise ConfigError("kv_connector_extra_config.lookup_timeout_seconds: seconds a request may wait for "
                               f"a lookup in a shared tier, a number in [0, 600]; got {lookup_timeout!r}")
+        tails = extra.get("store_tails", True)
+        if not isinstance(tails, bool):
+            raise ConfigError("kv_connector_extra_config.store_tails: whether a prompt's whole blocks after its last "
+                              f"whole chunk are stored too, true or false; got {tails!r}")
         block_size = vllm_config.cache_config.block_size
         kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         # Namespaces come first: a model that cannot be fingerprinted is refused before any store opens.
@@ -117,7 +121,7 @@ class KVTierConnector(KVConnectorBase_V1):
             store, names, metrics, block_size=block_size, kv_heads=kv_heads,
             workers=vllm_config.parallel_config.tensor_parallel_size,
             tp_size=vllm_config.parallel_config.tensor_parallel_size, lookup_timeout=lookup_timeout,
-            events=_events_enabled(vllm_config))
+            events=_events_enabled(vllm_config), tails=tails)
         self._worker_side = None if role == KVConnectorRole.SCHEDULER else WorkerSide(
             store, metrics, block_size=block_size, kv_heads=kv_heads,
             report_tier_writes=_events_enabled(vllm_config))

@@ -107,7 +107,6 @@ class RouterConfig:
     engines: tuple[EngineConfig, ...]
     tokenizer: str
     block_size: int = 16
-    chunk_tokens: int = 256  # kvtier's chunk_tokens on the engines: it loads whole chunks
     host: str = "127.0.0.1"
     port: int = 8000
     policy: Policy = "cache_aware"
@@ -162,9 +161,6 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
     config = build_dataclass(_Scalars, raw, "")
     if not 1 <= config.block_size <= 4096:
         raise ConfigError(f"block_size: must be the engines' --block-size, in [1, 4096], got {config.block_size}")
-    if config.chunk_tokens < 1 or config.chunk_tokens % config.block_size:
-        raise ConfigError(f"chunk_tokens: must be kvtier's chunk_tokens, a multiple of block_size "
-                          f"({config.block_size}), got {config.chunk_tokens}")
     if not 0 <= config.retries <= 16:
         raise ConfigError(f"retries: must be in [0, 16], got {config.retries}")
     for name in ("health_interval_s", "metrics_interval_s", "reserve_s"):
@@ -180,7 +176,6 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
 class _Scalars:
     tokenizer: str
     block_size: int = 16
-    chunk_tokens: int = 256
     explain_headers: bool = False
     policy: Policy = "cache_aware"
     session_header: str = "X-Session-ID"

@@ -169,9 +169,9 @@ class Router:
         # vLLM never takes the prompt's last token from a cache: it computes at least one token.
         cap = max(0, (n_tokens - 1) // bs * bs)
         own = min(match.engine * bs, cap)
-        # kvtier serves whole chunks of the prompt (from the first), up to where vLLM's hit may go
-        chunk = self.config.chunk_tokens
-        kvtier_end = min(match.kvtier * bs // chunk * chunk, n_tokens // chunk * chunk, cap)
+        # kvtier serves the blocks it holds of the prompt from the first, up to where vLLM's hit may go: whole
+        # chunks, then a tail (the blocks it announces past whole chunks are always a stored tail's)
+        kvtier_end = min(match.kvtier * bs, cap)
         cached = max(own, kvtier_end)
         left = cached - own  # loaded by kvtier, from its places in order past the engine's hit
         load_s = 0.0

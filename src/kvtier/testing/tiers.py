@@ -88,6 +88,20 @@ class TierConformance:
             tier.get_into(key(12), 96, [memoryview(bytearray(3 * 2**20))])
         assert tier.get_into(key(13), 96, [memoryview(bytearray(8))]) is None
 
+    def test_get_into_many_answers_each_read(self, tier: Tier) -> None:
+        """Several reads at once (one batch where the tier batches them): each answered as :meth:`get_into`
+        would, a missing or malformed object in the batch costing only its own read."""
+        blobs = [os.urandom(96 + 2**20 + i) for i in range(3)]
+        for i, blob in enumerate(blobs):
+            tier.put(key(20 + i), [memoryview(blob)])
+        pages = [bytearray(2**20 + i) for i in range(3)]
+        got = tier.get_into_many([(key(20), 96, [memoryview(pages[0])]), (key(23), 96, [memoryview(bytearray(8))]),
+                                  (key(21), 96, [memoryview(bytearray(2**20))]), (key(22), 96, [memoryview(pages[2])])])
+        assert got[0] == blobs[0][:96] and bytes(pages[0]) == blobs[0][96:]
+        assert got[1] is None
+        assert isinstance(got[2], ObjectError) and "expected" in str(got[2])
+        assert got[3] == blobs[2][:96] and bytes(pages[2]) == blobs[2][96:]
+
     def test_concurrent_writers(self, tier: Tier) -> None:
         errors: list[BaseException] = []
 

@@ -91,6 +91,7 @@ class MooncakeTier(Tier):
 
     Options = MooncakeOptions
     persistent = True  # in the segments of other clients, not of this process
+    batch_reads = True  # a get's shards read by batch gets, a few shards each
 
     def __init__(self, name: str, options: MooncakeOptions) -> None:
         super().__init__(name, options)
@@ -222,20 +223,54 @@ class MooncakeTier(Tier):
         to be registered with the transfer engine first (not done): there, :meth:`get` and a copy."""
         if self.options.protocol != "tcp":
             return super().get_into(key, header_len, payload)
+        got = self.get_into_many([(key, header_len, payload)])[0]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def get_into_many(self, reads: Sequence[tuple[ShardKey, int, Sequence[memoryview]]]) \
+            -> list[bytes | None | Exception]:
+        """Over TCP, one batch get for all of ``reads``, each object laid out over its header buffer and payload;
+        a failed one is then asked about alone (see :meth:`_failed_read`). Over RDMA, :meth:`get` and a copy each."""
+        if self.options.protocol != "tcp":
+            return super().get_into_many(reads)
         store = self._store()
-        name = self._object(key)
-        header = bytearray(header_len)
-        buffers = [b for b in (memoryview(header), *payload) if b.nbytes]
-        pointers = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in buffers]
-        want = sum(b.nbytes for b in buffers)
-        rc = store.batch_get_into_multi_buffers([name], [pointers], [[b.nbytes for b in buffers]])
-        rc = rc[0] if len(rc) == 1 else -1
-        if rc == want:
-            return bytes(header)
-        if rc == _NOT_FOUND:
-            return None
-        # Why it failed: the master unreachable is the tier's error; an object of another size is malformed; an
-        # object there that could not be read (being replaced, say) is a miss, as a failed get always was.
+        names, pointers, sizes, headers = [], [], [], []
+        for key, header_len, payload in reads:
+            header = bytearray(header_len)
+            buffers = [b for b in (memoryview(header), *payload) if b.nbytes]
+            names.append(self._object(key))
+            pointers.append([ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in buffers])
+            sizes.append([b.nbytes for b in buffers])
+            headers.append(header)
+        codes = store.batch_get_into_multi_buffers(names, pointers, sizes)
+        if len(codes) != len(reads):
+            codes = [-1] * len(reads)
+        out: list[bytes | None | Exception] = []
+        down: TierError | None = None  # the master unreachable: not asked again for each failed read
+        for (key, _, _), name, size, header, rc in zip(reads, names, sizes, headers, codes):
+            want = sum(size)
+            if rc == want:
+                out.append(bytes(header))
+            elif rc == _NOT_FOUND:
+                out.append(None)
+            elif down is not None:
+                out.append(down)
+            else:
+                try:
+                    out.append(self._failed_read(key, name, want))
+                except TierError as exc:
+                    down = exc
+                    out.append(exc)
+                except Exception as exc:
+                    out.append(exc)
+        return out
+
+    def _failed_read(self, key: ShardKey, name: str, want: int) -> None:
+        """Why a read failed: the master unreachable is the tier's error; an object of another size is
+        malformed; an object there that could not be read (being replaced, say) is a miss, as a failed get always
+        was."""
+        store = self._store()
         present = store.is_exist(name)
         self._check(present, f"get {key.name}")
         size = store.get_size(name) if present else -1

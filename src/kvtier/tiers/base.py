@@ -43,6 +43,9 @@ class Tier(ABC):
     # whose reads wait on a round trip more than on bytes (an object store's GETs). Off where threads measured no
     # faster (a local disk, Redis): each reading thread keeps its own freed buffers, so reading ahead costs memory.
     read_ahead: ClassVar[bool] = False
+    # Reads the shards a get needs from this tier several at a time (get_into_many, a few shards a call), on reading
+    # threads, each straight into the DRAM entry reserved for it: for tiers with a batched read (Mooncake's).
+    batch_reads: ClassVar[bool] = False
 
     def __init__(self, name: str, options: Any) -> None:
         self.name = name
@@ -69,6 +72,18 @@ class Tier(ABC):
         (a file: ``readv``) saves that copy."""
         blob = self.get(key)
         return None if blob is None else self._split(key, blob, header_len, payload)
+
+    def get_into_many(self, reads: Sequence[tuple[ShardKey, int, Sequence[memoryview]]]) \
+            -> list[bytes | None | Exception]:
+        """:meth:`get_into` of several ``(key, header_len, payload)`` at once; for each, what it would return, or
+        the exception it would raise. The default calls it in turn; a tier with a batched read overrides it."""
+        out: list[bytes | None | Exception] = []
+        for key, header_len, payload in reads:
+            try:
+                out.append(self.get_into(key, header_len, payload))
+            except Exception as exc:
+                out.append(exc)
+        return out
 
     def _split(self, key: ShardKey, blob: Buffer, header_len: int, payload: Sequence[memoryview]) -> bytes:
         """:meth:`get_into`'s work on an object read whole: its header returned, the rest copied into ``payload``."""
