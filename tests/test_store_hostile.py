@@ -635,6 +635,51 @@ def test_a_batch_still_reading_keeps_its_entries_reserved_after_the_load_gave_up
         assert fresh.held(NS, tokens, kv_heads=4) == T
 
 
+def test_tails_are_asked_about_with_the_chunks_and_a_miss_costs_one_question() -> None:
+    """A network tier holding a prompt's 3 chunks and its tail (blocks of 4): one question finds them all; a
+    prompt with none of them is one question too (no tail is asked of a network tier before a chunk is found);
+    a prompt diverging in its third chunk gets a second question, for the tails after its second."""
+    tier = DictTier()
+    tokens = synthetic_tokens(50, 3 * T + 8)
+    kv = synthetic_kv(tokens)
+    with open_store(tier, dram="16MiB") as writer:
+        source = lambda first, dst: dst.copy_(  # noqa: E731
+            torch.nn.functional.pad(kv, (0, 0, 0, 4 * T - kv.shape[3]))[:, :, :, first * T:(first + dst.shape[0]) * T]
+            .unflatten(3, (dst.shape[0], T)).permute(3, 0, 1, 2, 4, 5))
+        assert writer.put_from(NS, tokens, source, layers=kv.shape[0], head_dim=kv.shape[4], dtype=kv.dtype,
+                               kv_heads=4, tail=True) == 3 * T + 8
+        writer.flush()
+    with open_store(tier, dram="16MiB") as fresh:
+        tier.calls.clear()
+        assert fresh.lookup(NS, tokens + [1, 2], tail_block=4) == 3 * T + 8
+        assert tier.calls["heads"] == 1
+        tier.calls.clear()
+        assert fresh.lookup(NS, synthetic_tokens(51, 3 * T + 8), tail_block=4) == 0
+        assert tier.calls["heads"] == 1
+        tier.calls.clear()
+        assert fresh.lookup(NS, tokens[:2 * T] + synthetic_tokens(52, T + 8), tail_block=4) == 2 * T
+        assert tier.calls["heads"] == 2
+
+
+def test_reads_ahead_never_evict_the_chunks_the_same_read_holds_in_dram() -> None:
+    """DRAM full, a load's first 2 chunks its oldest entries (held nowhere else), its other 4 in a network tier:
+    the DRAM entries its reads ahead reserve evict other prompts' chunks, never its own first two."""
+    tier = BatchTier(0.0)
+    tokens, kv = stored(tier, 12, 6)
+    keys = keys_of(tokens)
+    shape = {"layers": kv.shape[0], "head_dim": kv.shape[4], "dtype": kv.dtype}
+    with open_store(tier, dram="24KiB") as fresh:  # 6 chunks of 4 KiB
+        assert fresh.load(NS, tokens[:2 * T], lambda first, got: None, **shape) == 2 * T  # now in DRAM
+        del tier.objects[keys[0]], tier.objects[keys[1]]  # and nowhere else
+        other = synthetic_tokens(13, 4 * T)
+        fresh.put(NS, other, synthetic_kv(other))  # DRAM full, its entries more recently used
+        fresh.flush()
+        loaded: list[torch.Tensor] = []
+        assert fresh.load(NS, tokens, lambda first, got: loaded.append(got.clone()), **shape) == 6 * T
+        assert torch.equal(torch.cat(loaded).permute(1, 2, 3, 0, 4, 5).flatten(3, 4), kv)
+        settled(fresh)
+
+
 def test_a_tier_that_said_it_lacks_a_shard_is_not_asked_for_it_and_local_only_reads_skip_remote_tiers() -> None:
     front, back = DictTier("front"), DictTier("back")
     tokens = synthetic_tokens(5, 2 * T)

@@ -52,6 +52,9 @@ READ_AHEAD = 2
 _BATCH = 4
 _BATCH_AHEAD = 16
 _READ_THREADS = 4  # per tier, shared by the store's concurrent gets
+# Seconds close waits for batched reads under way (native code writing into DRAM pages: Mooncake's batch get);
+# one stuck on a stalled server ends with the process.
+_CLOSE_WAIT = 5.0
 
 
 def open_tiers(config: StoreConfig) -> list[Tier]:
@@ -296,8 +299,9 @@ class KVStore:
 
         With ``tail_block`` (the engine's block size, a divisor of the chunk size), a tail (see :meth:`put_from`)
         of whole ``tail_block``-token blocks right after the whole chunks found counts too: the longest one held
-        whose tokens are all in ``tokens``. Tiers across a network are asked about tails only after at least one
-        whole chunk was found (a second question, one per tier), so a miss costs no more round trips than before.
+        whose tokens are all in ``tokens``. The tails after the last whole chunk of ``tokens`` are asked about with
+        the chunks (one question per tier); tails after a missing chunk in a second question, of tiers across a
+        network only once a whole chunk was found: a miss costs no more round trips than without tails.
 
         ``kv_heads``, when given, is the model's KV head count: shards recorded with another count are ignored.
         ``elsewhere(namespace id, chunk key)`` says whether a chunk is held whole outside this store, e.g. in
@@ -312,13 +316,23 @@ class KVStore:
             raise ValueError(f"tail_block must divide the chunk size {t}, got {tail_block}")
         keys = chunk_keys(ns, tokens, t)
         tiers = [t for t in self.tiers if t.local] if local_only else self.tiers
-        n = self._available(ns.id, [k.hex() for k in keys], kv_heads, elsewhere, tiers)
+
+        def tails_after(n: int) -> tuple[list[str], list[int]]:
+            """The tails to try after ``n`` whole chunks, longest first (none without ``tail_block``)."""
+            if not tail_block or tail_block == t or n * t + tail_block > len(tokens):
+                return [], []
+            lengths = list(range(min(t - 1, len(tokens) - n * t) // tail_block * tail_block, 0, -tail_block))
+            found = tail_keys(ns, keys[n - 1] if n else ns.digest, tokens[n * t:n * t + lengths[0]], n * t, lengths)
+            return [k.hex() for k in found], lengths
+
+        last, last_lengths = tails_after(len(keys))
+        n, asked = self._available(ns.id, [k.hex() for k in keys], kv_heads, elsewhere, tiers, last)
         found = n * t
-        if tail_block and tail_block < t and found + tail_block <= len(tokens):
-            lengths = list(range(min(t - 1, len(tokens) - found) // tail_block * tail_block, 0, -tail_block))
-            tails = tail_keys(ns, keys[n - 1] if n else ns.digest, tokens[found:found + lengths[0]], found, lengths)
-            found += self._longest(ns.id, [k.hex() for k in tails], lengths, kv_heads, elsewhere,
-                                   tiers if n else [tier for tier in tiers if tier.local])
+        tails, lengths = (last, last_lengths) if n == len(keys) else tails_after(n)
+        if tails:
+            found += self._longest(ns.id, tails, lengths, kv_heads, elsewhere,
+                                   tiers if n else [tier for tier in tiers if tier.local],
+                                   asked if n == len(keys) else None)
         if count and not local_only:
             self.count_lookup(len(tokens), found)
         return found
@@ -329,7 +343,10 @@ class KVStore:
         self.metrics.lookup_hit_tokens.inc(found)
 
     def _available(self, namespace: str, chunks: list[str], kv_heads: int | None,
-                   elsewhere: Callable[[str, str], bool] | None, tiers: list[Tier]) -> int:
+                   elsewhere: Callable[[str, str], bool] | None, tiers: list[Tier],
+                   extra: list[str]) -> tuple[int, list[list[HeadRange]] | None]:
+        """The leading chunks available, and what the tiers said of the objects ``extra`` (asked with the chunks
+        DRAM lacks; None when no tier was asked)."""
         def in_memory(chunk: str) -> bool:
             return full_cover(self.dram.ranges(namespace, chunk), kv_heads) or \
                 (elsewhere is not None and elsewhere(namespace, chunk))
@@ -338,9 +355,13 @@ class KVStore:
         while n < len(chunks) and in_memory(chunks[n]):
             n += 1
         if n == len(chunks) or not tiers:
-            return n
+            return n, None
         rest = chunks[n:]
-        per_tier = [self._tier_heads(tier, namespace, rest) for tier in tiers]
+        per_tier = [self._tier_heads(tier, namespace, rest + extra) for tier in tiers]
+        asked: list[list[HeadRange]] = [[] for _ in extra]
+        for heads in per_tier:
+            for found, more in zip(asked, heads[len(rest):]):
+                found.extend(more)
         for i, chunk in enumerate(rest):
             ranges = self.dram.ranges(namespace, chunk)
             for heads in per_tier:
@@ -348,16 +369,21 @@ class KVStore:
             if not (full_cover(ranges, kv_heads) or in_memory(chunk)):
                 break
             n += 1
-        return n
+        return n, asked
 
     def _longest(self, namespace: str, tails: list[str], lengths: list[int], kv_heads: int | None,
-                 elsewhere: Callable[[str, str], bool] | None, tiers: list[Tier]) -> int:
+                 elsewhere: Callable[[str, str], bool] | None, tiers: list[Tier],
+                 asked: list[list[HeadRange]] | None = None) -> int:
         """The longest of ``lengths`` whose tail (of ``tails``, longest first) is available, or 0; each tier is
-        asked once, about the tails longer than the longest DRAM or ``elsewhere`` holds."""
+        asked once, about the tails longer than the longest DRAM or ``elsewhere`` holds, unless ``asked`` holds
+        the tiers' answers already."""
         ranges = [self.dram.ranges(namespace, tail) for tail in tails]
+        if asked is not None:
+            for found, more in zip(ranges, asked):
+                found.extend(more)
         held = next((i for i, (tail, found) in enumerate(zip(tails, ranges)) if full_cover(found, kv_heads) or
                      (elsewhere is not None and elsewhere(namespace, tail))), len(tails))
-        if held:
+        if held and asked is None:
             for tier in tiers:
                 for found, heads in zip(ranges, self._tier_heads(tier, namespace, tails[:held])):
                     found.extend(heads)
@@ -508,7 +534,8 @@ class KVStore:
         if not read.tiers:
             return
         parents = {c: chunks[i - 1] if i else None for i, c in enumerate(chunks)}
-        missing = [c for c in chunks[first:] if self._plan_heads(read, self.dram.ranges(read.namespace, c)) is None]
+        in_dram = {c: self._plan_heads(read, self.dram.ranges(read.namespace, c)) for c in chunks[first:]}
+        missing = [c for c, plan in in_dram.items() if plan is None]
         for tier in read.tiers:
             if not missing:
                 break
@@ -529,6 +556,10 @@ class KVStore:
             order = {c: i for i, c in enumerate(chunks)}
             stop = min(order[c] for c in missing)
             read.ahead = [item for item in read.ahead if order[item[1].chunk] < stop]
+        if read.ahead:  # reads ahead reserve DRAM, evicting idle entries: first pin this read's own
+            for chunk, plan in in_dram.items():
+                for rng, _, _ in [] if plan is None else plan[1]:
+                    read.pinned.extend(self.dram.acquire(read.namespace, chunk, [rng]) or [])
         read.ahead.reverse()  # popped from the end, in chunk order
         self._read_ahead(read)
 
@@ -929,8 +960,9 @@ class KVStore:
         self._closed = True
         for writer in self._writers:
             writer.close()
-        for readers in self._readers.values():
-            readers.close()
+        deadline = time.monotonic() + _CLOSE_WAIT
+        for tier in self.tiers:  # a tier's native batch read into DRAM pages ends before the tier closes
+            self._readers[tier.name].close(wait=max(0.0, deadline - time.monotonic()) if tier.batch_reads else 0.0)
         for tier in self.tiers:
             tier.close()
         self.metrics.stop_serving()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -58,8 +59,9 @@ class DaemonPool:
                 except BaseException as exc:  # handed to whoever holds the future
                     future.set_exception(exc)
 
-    def close(self) -> None:
-        """Let the threads end once the queue is drained (a thread stuck in a call ends with the process)."""
+    def close(self, wait: float = 0.0) -> None:
+        """Let the threads end once the queue is drained, waiting up to ``wait`` seconds for them (a thread stuck
+        in a call ends with the process)."""
         with self._lock:
             self._closed = True
         for _ in self._threads:
@@ -67,3 +69,6 @@ class DaemonPool:
                 self._queue.put_nowait(None)
             except queue.Full:
                 break
+        deadline = time.monotonic() + wait
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
