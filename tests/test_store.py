@@ -111,6 +111,26 @@ def test_a_tail_is_stored_found_and_loaded_from_dram_and_from_disk(make_store) -
     check(fresh)
 
 
+def test_a_shorter_tail_another_process_wrote_is_found(make_store) -> None:
+    """Another process (a vLLM worker) wrote a prompt's chunks and its 2-block tail after this store indexed the
+    directory; a prompt continuing it by 2 blocks tries the tails of 3, 2 and 1 blocks: the disk is searched for
+    each (the tier's index lacks them all), and the 2-block tail is found."""
+    reader = make_store()
+    writer = make_store()
+    tokens = synthetic_tokens(42, 3 * T + 8)
+    kv = synthetic_kv(tokens)
+
+    def source(first: int, dst: torch.Tensor) -> None:
+        for c in range(dst.shape[0]):
+            start = (first + c) * T
+            dst[c, :, :, :, :min(T, len(tokens) - start)] = kv[:, :, :, start:min(start + T, len(tokens))]
+
+    writer.put_from(NS, tokens, source, layers=kv.shape[0], head_dim=kv.shape[4], dtype=kv.dtype, kv_heads=4,
+                    tail=True)
+    writer.flush()
+    assert reader.lookup(NS, tokens + synthetic_tokens(43, 8), tail_block=4) == 3 * T + 8
+
+
 def test_only_the_shared_prefix_hits(make_store) -> None:
     store = make_store()
     a = synthetic_tokens(2, 4 * T)

@@ -31,6 +31,7 @@ class DictTier(Tier):
         self.objects: dict[ShardKey, bytes] = {}
         self.raise_on: dict[str, BaseException] = {}  # method name -> exception to raise
         self.calls: dict[str, int] = {}
+        self.asked: list[int] = []  # how many keys each heads() call named
 
     def _enter(self, method: str) -> None:
         self.calls[method] = self.calls.get(method, 0) + 1
@@ -51,6 +52,7 @@ class DictTier(Tier):
 
     def heads(self, namespace: str, chunks: Sequence[str]) -> list[list[HeadRange]]:
         self._enter("heads")
+        self.asked.append(len(chunks))
         return [[k.heads for k in self.objects if k.namespace == namespace and k.chunk == c] for c in chunks]
 
     def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
@@ -635,11 +637,14 @@ def test_a_batch_still_reading_keeps_its_entries_reserved_after_the_load_gave_up
         assert fresh.held(NS, tokens, kv_heads=4) == T
 
 
-def test_tails_are_asked_about_with_the_chunks_and_a_miss_costs_one_question() -> None:
-    """A network tier holding a prompt's 3 chunks and its tail (blocks of 4): one question finds them all; a
-    prompt with none of them is one question too (no tail is asked of a network tier before a chunk is found);
-    a prompt diverging in its third chunk gets a second question, for the tails after its second."""
+@pytest.mark.parametrize("one_call", [True, False])
+def test_tails_are_asked_about_with_the_chunks_and_a_miss_costs_one_question(one_call: bool) -> None:
+    """A network tier holding a prompt's 3 chunks and its tail (blocks of 4). One that answers any number of keys
+    in one round trip is asked about the tails with the chunks: one question finds them all. One that pays per
+    key (S3) is asked about tails only once chunks were found. A miss is one question either way; a prompt
+    diverging in its third chunk gets a second question, for the tails after its second."""
     tier = DictTier()
+    tier.heads_in_one_call = one_call
     tokens = synthetic_tokens(50, 3 * T + 8)
     kv = synthetic_kv(tokens)
     with open_store(tier, dram="16MiB") as writer:
@@ -650,15 +655,15 @@ def test_tails_are_asked_about_with_the_chunks_and_a_miss_costs_one_question() -
                                kv_heads=4, tail=True) == 3 * T + 8
         writer.flush()
     with open_store(tier, dram="16MiB") as fresh:
-        tier.calls.clear()
+        tier.asked.clear()
         assert fresh.lookup(NS, tokens + [1, 2], tail_block=4) == 3 * T + 8
-        assert tier.calls["heads"] == 1
-        tier.calls.clear()
+        assert tier.asked == ([3 + 2] if one_call else [3, 2])  # 3 chunks, tails of 8 and 4 tokens
+        tier.asked.clear()
         assert fresh.lookup(NS, synthetic_tokens(51, 3 * T + 8), tail_block=4) == 0
-        assert tier.calls["heads"] == 1
-        tier.calls.clear()
+        assert tier.asked == ([3 + 2] if one_call else [3])
+        tier.asked.clear()
         assert fresh.lookup(NS, tokens[:2 * T] + synthetic_tokens(52, T + 8), tail_block=4) == 2 * T
-        assert tier.calls["heads"] == 2
+        assert tier.asked == ([3 + 2, 3] if one_call else [3, 3])  # then the tails after the 2nd: 12, 8, 4
 
 
 def test_reads_ahead_never_evict_the_chunks_the_same_read_holds_in_dram() -> None:

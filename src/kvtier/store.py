@@ -299,9 +299,11 @@ class KVStore:
 
         With ``tail_block`` (the engine's block size, a divisor of the chunk size), a tail (see :meth:`put_from`)
         of whole ``tail_block``-token blocks right after the whole chunks found counts too: the longest one held
-        whose tokens are all in ``tokens``. The tails after the last whole chunk of ``tokens`` are asked about with
-        the chunks (one question per tier); tails after a missing chunk in a second question, of tiers across a
-        network only once a whole chunk was found: a miss costs no more round trips than without tails.
+        whose tokens are all in ``tokens``. A tier across a network is asked about tails only once a whole chunk
+        was found (a miss costs no more than without tails); one that answers any number of keys in one round trip
+        (:attr:`~kvtier.tiers.base.Tier.heads_in_one_call`) is asked about the tails after the last whole chunk
+        of ``tokens`` with the chunks. A local tier is asked about each tail in turn, longest first (its
+        ``heads`` looks on disk only up to the first key its index lacks).
 
         ``kv_heads``, when given, is the model's KV head count: shards recorded with another count are ignored.
         ``elsewhere(namespace id, chunk key)`` says whether a chunk is held whole outside this store, e.g. in
@@ -332,7 +334,7 @@ class KVStore:
         if tails:
             found += self._longest(ns.id, tails, lengths, kv_heads, elsewhere,
                                    tiers if n else [tier for tier in tiers if tier.local],
-                                   asked if n == len(keys) else None)
+                                   asked if n == len(keys) else {})
         if count and not local_only:
             self.count_lookup(len(tokens), found)
         return found
@@ -344,9 +346,9 @@ class KVStore:
 
     def _available(self, namespace: str, chunks: list[str], kv_heads: int | None,
                    elsewhere: Callable[[str, str], bool] | None, tiers: list[Tier],
-                   extra: list[str]) -> tuple[int, list[list[HeadRange]] | None]:
-        """The leading chunks available, and what the tiers said of the objects ``extra`` (asked with the chunks
-        DRAM lacks; None when no tier was asked)."""
+                   extra: list[str]) -> tuple[int, dict[str, list[list[HeadRange]]]]:
+        """The leading chunks available, and what each tier asked said of the objects ``extra``: asked with the
+        chunks DRAM lacks, of the tiers across a network that answer in one round trip."""
         def in_memory(chunk: str) -> bool:
             return full_cover(self.dram.ranges(namespace, chunk), kv_heads) or \
                 (elsewhere is not None and elsewhere(namespace, chunk))
@@ -355,13 +357,16 @@ class KVStore:
         while n < len(chunks) and in_memory(chunks[n]):
             n += 1
         if n == len(chunks) or not tiers:
-            return n, None
+            return n, {}
         rest = chunks[n:]
-        per_tier = [self._tier_heads(tier, namespace, rest + extra) for tier in tiers]
-        asked: list[list[HeadRange]] = [[] for _ in extra]
-        for heads in per_tier:
-            for found, more in zip(asked, heads[len(rest):]):
-                found.extend(more)
+        asked: dict[str, list[list[HeadRange]]] = {}
+        per_tier = []
+        for tier in tiers:
+            ride = extra if extra and not tier.local and tier.heads_in_one_call else []
+            heads = self._tier_heads(tier, namespace, rest + ride)
+            if ride:
+                asked[tier.name] = heads[len(rest):]
+            per_tier.append(heads)
         for i, chunk in enumerate(rest):
             ranges = self.dram.ranges(namespace, chunk)
             for heads in per_tier:
@@ -373,22 +378,32 @@ class KVStore:
 
     def _longest(self, namespace: str, tails: list[str], lengths: list[int], kv_heads: int | None,
                  elsewhere: Callable[[str, str], bool] | None, tiers: list[Tier],
-                 asked: list[list[HeadRange]] | None = None) -> int:
-        """The longest of ``lengths`` whose tail (of ``tails``, longest first) is available, or 0; each tier is
-        asked once, about the tails longer than the longest DRAM or ``elsewhere`` holds, unless ``asked`` holds
-        the tiers' answers already."""
+                 asked: dict[str, list[list[HeadRange]]]) -> int:
+        """The longest of ``lengths`` whose tail (of ``tails``, longest first) is available, or 0. ``asked``:
+        answers some tiers gave already. Each other tier is asked about the tails longer than the longest DRAM,
+        ``elsewhere`` or the answers hold: a tier across a network once, a local one tail by tail until one is
+        whole."""
         ranges = [self.dram.ranges(namespace, tail) for tail in tails]
-        if asked is not None:
-            for found, more in zip(ranges, asked):
+        for answers in asked.values():
+            for found, more in zip(ranges, answers):
                 found.extend(more)
-        held = next((i for i, (tail, found) in enumerate(zip(tails, ranges)) if full_cover(found, kv_heads) or
-                     (elsewhere is not None and elsewhere(namespace, tail))), len(tails))
-        if held and asked is None:
-            for tier in tiers:
+
+        def whole(i: int) -> bool:
+            return full_cover(ranges[i], kv_heads) or (elsewhere is not None and elsewhere(namespace, tails[i]))
+
+        held = next((i for i in range(len(tails)) if whole(i)), len(tails))
+        for tier in tiers:
+            if not held or tier.name in asked:
+                continue
+            if not tier.local:
                 for found, heads in zip(ranges, self._tier_heads(tier, namespace, tails[:held])):
                     found.extend(heads)
-        return next((length for found, length in zip(ranges[:held], lengths) if full_cover(found, kv_heads)),
-                    lengths[held] if held < len(lengths) else 0)
+                continue
+            for i in range(held):
+                ranges[i].extend(self._tier_heads(tier, namespace, [tails[i]])[0])
+                if whole(i):
+                    break
+        return next((lengths[i] for i in range(len(tails)) if whole(i)), 0)
 
     def _tier_heads(self, tier: Tier, namespace: str, chunks: list[str]) -> list[list[HeadRange]]:
         outage = self._read_outage[tier.name]
@@ -536,6 +551,10 @@ class KVStore:
         parents = {c: chunks[i - 1] if i else None for i, c in enumerate(chunks)}
         in_dram = {c: self._plan_heads(read, self.dram.ranges(read.namespace, c)) for c in chunks[first:]}
         missing = [c for c, plan in in_dram.items() if plan is None]
+        if missing:  # what this read fetches reserves DRAM, evicting idle entries: first pin the read's own
+            for chunk, plan in in_dram.items():
+                for rng, _, _ in [] if plan is None else plan[1]:
+                    read.pinned.extend(self.dram.acquire(read.namespace, chunk, [rng]) or [])
         for tier in read.tiers:
             if not missing:
                 break
@@ -556,10 +575,6 @@ class KVStore:
             order = {c: i for i, c in enumerate(chunks)}
             stop = min(order[c] for c in missing)
             read.ahead = [item for item in read.ahead if order[item[1].chunk] < stop]
-        if read.ahead:  # reads ahead reserve DRAM, evicting idle entries: first pin this read's own
-            for chunk, plan in in_dram.items():
-                for rng, _, _ in [] if plan is None else plan[1]:
-                    read.pinned.extend(self.dram.acquire(read.namespace, chunk, [rng]) or [])
         read.ahead.reverse()  # popped from the end, in chunk order
         self._read_ahead(read)
 
@@ -962,7 +977,11 @@ class KVStore:
             writer.close()
         deadline = time.monotonic() + _CLOSE_WAIT
         for tier in self.tiers:  # a tier's native batch read into DRAM pages ends before the tier closes
-            self._readers[tier.name].close(wait=max(0.0, deadline - time.monotonic()) if tier.batch_reads else 0.0)
-        for tier in self.tiers:
+            ended = self._readers[tier.name].close(
+                wait=max(0.0, deadline - time.monotonic()) if tier.batch_reads else 0.0)
+            if tier.batch_reads and not ended:
+                log.warning("tier %s: left open at close: a batched read is still under way (it ends with the "
+                            "process)", tier.name)
+                continue
             tier.close()
         self.metrics.stop_serving()

@@ -59,9 +59,9 @@ class DaemonPool:
                 except BaseException as exc:  # handed to whoever holds the future
                     future.set_exception(exc)
 
-    def close(self, wait: float = 0.0) -> None:
+    def close(self, wait: float = 0.0) -> bool:
         """Let the threads end once the queue is drained, waiting up to ``wait`` seconds for them (a thread stuck
-        in a call ends with the process)."""
+        in a call ends with the process); whether they all ended."""
         with self._lock:
             self._closed = True
         for _ in self._threads:
@@ -72,3 +72,4 @@ class DaemonPool:
         deadline = time.monotonic() + wait
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)

@@ -102,6 +102,7 @@ class S3Tier(Tier):
 
     Options = S3Options
     persistent = True
+    heads_in_one_call = False  # a listing per chunk
     read_ahead = True  # GETs wait on the store's latency: 16 chunks of 5.9 MB read in 0.15 s instead of 0.17 s
 
     def __init__(self, name: str, options: S3Options) -> None:

@@ -43,6 +43,10 @@ class Tier(ABC):
     # whose reads wait on a round trip more than on bytes (an object store's GETs). Off where threads measured no
     # faster (a local disk, Redis): each reading thread keeps its own freed buffers, so reading ahead costs memory.
     read_ahead: ClassVar[bool] = False
+    # heads() answers any number of keys in one round trip (a pipeline, a batch call): a lookup asks it about a
+    # prompt's tails in the same question as its chunks. Off where each key costs a request of its own (S3's
+    # listings), so that a miss costs no requests for tails.
+    heads_in_one_call: ClassVar[bool] = True
     # Reads the shards a get needs from this tier several at a time (get_into_many, a few shards a call), on reading
     # threads, each straight into the DRAM entry reserved for it: for tiers with a batched read (Mooncake's).
     batch_reads: ClassVar[bool] = False
