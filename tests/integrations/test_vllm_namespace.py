@@ -26,7 +26,7 @@ from tests.integrations.mini_engine import MiniEngine, kv_cache_config, request,
 Engines = Callable[..., MiniEngine]
 ROOT = Path(__file__).parents[2]
 LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
-TOKENS = np.random.default_rng(1).integers(0, 512, 700).tolist()
+TOKENS = np.random.default_rng(1).integers(0, 512, 600).tolist()  # 2 whole chunks, no tail
 
 
 def test_kv_of_one_engine_setting_is_never_a_hit_under_another(engines: Engines) -> None:
