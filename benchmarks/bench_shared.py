@@ -8,7 +8,9 @@ For each tier, real servers start on loopback (kvtier.testing.servers). For chun
   (redis-py SET, boto3 put_object, Mooncake put);
 - get: the tier reading and kvtier verifying the object (checksum, header), vs the raw client's plain read;
 - get_into: the same read as a hit makes it, into preallocated pages (as DRAM's), verified there.
-For Redis, the raw client's GETs of all objects in one pipeline are also timed against one at a time.
+For Redis, the raw client's GETs of all objects in one pipeline are also timed against one at a time. For a tier
+that batches its reads (Mooncake), a load of all the objects through the store (an empty DRAM each time, as a
+hit after a restart) is timed with batched reads against one get_into a shard.
 For Redis, the get is also timed with a 1 MiB socket read size (the tier's default is redis-py's 64 KiB) to
 show what a larger read size buys. Prints a markdown table (pasted into the README) and the machine it ran on.
 """
@@ -155,6 +157,8 @@ def bench_tier(kind: str, shape: str, objects: int, repeats: int, root: Path) ->
             rows.append({"tier": kind, "shape": shape, "op": "raw GETs, all in one pipeline (baseline: one at a "
                          "time)", "bytes": nbytes, "gbps": nbytes / piped_r / 1e9,
                          "baseline_gbps": nbytes / one_r / 1e9, "ratio": one_r / piped_r})
+        if tier.batch_reads:
+            rows.append(store_load(kind, shape, options, objects, repeats))
         if options["type"] == "redis":
             wide = TIERS.resolve("redis", "type").from_config(kind, {**kind_options, "socket_read_bytes": 2**20},
                                                                  "tiers[0]")
@@ -171,6 +175,34 @@ def bench_tier(kind: str, shape: str, objects: int, repeats: int, root: Path) ->
         return rows
     finally:
         server.stop()
+
+
+def store_load(kind: str, shape: str, options: dict, objects: int, repeats: int) -> dict:
+    """A load of ``objects`` chunks through the store from a tier that batches reads, DRAM dropped before each:
+    batched reads (several shards a call, several calls in flight) against one get_into a shard, inline."""
+    from kvtier import KVStore, Namespace
+
+    layers, heads, dim = SHAPES[shape]
+    tokens = list(range(objects * CHUNK))
+    kv = torch.randn(layers, 2, heads, len(tokens), dim).to(torch.bfloat16)
+    nbytes = kv.numel() * kv.element_size()
+    ns = Namespace(model=f"bench-load-{shape}", dtype="bfloat16")
+    cfg = {"chunk_tokens": CHUNK, "dram": {"capacity_bytes": 2 * nbytes + 2**24},
+           "tiers": [{**options, "name": kind}]}
+    with KVStore.from_config(cfg) as store:
+        store.put(ns, tokens, kv)
+        store.flush()
+        tier = store.tiers[0]
+
+        def load(batched: bool) -> None:
+            tier.batch_reads = batched  # type: ignore[misc]
+            assert store.load(ns, tokens, lambda first, got: None, layers=layers, head_dim=dim,
+                              dtype=torch.bfloat16) == len(tokens)
+
+        one_s, batched_s = paired(repeats, lambda: load(False), lambda: load(True), setup=store.drop_dram)
+    return {"tier": kind, "shape": shape, "op": "store load, batched reads (baseline: one get_into a shard)",
+            "bytes": nbytes, "gbps": nbytes / batched_s / 1e9, "baseline_gbps": nbytes / one_s / 1e9,
+            "ratio": one_s / batched_s}
 
 
 def markdown(rows: list[dict]) -> str:
