@@ -189,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="documents of N tokens (a multiple of 64, 1024 to 32768; e.g. 8192, 16384, or 4032: "
                             "15 chunks and a tail) instead of 4096: the hit phases only, 3 documents asked twice")
     bench.add_argument("--chunk-tokens", type=int, choices=(128, 256, 512), default=256,
-                       help="kvtier's chunk size (default 256; 128 is vLLM-CPU's block: hits end where the "
-                            "engine's own do, at the cost of twice the chunks)")
+                       help="kvtier's chunk size (default 256; 128 is vLLM-CPU's block size: twice the chunks "
+                            "of 256)")
     bench.add_argument("--no-tails", action="store_true",
                        help="store whole chunks only, not also a prompt's whole blocks after them (its tail): to "
                             "measure what tails gain")
