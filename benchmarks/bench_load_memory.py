@@ -4,9 +4,10 @@
 
 Each tier runs in a fresh process of its own. The engine's paged cache (zeroed) and the store's DRAM pool (by
 the puts of two prompts) are resident first; then the process's peak RSS is reset (``/proc/self/clear_refs``)
-and the prompt is loaded, once, in a process that has loaded one chunk of the other prompt before (the clients' setup
-is not the load's), the way the vLLM connector's worker loads it (``KVStore.load`` handing chunk views to ``scatter_chunks``). What the load added at its peak is
-compared with a chunk's size and with the whole prompt's KV (what a staging buffer of the whole prompt costs).
+and the prompt is loaded, once, in a process that has loaded one chunk of the other prompt before (the clients'
+setup is not the load's), the way the vLLM connector's worker loads it (``KVStore.load`` handing chunk views to
+``scatter_chunks``). What the load added at its peak is compared with a chunk's size and with the whole prompt's
+KV (what a staging buffer of the whole prompt costs).
 SmolLM2-135M's shape: 30 layers, 3 KV heads, head dim 64, bf16, 256-token chunks (5.9 MB each).
 """
 

@@ -81,6 +81,10 @@ def test_a_salt_never_hits_another_tenants_prefix(engines: Engines) -> None:
     mini.prefill(request("a", tokens, salt="tenant-a"))
     assert mini.prefill(request("b", tokens, salt="tenant-b")).hit == 0
     assert mini.prefill(request("a2", tokens, salt="tenant-a")).hit == 512
+    short = prompt(35, 200)  # no whole chunk: only a tail (one block), keyed from the namespace itself
+    mini.prefill(request("a-short", short, salt="tenant-a"))
+    assert mini.prefill(request("b-short", short, salt="tenant-b")).hit == 0
+    assert mini.prefill(request("a-short2", short, salt="tenant-a")).hit == 128
 
 
 # -- tensor parallelism -------------------------------------------------------------------------------------------

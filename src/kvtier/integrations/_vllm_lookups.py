@@ -32,7 +32,8 @@ MAX_QUEUED = 64
 @dataclasses.dataclass(frozen=True)
 class Held:
     """Leading tokens (whole chunks, then perhaps a tail) the store holds for a prefix; ``local`` of them load
-    without waiting on a network (DRAM, the workers' DRAM, local tiers): a load of more than those may wait on a server."""
+    without waiting on a network (DRAM, the workers' DRAM, local tiers): a load of more than those may wait on a
+    server."""
 
     tokens: int
     local: int
