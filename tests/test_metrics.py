@@ -47,3 +47,16 @@ def test_served_samples_carry_the_process_labels_set_after_serving_began(tmp_pat
     assert 'kvtier_capacity_bytes{role="worker",tier="dram",tp_rank="1"}' in body
     asked = [ln for ln in only.splitlines() if ln and not ln.startswith("#")]  # one family asked for by name
     assert asked and all(ln.startswith("kvtier_hit_chunks_total{") and 'role="worker"' in ln for ln in asked)
+
+
+def test_the_skip_reasons_declared_at_zero_are_those_the_connector_raises() -> None:
+    """Dashboards read kvtier_connector_skipped_requests_total by reason from start: each reason a request can be
+    skipped for is declared (at 0), and no other."""
+    import re
+    from pathlib import Path
+
+    from kvtier.integrations import _vllm_namespace
+    from kvtier.integrations._vllm_shared import SKIP_REASONS
+
+    raised = set(re.findall(r'Skip\("(\w+)"', Path(_vllm_namespace.__file__).read_text()))
+    assert raised == set(SKIP_REASONS)

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvtier import frame
+from kvtier import frame, tracing
 from kvtier.config import TierSpec
 from kvtier.dram import DramEntry, DramPool
 from kvtier.errors import TierError
@@ -36,8 +36,9 @@ class Outage:
     failed retry, up to :data:`MAX_REST_SECONDS`, so a long outage costs one slow call now and then.
     """
 
-    def __init__(self, tier: str, what: str, retry_seconds: float) -> None:
+    def __init__(self, tier: str, what: str, retry_seconds: float, metrics: StoreMetrics | None = None) -> None:
         self._tier, self._what = tier, what
+        self._gauge = None if metrics is None else metrics.outage.labels(tier, what)
         self._retry = retry_seconds
         self._rest = retry_seconds
         self._failing = False
@@ -53,6 +54,8 @@ class Outage:
             self._rest = self._retry if first else min(max(self._retry, self._rest * 2), MAX_REST_SECONDS)
             self._until = time.monotonic() + self._rest
         if first:
+            if self._gauge is not None:
+                self._gauge.set(1)
             log.warning("tier %s: %s failing (further failures counted, not logged; retrying after %.1f s, "
                         "then less often): %s", self._tier, self._what, self._retry, exc)
 
@@ -61,6 +64,8 @@ class Outage:
             with self._lock:
                 was, self._failing = self._failing, False
             if was:
+                if self._gauge is not None:
+                    self._gauge.set(0)
                 log.warning("tier %s: %s working again", self._tier, self._what)
 
 
@@ -77,11 +82,12 @@ class CascadeWriter:
         self._on_stored = on_stored  # told of every shard the tier holds after a write (or held already)
         self._pool = pool
         self._metrics = metrics
-        self._queue: queue.Queue[DramEntry | None] = queue.Queue(maxsize=spec.queue_depth)
+        # Each write with the trace context that queued it (None when tracing is off): its span joins that trace.
+        self._queue: queue.Queue[tuple[DramEntry, object] | None] = queue.Queue(maxsize=spec.queue_depth)
         self._max_bytes = spec.queue_bytes
         self._bytes = 0  # payload bytes of the entries queued or being written
         self._bytes_lock = threading.Lock()
-        self._outage = Outage(tier.name, "writes", spec.retry_seconds)
+        self._outage = Outage(tier.name, "writes", spec.retry_seconds, metrics)
         self._present = metrics.present_writes.labels(tier.name)
         self._exists_failed = False  # logged once
         self._closed = False
@@ -110,7 +116,7 @@ class CascadeWriter:
                 self._bytes += size
         if fits:
             try:
-                self._queue.put_nowait(entry)
+                self._queue.put_nowait((entry, tracing.current()))
                 return True
             except queue.Full:
                 with self._bytes_lock:
@@ -134,16 +140,22 @@ class CascadeWriter:
 
     def _run(self) -> None:
         while True:
-            entry = self._queue.get()
+            item = self._queue.get()
             try:
-                if entry is _STOP:
+                if item is _STOP:
                     return
-                self._write(entry)
-            finally:
-                if entry is not _STOP:
+                entry, parent = item
+                try:
+                    with tracing.span("kvtier.tier.write", parent, tier=self.tier.name, key=entry.key.name,
+                                      bytes=entry.meta.nbytes) as span:
+                        outcome = self._write(entry)
+                        if span is not None:
+                            span.set_attribute("outcome", outcome)
+                finally:
                     with self._bytes_lock:
                         self._bytes -= entry.meta.nbytes
                     self._pool.release(entry)
+            finally:
                 self._queue.task_done()
 
     def _present_in_tier(self, entry: DramEntry) -> bool:
@@ -161,16 +173,17 @@ class CascadeWriter:
                             type(exc).__name__, exc)
             return False
 
-    def _write(self, entry: DramEntry) -> None:
+    def _write(self, entry: DramEntry) -> str:
+        """Write one entry; what became of it (written, present, dropped, error)."""
         if self._outage.resting():
             self._metrics.dropped.labels(self.tier.name, "tier_unavailable").inc()
-            return
+            return "dropped"
         start = time.perf_counter()
         if self._present_in_tier(entry):
             self._present.inc()
             if self._on_stored is not None:
                 self._on_stored(entry.key)
-            return
+            return "present"
         try:
             views = self._pool.views(entry)
             header = frame.encode_header(entry.key, entry.meta, views, created=entry.created)
@@ -178,14 +191,15 @@ class CascadeWriter:
         except TierError as exc:
             self._metrics.write_errors.labels(self.tier.name).inc()
             self._outage.failed(exc)
-            return
+            return "error"
         except Exception as exc:  # a bug in a plugin tier must not kill the worker silently
             self._metrics.write_errors.labels(self.tier.name).inc()
             log.exception("tier %s: unexpected error writing %s", self.tier.name, entry.key.name)
             self._outage.failed(exc)
-            return
+            return "error"
         self._outage.succeeded()
         self._metrics.tier_write_seconds.labels(self.tier.name).observe(time.perf_counter() - start)
         self._metrics.bytes_written.labels(self.tier.name).inc(len(header) + entry.meta.nbytes)
         if self._on_stored is not None:
             self._on_stored(entry.key)
+        return "written"

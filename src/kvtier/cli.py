@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from kvtier import frame
 from kvtier.config import load_config
-from kvtier.errors import KVTierError, TierError
+from kvtier.errors import ConfigError, KVTierError, TierError
 from kvtier.store import open_tiers
 from kvtier.tiers.base import StoredObject, Tier
 
@@ -194,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-tails", action="store_true",
                        help="store whole chunks only, not also a prompt's whole blocks after them (its tail): to "
                             "measure what tails gain")
+    fleet = top.add_parser("fleet", help="a whole fleet on this host from one YAML file: Redis, vLLM API servers "
+                                         "with kvtier, the router, Prometheus")
+    fleet_sub = fleet.add_subparsers(dest="command", required=True)
+    up = fleet_sub.add_parser("up", help="start the fleet, wait until each part is healthy, print its status until "
+                                         "Ctrl-C, then stop everything it started")
+    up.add_argument("--config", required=True, help="fleet config (YAML; see the README's 'Operating')")
+    up.add_argument("--interval", type=float, default=10.0, help="seconds between status tables (default 10)")
+    fleet_sub.add_parser("down", help="stop a fleet started with this config from another shell").add_argument(
+        "--config", required=True, help="the fleet config it was started with")
     router = top.add_parser("router", help="a cache-aware OpenAI-compatible router in front of vLLM API servers")
     router.add_argument("--config", required=True, help="router config (YAML; see the README's 'Running a fleet')")
     router.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -446,8 +455,6 @@ def _decide(args: argparse.Namespace) -> int:
 
 
 def _tokenizer(model_dir: str):
-    from kvtier.errors import ConfigError
-
     try:
         from transformers import AutoTokenizer
 
@@ -476,6 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    tails=not args.no_tails)
     if args.group == "router":
         return _router(args)
+    if args.group == "fleet":
+        return _fleet(args)
     if args.group == "simulate":
         return _simulate(args)
     if args.group == "calibrate":
@@ -497,6 +506,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for tier in tiers:
             tier.close()
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvtier.fleet.config import load_fleet_config, preflight
+    from kvtier.fleet.run import Fleet, down
+
+    try:
+        config = load_fleet_config(args.config)
+        if args.command == "down":
+            return down(config, sys.stdout)
+        if not 0.5 <= args.interval <= 3600:
+            raise ConfigError(f"--interval: must be in [0.5, 3600] seconds, got {args.interval}")
+        preflight(config)
+    except KVTierError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return Fleet(config).up(sys.stdout, args.interval, stop)
 
 
 def _router(args: argparse.Namespace) -> int:

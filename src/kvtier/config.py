@@ -239,9 +239,22 @@ class StoreConfig:
     dram: DramConfig = DramConfig()
     tiers: tuple[TierSpec, ...] = ()
     metrics_port: int | None = None
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL for kvtier's spans (None: no traces)
 
 
-_TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port")
+_TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port", "otlp_traces_endpoint")
+
+
+def check_otlp_endpoint(value: object, field: str) -> str | None:
+    """An OTLP/HTTP traces endpoint (``http://collector:4318/v1/traces``), or None."""
+    if value is None:
+        return None
+    parts = urllib.parse.urlsplit(value) if isinstance(value, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{field}: expected an OTLP/HTTP URL such as http://collector:4318/v1/traces, got "
+                          f"{shown(field, value)}")
+    check_url_port(value, field)
+    return value
 
 
 def _parse_tier(raw: object, index: int, seen: set[str]) -> TierSpec:
@@ -296,4 +309,6 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
     metrics_port = _coerce(int | None, cfg.get("metrics_port"), "metrics_port", size=False)
     if metrics_port is not None and not 1 <= metrics_port <= 65535:  # type: ignore[operator]
         raise ConfigError(f"metrics_port: must be a TCP port in [1, 65535], got {metrics_port}")
-    return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port)  # type: ignore[arg-type]
+    traces = check_otlp_endpoint(cfg.get("otlp_traces_endpoint"), "otlp_traces_endpoint")
+    return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port,  # type: ignore[arg-type]
+                       otlp_traces_endpoint=traces)

@@ -60,6 +60,25 @@ class StoreMetrics:
                                             registry=r, buckets=_LATENCY_BUCKETS)
         self.tier_read_seconds = Histogram("kvtier_tier_read_seconds", "Time of one tier read", ["tier"],
                                            registry=r, buckets=_LATENCY_BUCKETS)
+        self.outage = Gauge("kvtier_tier_outage", "1 while a tier's reads or writes are failing (the tier rests "
+                            "between retries), else 0", ["tier", "what"], registry=r)
+
+    def declare(self, secondary: Sequence[str]) -> None:
+        """Create every per-tier series at 0, so a dashboard's rate() and an alert have a series before the first
+        event (a labelled series otherwise appears only when first counted)."""
+        for counter in (self.hits, self.bytes_written, self.bytes_read, self.corrupt):
+            for tier in ("dram", *secondary):
+                counter.labels(tier)
+        self.evictions.labels("dram")
+        self.dropped.labels("dram", "dram_full")
+        for tier in secondary:
+            for family in (self.promotions, self.present_writes, self.write_errors, self.read_errors,
+                           self.tier_write_seconds, self.tier_read_seconds):
+                family.labels(tier)
+            for reason in ("queue_full", "tier_unavailable"):
+                self.dropped.labels(tier, reason)
+            for what in ("reads", "writes"):
+                self.outage.labels(tier, what).set(0)
 
     def watch_tiers(self, tiers: Sequence[Tier]) -> None:
         """Export the events each tier counts itself (its own evictions, expiries, cleanups)."""
@@ -137,3 +156,15 @@ class _Labelled:
             if extra:
                 family.samples = [s._replace(labels={**s.labels, **extra}) for s in family.samples]
             yield family
+
+
+def sample_sum(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all label sets) in a Prometheus text exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return total

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvtier import frame
+from kvtier import frame, tracing
 from kvtier._reads import Fetched, Filling, Piece, Read, Shape, full_cover, valid_range
 from kvtier.cascade import CascadeWriter, Outage
 from kvtier.config import StoreConfig, TierSpec, load_config
@@ -108,6 +108,7 @@ class KVStore:
             raise
         self.metrics.capacity_bytes.labels("dram").set(self.dram.capacity_bytes)
         self.metrics.watch_tiers(self.tiers)
+        self.metrics.declare([t.name for t in self.tiers])
         # Bound once: a labels() lookup per chunk is measurable on the hot path.
         self._dram_written = self.metrics.bytes_written.labels("dram")
         self._dram_full = self.metrics.dropped.labels("dram", "dram_full")
@@ -120,7 +121,9 @@ class KVStore:
         self._tier_watch_lock = threading.Lock()
         self._writers = [CascadeWriter(t, self.dram, self.metrics, s, on_stored=self._tier_stored_hook(t.name))
                          for t, s in zip(self.tiers, spec)]
-        self._read_outage = {t.name: Outage(t.name, "reads", s.retry_seconds) for t, s in zip(self.tiers, spec)}
+        self._read_outage = {t.name: Outage(t.name, "reads", s.retry_seconds, self.metrics)
+                             for t, s in zip(self.tiers, spec)}
+        self._watch_levels()
         self._shapes: OrderedDict[str, Shape] = OrderedDict()  # namespace id -> its shards' shape, bounded
         self._logged: set[tuple[str, str, str]] = set()  # kinds of contained tier faults already logged
         # Read-ahead from secondary tiers, a pool per tier: reads stuck in a stalled server hold up no other tier's.
@@ -128,6 +131,8 @@ class KVStore:
         self._closed = False
         if config.metrics_port is not None:
             self.metrics.serve(config.metrics_port)
+        if config.otlp_traces_endpoint is not None:
+            tracing.configure(config.otlp_traces_endpoint, "kvtier")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, object] | str | os.PathLike[str] | None = None) -> KVStore:
@@ -921,6 +926,14 @@ class KVStore:
         outage = self._read_outage[tier.name]
         if outage.resting():
             return None
+        with tracing.span("kvtier.tier.read", tier=tier.name, key=key.name) as span:
+            outcome, got = self._guarded_read(tier, key, read, outage)
+            if span is not None:
+                span.set_attribute("outcome", outcome)
+        return got
+
+    def _guarded_read(self, tier: Tier, key: ShardKey, read: Callable[[], _R | None],
+                      outage: Outage) -> tuple[str, _R | None]:
         try:
             got = read()
         except (frame.FrameError, ObjectError) as exc:
@@ -928,16 +941,16 @@ class KVStore:
             self.metrics.corrupt.labels(tier.name).inc()
             log.warning("tier %s: removing corrupt %s: %s", tier.name, key.name, exc)
             self._remove(tier, key)
-            return None
+            return "corrupt", None
         except TierError as exc:
             self.metrics.read_errors.labels(tier.name).inc()
             outage.failed(exc)
-            return None
+            return "error", None
         except Exception as exc:  # a tier's bug or an object no check foresaw: a miss, the tier stays in use
             self._unexpected(tier, "get", exc)
-            return None
+            return "error", None
         outage.succeeded()
-        return got
+        return ("miss" if got is None else "hit"), got
 
     def _remove(self, tier: Tier, key: ShardKey) -> None:
         try:
@@ -958,14 +971,17 @@ class KVStore:
         for writer in self._writers:
             writer.flush()
 
+    def _watch_levels(self) -> None:
+        """Gauges read at each scrape (and by :meth:`stats`): bytes held, and writes queued per tier."""
+        self.metrics.used_bytes.labels("dram").set_function(lambda: self.dram.used_bytes)
+        for writer in self._writers:
+            self.metrics.queue_depth.labels(writer.tier.name).set_function(lambda w=writer: w.depth)
+            if writer.tier.used_bytes() is not None:  # a tier that knows it cheaply
+                self.metrics.used_bytes.labels(writer.tier.name).set_function(
+                    lambda t=writer.tier: t.used_bytes() or 0)
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """Metrics grouped by tier (``dram``, each secondary tier's name, ``_store`` for store-wide ones)."""
-        self.metrics.used_bytes.labels("dram").set(self.dram.used_bytes)
-        for writer in self._writers:
-            self.metrics.queue_depth.labels(writer.tier.name).set(writer.depth)
-            used = writer.tier.used_bytes()
-            if used is not None:
-                self.metrics.used_bytes.labels(writer.tier.name).set(used)
         return self.metrics.snapshot()
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvtier import tracing
 from kvtier.integrations._vllm_dram_index import KVTierWorkerMetadata, WorkerDram
 from kvtier.integrations._vllm_events import KVEvents
 from kvtier.integrations._vllm_lookups import Lookups
@@ -47,6 +48,7 @@ class Transfer:
     # A load that may wait on a server (some chunk is held only across a network): the worker runs it on a
     # thread of its own and reports it finished later (vLLM's asynchronous load), so the step does not wait.
     asynchronous: bool = False
+    trace: dict[str, str] | None = None  # the request's W3C trace headers: the worker's span joins its trace
 
 
 @dataclasses.dataclass
@@ -118,9 +120,26 @@ class SchedulerSide:
         self._invalid: list[int] = []
         self._abandoned: dict[str, list[int]] = {}
         self._tracked: dict[str, _Tracked] = {}
+        self._traces: dict[str, dict[str, str]] = {}  # request -> its trace headers (only while tracing)
 
     # -- lookups ---------------------------------------------------------------------------------------------
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """:meth:`_lookup` in a span of the request's trace, counted by outcome once answered."""
+        trace = None
+        if tracing.enabled() and getattr(request, "trace_headers", None):
+            trace = self._traces[request.request_id] = {
+                k: v for k, v in request.trace_headers.items() if k.lower() in ("traceparent", "tracestate")}
+        with tracing.span("kvtier.connector.lookup", tracing.context_of(trace), request_id=request.request_id,
+                          prompt_tokens=request.num_prompt_tokens, engine_hit_tokens=num_computed_tokens) as span:
+            found, asynchronous = self._lookup(request, num_computed_tokens)
+            outcome = "pending" if found is None else "hit" if found > 0 else "miss"
+            if found is not None:
+                self._metrics.lookups.labels(outcome).inc()
+            if span is not None:
+                span.set_attributes({"outcome": outcome, "hit_tokens": found or 0, "asynchronous": asynchronous})
+        return found, asynchronous
+
+    def _lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond the engine's own hit that the store holds, or None while a lookup in a tier across a
         network is under way (vLLM asks again); and whether their load runs asynchronously (it may wait on a
         server). The store holds whole chunks and tails; a hit ends at the last whole block before the prompt's
@@ -168,7 +187,7 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0][:end // self._bs])
         chunks_end = min(-(-end // self._chunk) * self._chunk, hit.stored)
         self._loads[rid] = Transfer(rid, self._namespaces[rid], hit.tokens[:chunks_end], block_ids, hit.computed,
-                                    hit.asynchronous)
+                                    hit.asynchronous, self._traces.get(rid))
         del self._hits[rid]
         self._announce(request, self._namespaces[rid], hit.tokens[:chunks_end])
 
@@ -243,7 +262,7 @@ class SchedulerSide:
         # From the start: the worker skips what the store holds (store.held), which after a failed load
         # excludes the chunks that failed, so they are saved once recomputed.
         meta.saves.append(Transfer(rid, tracked.namespace, tracked.tokens[:upto],
-                                   tracked.block_ids[:upto // self._bs], 0))
+                                   tracked.block_ids[:upto // self._bs], 0, trace=self._traces.get(rid)))
         request = self._requests.get(rid)
         if request is not None:
             self._announce(request, tracked.namespace, tracked.tokens[:upto])
@@ -285,7 +304,7 @@ class SchedulerSide:
         return self._events.take() if self._events is not None else []
 
     def finished(self, request_id: str) -> None:
-        for table in (self._tracked, self._namespaces, self._hits, self._loads, self._requests):
+        for table in (self._tracked, self._namespaces, self._hits, self._loads, self._requests, self._traces):
             table.pop(request_id, None)
         self._lookups.forget(request_id)
 

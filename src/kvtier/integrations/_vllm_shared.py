@@ -15,16 +15,19 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from kvtier.config import load_config
 from kvtier.store import KVStore
 
 log = logging.getLogger("kvtier.integrations.vllm")
+_LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
          "update_connector_output", "request_finished", "start_load_kv", "wait_for_save",
          "build_connector_worker_meta")
+# Why a request may be neither looked up nor saved (kvtier.integrations._vllm_namespace.Skip's reasons).
+SKIP_REASONS = ("prompt_embeds", "multimodal_unhashed", "lora_unresolved")
 # What a contained failure of each hook costs: said once in the log, so an operator knows what happened.
 _CONSEQUENCE = {
     "get_num_new_matched_tokens": "the request is a miss",
@@ -52,8 +55,24 @@ class ConnectorMetrics:
         self.async_lookups = Counter("kvtier_connector_async_lookups", "Lookups that went to a background "
                                      "thread, by outcome (answered in time; timed_out: the request went on with "
                                      "what DRAM and local tiers hold)", ["outcome"], registry=registry)
+        self.lookups = Counter("kvtier_connector_lookups", "Lookups answered, by outcome (hit: tokens beyond "
+                               "vLLM's own hit promised)", ["outcome"], registry=registry)
+        self.loaded_tokens = Counter("kvtier_connector_loaded_tokens", "Tokens loaded into vLLM's blocks",
+                                     registry=registry)
+        self.load_failed_blocks = Counter("kvtier_connector_load_failed_blocks", "Blocks promised to vLLM and "
+                                          "reported as load errors (vLLM recomputes them)", registry=registry)
+        self.saved_tokens = Counter("kvtier_connector_saved_tokens", "Tokens put into the store from vLLM's "
+                                    "blocks (those the store held already are not counted)", registry=registry)
+        self.load_seconds = Histogram("kvtier_connector_load_seconds", "Time of one request's load into vLLM's "
+                                      "blocks", registry=registry, buckets=_LOAD_BUCKETS)
         for hook in HOOKS:  # present at 0, so a dashboard's rate() has a series before the first failure
             self.errors.labels(hook)
+        for outcome in ("hit", "miss"):
+            self.lookups.labels(outcome)
+        for outcome in ("answered", "timed_out", "dropped"):
+            self.async_lookups.labels(outcome)
+        for reason in SKIP_REASONS:
+            self.skipped.labels(reason)
         self._logged: set[tuple[str, ...]] = set()
         self._lock = threading.Lock()
 

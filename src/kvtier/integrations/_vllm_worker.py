@@ -13,11 +13,13 @@ blocks), a failed save is dropped; both are counted. Layouts are converted by
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
+from kvtier import tracing
 from kvtier.errors import ConfigError
 from kvtier.integrations._vllm_dram_index import DramReport, KVTierWorkerMetadata
 from kvtier.integrations._vllm_scheduler import KVTierMetadata, Transfer
@@ -116,14 +118,23 @@ class WorkerSide:
 
         A load in the step (``background`` False) reads DRAM and local tiers only: its lookup found every chunk
         there, and one evicted since is recomputed rather than read from a server the step would wait on."""
-        try:
-            end = self._load(load, rank, size, local_only=not background)
-            if background and self._caches[0].is_cuda:  # reported finished only once the copies have landed
-                torch.cuda.current_stream(self._caches[0].device).synchronize()
-            return set(load.block_ids[end // self._bs:])
-        except Exception as exc:
-            self._metrics.error("start_load_kv", exc, load.request_id)
-            return self._promised(load)
+        start = time.perf_counter()
+        with tracing.span("kvtier.connector.load", tracing.context_of(load.trace), request_id=load.request_id,
+                          tokens=len(load.block_ids) * self._bs - load.offset, asynchronous=background) as span:
+            try:
+                end = self._load(load, rank, size, local_only=not background)
+                if background and self._caches[0].is_cuda:  # reported finished only once the copies have landed
+                    torch.cuda.current_stream(self._caches[0].device).synchronize()
+                failed = set(load.block_ids[end // self._bs:])
+                self._metrics.loaded_tokens.inc(end - load.offset)
+            except Exception as exc:
+                self._metrics.error("start_load_kv", exc, load.request_id)
+                failed = self._promised(load)
+            self._metrics.load_failed_blocks.inc(len(failed))
+            self._metrics.load_seconds.observe(time.perf_counter() - start)
+            if span is not None:
+                span.set_attribute("failed_blocks", len(failed))
+        return failed
 
     def finished_loads(self, finished_requests: set[str]) -> set[str]:
         """Requests whose asynchronous loads ended since the last call; their failed blocks join the load errors
@@ -204,19 +215,26 @@ class WorkerSide:
         for save in meta.saves:
             if not failed.isdisjoint(save.block_ids):
                 continue  # computed over blocks that failed to load; saved once vLLM has recomputed them
-            try:
-                self._save(save, rank, size)
-            except Exception as exc:
-                self._metrics.error("wait_for_save", exc, save.request_id)
+            with tracing.span("kvtier.connector.save", tracing.context_of(save.trace), request_id=save.request_id,
+                              tokens=len(save.tokens)) as span:
+                try:
+                    saved = self._save(save, rank, size)
+                except Exception as exc:
+                    self._metrics.error("wait_for_save", exc, save.request_id)
+                    continue
+                self._metrics.saved_tokens.inc(saved)
+                if span is not None:
+                    span.set_attribute("saved_tokens", saved)
 
-    def _save(self, save: Transfer, rank: int, size: int) -> None:
+    def _save(self, save: Transfer, rank: int, size: int) -> int:
+        """Put what the store does not hold of the save; the number of tokens put."""
         # Gather only what the store does not hold: after vLLM's own prefix-cache hit, or a load, that is
         # often nothing, and a put of held chunks would only copy them again.
         held = self._store.held(save.namespace, save.tokens, tp_rank=rank, tp_size=size, kv_heads=self._kv_heads,
                                 tail=True)
         start = max(save.offset, held)
         if start >= len(save.tokens):
-            return
+            return 0
         per = self._chunk // self._bs
         blocks = save.block_ids[start // self._bs:]
 
@@ -224,6 +242,7 @@ class WorkerSide:
             gather_chunks(self._caches, blocks[first * per:(first + dst.shape[0]) * per], self._layout, dst)
 
         layers, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
-        self._store.put_from(save.namespace, save.tokens, source, layers=layers, head_dim=head_dim,
-                             dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=start,
-                             kv_heads=self._kv_heads, device=self._caches[0].device, tail=True)
+        stored_to = self._store.put_from(save.namespace, save.tokens, source, layers=layers, head_dim=head_dim,
+                                         dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=start,
+                                         kv_heads=self._kv_heads, device=self._caches[0].device, tail=True)
+        return max(stored_to - start, 0)

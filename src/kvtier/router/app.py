@@ -24,6 +24,8 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvtier import tracing
+from kvtier.metrics import sample_sum
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import Batch, Cleared, Feed, Removed, Stored, Subscriber
 from kvtier.router.index import LOCAL_PLACES, Place, PrefixIndex
@@ -47,6 +49,7 @@ class RouterApp:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         self.metrics = RouterMetrics()
+        self.metrics.declare([e.name for e in config.engines], [e.name for e in config.engines if e.kv_events])
         self.index = PrefixIndex(config.block_size)
         self.router = Router(config, self.index)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(config.tokenizer)
@@ -206,9 +209,9 @@ class RouterApp:
                 text = await reply.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return
-        seconds = _sample_sum(text, "vllm:request_prefill_time_seconds_sum")
-        count = _sample_sum(text, "vllm:request_prefill_time_seconds_count")
-        tokens = _sample_sum(text, "vllm:request_prefill_kv_computed_tokens_sum")
+        seconds = sample_sum(text, "vllm:request_prefill_time_seconds_sum")
+        count = sample_sum(text, "vllm:request_prefill_time_seconds_count")
+        tokens = sample_sum(text, "vllm:request_prefill_kv_computed_tokens_sum")
         before = self._prefill_counters.get(name)
         self._prefill_counters[name] = (seconds, count, tokens)
         if before is not None and count - before[1] == 1 and tokens - before[2] >= self.config.block_size:
@@ -245,6 +248,14 @@ class RouterApp:
         return _error(503, "no engine is healthy", "no_healthy_engine")
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
+        """:meth:`_route` in a span continuing the client's trace (its ``traceparent``), when tracing is on."""
+        with tracing.span("kvtier.router.request", tracing.context_of(request.headers), path=request.path) as span:
+            reply = await self._route(request)
+            if span is not None:
+                span.set_attribute("http.status_code", reply.status)
+            return reply
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
             body = json.loads(raw)
@@ -266,7 +277,11 @@ class RouterApp:
             log.info("request %s routed without its cache: %s", request_id, exc)
             prompt = None  # the engine will answer with its own validation error, or serve it
         keys = self.router.keys(prompt) if prompt is not None else []
-        decisions = self.router.decide(prompt, request.headers.get(self.config.session_header), keys)
+        with tracing.span("kvtier.router.decision", request_id=request_id,
+                          prompt_tokens=None if prompt is None else len(prompt.tokens)) as span:
+            decisions = self.router.decide(prompt, request.headers.get(self.config.session_header), keys)
+            if span is not None:
+                _describe(span, decisions)
         if not decisions:
             return _error(503, "no engine is healthy", "no_healthy_engine", retry_after=True)
         if log.isEnabledFor(logging.DEBUG):
@@ -290,6 +305,19 @@ class RouterApp:
                     keys: list[bytes], stream: bool, t0: float) -> web.StreamResponse:
         """One attempt on one engine. Raises :class:`_Upstream` when the engine fails before the client got a
         byte (a whole answer, when not streaming): the caller tries the next engine."""
+        with tracing.span("kvtier.router.upstream", engine=decision.engine, reason=decision.reason,
+                          predicted_cached_tokens=decision.predicted_cached,
+                          predicted_ttft_s=decision.predicted_s) as span:
+            if span is not None:  # the engine's spans (vLLM's, the connector's) join this one's trace
+                headers = {k: v for k, v in headers.items() if k.lower() not in ("traceparent", "tracestate")}
+                headers.update(tracing.headers())
+            reply = await self._attempt(request, raw, headers, decision, keys, stream, t0)
+            if span is not None:
+                span.set_attribute("http.status_code", reply.status)
+            return reply
+
+    async def _attempt(self, request: web.Request, raw: bytes, headers: dict[str, str], decision: Decision,
+                       keys: list[bytes], stream: bool, t0: float) -> web.StreamResponse:
         name = decision.engine
         attempt = time.monotonic()
         flight = self.router.started(decision, keys)
@@ -404,6 +432,18 @@ class RouterApp:
         self.metrics.predictions.labels(name, outcome).inc()
 
 
+def _describe(span: object, decisions: list[Decision]) -> None:
+    """A decision span's attributes: the engines in the order tried, each one's predicted cost, and the reason."""
+    span.set_attributes({  # type: ignore[attr-defined]
+        "candidates": [d.engine for d in decisions],
+        "predicted_ttft_s": [round(d.predicted_s, 6) for d in decisions],
+        "predicted_cached_tokens": [d.predicted_cached for d in decisions],
+        "uncached_tokens": [d.uncached for d in decisions],
+        "chosen": decisions[0].engine if decisions else "",
+        "reason": decisions[0].reason if decisions else "no_healthy_engine",
+    })
+
+
 def _forwarded(incoming: Mapping[str, str], request_id: str) -> dict[str, str]:
     headers = {k: v for k, v in incoming.items() if k.lower() not in _HOP}
     if request_id:
@@ -435,19 +475,13 @@ def _error(status: int, message: str, kind: str, retry_after: bool = False) -> w
                              headers=headers)
 
 
-def _sample_sum(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
-    return total
-
-
 def serve(config: RouterConfig) -> None:
     """Run the router until interrupted (SIGINT/SIGTERM stop it cleanly)."""
+    if config.otlp_traces_endpoint is not None:
+        tracing.configure(config.otlp_traces_endpoint, "kvtier-router")
     app = RouterApp(config)
-    web.run_app(app.web_app(), host=config.host, port=config.port, handler_cancellation=True,
-                access_log=None, print=lambda text: log.info("%s", text))
+    try:
+        web.run_app(app.web_app(), host=config.host, port=config.port, handler_cancellation=True,
+                    access_log=None, print=lambda text: log.info("%s", text))
+    finally:
+        tracing.shutdown()  # the last spans are exported before the process ends

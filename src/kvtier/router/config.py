@@ -23,7 +23,7 @@ from typing import Literal
 
 import yaml
 
-from kvtier.config import build_dataclass, check_url_port
+from kvtier.config import build_dataclass, check_otlp_endpoint, check_url_port
 from kvtier.errors import ConfigError
 
 Policy = Literal["cache_aware", "round_robin", "session"]
@@ -120,6 +120,7 @@ class RouterConfig:
     # Answers carry X-KVTier-Engine, -Route-Reason, -Predicted-Cached-Tokens, -Predicted-TTFT: they tell a client
     # whether a prefix is cached somewhere, so only for trusted clients (tests, benchmarks, debugging)
     explain_headers: bool = False
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL for the router's spans (None: no traces)
 
 
 _TOP = {f.name for f in dataclasses.fields(RouterConfig)} - {"host", "port"} | {"listen"}
@@ -166,6 +167,7 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
     for name in ("health_interval_s", "metrics_interval_s", "reserve_s"):
         if not 0 < getattr(config, name) <= 3600:
             raise ConfigError(f"{name}: must be in (0, 3600] seconds, got {getattr(config, name)}")
+    check_otlp_endpoint(config.otlp_traces_endpoint, "otlp_traces_endpoint")
     if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", config.session_header):
         raise ConfigError(f"session_header: an HTTP header name, got {config.session_header!r}")
     return RouterConfig(engines=engines, host=host.strip("[]"), port=int(port), timeouts=timeouts, costs=costs,
@@ -183,3 +185,4 @@ class _Scalars:
     health_interval_s: float = 2.0
     metrics_interval_s: float = 5.0
     reserve_s: float = 10.0
+    otlp_traces_endpoint: str | None = None

@@ -54,3 +54,20 @@ class RouterMetrics:
                                  "an engine adds to a new request's", ["engine"], registry=r)
         self.in_flight = Gauge("kvtier_router_in_flight", "Requests sent to an engine and not finished",
                                ["engine"], registry=r)
+
+    def declare(self, engines: list[str], evented: list[str]) -> None:
+        """Create the per-engine series of fixed label sets at 0, so dashboards and alerts have a series (a rate of
+        0) before the first event; ``evented``: the engines whose KV events the router follows."""
+        for name in engines:
+            for family in (self.retries, self.client_aborts, self.healthy, self.in_flight, self.index_blocks):
+                family.labels(name)
+            for cause in ("idle_timeout", "disconnected"):
+                self.stream_errors.labels(name, cause)
+            self.event_resets.labels(name, "health")
+        for name in evented:
+            for family in (self.event_batches, self.event_gaps, self.event_replays):
+                family.labels(name)
+            for cause in ("sequence", "all_blocks_cleared"):
+                self.event_resets.labels(name, cause)
+            for kind in ("task", "decode", "frames", "apply", "replay_endpoint"):
+                self.event_errors.labels(name, kind)

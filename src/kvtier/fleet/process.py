@@ -1,0 +1,127 @@
+"""A server process started in a session of its own, waited on by its health check, stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    """A health check: ``url`` answers with a 2xx."""
+
+    def check() -> bool:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return True
+        except OSError:
+            return False
+
+    return check
+
+
+class Process:
+    """One server: its command line, log file and health check. Its whole process group is signalled (vLLM's API
+    server has children), and only by the PID this object started."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str],
+                 health: str | Callable[[], bool]) -> None:
+        self.name = name
+        self.argv = argv
+        self.log = log
+        self.env = env
+        self.health_url = health if isinstance(health, str) else ""
+        self.healthy: Callable[[], bool] = http_ok(health) if isinstance(health, str) else health
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> Process:
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        return self
+
+    def wait_healthy(self, timeout: float = 600, stop: threading.Event | None = None) -> None:
+        """Return once the health check passes; RuntimeError if the process exits, ``timeout`` passes or ``stop``
+        is set first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc is not None
+            if stop is not None and stop.is_set():
+                raise RuntimeError(f"interrupted while waiting for {self.name}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); its log ({self.log}) ends:\n"
+                                   + log_tail(self.log))
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not answer its health check "
+                                   f"{self.health_url or ''} within {timeout:.0f} s; its log ({self.log}) ends:\n"
+                                   + log_tail(self.log))
+            time.sleep(0.5)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the process's whole group and wait for it to go (SIGKILL after 60 s)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
+
+
+def start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None if there is no such process (or it has
+    ended): with the PID it names one process for good, where a PID alone may have been reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[19])  # a zombie has ended; only its parent's wait is due
+
+
+def stop_recorded(pid: int, started: int | None, timeout: float = 60) -> bool:
+    """Stop the process group of ``pid`` if ``pid`` is still the process that started at ``started`` (SIGTERM,
+    then SIGKILL after ``timeout``). False if it was gone already."""
+    if started is None or start_time(pid) != started:
+        return False
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout
+    while start_time(pid) == started and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if start_time(pid) == started:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return True
