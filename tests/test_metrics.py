@@ -60,3 +60,39 @@ def test_the_skip_reasons_declared_at_zero_are_those_the_connector_raises() -> N
 
     raised = set(re.findall(r'Skip\("(\w+)"', Path(_vllm_namespace.__file__).read_text()))
     assert raised == set(SKIP_REASONS)
+
+
+def test_the_outage_gauge_follows_a_tier_failing_and_coming_back(tmp_path: Path, monkeypatch) -> None:
+    """kvtier_tier_outage{what="writes"} is 0 from the start, 1 once a write fails, 0 again after a write succeeds;
+    the used bytes and queue depth are read at each scrape, not only by stats()."""
+    from kvtier.errors import TierError
+
+    port = free_port()
+    cfg = store_config(tmp_path / "fs", retry_seconds=0) | {"metrics_port": port}
+
+    def scrape(name: str) -> float:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name))
+
+    with KVStore.from_config(cfg) as store:
+        tier = store.tiers[0]
+        assert scrape('kvtier_tier_outage{tier="filesystem",what="writes"}') == 0
+        assert scrape('kvtier_corrupt_objects_total{tier="filesystem"}') == 0  # declared before any event
+        put = tier.put
+
+        def failing(*args, **kwargs):
+            raise TierError("disk gone")
+
+        monkeypatch.setattr(tier, "put", failing)
+        tokens = synthetic_tokens(1, T)
+        store.put(NS, tokens, synthetic_kv(tokens))
+        store.flush()
+        assert scrape('kvtier_tier_outage{tier="filesystem",what="writes"}') == 1
+        assert scrape('kvtier_tier_outage{tier="filesystem",what="reads"}') == 0
+        monkeypatch.setattr(tier, "put", put)
+        tokens = synthetic_tokens(2, 2 * T)
+        store.put(NS, tokens, synthetic_kv(tokens))
+        store.flush()
+        assert scrape('kvtier_tier_outage{tier="filesystem",what="writes"}') == 0
+        assert scrape('kvtier_used_bytes{tier="filesystem"}') == tier.used_bytes() > 0
+        assert scrape('kvtier_used_bytes{tier="dram"}') == store.dram.used_bytes > 0

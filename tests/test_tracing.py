@@ -80,14 +80,39 @@ def test_the_router_continues_a_w3c_trace_and_passes_it_on(spans: InMemorySpanEx
     assert root.parent.span_id == 0x00F067AA0BA902B7
 
 
-def test_off_by_default_nothing_is_made(make_store) -> None:
+def test_off_nothing_is_made(make_store, spans: InMemorySpanExporter) -> None:
     tracing.use_provider(None)
     assert not tracing.enabled()
     with tracing.span("x", a=1) as s:
         assert s is None
     assert tracing.headers() == {} and tracing.current() is None
     assert tracing.context_of({"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}) is None
+    job = lambda: 1  # noqa: E731
+    assert tracing.carried(job) is job
     store = make_store()
-    tokens = synthetic_tokens(4, T)
+    tokens = synthetic_tokens(4, 2 * T)
     store.put(NS, tokens, synthetic_kv(tokens))
     store.flush()
+    store.drop_dram()
+    assert store.get(NS, tokens) is not None
+    assert spans.get_finished_spans() == ()  # the provider that was on before saw nothing
+
+
+def test_a_read_ahead_on_a_pool_thread_stays_in_the_loads_trace(make_store, spans: InMemorySpanExporter) -> None:
+    """Tiers that read ahead (S3; Mooncake's batches) run their reads on the store's pool threads: the spans still
+    nest under the load that started them."""
+    store = make_store()
+    tier = store.tiers[0]
+    tier.read_ahead = True  # as a network tier's: reads of later chunks start while the first is checked
+    tokens = synthetic_tokens(5, 6 * T)
+    kv = synthetic_kv(tokens)
+    store.put(NS, tokens, kv)
+    store.flush()
+    store.drop_dram()
+    spans.clear()
+    with tracing.span("request.load") as load:
+        got = store.get(NS, tokens)
+    assert got is not None and torch.equal(got, kv)
+    reads = [s for s in spans.get_finished_spans() if s.name == "kvtier.tier.read"]
+    assert len(reads) == 6
+    assert all(r.context.trace_id == load.get_span_context().trace_id for r in reads)

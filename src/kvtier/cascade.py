@@ -34,6 +34,7 @@ class Outage:
     of each waiting for a dead server's timeout. The first call after the rest tries the tier again, so it
     comes back by itself once the server answers. The rest starts at ``retry_seconds`` and doubles with each
     failed retry, up to :data:`MAX_REST_SECONDS`, so a long outage costs one slow call now and then.
+    ``kvtier_tier_outage`` is 1 from a failure until the next success.
     """
 
     def __init__(self, tier: str, what: str, retry_seconds: float, metrics: StoreMetrics | None = None) -> None:
@@ -53,9 +54,9 @@ class Outage:
             first, self._failing = not self._failing, True
             self._rest = self._retry if first else min(max(self._retry, self._rest * 2), MAX_REST_SECONDS)
             self._until = time.monotonic() + self._rest
-        if first:
-            if self._gauge is not None:
+            if self._gauge is not None:  # under the lock: a success racing this failure cannot leave it stale
                 self._gauge.set(1)
+        if first:
             log.warning("tier %s: %s failing (further failures counted, not logged; retrying after %.1f s, "
                         "then less often): %s", self._tier, self._what, self._retry, exc)
 
@@ -63,9 +64,9 @@ class Outage:
         if self._failing:
             with self._lock:
                 was, self._failing = self._failing, False
-            if was:
                 if self._gauge is not None:
                     self._gauge.set(0)
+            if was:
                 log.warning("tier %s: %s working again", self._tier, self._what)
 
 

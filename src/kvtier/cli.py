@@ -526,7 +526,7 @@ def _fleet(args: argparse.Namespace) -> int:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
         signal.signal(sig, lambda *_: stop.set())
     return Fleet(config).up(sys.stdout, args.interval, stop)
 

@@ -97,6 +97,8 @@ class KVStore:
         self.config = config
         self.chunk_tokens = config.chunk_tokens
         self.metrics = StoreMetrics()
+        if config.otlp_traces_endpoint is not None:  # first: a missing SDK refuses the store before a tier opens
+            tracing.configure(config.otlp_traces_endpoint, "kvtier")
         self.tiers = open_tiers(config) if tiers is None else tiers
         try:
             policy = POLICIES.resolve(config.dram.eviction, "dram.eviction")()
@@ -131,8 +133,6 @@ class KVStore:
         self._closed = False
         if config.metrics_port is not None:
             self.metrics.serve(config.metrics_port)
-        if config.otlp_traces_endpoint is not None:
-            tracing.configure(config.otlp_traces_endpoint, "kvtier")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, object] | str | os.PathLike[str] | None = None) -> KVStore:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from kvtier import tracing
+
 
 # In an engine step that runs no model, how long the connector waits for its background work (a lookup, an
 # asynchronous load) to end. vLLM steps again at once, in a loop that holds the GIL; a background thread, which
@@ -41,7 +43,7 @@ class DaemonPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._name}: submit after close (no thread would run it)")
-        self._queue.put_nowait((future, job))
+        self._queue.put_nowait((future, tracing.carried(job)))  # its spans join the submitter's trace
         with self._lock:
             if not self._threads:
                 self._threads = [threading.Thread(target=self._run, name=f"{self._name}-{i}", daemon=True)

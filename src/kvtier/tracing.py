@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
+import functools
 import logging
 import threading
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _lock = threading.Lock()
 _provider: Any = None  # opentelemetry.sdk.trace.TracerProvider, once configured
@@ -123,14 +126,21 @@ def headers() -> dict[str, str]:
     return carrier
 
 
-@contextlib.contextmanager
-def span(name: str, parent: Any = None, **attributes: Any) -> Iterator[Any]:
-    """A span around the block, a child of ``parent`` (a context from :func:`context_of` or :func:`current`) or
-    else of the current one. Yields the span (None when tracing is off): set attributes on it as the work learns
-    them. An exception leaving the block is recorded on the span and re-raised."""
+_OFF = contextlib.nullcontext()  # reusable: what span() gives while tracing is off, at no cost per call
+
+
+def span(name: str, parent: Any = None, **attributes: Any) -> contextlib.AbstractContextManager[Any]:
+    """A span around a ``with`` block, a child of ``parent`` (a context from :func:`context_of` or
+    :func:`current`) or else of the current one. The block gets the span (None when tracing is off): set
+    attributes on it as the work learns them. An exception leaving the block is recorded on the span."""
     if _tracer is None:
-        yield None
-        return
-    with _tracer.start_as_current_span(name, context=parent,
-                                       attributes={k: v for k, v in attributes.items() if v is not None}) as s:
-        yield s
+        return _OFF
+    return _tracer.start_as_current_span(name, context=parent,
+                                         attributes={k: v for k, v in attributes.items() if v is not None})
+
+
+def carried(job: Callable[[], _T]) -> Callable[[], _T]:
+    """``job``, to run on another thread within the calling thread's trace context (itself when tracing is off)."""
+    if _tracer is None:
+        return job
+    return functools.partial(contextvars.copy_context().run, job)

@@ -76,6 +76,14 @@ def write(path: Path, config: dict) -> Path:
     ({"prometheus": {"scrape_interval_s": 0}}, "prometheus.scrape_interval_s"),
     ({"otlp_traces_endpoint": "collector:4318"}, "otlp_traces_endpoint"),
     ({"bogus": 1}, "bogus: unknown key"),
+    ({"redis": "yes"}, "redis:"),
+    ({"redis": {"maxmemory_bytes": 10}}, "redis.maxmemory_bytes"),
+    ({"router": {"policy": "bogus"}}, "router.policy"),
+    ({"kvtier": {"tiers": [{"type": "redis", "url": "fleet", "bogus": 1}]}}, "kvtier.tiers[0].bogus"),
+    ({"cpus": ["0", "zz"]}, "cpus[1]"),
+    ({"prometheus": {"retention": "forever"}}, "prometheus.retention"),
+    ({"host": "::1"}, "host:"),
+    ({"served_model_name": ""}, "served_model_name"),
 ])
 def test_a_bad_config_is_refused_naming_the_field(tmp_path: Path, capsys: pytest.CaptureFixture, change: dict,
                                                   field: str) -> None:
@@ -199,6 +207,13 @@ def test_every_dashboard_panel_returns_series_from_a_real_prometheus(fleet: Runn
     wait_for(lambda: fleet.query("sum(kvtier_router_requests_total)")["result"] and float(
         fleet.query("sum(kvtier_router_requests_total)")["result"][0]["value"][1]) >= 10, 30, "a scrape after the load")
     time.sleep(3 * SCRAPE_S)
+    # series declared at 0 answer every query; these must have moved with the load
+    for moved in ("kvtier_router_requests_total", "kvtier_connector_saved_tokens_total",
+                  "kvtier_connector_lookups_total", 'kvtier_written_bytes_total{tier="redis"}',
+                  "kvtier_lookup_tokens_total", "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
+                  "kvtier_router_event_batches_total", "kvtier_router_index_blocks"):
+        value = float(fleet.query(f"sum({moved})")["result"][0]["value"][1])
+        assert value > 0, f"{moved} did not move with the load"
     exported = set(fleet.client.get(fleet.prometheus + "/api/v1/label/__name__/values").json()["data"])
     failures = []
     checked = 0
@@ -287,6 +302,15 @@ def test_one_request_is_one_trace_from_the_client_through_the_router_into_vllm_a
     reads = [s for s in spans if s.name == "kvtier.tier.read"]
     assert {r.attributes["tier"] for r in reads} == {"redis"} and {r.attributes["outcome"] for r in reads} == {"hit"}
     assert all(r.parent_id == load.span_id for r in reads)
+
+
+def test_configs_that_may_hold_credentials_stay_off_command_lines_and_private(fleet: Running) -> None:
+    state = json.loads((fleet.config.work_dir / "fleet.json").read_text())
+    for name in ("e0", "e1"):
+        argv = Path(f"/proc/{state['processes'][name]['pid']}/cmdline").read_bytes().decode()
+        assert "redis://" not in argv and f"kvtier-{name}.yaml" in argv
+    for path in fleet.config.work_dir.glob("*.y*ml"):
+        assert path.stat().st_mode & 0o077 == 0, path
 
 
 def test_fleet_down_from_another_shell_stops_everything_it_started(fleet: Running) -> None:

@@ -215,6 +215,7 @@ def test_a_load_missing_a_chunk_loads_the_chunks_before_it(engines: Engines, sto
     the blocks from the second on are reported for vLLM to recompute."""
     mini = engines()
     tokens = prompt(50, 800)  # three whole chunks below the last token
+    before = counters(store_cfg)
     mini.prefill(request("first", tokens))
     store = shared_store(store_cfg)
     assert store is not None
@@ -226,6 +227,14 @@ def test_a_load_missing_a_chunk_loads_the_chunks_before_it(engines: Engines, sto
     assert step.hit == 768
     assert step.load_errors == set(step.blocks[2:6])  # tokens 256-767: blocks 2-5 (128 tokens each)
     assert torch.equal(mini.read(step.blocks, 256), reference_kv(tokens)[:, :, :, :256])
+    # what the dashboards read: one miss, then one hit; 768 tokens saved; 256 loaded and 4 blocks failed
+    after = counters(store_cfg)
+    delta = {k: after[k] - before.get(k, 0) for k in after if k.startswith("connector_")}
+    assert delta["connector_lookups_total{outcome=miss}"] == 1 and delta["connector_lookups_total{outcome=hit}"] == 1
+    assert delta["connector_saved_tokens_total"] == 768
+    assert delta["connector_loaded_tokens_total"] == 256
+    assert delta["connector_load_failed_blocks_total"] == 4
+    assert delta["connector_load_seconds_count"] == 1
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

@@ -237,3 +237,48 @@ def test_routing_headers_only_when_asked_for():
         assert status == 200 and headers["X-Request-Id"]
         assert not any(h.startswith("X-KVTier") for h in headers)
     run(main, explain_headers=False)
+
+
+def test_traced_requests_carry_the_router_span_upstream_and_record_each_attempt():
+    """With tracing on, the router continues the client's trace: a decision span (candidates, costs, reason), one
+    upstream span per attempt (the failed one and its retry), and the engine is sent the attempt's own
+    ``traceparent`` in place of the client's. With tracing off, the client's passes through as it came."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvtier import tracing
+
+    client = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def main(url, engines, app):
+        engines[0].broken = True
+        status, _, _ = await post(url, "ok x", headers={"traceparent": client})
+        assert status == 200
+        spans = {s.name: s for s in exporter.get_finished_spans()}
+        attempts = [s for s in exporter.get_finished_spans() if s.name == "kvtier.router.upstream"]
+        assert [a.attributes["engine"] for a in attempts] == ["e0", "e1"]
+        assert [a.attributes["http.status_code"] for a in attempts[1:]] == [200]
+        root, decision = spans["kvtier.router.request"], spans["kvtier.router.decision"]
+        assert format(root.context.trace_id, "032x") == "4bf92f3577b34da6a3ce929d0e0e4736"
+        assert root.parent.span_id == 0x00F067AA0BA902B7
+        assert list(decision.attributes["candidates"]) == ["e0", "e1"]
+        assert decision.attributes["reason"] == "round_robin" and decision.attributes["chosen"] == "e0"
+        assert len(decision.attributes["predicted_ttft_s"]) == 2
+        for engine, attempt in zip(engines, attempts):
+            sent = engine.headers[-1]["traceparent"].split("-")
+            assert sent[1] == "4bf92f3577b34da6a3ce929d0e0e4736"
+            assert sent[2] == format(attempt.context.span_id, "016x")  # the attempt's, not the client's
+
+        tracing.use_provider(None)
+        await post(url, "ok y", headers={"traceparent": client})
+        assert engines[1].headers[-1]["traceparent"] == client
+
+    tracing.use_provider(provider)
+    try:
+        run(main)
+    finally:
+        tracing.use_provider(None)

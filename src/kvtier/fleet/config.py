@@ -8,7 +8,7 @@
       chunk_tokens: 256
       dram: {capacity_bytes: 1GiB}
       tiers: [{type: redis, url: fleet}]   # "fleet": the Redis this command starts
-    redis: true                     # start a redis-server on ports.redis
+    redis: {maxmemory_bytes: 1GiB}  # start a redis-server on ports.redis (true: these defaults; false: none)
     prometheus: {scrape_interval_s: 5}     # or false: start no Prometheus
 
 Engine ``i`` (named ``e<i>``) answers on ``ports.engines + i``, publishes KV events on ``ports.kv_events + 2i``
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import socket
 from collections.abc import Mapping
@@ -30,6 +31,8 @@ import yaml
 
 from kvtier.config import build_dataclass, check_otlp_endpoint, load_config
 from kvtier.errors import ConfigError
+from kvtier.router.config import load_router_config
+from kvtier.tiers.base import TIERS
 
 FLEET_REDIS = "fleet"  # a tier url naming the Redis the fleet starts
 
@@ -52,6 +55,19 @@ class PrometheusConfig:
     def check(self, field: str) -> None:
         if not 0.1 <= self.scrape_interval_s <= 300:
             raise ConfigError(f"{field}.scrape_interval_s: must be in [0.1, 300] seconds, got {self.scrape_interval_s}")
+        if not re.fullmatch(r"[1-9][0-9]*(ms|s|m|h|d|w|y)", self.retention):
+            raise ConfigError(f"{field}.retention: a duration such as 12h, 7d or 4w, got {self.retention!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RedisConfig:
+    # The fleet's Redis evicts the least recently used chunks beyond this, as a cache should (it is a cache's
+    # only copy of nothing: a chunk evicted is recomputed).
+    maxmemory_bytes: int = 2**30
+
+    def check(self, field: str) -> None:
+        if self.maxmemory_bytes < 2**20:
+            raise ConfigError(f"{field}.maxmemory_bytes: at least 1MiB, got {self.maxmemory_bytes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +80,7 @@ class FleetConfig:
     host: str
     ports: Ports
     kvtier: dict[str, Any]  # the store config, with "fleet" urls resolved (metrics_port added per engine)
-    redis: bool
+    redis: RedisConfig | None
     prometheus: PrometheusConfig | None
     router: dict[str, Any]  # more router settings
     engine_args: tuple[str, ...]
@@ -92,7 +108,7 @@ class FleetConfig:
                 out[f"ports.kv_events (engine e{i}, port {port})"] = port
             for port in self.metrics_ports(i):
                 out[f"ports.kvtier_metrics (engine e{i}, port {port})"] = port
-        if self.redis:
+        if self.redis is not None:
             out["ports.redis"] = self.ports.redis
         if self.prometheus is not None:
             out["ports.prometheus"] = self.ports.prometheus
@@ -128,21 +144,28 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
     if not (model / "config.json").is_file():
         raise ConfigError(f"model: {model} is not a model directory (no config.json there)")
     name = raw.get("served_model_name", model.name)
+    if not isinstance(name, str) or not re.fullmatch(r"[^\s]{1,128}", name):
+        raise ConfigError(f"served_model_name: 1-128 characters without spaces, got {name!r}")
     engines = _int(raw.get("engines", 2), "engines", 1, 64)
     block_size = _int(raw.get("block_size", 16), "block_size", 1, 4096)
     max_model_len = _int(raw.get("max_model_len", 4096), "max_model_len", 16, 2**22)
     host = raw.get("host", "127.0.0.1")
-    if not isinstance(host, str) or not host:
-        raise ConfigError(f"host: expected an address to listen on, got {host!r}")
+    if not isinstance(host, str) or not re.fullmatch(r"[A-Za-z0-9.-]{1,253}", host):
+        raise ConfigError(f"host: an IPv4 address or host name for the router, the engines' APIs and Prometheus "
+                          f"to listen on (0.0.0.0: every interface), got {host!r}")
     ports = build_dataclass(Ports, raw.get("ports", {}) or {}, "ports")
     for f in dataclasses.fields(Ports):
         if not 1 <= getattr(ports, f.name) <= 65535:
             raise ConfigError(f"ports.{f.name}: must be a TCP port in [1, 65535], got {getattr(ports, f.name)}")
 
-    redis = raw.get("redis", True)
-    if not isinstance(redis, bool):
-        raise ConfigError(f"redis: expected true (start a redis-server) or false, got {redis!r}")
-    kvtier = _kvtier(raw.get("kvtier"), redis, host, ports.redis, block_size)
+    redis_raw = raw.get("redis", True)
+    if redis_raw is False:
+        redis = None
+    elif redis_raw is True or isinstance(redis_raw, Mapping):
+        redis = build_dataclass(RedisConfig, {} if redis_raw is True else redis_raw, "redis")
+    else:
+        raise ConfigError(f"redis: expected true, false or a mapping (maxmemory_bytes), got {redis_raw!r}")
+    kvtier = _kvtier(raw.get("kvtier"), redis is not None, ports.redis, block_size)
     prom_raw = raw.get("prometheus", {})
     prometheus = None if prom_raw is False else build_dataclass(PrometheusConfig, prom_raw or {}, "prometheus")
     router = raw.get("router", {}) or {}
@@ -151,6 +174,11 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
     own = sorted(set(router) & _ROUTER_OWN)
     if own:
         raise ConfigError(f"router.{own[0]}: set by the fleet itself; remove it")
+    try:  # the router's own checks, on what the fleet will give it
+        load_router_config({**router, "tokenizer": str(model), "block_size": block_size,
+                            "engines": [{"name": "e0", "url": "http://127.0.0.1:1"}]})
+    except ConfigError as exc:
+        raise ConfigError(f"router.{exc}") from None
     engine_args = _strings(raw.get("engine_args", []), "engine_args")
     env_raw = raw.get("engine_env", {}) or {}
     if not isinstance(env_raw, Mapping) or not all(isinstance(k, str) for k in env_raw):
@@ -158,6 +186,10 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
     engine_env = {k: str(v) for k, v in env_raw.items()}
     cores = os.sched_getaffinity(0)
     cpus = _strings(raw.get("cpus", [str(sorted(cores)[i % len(cores)]) for i in range(engines)]), "cpus")
+    for i, cpu in enumerate(cpus):
+        if not re.fullmatch(r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*", cpu):
+            raise ConfigError(f"cpus[{i}]: cores as vLLM's VLLM_CPU_OMP_THREADS_BIND takes them (0-3 or 0,2), "
+                              f"got {cpu!r}")
     if len(cpus) != engines:
         raise ConfigError(f"cpus: one entry per engine (VLLM_CPU_OMP_THREADS_BIND, e.g. '0-3'), got {len(cpus)} "
                           f"for {engines} engines")
@@ -175,7 +207,7 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
 def preflight(config: FleetConfig) -> None:
     """What would stop the fleet part-way, found before anything starts: a port in use, a program missing."""
     needed = [("engines", "vllm", None)]
-    if config.redis:
+    if config.redis is not None:
         needed.append(("redis", "redis-server", "sudo apt-get install redis-server"))
     if config.prometheus is not None:
         needed.append(("prometheus", "prometheus", "sudo apt-get install prometheus"))
@@ -192,12 +224,13 @@ def preflight(config: FleetConfig) -> None:
         if port in seen:
             raise ConfigError(f"{field}: port {port} is also {seen[port]}; move one of the port ranges")
         seen[port] = field
-        if not port_free(config.host, port):
-            raise ConfigError(f"{field}: port {port} on {config.host} is in use")
+        for host in dict.fromkeys((config.host, "127.0.0.1")):  # some listen on host, the rest on loopback
+            if not port_free(host, port):
+                raise ConfigError(f"{field}: port {port} on {host} is in use")
 
 
 def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+    with socket.socket(socket.AF_INET) as sock:
         # as the servers bind: a port whose last connections linger in TIME_WAIT is free to them
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -207,7 +240,7 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def _kvtier(raw: object, redis: bool, host: str, redis_port: int, block_size: int) -> dict[str, Any]:
+def _kvtier(raw: object, redis: bool, redis_port: int, block_size: int) -> dict[str, Any]:
     if raw is None:
         raw = {"chunk_tokens": 256, "dram": {"capacity_bytes": "1GiB"},
                "tiers": [{"type": "redis", "url": FLEET_REDIS}] if redis else []}
@@ -223,12 +256,14 @@ def _kvtier(raw: object, redis: bool, host: str, redis_port: int, block_size: in
             if not redis:
                 raise ConfigError(f"kvtier.tiers[{i}].url: {FLEET_REDIS!r} names the fleet's own Redis, but "
                                   "redis: false")
-            tier = {**tier, "url": f"redis://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{redis_port}"}
+            tier = {**tier, "url": f"redis://127.0.0.1:{redis_port}"}  # the fleet's Redis is on loopback only
         tiers.append(tier)
     if tiers:
         config["tiers"] = tiers
     try:
         store = load_config(config)
+        for i, spec in enumerate(store.tiers):  # each tier's options, checked without connecting to it
+            build_dataclass(TIERS.resolve(spec.type, f"tiers[{i}].type").Options, spec.options, f"tiers[{i}]")
     except ConfigError as exc:
         raise ConfigError(f"kvtier.{exc}") from None
     if store.chunk_tokens % block_size:

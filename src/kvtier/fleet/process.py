@@ -71,22 +71,41 @@ class Process:
                                    + log_tail(self.log))
             time.sleep(0.5)
 
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to the process's whole group and wait for it to go (SIGKILL after 60 s)."""
-        if self.proc is None or self.proc.poll() is not None:
+    def send(self, sig: int) -> None:
+        """Send ``sig`` to the process's whole group: children left by a leader that died go too. Only before the
+        leader is reaped (``returncode`` unset), while its PID, the group's id, cannot have been reused."""
+        if self.proc is None or self.proc.returncode is not None:
             return
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
+            pass
+
+    def kill(self, sig: int = signal.SIGKILL, timeout: float = 60) -> None:
+        """Send ``sig`` to the process's group and wait for the process to go (SIGKILL after ``timeout``)."""
+        self.send(sig)
+        self.wait_gone(timeout)
+
+    def wait_gone(self, timeout: float) -> None:
+        if self.proc is None or self.proc.returncode is not None:
             return
         try:
-            self.proc.wait(timeout=60)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
+
+
+def stop_all(processes: list[Process], timeout: float = 60) -> None:
+    """SIGTERM to every process at once, then wait for each (SIGKILL to one still there after ``timeout``)."""
+    for proc in processes:
+        proc.send(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in processes:
+        proc.wait_gone(max(deadline - time.monotonic(), 0.1))
 
 
 def log_tail(path: Path, chars: int = 3000) -> str:

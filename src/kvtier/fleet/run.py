@@ -20,7 +20,7 @@ from typing import TextIO
 import yaml
 
 from kvtier.fleet.config import FleetConfig
-from kvtier.fleet.process import Process, start_time, stop_recorded
+from kvtier.fleet.process import Process, start_time, stop_all, stop_recorded
 from kvtier.metrics import sample_sum
 
 STATE = "fleet.json"
@@ -50,10 +50,10 @@ def kvtier_transfer(store: dict | str) -> dict:
 
 
 def engine_env(cpus: str, extra: dict[str, str] | None = None, traces: bool = False) -> dict[str, str]:
-    """An engine's environment: its cores, a fixed hash seed (the router hashes blocks as vLLM does), dev mode
-    (the router reads /server_info), and OTLP over HTTP when traced (vLLM's default is gRPC)."""
+    """An engine's environment: its cores, a fixed hash seed (the router hashes blocks as vLLM does), and OTLP
+    over HTTP when traced (vLLM's default is gRPC)."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(VLLM_CPU_OMP_THREADS_BIND=cpus, PYTHONHASHSEED="0", VLLM_SERVER_DEV_MODE="1")
+    env.update(VLLM_CPU_OMP_THREADS_BIND=cpus, PYTHONHASHSEED="0")
     if traces:
         env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
     env.update(extra or {})
@@ -67,35 +67,36 @@ class Fleet:
         self.config = config
         c = config
         work = c.work_dir
-        local = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
-        self.local = local
+        # Only the router, the engines' APIs and Prometheus listen on ``host``; Redis, the KV events and kvtier's
+        # metrics stay on loopback (everything that uses them runs on this host).
+        local = "127.0.0.1"
+        # where this host reaches what listens on ``host`` (the engines' APIs, the router, Prometheus)
+        reach = self.reach = local if c.host == "0.0.0.0" else c.host
         self.processes: list[Process] = []
-        if c.redis:
+        if c.redis is not None:
             argv = ["redis-server", "--port", str(c.ports.redis), "--bind", local, "--save", "", "--appendonly",
-                    "no", "--dir", str(work)]
+                    "no", "--dir", str(work), "--maxmemory", str(c.redis.maxmemory_bytes),
+                    "--maxmemory-policy", "allkeys-lru"]
             self.processes.append(Process("redis", argv, work / "redis.log", dict(os.environ),
                                           _redis_ping(local, c.ports.redis)))
         self.engines: list[Process] = []
         for i in range(c.engines):
             events, replay = c.events_ports(i)
-            store = {**c.kvtier, "metrics_port": c.metrics_ports(i)[0]}
-            if c.otlp_traces_endpoint:
-                store["otlp_traces_endpoint"] = c.otlp_traces_endpoint
             argv = vllm_command(c.model, c.served_model_name, host=c.host, port=c.engine_port(i),
                                 block_size=c.block_size, max_model_len=c.max_model_len,
                                 events=f"tcp://{local}:{events}", replay=f"tcp://{local}:{replay}",
-                                topic=f"kv@e{i}", kv_transfer=kvtier_transfer(store), extra=c.engine_args,
-                                otlp_traces_endpoint=c.otlp_traces_endpoint)
+                                topic=f"kv@e{i}", kv_transfer=kvtier_transfer(str(self._store_file(i))),
+                                extra=c.engine_args, otlp_traces_endpoint=c.otlp_traces_endpoint)
             engine = Process(f"e{i}", argv, work / f"e{i}.log",
                              engine_env(c.cpus[i], c.engine_env, bool(c.otlp_traces_endpoint)),
-                             f"http://{local}:{c.engine_port(i)}/health")
+                             f"http://{reach}:{c.engine_port(i)}/health")
             self.engines.append(engine)
         self.processes += self.engines
         router_config = {**c.router, "listen": f"{c.host}:{c.ports.router}", "tokenizer": str(c.model),
                          "block_size": c.block_size,
                          # the router binds each engine's events port and the engine connects to it: vLLM binds
                          # only a wildcard address, which would expose the events beyond this host
-                         "engines": [{"name": f"e{i}", "url": f"http://{local}:{c.engine_port(i)}",
+                         "engines": [{"name": f"e{i}", "url": f"http://{reach}:{c.engine_port(i)}",
                                       "kv_events": f"tcp://{local}:{c.events_ports(i)[0]}", "kv_events_bind": True,
                                       "kv_events_replay": f"tcp://{local}:{c.events_ports(i)[1]}"}
                                      for i in range(c.engines)]}
@@ -104,7 +105,7 @@ class Fleet:
         self.router_config = router_config
         self.router = Process("router", [sys.executable, "-m", "kvtier.cli", "router", "--config",
                                          str(work / "router.yaml")], work / "router.log", dict(os.environ),
-                              f"http://{local}:{c.ports.router}/health")
+                              f"http://{reach}:{c.ports.router}/health")
         self.processes.append(self.router)
         if c.prometheus is not None:
             argv = ["prometheus", f"--config.file={work / 'prometheus.yml'}",
@@ -112,15 +113,25 @@ class Fleet:
                     f"--storage.tsdb.retention.time={c.prometheus.retention}",
                     f"--web.listen-address={c.host}:{c.ports.prometheus}"]
             self.processes.append(Process("prometheus", argv, work / "prometheus.log", dict(os.environ),
-                                          f"http://{local}:{c.ports.prometheus}/-/ready"))
+                                          f"http://{reach}:{c.ports.prometheus}/-/ready"))
 
     # -- configs -------------------------------------------------------------------------------------------------
+    def _store_file(self, i: int) -> Path:
+        return self.config.work_dir / f"kvtier-e{i}.yaml"
+
     def write_configs(self) -> None:
-        work = self.config.work_dir
-        work.mkdir(parents=True, exist_ok=True)
-        (work / "router.yaml").write_text(yaml.safe_dump(self.router_config, sort_keys=False))
-        if self.config.prometheus is not None:
-            (work / "prometheus.yml").write_text(yaml.safe_dump(self.prometheus_config(), sort_keys=False))
+        """The generated configs, readable by this user only: a store config may hold a tier's credentials (a
+        file, not vLLM's command line, which any local user can read and vLLM logs)."""
+        c = self.config
+        c.work_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for i in range(c.engines):
+            store = {**c.kvtier, "metrics_port": c.metrics_ports(i)[0]}
+            if c.otlp_traces_endpoint:
+                store["otlp_traces_endpoint"] = c.otlp_traces_endpoint
+            _private(self._store_file(i), yaml.safe_dump(store, sort_keys=False))
+        _private(c.work_dir / "router.yaml", yaml.safe_dump(self.router_config, sort_keys=False))
+        if c.prometheus is not None:
+            _private(c.work_dir / "prometheus.yml", yaml.safe_dump(self.prometheus_config(), sort_keys=False))
 
     def prometheus_config(self) -> dict:
         """Scrape jobs the dashboards and alerts read: ``vllm`` (each engine's own metrics), ``kvtier`` (each
@@ -128,17 +139,16 @@ class Fleet:
         c = self.config
         assert c.prometheus is not None
         interval = f"{c.prometheus.scrape_interval_s:g}s"
-        local = self.local
-        vllm = [{"targets": [f"{local}:{c.engine_port(i)}"], "labels": {"server": f"e{i}"}}
+        vllm = [{"targets": [f"{self.reach}:{c.engine_port(i)}"], "labels": {"server": f"e{i}"}}
                 for i in range(c.engines)]
-        kvtier = [{"targets": [f"{local}:{p}" for p in c.metrics_ports(i)], "labels": {"server": f"e{i}"}}
+        kvtier = [{"targets": [f"127.0.0.1:{p}" for p in c.metrics_ports(i)], "labels": {"server": f"e{i}"}}
                   for i in range(c.engines)]
         config: dict = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "scrape_configs": [
                 {"job_name": "vllm", "static_configs": vllm},
                 {"job_name": "kvtier", "static_configs": kvtier},
-                {"job_name": "kvtier-router", "static_configs": [{"targets": [f"{local}:{c.ports.router}"]}]},
+                {"job_name": "kvtier-router", "static_configs": [{"targets": [f"{self.reach}:{c.ports.router}"]}]},
             ]}
         rules = alert_rules()
         if rules is not None:
@@ -150,6 +160,9 @@ class Fleet:
         """Start everything, wait for each health check, then print the status table every ``interval_s`` until
         ``stop`` is set; stop everything started, in reverse order. 0, or 1 if something failed to start."""
         self.write_configs()
+        if self.config.prometheus is not None and alert_rules() is None:
+            print("fleet: warning: kvtier's alert rules (deploy/prometheus/kvtier-alerts.yaml) are not in this "
+                  "installation; Prometheus runs without them", file=out, flush=True)
         try:
             for group in self._groups():
                 for proc in group:
@@ -160,8 +173,8 @@ class Fleet:
                     proc.wait_healthy(self.config.health_timeout_s, stop)
                     print(f"fleet: {proc.name} is healthy", file=out, flush=True)
             c = self.config
-            print(f"fleet: ready. Router: http://{self.local}:{c.ports.router}/v1"
-                  + (f"; Prometheus: http://{self.local}:{c.ports.prometheus}" if c.prometheus else ""),
+            print(f"fleet: ready. Router: http://{self.reach}:{c.ports.router}/v1"
+                  + (f"; Prometheus: http://{self.reach}:{c.ports.prometheus}" if c.prometheus else ""),
                   file=out, flush=True)
             while not stop.wait(interval_s):
                 print(self.status_table(), file=out, flush=True)
@@ -171,8 +184,8 @@ class Fleet:
             return 130 if stop.is_set() else 1
         finally:
             print("fleet: stopping", file=out, flush=True)
-            for proc in reversed(self.processes):
-                proc.stop()
+            for group in reversed(self._groups()):  # each group at once: the router before the engines it uses
+                stop_all(group)
             (self.config.work_dir / STATE).unlink(missing_ok=True)
             print("fleet: stopped", file=out, flush=True)
 
@@ -200,7 +213,7 @@ class Fleet:
             state = _state(proc)
             requests = ratio = "-"
             if state == "healthy":
-                text = _get(f"http://{self.local}:{port}/metrics")
+                text = _get(f"http://{self.reach}:{port}/metrics")
                 if text is not None:
                     done = sample_sum(text, "vllm:request_success_total")
                     prompt = sample_sum(text, "vllm:prompt_tokens_total")
@@ -240,6 +253,12 @@ def down(config: FleetConfig, out: TextIO) -> int:
     path.unlink(missing_ok=True)
     print("fleet: down", file=out)
     return 0
+
+
+def _private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def alert_rules() -> Path | None:
