@@ -211,6 +211,13 @@ class Rendered:
             out[p["name"]] = (p["port"], target)
         return out
 
+    def file_source(self, workload: dict[str, Any], container: dict[str, Any], path: str) -> str:
+        """``configMap`` or ``secret``: the kind of volume ``path`` lies on in ``container``."""
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+        mounts = [m for m in container.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        volume = volumes[max(mounts, key=lambda m: len(m["mountPath"]))["name"]]
+        return next(kind for kind in ("configMap", "secret") if kind in volume)
+
     def file(self, workload: dict[str, Any], container: dict[str, Any], path: str) -> str:
         """The text of ``path`` as ``container`` sees it, from the ConfigMap or Secret mounted there."""
         volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
@@ -242,7 +249,10 @@ def kvtier_config(r: Rendered, scratch: Path) -> StoreConfig:
     workload, engine = r.engine()
     transfer = json.loads(flag(engine["args"], "--kv-transfer-config") or "null")
     assert transfer, f"{r.overlay}: the engine has no --kv-transfer-config"
-    (scratch / "kvtier.yaml").write_text(r.file(workload, engine, transfer["kv_connector_extra_config"]["config"]))
+    path = transfer["kv_connector_extra_config"]["config"]
+    (scratch / "kvtier.yaml").write_text(r.file(workload, engine, path))
+    assert r.file_source(workload, engine, path) == "configMap", \
+        f"{r.overlay}: kvtier's config is not a ConfigMap (its secrets belong in Secrets, read through password_file)"
     return load_config(scratch / "kvtier.yaml")
 
 
@@ -534,8 +544,13 @@ def test_shared_redis_tier_reaches_its_servers(rendered: Rendered, tmp_path: Pat
         password = base64.b64decode(rendered.named("Secret", ref["name"])["data"][ref["key"]]).decode()
         assert re.fullmatch(r"[A-Za-z0-9-]+", password), f"{rendered.overlay}: the Redis password has characters " \
                                                          "that redis.conf's quoting or a URL would need escaped"
-        assert urllib.parse.unquote(url.password or "") == password, \
-            f"{rendered.overlay}: the password in kvtier's Redis URL is not Secret {ref['name']}'s"
+        assert url.password is None, f"{rendered.overlay}: kvtier's Redis URL holds a password (use password_file)"
+        workload, engine = rendered.engine()
+        given = rendered.file(workload, engine, str(tier.options["password_file"]))
+        assert rendered.file_source(workload, engine, str(tier.options["password_file"])) == "secret", \
+            f"{rendered.overlay}: kvtier's password_file is not on a Secret's volume"
+        assert given.rstrip("\r\n") == password, \
+            f"{rendered.overlay}: kvtier's password_file does not hold Secret {ref['name']}'s password"
         if clustered:
             (job,) = [w for w in rendered.of_kind("Job") if "--cluster" in "".join(w["spec"]["template"]["spec"]
                                                                                  ["containers"][0]["args"])]

@@ -298,3 +298,31 @@ def test_a_reply_cut_short_is_a_tier_error(stall: bool) -> None:
         tier.close()
     finally:
         server.close()
+
+
+def test_a_password_from_a_file_keeps_the_config_free_of_secrets(redis_server: RedisServer, tmp_path,
+                                                                  unique_prefix: str) -> None:
+    """``password_file`` (e.g. a mounted Kubernetes Secret): the tier authenticates with the file's password (one
+    trailing newline ignored); a wrong one is a TierError that never shows it; bad options name the field."""
+    user = "kvtierpwtest"
+    redis_server.cli("ACL", "SETUSER", user, "on", ">s3cret-pw", "~*", "+@all")
+    url = redis_server.url.replace("redis://", f"redis://{user}@")
+    good = tmp_path / "password"
+    good.write_text("s3cret-pw\n")
+    tier = open_tier(url, key_prefix=unique_prefix, password_file=str(good))
+    tier.put(key(1), [b"payload"])
+    assert bytes(tier.get(key(1))) == b"payload"
+    tier.close()
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-it")
+    tier = open_tier(url, key_prefix=unique_prefix, password_file=str(wrong))
+    with pytest.raises(TierError) as info:
+        tier.get(key(1))
+    assert "not-it" not in str(info.value)
+    tier.close()
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.password_file: an absolute path"):
+        open_tier(url, password_file="password")
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.password_file: the url holds a password too"):
+        open_tier(redis_server.url.replace("redis://", "redis://:pw@"), password_file=str(good))
+    with pytest.raises(ConfigError, match=r"redis\.password_file: cannot read"):
+        open_tier(url, password_file=str(tmp_path / "missing"))

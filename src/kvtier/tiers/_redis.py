@@ -54,9 +54,17 @@ class RedisOptions:
     connect_timeout: float = 1.0
     socket_read_bytes: int = 65536
     max_connections: int = 32
+    # A file holding the password (e.g. a mounted Kubernetes Secret): the config itself then holds no secret.
+    password_file: str | None = None
 
     def check(self, field: str) -> None:
         shown = redact_url(self.url)
+        if self.password_file is not None:
+            if not self.password_file.startswith("/"):
+                raise ConfigError(f"{field}.password_file: an absolute path, got {self.password_file!r}")
+            parts = urllib.parse.urlsplit(self.url)
+            if parts.password is not None or "password=" in parts.query:
+                raise ConfigError(f"{field}.password_file: the url holds a password too; give it in one place")
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"{field}.url: expected a redis://, rediss:// or unix:// URL, got {shown!r}")
         if self.cluster and self.url.startswith("unix://"):
@@ -303,6 +311,13 @@ class RedisTier(Tier):
         self._lock = threading.Lock()
         self._client_obj: Any = None
         self._own_key = re.compile(re.escape(options.key_prefix.encode()) + rb"([0-9a-f]{32}):([0-9a-f]{32})")
+        self._password: str | None = None
+        if options.password_file is not None:
+            try:  # read once, at start: a rotated Secret takes a restart, as a changed url does
+                self._password = open(options.password_file, encoding="utf-8").read().rstrip("\r\n")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{name}.password_file: cannot read {options.password_file}: "
+                                  f"{type(exc).__name__}") from None
         self._wrong_type_keys = 0  # keys of another type met at a chunk's name (see counters())
 
     # -- connection --------------------------------------------------------------------------------------------
@@ -314,6 +329,8 @@ class RedisTier(Tier):
         o = self.options
         kwargs: dict[str, Any] = dict(socket_timeout=o.socket_timeout, socket_connect_timeout=o.connect_timeout,
                                       socket_read_size=o.socket_read_bytes, max_connections=o.max_connections)
+        if self._password is not None:
+            kwargs["password"] = self._password
         if o.cluster:  # a cluster client passes on only the connection settings it knows, the class among them
             kwargs["connection_class"] = _connection_class(o.url.startswith("rediss://"))
         else:
