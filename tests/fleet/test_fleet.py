@@ -84,6 +84,8 @@ def write(path: Path, config: dict) -> Path:
     ({"prometheus": {"retention": "forever"}}, "prometheus.retention"),
     ({"host": "::1"}, "host:"),
     ({"served_model_name": ""}, "served_model_name"),
+    ({"block_size": 16}, "block_size"),
+    ({"block_size": 100}, "block_size: vLLM on CPU takes a multiple of 32"),
 ])
 def test_a_bad_config_is_refused_naming_the_field(tmp_path: Path, capsys: pytest.CaptureFixture, change: dict,
                                                   field: str) -> None:

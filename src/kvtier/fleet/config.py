@@ -147,8 +147,10 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
     if not isinstance(name, str) or not re.fullmatch(r"[^\s]{1,128}", name):
         raise ConfigError(f"served_model_name: 1-128 characters without spaces, got {name!r}")
     engines = _int(raw.get("engines", 2), "engines", 1, 64)
-    # 128: vLLM-CPU's own default (its attention takes multiples of 32 only)
-    block_size = _int(raw.get("block_size", 128), "block_size", 1, 4096)
+    # 128: vLLM-CPU's own default; its attention takes multiples of 32 only (16, the GPU default, fails at start)
+    block_size = _int(raw.get("block_size", 128), "block_size", 32, 4096)
+    if block_size % 32:
+        raise ConfigError(f"block_size: vLLM on CPU takes a multiple of 32 (e.g. 128), got {block_size}")
     max_model_len = _int(raw.get("max_model_len", 4096), "max_model_len", 16, 2**22)
     host = raw.get("host", "127.0.0.1")
     if not isinstance(host, str) or not re.fullmatch(r"[A-Za-z0-9.-]{1,253}", host):
