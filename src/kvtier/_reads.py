@@ -83,6 +83,7 @@ class Read:
     kv_heads: int | None
     shape: Shape | None  # None until the first shard read fixes it
     tiers: list[Tier]  # the secondary tiers it may read (e.g. only the local ones)
+    allowed: frozenset[str] | None = None  # the tiers its namespace's KV may reach (placement); None: all
     pinned: list[DramEntry] = dataclasses.field(default_factory=list)
     # What each tier said it holds of the chunks DRAM lacks (one batched question per tier and read; a re-plan
     # after a failed piece asks again), and the shard reads planned from it, in order, started READ_AHEAD ahead.

@@ -96,6 +96,11 @@ def cmd_stats(tiers: list[Tier], args: argparse.Namespace) -> int:
             print(f"  last used:  {_age(now - max(o.last_used for o in objs))} ago")
         for event, value in sorted(tier.counters().items()):
             print(f"  {event}: {value:.0f}")
+    rules = args.store_config.placement
+    if rules:
+        print("placement (first match decides; other KV may reach every tier):")
+        for rule in rules:
+            print(f"  {rule.describe()}")
     return 0
 
 
@@ -494,7 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.group == "decide":
         return _decide(args)
     try:
-        tiers = open_tiers(load_config(args.config))
+        args.store_config = load_config(args.config)
+        tiers = open_tiers(args.store_config)
     except KVTierError as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,9 @@ import yaml
 
 from kvtier.errors import ConfigError
 
+if typing.TYPE_CHECKING:
+    from kvtier.placement import PlacementRule
+
 CONFIG_ENV = "KVTIER_CONFIG"
 
 _SIZE_UNITS = {
@@ -241,9 +244,10 @@ class StoreConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"  # the address metrics_port listens on (0.0.0.0: every interface, e.g. a pod's)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL for kvtier's spans (None: no traces)
+    placement: tuple[PlacementRule, ...] = ()  # which tiers a tenant's KV may reach (kvtier.placement)
 
 
-_TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port", "metrics_host", "otlp_traces_endpoint")
+_TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port", "metrics_host", "otlp_traces_endpoint", "placement")
 
 
 def check_otlp_endpoint(value: object, field: str) -> str | None:
@@ -315,5 +319,8 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
         raise ConfigError(f"metrics_host: an address to serve metrics on (127.0.0.1, 0.0.0.0, a host name), got "
                           f"{shown('metrics_host', metrics_host)}")
     traces = check_otlp_endpoint(cfg.get("otlp_traces_endpoint"), "otlp_traces_endpoint")
+    from kvtier.placement import parse_placement  # placement imports keys (torch): only when a config is read
+
+    placement = parse_placement(cfg.get("placement"), [t.name for t in tiers])
     return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port,  # type: ignore[arg-type]
-                       metrics_host=metrics_host, otlp_traces_endpoint=traces)
+                       metrics_host=metrics_host, otlp_traces_endpoint=traces, placement=placement)

@@ -60,6 +60,8 @@ class StoreMetrics:
                                             registry=r, buckets=_LATENCY_BUCKETS)
         self.tier_read_seconds = Histogram("kvtier_tier_read_seconds", "Time of one tier read", ["tier"],
                                            registry=r, buckets=_LATENCY_BUCKETS)
+        self.placement_withheld = Counter("kvtier_placement_withheld", "Shards not queued for a tier because a "
+                                          "placement rule keeps their tenant's KV out of it", ["tier"], registry=r)
         self.outage = Gauge("kvtier_tier_outage", "1 while a tier's reads or writes are failing (the tier rests "
                             "between retries), else 0", ["tier", "what"], registry=r)
 
@@ -77,6 +79,7 @@ class StoreMetrics:
                 family.labels(tier)
             for reason in ("queue_full", "tier_unavailable"):
                 self.dropped.labels(tier, reason)
+            self.placement_withheld.labels(tier)
             for what in ("reads", "writes"):
                 self.outage.labels(tier, what).set(0)
 

@@ -29,6 +29,7 @@ from kvtier.errors import ObjectError, TierError
 from kvtier.eviction import POLICIES
 from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, cover, rank_heads, tail_keys
 from kvtier.metrics import StoreMetrics
+from kvtier.placement import Placement
 from kvtier.threads import DaemonPool
 from kvtier.tiers.base import TIERS, Tier
 
@@ -123,6 +124,7 @@ class KVStore:
         self._tier_watch_lock = threading.Lock()
         self._writers = [CascadeWriter(t, self.dram, self.metrics, s, on_stored=self._tier_stored_hook(t.name))
                          for t, s in zip(self.tiers, spec)]
+        self._placement = Placement(config.placement)
         self._read_outage = {t.name: Outage(t.name, "reads", s.retry_seconds, self.metrics)
                              for t, s in zip(self.tiers, spec)}
         self._watch_levels()
@@ -236,9 +238,10 @@ class KVStore:
                 self.dram.abort(entry)
             raise
         self._dram_written.inc(meta.nbytes * len(reserved))
+        writers = self._writers_for(self._placement.tiers_for(ns), self._writers, len(reserved))
         for _, entry in reserved:  # phase 2: the bytes are in DRAM; make them visible and cascade them
-            self.dram.commit(entry, keep_refs=len(self._writers))
-            for writer in self._writers:
+            self.dram.commit(entry, keep_refs=len(writers))
+            for writer in writers:
                 writer.submit(entry)
         self.metrics.put_seconds.observe(time.perf_counter() - start)
         return min(offset + held * t, len(tokens))
@@ -283,6 +286,16 @@ class KVStore:
         """Whether DRAM holds ``heads`` of one chunk (namespace id and chunk key in hex)."""
         ranges = [r for r in self.dram.ranges(namespace, chunk) if r.total == heads.total]
         return cover(ranges, heads.start, heads.stop) is not None
+
+    def _writers_for(self, allowed: frozenset[str] | None, writers: list[CascadeWriter],
+                     shards: int) -> list[CascadeWriter]:
+        """The cascade writers a namespace's shards may go to (placement rules); those withheld are counted."""
+        if allowed is None:
+            return writers
+        for writer in writers:
+            if writer.tier.name not in allowed and shards:
+                self.metrics.placement_withheld.labels(writer.tier.name).inc(shards)
+        return [w for w in writers if w.tier.name in allowed]
 
     def _remember_shape(self, namespace: str, shape: Shape) -> None:
         self._shapes[namespace] = shape
@@ -520,7 +533,8 @@ class KVStore:
             shape = wanted
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t, tail=tail)]
         read = Read(ns.id, tp_rank, tp_size, kv_heads, shape,
-                     [t for t in self.tiers if t.local] if local_only else self.tiers)
+                     [t for t in self.tiers if t.local] if local_only else self.tiers,
+                     allowed=self._placement.tiers_for(ns))
         try:
             self._plan_reads(read, chunks, offset // t)
             plans = []
@@ -861,7 +875,7 @@ class KVStore:
     def _promote(self, read: Read, tier: Tier, entry: DramEntry, created: float) -> None:
         """Make a shard read from ``tier`` visible in DRAM, pinned for ``read``, and queue it for the tiers in
         front of ``tier``."""
-        front = self._writers[:self.tiers.index(tier)]
+        front = self._writers_for(read.allowed, self._writers[:self.tiers.index(tier)], 1)
         entry.created = created  # copied into the front tiers, it keeps its age (and TTL)
         self.dram.commit(entry, keep_refs=1 + len(front))
         read.pinned.append(entry)

@@ -87,6 +87,24 @@ def test_a_salt_never_hits_another_tenants_prefix(engines: Engines) -> None:
     assert mini.prefill(request("a-short2", short, salt="tenant-a")).hit == 128
 
 
+def test_a_tenant_placed_in_dram_only_is_never_written_to_disk(engines: Engines, store_cfg: dict,
+                                                               tmp_path: Any) -> None:
+    """A placement rule on the request's cache_salt: its KV is saved and hit from DRAM, but no file of it reaches
+    the disk tier; another tenant's does."""
+    store_cfg["placement"] = [{"salt": "bank-*", "tiers": []}]
+    mini = engines()
+    tokens = prompt(4)
+    mini.prefill(request("a", tokens, salt="bank-1"))
+    assert mini.prefill(request("a2", tokens, salt="bank-1")).hit == 512
+    store = shared_store(store_cfg)
+    assert store is not None
+    store.flush()
+    assert not list((tmp_path / "kv").rglob("*.kv"))
+    mini.prefill(request("b", tokens, salt="public"))
+    store.flush()
+    assert len(list((tmp_path / "kv").rglob("*.kv"))) == 2
+
+
 # -- tensor parallelism -------------------------------------------------------------------------------------------
 def test_replicated_heads_written_at_tp4_are_read_at_tp1_and_tp2(engines: Engines) -> None:
     """4 ranks over 2 KV heads: vLLM gives ranks 0-1 head 0 and ranks 2-3 head 1."""

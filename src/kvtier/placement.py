@@ -1,0 +1,107 @@
+"""Placement rules: which secondary tiers a tenant's (or a namespace's) KV may reach.
+
+A policy, not a transfer: the store asks :meth:`Placement.tiers_for` before it queues a put's chunks, or a
+promoted chunk, for the secondary tiers, and queues them only for the tiers allowed. DRAM is always allowed (the
+engine loads through it); a rule with ``tiers: []`` keeps that KV in DRAM only.
+
+    placement:
+      - salt: "bank-*"          # cache_salt glob (fnmatch, case-sensitive): these tenants' KV stays in DRAM
+        tiers: []
+      - salt: "internal-*"      # local disk, never a shared tier
+        tiers: [disk]
+      - namespace: 0123456789abcdef0123456789abcdef   # one namespace id (kvtier cache ls shows them)
+        tiers: [disk, redis]
+
+Rules are tried in order; the first that matches decides. KV no rule matches may reach every tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.keys import Namespace
+
+_KEPT = 4096  # namespaces whose decision is remembered (one per tenant salt, model and settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementRule:
+    tiers: tuple[str, ...]  # the secondary tiers allowed
+    salt: str | None = None  # a glob on the request's cache_salt (a request without a salt never matches)
+    namespace: str | None = None  # a namespace id (32 hex digits)
+
+    def matches(self, ns: Namespace) -> bool:
+        if self.namespace is not None and ns.id != self.namespace:
+            return False
+        if self.salt is not None and (ns.cache_salt is None or not fnmatch.fnmatchcase(ns.cache_salt, self.salt)):
+            return False
+        return True
+
+    def describe(self) -> str:
+        who = " and ".join(part for part in (f"salt {self.salt!r}" if self.salt is not None else "",
+                                             f"namespace {self.namespace}" if self.namespace else "") if part)
+        return f"{who}: {', '.join(('dram',) + self.tiers)}"
+
+
+def parse_placement(raw: object, tier_names: Sequence[str]) -> tuple[PlacementRule, ...]:
+    """Validate the ``placement`` list of a store config (errors name the field) against its tiers' names."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"placement: expected a list of rules (salt or namespace, and tiers), got "
+                          f"{type(raw).__name__}")
+    rules = []
+    for i, item in enumerate(raw):
+        field = f"placement[{i}]"
+        if not isinstance(item, Mapping):
+            raise ConfigError(f"{field}: expected a mapping with 'tiers' and 'salt' or 'namespace'")
+        unknown = sorted(set(item) - {"salt", "namespace", "tiers"})
+        if unknown:
+            raise ConfigError(f"{field}.{unknown[0]}: unknown key; allowed: namespace, salt, tiers")
+        salt, namespace = item.get("salt"), item.get("namespace")
+        if salt is None and namespace is None:
+            raise ConfigError(f"{field}: give 'salt' (a cache_salt glob) or 'namespace' (an id), or both")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ConfigError(f"{field}.salt: a non-empty cache_salt glob such as 'tenant-*', got {salt!r}")
+        if namespace is not None and (not isinstance(namespace, str) or not re.fullmatch(r"[0-9a-f]{32}", namespace)):
+            raise ConfigError(f"{field}.namespace: a namespace id (32 lowercase hex digits), got {namespace!r}")
+        tiers = item.get("tiers")
+        if not isinstance(tiers, list) or not all(isinstance(t, str) for t in tiers):
+            raise ConfigError(f"{field}.tiers: required, a list of tier names (empty: DRAM only), got {tiers!r}")
+        for name in tiers:
+            if name != "dram" and name not in tier_names:
+                raise ConfigError(f"{field}.tiers: no tier is named {name!r}; the tiers are "
+                                  f"{', '.join(['dram', *tier_names])}")
+        rules.append(PlacementRule(tuple(t for t in dict.fromkeys(tiers) if t != "dram"), salt, namespace))
+    return tuple(rules)
+
+
+class Placement:
+    """The rules of one store, with each namespace's decision remembered (a rule is matched once per tenant)."""
+
+    def __init__(self, rules: Sequence[PlacementRule]) -> None:
+        self.rules = tuple(rules)
+        self._decided: OrderedDict[str, frozenset[str] | None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def tiers_for(self, ns: Namespace) -> frozenset[str] | None:
+        """The secondary tiers ``ns``'s KV may reach; None for every tier (no rule matches)."""
+        if not self.rules:
+            return None
+        with self._lock:
+            if ns.id in self._decided:
+                self._decided.move_to_end(ns.id)
+                return self._decided[ns.id]
+        rule = next((r for r in self.rules if r.matches(ns)), None)
+        allowed = None if rule is None else frozenset(rule.tiers)
+        with self._lock:
+            self._decided[ns.id] = allowed
+            if len(self._decided) > _KEPT:
+                self._decided.popitem(last=False)
+        return allowed
