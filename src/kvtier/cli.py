@@ -18,6 +18,7 @@ The cache commands open the tiers only (no DRAM pool), so they are safe to run b
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -116,9 +117,11 @@ def cmd_ls(tiers: list[Tier], args: argparse.Namespace) -> int:
 
 def cmd_verify(tiers: list[Tier], args: argparse.Namespace) -> int:
     bad_total = 0
+    audit = _audit(args) if args.repair else None
     for tier in tiers:
         objs = _objects(tier)
         ok = bad = missing = 0
+        repaired: list[int] = []
         for o in tqdm(objs, desc=f"verify {tier.name}", unit="obj", file=sys.stderr, disable=None):
             try:
                 blob = tier.get(o.key)
@@ -137,23 +140,66 @@ def cmd_verify(tiers: list[Tier], args: argparse.Namespace) -> int:
                 action = "removed" if args.repair else "bad"
                 if args.repair:
                     tier.delete(o.key)
+                    repaired.append(len(blob))
                 print(f"{action}: {tier.name} {o.key.name}: {exc}")
         print(f"tier {tier.name}: {ok} ok, {bad} bad{' (removed)' if args.repair and bad else ''}, "
               f"{missing} gone during the walk")
+        if audit is not None and repaired:
+            audit.record("repair", tier=tier.name, objects=len(repaired), bytes=sum(repaired))
         bad_total += bad
     return 1 if bad_total and not args.repair else 0
 
 
 def cmd_purge(tiers: list[Tier], args: argparse.Namespace) -> int:
     now = time.time()
+    audit = _audit(args)
+    selector = ({"namespace": args.namespace} if args.namespace else
+                {"older_than_s": args.older_than} if args.older_than is not None else {"all": True})
     for tier in tiers:
         objs = _objects(tier, args.namespace)
         if args.older_than is not None:
             objs = [o for o in objs if now - o.created > args.older_than]
         removed = sum(tier.delete(o.key) for o in tqdm(objs, desc=f"purge {tier.name}", unit="obj",
                                                        file=sys.stderr, disable=None))
-        print(f"tier {tier.name}: removed {removed} objects ({_human(sum(o.size for o in objs))})")
+        size = sum(o.size for o in objs)
+        if audit is not None:
+            audit.record("purge", tier=tier.name, **selector, objects=removed, bytes=size)
+        print(f"tier {tier.name}: removed {removed} objects ({_human(size)})")
     return 0
+
+
+def cmd_audit(tiers: list[Tier], args: argparse.Namespace) -> int:
+    from kvtier.audit import verify
+
+    path = args.store_config.audit_log
+    if path is None:
+        raise ConfigError("audit_log: not set in this config; nothing to check")
+    try:
+        count, broken = verify(path)
+    except FileNotFoundError:
+        print(f"audit log {path}: no records yet")
+        return 0
+    except OSError as exc:
+        raise ConfigError(f"audit_log: cannot read {path}: {exc.strerror}") from None
+    if broken is not None:
+        print(f"audit log {path}: BROKEN after {count} records: {broken}")
+        return 1
+    print(f"audit log {path}: {count} records, chain intact")
+    return 0
+
+
+def _audit(args: argparse.Namespace):  # noqa: ANN202
+    """The store config's audit log, checked writable before anything is removed (None when not configured)."""
+    from kvtier.audit import AuditLog
+
+    path = args.store_config.audit_log
+    if path is None:
+        return None
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))
+    except OSError as exc:
+        raise ConfigError(f"audit_log: cannot append to {path}: {exc.strerror}; nothing was removed") from None
+    return AuditLog(path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify = add("verify", "read every object and check its checksum; exit 1 if any is bad")
     verify.add_argument("--repair", action="store_true", help="remove bad objects (then exit 0)")
     verify.set_defaults(func=cmd_verify)
+    add("audit", "check the audit log's chain (audit_log in the config): exit 1 if a record was edited, removed "
+                 "or inserted").set_defaults(func=cmd_audit)
     purge = add("purge", "remove stored chunks")
     which = purge.add_mutually_exclusive_group(required=True)
     which.add_argument("--namespace", type=namespace_id, metavar="ID",

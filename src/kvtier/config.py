@@ -245,9 +245,11 @@ class StoreConfig:
     metrics_host: str = "127.0.0.1"  # the address metrics_port listens on (0.0.0.0: every interface, e.g. a pod's)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL for kvtier's spans (None: no traces)
     placement: tuple[PlacementRule, ...] = ()  # which tiers a tenant's KV may reach (kvtier.placement)
+    audit_log: str | None = None  # append-only log of removals by kvtier's commands (kvtier.audit)
 
 
-_TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port", "metrics_host", "otlp_traces_endpoint", "placement")
+_TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port", "metrics_host", "otlp_traces_endpoint", "placement",
+             "audit_log")
 
 
 def check_otlp_endpoint(value: object, field: str) -> str | None:
@@ -322,5 +324,9 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
     from kvtier.placement import parse_placement  # placement imports keys (torch): only when a config is read
 
     placement = parse_placement(cfg.get("placement"), [t.name for t in tiers])
+    audit_log = cfg.get("audit_log")
+    if audit_log is not None and (not isinstance(audit_log, str) or not audit_log.startswith("/")):
+        raise ConfigError(f"audit_log: an absolute path to an append-only log file, got {audit_log!r}")
     return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port,  # type: ignore[arg-type]
-                       metrics_host=metrics_host, otlp_traces_endpoint=traces, placement=placement)
+                       metrics_host=metrics_host, otlp_traces_endpoint=traces, placement=placement,
+                       audit_log=audit_log)
