@@ -36,19 +36,66 @@ def test_a_purge_is_recorded_and_the_chain_finds_tampering(tmp_path: Path, capsy
     audit = tmp_path / "audit.jsonl"
     config = setup_store(tmp_path, audit)
     assert main(["cache", "purge", "--config", str(config), "--namespace", NS.id]) == 0
-    (record,) = [json.loads(line) for line in audit.read_text().splitlines()]
-    assert record["action"] == "purge" and record["tier"] == "filesystem" and record["namespace"] == NS.id
-    assert record["objects"] == 4 and record["bytes"] > 0 and record["who"]["pid"] > 0 and record["time"]
+    start, done = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert start["action"] == "purge-start" and start["objects"] == 4 and start["namespace"] == NS.id
+    assert done["action"] == "purge" and done["tier"] == "filesystem" and done["failed"] is False
+    assert done["objects"] == 4 and done["bytes"] > 0 and done["who"]["pid"] > 0 and done["time"]
     assert main(["cache", "purge", "--config", str(config), "--all"]) == 0
     assert main(["cache", "audit", "--config", str(config)]) == 0
-    assert "2 records, chain intact" in capsys.readouterr().out
+    assert "4 records, chain intact" in capsys.readouterr().out
     lines = audit.read_text().splitlines()
-    for tampered in ([lines[0].replace('"objects":4', '"objects":0'), lines[1]],  # edited
-                     [lines[1]],  # the first removed
-                     [lines[0], lines[0], lines[1]]):  # one inserted
+    head = Path(f"{audit}.head").read_text()
+    forged = json.loads(lines[-1]) | {"objects": 99}
+    for tampered in ([lines[0].replace('"objects":4', '"objects":0'), *lines[1:]],  # an early record edited
+                     lines[1:],  # the first removed
+                     [lines[0], lines[0], *lines[1:]],  # one inserted
+                     [*lines[:-1], json.dumps(forged, sort_keys=True, separators=(",", ":"))],  # the last edited
+                     lines[:-2]):  # the end cut off
         audit.write_text("\n".join(tampered) + "\n")
+        Path(f"{audit}.head").write_text(head)
         assert main(["cache", "audit", "--config", str(config)]) == 1
         assert "BROKEN" in capsys.readouterr().out
+    audit.unlink()  # the whole log deleted: its head remains
+    assert main(["cache", "audit", "--config", str(config)]) == 1
+    assert "the log is gone" in capsys.readouterr().out
+
+
+def test_a_purge_that_fails_part_way_records_what_it_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    from kvtier.errors import TierError
+    from kvtier.tiers._filesystem import FilesystemTier
+
+    audit = tmp_path / "audit.jsonl"
+    config = setup_store(tmp_path, audit)
+    real = FilesystemTier.delete
+    calls = []
+
+    def failing(self, key):  # noqa: ANN001, ANN202
+        calls.append(key)
+        if len(calls) == 3:
+            raise TierError("disk gone")
+        return real(self, key)
+
+    monkeypatch.setattr(FilesystemTier, "delete", failing)
+    assert main(["cache", "purge", "--config", str(config), "--all"]) == 2
+    start, done = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert start["objects"] == 4 and done["objects"] == 2 and done["failed"] is True
+
+
+def test_a_log_kvtier_cannot_trust_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("")
+    link = tmp_path / "audit.jsonl"
+    link.symlink_to(victim)
+    config = setup_store(tmp_path, link)
+    assert main(["cache", "purge", "--config", str(config), "--all"]) == 2
+    assert "nothing was removed" in capsys.readouterr().err and victim.read_text() == ""
+    link.unlink()
+    link.write_text("")
+    link.chmod(0o666)  # made by someone else, readable by all
+    assert main(["cache", "purge", "--config", str(config), "--all"]) == 2
+    assert "no group or other access" in capsys.readouterr().err
+    assert len(list((tmp_path / "fs").rglob("*.kv"))) == 4
 
 
 def _append(path: str, n: int, start) -> None:  # noqa: ANN001

@@ -72,7 +72,8 @@ def test_a_promoted_chunk_is_not_copied_into_a_tier_its_rule_forbids(tmp_path: P
 
 @pytest.mark.parametrize("rules, message", [
     ({"salt": "x"}, r"placement: expected a list"),
-    ([{"tiers": []}], r"placement\[0\]: give 'salt'"),
+    ([{"tiers": []}, {"salt": "a*", "tiers": []}], r"placement\[0\]: give 'salt'"),
+    ([{1: 2, "x": 3}], r"placement\[0\]\.1: unknown key"),
     ([{"salt": "a*", "tiers": ["nope"]}], r"placement\[0\]\.tiers: no tier is named 'nope'; the tiers are dram, disk"),
     ([{"salt": "a*"}], r"placement\[0\]\.tiers: required"),
     ([{"salt": "", "tiers": []}], r"placement\[0\]\.salt"),
@@ -101,3 +102,15 @@ def test_a_namespace_rule_and_the_stats_command(tmp_path: Path, capsys: pytest.C
     assert main(["cache", "stats", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"namespace {target.id}: dram" in out and "salt 'internal-*': dram, disk" in out
+
+
+def test_a_default_rule_places_unsalted_requests_and_every_other_tenant(tmp_path: Path) -> None:
+    """The last rule may name neither salt nor namespace: all other KV, requests without a salt included (a
+    salt comes from the client; without the default, a request that leaves it out would reach every tier)."""
+    rules = [{"salt": "public-*", "tiers": ["disk", "shared"]}, {"tiers": ["disk"]}]
+    tokens = synthetic_tokens(4, T)
+    with KVStore.from_config(config(tmp_path, "disk", "shared", placement=rules)) as store:
+        for salt in ("public-1", None, "anyone"):
+            store.put(ns(salt), tokens, synthetic_kv(tokens))
+        store.flush()
+    assert files(tmp_path / "disk") == 3 and files(tmp_path / "shared") == 1

@@ -138,8 +138,7 @@ def cmd_verify(tiers: list[Tier], args: argparse.Namespace) -> int:
             except frame.FrameError as exc:
                 bad += 1
                 action = "removed" if args.repair else "bad"
-                if args.repair:
-                    tier.delete(o.key)
+                if args.repair and tier.delete(o.key):
                     repaired.append(len(blob))
                 print(f"{action}: {tier.name} {o.key.name}: {exc}")
         print(f"tier {tier.name}: {ok} ok, {bad} bad{' (removed)' if args.repair and bad else ''}, "
@@ -159,11 +158,20 @@ def cmd_purge(tiers: list[Tier], args: argparse.Namespace) -> int:
         objs = _objects(tier, args.namespace)
         if args.older_than is not None:
             objs = [o for o in objs if now - o.created > args.older_than]
-        removed = sum(tier.delete(o.key) for o in tqdm(objs, desc=f"purge {tier.name}", unit="obj",
-                                                       file=sys.stderr, disable=None))
-        size = sum(o.size for o in objs)
-        if audit is not None:
-            audit.record("purge", tier=tier.name, **selector, objects=removed, bytes=size)
+        if audit is not None:  # before: a purge that fails part-way is on record
+            audit.record("purge-start", tier=tier.name, **selector, objects=len(objs),
+                         bytes=sum(o.size for o in objs))
+        removed = size = 0
+        failed = True
+        try:
+            for o in tqdm(objs, desc=f"purge {tier.name}", unit="obj", file=sys.stderr, disable=None):
+                if tier.delete(o.key):
+                    removed += 1
+                    size += o.size
+            failed = False
+        finally:
+            if audit is not None:  # what was removed, even when the purge stopped part-way
+                audit.record("purge", tier=tier.name, **selector, objects=removed, bytes=size, failed=failed)
         print(f"tier {tier.name}: removed {removed} objects ({_human(size)})")
     return 0
 
@@ -177,6 +185,9 @@ def cmd_audit(tiers: list[Tier], args: argparse.Namespace) -> int:
     try:
         count, broken = verify(path)
     except FileNotFoundError:
+        if os.path.exists(f"{path}.head"):
+            print(f"audit log {path}: BROKEN: the log is gone, its head ({path}.head) is not")
+            return 1
         print(f"audit log {path}: no records yet")
         return 0
     except OSError as exc:
@@ -196,10 +207,9 @@ def _audit(args: argparse.Namespace):  # noqa: ANN202
     if path is None:
         return None
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))
-    except OSError as exc:
-        raise ConfigError(f"audit_log: cannot append to {path}: {exc.strerror}; nothing was removed") from None
-    return AuditLog(path)
+        return AuditLog(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; nothing was removed") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -548,7 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _decide(args)
     try:
         args.store_config = load_config(args.config)
-        tiers = open_tiers(args.store_config)
+        # the audit log is a local file: checked even while a tier is down
+        tiers = [] if args.command == "audit" else open_tiers(args.store_config)
     except KVTierError as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 2

@@ -12,7 +12,11 @@ engine loads through it); a rule with ``tiers: []`` keeps that KV in DRAM only.
       - namespace: 0123456789abcdef0123456789abcdef   # one namespace id (kvtier cache ls shows them)
         tiers: [disk, redis]
 
-Rules are tried in order; the first that matches decides. KV no rule matches may reach every tier.
+      - tiers: [disk]           # last, with neither: the default for all other KV (unsalted requests too)
+
+Rules are tried in order; the first that matches decides. KV no rule matches may reach every tier. A salt comes
+from the client: a request without one (or with another) is placed by the default. Salts are matched as globs
+(``*``, ``?``, ``[...]``; write ``[[]`` for a literal ``[``).
 """
 
 from __future__ import annotations
@@ -24,8 +28,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
+from typing import TYPE_CHECKING
+
 from kvtier.errors import ConfigError
-from kvtier.keys import Namespace
+
+if TYPE_CHECKING:
+    from kvtier.keys import Namespace
 
 _KEPT = 4096  # namespaces whose decision is remembered (one per tenant salt, model and settings)
 
@@ -46,6 +54,7 @@ class PlacementRule:
     def describe(self) -> str:
         who = " and ".join(part for part in (f"salt {self.salt!r}" if self.salt is not None else "",
                                              f"namespace {self.namespace}" if self.namespace else "") if part)
+        who = who or "all other KV"
         return f"{who}: {', '.join(('dram',) + self.tiers)}"
 
 
@@ -61,12 +70,13 @@ def parse_placement(raw: object, tier_names: Sequence[str]) -> tuple[PlacementRu
         field = f"placement[{i}]"
         if not isinstance(item, Mapping):
             raise ConfigError(f"{field}: expected a mapping with 'tiers' and 'salt' or 'namespace'")
-        unknown = sorted(set(item) - {"salt", "namespace", "tiers"})
+        unknown = sorted(map(str, set(item) - {"salt", "namespace", "tiers"}))
         if unknown:
             raise ConfigError(f"{field}.{unknown[0]}: unknown key; allowed: namespace, salt, tiers")
         salt, namespace = item.get("salt"), item.get("namespace")
-        if salt is None and namespace is None:
-            raise ConfigError(f"{field}: give 'salt' (a cache_salt glob) or 'namespace' (an id), or both")
+        if salt is None and namespace is None and i != len(raw) - 1:
+            raise ConfigError(f"{field}: give 'salt' (a cache_salt glob) or 'namespace' (an id); only the last rule "
+                              "may give neither (the default, for all other KV, unsalted requests included)")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ConfigError(f"{field}.salt: a non-empty cache_salt glob such as 'tenant-*', got {salt!r}")
         if namespace is not None and (not isinstance(namespace, str) or not re.fullmatch(r"[0-9a-f]{32}", namespace)):
