@@ -13,7 +13,7 @@ import re
 import types
 import typing
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -281,6 +281,28 @@ def _parse_tier(raw: object, index: int, seen: set[str]) -> TierSpec:
                     queue_bytes=common.queue_bytes, workers=common.workers, retry_seconds=common.retry_seconds)
 
 
+def read_mapping(source: Mapping[str, object] | str | os.PathLike[str], what: str,
+                 allowed: Sequence[str]) -> Mapping[str, object]:
+    """A config mapping as given, or read from a YAML file; refused unless a mapping of ``allowed`` keys only.
+    ``what`` names the config in errors ("config", "router config", ...)."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {what} file {path}: {exc}") from exc
+        try:
+            source = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{what} file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(source, Mapping):
+        raise ConfigError(f"{what}: expected a mapping, got {type(source).__name__}")
+    unknown = sorted(map(str, set(source) - set(allowed)))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key; allowed: {', '.join(allowed)}")
+    return source
+
+
 def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> StoreConfig:
     """Validate a config mapping, or read one from a YAML file (``$KVTIER_CONFIG`` when ``cfg`` is None)."""
     if cfg is None:
@@ -288,21 +310,7 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
         if not env:
             raise ConfigError(f"no config given and ${CONFIG_ENV} is not set")
         cfg = env
-    if isinstance(cfg, (str, os.PathLike)):
-        path = Path(cfg)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-        try:
-            cfg = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if not isinstance(cfg, Mapping):
-        raise ConfigError(f"config: expected a mapping, got {type(cfg).__name__}")
-    unknown = sorted(set(cfg) - set(_TOP_KEYS))
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown key; allowed: {', '.join(_TOP_KEYS)}")
+    cfg = read_mapping(cfg, "config", _TOP_KEYS)
     chunk_tokens = _coerce(int, cfg.get("chunk_tokens", 256), "chunk_tokens", size=False)
     assert isinstance(chunk_tokens, int)
     if not 1 <= chunk_tokens <= 2**20:

@@ -119,6 +119,33 @@ def test_down_without_a_running_fleet_says_so(tmp_path: Path, capsys: pytest.Cap
     assert "no fleet is running" in capsys.readouterr().out
 
 
+def test_a_work_dir_or_state_file_others_could_write_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """fleet down signals the PIDs fleet.json names: a state file another user wrote (or a work_dir others can
+    write) would let them have this user's, or root's, down kill any process."""
+    import os
+
+    config = write(tmp_path / "fleet.yaml", fleet_yaml(prepare_model(), tmp_path))
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    run.chmod(0o777)
+    assert main(["fleet", "up", "--config", str(config)]) == 2
+    assert "work_dir:" in capsys.readouterr().err
+    assert main(["fleet", "down", "--config", str(config)]) == 2
+    run.chmod(0o700)
+    if os.geteuid() != 0:
+        pytest.skip("making a file owned by another user needs root")
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        state = run / "fleet.json"
+        state.write_text(json.dumps({"processes": {"x": {"pid": victim.pid, "started": start_time(victim.pid)}}}))
+        os.chown(state, 65534, 65534)
+        assert main(["fleet", "down", "--config", str(config)]) == 2
+        assert "not owned by uid 0" in capsys.readouterr().err and victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
 # -- a real fleet -------------------------------------------------------------------------------------------------
 class Running:
     def __init__(self, config: Path, proc: subprocess.Popen, out: Path, receiver: OtlpReceiver) -> None:

@@ -23,13 +23,13 @@ import os
 import re
 import shutil
 import socket
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from kvtier.config import build_dataclass, check_otlp_endpoint, load_config
+from kvtier.config import build_dataclass, check_otlp_endpoint, load_config, read_mapping
 from kvtier.errors import ConfigError
 from kvtier.router.config import load_router_config
 from kvtier.tiers.base import TIERS
@@ -125,17 +125,7 @@ _ROUTER_OWN = {"listen", "engines", "tokenizer", "block_size", "otlp_traces_endp
 def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
     """Read and validate a fleet YAML file (paths in it are relative to the file)."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read fleet config {path}: {exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"fleet config {path} is not valid YAML: {exc}") from exc
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"fleet config: expected a mapping, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _KEYS)
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown key; allowed: {', '.join(sorted(_KEYS))}")
+    raw = read_mapping(path, "fleet config", sorted(_KEYS))
     here = path.resolve().parent
 
     if not isinstance(raw.get("model"), str) or not raw["model"]:
@@ -207,8 +197,21 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
                        cpus=cpus, otlp_traces_endpoint=traces, work_dir=work_dir, health_timeout_s=float(timeout))
 
 
+def check_work_dir(path: Path) -> None:
+    """``work_dir``, if it exists, must be this user's own directory that no one else can write: ``fleet down``
+    signals the PIDs recorded there, and the configs written there may hold credentials."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise ConfigError(f"work_dir: {path} must be a directory (not a link) owned by uid {os.geteuid()} that "
+                          f"group and others cannot write (mode {stat.S_IMODE(info.st_mode):o})")
+
+
 def preflight(config: FleetConfig) -> None:
     """What would stop the fleet part-way, found before anything starts: a port in use, a program missing."""
+    check_work_dir(config.work_dir)
     needed = [("engines", "vllm", None)]
     if config.redis is not None:
         needed.append(("redis", "redis-server", "sudo apt-get install redis-server"))

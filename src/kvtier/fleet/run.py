@@ -19,7 +19,8 @@ from typing import TextIO
 
 import yaml
 
-from kvtier.fleet.config import FleetConfig
+from kvtier.errors import ConfigError
+from kvtier.fleet.config import FleetConfig, check_work_dir
 from kvtier.fleet.process import Process, start_time, stop_all, stop_recorded
 from kvtier.metrics import sample_sum
 
@@ -233,6 +234,9 @@ class Fleet:
 def down(config: FleetConfig, out: TextIO) -> int:
     """Stop the fleet that ``kvtier fleet up`` started with this config (by the PIDs it recorded)."""
     path = config.work_dir / STATE
+    check_work_dir(config.work_dir)
+    if path.exists() and os.lstat(path).st_uid != os.geteuid():  # PIDs another user wrote are not ours to signal
+        raise ConfigError(f"work_dir: {path} is not owned by uid {os.geteuid()}; not signalling its PIDs")
     try:
         state = json.loads(path.read_text())
     except FileNotFoundError:
@@ -256,7 +260,7 @@ def down(config: FleetConfig, out: TextIO) -> int:
 
 
 def _private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
 

@@ -18,12 +18,10 @@ import os
 import re
 import urllib.parse
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Literal
 
-import yaml
 
-from kvtier.config import build_dataclass, check_otlp_endpoint, check_url_port
+from kvtier.config import build_dataclass, check_otlp_endpoint, check_url_port, read_mapping
 from kvtier.errors import ConfigError
 
 Policy = Literal["cache_aware", "round_robin", "session"]
@@ -128,20 +126,7 @@ _TOP = {f.name for f in dataclasses.fields(RouterConfig)} - {"host", "port"} | {
 
 def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) -> RouterConfig:
     """Validate a mapping, or read a YAML file, into a :class:`RouterConfig`."""
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        try:
-            source = yaml.safe_load(path.read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read router config {path}: {exc}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"router config {path} is not valid YAML: {exc}") from exc
-    if not isinstance(source, Mapping):
-        raise ConfigError(f"router config: expected a mapping, got {type(source).__name__}")
-    unknown = sorted(set(source) - _TOP)
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown key; allowed: {', '.join(sorted(_TOP))}")
-    raw = dict(source)
+    raw = dict(read_mapping(source, "router config", sorted(_TOP)))
     listen = raw.pop("listen", "127.0.0.1:8000")
     host, sep, port = str(listen).rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
