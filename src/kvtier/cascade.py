@@ -16,13 +16,16 @@ from collections.abc import Callable
 from kvtier import frame, tracing
 from kvtier.config import TierSpec
 from kvtier.dram import DramEntry, DramPool
-from kvtier.errors import TierError
+from kvtier.errors import SealError, TierError
 from kvtier.keys import ShardKey
 from kvtier.metrics import StoreMetrics
 from kvtier.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 _STOP = None
+# What seals an object (kvtier.sealing.Sealer.seal): its key, shape, payload views and creation time in, the
+# object's parts (header, ciphertext) out.
+Seal = Callable[[ShardKey, frame.ShardMeta, list[memoryview], float], list[memoryview | bytes]]
 MAX_REST_SECONDS = 30.0
 
 
@@ -78,8 +81,9 @@ class CascadeWriter:
     """
 
     def __init__(self, tier: Tier, pool: DramPool, metrics: StoreMetrics, spec: TierSpec,
-                 on_stored: Callable[[ShardKey], None] | None = None) -> None:
+                 on_stored: Callable[[ShardKey], None] | None = None, seal: Seal | None = None) -> None:
         self.tier = tier
+        self._seal = seal  # encryption on: the parts of a sealed object (kvtier.sealing); else a plain header
         self._on_stored = on_stored  # told of every shard the tier holds after a write (or held already)
         self._pool = pool
         self._metrics = metrics
@@ -187,8 +191,15 @@ class CascadeWriter:
             return "present"
         try:
             views = self._pool.views(entry)
-            header = frame.encode_header(entry.key, entry.meta, views, created=entry.created)
-            self.tier.put(entry.key, [header, *views])
+            if self._seal is None:
+                parts = [frame.encode_header(entry.key, entry.meta, views, created=entry.created), *views]
+            else:
+                parts = self._seal(entry.key, entry.meta, views, entry.created)
+            self.tier.put(entry.key, parts)
+        except SealError as exc:  # its tenant was forgotten since the put: nothing may be written under it
+            self._metrics.dropped.labels(self.tier.name, "no_tenant_key").inc()
+            log.info("tier %s: not writing %s: %s", self.tier.name, entry.key.name, exc)
+            return "dropped"
         except TierError as exc:
             self._metrics.write_errors.labels(self.tier.name).inc()
             self._outage.failed(exc)
@@ -200,7 +211,7 @@ class CascadeWriter:
             return "error"
         self._outage.succeeded()
         self._metrics.tier_write_seconds.labels(self.tier.name).observe(time.perf_counter() - start)
-        self._metrics.bytes_written.labels(self.tier.name).inc(len(header) + entry.meta.nbytes)
+        self._metrics.bytes_written.labels(self.tier.name).inc(len(parts[0]) + entry.meta.nbytes)
         if self._on_stored is not None:
             self._on_stored(entry.key)
         return "written"

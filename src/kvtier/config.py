@@ -23,6 +23,7 @@ from kvtier.errors import ConfigError
 
 if typing.TYPE_CHECKING:
     from kvtier.placement import PlacementRule
+    from kvtier.sealing import EncryptionConfig
 
 CONFIG_ENV = "KVTIER_CONFIG"
 
@@ -246,10 +247,11 @@ class StoreConfig:
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL for kvtier's spans (None: no traces)
     placement: tuple[PlacementRule, ...] = ()  # which tiers a tenant's KV may reach (kvtier.placement)
     audit_log: str | None = None  # append-only log of removals by kvtier's commands (kvtier.audit)
+    encryption: EncryptionConfig | None = None  # seal what the secondary tiers hold (kvtier.sealing)
 
 
 _TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port", "metrics_host", "otlp_traces_endpoint", "placement",
-             "audit_log")
+             "audit_log", "encryption")
 
 
 def check_otlp_endpoint(value: object, field: str) -> str | None:
@@ -335,6 +337,9 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
     audit_log = cfg.get("audit_log")
     if audit_log is not None and (not isinstance(audit_log, str) or not audit_log.startswith("/")):
         raise ConfigError(f"audit_log: an absolute path to an append-only log file, got {audit_log!r}")
+    from kvtier.sealing import parse_encryption
+
+    encryption = parse_encryption(cfg.get("encryption"))
     return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port,  # type: ignore[arg-type]
                        metrics_host=metrics_host, otlp_traces_endpoint=traces, placement=placement,
-                       audit_log=audit_log)
+                       audit_log=audit_log, encryption=encryption)

@@ -465,3 +465,12 @@ class DramPool:
             for entry in victims:
                 self._evict(entry)
             return len(victims)
+
+    def discard_namespaces(self, namespaces: set[str]) -> int:
+        """Remove every committed entry of ``namespaces`` from the index now (a pinned one's pages are freed when
+        its last reader is done); how many went."""
+        with self._lock:
+            victims = [e for e in self._by_key.values() if e.key.namespace in namespaces]
+            for entry in victims:
+                self._discard_locked(entry)
+            return len(victims)

@@ -2,6 +2,7 @@
 
     KVTierError
     ├── ConfigError   bad configuration: names the field and what is allowed
+    ├── SealError     a shard cannot be sealed: its tenant's key is not held (forgotten since it was put)
     └── TierError     a secondary tier's I/O failed (the cause is chained with ``from``)
         └── ObjectError   the tier answered, but one stored object is malformed (wrong type, bad fields):
                           a miss for that object, counted as corrupt and removed; not an outage of the tier
@@ -16,6 +17,10 @@ class KVTierError(Exception):
 
 class ConfigError(KVTierError, ValueError):
     """A configuration value is missing, unknown or of the wrong type or range."""
+
+
+class SealError(KVTierError):
+    """A shard cannot be sealed for a tier: its tenant's key is not held here (forgotten since it was put)."""
 
 
 class TierError(KVTierError):

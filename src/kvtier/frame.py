@@ -3,13 +3,19 @@
 Every tier stores exactly these bytes, and every read is verified here, so a torn, truncated, bit-flipped or
 misplaced object is caught the same way whatever tier it came from.
 
-Header (little-endian, 96 bytes)::
+Header (little-endian; 96 bytes in version 1, 132 in version 2)::
 
     magic "KVTR" | version u16 | header_len u16 | payload_len u64 | payload xxh3-128 (16)
     namespace (16) | chunk key (16) | head start, stop, total u16 x3 | layers u16 | tokens u32 | head_dim u16
-    dtype u8 | pad u8 | created f64 | header xxh3-64 (8)
+    dtype u8 | pad u8 | created f64
+    [version 2: key id (8) | nonce (12) | GCM tag (16)]
+    header xxh3-64 (8)
 
-The payload is the shard ``[num_layers, 2, heads, chunk_tokens, head_dim]`` in the model's dtype.
+Version 1 is plain: the payload is the shard ``[num_layers, 2, heads, chunk_tokens, head_dim]`` in the model's
+dtype, checked by its xxh3. Version 2 is sealed (:mod:`kvtier.sealing`): the payload is that shard encrypted with
+AES-256-GCM, the header up to the nonce is the associated data (so the shard's key, shape and key id are
+authenticated), the payload checksum field is zero (a plaintext digest would let anyone confirm a guessed
+prompt), and the tag authenticates both. The xxh3 of the header only catches torn and bit-flipped headers early.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import struct
 import time
 import warnings
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import xxhash
@@ -28,9 +35,16 @@ from kvtier.keys import HeadRange, ShardKey
 
 MAGIC = b"KVTR"
 VERSION = 1
+SEALED_VERSION = 2
+_LEAD = struct.Struct("<4sHH")
 _BODY = struct.Struct("<4sHHQ16s16s16sHHHHIHBxd")
+_SEAL = struct.Struct("<8s12s")  # key id, nonce
+_TAG_LEN = 16
 _TAIL = struct.Struct("<Q")
 HEADER_LEN = _BODY.size + _TAIL.size
+SEALED_HEADER_LEN = _BODY.size + _SEAL.size + _TAG_LEN + _TAIL.size
+MAX_HEADER_LEN = SEALED_HEADER_LEN
+_NO_CHECKSUM = bytes(16)
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8,
@@ -40,6 +54,11 @@ _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 class FrameError(ValueError):
     """The bytes are not a valid shard for the expected key (corrupt, truncated or misplaced)."""
+
+
+class UnknownKey(FrameError):
+    """A sealed shard under a key this process does not hold (a forgotten tenant's, another tenant's replayed
+    here, or a newer master key this process was not given yet): a miss, counted apart from corruption."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,22 +90,48 @@ def checksum(parts: Sequence[memoryview | bytes]) -> bytes:
     return h.digest()
 
 
-def encode_header(key: ShardKey, meta: ShardMeta, payload: Sequence[memoryview | bytes],
-                  created: float | None = None) -> bytes:
-    """The header for ``payload`` (given as parts, hashed in order without copying)."""
+def _body(version: int, key: ShardKey, meta: ShardMeta, payload_len: int, payload_sum: bytes,
+          created: float | None) -> bytes:
     if meta.dtype not in _DTYPE_CODE:
         raise ValueError(f"unsupported KV dtype {meta.dtype}; supported: {', '.join(map(str, _DTYPES))}")
-    payload_len = sum(len(p) for p in payload)
     if payload_len != meta.nbytes:
         raise ValueError(f"payload is {payload_len} bytes, its shape {meta.shape} needs {meta.nbytes}")
-    body = _BODY.pack(
-        MAGIC, VERSION, HEADER_LEN, payload_len, checksum(payload),
+    return _BODY.pack(
+        MAGIC, version, HEADER_LEN if version == VERSION else SEALED_HEADER_LEN, payload_len, payload_sum,
         bytes.fromhex(key.namespace), bytes.fromhex(key.chunk),
         key.heads.start, key.heads.stop, key.heads.total,
         meta.num_layers, meta.chunk_tokens, meta.head_dim, _DTYPE_CODE[meta.dtype],
         time.time() if created is None else created,
     )
+
+
+def encode_header(key: ShardKey, meta: ShardMeta, payload: Sequence[memoryview | bytes],
+                  created: float | None = None) -> bytes:
+    """The plain (version 1) header for ``payload`` (given as parts, hashed in order without copying)."""
+    body = _body(VERSION, key, meta, sum(len(p) for p in payload), checksum(payload), created)
     return body + _TAIL.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def sealed_aad(key: ShardKey, meta: ShardMeta, key_id: bytes, nonce: bytes, created: float | None = None) -> bytes:
+    """The first part of a sealed (version 2) header, up to its nonce: the associated data of its encryption."""
+    return _body(SEALED_VERSION, key, meta, meta.nbytes, _NO_CHECKSUM, created) + _SEAL.pack(key_id, nonce)
+
+
+def sealed_header(aad: bytes, tag: bytes) -> bytes:
+    """The whole sealed header: :func:`sealed_aad`'s bytes, the encryption's tag, the header's own xxh3."""
+    assert len(aad) == _BODY.size + _SEAL.size and len(tag) == _TAG_LEN
+    head = aad + tag
+    return head + _TAIL.pack(xxhash.xxh3_64_intdigest(head))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sealing:
+    """How a version 2 shard was sealed: its key id, nonce and tag, and the header bytes it authenticates."""
+
+    key_id: bytes
+    nonce: bytes
+    tag: bytes
+    aad: bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,20 +141,41 @@ class Header:
     payload_len: int
     payload_checksum: bytes
     created: float
+    sealing: Sealing | None = None  # None: a plain (version 1) shard
+
+    @property
+    def length(self) -> int:
+        return HEADER_LEN if self.sealing is None else SEALED_HEADER_LEN
+
+
+class Opener(Protocol):
+    """What decrypts sealed shards (:class:`kvtier.sealing.Sealer`)."""
+
+    def open_into(self, header: Header, payload: Sequence[memoryview]) -> None:
+        """Decrypt ``payload`` (writable) in place; :class:`FrameError` if it fails to authenticate,
+        :class:`UnknownKey` if its key is not held."""
 
 
 def decode_header(data: bytes | memoryview) -> Header:
-    """Parse and check the header alone (not the payload)."""
-    if len(data) < HEADER_LEN:
-        raise FrameError(f"truncated header: {len(data)} bytes, need {HEADER_LEN}")
-    body = bytes(data[:_BODY.size])
-    (tail,) = _TAIL.unpack(bytes(data[_BODY.size:HEADER_LEN]))
-    if xxhash.xxh3_64_intdigest(body) != tail:
+    """Parse and check the header alone (not the payload); ``data`` may run on past it."""
+    if len(data) < _LEAD.size:
+        raise FrameError(f"truncated header: {len(data)} bytes")
+    magic, version, header_len = _LEAD.unpack(bytes(data[:_LEAD.size]))
+    if magic != MAGIC or (version, header_len) not in ((VERSION, HEADER_LEN), (SEALED_VERSION, SEALED_HEADER_LEN)):
+        raise FrameError(f"not a kvtier v{VERSION} or v{SEALED_VERSION} shard (magic {magic!r}, version {version})")
+    if len(data) < header_len:
+        raise FrameError(f"truncated header: {len(data)} bytes, need {header_len}")
+    head = bytes(data[:header_len - _TAIL.size])
+    (tail,) = _TAIL.unpack(bytes(data[header_len - _TAIL.size:header_len]))
+    if xxhash.xxh3_64_intdigest(head) != tail:
         raise FrameError("header checksum mismatch")
-    (magic, version, header_len, payload_len, payload_sum, ns, chunk, h0, h1, ht,
+    body = head[:_BODY.size]
+    sealing = None
+    if version == SEALED_VERSION:
+        key_id, nonce = _SEAL.unpack(head[_BODY.size:_BODY.size + _SEAL.size])
+        sealing = Sealing(key_id, nonce, head[_BODY.size + _SEAL.size:], head[:_BODY.size + _SEAL.size])
+    (_, _, _, payload_len, payload_sum, ns, chunk, h0, h1, ht,
      layers, tokens, head_dim, dtype_code, created) = _BODY.unpack(body)
-    if magic != MAGIC or version != VERSION or header_len != HEADER_LEN:
-        raise FrameError(f"not a kvtier v{VERSION} shard (magic {magic!r}, version {version})")
     if min(layers, tokens, head_dim) < 1:
         raise FrameError(f"empty shape: {layers} layers, {tokens} tokens, head_dim {head_dim}")
     if dtype_code >= len(_DTYPES):
@@ -122,30 +188,45 @@ def decode_header(data: bytes | memoryview) -> Header:
     meta = ShardMeta(layers, tokens, head_dim, _DTYPES[dtype_code], heads)
     if meta.nbytes != payload_len:
         raise FrameError(f"payload length {payload_len} does not match shape {meta.shape}")
-    return Header(key, meta, payload_len, payload_sum, created)
+    return Header(key, meta, payload_len, payload_sum, created, sealing)
 
 
-def decode(data: bytes | bytearray | memoryview, expected: ShardKey | None = None) -> tuple[Header, memoryview]:
-    """Verify a whole stored object; return its header and a view of its payload.
+def decode(data: bytes | bytearray | memoryview, expected: ShardKey | None = None,
+           opener: Opener | None = None) -> tuple[Header, memoryview]:
+    """Verify a whole stored object; return its header and a view of its payload (decrypted, when sealed: into a
+    copy if ``data`` is read-only).
 
-    Raises :class:`FrameError` when the object is truncated, extended, corrupt or belongs to another key.
+    Raises :class:`FrameError` when the object is truncated, extended, corrupt or belongs to another key, and when
+    it is sealed and ``opener`` is None or plain and ``opener`` is given (see :func:`verify`).
     """
     view = memoryview(data).cast("B")
-    payload = view[HEADER_LEN:]
-    return verify(view[:HEADER_LEN], [payload], expected), payload
+    length = decode_header(view).length
+    payload = view[length:]
+    if length == SEALED_HEADER_LEN and payload.readonly and opener is not None:
+        payload = memoryview(bytearray(payload))
+    return verify(view[:length], [payload], expected, opener), payload
 
 
-def verify(header: bytes | memoryview, payload: Sequence[memoryview], expected: ShardKey | None = None) -> Header:
+def verify(header: bytes | memoryview, payload: Sequence[memoryview], expected: ShardKey | None = None,
+           opener: Opener | None = None) -> Header:
     """:func:`decode` for an object read in parts: its header, and its payload (e.g. read straight into DRAM
-    pages). Raises :class:`FrameError` as :func:`decode` does."""
+    pages, and decrypted there). With an ``opener`` (encryption on) only a sealed object passes: a plain one is
+    what a writer to the tier could forge. Raises :class:`FrameError` as :func:`decode` does."""
     parsed = decode_header(header)
     size = sum(len(part) for part in payload)
     if size != parsed.payload_len:
         raise FrameError(f"payload is {size} bytes, header says {parsed.payload_len}")
     if expected is not None and parsed.key != expected:
         raise FrameError(f"object holds {parsed.key.name}, expected {expected.name}")
-    if checksum(payload) != parsed.payload_checksum:
-        raise FrameError("payload checksum mismatch")
+    if parsed.sealing is None:
+        if opener is not None:
+            raise FrameError("a plain object where encryption is on (only sealed objects are read)")
+        if checksum(payload) != parsed.payload_checksum:
+            raise FrameError("payload checksum mismatch")
+    elif opener is None:
+        raise UnknownKey("sealed, and this store has no encryption key")
+    else:
+        opener.open_into(parsed, payload)
     return parsed
 
 

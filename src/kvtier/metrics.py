@@ -49,6 +49,9 @@ class StoreMetrics:
         self.read_errors = Counter("kvtier_read_errors", "Failed tier reads", ["tier"], registry=r)
         self.corrupt = Counter("kvtier_corrupt_objects", "Objects that failed verification and were removed",
                                ["tier"], registry=r)
+        self.unopened = Counter("kvtier_unopened_objects", "Sealed objects under a key this process does not hold "
+                                "(a forgotten tenant's, a replay from another tenant): misses, removed",
+                                ["tier"], registry=r)
         self.queue_depth = Gauge("kvtier_queue_depth", "Cascade writes waiting, by tier", ["tier"], registry=r)
         self.used_bytes = Gauge("kvtier_used_bytes", "Bytes held, by tier", ["tier"], registry=r)
         self.capacity_bytes = Gauge("kvtier_capacity_bytes", "Byte budget, by tier", ["tier"], registry=r)
@@ -75,7 +78,7 @@ class StoreMetrics:
         self.dropped.labels("dram", "dram_full")
         for tier in secondary:
             for family in (self.promotions, self.present_writes, self.write_errors, self.read_errors,
-                           self.tier_write_seconds, self.tier_read_seconds):
+                           self.tier_write_seconds, self.tier_read_seconds, self.unopened):
                 family.labels(tier)
             for reason in ("queue_full", "tier_unavailable"):
                 self.dropped.labels(tier, reason)

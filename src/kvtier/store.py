@@ -25,7 +25,7 @@ from kvtier._reads import Fetched, Filling, Piece, Read, Shape, full_cover, vali
 from kvtier.cascade import CascadeWriter, Outage
 from kvtier.config import StoreConfig, TierSpec, load_config
 from kvtier.dram import DramEntry, DramPool
-from kvtier.errors import ObjectError, TierError
+from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.eviction import POLICIES
 from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, cover, rank_heads, tail_keys
 from kvtier.metrics import StoreMetrics
@@ -100,7 +100,23 @@ class KVStore:
         self.metrics = StoreMetrics()
         if config.otlp_traces_endpoint is not None:  # first: a missing SDK refuses the store before a tier opens
             tracing.configure(config.otlp_traces_endpoint, "kvtier")
-        self.tiers = open_tiers(config) if tiers is None else tiers
+        # Keys next: a key source that fails refuses the store before a tier opens.
+        self._sealer = None
+        if config.encryption is not None:
+            try:
+                from kvtier.sealing import Sealer  # the cryptography package, only where encryption is on
+            except ImportError as exc:
+                raise ConfigError(f"encryption: needs the cryptography package (pip install "
+                                  f"'kvtier[encryption]'): {exc}") from exc
+
+            self._sealer = Sealer(config.encryption, self._forgotten)
+        try:
+            self.tiers = open_tiers(config) if tiers is None else tiers
+        except BaseException:
+            if self._sealer is not None:
+                self._sealer.close()
+            raise
+        self._header_len = frame.HEADER_LEN if self._sealer is None else frame.SEALED_HEADER_LEN
         try:
             policy = POLICIES.resolve(config.dram.eviction, "dram.eviction")()
             self.dram = DramPool(config.dram.capacity_bytes, config.dram.page_bytes, policy,
@@ -108,6 +124,8 @@ class KVStore:
         except BaseException:
             for tier in self.tiers:
                 tier.close()
+            if self._sealer is not None:
+                self._sealer.close()
             raise
         self.metrics.capacity_bytes.labels("dram").set(self.dram.capacity_bytes)
         self.metrics.watch_tiers(self.tiers)
@@ -122,8 +140,9 @@ class KVStore:
         spec = [specs.get(t.name, default) for t in self.tiers]
         self._tier_watchers: list[list[tuple[ShardKey, str]]] = []
         self._tier_watch_lock = threading.Lock()
-        self._writers = [CascadeWriter(t, self.dram, self.metrics, s, on_stored=self._tier_stored_hook(t.name))
-                         for t, s in zip(self.tiers, spec)]
+        seal = None if self._sealer is None else self._sealer.seal
+        self._writers = [CascadeWriter(t, self.dram, self.metrics, s, on_stored=self._tier_stored_hook(t.name),
+                                       seal=seal) for t, s in zip(self.tiers, spec)]
         self._placement = Placement(config.placement)
         self._read_outage = {t.name: Outage(t.name, "reads", s.retry_seconds, self.metrics)
                              for t, s in zip(self.tiers, spec)}
@@ -209,6 +228,8 @@ class KVStore:
     def _put(self, ns: Namespace, tokens: Tokens, meta: frame.ShardMeta, source: Callable[[int, torch.Tensor], None],
              offset: int, device: torch.device, start: float, tail: bool = False) -> int:
         t = self.chunk_tokens
+        if self._sealer is not None:
+            self._sealer.register(ns)
         self._remember_shape(ns.id, Shape.of(meta))  # the caller's own KV: it defines the shape
         first = offset // t
         held = 0  # leading chunks from `first` on now in DRAM
@@ -526,6 +547,8 @@ class KVStore:
             raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
         if kv_heads is not None:
             rank_heads(kv_heads, tp_rank, tp_size)  # the caller's own degree must fit its model: raises if not
+        if self._sealer is not None:
+            self._sealer.register(ns)
         shape = self._shapes.get(ns.id)
         if wanted is not None:
             if shape is not None and wanted != shape:
@@ -664,7 +687,7 @@ class KVStore:
         start = time.perf_counter()
         try:
             got: list[bytes | None | Exception] = tier.get_into_many(
-                [(key, frame.HEADER_LEN, self.dram.views(entry)) for key, entry, _ in batch])
+                [(key, self._header_len, self.dram.views(entry)) for key, entry, _ in batch])
             if not isinstance(got, list) or len(got) != len(batch):
                 raise ValueError(f"get_into_many returned {len(got) if isinstance(got, list) else got!r:.100} "
                                  f"answers for {len(batch)} reads")
@@ -680,14 +703,13 @@ class KVStore:
             except BaseException as exc:
                 future.set_exception(exc)
 
-    @staticmethod
-    def _get(tier: Tier, key: ShardKey) -> Fetched | None:
+    def _get(self, tier: Tier, key: ShardKey) -> Fetched | None:
         """Read and verify one shard (on any thread); raises what the tier or the check raises."""
         start = time.perf_counter()
         blob = tier.get(key)
         if blob is None:
             return None
-        header, payload = frame.decode(blob, expected=key)
+        header, payload = frame.decode(blob, expected=key, opener=self._sealer)
         return Fetched(header, payload, len(blob), time.perf_counter() - start)
 
     def _plan_chunk(self, read: Read, chunk: str, parent: str | None) -> list[Piece] | None:
@@ -892,10 +914,10 @@ class KVStore:
         start = time.perf_counter() if start is None else start
 
         def read() -> frame.Header | None:
-            head = tier.get_into(key, frame.HEADER_LEN, self.dram.views(entry)) if fetched is None else fetched()
+            head = tier.get_into(key, self._header_len, self.dram.views(entry)) if fetched is None else fetched()
             if head is None:
                 return None
-            header = frame.verify(head, self.dram.views(entry), expected=key)
+            header = frame.verify(head, self.dram.views(entry), expected=key, opener=self._sealer)
             if header.meta != entry.meta:
                 raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected {entry.meta.shape} "
                                        f"{entry.meta.dtype}")
@@ -905,7 +927,7 @@ class KVStore:
         if header is None:
             return None
         self.metrics.tier_read_seconds.labels(tier.name).observe(time.perf_counter() - start)
-        self.metrics.bytes_read.labels(tier.name).inc(frame.HEADER_LEN + entry.meta.nbytes)
+        self.metrics.bytes_read.labels(tier.name).inc(self._header_len + entry.meta.nbytes)
         return header.created
 
     def _read_verified(self, tier: Tier, key: ShardKey, read: Read) -> tuple[frame.Header, memoryview] | None:
@@ -950,6 +972,15 @@ class KVStore:
                       outage: Outage) -> tuple[str, _R | None]:
         try:
             got = read()
+        except frame.UnknownKey as exc:  # a forgotten tenant's, a replay from another tenant: no key opens it
+            outage.succeeded()
+            self.metrics.unopened.labels(tier.name).inc()
+            if (tier.name, "open", "UnknownKey") not in self._logged:
+                self._logged.add((tier.name, "open", "UnknownKey"))
+                log.warning("tier %s: removing %s: %s (further such objects are counted, not logged)", tier.name,
+                            key.name, exc)
+            self._remove(tier, key)
+            return "unknown_key", None
         except (frame.FrameError, ObjectError) as exc:
             outage.succeeded()
             self.metrics.corrupt.labels(tier.name).inc()
@@ -975,6 +1006,12 @@ class KVStore:
     # -- housekeeping ------------------------------------------------------------------------------------------
     def _evicted(self, entry: DramEntry) -> None:
         self._dram_evictions.inc()
+
+    def _forgotten(self, namespaces: set[str]) -> None:
+        """A tenant was forgotten (``kvtier tenant forget``): its KV leaves DRAM too (an entry being read goes when
+        its reader is done)."""
+        dropped = self.dram.discard_namespaces(namespaces)
+        log.info("dropped %d DRAM entries of a forgotten tenant's %d namespaces", dropped, len(namespaces))
 
     def drop_dram(self) -> int:
         """Evict every DRAM entry not in use (later reads come from secondary tiers)."""
@@ -1014,4 +1051,6 @@ class KVStore:
                             "process)", tier.name)
                 continue
             tier.close()
+        if self._sealer is not None:
+            self._sealer.close()
         self.metrics.stop_serving()

@@ -38,6 +38,15 @@ class TierConformance:
         got = tier.get(key(1))
         assert got is not None and bytes(got) == b"".join(bytes(p) for p in parts)
 
+    def test_put_replaces_an_object(self, tier: Tier) -> None:
+        """A rewrite (e.g. re-sealed under a new key by ``kvtier cache rekey``) replaces what was there."""
+        tier.put(key(14), [b"first", os.urandom(5000)])
+        second = b"second" + os.urandom(7000)
+        tier.put(key(14), [second])
+        got = tier.get(key(14))
+        assert got is not None and bytes(got) == second
+        assert [o.size for o in tier.list(key(14).namespace) if o.key == key(14)] == [len(second)]
+
     def test_missing_is_none(self, tier: Tier) -> None:
         assert tier.get(key(2)) is None
         assert tier.heads(NS_A, [key(2).chunk]) == [[]]

@@ -421,7 +421,7 @@ class FilesystemTier(Tier):
             self._reject(dir_fd, name, str(exc))
             return None
         try:
-            created = _header_created(os.pread(fd, frame.HEADER_LEN, 0), time.time())
+            created = _header_created(os.pread(fd, frame.MAX_HEADER_LEN, 0), time.time())
         finally:
             os.close(fd)
         return _File(st.st_size, st.st_mtime if created is None else created, st.st_mtime)
@@ -498,12 +498,9 @@ class FilesystemTier(Tier):
 
     # -- the tier interface ------------------------------------------------------------------------------------
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
-        with self._lock:
-            if key in self._files:
-                return
         views = [_bytes_view(p) for p in parts]
         now = time.time()
-        created = _header_created(views[0][:frame.HEADER_LEN], now) if views else None
+        created = _header_created(views[0][:frame.MAX_HEADER_LEN], now) if views else None
         fd, tmp = -1, None
         size = 0
         try:

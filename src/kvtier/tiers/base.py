@@ -62,7 +62,8 @@ class Tier(ABC):
 
     @abstractmethod
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
-        """Store the concatenation of ``parts`` under ``key``, atomically: readers see all of it or nothing."""
+        """Store the concatenation of ``parts`` under ``key``, replacing any object there, atomically: readers see
+        all of the old object or all of the new one."""
 
     @abstractmethod
     def get(self, key: ShardKey) -> Buffer | None:

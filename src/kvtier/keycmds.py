@@ -1,0 +1,177 @@
+"""The commands that handle keys (:mod:`kvtier.sealing`): a new master key, re-sealing every object under the
+current key after a rotation, and forgetting a tenant.
+
+    kvtier keygen FILE
+    kvtier cache rekey     --config FILE [--tier NAME]
+    kvtier tenant forget   --config FILE (SALT | -)
+
+Like the other cache commands they open the tiers only (no DRAM pool), so they run beside serving engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from kvtier import frame
+from kvtier.errors import ConfigError, TierError
+from kvtier.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from kvtier.sealing import Sealer
+
+
+def sealer_for(args: argparse.Namespace, command: str) -> Sealer:
+    """The config's sealer, with every tenant of its keyring attached (a command meets namespaces, not salts)."""
+    from kvtier.sealing import Sealer
+
+    config = args.store_config.encryption
+    if config is None:
+        raise ConfigError(f"encryption: not set in this config; `{command}` needs the master key and the keyring")
+    sealer = Sealer(config)
+    sealer.load_keyring()
+    return sealer
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from kvtier.sealing import write_key_file
+
+    try:
+        write_key_file(args.file)
+    except FileExistsError:
+        print(f"kvtier: {args.file} exists; a key file is never overwritten", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvtier: cannot write {args.file}: {exc.strerror}", file=sys.stderr)
+        return 2
+    print(f"wrote a new 256-bit key to {args.file} (mode 0600); name it in the config as "
+          f"`encryption: {{key: file:{args.file}}}`")
+    return 0
+
+
+def cmd_rekey(tiers: list[Tier], args: argparse.Namespace) -> int:
+    """Every object not sealed under its tenant's current key (sealed under an old master key, or plain) is
+    opened and sealed again under it, in place: each write replaces the object atomically, so readers holding
+    either key keep hitting throughout."""
+    sealer = sealer_for(args, "kvtier cache rekey")
+    failed_total = 0
+    try:
+        for tier in tiers:
+            counts = dict.fromkeys(("resealed", "current", "no_tenant", "unknown_key", "bad", "gone"), 0)
+            objects = list(tier.list())
+            for o in tqdm(objects, desc=f"rekey {tier.name}", unit="obj", file=sys.stderr, disable=None):
+                counts[_rekey_one(tier, o.key, sealer)] += 1
+            print(f"tier {tier.name}: {counts['resealed']} re-sealed, {counts['current']} already under the current "
+                  f"key, {counts['no_tenant']} of namespaces no tenant in the keyring used, {counts['unknown_key']} "
+                  f"under keys not configured, {counts['bad']} bad (left for `kvtier cache verify --repair`), "
+                  f"{counts['gone']} gone during the walk")
+            failed_total += counts["unknown_key"] + counts["bad"]
+    finally:
+        sealer.close()
+    return 1 if failed_total else 0
+
+
+def _rekey_one(tier: Tier, key: frame.ShardKey, sealer: Sealer) -> str:
+    want = sealer.current_key_id(key.namespace)
+    if want is None:
+        return "no_tenant"
+    blob = tier.get(key)
+    if blob is None:
+        return "gone"
+    try:
+        header = frame.decode_header(blob)
+        if header.sealing is not None and header.sealing.key_id == want:
+            return "current"
+        header, payload = frame.decode(blob, expected=key, opener=sealer if header.sealing is not None else None)
+    except frame.UnknownKey:
+        return "unknown_key"
+    except frame.FrameError as exc:
+        print(f"bad: {tier.name} {key.name}: {exc}")
+        return "bad"
+    tier.put(key, sealer.seal(key, header.meta, [payload], header.created))
+    return "resealed"
+
+
+def _salt(text: str) -> str:
+    if text != "-":
+        return text
+    salt = sys.stdin.readline().rstrip("\n")
+    if not salt:
+        raise argparse.ArgumentTypeError("no salt on standard input")
+    return salt
+
+
+def cmd_forget(tiers: list[Tier], args: argparse.Namespace) -> int:
+    """Destroy the tenant's secret (its KV can no longer be opened anywhere, Mooncake included), wait for running
+    processes to drop the keys they derived, then remove its objects from every tier that can list them."""
+    from kvtier.cli import _audit, _human
+
+    sealer = sealer_for(args, "kvtier tenant forget")
+    try:
+        audit = _audit(args)
+        keyring = sealer.keyring
+        tenant = keyring.tenant_id(args.salt)
+        namespaces = keyring.forget(tenant)
+        if namespaces is None:
+            print(f"tenant {tenant}: not in the keyring (never seen, or forgotten already); nothing to do")
+            return 1
+        if audit is not None:
+            audit.record("forget", tenant=tenant, namespaces=len(namespaces))
+        print(f"tenant {tenant}: key destroyed; its KV in {len(namespaces)} namespaces cannot be opened any more")
+        wait = 2 * sealer.config.refresh_seconds
+        print(f"waiting {wait:.1f} s for running processes to drop its keys and DRAM entries")
+        time.sleep(wait)
+        unlisted = 0
+        for tier in tiers:
+            unlisted += _remove(tier, namespaces, tenant, audit, _human)
+        if not unlisted:
+            keyring.forgotten(tenant)
+        return 0
+    finally:
+        sealer.close()
+
+
+def _remove(tier: Tier, namespaces: list[str], tenant: str, audit, human) -> int:  # noqa: ANN001
+    """Remove the tenant's objects from one tier; 1 if the tier could not list them (they stay, unreadable)."""
+    removed = size = 0
+    failed = True
+    try:
+        for namespace in tqdm(namespaces, desc=f"forget {tier.name}", unit="ns", file=sys.stderr, disable=None):
+            for o in list(tier.list(namespace)):
+                if tier.delete(o.key):
+                    removed += 1
+                    size += o.size
+        failed = False
+    except TierError as exc:
+        print(f"tier {tier.name}: cannot remove the objects ({exc}); they stay, and no key opens them; run the "
+              "command again to retry")
+    finally:
+        if audit is not None:
+            audit.record("forget-remove", tier=tier.name, tenant=tenant, objects=removed, bytes=size, failed=failed)
+    if not failed:
+        print(f"tier {tier.name}: removed {removed} objects ({human(size)})")
+    return int(failed)
+
+
+def add_commands(top: argparse._SubParsersAction, cache: argparse._SubParsersAction) -> None:
+    """``kvtier keygen``, ``kvtier cache rekey`` and ``kvtier tenant forget``."""
+    keygen = top.add_parser("keygen", help="write a new random 256-bit master key to a new file (mode 0600)")
+    keygen.add_argument("file", help="the key file to create (never overwritten)")
+    rekey = cache.add_parser("rekey", help="seal every object under its tenant's current key (after a master key "
+                                           "rotation); safe while engines serve")
+    rekey.add_argument("--config", required=True, help="store config (YAML) with an encryption section")
+    rekey.add_argument("--tier", help="only this tier (by name)")
+    rekey.set_defaults(func=cmd_rekey)
+    tenant = top.add_parser("tenant", help="per-tenant operations on stored KV")
+    tenant_sub = tenant.add_subparsers(dest="command", required=True)
+    forget = tenant_sub.add_parser("forget", help="destroy a tenant's key (its KV becomes unreadable on every "
+                                                  "tier at once), then remove its objects where tiers can list")
+    forget.add_argument("salt", type=_salt, help="the tenant's cache_salt, or - to read it from standard input "
+                                                 "(keeps it out of the process list and shell history)")
+    forget.add_argument("--config", required=True, help="store config (YAML) with an encryption section")
+    forget.set_defaults(func=cmd_forget, tier=None)
+

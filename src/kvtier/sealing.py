@@ -1,0 +1,505 @@
+"""Encryption at rest of the shards kvtier writes to secondary tiers, with a key per tenant that can be destroyed.
+
+Key hierarchy::
+
+    master key: 32 bytes from ``encryption.key`` (a file, an environment variable or a provider class)
+    └── tenant key = HKDF-SHA256(master key, salt = tenant secret, info = "kvtier tenant key v1/" + tenant id)
+          tenant secret: 32 random bytes in the keyring directory (``encryption.keyring``), one per cache salt
+          (requests without a salt are one more tenant); ``kvtier tenant forget SALT`` deletes it
+        └── each shard: AES-256-GCM under the tenant key, a random 96-bit nonce, and the header up to the nonce
+            (the shard's key, shape and the key id) as associated data (:mod:`kvtier.frame`, version 2)
+
+A tenant's id is a keyed hash of its salt (the key, the keyring's ``pepper``, never leaves the keyring), so the
+keyring's file names do not reveal salts. A shard's key id is a digest of the tenant key that sealed it: a reader
+tries the tenant keys of the current master key and of each ``old_keys`` entry (rotation), and a shard under none
+of them is a miss (:class:`~kvtier.frame.UnknownKey`), left in place for the engines that hold its key.
+
+The keyring also records which namespaces each tenant used, so that ``forget`` can remove a tenant's objects where
+a tier can list, and ``kvtier cache rekey`` can re-seal any tenant's objects. It is shared by every process of a
+deployment: a directory on the engines' host (or a shared filesystem), with files created whole (``link``) and
+never rewritten. Processes notice a forgotten tenant within ``refresh_seconds`` and drop its keys and DRAM entries.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import re
+import stat
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from kvtier import frame
+from kvtier.errors import ConfigError, KVTierError, SealError
+from kvtier.registry import Registry
+
+if TYPE_CHECKING:
+    from kvtier.keys import Namespace, ShardKey
+
+log = logging.getLogger(__name__)
+
+KEY_BYTES = 32
+_NONCE_BYTES = 12
+_KEY_ID_BYTES = 8
+_KEPT_NAMESPACES = 65536  # namespace -> tenant entries a process remembers (one per salt, model and settings)
+_NAME = re.compile(r"t-[0-9a-f]{32}")
+
+
+class KeyProvider:
+    """An out-of-tree source of master keys (a KMS client), named in config as ``provider:package.module:Class``
+    (``#name`` after it picks one of its keys). Built once per store with ``encryption.provider_options``."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self.options = options
+
+    def load(self, name: str) -> bytes:
+        """The 32-byte key called ``name`` ("" when the source gives none)."""
+        raise NotImplementedError
+
+
+PROVIDERS: Registry[KeyProvider] = Registry("key provider", KeyProvider)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncryptionConfig:
+    """The ``encryption`` section of a store config."""
+
+    key: str  # the current master key's source: it seals every new shard
+    keyring: str  # absolute path of the keyring directory
+    old_keys: tuple[str, ...] = ()  # sources of earlier master keys: they still open shards, never seal
+    provider_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    refresh_seconds: float = 1.0  # how soon a process notices a forgotten tenant
+
+    def __repr__(self) -> str:  # sources may name an environment variable, never a key; still, keep it short
+        return f"EncryptionConfig(key={self.key!r}, keyring={self.keyring!r}, old_keys={len(self.old_keys)})"
+
+
+def parse_encryption(raw: object) -> EncryptionConfig | None:
+    """Validate the ``encryption`` mapping of a store config (errors name the field); keys are loaded later, by
+    :class:`Sealer`."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError("encryption: expected a mapping with 'key' and 'keyring'")
+    allowed = ("key", "keyring", "old_keys", "provider_options", "refresh_seconds")
+    unknown = sorted(map(str, set(raw) - set(allowed)))
+    if unknown:
+        raise ConfigError(f"encryption.{unknown[0]}: unknown key; allowed: {', '.join(allowed)}")
+    key = raw.get("key")
+    _check_source(key, "encryption.key")
+    old = raw.get("old_keys", []) or []
+    if not isinstance(old, list):
+        raise ConfigError(f"encryption.old_keys: expected a list of key sources, got {type(old).__name__}")
+    for i, source in enumerate(old):
+        _check_source(source, f"encryption.old_keys[{i}]")
+    keyring = raw.get("keyring")
+    if not isinstance(keyring, str) or not keyring.startswith("/"):
+        raise ConfigError(f"encryption.keyring: required, the absolute path of the keyring directory (tenant "
+                          f"secrets), got {keyring!r}")
+    options = raw.get("provider_options", {}) or {}
+    if not isinstance(options, Mapping):
+        raise ConfigError("encryption.provider_options: expected a mapping (given to the key provider class)")
+    refresh = raw.get("refresh_seconds", 1.0)
+    if isinstance(refresh, bool) or not isinstance(refresh, (int, float)) or not 0.05 <= refresh <= 3600:
+        raise ConfigError(f"encryption.refresh_seconds: a number of seconds in [0.05, 3600], got {refresh!r}")
+    return EncryptionConfig(key, keyring, tuple(old), dict(options), float(refresh))
+
+
+def _check_source(source: object, field: str) -> None:
+    if not isinstance(source, str) or not re.fullmatch(r"(file:/.+|env:[A-Za-z_][A-Za-z0-9_]*|provider:.+:.+)",
+                                                       source):
+        raise ConfigError(f"{field}: a key source: 'file:/absolute/path', 'env:VARIABLE' or "
+                          f"'provider:package.module:Class[#name]', got {source!r}")
+
+
+def parse_key(text: bytes, where: str) -> bytes:
+    """A 32-byte key written as 64 hex digits or as base64 (what ``kvtier keygen`` writes is hex)."""
+    value = text.strip()
+    for decode in (bytes.fromhex, base64.b64decode):
+        try:
+            key = decode(value.decode("ascii"))
+        except (ValueError, binascii.Error, UnicodeDecodeError):
+            continue
+        if len(key) == KEY_BYTES:
+            return key
+    raise ConfigError(f"{where}: not a 256-bit key (64 hex digits or base64 of 32 bytes; `kvtier keygen FILE` "
+                      "writes one)")
+
+
+def _owned_privately(st: os.stat_result) -> str | None:
+    """Why a key file or keyring is not safe to trust, or None."""
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"it belongs to uid {st.st_uid}, not to this user ({os.geteuid()}) or root"
+    if st.st_mode & 0o077:
+        return f"its mode {stat.S_IMODE(st.st_mode):04o} lets others in (want 0600 for a file, 0700 for a directory)"
+    return None
+
+
+def load_key(source: str, field: str, options: Mapping[str, Any]) -> bytes:
+    """The master key named by ``source`` (see :class:`EncryptionConfig`); errors name ``field``, never the key."""
+    kind, _, rest = source.partition(":")
+    if kind == "file":
+        try:
+            fd = os.open(rest, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ConfigError(f"{field}: cannot open key file {rest}: {exc.strerror}") from None
+        try:
+            why = _owned_privately(os.fstat(fd))
+            if why is not None:
+                raise ConfigError(f"{field}: key file {rest} refused: {why}")
+            return parse_key(os.read(fd, 4096), f"{field} ({rest})")
+        finally:
+            os.close(fd)
+    if kind == "env":
+        value = os.environ.get(rest)
+        if not value:
+            raise ConfigError(f"{field}: environment variable {rest} is not set")
+        return parse_key(value.encode(), f"{field} (${rest})")
+    path, _, name = rest.partition("#")
+    cls = PROVIDERS.resolve(path, field)
+    try:
+        key = cls(options).load(name)
+    except Exception as exc:  # a provider (a KMS client) may fail in any way: the store cannot start
+        raise ConfigError(f"{field}: key provider {path} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ConfigError(f"{field}: key provider {path} returned {type(key).__name__}, not 32 bytes")
+    return key
+
+
+def write_key_file(path: str) -> None:
+    """A new random master key in a new file (mode 0600, never overwriting one), as 64 hex digits."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, os.urandom(KEY_BYTES).hex().encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Keyring:
+    """The tenant secrets of one deployment, in a directory only its owner can enter.
+
+    Files: ``pepper`` (the key of tenant ids), ``t-<id>`` (a tenant's 32-byte secret) and ``t-<id>.ns`` (the
+    namespaces the tenant used, one id per line, appended). A secret is written under a temporary name and linked
+    into place, so two processes creating one tenant at once agree on the first one linked.
+    """
+
+    def __init__(self, path: str, field: str = "encryption.keyring") -> None:
+        self.path = path
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise ConfigError(f"{field}: cannot create keyring directory {path}: {exc.strerror}") from None
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError as exc:
+            raise ConfigError(f"{field}: cannot use keyring directory {path}: {exc.strerror}") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{field}: {path} is not a directory")
+        why = _owned_privately(st)
+        if why is not None:
+            raise ConfigError(f"{field}: keyring directory {path} refused: {why}")
+        self._pepper = self._create_or_read("pepper")
+
+    def tenant_id(self, salt: str | None) -> str:
+        """The keyring's name for the tenant of ``salt`` (None: requests without a salt)."""
+        data = b"\x00" if salt is None else b"s" + salt.encode("utf-8", "surrogatepass")
+        return "t-" + hashlib.blake2b(data, key=self._pepper, digest_size=16).hexdigest()
+
+    def secret(self, tenant: str, create: bool) -> tuple[bytes, int] | None:
+        """The tenant's secret and its file's inode (which changes if it is forgotten and made again); created when
+        missing and ``create``, else None."""
+        if not create:
+            try:
+                fd = os.open(os.path.join(self.path, tenant), os.O_RDONLY | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                return None
+            try:
+                return self._read_secret(fd, tenant), os.fstat(fd).st_ino
+            finally:
+                os.close(fd)
+        value = self._create_or_read(tenant)
+        inode = self.inode(tenant)
+        if inode is None:  # forgotten between the two calls: once more
+            return self.secret(tenant, create)
+        return value, inode
+
+    def inode(self, tenant: str) -> int | None:
+        try:
+            return os.stat(os.path.join(self.path, tenant), follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            return None
+
+    def _read_secret(self, fd: int, name: str) -> bytes:
+        value = os.read(fd, KEY_BYTES + 1)
+        if len(value) != KEY_BYTES:
+            raise KVTierError(f"keyring {self.path}: {name} holds {len(value)} bytes, not a {KEY_BYTES}-byte secret")
+        return value
+
+    def _create_or_read(self, name: str) -> bytes:
+        final = os.path.join(self.path, name)
+        tmp = os.path.join(self.path, f".tmp-{os.getpid()}-{os.urandom(6).hex()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, os.urandom(KEY_BYTES))
+            os.fsync(fd)
+            try:
+                os.link(tmp, final)
+                self._sync_dir()
+            except FileExistsError:
+                pass  # made first by another process: theirs it is
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
+        fd = os.open(final, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            return self._read_secret(fd, name)
+        finally:
+            os.close(fd)
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def add_namespace(self, tenant: str, namespace: str) -> None:
+        """Record that ``tenant`` used ``namespace`` (an append of one short line: atomic on a local disk)."""
+        fd = os.open(os.path.join(self.path, tenant + ".ns"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW,
+                     0o600)
+        try:
+            os.write(fd, namespace.encode() + b"\n")
+        finally:
+            os.close(fd)
+
+    def namespaces(self, tenant: str, suffix: str = ".ns") -> list[str]:
+        try:
+            fd = os.open(os.path.join(self.path, tenant + suffix), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return []
+        with os.fdopen(fd, "rb") as f:
+            lines = f.read().decode("ascii", "replace").split()
+        return list(dict.fromkeys(ns for ns in lines if re.fullmatch(r"[0-9a-f]{32}", ns)))
+
+    def tenants(self) -> Iterator[str]:
+        for name in sorted(os.listdir(self.path)):
+            if _NAME.fullmatch(name):
+                yield name
+
+    def forget(self, tenant: str) -> list[str] | None:
+        """Destroy a tenant's secret; the namespaces it used, or None if it has neither a secret nor a forget
+        under way. Its namespace list joins the list of the forgets under way (``.ns.forgetting``), for
+        :meth:`forgotten` to drop once their objects are removed: a forget that stopped before is taken up again,
+        and a tenant made again meanwhile starts a list of its own."""
+        final = os.path.join(self.path, tenant)
+        try:
+            os.unlink(final)
+            destroyed = True
+        except FileNotFoundError:
+            destroyed = False
+        taken = f"{final}.ns.taken-{os.urandom(6).hex()}"
+        try:
+            os.rename(final + ".ns", taken)
+        except FileNotFoundError:
+            taken = None
+        pending = os.path.exists(final + ".ns.forgetting")
+        if not (destroyed or taken or pending):
+            return None
+        merged = self.namespaces(tenant, ".ns.forgetting")
+        if taken is not None:
+            merged = list(dict.fromkeys(merged + self.namespaces(os.path.basename(taken), "")))
+            tmp = os.path.join(self.path, f".tmp-{os.getpid()}-{os.urandom(6).hex()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, "".join(f"{ns}\n" for ns in merged).encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final + ".ns.forgetting")
+            os.unlink(taken)
+        self._sync_dir()
+        return merged
+
+    def forgotten(self, tenant: str) -> None:
+        try:
+            os.unlink(os.path.join(self.path, tenant + ".ns.forgetting"))
+        except FileNotFoundError:
+            pass
+
+
+def key_id(tenant_key: bytes) -> bytes:
+    return hmac.new(tenant_key, b"kvtier key id", hashlib.sha256).digest()[:_KEY_ID_BYTES]
+
+
+def tenant_key(master: bytes, secret: bytes, tenant: str) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=secret,
+                info=b"kvtier tenant key v1/" + tenant.encode()).derive(master)
+
+
+@dataclasses.dataclass
+class _Tenant:
+    id: str
+    inode: int
+    keys: list[tuple[bytes, bytes]]  # (key id, tenant key), the current master's first
+    namespaces: set[str]
+
+    def key_for(self, wanted: bytes) -> bytes | None:
+        return next((k for kid, k in self.keys if hmac.compare_digest(kid, wanted)), None)
+
+
+class Sealer:
+    """Seals shards for the tiers and opens what they return (a :class:`~kvtier.frame.Opener`), for the
+    namespaces of the tenants it has seen. Thread-safe."""
+
+    def __init__(self, config: EncryptionConfig, on_forgotten: Callable[[set[str]], None] | None = None) -> None:
+        self.config = config
+        self._masters = [load_key(config.key, "encryption.key", config.provider_options)]
+        self._masters += [load_key(s, f"encryption.old_keys[{i}]", config.provider_options)
+                          for i, s in enumerate(config.old_keys)]
+        self.keyring = Keyring(config.keyring)
+        self._on_forgotten = on_forgotten
+        self._lock = threading.Lock()
+        self._tenants: dict[str, _Tenant] = {}
+        self._by_ns: OrderedDict[str, _Tenant] = OrderedDict()
+        self._scratch = threading.local()
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="kvtier-keyring", daemon=True)
+        self._watcher.start()
+
+    # -- tenants -----------------------------------------------------------------------------------------------
+    def register(self, ns: Namespace) -> None:
+        """Make ``ns``'s tenant key available (its secret created on first use) before its shards are sealed or
+        opened here."""
+        with self._lock:
+            tenant = self._by_ns.get(ns.id)
+            if tenant is not None and self._tenants.get(tenant.id) is tenant:
+                self._by_ns.move_to_end(ns.id)
+                return
+        self._attach(self.keyring.tenant_id(ns.cache_salt), ns.id, create=True)
+
+    def _attach(self, tid: str, namespace: str, create: bool) -> _Tenant | None:
+        with self._lock:
+            tenant = self._tenants.get(tid)
+        if tenant is None:
+            got = self.keyring.secret(tid, create)
+            if got is None:
+                return None
+            secret, inode = got
+            keys = [tenant_key(m, secret, tid) for m in self._masters]
+            made = _Tenant(tid, inode, [(key_id(k), k) for k in keys], set())
+            with self._lock:
+                tenant = self._tenants.setdefault(tid, made)
+        if namespace not in tenant.namespaces:
+            if create:
+                self.keyring.add_namespace(tid, namespace)
+            with self._lock:
+                tenant.namespaces.add(namespace)
+        with self._lock:
+            self._by_ns[namespace] = tenant
+            self._by_ns.move_to_end(namespace)
+            while len(self._by_ns) > _KEPT_NAMESPACES:
+                self._by_ns.popitem(last=False)
+        return tenant
+
+    def load_keyring(self) -> int:
+        """Attach every tenant in the keyring with the namespaces it recorded (for the maintenance commands, which
+        meet namespaces without their salts); how many namespaces."""
+        count = 0
+        for tid in self.keyring.tenants():
+            for namespace in self.keyring.namespaces(tid):
+                if self._attach(tid, namespace, create=False) is not None:
+                    count += 1
+        return count
+
+    def _tenant(self, namespace: str) -> _Tenant | None:
+        with self._lock:
+            tenant = self._by_ns.get(namespace)
+            return tenant if tenant is not None and self._tenants.get(tenant.id) is tenant else None
+
+    def current_key_id(self, namespace: str) -> bytes | None:
+        tenant = self._tenant(namespace)
+        return None if tenant is None else tenant.keys[0][0]
+
+    def _watch(self) -> None:
+        """Every ``refresh_seconds``: drop the tenants whose secret is gone or was made anew (forgotten)."""
+        while not self._closed.wait(self.config.refresh_seconds):
+            self.check_forgotten()
+
+    def check_forgotten(self) -> set[str]:
+        """Drop the keys of forgotten tenants now; the namespaces they held (also given to ``on_forgotten``)."""
+        with self._lock:
+            tenants = list(self._tenants.values())
+        gone: set[str] = set()
+        for tenant in tenants:
+            if self.keyring.inode(tenant.id) == tenant.inode:
+                continue
+            with self._lock:
+                if self._tenants.get(tenant.id) is tenant:
+                    del self._tenants[tenant.id]
+                gone |= tenant.namespaces
+            log.info("keyring: tenant %s was forgotten; its keys and %d namespaces are dropped", tenant.id,
+                     len(tenant.namespaces))
+        if gone and self._on_forgotten is not None:
+            self._on_forgotten(gone)
+        return gone
+
+    # -- sealing -----------------------------------------------------------------------------------------------
+    def seal(self, key: ShardKey, meta: frame.ShardMeta, payload: Sequence[memoryview],
+             created: float | None = None) -> list[memoryview | bytes]:
+        """The parts of the sealed object for ``payload``: its header, then the ciphertext (in a buffer of this
+        thread's, reused by its next seal: write it before sealing again)."""
+        tenant = self._tenant(key.namespace)
+        if tenant is None:
+            raise SealError(f"no tenant key for namespace {key.namespace} in this process (forgotten since)")
+        kid, data_key = tenant.keys[0]
+        nonce = os.urandom(_NONCE_BYTES)
+        aad = frame.sealed_aad(key, meta, kid, nonce, created)
+        encryptor = Cipher(algorithms.AES(data_key), modes.GCM(nonce)).encryptor()
+        encryptor.authenticate_additional_data(aad)
+        out = self._buffer(meta.nbytes)
+        pos = 0
+        for part in payload:
+            pos += encryptor.update_into(part, out[pos:pos + len(part)])
+        encryptor.finalize()
+        return [frame.sealed_header(aad, encryptor.tag), out[:pos]]
+
+    def _buffer(self, nbytes: int) -> memoryview:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._scratch.buf = memoryview(bytearray(nbytes))
+        return buf
+
+    def open_into(self, header: frame.Header, payload: Sequence[memoryview]) -> None:
+        sealing = header.sealing
+        assert sealing is not None
+        tenant = self._tenant(header.key.namespace)
+        data_key = None if tenant is None else tenant.key_for(sealing.key_id)
+        if data_key is None:
+            raise frame.UnknownKey(f"sealed under key {sealing.key_id.hex()}, which this process does not hold")
+        decryptor = Cipher(algorithms.AES(data_key), modes.GCM(sealing.nonce, sealing.tag)).decryptor()
+        decryptor.authenticate_additional_data(sealing.aad)
+        for part in payload:
+            decryptor.update_into(part, part)
+        try:
+            decryptor.finalize()
+        except InvalidTag:
+            raise frame.FrameError("sealed object fails to authenticate (forged, altered, or moved from another "
+                                   "key)") from None
+
+    def close(self) -> None:
+        self._closed.set()

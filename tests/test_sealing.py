@@ -1,0 +1,362 @@
+"""Encryption at rest: what a tier holds is sealed per tenant; a tier writer's forged, moved, altered or replayed
+object is a miss; keys rotate with no lost hits; a forgotten tenant's KV is unreadable everywhere at once while
+other tenants keep hitting; bad key sources are refused naming the field."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+import yaml
+
+from kvtier import KVStore, Namespace, frame
+from kvtier.cli import main
+from kvtier.config import load_config
+from kvtier.errors import ConfigError
+from kvtier.keys import ShardKey
+from kvtier.sealing import KeyProvider, Keyring, Sealer, write_key_file
+from kvtier.testing import synthetic_kv, synthetic_tokens
+
+T = 16
+
+
+def key_file(path: Path) -> str:
+    if not path.exists():
+        write_key_file(str(path))
+    return f"file:{path}"
+
+
+def config(tmp_path: Path, *, key: str = "k1", old: tuple[str, ...] = (), tier: dict | None = None,
+           refresh: float = 0.1, **extra: object) -> dict:
+    tier = tier or {"type": "filesystem", "name": "disk", "path": str(tmp_path / "disk"), "queue_depth": 4096}
+    return {"chunk_tokens": T, "dram": {"capacity_bytes": "8MiB", "page_bytes": "16KiB"}, "tiers": [tier],
+            "encryption": {"key": key_file(tmp_path / key), "old_keys": [key_file(tmp_path / k) for k in old],
+                           "keyring": str(tmp_path / "keyring"), "refresh_seconds": refresh}, **extra}
+
+
+def ns(salt: str | None) -> Namespace:
+    return Namespace(model="m", dtype="bfloat16", cache_salt=salt)
+
+
+def objects(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "disk").rglob("*.kv"))
+
+
+def cold(store: KVStore) -> KVStore:
+    store.flush()
+    store.drop_dram()
+    return store
+
+
+def test_a_tier_holds_only_sealed_objects_and_a_new_process_reads_them(tmp_path: Path) -> None:
+    tokens = synthetic_tokens(1, 3 * T)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(config(tmp_path)) as store:
+        store.put(ns("a"), tokens, kv)
+        cold(store)
+        assert torch.equal(store.get(ns("a"), tokens), kv)  # read back from the disk, decrypted into DRAM
+    files = objects(tmp_path)
+    assert len(files) == 3
+    raw = kv[:, :, :, :T].contiguous().view(torch.uint8).numpy().tobytes()[:64]
+    for path in files:
+        blob = path.read_bytes()
+        assert frame.decode_header(blob).sealing is not None
+        assert raw not in blob  # no run of the plaintext is on disk
+        with pytest.raises(frame.UnknownKey, match="no encryption key"):
+            frame.decode(blob)
+    with KVStore.from_config(config(tmp_path)) as store:  # a restart: the keyring gives the same tenant key
+        assert torch.equal(store.get(ns("a"), tokens), kv)
+        assert store.stats()["disk"]["hit_chunks_total"] == 3
+
+
+def _rewrite_header(blob: bytes, key: ShardKey) -> bytes:
+    """``blob`` with its header made to name ``key`` and its header checksum redone: what a tier writer can do."""
+    head = bytearray(blob[:frame.SEALED_HEADER_LEN])
+    head[32:48] = bytes.fromhex(key.namespace)
+    head[48:64] = bytes.fromhex(key.chunk)
+    head[-8:] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(head[:-8])))
+    return bytes(head) + blob[frame.SEALED_HEADER_LEN:]
+
+
+def test_a_tier_writer_cannot_forge_move_alter_or_replay_objects(tmp_path: Path) -> None:
+    tokens = synthetic_tokens(2, 2 * T)
+    other = synthetic_tokens(3, 2 * T)
+    kv, other_kv = synthetic_kv(tokens), synthetic_kv(other)
+    with KVStore.from_config(config(tmp_path)) as store:
+        store.put(ns("a"), tokens, kv)
+        store.put(ns("a"), other, other_kv)
+        store.put(ns("b"), tokens, kv)
+        store.flush()
+        disk = store.tiers[0]
+        by_key = {o.key: o for o in disk.list()}
+        a_keys = [k for k in by_key if k.namespace == ns("a").id]
+        b_keys = [k for k in by_key if k.namespace == ns("b").id]
+        victim, neighbour = b_keys  # tenant b's two chunks
+        attacks = {
+            # a plain object, checksummed correctly: what anyone could write without a key
+            "plain": lambda: frame.encode_header(victim, meta, [payload]) + payload,
+            # the tenant's other chunk's sealed object, its header rewritten to name this key
+            "moved": lambda: _rewrite_header(disk.get(neighbour), victim),
+            # the right object with one ciphertext byte flipped
+            "altered": lambda: flip(disk.get(victim)),
+            # tenant a's object, renamed into tenant b's namespace (a replay across tenants)
+            "replayed": lambda: _rewrite_header(disk.get(a_keys[0]), victim),
+        }
+        meta = frame.decode_header(disk.get(victim)).meta
+        payload = synthetic_kv(tokens)[:, :, :, :T].contiguous().view(torch.uint8).numpy().tobytes()
+        genuine = disk.get(victim)
+        outcomes = {}
+        for name, make in attacks.items():
+            disk.put(victim, [make()])
+            store.drop_dram()
+            before = store.stats()["disk"]
+            got = store.get(ns("b"), tokens)
+            after = store.stats()["disk"]
+            outcomes[name] = (got is None, after["corrupt_objects_total"] - before["corrupt_objects_total"],
+                              after["unopened_objects_total"] - before["unopened_objects_total"])
+            disk.put(victim, [genuine])
+        assert outcomes == {"plain": (True, 1, 0), "moved": (True, 1, 0), "altered": (True, 1, 0),
+                            "replayed": (True, 0, 1)}, outcomes
+        store.drop_dram()
+        assert torch.equal(store.get(ns("b"), tokens), kv)  # the genuine object put back still serves
+
+
+def flip(blob: bytes) -> bytes:
+    out = bytearray(blob)
+    out[frame.SEALED_HEADER_LEN + 5] ^= 0x40
+    return bytes(out)
+
+
+def test_tenants_have_their_own_keys_and_a_store_without_the_key_reads_nothing(tmp_path: Path) -> None:
+    tokens = synthetic_tokens(4, 2 * T)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(config(tmp_path)) as store:
+        store.put(ns("a"), tokens, kv)
+        store.put(ns("b"), tokens, kv)
+        store.put(ns(None), tokens, kv)
+        store.flush()
+        ids = {frame.decode_header(p.read_bytes()).sealing.key_id for p in objects(tmp_path)}
+        assert len(ids) == 3  # one key per tenant (no salt is a tenant too)
+    plain = config(tmp_path)
+    del plain["encryption"]
+    for cfg, salt in ((config(tmp_path, key="other"), "a"), (plain, "b")):  # another master key; no key at all
+        with KVStore.from_config(cfg) as store:
+            assert store.get(ns(salt), tokens) is None
+            stats = store.stats()["disk"]
+            assert (stats["unopened_objects_total"], stats["corrupt_objects_total"]) == (1, 0)  # not corruption
+
+
+def test_a_master_key_rotates_under_load_with_no_wrong_kv_and_no_lost_hits(tmp_path: Path, capsys) -> None:
+    prompts = [synthetic_tokens(10 + i, 4 * T) for i in range(6)]
+    kvs = [synthetic_kv(p) for p in prompts]
+    with KVStore.from_config(config(tmp_path, key="k1")) as store:
+        for i, (p, kv) in enumerate(zip(prompts, kvs)):
+            store.put(ns(f"t{i % 3}"), p, kv)
+    rotated = config(tmp_path, key="k2", old=("k1",))
+    path = tmp_path / "rotated.yaml"
+    path.write_text(yaml.safe_dump(rotated))
+    stop = threading.Event()
+    results: list[bool] = []
+
+    def serve() -> None:  # an engine on the new key, reading throughout the rekey
+        with KVStore.from_config(rotated) as store:
+            while not stop.is_set():
+                for i, (p, kv) in enumerate(zip(prompts, kvs)):
+                    store.drop_dram()
+                    got = store.get(ns(f"t{i % 3}"), p)
+                    results.append(got is not None and torch.equal(got, kv))
+
+    reader = threading.Thread(target=serve)
+    reader.start()
+    try:
+        time.sleep(0.3)
+        assert main(["cache", "rekey", "--config", str(path)]) == 0
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        reader.join()
+    out = capsys.readouterr().out
+    assert "24 re-sealed, 0 already under the current key" in out, out
+    assert len(results) > 24 and all(results), (len(results), results.count(False))
+    assert main(["cache", "rekey", "--config", str(path)]) == 0
+    assert "0 re-sealed, 24 already under the current key" in capsys.readouterr().out
+    with KVStore.from_config(config(tmp_path, key="k2")) as store:  # the old key retired: everything still opens
+        for i, (p, kv) in enumerate(zip(prompts, kvs)):
+            assert torch.equal(store.get(ns(f"t{i % 3}"), p), kv)
+
+
+def test_forgetting_a_tenant_makes_its_kv_unreadable_everywhere_while_others_keep_hitting(tmp_path: Path,
+                                                                                         capsys) -> None:
+    tokens = synthetic_tokens(5, 3 * T)
+    kv = synthetic_kv(tokens)
+    cfg = config(tmp_path, audit_log=str(tmp_path / "audit.log"))
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with KVStore.from_config(cfg) as engine:  # a running engine holds both tenants in DRAM and on disk
+        engine.put(ns("gone"), tokens, kv)
+        engine.put(ns("stays"), tokens, kv)
+        engine.flush()
+        forget_key = next(iter(engine.tiers[0].list(ns("gone").id))).key
+        kept = engine.tiers[0].get(forget_key)  # what an attacker copied from the tier before the forget
+        assert main(["tenant", "forget", "gone", "--config", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "key destroyed" in out and "removed 3 objects" in out, out
+        assert engine.get(ns("gone"), tokens) is None  # DRAM dropped too, within refresh_seconds
+        assert torch.equal(engine.get(ns("stays"), tokens), kv)
+        engine.tiers[0].put(forget_key, [kept])  # the copy put back: under a key nobody holds any more
+        assert engine.get(ns("gone"), tokens) is None
+        assert engine.stats()["disk"]["unopened_objects_total"] >= 1
+    with KVStore.from_config(cfg) as store:  # a new process: the tenant starts afresh, nothing of before opens
+        assert store.get(ns("gone"), tokens) is None
+        assert torch.equal(store.get(ns("stays"), tokens), kv)
+    audit = (tmp_path / "audit.log").read_text()
+    assert '"action":"forget"' in audit and '"action":"forget-remove"' in audit and "gone" not in audit
+    assert main(["tenant", "forget", "never-seen", "--config", str(path)]) == 1
+
+
+def test_a_forget_reaches_a_tier_that_cannot_list(tmp_path: Path, mooncake_server, unique_prefix: str,
+                                                  capsys) -> None:
+    """Mooncake without its admin address cannot list: the objects stay, and no key opens them any more; a forget
+    taken up again with a tier that lists removes them."""
+    tokens = synthetic_tokens(6, 2 * T)
+    kv = synthetic_kv(tokens)
+    listing = {"type": "mooncake", "name": "mc", **mooncake_server.tier_options(), "key_prefix": unique_prefix}
+    blind = {k: v for k, v in listing.items() if k != "admin_url"}
+    cfg = config(tmp_path, tier=blind)
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with KVStore.from_config(cfg) as store:
+        store.put(ns("x"), tokens, kv)
+        store.put(ns("y"), tokens, kv)
+    assert main(["tenant", "forget", "x", "--config", str(path)]) == 0
+    assert "cannot remove the objects" in capsys.readouterr().out
+    with KVStore.from_config(cfg) as store:
+        assert store.get(ns("x"), tokens) is None  # still stored, opened by no key
+        assert store.stats()["mc"]["unopened_objects_total"] == 1
+        assert torch.equal(store.get(ns("y"), tokens), kv)
+    with_listing = config(tmp_path, tier=listing)
+    path.write_text(yaml.safe_dump(with_listing))
+    assert main(["tenant", "forget", "x", "--config", str(path)]) == 0  # taken up again
+    assert "tier mc: removed 1 objects" in capsys.readouterr().out  # the other was removed as unopened above
+    with KVStore.from_config(with_listing) as store:
+        assert [o.key.namespace for o in store.tiers[0].list()] == [ns("y").id] * 2
+
+
+def _create_tenant(path: str, barrier, out) -> None:  # noqa: ANN001
+    keyring = Keyring(path)
+    barrier.wait()
+    out.put(keyring.secret(keyring.tenant_id("shared"), create=True)[0])
+
+
+def test_processes_creating_one_tenant_at_once_agree_on_its_secret(tmp_path: Path) -> None:
+    Keyring(str(tmp_path / "keyring"))
+    ctx = multiprocessing.get_context("fork")
+    barrier, out = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_create_tenant, args=(str(tmp_path / "keyring"), barrier, out)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    secrets = {out.get(timeout=30) for _ in procs}
+    for p in procs:
+        p.join()
+    assert len(secrets) == 1
+
+
+class StaticProvider(KeyProvider):
+    def load(self, name: str) -> bytes:
+        return bytes.fromhex(self.options["keys"][name])
+
+
+def test_key_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens = synthetic_tokens(7, T)
+    kv = synthetic_kv(tokens)
+    hexkey = os.urandom(32).hex()
+    (tmp_path / "k").write_text(hexkey + "\n")
+    (tmp_path / "k").chmod(0o600)
+    monkeypatch.setenv("KVTIER_TEST_KEY", hexkey)
+    sources = [("file", f"file:{tmp_path / 'k'}", {}),
+               ("env", "env:KVTIER_TEST_KEY", {}),
+               ("provider", f"provider:{__name__}:StaticProvider#main", {"keys": {"main": hexkey}})]
+    for name, source, options in sources:
+        cfg = config(tmp_path)
+        cfg["encryption"].update(key=source, provider_options=options)
+        with KVStore.from_config(cfg) as store:
+            if name == "file":
+                store.put(ns("a"), tokens, kv)
+            cold(store)
+            assert torch.equal(store.get(ns("a"), tokens), kv), name  # one key, three sources
+
+
+def written(path: Path, text: str, mode: int) -> str:
+    path.write_text(text)
+    path.chmod(mode)
+    return f"file:{path}"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: written(p / "loose", os.urandom(32).hex(), 0o644),
+     r"encryption.key: key file .*loose refused: its mode 0644 lets others in"),
+    (lambda p: written(p / "short", "abcd", 0o600), r"encryption.key \(.*short\): not a 256-bit key"),
+    (lambda p: "file:" + str(p / "missing"), r"encryption.key: cannot open key file .*missing"),
+    (lambda p: "env:KVTIER_UNSET_KEY", r"encryption.key: environment variable KVTIER_UNSET_KEY is not set"),
+    (lambda p: "provider:nowhere.module:Thing", r"encryption.key: cannot load key provider plugin"),
+    (lambda p: f"provider:{__name__}:StaticProvider#absent", r"encryption.key: key provider .* failed: KeyError"),
+])
+def test_bad_key_sources_are_refused_naming_the_field(tmp_path: Path, change, message: str) -> None:
+    cfg = config(tmp_path)
+    cfg["encryption"]["key"] = change(tmp_path)
+    cfg["encryption"]["provider_options"] = {"keys": {}}
+    with pytest.raises(ConfigError, match=message):
+        KVStore.from_config(cfg)
+    assert not (tmp_path / "disk").exists()  # refused before any tier opened
+
+
+@pytest.mark.parametrize("encryption, message", [
+    ({"key": "k"}, r"encryption.key: a key source"),
+    ({"key": "env:K"}, r"encryption.keyring: required"),
+    ({"key": "env:K", "keyring": "rel/dir"}, r"encryption.keyring: required, the absolute path"),
+    ({"key": "env:K", "keyring": "/x", "old_keys": "env:J"}, r"encryption.old_keys: expected a list"),
+    ({"key": "env:K", "keyring": "/x", "old_keys": ["J"]}, r"encryption.old_keys\[0\]: a key source"),
+    ({"key": "env:K", "keyring": "/x", "refresh_seconds": 0}, r"encryption.refresh_seconds"),
+    ({"key": "env:K", "keyring": "/x", "cipher": "des"}, r"encryption.cipher: unknown key; allowed: key, keyring"),
+])
+def test_bad_encryption_config_is_refused_naming_the_field(encryption: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config({"encryption": encryption})
+
+
+def test_a_keyring_others_can_enter_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "keyring").mkdir(mode=0o755)
+    (tmp_path / "keyring").chmod(0o755)
+    with pytest.raises(ConfigError, match=r"encryption.keyring: keyring directory .* refused: its mode 0755"):
+        Sealer(load_config(config(tmp_path)).encryption)
+
+
+def test_keygen_writes_a_private_key_and_never_overwrites(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "master.key"
+    assert main(["keygen", str(path)]) == 0
+    assert path.stat().st_mode & 0o777 == 0o600 and len(bytes.fromhex(path.read_text().strip())) == 32
+    before = path.read_bytes()
+    assert main(["keygen", str(path)]) == 2
+    assert "never overwritten" in capsys.readouterr().err and path.read_bytes() == before
+
+
+def test_verify_opens_sealed_objects(tmp_path: Path, capsys) -> None:
+    tokens = synthetic_tokens(8, 2 * T)
+    cfg = config(tmp_path)
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with KVStore.from_config(cfg) as store:
+        store.put(ns("v"), tokens, synthetic_kv(tokens))
+    assert main(["cache", "verify", "--config", str(path)]) == 0
+    assert "2 ok, 0 bad" in capsys.readouterr().out
+    victim = objects(tmp_path)[0]
+    victim.write_bytes(flip(victim.read_bytes()))
+    assert main(["cache", "verify", "--config", str(path)]) == 1
+    assert "1 ok, 1 bad" in capsys.readouterr().out
