@@ -3,12 +3,12 @@
 Every tier stores exactly these bytes, and every read is verified here, so a torn, truncated, bit-flipped or
 misplaced object is caught the same way whatever tier it came from.
 
-Header (little-endian; 96 bytes in version 1, 132 in version 2)::
+Header (little-endian; 96 bytes in version 1, 144 in version 2)::
 
     magic "KVTR" | version u16 | header_len u16 | payload_len u64 | payload xxh3-128 (16)
     namespace (16) | chunk key (16) | head start, stop, total u16 x3 | layers u16 | tokens u32 | head_dim u16
     dtype u8 | pad u8 | created f64
-    [version 2: key id (8) | nonce (12) | GCM tag (16)]
+    [version 2: key id (8) | nonce (24) | GCM tag (16)]
     header xxh3-64 (8)
 
 Version 1 is plain: the payload is the shard ``[num_layers, 2, heads, chunk_tokens, head_dim]`` in the model's
@@ -38,7 +38,7 @@ VERSION = 1
 SEALED_VERSION = 2
 _LEAD = struct.Struct("<4sHH")
 _BODY = struct.Struct("<4sHHQ16s16s16sHHHHIHBxd")
-_SEAL = struct.Struct("<8s12s")  # key id, nonce
+_SEAL = struct.Struct("<8s24s")  # key id, nonce
 _TAG_LEN = 16
 _TAIL = struct.Struct("<Q")
 HEADER_LEN = _BODY.size + _TAIL.size
@@ -193,8 +193,8 @@ def decode_header(data: bytes | memoryview) -> Header:
 
 def decode(data: bytes | bytearray | memoryview, expected: ShardKey | None = None,
            opener: Opener | None = None) -> tuple[Header, memoryview]:
-    """Verify a whole stored object; return its header and a view of its payload (decrypted, when sealed: into a
-    copy if ``data`` is read-only).
+    """Verify a whole stored object; return its header and a view of its payload (decrypted, when sealed, into a
+    copy).
 
     Raises :class:`FrameError` when the object is truncated, extended, corrupt or belongs to another key, and when
     it is sealed and ``opener`` is None or plain and ``opener`` is given (see :func:`verify`).
@@ -202,7 +202,7 @@ def decode(data: bytes | bytearray | memoryview, expected: ShardKey | None = Non
     view = memoryview(data).cast("B")
     length = decode_header(view).length
     payload = view[length:]
-    if length == SEALED_HEADER_LEN and payload.readonly and opener is not None:
+    if length == SEALED_HEADER_LEN and opener is not None:  # decrypted into a copy: never into a tier's own buffer
         payload = memoryview(bytearray(payload))
     return verify(view[:length], [payload], expected, opener), payload
 

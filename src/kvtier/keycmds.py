@@ -32,7 +32,7 @@ def sealer_for(args: argparse.Namespace, command: str) -> Sealer:
     config = args.store_config.encryption
     if config is None:
         raise ConfigError(f"encryption: not set in this config; `{command}` needs the master key and the keyring")
-    sealer = Sealer(config)
+    sealer = Sealer(config, create=False)
     sealer.load_keyring()
     return sealer
 
@@ -54,19 +54,20 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_rekey(tiers: list[Tier], args: argparse.Namespace) -> int:
-    """Every object not sealed under its tenant's current key (sealed under an old master key, or plain) is
-    opened and sealed again under it, in place: each write replaces the object atomically, so readers holding
-    either key keep hitting throughout."""
+    """Every object sealed under an older master key is opened and sealed again under its tenant's current key,
+    in place: each write replaces the object atomically, so readers holding both keys keep hitting throughout.
+    Plain objects are never sealed (anyone who can write a tier could have made them)."""
     sealer = sealer_for(args, "kvtier cache rekey")
     failed_total = 0
     try:
         for tier in tiers:
-            counts = dict.fromkeys(("resealed", "current", "no_tenant", "unknown_key", "bad", "gone"), 0)
+            counts = dict.fromkeys(("resealed", "current", "plain", "no_tenant", "unknown_key", "bad", "gone"), 0)
             objects = list(tier.list())
             for o in tqdm(objects, desc=f"rekey {tier.name}", unit="obj", file=sys.stderr, disable=None):
                 counts[_rekey_one(tier, o.key, sealer)] += 1
             print(f"tier {tier.name}: {counts['resealed']} re-sealed, {counts['current']} already under the current "
-                  f"key, {counts['no_tenant']} of namespaces no tenant in the keyring used, {counts['unknown_key']} "
+                  f"key, {counts['plain']} plain (never sealed: left to purge), {counts['no_tenant']} of namespaces "
+                  f"no tenant in the keyring used, {counts['unknown_key']} "
                   f"under keys not configured, {counts['bad']} bad (left for `kvtier cache verify --repair`), "
                   f"{counts['gone']} gone during the walk")
             failed_total += counts["unknown_key"] + counts["bad"]
@@ -84,9 +85,13 @@ def _rekey_one(tier: Tier, key: frame.ShardKey, sealer: Sealer) -> str:
         return "gone"
     try:
         header = frame.decode_header(blob)
-        if header.sealing is not None and header.sealing.key_id == want:
+        if header.sealing is None:
+            # Never sealed here: a plain object's checksum is unkeyed, so whoever can write the tier could have made
+            # it, and sealing it would make forged KV trusted. Engines refuse it; purge it.
+            return "plain"
+        if header.sealing.key_id == want:
             return "current"
-        header, payload = frame.decode(blob, expected=key, opener=sealer if header.sealing is not None else None)
+        header, payload = frame.decode(blob, expected=key, opener=sealer)
     except frame.UnknownKey:
         return "unknown_key"
     except frame.FrameError as exc:

@@ -52,6 +52,8 @@ class StoreMetrics:
         self.unopened = Counter("kvtier_unopened_objects", "Sealed objects under a key this process does not hold "
                                 "(a forgotten tenant's, a replay from another tenant): misses, removed",
                                 ["tier"], registry=r)
+        self.keyring_errors = Counter("kvtier_keyring_errors", "Puts and gets whose tenant key could not be made or "
+                                      "read (their secondary tiers skipped)", registry=r)
         self.queue_depth = Gauge("kvtier_queue_depth", "Cascade writes waiting, by tier", ["tier"], registry=r)
         self.used_bytes = Gauge("kvtier_used_bytes", "Bytes held, by tier", ["tier"], registry=r)
         self.capacity_bytes = Gauge("kvtier_capacity_bytes", "Byte budget, by tier", ["tier"], registry=r)

@@ -6,8 +6,9 @@ Key hierarchy::
     └── tenant key = HKDF-SHA256(master key, salt = tenant secret, info = "kvtier tenant key v1/" + tenant id)
           tenant secret: 32 random bytes in the keyring directory (``encryption.keyring``), one per cache salt
           (requests without a salt are one more tenant); ``kvtier tenant forget SALT`` deletes it
-        └── each shard: AES-256-GCM under the tenant key, a random 96-bit nonce, and the header up to the nonce
-            (the shard's key, shape and the key id) as associated data (:mod:`kvtier.frame`, version 2)
+        └── each shard: a random 192-bit nonce; AES-256-GCM under HMAC(tenant key, the nonce's first half) with its
+            second half, and the header up to the nonce (the shard's key, shape and the key id) as associated data
+            (:mod:`kvtier.frame`, version 2)
 
 A tenant's id is a keyed hash of its salt (the key, the keyring's ``pepper``, never leaves the keyring), so the
 keyring's file names do not reveal salts. A shard's key id is a digest of the tenant key that sealed it: a reader
@@ -16,8 +17,8 @@ of them is a miss (:class:`~kvtier.frame.UnknownKey`), left in place for the eng
 
 The keyring also records which namespaces each tenant used, so that ``forget`` can remove a tenant's objects where
 a tier can list, and ``kvtier cache rekey`` can re-seal any tenant's objects. It is shared by every process of a
-deployment: a directory on the engines' host (or a shared filesystem), with files created whole (``link``) and
-never rewritten. Processes notice a forgotten tenant within ``refresh_seconds`` and drop its keys and DRAM entries.
+deployment: a directory on the engines' host (or a shared filesystem). Processes notice a forgotten tenant within
+``refresh_seconds`` (its secret gone, or made anew) and drop its keys and DRAM entries.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
-_NONCE_BYTES = 12
+_NONCE_BYTES = 24  # 192 random bits: half make the object's key (object_key), half are GCM's nonce
 _KEY_ID_BYTES = 8
 _KEPT_NAMESPACES = 65536  # namespace -> tenant entries a process remembers (one per salt, model and settings)
+_KEPT_TENANTS = 16384  # tenants whose keys a process keeps derived
 _NAME = re.compile(r"t-[0-9a-f]{32}")
 
 
@@ -172,7 +174,9 @@ def load_key(source: str, field: str, options: Mapping[str, Any]) -> bytes:
     try:
         key = cls(options).load(name)
     except Exception as exc:  # a provider (a KMS client) may fail in any way: the store cannot start
-        raise ConfigError(f"{field}: key provider {path} failed: {type(exc).__name__}: {exc}") from exc
+        # Its message is not shown: a client's error may quote its credentials. It is chained for a traceback.
+        raise ConfigError(f"{field}: key provider {path} failed: {type(exc).__name__} (message withheld: it may "
+                          f"hold credentials)") from exc
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise ConfigError(f"{field}: key provider {path} returned {type(key).__name__}, not 32 bytes")
     return key
@@ -191,19 +195,21 @@ def write_key_file(path: str) -> None:
 class Keyring:
     """The tenant secrets of one deployment, in a directory only its owner can enter.
 
-    Files: ``pepper`` (the key of tenant ids), ``t-<id>`` (a tenant's 32-byte secret) and ``t-<id>.ns`` (the
-    namespaces the tenant used, one id per line, appended). A secret is written under a temporary name and linked
-    into place, so two processes creating one tenant at once agree on the first one linked.
+    Files: ``pepper`` (the key of tenant ids), ``t-<id>`` (a tenant's 32-byte secret, written under a temporary
+    name and linked into place: two processes creating one tenant at once agree on the first one linked, and a
+    secret is never rewritten), ``t-<id>.ns`` (the namespaces the tenant used, one id per line, appended) and
+    ``t-<id>.ns.forgetting`` (those of the forgets under way).
     """
 
-    def __init__(self, path: str, field: str = "encryption.keyring") -> None:
+    def __init__(self, path: str, field: str = "encryption.keyring", create: bool = True) -> None:
         self.path = path
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise ConfigError(f"{field}: cannot create keyring directory {path}: {exc.strerror}") from None
+        if create:
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise ConfigError(f"{field}: cannot create keyring directory {path}: {exc.strerror}") from None
         try:
             st = os.stat(path, follow_symlinks=False)
         except OSError as exc:
@@ -213,63 +219,51 @@ class Keyring:
         why = _owned_privately(st)
         if why is not None:
             raise ConfigError(f"{field}: keyring directory {path} refused: {why}")
-        self._pepper = self._create_or_read("pepper")
+        self._pepper = self._create_or_read("pepper") if create else self._read("pepper")
+        if self._pepper is None:
+            raise ConfigError(f"{field}: {path} holds no keyring (no pepper file)")
 
     def tenant_id(self, salt: str | None) -> str:
         """The keyring's name for the tenant of ``salt`` (None: requests without a salt)."""
         data = b"\x00" if salt is None else b"s" + salt.encode("utf-8", "surrogatepass")
         return "t-" + hashlib.blake2b(data, key=self._pepper, digest_size=16).hexdigest()
 
-    def secret(self, tenant: str, create: bool) -> tuple[bytes, int] | None:
-        """The tenant's secret and its file's inode (which changes if it is forgotten and made again); created when
-        missing and ``create``, else None."""
-        if not create:
-            try:
-                fd = os.open(os.path.join(self.path, tenant), os.O_RDONLY | os.O_NOFOLLOW)
-            except FileNotFoundError:
-                return None
-            try:
-                return self._read_secret(fd, tenant), os.fstat(fd).st_ino
-            finally:
-                os.close(fd)
-        value = self._create_or_read(tenant)
-        inode = self.inode(tenant)
-        if inode is None:  # forgotten between the two calls: once more
-            return self.secret(tenant, create)
-        return value, inode
+    def secret(self, tenant: str, create: bool) -> bytes | None:
+        """The tenant's secret; created when missing and ``create``, else None."""
+        return self._create_or_read(tenant) if create else self._read(tenant)
 
-    def inode(self, tenant: str) -> int | None:
+    def _read(self, name: str) -> bytes | None:
         try:
-            return os.stat(os.path.join(self.path, tenant), follow_symlinks=False).st_ino
+            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
-
-    def _read_secret(self, fd: int, name: str) -> bytes:
-        value = os.read(fd, KEY_BYTES + 1)
+        try:
+            value = os.read(fd, KEY_BYTES + 1)
+        finally:
+            os.close(fd)
         if len(value) != KEY_BYTES:
             raise KVTierError(f"keyring {self.path}: {name} holds {len(value)} bytes, not a {KEY_BYTES}-byte secret")
         return value
 
     def _create_or_read(self, name: str) -> bytes:
-        final = os.path.join(self.path, name)
-        tmp = os.path.join(self.path, f".tmp-{os.getpid()}-{os.urandom(6).hex()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, os.urandom(KEY_BYTES))
-            os.fsync(fd)
+        for _ in range(3):
+            value = self._read(name)
+            if value is not None:
+                return value
+            tmp = os.path.join(self.path, f".tmp-{os.getpid()}-{os.urandom(6).hex()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
-                os.link(tmp, final)
-                self._sync_dir()
-            except FileExistsError:
-                pass  # made first by another process: theirs it is
-        finally:
-            os.close(fd)
-            os.unlink(tmp)
-        fd = os.open(final, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            return self._read_secret(fd, name)
-        finally:
-            os.close(fd)
+                os.write(fd, os.urandom(KEY_BYTES))
+                os.fsync(fd)
+                try:
+                    os.link(tmp, os.path.join(self.path, name))
+                    self._sync_dir()
+                except FileExistsError:
+                    pass  # made first by another process: theirs it is
+            finally:
+                os.close(fd)
+                os.unlink(tmp)
+        raise KVTierError(f"keyring {self.path}: {name} keeps vanishing as it is made (forgotten meanwhile?)")
 
     def _sync_dir(self) -> None:
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
@@ -302,36 +296,32 @@ class Keyring:
                 yield name
 
     def forget(self, tenant: str) -> list[str] | None:
-        """Destroy a tenant's secret; the namespaces it used, or None if it has neither a secret nor a forget
-        under way. Its namespace list joins the list of the forgets under way (``.ns.forgetting``), for
-        :meth:`forgotten` to drop once their objects are removed: a forget that stopped before is taken up again,
-        and a tenant made again meanwhile starts a list of its own."""
+        """Destroy a tenant's secret; the namespaces whose objects are to be removed, or None if the tenant has
+        neither a secret nor a forget under way.
+
+        Crash-safe in this order: the tenant's namespace list joins the list of the forgets under way
+        (``.ns.forgetting``, written whole and renamed into place), then the secret goes. A forget that stopped
+        anywhere is taken up again by the next one; :meth:`forgotten` drops the list once the objects are removed.
+        A tenant made again afterwards starts a list of its own."""
         final = os.path.join(self.path, tenant)
-        try:
-            os.unlink(final)
-            destroyed = True
-        except FileNotFoundError:
-            destroyed = False
-        taken = f"{final}.ns.taken-{os.urandom(6).hex()}"
-        try:
-            os.rename(final + ".ns", taken)
-        except FileNotFoundError:
-            taken = None
-        pending = os.path.exists(final + ".ns.forgetting")
-        if not (destroyed or taken or pending):
+        has_secret = os.path.exists(final)
+        merged = list(dict.fromkeys(self.namespaces(tenant, ".ns.forgetting") + self.namespaces(tenant)))
+        if not has_secret and not os.path.exists(final + ".ns.forgetting") and not merged:
             return None
-        merged = self.namespaces(tenant, ".ns.forgetting")
-        if taken is not None:
-            merged = list(dict.fromkeys(merged + self.namespaces(os.path.basename(taken), "")))
-            tmp = os.path.join(self.path, f".tmp-{os.getpid()}-{os.urandom(6).hex()}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        tmp = os.path.join(self.path, f".tmp-{os.getpid()}-{os.urandom(6).hex()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, "".join(f"{ns}\n" for ns in merged).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final + ".ns.forgetting")
+        self._sync_dir()
+        for name in (final, final + ".ns"):  # the secret first: the tenant is forgotten from here on
             try:
-                os.write(fd, "".join(f"{ns}\n" for ns in merged).encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, final + ".ns.forgetting")
-            os.unlink(taken)
+                os.unlink(name)
+            except FileNotFoundError:
+                pass
         self._sync_dir()
         return merged
 
@@ -351,12 +341,19 @@ def tenant_key(master: bytes, secret: bytes, tenant: str) -> bytes:
                 info=b"kvtier tenant key v1/" + tenant.encode()).derive(master)
 
 
+def object_key(tenant_key: bytes, nonce: bytes) -> bytes:
+    """The key of one object: the tenant key hashed with the first half of the object's random 192-bit nonce (GCM
+    gets the second half), so a tenant key may seal any number of objects (with one key and random 96-bit nonces,
+    GCM is safe for about 2**32)."""
+    return hmac.new(tenant_key, b"kvtier object key/" + nonce[:_NONCE_BYTES // 2], hashlib.sha256).digest()
+
+
 @dataclasses.dataclass
 class _Tenant:
     id: str
-    inode: int
-    keys: list[tuple[bytes, bytes]]  # (key id, tenant key), the current master's first
-    namespaces: set[str]
+    secret: bytes = dataclasses.field(repr=False)
+    keys: list[tuple[bytes, bytes]] = dataclasses.field(repr=False)  # (key id, tenant key), the current master's first
+    namespaces: set[str] = dataclasses.field(default_factory=set)
 
     def key_for(self, wanted: bytes) -> bytes | None:
         return next((k for kid, k in self.keys if hmac.compare_digest(kid, wanted)), None)
@@ -366,46 +363,58 @@ class Sealer:
     """Seals shards for the tiers and opens what they return (a :class:`~kvtier.frame.Opener`), for the
     namespaces of the tenants it has seen. Thread-safe."""
 
-    def __init__(self, config: EncryptionConfig, on_forgotten: Callable[[set[str]], None] | None = None) -> None:
+    def __init__(self, config: EncryptionConfig, on_forgotten: Callable[[set[str]], None] | None = None,
+                 create: bool = True) -> None:
+        """``create=False``: for a command, which must not make a keyring (or a tenant) where none is."""
         self.config = config
         self._masters = [load_key(config.key, "encryption.key", config.provider_options)]
         self._masters += [load_key(s, f"encryption.old_keys[{i}]", config.provider_options)
                           for i, s in enumerate(config.old_keys)]
-        self.keyring = Keyring(config.keyring)
+        self.keyring = Keyring(config.keyring, create=create)
         self._on_forgotten = on_forgotten
         self._lock = threading.Lock()
-        self._tenants: dict[str, _Tenant] = {}
+        self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
         self._by_ns: OrderedDict[str, _Tenant] = OrderedDict()
         self._scratch = threading.local()
         self._closed = threading.Event()
+        self._watch_failed = False
         self._watcher = threading.Thread(target=self._watch, name="kvtier-keyring", daemon=True)
         self._watcher.start()
 
     # -- tenants -----------------------------------------------------------------------------------------------
-    def register(self, ns: Namespace) -> None:
-        """Make ``ns``'s tenant key available (its secret created on first use) before its shards are sealed or
-        opened here."""
+    def register(self, ns: Namespace, create: bool = True) -> object | None:
+        """Make ``ns``'s tenant key available before its shards are sealed or opened here; its secret is made on
+        first use when ``create`` (a put), not for a read (nothing is stored under a tenant that has none).
+        Returns a token for :meth:`current` (None: the tenant has no secret). Raises OSError or
+        :class:`KVTierError` when the keyring cannot be read or written."""
         with self._lock:
             tenant = self._by_ns.get(ns.id)
             if tenant is not None and self._tenants.get(tenant.id) is tenant:
                 self._by_ns.move_to_end(ns.id)
-                return
-        self._attach(self.keyring.tenant_id(ns.cache_salt), ns.id, create=True)
+                self._tenants.move_to_end(tenant.id)
+                return tenant
+        return self._attach(self.keyring.tenant_id(ns.cache_salt), ns.id, create)
 
-    def _attach(self, tid: str, namespace: str, create: bool) -> _Tenant | None:
+    def current(self, token: object | None) -> bool:
+        """Whether the tenant :meth:`register` returned ``token`` for is still held (not forgotten since)."""
+        with self._lock:
+            return isinstance(token, _Tenant) and self._tenants.get(token.id) is token
+
+    def _attach(self, tid: str, namespace: str, create: bool, record: bool = True) -> _Tenant | None:
         with self._lock:
             tenant = self._tenants.get(tid)
         if tenant is None:
-            got = self.keyring.secret(tid, create)
-            if got is None:
+            secret = self.keyring.secret(tid, create)
+            if secret is None:
                 return None
-            secret, inode = got
             keys = [tenant_key(m, secret, tid) for m in self._masters]
-            made = _Tenant(tid, inode, [(key_id(k), k) for k in keys], set())
+            made = _Tenant(tid, secret, [(key_id(k), k) for k in keys])
             with self._lock:
                 tenant = self._tenants.setdefault(tid, made)
+                while len(self._tenants) > _KEPT_TENANTS:  # attached again on next use
+                    self._tenants.popitem(last=False)
         if namespace not in tenant.namespaces:
-            if create:
+            if record:
                 self.keyring.add_namespace(tid, namespace)
             with self._lock:
                 tenant.namespaces.add(namespace)
@@ -422,7 +431,7 @@ class Sealer:
         count = 0
         for tid in self.keyring.tenants():
             for namespace in self.keyring.namespaces(tid):
-                if self._attach(tid, namespace, create=False) is not None:
+                if self._attach(tid, namespace, create=False, record=False) is not None:
                     count += 1
         return count
 
@@ -436,9 +445,16 @@ class Sealer:
         return None if tenant is None else tenant.keys[0][0]
 
     def _watch(self) -> None:
-        """Every ``refresh_seconds``: drop the tenants whose secret is gone or was made anew (forgotten)."""
+        """Every ``refresh_seconds``: drop the tenants whose secret is gone or was made anew (forgotten). A failed
+        check is logged (once) and tried again at the next tick: the watch never stops."""
         while not self._closed.wait(self.config.refresh_seconds):
-            self.check_forgotten()
+            try:
+                self.check_forgotten()
+            except Exception:
+                if not self._watch_failed:
+                    self._watch_failed = True
+                    log.exception("keyring %s: checking for forgotten tenants failed; retrying every %.1f s (further "
+                                  "failures are not logged)", self.keyring.path, self.config.refresh_seconds)
 
     def check_forgotten(self) -> set[str]:
         """Drop the keys of forgotten tenants now; the namespaces they held (also given to ``on_forgotten``)."""
@@ -446,7 +462,11 @@ class Sealer:
             tenants = list(self._tenants.values())
         gone: set[str] = set()
         for tenant in tenants:
-            if self.keyring.inode(tenant.id) == tenant.inode:
+            try:
+                secret = self.keyring.secret(tenant.id, create=False)
+            except KVTierError:
+                secret = None  # not a secret any more: as good as gone
+            if secret is not None and hmac.compare_digest(secret, tenant.secret):
                 continue
             with self._lock:
                 if self._tenants.get(tenant.id) is tenant:
@@ -463,13 +483,16 @@ class Sealer:
              created: float | None = None) -> list[memoryview | bytes]:
         """The parts of the sealed object for ``payload``: its header, then the ciphertext (in a buffer of this
         thread's, reused by its next seal: write it before sealing again)."""
+        if sum(len(part) for part in payload) != meta.nbytes:
+            raise ValueError(f"payload of {sum(len(p) for p in payload)} bytes for a shard of {meta.nbytes}")
         tenant = self._tenant(key.namespace)
         if tenant is None:
             raise SealError(f"no tenant key for namespace {key.namespace} in this process (forgotten since)")
         kid, data_key = tenant.keys[0]
         nonce = os.urandom(_NONCE_BYTES)
         aad = frame.sealed_aad(key, meta, kid, nonce, created)
-        encryptor = Cipher(algorithms.AES(data_key), modes.GCM(nonce)).encryptor()
+        encryptor = Cipher(algorithms.AES(object_key(data_key, nonce)),
+                           modes.GCM(nonce[_NONCE_BYTES // 2:])).encryptor()
         encryptor.authenticate_additional_data(aad)
         out = self._buffer(meta.nbytes)
         pos = 0
@@ -491,7 +514,8 @@ class Sealer:
         data_key = None if tenant is None else tenant.key_for(sealing.key_id)
         if data_key is None:
             raise frame.UnknownKey(f"sealed under key {sealing.key_id.hex()}, which this process does not hold")
-        decryptor = Cipher(algorithms.AES(data_key), modes.GCM(sealing.nonce, sealing.tag)).decryptor()
+        decryptor = Cipher(algorithms.AES(object_key(data_key, sealing.nonce)),
+                           modes.GCM(sealing.nonce[_NONCE_BYTES // 2:], sealing.tag)).decryptor()
         decryptor.authenticate_additional_data(sealing.aad)
         for part in payload:
             decryptor.update_into(part, part)

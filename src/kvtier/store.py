@@ -39,6 +39,8 @@ Tokens = Sequence[int] | np.ndarray | torch.Tensor
 _R = TypeVar("_R")
 # Re-plans of one chunk after a piece failed; each failure removes a shard, so a few always suffice.
 _REPLANS = 8
+_UNOPENED_SECONDS = 60.0  # how long a shard under a key this process lacks is taken as absent (then read again)
+_UNOPENED_KEPT = 65536
 _SHAPES_KEPT = 4096
 # Shard reads a get keeps in flight ahead of the one it copies, from tiers that read ahead (Tier.read_ahead):
 # the next read's round trips overlap promoting this one, and the read buffers held stay bounded (a 128K-token
@@ -149,6 +151,9 @@ class KVStore:
         self._watch_levels()
         self._shapes: OrderedDict[str, Shape] = OrderedDict()  # namespace id -> its shards' shape, bounded
         self._logged: set[tuple[str, str, str]] = set()  # kinds of contained tier faults already logged
+        # Shards under keys this process lacks, read lately: until when reads and lookups plan without them.
+        self._unopened: OrderedDict[tuple[str, ShardKey], float] = OrderedDict()
+        self._unopened_lock = threading.Lock()
         # Read-ahead from secondary tiers, a pool per tier: reads stuck in a stalled server hold up no other tier's.
         self._readers = {t.name: DaemonPool(f"kvtier-read-{t.name}", _READ_THREADS) for t in self.tiers}
         self._closed = False
@@ -228,8 +233,7 @@ class KVStore:
     def _put(self, ns: Namespace, tokens: Tokens, meta: frame.ShardMeta, source: Callable[[int, torch.Tensor], None],
              offset: int, device: torch.device, start: float, tail: bool = False) -> int:
         t = self.chunk_tokens
-        if self._sealer is not None:
-            self._sealer.register(ns)
+        tenant = self._register(ns, create=True)
         self._remember_shape(ns.id, Shape.of(meta))  # the caller's own KV: it defines the shape
         first = offset // t
         held = 0  # leading chunks from `first` on now in DRAM
@@ -264,6 +268,8 @@ class KVStore:
             self.dram.commit(entry, keep_refs=len(writers))
             for writer in writers:
                 writer.submit(entry)
+        if tenant is not None and reserved and not self._sealer.current(tenant):  # type: ignore[union-attr]
+            self.dram.discard_namespaces({ns.id})  # forgotten while this put ran: what it committed goes too
         self.metrics.put_seconds.observe(time.perf_counter() - start)
         return min(offset + held * t, len(tokens))
 
@@ -465,6 +471,11 @@ class KVStore:
                 isinstance(found, list) and all(valid_range(h) for h in found) for found in heads):
             self._unexpected(tier, "lookup", ValueError(f"malformed answer for {len(chunks)} chunks: {heads!r:.200}"))
             return [[] for _ in chunks]
+        if self._unopened:  # objects under keys this process lacks were read lately: as good as absent here
+            now = time.monotonic()
+            with self._unopened_lock:
+                heads = [[h for h in found if self._unopened.get((tier.name, ShardKey(namespace, chunk, h)), 0) < now]
+                         for chunk, found in zip(chunks, heads)]
         return heads
 
     def _unexpected(self, tier: Tier, what: str, exc: BaseException, counter: str = "read_errors") -> None:
@@ -547,8 +558,7 @@ class KVStore:
             raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
         if kv_heads is not None:
             rank_heads(kv_heads, tp_rank, tp_size)  # the caller's own degree must fit its model: raises if not
-        if self._sealer is not None:
-            self._sealer.register(ns)
+        self._register(ns, create=False)
         shape = self._shapes.get(ns.id)
         if wanted is not None:
             if shape is not None and wanted != shape:
@@ -609,7 +619,7 @@ class KVStore:
                 if found is None:
                     still.append(chunk)
                     continue
-                if tier.read_ahead or tier.batch_reads:
+                if self._reads_ahead(tier) or tier.batch_reads:
                     read.ahead.extend((tier, ShardKey(read.namespace, chunk, rng), parents[chunk])
                                       for rng, _, _ in found[1] if rng not in dram)
             missing = still
@@ -619,6 +629,12 @@ class KVStore:
             read.ahead = [item for item in read.ahead if order[item[1].chunk] < stop]
         read.ahead.reverse()  # popped from the end, in chunk order
         self._read_ahead(read)
+
+    def _reads_ahead(self, tier: Tier) -> bool:
+        """Whether a get reads ``tier``'s shards ahead, on threads: where the tier asks for it, and for every tier
+        when objects are sealed (the reading threads decrypt while the caller copies; inline, a local disk's
+        reads measured 0.6 of their plain speed, ahead 0.8 and more: ``benchmarks/bench_sealing.py``)."""
+        return tier.read_ahead or self._sealer is not None
 
     def _read_ahead(self, read: Read) -> None:
         """Start the next lined-up shard reads, keeping at most :data:`READ_AHEAD` of them started and not yet
@@ -842,7 +858,7 @@ class KVStore:
                 if created is not None:
                     return filling.entry
                 continue
-            if read.shape is not None and (not (tier.read_ahead or tier.batch_reads) or
+            if read.shape is not None and (not (self._reads_ahead(tier) or tier.batch_reads) or
                                            (tier.name, key) not in read.started):
                 entry = self.dram.reserve(key, read.shape.meta(self.chunk_tokens, key.heads), parent)
                 if isinstance(entry, DramEntry):
@@ -972,14 +988,21 @@ class KVStore:
                       outage: Outage) -> tuple[str, _R | None]:
         try:
             got = read()
-        except frame.UnknownKey as exc:  # a forgotten tenant's, a replay from another tenant: no key opens it
+        except frame.UnknownKey as exc:
+            # Left in place: another engine may hold its key (a master key being rolled out, another deployment
+            # with its own keyring), and removing what an engine cannot open would let any misconfigured engine
+            # empty a shared tier. Remembered for a while instead, so reads plan without it.
             outage.succeeded()
             self.metrics.unopened.labels(tier.name).inc()
+            with self._unopened_lock:
+                self._unopened[(tier.name, key)] = time.monotonic() + _UNOPENED_SECONDS
+                self._unopened.move_to_end((tier.name, key))
+                while len(self._unopened) > _UNOPENED_KEPT:
+                    self._unopened.popitem(last=False)
             if (tier.name, "open", "UnknownKey") not in self._logged:
                 self._logged.add((tier.name, "open", "UnknownKey"))
-                log.warning("tier %s: removing %s: %s (further such objects are counted, not logged)", tier.name,
-                            key.name, exc)
-            self._remove(tier, key)
+                log.warning("tier %s: %s is %s: a miss, left in place (further such objects are counted, not "
+                            "logged)", tier.name, key.name, exc)
             return "unknown_key", None
         except (frame.FrameError, ObjectError) as exc:
             outage.succeeded()
@@ -1006,6 +1029,23 @@ class KVStore:
     # -- housekeeping ------------------------------------------------------------------------------------------
     def _evicted(self, entry: DramEntry) -> None:
         self._dram_evictions.inc()
+
+    def _register(self, ns: Namespace, create: bool) -> object | None:
+        """With encryption: make ``ns``'s tenant key available (see :meth:`Sealer.register`). A keyring that cannot
+        be read or written costs this call its secondary tiers (its writes are dropped, its reads miss there),
+        counted and logged once; it never fails the caller."""
+        if self._sealer is None:
+            return None
+        try:
+            return self._sealer.register(ns, create)
+        except Exception as exc:
+            self.metrics.keyring_errors.inc()
+            if ("keyring", "register", type(exc).__name__) not in self._logged:
+                self._logged.add(("keyring", "register", type(exc).__name__))
+                log.warning("keyring %s: cannot %s a tenant key (%s: %s); its secondary tiers are skipped (further "
+                            "such failures are counted, not logged)", self._sealer.keyring.path,
+                            "make or read" if create else "read", type(exc).__name__, exc)
+            return None
 
     def _forgotten(self, namespaces: set[str]) -> None:
         """A tenant was forgotten (``kvtier tenant forget``): its KV leaves DRAM too (an entry being read goes when

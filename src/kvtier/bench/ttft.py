@@ -25,7 +25,8 @@ PROFILES = {  # documents, tokens per document, rounds (questions per document),
     "quick": dict(docs=3, doc_tokens=2048, rounds=2, unique=4, noreuse_output=16),
     "full": dict(docs=4, doc_tokens=4096, rounds=3, unique=5, noreuse_output=32),
 }
-PHASES = ("baseline", "kvtier", "restart", "engine_hit", "api_server", "noreuse_plain", "noreuse_kvtier")
+PHASES = ("baseline", "kvtier", "restart", "encrypted", "engine_hit", "api_server", "noreuse_plain",
+          "noreuse_kvtier")
 # With a shared tier the question is how fast its hits are; the no-reuse overhead is measured on the disk setup.
 SHARED_PHASES = ("baseline", "kvtier", "restart", "engine_hit")
 LONG_PHASES = ("baseline", "kvtier", "engine_hit")  # --prefix-tokens: the hit ratios at another prefix length
@@ -123,13 +124,17 @@ def _run_phases(job: dict, work: Path, profile: dict, json_path: Path | None, ph
     results: dict[str, object] = {}
     for phase in phases:
         log(f"phase {phase}")
+        job_path = work / "job.json"
         if phase == "noreuse_kvtier":  # a store of its own, so nothing from earlier phases can hit
             job["store"]["tiers"][0]["path"] = str(work / "kv-noreuse")
-            (work / "job.json").write_text(json.dumps(job))
+            job_path.write_text(json.dumps(job))
+        elif phase == "encrypted":  # the kvtier phase again, on a disk of its own with every object sealed
+            job_path = work / "job-encrypted.json"
+            job_path.write_text(json.dumps(_encrypted(job, work)))
         start = time.perf_counter()
         out = work / f"{phase}.json"
         with open(work / f"{phase}.log", "w") as engine_log:  # vLLM logs to stdout: keep it out of the table
-            proc = subprocess.run([sys.executable, "-m", "kvtier.bench.phase", str(work / "job.json"), phase,
+            proc = subprocess.run([sys.executable, "-m", "kvtier.bench.phase", str(job_path), phase,
                                    str(out)], stdout=engine_log,
                                   env={**server_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
@@ -143,9 +148,19 @@ def _run_phases(job: dict, work: Path, profile: dict, json_path: Path | None, ph
     return report(results, profile, json_path, job["secondary"])
 
 
+def _encrypted(job: dict, work: Path) -> dict:
+    """``job`` with its store's objects sealed (a key and a keyring of its own) on a disk of its own."""
+    from kvtier.sealing import write_key_file
+
+    write_key_file(str(work / "master.key"))
+    store = dict(job["store"], tiers=[dict(job["store"]["tiers"][0], path=str(work / "kv-encrypted"))],
+                 encryption={"key": f"file:{work / 'master.key'}", "keyring": str(work / "keyring")})
+    return dict(job, store=store)
+
+
 def report(results: dict, profile: dict, json_path: Path | None, secondary: str = "disk") -> int:
     rows: dict[str, dict[str, float]] = {}
-    for phase in ("baseline", "kvtier", "restart", "engine_hit", "api_server"):
+    for phase in ("baseline", "kvtier", "restart", "encrypted", "engine_hit", "api_server"):
         for label, times in results.get(phase, {}).items():
             if isinstance(times, list):
                 rows[label] = _summary(times)
@@ -170,6 +185,13 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
           "1.0 is as fast):")
     for label, ratio in ratios.items():
         print(f"- {label}: {ratio:.2f}")
+    sealed = rows.get("kvtier, disk hit, encrypted")
+    encryption = None
+    if sealed is not None:
+        plain = rows["kvtier, disk hit"]["mean"]
+        encryption = {"disk_hit_ttft_ratio": sealed["mean"] / plain, "target": 1.10}
+        print(f"\nEncryption at rest: disk-hit TTFT with every object sealed / without: "
+              f"{sealed['mean'] / plain:.2f} (target <= 1.10: {'met' if sealed['mean'] / plain <= 1.10 else 'not met'})")
     if "api_server" in results:
         hits = results["api_server"]["external_hits"]
         share = hits["hit_tokens"] / hits["query_tokens"] if hits["query_tokens"] else 0.0
@@ -186,5 +208,6 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
         json_path.write_text(json.dumps({"machine": machine(), "profile": profile, "secondary": secondary,
                                          "vllm_cpu_reserved": server_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"],
                                          "ttft": rows, "vs_engine_hit": ratios, "noreuse_tokens_per_s": noreuse,
+                                         "encryption": encryption,
                                          "raw": results}, indent=2))
     return 0
