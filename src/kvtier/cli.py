@@ -4,6 +4,7 @@
     kvtier cache ls     --config FILE [--namespace NS] [--tier NAME]
     kvtier cache verify --config FILE [--tier NAME] [--repair]
     kvtier cache purge  --config FILE (--namespace NS | --older-than AGE | --all) [--tier NAME]
+    kvtier cache retain --config FILE [--tier NAME]
     kvtier cache rekey  --config FILE [--tier NAME]
     kvtier tenant forget --config FILE (SALT | -)
     kvtier keygen FILE
@@ -174,22 +175,46 @@ def cmd_purge(tiers: list[Tier], args: argparse.Namespace) -> int:
         objs = _objects(tier, args.namespace)
         if args.older_than is not None:
             objs = [o for o in objs if now - o.created > args.older_than]
-        if audit is not None:  # before: a purge that fails part-way is on record
-            audit.record("purge-start", tier=tier.name, **selector, objects=len(objs),
-                         bytes=sum(o.size for o in objs))
-        removed = size = 0
-        failed = True
-        try:
-            for o in tqdm(objs, desc=f"purge {tier.name}", unit="obj", file=sys.stderr, disable=None):
-                if tier.delete(o.key):
-                    removed += 1
-                    size += o.size
-            failed = False
-        finally:
-            if audit is not None:  # what was removed, even when the purge stopped part-way
-                audit.record("purge", tier=tier.name, **selector, objects=removed, bytes=size, failed=failed)
-        print(f"tier {tier.name}: removed {removed} objects ({_human(size)})")
+        _remove_objects(tier, objs, audit, "purge", selector)
     return 0
+
+
+def cmd_retain(tiers: list[Tier], args: argparse.Namespace) -> int:
+    """A retention run: each tier's ``ttl_seconds`` applied by listing it (for tiers that do not expire objects
+    themselves, such as S3; on the others it removes what their own expiry has not reached yet)."""
+    now = time.time()
+    audit = _audit(args)
+    for tier in tiers:
+        ttl = getattr(tier.options, "ttl_seconds", None)
+        if ttl is None:
+            print(f"tier {tier.name}: no ttl_seconds; nothing to do")
+        elif not tier.listed_times:
+            print(f"tier {tier.name}: its listing has no write times; objects past ttl_seconds are refused as they "
+                  "are read, and left to the tier's own eviction")
+        else:
+            _remove_objects(tier, [o for o in _objects(tier) if now - o.created > ttl], audit, "retain",
+                            {"ttl_seconds": ttl})
+    return 0
+
+
+def _remove_objects(tier: Tier, objs: list[StoredObject], audit, action: str,  # noqa: ANN001
+                    selector: dict[str, object]) -> None:
+    """Remove ``objs`` from ``tier``, with progress; with an audit log, ``<action>-start`` before (a removal that
+    fails part-way is on record) and ``<action>`` after (what was removed, even when it stopped part-way)."""
+    if audit is not None:
+        audit.record(f"{action}-start", tier=tier.name, **selector, objects=len(objs), bytes=sum(o.size for o in objs))
+    removed = size = 0
+    failed = True
+    try:
+        for o in tqdm(objs, desc=f"{action} {tier.name}", unit="obj", file=sys.stderr, disable=None):
+            if tier.delete(o.key):
+                removed += 1
+                size += o.size
+        failed = False
+    finally:
+        if audit is not None:
+            audit.record(action, tier=tier.name, **selector, objects=removed, bytes=size, failed=failed)
+    print(f"tier {tier.name}: removed {removed} objects ({_human(size)})")
 
 
 def cmd_audit(tiers: list[Tier], args: argparse.Namespace) -> int:
@@ -256,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--older-than", type=parse_age, metavar="AGE", help="chunks written more than AGE ago")
     which.add_argument("--all", action="store_true", help="everything")
     purge.set_defaults(func=cmd_purge)
+    add("retain", "a retention run: remove what is older than each tier's ttl_seconds (S3 has no expiry of its own; "
+                  "run it from cron), recorded in the audit log").set_defaults(func=cmd_retain)
     keycmds.add_commands(top, sub)
 
     bench = top.add_parser("bench", help="TTFT of repeated long prefixes on vLLM (CPU), with and without kvtier")

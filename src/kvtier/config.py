@@ -84,6 +84,12 @@ def check_url_port(url: str, field: str, shown: str = "") -> None:
         raise ConfigError(f"{field}: the port must be a number in 1-65535" + (f", in {shown!r}" if shown else ""))
 
 
+def check_ttl(value: float | None, field: str) -> None:
+    """A tier's ``ttl_seconds``: None (no limit) or a positive, finite number of seconds."""
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{field}.ttl_seconds: must be a positive number of seconds, got {value}")
+
+
 def parse_size(value: object, field: str) -> int:
     """Parse a byte size given as an int or a string such as ``"4GiB"``."""
     if isinstance(value, bool):

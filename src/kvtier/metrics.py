@@ -52,6 +52,8 @@ class StoreMetrics:
         self.unopened = Counter("kvtier_unopened_objects", "Sealed objects under a key this process does not hold "
                                 "(a forgotten tenant's, a replay from another tenant): misses, removed",
                                 ["tier"], registry=r)
+        self.expired = Counter("kvtier_expired_objects", "Objects found older than their tier's ttl_seconds on read: "
+                               "misses, removed", ["tier"], registry=r)
         self.keyring_errors = Counter("kvtier_keyring_errors", "Puts and gets whose tenant key could not be made or "
                                       "read (their secondary tiers skipped)", registry=r)
         self.queue_depth = Gauge("kvtier_queue_depth", "Cascade writes waiting, by tier", ["tier"], registry=r)
@@ -80,7 +82,7 @@ class StoreMetrics:
         self.dropped.labels("dram", "dram_full")
         for tier in secondary:
             for family in (self.promotions, self.present_writes, self.write_errors, self.read_errors,
-                           self.tier_write_seconds, self.tier_read_seconds, self.unopened):
+                           self.tier_write_seconds, self.tier_read_seconds, self.unopened, self.expired):
                 family.labels(tier)
             for reason in ("queue_full", "tier_unavailable"):
                 self.dropped.labels(tier, reason)

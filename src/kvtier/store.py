@@ -74,6 +74,10 @@ def open_tiers(config: StoreConfig) -> list[Tier]:
     return tiers
 
 
+class _Expired(Exception):
+    """A shard read from a tier is older than the tier's ``ttl_seconds``."""
+
+
 def _raised(got: bytes | None | Exception) -> bytes | None:
     """One answer of :meth:`Tier.get_into_many`: the exception it holds raised, else itself."""
     if isinstance(got, Exception):
@@ -154,6 +158,7 @@ class KVStore:
         # Shards under keys this process lacks, read lately: until when reads and lookups plan without them.
         self._unopened: OrderedDict[tuple[str, ShardKey], float] = OrderedDict()
         self._unopened_lock = threading.Lock()
+        self._ttl = {t.name: getattr(t.options, "ttl_seconds", None) for t in self.tiers}
         # Read-ahead from secondary tiers, a pool per tier: reads stuck in a stalled server hold up no other tier's.
         self._readers = {t.name: DaemonPool(f"kvtier-read-{t.name}", _READ_THREADS) for t in self.tiers}
         self._closed = False
@@ -937,6 +942,7 @@ class KVStore:
             if header.meta != entry.meta:
                 raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected {entry.meta.shape} "
                                        f"{entry.meta.dtype}")
+            self._check_age(tier, header)
             return header
 
         header = self._guarded(tier, key, read)
@@ -959,9 +965,11 @@ class KVStore:
                 got = self._get(tier, key) if started is None else started.result()
             finally:
                 self._read_ahead(read)
-            if got is not None and not read.admit(got.header.meta, self.chunk_tokens):
-                raise frame.FrameError(f"holds {got.header.meta.shape} {got.header.meta.dtype}, expected chunks "
-                                       f"of {read.shape} with {self.chunk_tokens} tokens")
+            if got is not None:
+                self._check_age(tier, got.header)
+                if not read.admit(got.header.meta, self.chunk_tokens):
+                    raise frame.FrameError(f"holds {got.header.meta.shape} {got.header.meta.dtype}, expected "
+                                           f"chunks of {read.shape} with {self.chunk_tokens} tokens")
             return got
 
         got = self._guarded(tier, key, fetched)
@@ -988,6 +996,11 @@ class KVStore:
                       outage: Outage) -> tuple[str, _R | None]:
         try:
             got = read()
+        except _Expired:  # older than the tier's ttl_seconds: never served, removed like the tier's own expiry
+            outage.succeeded()
+            self.metrics.expired.labels(tier.name).inc()
+            self._remove(tier, key)
+            return "expired", None
         except frame.UnknownKey as exc:
             # Left in place: another engine may hold its key (a master key being rolled out, another deployment
             # with its own keyring), and removing what an engine cannot open would let any misconfigured engine
@@ -1029,6 +1042,13 @@ class KVStore:
     # -- housekeeping ------------------------------------------------------------------------------------------
     def _evicted(self, entry: DramEntry) -> None:
         self._dram_evictions.inc()
+
+    def _check_age(self, tier: Tier, header: frame.Header) -> None:
+        """Raise :class:`_Expired` when the shard is older than ``tier``'s ``ttl_seconds`` (any tier type whose
+        options have one): whatever the tier does itself, no shard is served past its age."""
+        ttl = self._ttl.get(tier.name)
+        if ttl is not None and not time.time() - header.created <= ttl:  # (a NaN time is expired too)
+            raise _Expired(f"written {time.time() - header.created:.0f} s ago, ttl_seconds is {ttl:.0f}")
 
     def _register(self, ns: Namespace, create: bool) -> object | None:
         """With encryption: make ``ns``'s tenant key available (see :meth:`Sealer.register`). A keyring that cannot

@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from kvtier.config import check_url_port
+from kvtier.config import check_ttl, check_url_port
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
@@ -57,8 +57,12 @@ class MooncakeOptions:
     key_prefix: str = "kvtier/"
     admin_url: str | None = None
     connect_timeout: float = 10.0
+    # Served no longer than this after it was written (the store checks each object's age as it reads it);
+    # removed by `kvtier cache retain`. None: kept until evicted or purged.
+    ttl_seconds: float | None = None
 
     def check(self, field: str) -> None:
+        check_ttl(self.ttl_seconds, field)
         host, _, port = self.master.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ConfigError(f"{field}.master: expected host:port of the Mooncake master (port 1-65535), got "
@@ -92,6 +96,7 @@ class MooncakeTier(Tier):
     Options = MooncakeOptions
     persistent = True  # in the segments of other clients, not of this process
     batch_reads = True  # a get's shards read by batch gets, a few shards each
+    listed_times = False  # Mooncake reports no times: every listed object counts as new
 
     def __init__(self, name: str, options: MooncakeOptions) -> None:
         super().__init__(name, options)

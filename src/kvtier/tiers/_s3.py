@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from kvtier.config import check_url_port
+from kvtier.config import check_ttl, check_url_port
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
@@ -54,8 +54,12 @@ class S3Options:
     max_attempts: int = 2
     max_connections: int = 16
     create_bucket: bool = False
+    # Served no longer than this after it was written (the store checks each object's age as it reads it);
+    # removed by `kvtier cache retain`. None: kept until evicted or purged.
+    ttl_seconds: float | None = None
 
     def check(self, field: str) -> None:
+        check_ttl(self.ttl_seconds, field)
         if not self.bucket:
             raise ConfigError(f"{field}.bucket: must name a bucket")
         if (self.access_key_id is None) != (self.secret_access_key is None):

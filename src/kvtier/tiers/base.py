@@ -50,6 +50,9 @@ class Tier(ABC):
     # Reads the shards a get needs from this tier several at a time (get_into_many, a few shards a call), on reading
     # threads, each straight into the DRAM entry reserved for it: for tiers with a batched read (Mooncake's).
     batch_reads: ClassVar[bool] = False
+    # list() reports when each object was written (else every object counts as new: Mooncake keeps no times), so
+    # age-based removals (`kvtier cache purge --older-than`, `retain`) can select by it.
+    listed_times: ClassVar[bool] = True
 
     def __init__(self, name: str, options: Any) -> None:
         self.name = name

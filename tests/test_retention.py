@@ -1,0 +1,105 @@
+"""Retention: every tier type takes ``ttl_seconds``, no tier serves a shard older than it (checked on read, whatever
+the tier does itself), and `kvtier cache retain` removes what is past it where a tier's listing has times, with an
+audit record."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from kvtier import KVStore, Namespace, frame
+from kvtier.cli import main
+from kvtier.config import load_config
+from kvtier.errors import ConfigError
+from kvtier.keys import ShardKey, chunk_keys, rank_heads
+from kvtier.testing import synthetic_kv, synthetic_tokens
+
+T = 16
+NS = Namespace(model="m", dtype="bfloat16")
+
+
+def tier_config(kind: str, request: pytest.FixtureRequest, tmp_path: Path, prefix: str, **options: object) -> dict:
+    if kind == "filesystem":
+        return {"type": "filesystem", "name": "t", "path": str(tmp_path / "fs"), **options}
+    server = request.getfixturevalue({"redis": "redis_server", "s3": "s3_server", "mooncake": "mooncake_server"}[kind])
+    key = "prefix" if kind == "s3" else "key_prefix"
+    return {"type": kind, "name": "t", **server.tier_options(), key: prefix, **options}
+
+
+def store_config(tier: dict, **extra: object) -> dict:
+    return {"chunk_tokens": T, "dram": {"capacity_bytes": "8MiB", "page_bytes": "16KiB"}, "tiers": [tier], **extra}
+
+
+@pytest.mark.parametrize("kind", ["filesystem", "redis", "s3", "mooncake"])
+def test_no_tier_serves_a_shard_past_its_ttl(kind: str, request: pytest.FixtureRequest, tmp_path: Path,
+                                            unique_prefix: str) -> None:
+    old_tokens, new_tokens = synthetic_tokens(1, 2 * T), synthetic_tokens(2, 2 * T)
+    old_kv, new_kv = synthetic_kv(old_tokens), synthetic_kv(new_tokens)
+    cfg = store_config(tier_config(kind, request, tmp_path, unique_prefix, ttl_seconds=3600))
+    with KVStore.from_config(cfg) as store:
+        store.put(NS, new_tokens, new_kv)
+        store.flush()
+        tier = store.tiers[0]
+        heads = rank_heads(old_kv.shape[2], 0, 1)
+        meta = frame.ShardMeta(old_kv.shape[0], T, old_kv.shape[4], old_kv.dtype, heads)
+        for i, chunk in enumerate(chunk_keys(NS, old_tokens, T)):  # written two hours ago, by the header
+            key = ShardKey(NS.id, chunk.hex(), heads)
+            payload = old_kv[:, :, :, i * T:(i + 1) * T].contiguous().view(torch.uint8).numpy().tobytes()
+            tier.put(key, [frame.encode_header(key, meta, [payload], created=time.time() - 7200) + payload])
+        store.drop_dram()
+        assert store.get(NS, old_tokens) is None
+        stats = store.stats()["t"]
+        # the store's check, or the filesystem tier's own expiry (it reads the header's time too)
+        assert stats["expired_objects_total"] + stats.get("tier_events_total{event=expired}", 0) >= 1
+        assert not tier.exists(ShardKey(NS.id, chunk_keys(NS, old_tokens, T)[0].hex(), heads))  # removed
+        assert torch.equal(store.get(NS, new_tokens), new_kv)
+
+
+def test_retain_removes_from_s3_what_is_past_the_ttl_and_records_it(request: pytest.FixtureRequest,
+                                                                   tmp_path: Path, unique_prefix: str,
+                                                                   capsys) -> None:
+    """S3 has no expiry of its own (the filesystem and Redis tiers expire by themselves)."""
+    tokens = synthetic_tokens(3, 3 * T)
+    tier = tier_config("s3", request, tmp_path, unique_prefix, ttl_seconds=1)
+    cfg = store_config(tier, audit_log=str(tmp_path / "audit.log"))
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with KVStore.from_config(store_config(dict(tier, ttl_seconds=None))) as store:  # no expiry of its own meanwhile
+        store.put(NS, tokens, synthetic_kv(tokens))
+    time.sleep(1.5)
+    with KVStore.from_config(store_config(dict(tier, ttl_seconds=None))) as store:
+        fresh = synthetic_tokens(4, T)
+        store.put(NS, fresh, synthetic_kv(fresh))
+    assert main(["cache", "retain", "--config", str(path)]) == 0
+    assert "tier t: removed 3 objects" in capsys.readouterr().out
+    with KVStore.from_config(store_config(dict(tier, ttl_seconds=None))) as store:
+        assert len(list(store.tiers[0].list())) == 1  # the fresh one
+    records = [json.loads(line) for line in (tmp_path / "audit.log").read_text().splitlines()]
+    assert [(r["action"], r["objects"], r["ttl_seconds"]) for r in records] == [("retain-start", 3, 1),
+                                                                                ("retain", 3, 1)]
+
+
+def test_retain_says_what_it_cannot_do(mooncake_server, tmp_path: Path, unique_prefix: str, capsys) -> None:
+    tiers = [{"type": "mooncake", "name": "mc", **mooncake_server.tier_options(), "key_prefix": unique_prefix,
+              "ttl_seconds": 60},
+             {"type": "filesystem", "name": "plain", "path": str(tmp_path / "fs")}]
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump({"chunk_tokens": T, "tiers": tiers}))
+    assert main(["cache", "retain", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "tier mc: its listing has no write times" in out and "tier plain: no ttl_seconds" in out
+
+
+@pytest.mark.parametrize("kind", ["s3", "mooncake"])
+@pytest.mark.parametrize("ttl", [0, -1, float("inf")])
+def test_a_bad_ttl_is_refused_naming_the_field(kind: str, ttl: float) -> None:
+    options = {"s3": {"bucket": "b"}, "mooncake": {"master": "h:1", "metadata_server": "http://h:2/metadata"}}[kind]
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.ttl_seconds: (must be a positive number|expected float)"):
+        from kvtier.store import open_tiers
+
+        open_tiers(load_config({"tiers": [{"type": kind, **options, "ttl_seconds": ttl}]}))
