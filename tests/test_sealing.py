@@ -191,12 +191,14 @@ def test_a_master_key_rotates_under_load_with_no_wrong_kv_and_no_lost_hits(tmp_p
     for reader in readers:
         reader.start()
     try:
-        while len(results) < 12:  # the readers are under way (two passes)
-            time.sleep(0.01)
+        deadline = time.monotonic() + 120
+        while len(results) < 12 and readers[0].is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the readers are under way (two passes)
         assert main(["cache", "rekey", "--config", str(path)]) == 0
         after = len(results)
-        while len(results) < after + 12:  # and read on after it (two more passes)
-            time.sleep(0.01)
+        while len(results) < after + 12 and readers[0].is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)  # and read on after it (two more passes)
+        assert len(results) >= after + 12
     finally:
         stop.set()
         for reader in readers:
