@@ -21,7 +21,7 @@ from tests.conftest import NS, store_config
 
 T = 8
 HEADS = 4
-IDLE = {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+IDLE = {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
 
 
 def run_together(jobs: list[Callable[[], object]]) -> list[object]:

@@ -164,7 +164,7 @@ def test_a_reservation_that_cannot_fit_evicts_nothing() -> None:
     entry = pool.reserve(skey(9), big, None)  # with 0 idle again, 8 pages can be freed
     assert isinstance(entry, DramEntry)
     pool.abort(entry)
-    assert pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+    assert pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
 
 
 def test_each_watcher_reads_the_changes_since_it_began() -> None:
@@ -214,7 +214,7 @@ def test_a_key_listed_twice_is_reserved_once() -> None:
     got = pool.reserve_chunks([(skey(1), None), (skey(1), None)], META)
     assert isinstance(got[0], DramEntry) and got[1] == "present"
     pool.commit(got[0])  # type: ignore[arg-type]
-    assert pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+    assert pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
 
 
 def test_an_empty_reservation_allocates_nothing() -> None:

@@ -60,7 +60,7 @@ def test_put_from_a_source_stores_what_put_stores(make_store) -> None:
         store.put_from(NS, other, broken, layers=layers, head_dim=dim, dtype=kv.dtype, kv_heads=heads)
     assert store.lookup(NS, other) == 0
     store.flush()  # the cascade's references to the stored chunks are released
-    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
 
 
 def test_a_tail_is_stored_found_and_loaded_from_dram_and_from_disk(make_store) -> None:
@@ -429,7 +429,7 @@ def test_a_sink_that_raises_leaves_nothing_pinned(make_store) -> None:
 
     with pytest.raises(RuntimeError, match="copy failed"):
         store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16)
-    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
     assert store.load(NS, synthetic_tokens(22, T), sink, layers=2, head_dim=8, dtype=torch.bfloat16) == 0
 
 

@@ -163,7 +163,7 @@ def test_any_exception_from_a_tier_is_a_miss_not_an_outage(tier: DictTier, exc: 
         assert store.stats()["mem"]["read_errors_total"] >= 6
         tier.raise_on = {}
         assert torch.equal(store.get(NS, tokens), kv)  # the tier serves again at once
-        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
 
 
 @pytest.mark.parametrize("answer", [None, [None, None], [[]], [["0-4of4"], []], "garbage"])
@@ -206,7 +206,7 @@ def test_a_wrong_shape_promoted_into_dram_is_dropped_then_replaced(tier: DictTie
         out = torch.empty_like(kv)
         assert store.get(NS, tokens, out=out) is out and torch.equal(out, kv)
         store.flush()
-        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
 
 
 def test_an_object_error_is_a_removed_corrupt_miss(tier: DictTier) -> None:
@@ -264,7 +264,7 @@ def test_a_failed_promotion_copy_releases_its_reservation(tier: DictTier, monkey
         monkeypatch.setattr(store.dram, "write_bytes", lambda entry, payload: (_ for _ in ()).throw(MemoryError()))
         with pytest.raises(MemoryError):
             store.get(NS, tokens)
-        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
         monkeypatch.setattr(store.dram, "write_bytes", real)
         read_into, calls = tier.get_into, []
 
@@ -275,7 +275,7 @@ def test_a_failed_promotion_copy_releases_its_reservation(tier: DictTier, monkey
         monkeypatch.setattr(tier, "get_into", broken)
         assert store.get(NS, tokens) is None and calls  # a miss, counted; the tier stays in use
         assert store.stats()[tier.name]["read_errors_total"] == len(calls)
-        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+        assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
         monkeypatch.setattr(tier, "get_into", read_into)
         assert torch.equal(store.get(NS, tokens), kv)  # promoted now: nothing was left pending
 
@@ -434,7 +434,7 @@ def settled(store: KVStore) -> None:
     while store.dram.audit()["pending"]:
         assert time.monotonic() < deadline, store.dram.audit()
         time.sleep(0.01)
-    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0}
+    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
 
 
 def test_a_get_from_a_network_tier_asks_once_and_reads_ahead_within_its_bound() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Literal
 
@@ -22,6 +23,8 @@ from kvtier.eviction import EvictionPolicy
 from kvtier import frame
 from kvtier.frame import ShardMeta
 from kvtier.keys import HeadRange, ShardKey
+
+_SHARES_KEPT = 65536  # namespaces whose tenant share the pool remembers (set again on each put and read)
 
 Extent = tuple[int, int]  # (first page, page count)
 
@@ -91,6 +94,7 @@ class DramEntry:
     refs: int = 1
     discarded: bool = False  # out of the index, pages freed when the last reference goes
     created: float | None = None  # when first stored, for a shard promoted from a tier (its TTL runs from then)
+    share: str | None = None  # the tenant share (quota) it counts against, if any
 
     @property
     def pages(self) -> int:
@@ -154,6 +158,11 @@ class DramPool:
         self._pending: set[ShardKey] = set()
         self._by_key: dict[ShardKey, DramEntry] = {}
         self._idle_pages = 0  # pages of committed entries with no reference: what eviction could free
+        # Tenant shares (quotas): namespace -> (share, pages allowed), set by the store from its placement rules;
+        # per share, its committed entries least recently used first, and their pages.
+        self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._share_lru: dict[str, OrderedDict[ShardKey, None]] = {}
+        self._share_pages: dict[str, int] = {}
         self._watchers: list[list[tuple[ShardKey, bool]]] = []  # one (key, now visible?) list per watcher
 
     def allocate(self) -> None:
@@ -200,7 +209,7 @@ class DramPool:
         if held is None:
             return False
         if held.meta == meta:
-            self._policy.touch(key)  # stored again: as recent as a read (the simulator's model too)
+            self._touch_locked(held)  # stored again: as recent as a read (the simulator's model too)
             return held
         self._discard_locked(held)
         return False
@@ -209,13 +218,50 @@ class DramPool:
         if self._held_locked(key, meta) is not False:
             return "present"
         need = -(-meta.nbytes // self.page_bytes)
-        if self._free.count + self._idle_pages < need:
+        share = self._share_of.get(key.namespace)
+        if self._free.count + self._idle_pages < need or (share is not None and not self._fit_share(share, need)):
             return "full"  # even evicting every idle entry would not make room: evict nothing
         self._evict_until(need)
         extents = self._free.take(need)
         assert extents is not None, "free pages were counted"
         self._pending.add(key)
-        return DramEntry(key, meta, parent, extents)
+        return DramEntry(key, meta, parent, extents, share=None if share is None else share[0])
+
+    # -- tenant shares -----------------------------------------------------------------------------------------
+    def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
+        """Count ``namespace``'s entries against the tenant share ``share`` of ``quota_bytes`` (None: no share).
+        Entries already held keep what they counted against."""
+        with self._lock:
+            if share is None:
+                self._share_of.pop(namespace, None)
+                return
+            self._share_of[namespace] = (share, quota_bytes // self.page_bytes)
+            self._share_of.move_to_end(namespace)
+            while len(self._share_of) > _SHARES_KEPT:
+                self._share_of.popitem(last=False)
+
+    def share_bytes(self, share: str) -> int:
+        with self._lock:
+            return self._share_pages.get(share, 0) * self.page_bytes
+
+    def _fit_share(self, share: tuple[str, int], need: int) -> bool:
+        """Make room for ``need`` more pages inside a tenant's share by evicting its own least recently used idle
+        entries (an isolated LRU: a tenant over its share never evicts another's); False if that cannot."""
+        name, allowed = share
+        used = self._share_pages.get(name, 0)
+        if used + need <= allowed:
+            return True
+        lru = self._share_lru.get(name, {})
+        idle = sum(self._by_key[k].pages for k in lru if self._by_key[k].refs == 0)
+        if used - idle + need > allowed:
+            return False  # evict nothing: it would not be enough
+        for key in list(lru):
+            if self._share_pages.get(name, 0) + need <= allowed:
+                break
+            entry = self._by_key[key]
+            if entry.refs == 0:
+                self._evict(entry)
+        return True
 
     def _evict_until(self, free: int) -> None:
         while self._free.count < free:
@@ -245,7 +291,9 @@ class DramPool:
                 # Free plus idle pages is what evicting can reach; the pages of the new chunks before this one are
                 # still counted free (taken below), so this makes room for all of them, as reserve in turn would.
                 wanted = (len(fresh) + 1) * need
-                if self._free.count + self._idle_pages < wanted:
+                share = self._share_of.get(key.namespace)
+                if self._free.count + self._idle_pages < wanted or (
+                        share is not None and not self._fit_share(share, wanted)):
                     out.append("full")
                     break
                 self._evict_until(wanted)
@@ -256,7 +304,8 @@ class DramPool:
                 extents = [(run[0] + n * need, need)] if run is not None else self._free.take(need)
                 assert extents is not None, "free pages were counted"
                 self._pending.add(key)
-                out[i] = DramEntry(key, meta, chunks[i][1], extents)
+                share = self._share_of.get(key.namespace)
+                out[i] = DramEntry(key, meta, chunks[i][1], extents, share=None if share is None else share[0])
         return out
 
     def fill_chunks(self, fill: Callable[[int, torch.Tensor], None], chunks: list[tuple[int, DramEntry]],
@@ -323,6 +372,9 @@ class DramPool:
             self._by_key[entry.key] = entry
             self._index.setdefault((entry.key.namespace, entry.key.chunk), {})[entry.key.heads] = entry
             self._policy.insert(entry.key, entry.key.chunk, entry.parent)
+            if entry.share is not None:
+                self._share_lru.setdefault(entry.share, OrderedDict())[entry.key] = None
+                self._share_pages[entry.share] = self._share_pages.get(entry.share, 0) + entry.pages
             for changes in self._watchers:
                 changes.append((entry.key, True))
 
@@ -345,8 +397,13 @@ class DramPool:
                 return None
             for entry in entries:
                 self._pin_locked(entry)  # type: ignore[arg-type]
-                self._policy.touch(entry.key)  # type: ignore[union-attr]
+                self._touch_locked(entry)  # type: ignore[arg-type]
             return entries  # type: ignore[return-value]
+
+    def _touch_locked(self, entry: DramEntry) -> None:
+        self._policy.touch(entry.key)
+        if entry.share is not None:
+            self._share_lru[entry.share].move_to_end(entry.key)
 
     def _pin_locked(self, entry: DramEntry) -> None:
         if entry.refs == 0:
@@ -413,15 +470,20 @@ class DramPool:
 
     def audit(self) -> dict[str, int]:
         """Accounting as tests check it: references held, pending reservations, and page counts that must agree
-        (``lost_pages`` and ``idle_mismatch`` are 0 when nothing leaked)."""
+        (``lost_pages``, ``idle_mismatch`` and ``share_mismatch`` are 0 when nothing leaked)."""
         with self._lock:
             entries = list(self._by_key.values())
             held = sum(e.pages for e in entries)
             idle = sum(e.pages for e in entries if e.refs == 0)
             pending = len(self._pending)
+            shares: dict[str, int] = {}
+            for e in entries:
+                if e.share is not None:
+                    shares[e.share] = shares.get(e.share, 0) + e.pages
             return {"refs": sum(e.refs for e in entries), "pending": pending,
                     "lost_pages": self.pages - self._free.count - held if not pending else 0,
-                    "idle_mismatch": self._idle_pages - idle}
+                    "idle_mismatch": self._idle_pages - idle,
+                    "share_mismatch": int(shares != self._share_pages)}
 
     # -- eviction ----------------------------------------------------------------------------------------------
     def _evictable(self, key: Hashable) -> bool:
@@ -429,6 +491,12 @@ class DramPool:
 
     def _unindex(self, entry: DramEntry) -> None:
         del self._by_key[entry.key]
+        if entry.share is not None:
+            lru = self._share_lru[entry.share]
+            del lru[entry.key]
+            self._share_pages[entry.share] -= entry.pages
+            if not lru:
+                del self._share_lru[entry.share], self._share_pages[entry.share]
         slot = self._index[(entry.key.namespace, entry.key.chunk)]
         del slot[entry.key.heads]
         if not slot:

@@ -12,17 +12,24 @@ engine loads through it); a rule with ``tiers: []`` keeps that KV in DRAM only.
       - namespace: 0123456789abcdef0123456789abcdef   # one namespace id (kvtier cache ls shows them)
         tiers: [disk, redis]
 
+      - salt: "team-*"          # each tenant matching gets its own share of DRAM and of the disk: past it, its own
+        tiers: [disk]           # least recently used chunks are evicted first (an isolated LRU), never another's
+        quota: {dram: 2GiB, disk: 50GiB}
+
       - tiers: [disk]           # last, with neither: the default for all other KV (unsalted requests too)
 
 Rules are tried in order; the first that matches decides. KV no rule matches may reach every tier. A salt comes
 from the client: a request without one (or with another) is placed by the default. Salts are matched as globs
-(``*``, ``?``, ``[...]``; write ``[[]`` for a literal ``[``).
+(``*``, ``?``, ``[...]``; write ``[[]`` for a literal ``[``). A ``quota`` is per tenant: each salt (or namespace)
+a rule matches has a share of that size in each tier named, DRAM and tiers that keep an index of their own
+(filesystem); requests without a salt are one tenant.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import hashlib
 import re
 import threading
 from collections import OrderedDict
@@ -30,6 +37,7 @@ from collections.abc import Mapping, Sequence
 
 from typing import TYPE_CHECKING
 
+from kvtier.config import parse_size
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -43,6 +51,7 @@ class PlacementRule:
     tiers: tuple[str, ...]  # the secondary tiers allowed
     salt: str | None = None  # a glob on the request's cache_salt (a request without a salt never matches)
     namespace: str | None = None  # a namespace id (32 hex digits)
+    quota: tuple[tuple[str, int], ...] = ()  # (tier, bytes) each tenant it matches may hold there
 
     def matches(self, ns: Namespace) -> bool:
         if self.namespace is not None and ns.id != self.namespace:
@@ -55,7 +64,25 @@ class PlacementRule:
         who = " and ".join(part for part in (f"salt {self.salt!r}" if self.salt is not None else "",
                                              f"namespace {self.namespace}" if self.namespace else "") if part)
         who = who or "all other KV"
-        return f"{who}: {', '.join(('dram',) + self.tiers)}"
+        quota = f"; per tenant at most {', '.join(f'{_human(n)} in {t}' for t, n in self.quota)}" if self.quota else ""
+        return f"{who}: {', '.join(('dram',) + self.tiers)}{quota}"
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What the rules say of one namespace: the secondary tiers it may reach (None: all), and its tenant's share
+    (an id, and bytes per tier) where its rule sets a quota."""
+
+    allowed: frozenset[str] | None
+    share: str | None = None
+    quota: tuple[tuple[str, int], ...] = ()
 
 
 def parse_placement(raw: object, tier_names: Sequence[str]) -> tuple[PlacementRule, ...]:
@@ -70,9 +97,9 @@ def parse_placement(raw: object, tier_names: Sequence[str]) -> tuple[PlacementRu
         field = f"placement[{i}]"
         if not isinstance(item, Mapping):
             raise ConfigError(f"{field}: expected a mapping with 'tiers' and 'salt' or 'namespace'")
-        unknown = sorted(map(str, set(item) - {"salt", "namespace", "tiers"}))
+        unknown = sorted(map(str, set(item) - {"salt", "namespace", "tiers", "quota"}))
         if unknown:
-            raise ConfigError(f"{field}.{unknown[0]}: unknown key; allowed: namespace, salt, tiers")
+            raise ConfigError(f"{field}.{unknown[0]}: unknown key; allowed: namespace, quota, salt, tiers")
         salt, namespace = item.get("salt"), item.get("namespace")
         if salt is None and namespace is None and i != len(raw) - 1:
             raise ConfigError(f"{field}: give 'salt' (a cache_salt glob) or 'namespace' (an id); only the last rule "
@@ -88,8 +115,26 @@ def parse_placement(raw: object, tier_names: Sequence[str]) -> tuple[PlacementRu
             if name != "dram" and name not in tier_names:
                 raise ConfigError(f"{field}.tiers: no tier is named {name!r}; the tiers are "
                                   f"{', '.join(['dram', *tier_names])}")
-        rules.append(PlacementRule(tuple(t for t in dict.fromkeys(tiers) if t != "dram"), salt, namespace))
+        allowed = tuple(t for t in dict.fromkeys(tiers) if t != "dram")
+        rules.append(PlacementRule(allowed, salt, namespace, _parse_quota(item.get("quota"), allowed, field)))
     return tuple(rules)
+
+
+def _parse_quota(raw: object, allowed: tuple[str, ...], field: str) -> tuple[tuple[str, int], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping) or not raw:
+        raise ConfigError(f"{field}.quota: a mapping of tier name to bytes per tenant, e.g. {{dram: 1GiB, disk: "
+                          f"20GiB}}, got {raw!r}")
+    quota = []
+    for name, size in raw.items():
+        if name != "dram" and name not in allowed:
+            raise ConfigError(f"{field}.quota.{name}: not a tier this rule allows; a quota may name dram or "
+                              f"{', '.join(allowed) or '(no other tier here)'}")
+        quota.append((name, parse_size(size, f"{field}.quota.{name}")))
+        if quota[-1][1] < 1:
+            raise ConfigError(f"{field}.quota.{name}: must be at least 1 byte, got {size!r}")
+    return tuple(quota)
 
 
 class Placement:
@@ -97,21 +142,35 @@ class Placement:
 
     def __init__(self, rules: Sequence[PlacementRule]) -> None:
         self.rules = tuple(rules)
-        self._decided: OrderedDict[str, frozenset[str] | None] = OrderedDict()
+        self._decided: OrderedDict[str, Decision] = OrderedDict()
         self._lock = threading.Lock()
 
     def tiers_for(self, ns: Namespace) -> frozenset[str] | None:
         """The secondary tiers ``ns``'s KV may reach; None for every tier (no rule matches)."""
+        return self.decide(ns).allowed
+
+    def decide(self, ns: Namespace) -> Decision:
         if not self.rules:
-            return None
+            return _ANYWHERE
         with self._lock:
             if ns.id in self._decided:
                 self._decided.move_to_end(ns.id)
                 return self._decided[ns.id]
-        rule = next((r for r in self.rules if r.matches(ns)), None)
-        allowed = None if rule is None else frozenset(rule.tiers)
+        index, rule = next(((i, r) for i, r in enumerate(self.rules) if r.matches(ns)), (-1, None))
+        if rule is None:
+            decision = _ANYWHERE
+        elif not rule.quota:
+            decision = Decision(frozenset(rule.tiers))
+        else:  # one share per tenant the rule matches: its salt (none is a tenant too), or its namespace
+            tenant = ns.id if rule.namespace is not None else hashlib.blake2b(
+                b"\x00" if ns.cache_salt is None else b"s" + ns.cache_salt.encode("utf-8", "surrogatepass"),
+                digest_size=8).hexdigest()
+            decision = Decision(frozenset(rule.tiers), f"rule{index}/{tenant}", rule.quota)
         with self._lock:
-            self._decided[ns.id] = allowed
+            self._decided[ns.id] = decision
             if len(self._decided) > _KEPT:
                 self._decided.popitem(last=False)
-        return allowed
+        return decision
+
+
+_ANYWHERE = Decision(None)

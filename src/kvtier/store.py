@@ -29,7 +29,7 @@ from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.eviction import POLICIES
 from kvtier.keys import HeadRange, Namespace, ShardKey, chunk_keys, cover, rank_heads, tail_keys
 from kvtier.metrics import StoreMetrics
-from kvtier.placement import Placement
+from kvtier.placement import Decision, Placement
 from kvtier.threads import DaemonPool
 from kvtier.tiers.base import TIERS, Tier
 
@@ -124,6 +124,7 @@ class KVStore:
             raise
         self._header_len = frame.HEADER_LEN if self._sealer is None else frame.SEALED_HEADER_LEN
         try:
+            self._check_quotas()
             policy = POLICIES.resolve(config.dram.eviction, "dram.eviction")()
             self.dram = DramPool(config.dram.capacity_bytes, config.dram.page_bytes, policy,
                                  pin_memory=config.dram.pin_memory, on_evict=self._evicted, allocate=allocate_dram)
@@ -150,6 +151,7 @@ class KVStore:
         self._writers = [CascadeWriter(t, self.dram, self.metrics, s, on_stored=self._tier_stored_hook(t.name),
                                        seal=seal) for t, s in zip(self.tiers, spec)]
         self._placement = Placement(config.placement)
+        self._tier_named = {t.name: t for t in self.tiers}
         self._read_outage = {t.name: Outage(t.name, "reads", s.retry_seconds, self.metrics)
                              for t, s in zip(self.tiers, spec)}
         self._watch_levels()
@@ -239,6 +241,8 @@ class KVStore:
              offset: int, device: torch.device, start: float, tail: bool = False) -> int:
         t = self.chunk_tokens
         tenant = self._register(ns, create=True)
+        decision = self._placement.decide(ns)
+        self._apply_share(ns, decision)
         self._remember_shape(ns.id, Shape.of(meta))  # the caller's own KV: it defines the shape
         first = offset // t
         held = 0  # leading chunks from `first` on now in DRAM
@@ -268,7 +272,7 @@ class KVStore:
                 self.dram.abort(entry)
             raise
         self._dram_written.inc(meta.nbytes * len(reserved))
-        writers = self._writers_for(self._placement.tiers_for(ns), self._writers, len(reserved))
+        writers = self._writers_for(decision.allowed, self._writers, len(reserved))
         for _, entry in reserved:  # phase 2: the bytes are in DRAM; make them visible and cascade them
             self.dram.commit(entry, keep_refs=len(writers))
             for writer in writers:
@@ -564,6 +568,8 @@ class KVStore:
         if kv_heads is not None:
             rank_heads(kv_heads, tp_rank, tp_size)  # the caller's own degree must fit its model: raises if not
         self._register(ns, create=False)
+        decision = self._placement.decide(ns)
+        self._apply_share(ns, decision)  # what this read promotes into DRAM counts against the tenant's share
         shape = self._shapes.get(ns.id)
         if wanted is not None:
             if shape is not None and wanted != shape:
@@ -572,7 +578,7 @@ class KVStore:
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t, tail=tail)]
         read = Read(ns.id, tp_rank, tp_size, kv_heads, shape,
                      [t for t in self.tiers if t.local] if local_only else self.tiers,
-                     allowed=self._placement.tiers_for(ns))
+                     allowed=decision.allowed)
         try:
             self._plan_reads(read, chunks, offset // t)
             plans = []
@@ -1042,6 +1048,27 @@ class KVStore:
     # -- housekeeping ------------------------------------------------------------------------------------------
     def _evicted(self, entry: DramEntry) -> None:
         self._dram_evictions.inc()
+
+    def _check_quotas(self) -> None:
+        """A quota may name DRAM and the tiers that keep one (:attr:`Tier.shares`)."""
+        by_name = {t.name: t for t in self.tiers}
+        for i, rule in enumerate(self.config.placement):
+            for name, _ in rule.quota:
+                tier = by_name.get(name)
+                if tier is not None and not tier.shares:
+                    raise ConfigError(f"placement[{i}].quota.{name}: the {type(tier).__name__} keeps no per-tenant "
+                                      f"quotas (a shared server would need every engine's writes counted in one "
+                                      f"place); quotas apply to dram and to filesystem tiers")
+
+    def _apply_share(self, ns: Namespace, decision: Decision) -> None:
+        """Tell DRAM and each tier with a quota for ``ns``'s tenant which share its KV counts against."""
+        if decision.share is None:
+            return
+        for name, quota in decision.quota:
+            if name == "dram":
+                self.dram.set_share(ns.id, decision.share, quota)
+            else:
+                self._tier_named[name].set_share(ns.id, decision.share, quota)
 
     def _check_age(self, tier: Tier, header: frame.Header) -> None:
         """Raise :class:`_Expired` when the shard is older than ``tier``'s ``ttl_seconds`` (any tier type whose

@@ -176,6 +176,7 @@ class FilesystemTier(Tier):
     Options = FilesystemOptions
     persistent = True
     local = True
+    shares = True
 
     def __init__(self, name: str, options: FilesystemOptions) -> None:
         super().__init__(name, options)
@@ -184,8 +185,12 @@ class FilesystemTier(Tier):
         self._files: OrderedDict[ShardKey, _File] = OrderedDict()  # least recently used first
         self._by_chunk: dict[tuple[str, str], set[HeadRange]] = {}
         self._used = 0
+        self._ns_used: dict[str, int] = {}  # bytes indexed per namespace
+        self._share_of: dict[str, tuple[str, int]] = {}  # namespace -> (tenant share, its quota in bytes)
+        self._share_ns: dict[str, set[str]] = {}  # tenant share -> its namespaces
         self._max_object = min(_MAX_OBJECT_BYTES, options.capacity_bytes or _MAX_OBJECT_BYTES)
         self.evictions = 0
+        self.share_evictions = 0  # of those, inside a tenant's share
         self.expired = 0
         self.rejected_files = 0
         self._uid = os.geteuid()
@@ -331,6 +336,7 @@ class FilesystemTier(Tier):
             self._files.clear()
             self._by_chunk.clear()
             self._used = 0
+            self._ns_used.clear()
             for key, info in sorted(found + fresh, key=lambda kf: kf[1].last_used):
                 self._add_locked(key, info)
 
@@ -448,12 +454,14 @@ class FilesystemTier(Tier):
         self._files[key] = info
         self._by_chunk.setdefault((key.namespace, key.chunk), set()).add(key.heads)
         self._used += info.size
+        self._ns_used[key.namespace] = self._ns_used.get(key.namespace, 0) + info.size - (old.size if old else 0)
 
     def _drop_locked(self, key: ShardKey) -> _File | None:
         info = self._files.pop(key, None)
         if info is None:
             return None
         self._used -= info.size
+        self._ns_used[key.namespace] -= info.size
         heads = self._by_chunk.get((key.namespace, key.chunk))
         if heads is not None:
             heads.discard(key.heads)
@@ -470,6 +478,42 @@ class FilesystemTier(Tier):
         for key in [k for k, info in self._files.items() if self._expired(info, now)]:
             self._remove_locked(key)
             self.expired += 1
+
+    # -- tenant shares -----------------------------------------------------------------------------------------
+    def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
+        """Count ``namespace``'s files against the tenant share ``share`` of ``quota_bytes`` (None: no share); a put
+        that takes a share past its quota evicts that share's own least recently used files (an isolated LRU)."""
+        with self._lock:
+            old = self._share_of.pop(namespace, None)
+            if old is not None:
+                self._share_ns[old[0]].discard(namespace)
+            if share is not None:
+                self._share_of[namespace] = (share, quota_bytes)
+                self._share_ns.setdefault(share, set()).add(namespace)
+
+    def share_bytes(self, share: str) -> int:
+        with self._lock:
+            return self._share_used_locked(share)
+
+    def _share_used_locked(self, share: str) -> int:
+        return sum(self._ns_used.get(ns, 0) for ns in self._share_ns.get(share, ()))
+
+    def _enforce_share_locked(self, namespace: str) -> None:
+        found = self._share_of.get(namespace)
+        if found is None:
+            return
+        share, quota = found
+        used = self._share_used_locked(share)
+        if used <= quota:
+            return
+        members = self._share_ns[share]
+        for key in [k for k in self._files if k.namespace in members]:  # least recently used first
+            if used <= quota:
+                break
+            used -= self._files[key].size
+            self._remove_locked(key)
+            self.evictions += 1
+            self.share_evictions += 1
 
     def _enforce_capacity_locked(self) -> None:
         cap = self.options.capacity_bytes
@@ -535,6 +579,7 @@ class FilesystemTier(Tier):
         self._rescan_if_due()
         with self._lock:
             self._expire_locked(now)
+            self._enforce_share_locked(key.namespace)
             self._enforce_capacity_locked()
 
     def _create_temp(self) -> tuple[int, str]:
@@ -697,5 +742,5 @@ class FilesystemTier(Tier):
         return self._used
 
     def counters(self) -> dict[str, float]:
-        return {"evictions": self.evictions, "expired": self.expired, "removed_temp_files": self.removed_temp_files,
-                "rejected_files": self.rejected_files}
+        return {"evictions": self.evictions, "share_evictions": self.share_evictions, "expired": self.expired,
+                "removed_temp_files": self.removed_temp_files, "rejected_files": self.rejected_files}

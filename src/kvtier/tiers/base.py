@@ -53,6 +53,9 @@ class Tier(ABC):
     # list() reports when each object was written (else every object counts as new: Mooncake keeps no times), so
     # age-based removals (`kvtier cache purge --older-than`, `retain`) can select by it.
     listed_times: ClassVar[bool] = True
+    # Keeps per-tenant quotas (set_share): for tiers with an index of their own (a local disk). Shared servers
+    # would need every engine's writes counted in one place.
+    shares: ClassVar[bool] = False
 
     def __init__(self, name: str, options: Any) -> None:
         self.name = name
@@ -116,6 +119,11 @@ class Tier(ABC):
     @abstractmethod
     def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
         """Every stored object, optionally only one namespace's."""
+
+    def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
+        """Count ``namespace``'s objects against the tenant share ``share`` of ``quota_bytes`` (None: no share),
+        evicting inside the share when it is over (only where :attr:`shares`)."""
+        raise NotImplementedError(f"tier {self.name} keeps no per-tenant quotas")
 
     def exists(self, key: ShardKey) -> bool:
         return key.heads in self.heads(key.namespace, [key.chunk])[0]

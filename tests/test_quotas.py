@@ -1,0 +1,126 @@
+"""Per-tenant quotas: a tenant past its share of DRAM or of a disk evicts its own least recently used chunks (an
+isolated LRU), never another tenant's; each tenant a rule matches has its own share; quotas on tiers that cannot
+keep them are refused naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier import KVStore, Namespace, frame
+from kvtier.errors import ConfigError
+from kvtier.testing import synthetic_kv, synthetic_tokens
+
+T = 16
+PAGE = 16 * 2**10
+
+
+def chunk_bytes() -> int:
+    """What one chunk takes in DRAM: its payload in whole pages."""
+    return -(-payload_bytes() // PAGE) * PAGE
+
+
+def payload_bytes() -> int:
+    kv = synthetic_kv(synthetic_tokens(0, T))
+    return kv.numel() * kv.element_size()
+
+
+def config(tmp_path: Path | None, quota: dict, tiers: list[str] = ()) -> dict:
+    cfg: dict = {"chunk_tokens": T, "dram": {"capacity_bytes": "16MiB", "page_bytes": PAGE},
+                 "placement": [{"salt": "team-*", "tiers": list(tiers), "quota": quota}, {"tiers": list(tiers)}]}
+    if tiers:
+        cfg["tiers"] = [{"type": "filesystem", "name": name, "path": str(tmp_path / name), "queue_depth": 4096}
+                        for name in tiers]
+    return cfg
+
+
+def ns(salt: str | None) -> Namespace:
+    return Namespace(model="m", dtype="bfloat16", cache_salt=salt)
+
+
+def test_a_tenant_past_its_dram_share_evicts_its_own_chunks_only() -> None:
+    prompts = {name: synthetic_tokens(i, 3 * T) for i, name in enumerate(("a1", "a2", "pub", "b1"))}
+    kvs = {name: synthetic_kv(p) for name, p in prompts.items()}
+    with KVStore.from_config(config(None, {"dram": 3 * chunk_bytes()})) as store:
+        store.put(ns("public"), prompts["pub"], kvs["pub"])
+        assert store.put(ns("team-a"), prompts["a1"], kvs["a1"]) == 3 * T
+        assert store.put(ns("team-a"), prompts["a2"], kvs["a2"]) == 3 * T  # past its share: a1 goes
+        assert store.put(ns("team-b"), prompts["b1"], kvs["b1"]) == 3 * T  # a share of its own
+        assert store.get(ns("team-a"), prompts["a1"]) is None
+        for tenant, name in (("team-a", "a2"), ("public", "pub"), ("team-b", "b1")):
+            assert torch.equal(store.get(ns(tenant), prompts[name]), kvs[name]), name
+        assert store.stats()["dram"]["evictions_total"] == 3  # a1's three chunks, nothing of anyone else
+        big = synthetic_tokens(9, 5 * T)
+        assert store.put(ns("team-c"), big, synthetic_kv(big)) == 3 * T  # the leading chunks that fit its share
+
+
+def test_a_tenant_past_its_disk_share_evicts_its_own_files_only(tmp_path: Path) -> None:
+    prompts = [synthetic_tokens(10 + i, 2 * T) for i in range(3)]
+    with KVStore.from_config(config(tmp_path, {"disk": 4 * (payload_bytes() + frame.HEADER_LEN) + 100}, ["disk"])) as store:
+        store.put(ns("public"), prompts[0], synthetic_kv(prompts[0]))
+        for p in prompts:
+            store.put(ns("team-a"), p, synthetic_kv(p))
+            store.flush()
+        disk = store.tiers[0]
+        held = {n.id: sum(1 for _ in disk.list(n.id)) for n in (ns("public"), ns("team-a"))}
+        assert held == {ns("public").id: 2, ns("team-a").id: 4}  # team-a's first prompt went, public's stayed
+        assert disk.counters()["share_evictions"] == 2
+        store.drop_dram()
+        assert store.get(ns("team-a"), prompts[0]) is None
+        assert torch.equal(store.get(ns("team-a"), prompts[2]), synthetic_kv(prompts[2]))
+        assert torch.equal(store.get(ns("public"), prompts[0]), synthetic_kv(prompts[0]))
+
+
+@pytest.mark.parametrize("placement, message", [
+    ([{"salt": "t-*", "tiers": ["disk"], "quota": {"shared": "1GiB"}}],
+     r"placement\[0\]\.quota\.shared: not a tier this rule allows; a quota may name dram or disk"),
+    ([{"salt": "t-*", "tiers": [], "quota": {"dram": "lots"}}], r"placement\[0\]\.quota\.dram: expected a byte size"),
+    ([{"salt": "t-*", "tiers": [], "quota": {"dram": 0}}], r"placement\[0\]\.quota\.dram: must be at least 1 byte"),
+    ([{"salt": "t-*", "tiers": [], "quota": []}], r"placement\[0\]\.quota: a mapping of tier name to bytes"),
+])
+def test_bad_quotas_are_refused_naming_the_field(tmp_path: Path, placement: list, message: str) -> None:
+    cfg = {"tiers": [{"type": "filesystem", "name": n, "path": str(tmp_path / n)} for n in ("disk", "shared")],
+           "placement": placement}
+    with pytest.raises(ConfigError, match=message):
+        KVStore.from_config(cfg)
+
+
+def test_a_quota_on_a_tier_that_cannot_keep_one_is_refused(redis_server, unique_prefix: str) -> None:
+    cfg = {"tiers": [{"type": "redis", "name": "shared", **redis_server.tier_options(), "key_prefix": unique_prefix}],
+           "placement": [{"salt": "t-*", "tiers": ["shared"], "quota": {"shared": "1GiB"}}]}
+    with pytest.raises(ConfigError, match=r"placement\[0\]\.quota\.shared: the RedisTier keeps no per-tenant quotas"):
+        KVStore.from_config(cfg)
+
+
+_TENANTS = ("team-a", "team-b", "public")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(_TENANTS), st.integers(0, 5), st.integers(1, 3), st.booleans()),
+                min_size=1, max_size=25))
+def test_shares_hold_under_any_sequence_of_puts_and_gets(ops: list[tuple[str, int, int, bool]]) -> None:
+    """With room in DRAM for everything, a tenant without a quota never loses a chunk, no share ever holds more
+    than its quota, and every get is exact or a miss."""
+    quota = 4 * chunk_bytes()
+    with KVStore.from_config(config(None, {"dram": quota})) as store:
+        public: set[int] = set()
+        for tenant, seed, chunks, read in ops:
+            tokens = synthetic_tokens(seed, chunks * T)
+            kv = synthetic_kv(tokens)
+            if read:
+                got = store.get(ns(tenant), tokens)
+                assert got is None or torch.equal(got, kv)
+            else:
+                store.put(ns(tenant), tokens, kv)
+                if tenant == "public":
+                    public.add((seed, chunks))
+            for share in {store._placement.decide(ns(t)).share for t in _TENANTS} - {None}:
+                assert store.dram.share_bytes(share) <= quota
+            assert store.dram.audit()["share_mismatch"] == 0
+        for seed, chunks in public:
+            tokens = synthetic_tokens(seed, chunks * T)
+            assert torch.equal(store.get(ns("public"), tokens), synthetic_kv(tokens))
