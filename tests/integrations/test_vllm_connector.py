@@ -105,6 +105,30 @@ def test_a_tenant_placed_in_dram_only_is_never_written_to_disk(engines: Engines,
     assert len(list((tmp_path / "kv").rglob("*.kv"))) == 2
 
 
+def test_with_encryption_a_tenant_is_stored_sealed_and_loaded_exactly_from_disk(engines: Engines, store_cfg: dict,
+                                                                                 tmp_path: Any) -> None:
+    """Through the connector: the disk holds only sealed objects, a load after DRAM is dropped decrypts them into
+    the engine's blocks exactly, and another tenant's request for the same tokens hits nothing."""
+    from kvtier import frame
+    from kvtier.sealing import write_key_file
+
+    write_key_file(str(tmp_path / "master.key"))
+    store_cfg["encryption"] = {"key": f"file:{tmp_path / 'master.key'}", "keyring": str(tmp_path / "keyring")}
+    mini = engines()
+    tokens = prompt(6)
+    mini.prefill(request("a", tokens, salt="tenant-1"))
+    store = shared_store(store_cfg)
+    assert store is not None
+    store.flush()
+    store.drop_dram()
+    files = list((tmp_path / "kv").rglob("*.kv"))
+    assert len(files) == 2 and all(frame.decode_header(f.read_bytes()).sealing is not None for f in files)
+    step = mini.prefill(request("a2", tokens, salt="tenant-1"))
+    assert step.hit == 512 and not step.load_errors
+    assert torch.equal(mini.read(step.blocks, 512), reference_kv(tokens)[:, :, :, :512])
+    assert mini.prefill(request("b", tokens, salt="tenant-2")).hit == 0
+
+
 # -- tensor parallelism -------------------------------------------------------------------------------------------
 def test_replicated_heads_written_at_tp4_are_read_at_tp1_and_tp2(engines: Engines) -> None:
     """4 ranks over 2 KV heads: vLLM gives ranks 0-1 head 0 and ranks 2-3 head 1."""
