@@ -100,7 +100,7 @@ _TENANTS = ("team-a", "team-b", "public")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.sampled_from(_TENANTS), st.integers(0, 5), st.integers(1, 3), st.booleans()),
+@given(st.lists(st.tuples(st.sampled_from(_TENANTS), st.integers(0, 5), st.integers(1, 6), st.booleans()),
                 min_size=1, max_size=25))
 def test_shares_hold_under_any_sequence_of_puts_and_gets(ops: list[tuple[str, int, int, bool]]) -> None:
     """With room in DRAM for everything, a tenant without a quota never loses a chunk, no share ever holds more
@@ -115,7 +115,9 @@ def test_shares_hold_under_any_sequence_of_puts_and_gets(ops: list[tuple[str, in
                 got = store.get(ns(tenant), tokens)
                 assert got is None or torch.equal(got, kv)
             else:
-                store.put(ns(tenant), tokens, kv)
+                stored = store.put(ns(tenant), tokens, kv)
+                if stored:  # what a put reports stored is there
+                    assert torch.equal(store.get(ns(tenant), tokens[:stored]), kv[:, :, :, :stored])
                 if tenant == "public":
                     public.add((seed, chunks))
             for share in {store._placement.decide(ns(t)).share for t in _TENANTS} - {None}:
@@ -124,3 +126,35 @@ def test_shares_hold_under_any_sequence_of_puts_and_gets(ops: list[tuple[str, in
         for seed, chunks in public:
             tokens = synthetic_tokens(seed, chunks * T)
             assert torch.equal(store.get(ns("public"), tokens), synthetic_kv(tokens))
+
+
+def test_a_prompt_larger_than_the_share_keeps_its_leading_chunks_put_after_put() -> None:
+    """Putting it again finds those chunks held: they are never evicted to make room for its later ones."""
+    big = synthetic_tokens(20, 5 * T)
+    kv = synthetic_kv(big)
+    with KVStore.from_config(config(None, {"dram": 3 * chunk_bytes()})) as store:
+        for _ in range(3):
+            assert store.put(ns("team-a"), big, kv) == 3 * T
+            assert torch.equal(store.get(ns("team-a"), big[:3 * T]), kv[:, :, :, :3 * T])
+
+
+def test_reservations_count_against_the_share_before_they_commit() -> None:
+    """Reads ahead and concurrent puts reserve before they commit: the share counts them from the reservation."""
+    with KVStore.from_config(config(None, {"dram": 2 * chunk_bytes()})) as store:
+        ns_a = ns("team-a")
+        store._apply_share(ns_a, store._placement.decide(ns_a))
+        tokens = synthetic_tokens(21, 3 * T)
+        meta = frame.ShardMeta(*synthetic_kv(tokens).shape[:1], T, synthetic_kv(tokens).shape[4],
+                               torch.bfloat16, frame.HeadRange(0, synthetic_kv(tokens).shape[2],
+                                                               synthetic_kv(tokens).shape[2]))
+        from kvtier.keys import ShardKey, chunk_keys
+
+        keys = [ShardKey(ns_a.id, c.hex(), meta.heads) for c in chunk_keys(ns_a, tokens, T)]
+        first, second = store.dram.reserve(keys[0], meta, None), store.dram.reserve(keys[1], meta, None)
+        assert store.dram.reserve(keys[2], meta, None) == "full"
+        store.dram.abort(first)  # an aborted reservation gives its pages back to the share
+        third = store.dram.reserve(keys[2], meta, None)
+        assert not isinstance(third, str)
+        for entry in (second, third):
+            store.dram.abort(entry)
+        assert store.dram.share_bytes(store._placement.decide(ns_a).share) == 0

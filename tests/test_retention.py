@@ -103,3 +103,35 @@ def test_a_bad_ttl_is_refused_naming_the_field(kind: str, ttl: float) -> None:
         from kvtier.store import open_tiers
 
         open_tiers(load_config({"tiers": [{"type": kind, **options, "ttl_seconds": ttl}]}))
+
+
+@pytest.mark.parametrize("created", [time.time() + 10 * 365 * 86400, float("inf"), float("nan")])
+def test_a_shard_from_the_future_or_of_no_time_is_expired(created: float, tmp_path: Path) -> None:
+    """A forged or broken clock cannot keep a shard alive forever (the filesystem tier's own expiry takes such a
+    time as now, so only the store's check catches it)."""
+    tokens = synthetic_tokens(5, T)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(store_config({"type": "filesystem", "name": "t", "path": str(tmp_path / "fs"),
+                                           "ttl_seconds": 3600})) as store:
+        heads = rank_heads(kv.shape[2], 0, 1)
+        key = ShardKey(NS.id, chunk_keys(NS, tokens, T)[0].hex(), heads)
+        meta = frame.ShardMeta(kv.shape[0], T, kv.shape[4], kv.dtype, heads)
+        payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
+        store.tiers[0].put(key, [frame.encode_header(key, meta, [payload], created=created) + payload])
+        assert store.get(NS, tokens) is None
+        assert store.stats()["t"]["expired_objects_total"] == 1
+
+
+def test_a_redis_listing_gives_the_time_since_last_use(redis_server, unique_prefix: str, tmp_path: Path) -> None:
+    """Reading a hash's fields to list it is an access: the idle time is asked first (else every object would
+    look just used, and `purge --older-than` would never select one)."""
+    tokens = synthetic_tokens(6, T)
+    tier = {"type": "redis", "name": "t", **redis_server.tier_options(), "key_prefix": unique_prefix}
+    with KVStore.from_config(store_config(tier)) as store:
+        store.put(NS, tokens, synthetic_kv(tokens))
+        store.flush()
+        time.sleep(2.2)
+        (listed,) = list(store.tiers[0].list())
+        assert time.time() - listed.last_used >= 2
+        (again,) = list(store.tiers[0].list())  # and listing did not count as a use
+        assert time.time() - again.last_used >= 2

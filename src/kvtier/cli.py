@@ -190,7 +190,7 @@ def cmd_retain(tiers: list[Tier], args: argparse.Namespace) -> int:
             print(f"tier {tier.name}: no ttl_seconds; nothing to do")
         elif not tier.listed_times:
             print(f"tier {tier.name}: its listing has no write times; objects past ttl_seconds are refused as they "
-                  "are read, and left to the tier's own eviction")
+                  "are read, and left to the tier's own expiry and eviction")
         else:
             _remove_objects(tier, [o for o in _objects(tier) if now - o.created > ttl], audit, "retain",
                             {"ttl_seconds": ttl})

@@ -162,7 +162,7 @@ class DramPool:
         # per share, its committed entries least recently used first, and their pages.
         self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._share_lru: dict[str, OrderedDict[ShardKey, None]] = {}
-        self._share_pages: dict[str, int] = {}
+        self._share_pages: dict[str, int] = {}  # committed and reserved: what counts against the quota
         self._watchers: list[list[tuple[ShardKey, bool]]] = []  # one (key, now visible?) list per watcher
 
     def allocate(self) -> None:
@@ -225,7 +225,15 @@ class DramPool:
         extents = self._free.take(need)
         assert extents is not None, "free pages were counted"
         self._pending.add(key)
-        return DramEntry(key, meta, parent, extents, share=None if share is None else share[0])
+        return self._entry(key, meta, parent, extents, share)
+
+    def _entry(self, key: ShardKey, meta: ShardMeta, parent: str | None, extents: list[Extent],
+               share: tuple[str, int] | None) -> DramEntry:
+        """A reserved entry; its pages count against its tenant's share from now (given back by abort)."""
+        entry = DramEntry(key, meta, parent, extents, share=None if share is None else share[0])
+        if entry.share is not None:
+            self._share_pages[entry.share] = self._share_pages.get(entry.share, 0) + entry.pages
+        return entry
 
     # -- tenant shares -----------------------------------------------------------------------------------------
     def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
@@ -244,23 +252,27 @@ class DramPool:
         with self._lock:
             return self._share_pages.get(share, 0) * self.page_bytes
 
-    def _fit_share(self, share: tuple[str, int], need: int) -> bool:
-        """Make room for ``need`` more pages inside a tenant's share by evicting its own least recently used idle
-        entries (an isolated LRU: a tenant over its share never evicts another's); False if that cannot."""
+    def _fit_share(self, share: tuple[str, int], need: int, keep: set[ShardKey] | frozenset[ShardKey] = frozenset()) \
+            -> bool:
+        """Make room for ``need`` more pages inside a tenant's share (its reservations count) by evicting its own
+        least recently used idle entries, never those in ``keep`` (the chunks the same put found held): an isolated
+        LRU, a tenant over its share never evicts another's. False, evicting nothing, if that cannot."""
         name, allowed = share
-        used = self._share_pages.get(name, 0)
-        if used + need <= allowed:
+        over = self._share_pages.get(name, 0) + need - allowed
+        if over <= 0:
             return True
-        lru = self._share_lru.get(name, {})
-        idle = sum(self._by_key[k].pages for k in lru if self._by_key[k].refs == 0)
-        if used - idle + need > allowed:
-            return False  # evict nothing: it would not be enough
-        for key in list(lru):
-            if self._share_pages.get(name, 0) + need <= allowed:
-                break
+        victims: list[DramEntry] = []
+        for key in self._share_lru.get(name, ()):  # oldest first, only as far as needed
             entry = self._by_key[key]
-            if entry.refs == 0:
-                self._evict(entry)
+            if entry.refs == 0 and key not in keep:
+                victims.append(entry)
+                over -= entry.pages
+                if over <= 0:
+                    break
+        if over > 0:
+            return False
+        for entry in victims:
+            self._evict(entry)
         return True
 
     def _evict_until(self, free: int) -> None:
@@ -283,19 +295,24 @@ class DramPool:
         need = -(-meta.nbytes // self.page_bytes)
         out: list[Reservation] = []
         fresh: dict[ShardKey, int] = {}  # new key -> its place in `out`
+        held: set[ShardKey] = set()  # found held: the prefix this put reports stored, never evicted for a share
         with self._lock:
             for key, _ in chunks:
                 if key in fresh or self._held_locked(key, meta) is not False:
                     out.append("present")
+                    held.add(key)
                     continue
                 # Free plus idle pages is what evicting can reach; the pages of the new chunks before this one are
                 # still counted free (taken below), so this makes room for all of them, as reserve in turn would.
                 wanted = (len(fresh) + 1) * need
                 share = self._share_of.get(key.namespace)
+                # (the share counts this call's fresh chunks already: they are reserved below as each is admitted)
                 if self._free.count + self._idle_pages < wanted or (
-                        share is not None and not self._fit_share(share, wanted)):
+                        share is not None and not self._fit_share(share, need, held)):
                     out.append("full")
                     break
+                if share is not None:
+                    self._share_pages[share[0]] = self._share_pages.get(share[0], 0) + need
                 self._evict_until(wanted)
                 fresh[key] = len(out)
                 out.append("present")  # replaced by its entry below
@@ -304,7 +321,7 @@ class DramPool:
                 extents = [(run[0] + n * need, need)] if run is not None else self._free.take(need)
                 assert extents is not None, "free pages were counted"
                 self._pending.add(key)
-                share = self._share_of.get(key.namespace)
+                share = self._share_of.get(key.namespace)  # counted against it in the loop above
                 out[i] = DramEntry(key, meta, chunks[i][1], extents, share=None if share is None else share[0])
         return out
 
@@ -372,9 +389,8 @@ class DramPool:
             self._by_key[entry.key] = entry
             self._index.setdefault((entry.key.namespace, entry.key.chunk), {})[entry.key.heads] = entry
             self._policy.insert(entry.key, entry.key.chunk, entry.parent)
-            if entry.share is not None:
+            if entry.share is not None:  # its pages count against the share since it was reserved
                 self._share_lru.setdefault(entry.share, OrderedDict())[entry.key] = None
-                self._share_pages[entry.share] = self._share_pages.get(entry.share, 0) + entry.pages
             for changes in self._watchers:
                 changes.append((entry.key, True))
 
@@ -382,6 +398,14 @@ class DramPool:
         with self._lock:
             self._pending.discard(entry.key)
             self._free.give(entry.extents)
+            self._unshare_locked(entry)
+
+    def _unshare_locked(self, entry: DramEntry) -> None:
+        if entry.share is None:
+            return
+        self._share_pages[entry.share] -= entry.pages
+        if not self._share_pages[entry.share]:
+            del self._share_pages[entry.share]
 
     # -- reads -------------------------------------------------------------------------------------------------
     def ranges(self, namespace: str, chunk: str) -> list[HeadRange]:
@@ -483,7 +507,7 @@ class DramPool:
             return {"refs": sum(e.refs for e in entries), "pending": pending,
                     "lost_pages": self.pages - self._free.count - held if not pending else 0,
                     "idle_mismatch": self._idle_pages - idle,
-                    "share_mismatch": int(shares != self._share_pages)}
+                    "share_mismatch": int(shares != self._share_pages) if not pending else 0}
 
     # -- eviction ----------------------------------------------------------------------------------------------
     def _evictable(self, key: Hashable) -> bool:
@@ -494,9 +518,9 @@ class DramPool:
         if entry.share is not None:
             lru = self._share_lru[entry.share]
             del lru[entry.key]
-            self._share_pages[entry.share] -= entry.pages
             if not lru:
-                del self._share_lru[entry.share], self._share_pages[entry.share]
+                del self._share_lru[entry.share]
+            self._unshare_locked(entry)
         slot = self._index[(entry.key.namespace, entry.key.chunk)]
         del slot[entry.key.heads]
         if not slot:

@@ -41,6 +41,8 @@ _R = TypeVar("_R")
 _REPLANS = 8
 _UNOPENED_SECONDS = 60.0  # how long a shard under a key this process lacks is taken as absent (then read again)
 _UNOPENED_KEPT = 65536
+_SHARED_KEPT = 16384  # below DRAM's and the tiers' own memory of shares: a namespace forgotten here is told again
+_FUTURE_SECONDS = 300.0  # a shard written further ahead than this (a clock gone wrong, a forged time) is expired
 _SHAPES_KEPT = 4096
 # Shard reads a get keeps in flight ahead of the one it copies, from tiers that read ahead (Tier.read_ahead):
 # the next read's round trips overlap promoting this one, and the read buffers held stay bounded (a 128K-token
@@ -152,6 +154,8 @@ class KVStore:
                                        seal=seal) for t, s in zip(self.tiers, spec)]
         self._placement = Placement(config.placement)
         self._tier_named = {t.name: t for t in self.tiers}
+        self._shared: OrderedDict[str, str] = OrderedDict()  # namespace -> the tenant share DRAM and tiers were told
+        self._shared_lock = threading.Lock()
         self._read_outage = {t.name: Outage(t.name, "reads", s.retry_seconds, self.metrics)
                              for t, s in zip(self.tiers, spec)}
         self._watch_levels()
@@ -1052,8 +1056,13 @@ class KVStore:
     def _check_quotas(self) -> None:
         """A quota may name DRAM and the tiers that keep one (:attr:`Tier.shares`)."""
         by_name = {t.name: t for t in self.tiers}
+        dram = self.config.dram
         for i, rule in enumerate(self.config.placement):
-            for name, _ in rule.quota:
+            for name, quota in rule.quota:
+                if name == "dram" and not dram.page_bytes <= quota <= dram.capacity_bytes:
+                    raise ConfigError(f"placement[{i}].quota.dram: must be from dram.page_bytes ({dram.page_bytes}) "
+                                      f"to dram.capacity_bytes ({dram.capacity_bytes}), got {quota}; every put goes "
+                                      "through DRAM, so a tenant whose share holds no chunk stores nothing anywhere")
                 tier = by_name.get(name)
                 if tier is not None and not tier.shares:
                     raise ConfigError(f"placement[{i}].quota.{name}: the {type(tier).__name__} keeps no per-tenant "
@@ -1062,8 +1071,12 @@ class KVStore:
 
     def _apply_share(self, ns: Namespace, decision: Decision) -> None:
         """Tell DRAM and each tier with a quota for ``ns``'s tenant which share its KV counts against."""
-        if decision.share is None:
-            return
+        if decision.share is None or self._shared.get(ns.id) == decision.share:
+            return  # (set once per namespace: setting takes the tier's lock, which its writers hold)
+        with self._shared_lock:
+            self._shared[ns.id] = decision.share
+            while len(self._shared) > _SHARED_KEPT:
+                self._shared.popitem(last=False)
         for name, quota in decision.quota:
             if name == "dram":
                 self.dram.set_share(ns.id, decision.share, quota)
@@ -1074,8 +1087,9 @@ class KVStore:
         """Raise :class:`_Expired` when the shard is older than ``tier``'s ``ttl_seconds`` (any tier type whose
         options have one): whatever the tier does itself, no shard is served past its age."""
         ttl = self._ttl.get(tier.name)
-        if ttl is not None and not time.time() - header.created <= ttl:  # (a NaN time is expired too)
-            raise _Expired(f"written {time.time() - header.created:.0f} s ago, ttl_seconds is {ttl:.0f}")
+        age = time.time() - header.created
+        if ttl is not None and not -_FUTURE_SECONDS <= age <= ttl:  # (a NaN or infinite time is expired too)
+            raise _Expired(f"written {age:.0f} s ago, ttl_seconds is {ttl:.0f}")
 
     def _register(self, ns: Namespace, create: bool) -> object | None:
         """With encryption: make ``ns``'s tenant key available (see :meth:`Sealer.register`). A keyring that cannot

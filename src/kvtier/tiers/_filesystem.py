@@ -54,6 +54,7 @@ from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 log = logging.getLogger(__name__)
 
+_SHARES_KEPT = 65536  # namespaces whose tenant share the index remembers (the store tells it again after)
 _TMP_DIR = ".tmp"
 _TMP_NAME = re.compile(r"\d+\.[0-9a-f]{32}\.part")
 # <chunk>.<heads>.kv, or the earlier <chunk>.<heads>.<created ms>.kv (group 3) that start-up migrates.
@@ -186,8 +187,9 @@ class FilesystemTier(Tier):
         self._by_chunk: dict[tuple[str, str], set[HeadRange]] = {}
         self._used = 0
         self._ns_used: dict[str, int] = {}  # bytes indexed per namespace
-        self._share_of: dict[str, tuple[str, int]] = {}  # namespace -> (tenant share, its quota in bytes)
+        self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()  # namespace -> (share, its quota in bytes)
         self._share_ns: dict[str, set[str]] = {}  # tenant share -> its namespaces
+        self._share_lru: dict[str, OrderedDict[ShardKey, None]] = {}  # tenant share -> its files, least recent first
         self._max_object = min(_MAX_OBJECT_BYTES, options.capacity_bytes or _MAX_OBJECT_BYTES)
         self.evictions = 0
         self.share_evictions = 0  # of those, inside a tenant's share
@@ -339,6 +341,8 @@ class FilesystemTier(Tier):
             self._ns_used.clear()
             for key, info in sorted(found + fresh, key=lambda kf: kf[1].last_used):
                 self._add_locked(key, info)
+            for share in self._share_lru:
+                self._share_lru[share] = self._share_order_locked(share)
 
     def _rescan_if_due(self) -> None:
         """Walk the directory again now and then when a capacity or TTL applies: other processes sharing it
@@ -455,6 +459,11 @@ class FilesystemTier(Tier):
         self._by_chunk.setdefault((key.namespace, key.chunk), set()).add(key.heads)
         self._used += info.size
         self._ns_used[key.namespace] = self._ns_used.get(key.namespace, 0) + info.size - (old.size if old else 0)
+        share = self._share_of.get(key.namespace)
+        if share is not None:
+            lru = self._share_lru[share[0]]
+            lru[key] = None
+            lru.move_to_end(key)
 
     def _drop_locked(self, key: ShardKey) -> _File | None:
         info = self._files.pop(key, None)
@@ -462,6 +471,11 @@ class FilesystemTier(Tier):
             return None
         self._used -= info.size
         self._ns_used[key.namespace] -= info.size
+        if not self._ns_used[key.namespace]:
+            del self._ns_used[key.namespace]
+        share = self._share_of.get(key.namespace)
+        if share is not None:
+            self._share_lru[share[0]].pop(key, None)
         heads = self._by_chunk.get((key.namespace, key.chunk))
         if heads is not None:
             heads.discard(key.heads)
@@ -484,12 +498,29 @@ class FilesystemTier(Tier):
         """Count ``namespace``'s files against the tenant share ``share`` of ``quota_bytes`` (None: no share); a put
         that takes a share past its quota evicts that share's own least recently used files (an isolated LRU)."""
         with self._lock:
-            old = self._share_of.pop(namespace, None)
-            if old is not None:
-                self._share_ns[old[0]].discard(namespace)
-            if share is not None:
-                self._share_of[namespace] = (share, quota_bytes)
-                self._share_ns.setdefault(share, set()).add(namespace)
+            self._unshare_locked(namespace)
+            if share is None:
+                return
+            self._share_of[namespace] = (share, quota_bytes)
+            self._share_ns.setdefault(share, set()).add(namespace)
+            self._share_lru[share] = self._share_order_locked(share)  # once per namespace: a walk of the index
+            while len(self._share_of) > _SHARES_KEPT:
+                self._unshare_locked(next(iter(self._share_of)))
+
+    def _unshare_locked(self, namespace: str) -> None:
+        old = self._share_of.pop(namespace, None)
+        if old is None:
+            return
+        members = self._share_ns[old[0]]
+        members.discard(namespace)
+        if not members:
+            del self._share_ns[old[0]], self._share_lru[old[0]]
+        else:
+            self._share_lru[old[0]] = self._share_order_locked(old[0])
+
+    def _share_order_locked(self, share: str) -> OrderedDict[ShardKey, None]:
+        members = self._share_ns.get(share, set())
+        return OrderedDict((k, None) for k in self._files if k.namespace in members)
 
     def share_bytes(self, share: str) -> int:
         with self._lock:
@@ -506,8 +537,7 @@ class FilesystemTier(Tier):
         used = self._share_used_locked(share)
         if used <= quota:
             return
-        members = self._share_ns[share]
-        for key in [k for k in self._files if k.namespace in members]:  # least recently used first
+        for key in list(self._share_lru[share]):  # least recently used first
             if used <= quota:
                 break
             used -= self._files[key].size
@@ -638,6 +668,9 @@ class FilesystemTier(Tier):
                 self.expired += 1
                 return None
             self._files.move_to_end(key)
+            share = self._share_of.get(key.namespace)
+            if share is not None:
+                self._share_lru[share[0]].move_to_end(key)
             info.last_used = now
             indexed = info.size
         try:

@@ -297,6 +297,7 @@ class RedisTier(Tier):
 
     Options = RedisOptions
     persistent = True  # the data lives in the server, not in this process
+    listed_times = False  # Redis keeps no creation time: a listing gives the last access (and ttl_seconds expires)
 
     def __init__(self, name: str, options: RedisOptions) -> None:
         super().__init__(name, options)
@@ -587,12 +588,12 @@ class RedisTier(Tier):
         def fields_and_idle(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for n in batch:
+                pipe.object("idletime", n)  # first: reading the fields is an access, and would zero it
                 pipe.hkeys(n)
-                pipe.object("idletime", n)
             return pipe.execute(raise_on_error=False)
 
         replies = self._call("listing", fields_and_idle)
-        shards = [(name, heads, segs, idle) for name, fields, idle in zip(batch, replies[::2], replies[1::2])
+        shards = [(name, heads, segs, idle) for name, idle, fields in zip(batch, replies[::2], replies[1::2])
                   if not isinstance(fields, Exception)  # not a hash: not ours to list
                   for heads, segs in _complete(fields).items()]
         if not shards:
