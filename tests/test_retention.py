@@ -124,7 +124,8 @@ def test_a_shard_from_the_future_or_of_no_time_is_expired(created: float, tmp_pa
 
 def test_a_redis_listing_gives_the_time_since_last_use(redis_server, unique_prefix: str, tmp_path: Path) -> None:
     """Reading a hash's fields to list it is an access: the idle time is asked first (else every object would
-    look just used, and `purge --older-than` would never select one)."""
+    look just used, and `purge --older-than` would never select one). The listing itself still counts as a use
+    for the next one (Redis 7.0 has no CLIENT NO-TOUCH)."""
     tokens = synthetic_tokens(6, T)
     tier = {"type": "redis", "name": "t", **redis_server.tier_options(), "key_prefix": unique_prefix}
     with KVStore.from_config(store_config(tier)) as store:
@@ -133,5 +134,3 @@ def test_a_redis_listing_gives_the_time_since_last_use(redis_server, unique_pref
         time.sleep(2.2)
         (listed,) = list(store.tiers[0].list())
         assert time.time() - listed.last_used >= 2
-        (again,) = list(store.tiers[0].list())  # and listing did not count as a use
-        assert time.time() - again.last_used >= 2
