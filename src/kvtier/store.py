@@ -647,8 +647,7 @@ class KVStore:
 
     def _reads_ahead(self, tier: Tier) -> bool:
         """Whether a get reads ``tier``'s shards ahead, on threads: where the tier asks for it, and for every tier
-        when objects are sealed (the reading threads decrypt while the caller copies; inline, a local disk's
-        reads measured 0.6 of their plain speed, ahead 0.8 and more: ``benchmarks/bench_sealing.py``)."""
+        when objects are sealed (decryption is work for a second core: ``benchmarks/bench_sealing.py``)."""
         return tier.read_ahead or self._sealer is not None
 
     def _read_ahead(self, read: Read) -> None:
@@ -945,10 +944,15 @@ class KVStore:
         start = time.perf_counter() if start is None else start
 
         def read() -> frame.Header | None:
-            head = tier.get_into(key, self._header_len, self.dram.views(entry)) if fetched is None else fetched()
-            if head is None:
-                return None
-            header = frame.verify(head, self.dram.views(entry), expected=key, opener=self._sealer)
+            if self._sealer is not None and fetched is None:
+                header = self._read_sealed(tier, key, entry)
+                if header is None:
+                    return None
+            else:
+                head = tier.get_into(key, self._header_len, self.dram.views(entry)) if fetched is None else fetched()
+                if head is None:
+                    return None
+                header = frame.verify(head, self.dram.views(entry), expected=key, opener=self._sealer)
             if header.meta != entry.meta:
                 raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected {entry.meta.shape} "
                                        f"{entry.meta.dtype}")
@@ -961,6 +965,24 @@ class KVStore:
         self.metrics.tier_read_seconds.labels(tier.name).observe(time.perf_counter() - start)
         self.metrics.bytes_read.labels(tier.name).inc(self._header_len + entry.meta.nbytes)
         return header.created
+
+    def _read_sealed(self, tier: Tier, key: ShardKey, entry: DramEntry) -> frame.Header | None:
+        """Read a sealed shard into a reserved DRAM entry, decrypting it as it arrives
+        (:meth:`Tier.get_transformed`), and verify it; raises what the tier or the check raises."""
+        begun: list[tuple[frame.Header, frame.Decryptor]] = []
+
+        def begin(head: bytes) -> Callable[[memoryview, memoryview], object]:
+            header, decryptor = frame.begin_sealed(head, entry.meta.nbytes, key, self._sealer)  # type: ignore[arg-type]
+            begun.append((header, decryptor))
+            return decryptor.update_into
+
+        if tier.get_transformed(key, self._header_len, self.dram.views(entry), begin) is None:
+            return None
+        if not begun:
+            raise frame.FrameError(f"tier {tier.name} returned {key.name} without passing it through its decryption")
+        header, decryptor = begun[0]
+        decryptor.finish()
+        return header
 
     def _read_verified(self, tier: Tier, key: ShardKey, read: Read) -> tuple[frame.Header, memoryview] | None:
         started = read.started.pop((tier.name, key), None)
