@@ -158,3 +158,22 @@ def test_reservations_count_against_the_share_before_they_commit() -> None:
         for entry in (second, third):
             store.dram.abort(entry)
         assert store.dram.share_bytes(store._placement.decide(ns_a).share) == 0
+
+
+def test_a_disk_share_is_counted_again_after_a_rescan(tmp_path: Path) -> None:
+    """The tier walks its directory again now and then (other engines write there): the share is counted from
+    what the walk finds, and still evicts inside itself."""
+    prompts = [synthetic_tokens(30 + i, 2 * T) for i in range(3)]
+    file_bytes = payload_bytes() + frame.HEADER_LEN
+    with KVStore.from_config(config(tmp_path, {"disk": 4 * file_bytes + 100}, ["disk"])) as store:
+        store.put(ns("team-a"), prompts[0], synthetic_kv(prompts[0]))
+        store.flush()
+        disk = store.tiers[0]
+        share = store._placement.decide(ns("team-a")).share
+        disk._reindex()
+        assert disk.share_bytes(share) == 2 * file_bytes
+        for p in prompts[1:]:
+            store.put(ns("team-a"), p, synthetic_kv(p))
+            store.flush()
+        assert disk.share_bytes(share) == 4 * file_bytes
+        assert sum(1 for _ in disk.list(ns("team-a").id)) == 4

@@ -50,12 +50,12 @@ import numpy as np
 from kvtier import frame
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
+from kvtier.tiers._shares import Shares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier, Transform
 
 log = logging.getLogger(__name__)
 
 _PIECE_BYTES = 256 * 2**10  # get_transformed's pieces: small enough to stay in a core's cache between read and step
-_SHARES_KEPT = 65536  # namespaces whose tenant share the index remembers (the store tells it again after)
 _TMP_DIR = ".tmp"
 _TMP_NAME = re.compile(r"\d+\.[0-9a-f]{32}\.part")
 # <chunk>.<heads>.kv, or the earlier <chunk>.<heads>.<created ms>.kv (group 3) that start-up migrates.
@@ -188,10 +188,7 @@ class FilesystemTier(Tier):
         self._files: OrderedDict[ShardKey, _File] = OrderedDict()  # least recently used first
         self._by_chunk: dict[tuple[str, str], set[HeadRange]] = {}
         self._used = 0
-        self._ns_used: dict[str, int] = {}  # bytes indexed per namespace
-        self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()  # namespace -> (share, its quota in bytes)
-        self._share_ns: dict[str, set[str]] = {}  # tenant share -> its namespaces
-        self._share_lru: dict[str, OrderedDict[ShardKey, None]] = {}  # tenant share -> its files, least recent first
+        self._shares = Shares()  # per-tenant quotas (set_share), under self._lock
         self._max_object = min(_MAX_OBJECT_BYTES, options.capacity_bytes or _MAX_OBJECT_BYTES)
         self.evictions = 0
         self.share_evictions = 0  # of those, inside a tenant's share
@@ -340,11 +337,9 @@ class FilesystemTier(Tier):
             self._files.clear()
             self._by_chunk.clear()
             self._used = 0
-            self._ns_used.clear()
+            self._shares.reset()
             for key, info in sorted(found + fresh, key=lambda kf: kf[1].last_used):
                 self._add_locked(key, info)
-            for share in self._share_lru:
-                self._share_lru[share] = self._share_order_locked(share)
 
     def _rescan_if_due(self) -> None:
         """Walk the directory again now and then when a capacity or TTL applies: other processes sharing it
@@ -460,24 +455,14 @@ class FilesystemTier(Tier):
         self._files[key] = info
         self._by_chunk.setdefault((key.namespace, key.chunk), set()).add(key.heads)
         self._used += info.size
-        self._ns_used[key.namespace] = self._ns_used.get(key.namespace, 0) + info.size - (old.size if old else 0)
-        share = self._share_of.get(key.namespace)
-        if share is not None:
-            lru = self._share_lru[share[0]]
-            lru[key] = None
-            lru.move_to_end(key)
+        self._shares.added(key, info.size, old.size if old else 0)
 
     def _drop_locked(self, key: ShardKey) -> _File | None:
         info = self._files.pop(key, None)
         if info is None:
             return None
         self._used -= info.size
-        self._ns_used[key.namespace] -= info.size
-        if not self._ns_used[key.namespace]:
-            del self._ns_used[key.namespace]
-        share = self._share_of.get(key.namespace)
-        if share is not None:
-            self._share_lru[share[0]].pop(key, None)
+        self._shares.dropped(key, info.size)
         heads = self._by_chunk.get((key.namespace, key.chunk))
         if heads is not None:
             heads.discard(key.heads)
@@ -500,49 +485,14 @@ class FilesystemTier(Tier):
         """Count ``namespace``'s files against the tenant share ``share`` of ``quota_bytes`` (None: no share); a put
         that takes a share past its quota evicts that share's own least recently used files (an isolated LRU)."""
         with self._lock:
-            self._unshare_locked(namespace)
-            if share is None:
-                return
-            self._share_of[namespace] = (share, quota_bytes)
-            self._share_ns.setdefault(share, set()).add(namespace)
-            self._share_lru[share] = self._share_order_locked(share)  # once per namespace: a walk of the index
-            while len(self._share_of) > _SHARES_KEPT:
-                self._unshare_locked(next(iter(self._share_of)))
-
-    def _unshare_locked(self, namespace: str) -> None:
-        old = self._share_of.pop(namespace, None)
-        if old is None:
-            return
-        members = self._share_ns[old[0]]
-        members.discard(namespace)
-        if not members:
-            del self._share_ns[old[0]], self._share_lru[old[0]]
-        else:
-            self._share_lru[old[0]] = self._share_order_locked(old[0])
-
-    def _share_order_locked(self, share: str) -> OrderedDict[ShardKey, None]:
-        members = self._share_ns.get(share, set())
-        return OrderedDict((k, None) for k in self._files if k.namespace in members)
+            self._shares.set(namespace, share, quota_bytes, self._files)  # a walk of the index, once per namespace
 
     def share_bytes(self, share: str) -> int:
         with self._lock:
-            return self._share_used_locked(share)
-
-    def _share_used_locked(self, share: str) -> int:
-        return sum(self._ns_used.get(ns, 0) for ns in self._share_ns.get(share, ()))
+            return self._shares.bytes(share)
 
     def _enforce_share_locked(self, namespace: str) -> None:
-        found = self._share_of.get(namespace)
-        if found is None:
-            return
-        share, quota = found
-        used = self._share_used_locked(share)
-        if used <= quota:
-            return
-        for key in list(self._share_lru[share]):  # least recently used first
-            if used <= quota:
-                break
-            used -= self._files[key].size
+        for key in self._shares.victims(namespace, lambda k: self._files[k].size):
             self._remove_locked(key)
             self.evictions += 1
             self.share_evictions += 1
@@ -698,9 +648,7 @@ class FilesystemTier(Tier):
                 self.expired += 1
                 return None
             self._files.move_to_end(key)
-            share = self._share_of.get(key.namespace)
-            if share is not None:
-                self._share_lru[share[0]].move_to_end(key)
+            self._shares.used(key)
             info.last_used = now
             indexed = info.size
         try:

@@ -1,0 +1,96 @@
+"""Per-tenant shares (quotas) inside one tier's own index: which namespaces count against which share, the bytes
+each namespace holds, and each share's objects least recently used first. Plain data, kept under the tier's lock;
+the tier asks :meth:`Shares.victims` after a write and removes what it names."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from kvtier.keys import ShardKey
+
+_KEPT = 65536  # namespaces whose share is remembered (the store tells a tier again when it meets one anew)
+
+
+class Shares:
+    def __init__(self) -> None:
+        self._ns_bytes: dict[str, int] = {}
+        self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()  # namespace -> (share, quota in bytes)
+        self._members: dict[str, set[str]] = {}  # share -> its namespaces
+        self._lru: dict[str, OrderedDict[ShardKey, None]] = {}  # share -> its objects, least recently used first
+
+    # -- the index's events ------------------------------------------------------------------------------------
+    def added(self, key: ShardKey, size: int, replaced: int = 0) -> None:
+        self._ns_bytes[key.namespace] = self._ns_bytes.get(key.namespace, 0) + size - replaced
+        share = self._share_of.get(key.namespace)
+        if share is not None:
+            lru = self._lru[share[0]]
+            lru[key] = None
+            lru.move_to_end(key)
+
+    def dropped(self, key: ShardKey, size: int) -> None:
+        left = self._ns_bytes[key.namespace] - size
+        if left:
+            self._ns_bytes[key.namespace] = left
+        else:
+            del self._ns_bytes[key.namespace]
+        share = self._share_of.get(key.namespace)
+        if share is not None:
+            self._lru[share[0]].pop(key, None)
+
+    def used(self, key: ShardKey) -> None:
+        share = self._share_of.get(key.namespace)
+        if share is not None:
+            self._lru[share[0]].move_to_end(key)
+
+    def reset(self) -> None:
+        """The index is being rebuilt (a rescan): every object is :meth:`added` again, least recent first."""
+        self._ns_bytes.clear()
+        for lru in self._lru.values():
+            lru.clear()
+
+    # -- shares ------------------------------------------------------------------------------------------------
+    def set(self, namespace: str, share: str | None, quota_bytes: int, keys: Iterable[ShardKey]) -> None:
+        """Count ``namespace`` against ``share`` (None: none); ``keys`` are the index's, least recent first."""
+        order = list(keys)
+        self._unset(namespace, order)
+        if share is None:
+            return
+        self._share_of[namespace] = (share, quota_bytes)
+        self._members.setdefault(share, set()).add(namespace)
+        self._lru[share] = self._ordered(share, order)
+        while len(self._share_of) > _KEPT:
+            self._unset(next(iter(self._share_of)), order)
+
+    def _unset(self, namespace: str, order: list[ShardKey]) -> None:
+        old = self._share_of.pop(namespace, None)
+        if old is None:
+            return
+        members = self._members[old[0]]
+        members.discard(namespace)
+        if members:
+            self._lru[old[0]] = self._ordered(old[0], order)
+        else:
+            del self._members[old[0]], self._lru[old[0]]
+
+    def _ordered(self, share: str, order: list[ShardKey]) -> OrderedDict[ShardKey, None]:
+        members = self._members.get(share, set())
+        return OrderedDict((k, None) for k in order if k.namespace in members)
+
+    def bytes(self, share: str) -> int:
+        return sum(self._ns_bytes.get(ns, 0) for ns in self._members.get(share, ()))
+
+    def victims(self, namespace: str, size_of: Callable[[ShardKey], int]) -> list[ShardKey]:
+        """What to evict, least recently used first, to bring ``namespace``'s share back under its quota."""
+        found = self._share_of.get(namespace)
+        if found is None:
+            return []
+        share, quota = found
+        over = self.bytes(share) - quota
+        out = []
+        for key in self._lru[share]:
+            if over <= 0:
+                break
+            out.append(key)
+            over -= size_of(key)
+        return out
