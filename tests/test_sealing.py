@@ -497,3 +497,21 @@ def test_no_key_material_in_reprs(tmp_path: Path) -> None:
         for kid, key in tenant.keys:
             assert key.hex() not in text and repr(key) not in text
         assert tenant.secret.hex() not in text and repr(tenant.secret) not in text
+
+
+def test_a_tier_that_skips_the_decryption_costs_a_miss_not_the_object(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier's bug (returning a header without passing the payload through the decryption) is not the object's
+    fault: nothing of it is served, and it stays for the next read."""
+    tokens = synthetic_tokens(15, 2 * T)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(config(tmp_path)) as store:
+        store.put(ns("s"), tokens, kv)
+        cold(store)
+        disk = store.tiers[0]
+        monkeypatch.setattr(disk, "get_transformed",
+                            lambda key, header_len, payload, transform: disk.get_into(key, header_len, payload))
+        assert store.get(ns("s"), tokens) is None
+        assert store.stats()["disk"]["corrupt_objects_total"] == 0 and len(objects(tmp_path)) == 2
+        monkeypatch.undo()
+        assert torch.equal(store.get(ns("s"), tokens), kv)
