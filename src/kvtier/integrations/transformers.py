@@ -102,10 +102,17 @@ def load_prefix(model: Any, store: KVStore, input_ids: torch.Tensor, attention_m
     """A ``DynamicCache`` holding the longest prefix every row of the batch can load, and its length (in cache
     positions, left padding included; 0: nothing loaded, the cache is empty). Feed ``input_ids[:, length:]`` (and
     the whole ``attention_mask``) to the model with it."""
+    check_supported(model)
+    cache, length, _ = _load_prefix(model, store, input_ids, attention_mask,
+                                    namespace or namespace_for(model, cache_salt))
+    return cache, length
+
+
+def _load_prefix(model: Any, store: KVStore, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 ns: Namespace) -> tuple[Any, int, list[int]]:
+    """:func:`load_prefix`, and how many tokens of each row the store held (whole chunks)."""
     from transformers import DynamicCache
 
-    check_supported(model)
-    ns = namespace or namespace_for(model, cache_salt)
     layers, kv_heads, head_dim = _shape(model)
     dtype = next(model.parameters()).dtype
     rows = _rows(input_ids, attention_mask)
@@ -115,9 +122,10 @@ def load_prefix(model: Any, store: KVStore, input_ids: torch.Tensor, attention_m
         got = _load(store, ns, tokens[:-1], layers, kv_heads, head_dim, dtype)  # at least one token is computed
         loaded.append(got)
     length = min(pad + (0 if kv is None else kv.shape[3]) for (pad, _), kv in zip(rows, loaded))
+    held = [0 if kv is None else kv.shape[3] for kv in loaded]
     cache = DynamicCache(config=model.config)
     if length == 0:
-        return cache, 0
+        return cache, 0, held
     device = input_ids.device
     for layer in range(layers):
         keys = torch.zeros(len(rows), kv_heads, length, head_dim, dtype=dtype)
@@ -129,7 +137,7 @@ def load_prefix(model: Any, store: KVStore, input_ids: torch.Tensor, attention_m
                 values[i, :, pad:length] = kv[layer, 1, :, :length - pad]
         cache.update(keys.to(device), values.to(device), layer)
     assert width > length
-    return cache, length
+    return cache, length, held
 
 
 def _load(store: KVStore, ns: Namespace, tokens: list[int], layers: int, kv_heads: int, head_dim: int,
@@ -150,21 +158,24 @@ def _load(store: KVStore, ns: Namespace, tokens: list[int], layers: int, kv_head
 
 
 def store_prompt(model: Any, store: KVStore, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache: Any, *, cache_salt: str | None = None, namespace: Namespace | None = None) -> int:
+                 cache: Any, *, cache_salt: str | None = None, namespace: Namespace | None = None,
+                 held: list[int] | None = None) -> int:
     """Store each row's whole prompt chunks from ``cache`` (filled by a prefill of ``input_ids``); how many tokens
-    were stored or found stored, over the batch."""
+    are stored, over the batch. ``held``: per row, the tokens known stored already (whole chunks), not copied."""
     ns = namespace or namespace_for(model, cache_salt)
     layers, _, _ = _shape(model)
     t = store.chunk_tokens
     total = 0
     for i, (pad, tokens) in enumerate(_rows(input_ids, attention_mask)):
         whole = len(tokens) // t * t
-        if whole == 0:
+        start = min(held[i] if held else 0, whole)
+        if whole == start:
+            total += whole
             continue
-        kv = torch.stack([torch.stack([cache.layers[layer].keys[i, :, pad:pad + whole],
-                                       cache.layers[layer].values[i, :, pad:pad + whole]])
+        kv = torch.stack([torch.stack([cache.layers[layer].keys[i, :, pad + start:pad + whole],
+                                       cache.layers[layer].values[i, :, pad + start:pad + whole]])
                           for layer in range(layers)]).to("cpu")
-        total += store.put(ns, tokens[:whole], kv)
+        total += store.put(ns, tokens[:whole], kv, offset=start)
     return total
 
 
@@ -174,9 +185,9 @@ def generate(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     prefixes are loaded first, their new whole chunks stored after. Returns what ``generate`` returns."""
     check_supported(model, kwargs)
     ns = namespace or namespace_for(model, cache_salt)
-    cache, _ = load_prefix(model, store, input_ids, attention_mask, namespace=ns)
+    cache, _, held = _load_prefix(model, store, input_ids, attention_mask, ns)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-    store_prompt(model, store, input_ids, attention_mask, cache, namespace=ns)
+    store_prompt(model, store, input_ids, attention_mask, cache, namespace=ns, held=held)
     return out
