@@ -272,7 +272,7 @@ def fingerprint_model(model: str | os.PathLike[str] | Mapping[str, object],
         for name in sorted(state_dict):
             tensor = state_dict[name].detach().cpu().contiguous()
             h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-            h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            h.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
         return "xxh3-weights:" + h.hexdigest()
     root = Path(model)
     if not root.is_dir():

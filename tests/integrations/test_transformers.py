@@ -189,3 +189,116 @@ def test_right_padding_is_refused(models: dict, tmp_path: Path) -> None:
     mask[1, -5:] = 0
     with KVStore.from_config(config(tmp_path)) as store, pytest.raises(Unsupported, match="padded on the right"):
         generate(model, ids, mask, store=store, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_beams": 2}, "num_beams=2: it expands the batch"),
+    ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences=2"),
+    ({"pixel_values": torch.zeros(1, 3, 8, 8)}, "pixel_values is given"),
+    ({"inputs_embeds": torch.zeros(1, 4, 8)}, "inputs_embeds is given"),
+])
+def test_settings_that_would_mix_kv_up_are_refused(models: dict, kwargs: dict, message: str,
+                                                   tmp_path: Path) -> None:
+    """Beams and several sequences per prompt expand the batch past the cache kvtier loads (another prompt's KV
+    would be stored under a row's tokens); other inputs than text change KV the token ids name."""
+    _, model = models["tiny-gqa"]
+    with KVStore.from_config(config(tmp_path)) as store, pytest.raises(Unsupported, match=message):
+        generate(model, prompt(11, 100), store=store, max_new_tokens=1, **kwargs)
+
+
+def test_a_beam_search_in_the_generation_config_is_refused(models: dict, tmp_path: Path) -> None:
+    from transformers import GenerationConfig
+
+    _, model = models["tiny-gqa"]
+    with KVStore.from_config(config(tmp_path)) as store, pytest.raises(Unsupported, match="num_beams=3"):
+        generate(model, prompt(12, 100), store=store, generation_config=GenerationConfig(num_beams=3,
+                                                                                          max_new_tokens=1))
+
+
+def test_an_encoder_decoder_model_is_refused(tmp_path: Path) -> None:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, num_layers=1, num_heads=2, d_kv=16,
+                                                d_ff=64, decoder_start_token_id=0)).eval()
+    with KVStore.from_config(config(tmp_path)) as store, pytest.raises(Unsupported, match="encoder-decoder"):
+        generate(model, prompt(13, 100, vocab=120), store=store, max_new_tokens=1)
+
+
+def test_switching_peft_adapters_switches_namespace(models: dict, model_dir: Path, tmp_path: Path) -> None:
+    """Attached LoRA weights are weights (in the fingerprint); which adapter is active, or whether any is, changes
+    no weight but changes the KV: each state has a namespace of its own, and each gives generate's own tokens."""
+    peft = pytest.importorskip("peft")
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(base, lora, adapter_name="first")
+    model.add_adapter("second", lora)
+    ids = prompt(14, 200)
+    with KVStore.from_config(config(tmp_path)) as store:
+        seen = set()
+        for adapter in ("first", "second", None):
+            if adapter is None:
+                model.base_model.disable_adapter_layers()
+            else:
+                model.set_adapter(adapter)
+            ns = namespace_for(model)
+            assert ns not in seen
+            seen.add(ns)
+            reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                       do_sample=False)
+            before = hits(store)
+            for _ in range(2):
+                got = generate(model, ids, store=store, max_new_tokens=6, do_sample=False)
+                assert torch.equal(got, reference), adapter
+            assert hits(store) == before + 3  # only its own first call's chunks: none across adapters
+
+
+def test_the_namespace_follows_weights_replaced_and_the_config(models: dict) -> None:
+    _, model = models["tiny-gqa"]
+    before = namespace_for(model)
+    weight = next(model.parameters())
+    saved = weight.data
+    weight.data = saved.clone() + 1  # a new storage, not an in-place change
+    try:
+        assert namespace_for(model) != before
+    finally:
+        weight.data = saved
+    assert namespace_for(model) == before
+    model.config.max_position_embeddings += 1  # a config edit after the first call
+    try:
+        assert namespace_for(model) != before
+    finally:
+        model.config.max_position_embeddings -= 1
+    assert namespace_for(model) == before
+
+
+def test_a_cache_unlike_the_config_is_never_stored(models: dict, tmp_path: Path, caplog) -> None:
+    """A model whose cache does not hold what its config says (e.g. Falcon's multi-query layout) is served by
+    generate as usual, and nothing of it is stored: nothing can be loaded wrong later."""
+    _, model = models["tiny-gqa"]
+    ids = prompt(15, 200)
+    model.config.num_key_value_heads = 1  # the layers were built with 2
+    try:
+        with KVStore.from_config(config(tmp_path)) as store:
+            out = generate(model, ids, store=store, max_new_tokens=4, do_sample=False)
+            store.flush()
+            assert out.shape[1] == 204 and not list((tmp_path / "kv").rglob("*.kv"))
+        assert "not the 2 layers of (1, 64)" in caplog.text
+    finally:
+        model.config.num_key_value_heads = 2
+
+
+def test_scores_on_a_hit_match_generate_alone(models: dict, tmp_path: Path) -> None:
+    """Tokens could agree while KV is wrong (random tiny models are forgiving): the scores of every generated
+    token agree too."""
+    _, model = models["smollm2"]
+    ids = prompt(16, 300, vocab=20000)
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    with KVStore.from_config(config(tmp_path)) as store:
+        generate(model, ids, store=store, max_new_tokens=1)
+        got = generate(model, ids, store=store, **kwargs)
+        assert hits(store) == 4
+    assert torch.equal(got.sequences, reference.sequences)
+    for mine, theirs in zip(got.scores, reference.scores):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)

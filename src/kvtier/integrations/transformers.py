@@ -8,21 +8,27 @@
                    max_new_tokens=64, do_sample=False)
 
 Before the prefill, the longest stored prefix of each prompt is loaded into a ``DynamicCache`` and only the rest is
-computed; after it, the prompts' new whole chunks are stored. Any ``generate`` argument works (streamers, greedy,
-sampling); a batch takes left padding (the tokenizer's ``padding_side="left"``), and its rows share one cached
-length: the longest that every row can load (a row that misses keeps the batch from loading past its padding).
+computed; after it, the prompts' new whole chunks are stored. ``generate``'s usual arguments work (streamers, greedy,
+sampling); settings that expand the batch (beams, several sequences per prompt) are refused. A batch takes left
+padding (the tokenizer's ``padding_side="left"``), and its rows share one cached length: the longest that every
+row can load (a row that misses keeps the batch from loading past its padding).
 
 KV is stored under a namespace of the loaded model (a fingerprint of its config and of every weight, adapters
-included, computed once per model object), its dtype, and the request's ``cache_salt``; and apart from KV that
+included, computed again when a weight or the config changes), the state of its PEFT adapters (which are active,
+disabled or merged, and their scaling), its dtype, and the request's ``cache_salt``; and apart from KV that
 vLLM computed for the same model (``settings="transformers"``): the two are close but not bit-identical. Pass
 ``namespace=`` to choose another, e.g. the one the vLLM connector uses, to share KV between them knowingly.
 
-Models whose cache is not a plain per-layer K/V of every token are refused: sliding-window or hybrid attention,
-linear-attention layers, and quantized or static caches (``cache_implementation``).
+Refused, naming the reason, where kvtier would serve wrong KV: sliding-window or hybrid attention, linear-attention
+layers, encoder-decoder models, latent (MLA) attention, inputs other than token ids (images, audio, embeddings),
+quantized or static caches (``cache_implementation``), and a model spread over several devices.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import weakref
 from typing import Any
 
@@ -32,8 +38,10 @@ from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, fingerprint_model
 from kvtier.store import KVStore
 
+log = logging.getLogger(__name__)
 _PROVENANCE = ("_name_or_path", "transformers_version", "_commit_hash", "name_or_path")
-_FINGERPRINTS: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+_FINGERPRINTS: weakref.WeakKeyDictionary[Any, tuple[object, str]] = weakref.WeakKeyDictionary()
+_TEXT_INPUTS = ("attention_mask", "position_ids", "cache_position", "token_type_ids")
 
 
 class Unsupported(ConfigError):
@@ -42,7 +50,15 @@ class Unsupported(ConfigError):
 
 def check_supported(model: Any, generate_kwargs: dict[str, Any] | None = None) -> None:
     """Raise :class:`Unsupported` for a model or setting kvtier would serve wrongly."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise Unsupported(f"{type(model).__name__} is an encoder-decoder model: kvtier names the decoder's KV by "
+                          "its own tokens alone, and the encoder's input changes it")
     config = model.config.get_text_config(decoder=True)
+    if getattr(config, "kv_lora_rank", None):
+        raise Unsupported(f"{type(model).__name__} uses latent (MLA) attention: its cache is not per-head K and V")
+    devices = set((getattr(model, "hf_device_map", None) or {}).values())
+    if len(devices) > 1:
+        raise Unsupported(f"the model is spread over {len(devices)} devices (device_map): not served yet")
     layer_types = getattr(config, "layer_types", None) or []
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
@@ -52,31 +68,78 @@ def check_supported(model: Any, generate_kwargs: dict[str, Any] | None = None) -
         raise Unsupported(f"{type(model).__name__} uses a sliding window of {config.sliding_window} tokens: "
                           "kvtier stores the K/V of every token and cannot serve a windowed cache")
     kwargs = generate_kwargs or {}
-    implementation = kwargs.get("cache_implementation") or getattr(model.generation_config,
-                                                                   "cache_implementation", None)
+    given = kwargs.get("generation_config")
+
+    def setting(name: str) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        for source in (given, model.generation_config):
+            if source is not None and getattr(source, name, None) is not None:
+                return getattr(source, name)
+        return None
+
+    implementation = setting("cache_implementation")
     if implementation not in (None, "dynamic"):
         raise Unsupported(f"cache_implementation={implementation!r}: kvtier loads into a DynamicCache (quantized, "
                           "static and offloaded caches are not served)")
+    for name in ("num_beams", "num_return_sequences"):
+        if (setting(name) or 1) > 1:
+            raise Unsupported(f"{name}={setting(name)}: it expands the batch, and the cache kvtier loads is the "
+                              "prompts' own (one row each)")
     if kwargs.get("past_key_values") is not None:
         raise Unsupported("past_key_values is given: kvtier makes the cache itself")
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and name not in _TEXT_INPUTS:
+            raise Unsupported(f"{name} is given: kvtier names KV by token ids alone, so inputs other than text "
+                              "(images, audio, embeddings) would share KV they do not share")
 
 
 def namespace_for(model: Any, cache_salt: str | None = None) -> Namespace:
     """The namespace of ``model``'s KV as transformers computes it (see the module's docstring)."""
-    version = sum(p._version for p in model.parameters())  # weights changed in place since: fingerprint again
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _PROVENANCE}
+    state = (json.dumps(config, sort_keys=True, default=str), _weights_state(model))
     cached = _FINGERPRINTS.get(model)
-    if cached is None or cached[0] != version:
-        config = {k: v for k, v in model.config.to_dict().items() if k not in _PROVENANCE}
-        cached = (version, fingerprint_model(config, model.state_dict()))
+    if cached is None or cached[0] != state:  # a weight or the config changed since: fingerprint again
+        cached = (state, fingerprint_model(config, model.state_dict()))
         _FINGERPRINTS[model] = cached
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return Namespace(model=cached[1], dtype=dtype, cache_salt=cache_salt, settings="transformers")
+    return Namespace(model=cached[1], dtype=dtype, lora=_adapters(model), cache_salt=cache_salt,
+                     settings="transformers")
+
+
+def _weights_state(model: Any) -> tuple[tuple[int, int], ...]:
+    """What changes when a weight does: each parameter's storage (``param.data = ...``) and in-place version
+    (tensors made under ``inference_mode`` keep none: their storage alone)."""
+    state = []
+    for p in model.parameters():
+        try:
+            version = p._version
+        except RuntimeError:
+            version = -1
+        state.append((p.data_ptr(), version))
+    return tuple(state)
+
+
+def _adapters(model: Any) -> str | None:
+    """A digest of the PEFT adapters' state (which are active, disabled or merged, at what scaling) where the model
+    has any: switching adapters changes no weight, but changes the KV."""
+    layers = []
+    for name, module in model.named_modules():
+        if hasattr(module, "active_adapters") and hasattr(module, "disable_adapters") and hasattr(module, "scaling"):
+            active = list(module.active_adapters)
+            layers.append([name, active, bool(module.disable_adapters), list(getattr(module, "merged_adapters", [])),
+                           {a: module.scaling.get(a) for a in active}])
+    if not layers:
+        return None
+    return "peft:" + hashlib.blake2b(json.dumps(layers, default=str).encode(), digest_size=16).hexdigest()
 
 
 def _shape(model: Any) -> tuple[int, int, int]:
+    """Layers, KV heads and head size as the config says (a cache of another shape is refused when stored)."""
     config = model.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = (getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+                or (1 if getattr(config, "multi_query", False) else heads))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, kv_heads, head_dim
 
@@ -163,7 +226,12 @@ def store_prompt(model: Any, store: KVStore, input_ids: torch.Tensor, attention_
     """Store each row's whole prompt chunks from ``cache`` (filled by a prefill of ``input_ids``); how many tokens
     are stored, over the batch. ``held``: per row, the tokens known stored already (whole chunks), not copied."""
     ns = namespace or namespace_for(model, cache_salt)
-    layers, _, _ = _shape(model)
+    layers, kv_heads, head_dim = _shape(model)
+    found = [(tuple(cache.layers[i].keys.shape[1::2]), tuple(cache.layers[i].values.shape[1::2]))
+             for i in range(min(layers, len(cache.layers)))]
+    if len(cache.layers) != layers or any(k != (kv_heads, head_dim) or v != k for k, v in found):
+        raise Unsupported(f"the cache holds {len(cache.layers)} layers of {found[:1]} (heads, head size), not the "
+                          f"{layers} layers of ({kv_heads}, {head_dim}) the config gives: not stored")
     t = store.chunk_tokens
     total = 0
     for i, (pad, tokens) in enumerate(_rows(input_ids, attention_mask)):
@@ -189,5 +257,8 @@ def generate(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-    store_prompt(model, store, input_ids, attention_mask, cache, namespace=ns, held=held)
+    try:
+        store_prompt(model, store, input_ids, attention_mask, cache, namespace=ns, held=held)
+    except Unsupported as exc:  # the output stands; nothing of this model is ever stored (so nothing is loaded)
+        log.warning("kvtier: %s", exc)
     return out
