@@ -113,7 +113,7 @@ def _salt(text: str) -> str:
 def cmd_forget(tiers: list[Tier], args: argparse.Namespace) -> int:
     """Destroy the tenant's secret (its KV can no longer be opened anywhere, Mooncake included), wait for running
     processes to drop the keys they derived, then remove its objects from every tier that can list them."""
-    from kvtier.cli import _audit, _human
+    from kvtier.cli import _audit
 
     sealer = sealer_for(args, "kvtier tenant forget")
     try:
@@ -132,7 +132,7 @@ def cmd_forget(tiers: list[Tier], args: argparse.Namespace) -> int:
         time.sleep(wait)
         unlisted = 0
         for tier in tiers:
-            unlisted += _remove(tier, namespaces, tenant, audit, _human)
+            unlisted += _remove(tier, namespaces, tenant, audit)
         if not unlisted:
             keyring.forgotten(tenant)
         return 0
@@ -140,26 +140,28 @@ def cmd_forget(tiers: list[Tier], args: argparse.Namespace) -> int:
         sealer.close()
 
 
-def _remove(tier: Tier, namespaces: list[str], tenant: str, audit, human) -> int:  # noqa: ANN001
-    """Remove the tenant's objects from one tier; 1 if the tier could not list them (they stay, unreadable)."""
-    removed = size = 0
-    failed = True
+def _remove(tier: Tier, namespaces: list[str], tenant: str, audit) -> int:  # noqa: ANN001
+    """Remove the tenant's objects from one tier (as a purge does, recorded as ``forget-remove``); 1 if the tier
+    could not list or delete them (they stay, and no key opens them)."""
+    from kvtier.cli import _remove_objects
+
     try:
-        for namespace in tqdm(namespaces, desc=f"forget {tier.name}", unit="ns", file=sys.stderr, disable=None):
-            for o in list(tier.list(namespace)):
-                if tier.delete(o.key):
-                    removed += 1
-                    size += o.size
-        failed = False
+        objects = [o for namespace in namespaces for o in tier.list(namespace)]
     except TierError as exc:
-        print(f"tier {tier.name}: cannot remove the objects ({exc}); they stay, and no key opens them; run the "
-              "command again to retry")
-    finally:
         if audit is not None:
-            audit.record("forget-remove", tier=tier.name, tenant=tenant, objects=removed, bytes=size, failed=failed)
-    if not failed:
-        print(f"tier {tier.name}: removed {removed} objects ({human(size)})")
-    return int(failed)
+            audit.record("forget-remove", tier=tier.name, tenant=tenant, objects=0, bytes=0, failed=True)
+        return _cannot(tier, exc)
+    try:
+        _remove_objects(tier, objects, audit, "forget-remove", {"tenant": tenant})
+    except TierError as exc:  # recorded as failed part-way by _remove_objects
+        return _cannot(tier, exc)
+    return 0
+
+
+def _cannot(tier: Tier, exc: TierError) -> int:
+    print(f"tier {tier.name}: cannot remove the objects ({exc}); they stay, and no key opens them; run the command "
+          "again to retry")
+    return 1
 
 
 def add_commands(top: argparse._SubParsersAction, cache: argparse._SubParsersAction) -> None:
