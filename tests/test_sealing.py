@@ -499,19 +499,64 @@ def test_no_key_material_in_reprs(tmp_path: Path) -> None:
         assert tenant.secret.hex() not in text and repr(tenant.secret) not in text
 
 
-def test_a_tier_that_skips_the_decryption_costs_a_miss_not_the_object(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tier's bug (returning a header without passing the payload through the decryption) is not the object's
-    fault: nothing of it is served, and it stays for the next read."""
-    tokens = synthetic_tokens(15, 2 * T)
+def _settled(store: KVStore) -> dict[str, int]:
+    """The DRAM pool's accounting once reads ahead that a load no longer needed have ended (they are aborted when
+    their decryption ends, which may be after the load returned)."""
+    deadline = time.monotonic() + 10
+    while (audit := store.dram.audit())["pending"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return audit
+
+
+@pytest.mark.parametrize("fault", ["altered", "unreadable"])
+def test_a_fault_among_shards_read_ahead_and_decrypted_leaks_nothing(tmp_path: Path, fault: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sealed shards are read ahead on the caller's thread and decrypted on another: a shard that fails (altered:
+    its decryption fails there; unreadable: the read fails) ends the load at its chunk with the chunks before it
+    exact, and the shards read ahead past it, decrypted or not, give their DRAM back."""
+    tokens = synthetic_tokens(16, 8 * T)
     kv = synthetic_kv(tokens)
     with KVStore.from_config(config(tmp_path)) as store:
-        store.put(ns("s"), tokens, kv)
+        store.put(ns("f"), tokens, kv)
         cold(store)
         disk = store.tiers[0]
-        monkeypatch.setattr(disk, "get_transformed",
-                            lambda key, header_len, payload, transform: disk.get_into(key, header_len, payload))
-        assert store.get(ns("s"), tokens) is None
-        assert store.stats()["disk"]["corrupt_objects_total"] == 0 and len(objects(tmp_path)) == 2
+        keys = sorted(disk.list(), key=lambda o: o.created)  # written in chunk order
+        bad = keys[3].key
+        if fault == "altered":
+            disk.put(bad, [flip(disk.get(bad))])
+        else:
+            real = disk.get_into
+            monkeypatch.setattr(disk, "get_into", lambda key, *a: (_ for _ in ()).throw(OSError("EIO"))
+                                if key == bad else real(key, *a))
+        # The decryption of chunk 4 (read ahead past the fault) is held until the load has returned: its entry
+        # must stay reserved until then (pages given back while a thread writes into them would be reused).
+        held, release = keys[4].key, threading.Event()
+        decryptor = store._sealer.decryptor
+
+        def slow(header: frame.Header) -> object:
+            inner = decryptor(header)
+            if header.key != held:
+                return inner
+            update = inner.update_into
+            monkeypatch.setattr(inner, "update_into", lambda src, dst: (release.wait(10), update(src, dst))[1])
+            return inner
+
+        monkeypatch.setattr(store._sealer, "decryptor", slow)
+        got = torch.zeros_like(kv)
+
+        def sink(first: int, chunks: torch.Tensor) -> None:
+            got[:, :, :, first * T:(first + chunks.shape[0]) * T] = chunks.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+
+        served = store.load(ns("f"), tokens, sink, layers=kv.shape[0], head_dim=kv.shape[4], dtype=kv.dtype)
+        assert served == 3 * T
+        assert torch.equal(got[:, :, :, :3 * T], kv[:, :, :, :3 * T])
+        assert store.dram.audit()["pending"] >= 1  # chunk 4's entry, its decryption still under way
+        release.set()
+        stats = store.stats()["disk"]
+        assert (stats["corrupt_objects_total"], bad in {o.key for o in disk.list()}) == \
+            ((1, False) if fault == "altered" else (0, True))
+        assert _settled(store) == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
         monkeypatch.undo()
-        assert torch.equal(store.get(ns("s"), tokens), kv)
+        if fault == "unreadable":
+            time.sleep(1.1)  # the tier's reads rest after a failure
+            assert torch.equal(store.get(ns("f"), tokens), kv)

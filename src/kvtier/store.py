@@ -57,6 +57,9 @@ READ_AHEAD = 2
 _BATCH = 4
 _BATCH_AHEAD = 16
 _READ_THREADS = 4  # per tier, shared by the store's concurrent gets
+# Threads that decrypt sealed shards read ahead (KVStore._fill_sealed), shared by all tiers and gets: one beside
+# the reading threads on two cores, more where there are more cores for concurrent loads.
+_DECRYPT_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
 # Seconds close waits for batched reads under way (native code writing into DRAM pages: Mooncake's batch get);
 # one stuck on a stalled server ends with the process.
 _CLOSE_WAIT = 5.0
@@ -167,6 +170,8 @@ class KVStore:
         self._ttl = {t.name: getattr(t.options, "ttl_seconds", None) for t in self.tiers}
         # Read-ahead from secondary tiers, a pool per tier: reads stuck in a stalled server hold up no other tier's.
         self._readers = {t.name: DaemonPool(f"kvtier-read-{t.name}", _READ_THREADS) for t in self.tiers}
+        # Sealed shards read ahead are decrypted here, while the reading threads read the next ones.
+        self._decrypting = None if self._sealer is None else DaemonPool("kvtier-decrypt", _DECRYPT_THREADS)
         self._closed = False
         if config.metrics_port is not None:
             self.metrics.serve(config.metrics_port, config.metrics_host)
@@ -647,8 +652,8 @@ class KVStore:
 
     def _reads_ahead(self, tier: Tier) -> bool:
         """Whether a get reads ``tier``'s shards ahead, on threads: where the tier asks for it, and for every tier
-        when objects are sealed (decryption is work for a second core: ``benchmarks/bench_sealing.py``)."""
-        return tier.read_ahead or self._sealer is not None
+        when objects are sealed (:meth:`_fill_sealed`: a shard is decrypted while the next one is read)."""
+        return tier.read_ahead or self._decrypting is not None
 
     def _read_ahead(self, read: Read) -> None:
         """Start the next lined-up shard reads, keeping at most :data:`READ_AHEAD` of them started and not yet
@@ -679,7 +684,10 @@ class KVStore:
                 read.started[(tier.name, key)] = readers.submit(lambda tier=tier, key=key: self._get(tier, key))
                 continue
             try:
-                future = readers.submit(lambda tier=tier, key=key, entry=entry: self._read_into(tier, key, entry))
+                if tier.read_ahead or self._decrypting is None:
+                    future = readers.submit(lambda tier=tier, key=key, entry=entry: self._read_into(tier, key, entry))
+                else:
+                    future = self._fill_sealed(tier, key, entry)
             except BaseException:
                 self.dram.abort(entry)  # e.g. the store closed meanwhile
                 raise
@@ -732,6 +740,34 @@ class KVStore:
                 future.set_result(self._read_into(tier, key, entry, lambda head=head: _raised(head), start))
             except BaseException as exc:
                 future.set_exception(exc)
+
+    def _fill_sealed(self, tier: Tier, key: ShardKey, entry: DramEntry) -> Future[float | None]:
+        """Read ahead a sealed shard from a tier read inline (a local disk): read here and now into its DRAM entry
+        as stored (the payload still encrypted), its decryption there and the checks (:meth:`_read_into`) handed
+        to the decrypting threads; the future gives their outcome. The caller reads the next shard while this one
+        is decrypted: reading and decrypting run on two cores, a whole shard per call, so neither thread waits on
+        the other for the GIL between pieces (``benchmarks/bench_sealing.py``)."""
+        start = time.perf_counter()
+        future: Future[float | None] = Future()
+        future.set_running_or_notify_cancel()  # read already: cancelling it would not spare the work
+        head: bytes | None | Exception
+        try:
+            head = tier.get_into(key, self._header_len, self.dram.views(entry))
+        except Exception as exc:  # counted by _read_into, as any read's fault
+            head = exc
+
+        def verify() -> None:
+            try:
+                future.set_result(self._read_into(tier, key, entry, lambda: _raised(head), start))
+            except BaseException as exc:  # handed to the load waiting on it
+                future.set_exception(exc)
+
+        if isinstance(head, bytes):
+            assert self._decrypting is not None
+            self._decrypting.submit(verify)  # raises once the store is closed: the caller aborts the entry
+        else:  # missing or failed: nothing to decrypt
+            verify()
+        return future
 
     def _get(self, tier: Tier, key: ShardKey) -> Fetched | None:
         """Read and verify one shard (on any thread); raises what the tier or the check raises."""
@@ -944,15 +980,10 @@ class KVStore:
         start = time.perf_counter() if start is None else start
 
         def read() -> frame.Header | None:
-            if self._sealer is not None and fetched is None:
-                header = self._read_sealed(tier, key, entry)
-                if header is None:
-                    return None
-            else:
-                head = tier.get_into(key, self._header_len, self.dram.views(entry)) if fetched is None else fetched()
-                if head is None:
-                    return None
-                header = frame.verify(head, self.dram.views(entry), expected=key, opener=self._sealer)
+            head = tier.get_into(key, self._header_len, self.dram.views(entry)) if fetched is None else fetched()
+            if head is None:
+                return None
+            header = frame.verify(head, self.dram.views(entry), expected=key, opener=self._sealer)  # decrypts there
             if header.meta != entry.meta:
                 raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected {entry.meta.shape} "
                                        f"{entry.meta.dtype}")
@@ -965,26 +996,6 @@ class KVStore:
         self.metrics.tier_read_seconds.labels(tier.name).observe(time.perf_counter() - start)
         self.metrics.bytes_read.labels(tier.name).inc(self._header_len + entry.meta.nbytes)
         return header.created
-
-    def _read_sealed(self, tier: Tier, key: ShardKey, entry: DramEntry) -> frame.Header | None:
-        """Read a sealed shard into a reserved DRAM entry, decrypting it as it arrives
-        (:meth:`Tier.get_transformed`), and verify it; raises what the tier or the check raises."""
-        begun: list[tuple[frame.Header, frame.Decryptor]] = []
-
-        def begin(head: bytes) -> Callable[[memoryview, memoryview], object]:
-            if begun:  # a tier bug, not the object's fault: a miss that leaves the object (not a FrameError)
-                raise RuntimeError(f"tier {tier.name} began reading {key.name} twice")
-            header, decryptor = frame.begin_sealed(head, entry.meta.nbytes, key, self._sealer)  # type: ignore[arg-type]
-            begun.append((header, decryptor))
-            return decryptor.update_into
-
-        if tier.get_transformed(key, self._header_len, self.dram.views(entry), begin) is None:
-            return None
-        if not begun:
-            raise RuntimeError(f"tier {tier.name} returned {key.name} without passing it through its decryption")
-        header, decryptor = begun[0]
-        decryptor.finish()
-        return header
 
     def _read_verified(self, tier: Tier, key: ShardKey, read: Read) -> tuple[frame.Header, memoryview] | None:
         started = read.started.pop((tier.name, key), None)
@@ -1176,6 +1187,8 @@ class KVStore:
                             "process)", tier.name)
                 continue
             tier.close()
+        if self._decrypting is not None:
+            self._decrypting.close()
         if self._sealer is not None:
             self._sealer.close()
         self.metrics.stop_serving()

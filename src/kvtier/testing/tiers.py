@@ -98,34 +98,6 @@ class TierConformance:
             tier.get_into(key(12), 96, [memoryview(bytearray(3 * 2**20))])
         assert tier.get_into(key(13), 96, [memoryview(bytearray(8))]) is None
 
-    def test_get_transformed_passes_the_payload_through_the_transform(self, tier: Tier) -> None:
-        """As a decryption does: the header first, then every payload byte through the step, in order."""
-        blob = b"H" * 96 + os.urandom(3 * 2**20 + 5)
-        tier.put(key(15), [blob])
-        pages = [bytearray(2**20 + 7), bytearray(2**20), bytearray(2**20 - 2)]
-        seen: list[bytes] = []
-        mask = (np.arange(len(blob) - 96) & 0xFF).astype(np.uint8)
-        done = [0]
-
-        def transform(header: bytes):  # noqa: ANN202
-            seen.append(header)
-
-            def step(src: memoryview, dst: memoryview) -> None:  # a running XOR: order matters
-                n = len(src)
-                np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(src, dtype=np.uint8) ^ mask[done[0]:done[0] + n]
-                done[0] += n
-
-            return step
-
-        assert tier.get_transformed(key(15), 96, [memoryview(p) for p in pages], transform) == blob[:96]
-        assert seen == [blob[:96]]
-        expected = (np.frombuffer(blob[96:], dtype=np.uint8) ^ mask).tobytes()
-        assert b"".join(bytes(p) for p in pages) == expected
-        assert tier.get_transformed(key(16), 96, [memoryview(bytearray(8))], transform) is None  # missing
-        with pytest.raises(ValueError, match="refused"):  # a transform that refuses the header stops the read
-            tier.get_transformed(key(15), 96, [memoryview(p) for p in pages],
-                                 lambda header: (_ for _ in ()).throw(ValueError("refused")))
-
     def test_get_into_many_answers_each_read(self, tier: Tier) -> None:
         """Several reads at once (one batch where the tier batches them): each answered as :meth:`get_into`
         would, a missing or malformed object in the batch costing only its own read."""

@@ -51,11 +51,10 @@ from kvtier import frame
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers._shares import Shares
-from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier, Transform
+from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 log = logging.getLogger(__name__)
 
-_PIECE_BYTES = 256 * 2**10  # get_transformed's pieces: small enough to stay in a core's cache between read and step
 _TMP_DIR = ".tmp"
 _TMP_NAME = re.compile(r"\d+\.[0-9a-f]{32}\.part")
 # <chunk>.<heads>.kv, or the earlier <chunk>.<heads>.<created ms>.kv (group 3) that start-up migrates.
@@ -184,7 +183,6 @@ class FilesystemTier(Tier):
         super().__init__(name, options)
         self.root = Path(os.path.realpath(os.path.expanduser(options.path)))
         self._lock = threading.Lock()
-        self._pieces = threading.local()  # each reading thread's buffer for get_transformed
         self._files: OrderedDict[ShardKey, _File] = OrderedDict()  # least recently used first
         self._by_chunk: dict[tuple[str, str], set[HeadRange]] = {}
         self._used = 0
@@ -606,34 +604,6 @@ class FilesystemTier(Tier):
             return bytes(header)
 
         return self._get(key, parts)
-
-    def get_transformed(self, key: ShardKey, header_len: int, payload: Sequence[memoryview],
-                        transform: Transform) -> bytes | None:
-        """The header read, then the payload in pieces through a small buffer of this thread's, each transformed
-        straight into ``payload``: the file's bytes cross memory once (a read then an in-place pass twice)."""
-        want = header_len + sum(len(part) for part in payload)
-
-        def parts(fd: int, st: os.stat_result, indexed: int) -> bytes:
-            header = bytearray(header_len)
-            if st.st_size != want or _read_fully(fd, [memoryview(header)]) != header_len:
-                raise ObjectError(f"{self.name}: {key.name} is {st.st_size} bytes, expected {want}")
-            step = transform(bytes(header))
-            piece = self._piece_buffer()
-            for part in payload:
-                for start in range(0, len(part), len(piece)):
-                    dst = part[start:start + len(piece)]
-                    if _read_fully(fd, [piece[:len(dst)]]) != len(dst):
-                        raise ObjectError(f"{self.name}: {key.name} ended early (shorter than {want} bytes)")
-                    step(piece[:len(dst)], dst)
-            return bytes(header)
-
-        return self._get(key, parts)
-
-    def _piece_buffer(self) -> memoryview:
-        buf = getattr(self._pieces, "buf", None)
-        if buf is None:
-            buf = self._pieces.buf = memoryview(bytearray(_PIECE_BYTES))
-        return buf
 
     def _get(self, key: ShardKey, read: Callable[[int, os.stat_result, int], _T]) -> _T | None:
         """``read(fd, its status, the size indexed)`` on the key's file, or None when it is not there (dropped

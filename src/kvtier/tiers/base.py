@@ -19,8 +19,6 @@ from kvtier.keys import HeadRange, ShardKey
 from kvtier.registry import Registry
 
 Buffer = bytes | bytearray | memoryview
-# See Tier.get_transformed: the header in, the step that writes a piece's transform out.
-Transform = Callable[[bytes], Callable[[memoryview, memoryview], object]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,20 +83,6 @@ class Tier(ABC):
         (a file: ``readv``) saves that copy."""
         blob = self.get(key)
         return None if blob is None else self._split(key, blob, header_len, payload)
-
-    def get_transformed(self, key: ShardKey, header_len: int, payload: Sequence[memoryview],
-                        transform: Transform) -> bytes | None:
-        """:meth:`get_into`, the payload passing through a transform (a decryption) on its way into ``payload``.
-        ``transform(header)``, called once the header is read (it may raise: the read stops), returns ``step(src,
-        dst)``, which writes its transform of ``src`` into ``dst`` of the same size, in order. The default reads
-        into ``payload`` and transforms it there; a tier that reads in pieces (a file) transforms each piece into
-        ``payload`` as it comes: one pass over the memory instead of two."""
-        head = self.get_into(key, header_len, payload)
-        if head is not None:
-            step = transform(head)
-            for part in payload:
-                step(part, part)
-        return head
 
     def get_into_many(self, reads: Sequence[tuple[ShardKey, int, Sequence[memoryview]]]) \
             -> list[bytes | None | Exception]:
