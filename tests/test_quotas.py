@@ -4,15 +4,21 @@ keep them are refused naming the field."""
 
 from __future__ import annotations
 
+import time
+import uuid
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier import KVStore, Namespace, frame
+from kvtier.config import load_config
 from kvtier.errors import ConfigError
+from kvtier.keys import chunk_keys
+from kvtier.store import open_tiers
 from kvtier.testing import synthetic_kv, synthetic_tokens
 
 T = 16
@@ -89,13 +95,133 @@ def test_bad_quotas_are_refused_naming_the_field(tmp_path: Path, placement: list
         KVStore.from_config(cfg)
 
 
-def test_a_quota_on_a_tier_that_cannot_keep_one_is_refused(redis_server, unique_prefix: str) -> None:
-    cfg = {"tiers": [{"type": "redis", "name": "shared", **redis_server.tier_options(), "key_prefix": unique_prefix}],
+def test_a_quota_on_a_tier_that_cannot_keep_one_is_refused(s3_server) -> None:
+    cfg = {"tiers": [{"type": "s3", "name": "shared", **s3_server.tier_options()}],
            "placement": [{"salt": "t-*", "tiers": ["shared"], "quota": {"shared": "1GiB"}}]}
-    with pytest.raises(ConfigError, match=r"placement\[0\]\.quota\.shared: the RedisTier keeps no per-tenant quotas"):
+    with pytest.raises(ConfigError, match=r"placement\[0\]\.quota\.shared: the S3Tier keeps no per-tenant quotas.*"
+                                          r"quotas apply to dram, filesystem and redis tiers"):
         KVStore.from_config(cfg)
 
 
+# -- Redis: the shares are counted in the server, over every engine's writes -------------------------------------
+SHARD = payload_bytes() + frame.HEADER_LEN  # what one chunk's object takes in Redis (one engine, all heads)
+
+
+def redis_config(server, prefix: str, quota_shards: int, **tier: object) -> dict:
+    return {"chunk_tokens": T, "dram": {"capacity_bytes": "16MiB", "page_bytes": PAGE},
+            "tiers": [{"type": "redis", "name": "shared", **server.tier_options(), "key_prefix": prefix,
+                       "queue_depth": 4096, **tier}],
+            "placement": [{"salt": "team-*", "tiers": ["shared"], "quota": {"shared": quota_shards * SHARD}}]}
+
+
+def held(store: KVStore, tenant: str) -> int:
+    return sum(1 for _ in store.tiers[0].list(ns(tenant).id))
+
+
+def put(store: KVStore, tenant: str, tokens: list[int]) -> None:
+    store.put(ns(tenant), tokens, synthetic_kv(tokens))
+    store.flush()
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def shared_redis(request):  # noqa: ANN001, ANN201
+    return request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
+
+
+def test_a_tenant_past_its_redis_share_evicts_its_own_least_recent_shards_whichever_engine_wrote_them(
+        shared_redis, unique_prefix: str) -> None:
+    """Two engines on one server (a cluster too: a share's keys share a slot): the share counts both engines'
+    writes, a read moves a shard to the recent end, and another tenant loses nothing."""
+    p = [synthetic_tokens(40 + i, 2 * T) for i in range(3)]
+    cfg = redis_config(shared_redis, unique_prefix, 4)
+    with KVStore.from_config(cfg) as a, KVStore.from_config(cfg) as b:
+        put(a, "public", p[0])
+        put(a, "team-a", p[0])
+        put(b, "team-a", p[1])  # the share is full: 4 shards, two engines' writes
+        share = a._placement.decide(ns("team-a")).share
+        assert a.tiers[0].share_bytes(share) == b.tiers[0].share_bytes(share) == 4 * SHARD
+        a.drop_dram()
+        assert torch.equal(a.get(ns("team-a"), p[0]), synthetic_kv(p[0]))  # read back from Redis: now recent
+        put(b, "team-a", p[2])  # past the share: the least recently used, p[1] (engine b's own), goes
+        assert (held(a, "team-a"), held(a, "public")) == (4, 2)
+        assert a.tiers[0].share_bytes(share) == 4 * SHARD
+        assert b.tiers[0].counters()["share_evictions"] == 2
+    with KVStore.from_config(cfg) as c:  # a third engine finds what the share kept
+        assert c.get(ns("team-a"), p[1]) is None
+        for tenant, tokens in (("team-a", p[0]), ("team-a", p[2]), ("public", p[0])):
+            assert torch.equal(c.get(ns(tenant), tokens), synthetic_kv(tokens))
+
+
+def test_redis_shards_removed_behind_the_share_stay_counted_until_it_evicts_them(redis_server,
+                                                                                 unique_prefix: str) -> None:
+    """Shards the server dropped by itself (maxmemory) stay counted, as the least recently used: the next put
+    past the quota takes those out first, and the share holds its real shards again. A delete by a process that
+    was never told the share (a command) takes the shard out of the count."""
+    p = [synthetic_tokens(50 + i, 2 * T) for i in range(3)]
+    cfg = redis_config(redis_server, unique_prefix, 4)
+    client = redis.Redis.from_url(redis_server.url)  # (the test's own client, not the tier's)
+    with KVStore.from_config(cfg) as store:
+        put(store, "team-a", p[0])
+        put(store, "team-a", p[1])
+        share = store._placement.decide(ns("team-a")).share
+        for chunk in chunk_keys(ns("team-a"), p[0], T):
+            client.unlink(f"{unique_prefix}{ns('team-a').id}:{chunk.hex()}")  # as maxmemory would
+        assert store.tiers[0].share_bytes(share) == 4 * SHARD  # still counted
+        put(store, "team-a", p[2])  # over: p[0]'s counts go, not p[1]'s shards
+        assert held(store, "team-a") == 4 and store.tiers[0].share_bytes(share) == 4 * SHARD
+        store.drop_dram()
+        assert torch.equal(store.get(ns("team-a"), p[1]), synthetic_kv(p[1]))
+    (tier,) = open_tiers(load_config(cfg))  # as `kvtier cache purge` opens it: told no share
+    try:
+        victim = next(iter(tier.list(ns("team-a").id))).key
+        assert tier.delete(victim)
+        assert tier.share_bytes(share) == 3 * SHARD
+    finally:
+        tier.close()
+
+
+def test_redis_shards_past_the_tiers_ttl_leave_the_count_at_the_next_put(redis_server, unique_prefix: str) -> None:
+    p = [synthetic_tokens(60 + i, 2 * T) for i in range(2)]
+    with KVStore.from_config(redis_config(redis_server, unique_prefix, 100, ttl_seconds=1)) as store:
+        put(store, "team-a", p[0])
+        share = store._placement.decide(ns("team-a")).share
+        time.sleep(1.2)  # the server expires p[0]'s shards
+        put(store, "team-a", p[1])
+        assert store.tiers[0].share_bytes(share) == 2 * SHARD
+
+
+_REDIS_TENANTS = ("team-a", "team-b", "public")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 1), st.sampled_from(_REDIS_TENANTS), st.integers(0, 4), st.booleans()),
+                min_size=1, max_size=12))
+def test_redis_shares_hold_under_any_sequence_of_two_engines_puts_and_gets(redis_server,
+                                                                          ops: list[tuple[int, str, int, bool]]) \
+        -> None:
+    """Two engines, any order of puts and cold gets: no share holds more shards in the server than its quota,
+    the unlimited tenant keeps every shard, and every get is exact or a miss."""
+    prefix = f"h{uuid.uuid4().hex[:12]}/"
+    cfg = redis_config(redis_server, prefix, 3)
+    cfg["placement"].append({"tiers": ["shared"]})
+    with KVStore.from_config(cfg) as e0, KVStore.from_config(cfg) as e1:
+        engines = (e0, e1)
+        public: set[int] = set()
+        for engine, tenant, seed, read in ops:
+            store = engines[engine]
+            tokens = synthetic_tokens(70 + seed, 2 * T)
+            if read:
+                store.drop_dram()
+                got = store.get(ns(tenant), tokens)
+                assert got is None or torch.equal(got, synthetic_kv(tokens))
+            else:
+                put(store, tenant, tokens)
+                if tenant == "public":
+                    public.add(seed)
+            for t in ("team-a", "team-b"):
+                assert held(e0, t) <= 3
+            assert held(e0, "public") == 2 * len(public)
 _TENANTS = ("team-a", "team-b", "public")
 
 
@@ -147,7 +273,7 @@ def test_reservations_count_against_the_share_before_they_commit() -> None:
         meta = frame.ShardMeta(*synthetic_kv(tokens).shape[:1], T, synthetic_kv(tokens).shape[4],
                                torch.bfloat16, frame.HeadRange(0, synthetic_kv(tokens).shape[2],
                                                                synthetic_kv(tokens).shape[2]))
-        from kvtier.keys import ShardKey, chunk_keys
+        from kvtier.keys import ShardKey
 
         keys = [ShardKey(ns_a.id, c.hex(), meta.heads) for c in chunk_keys(ns_a, tokens, T)]
         first, second = store.dram.reserve(keys[0], meta, None), store.dram.reserve(keys[1], meta, None)

@@ -65,13 +65,14 @@ def test_retain_removes_from_s3_what_is_past_the_ttl_and_records_it(request: pyt
                                                                    capsys) -> None:
     """S3 has no expiry of its own (the filesystem and Redis tiers expire by themselves)."""
     tokens = synthetic_tokens(3, 3 * T)
-    tier = tier_config("s3", request, tmp_path, unique_prefix, ttl_seconds=1)
+    # ttl 3 s: the fresh object must stay younger than it until retain has listed (slow under a loaded CI)
+    tier = tier_config("s3", request, tmp_path, unique_prefix, ttl_seconds=3)
     cfg = store_config(tier, audit_log=str(tmp_path / "audit.log"))
     path = tmp_path / "kvtier.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with KVStore.from_config(store_config(dict(tier, ttl_seconds=None))) as store:  # no expiry of its own meanwhile
         store.put(NS, tokens, synthetic_kv(tokens))
-    time.sleep(1.5)
+    time.sleep(3.5)
     with KVStore.from_config(store_config(dict(tier, ttl_seconds=None))) as store:
         fresh = synthetic_tokens(4, T)
         store.put(NS, fresh, synthetic_kv(fresh))

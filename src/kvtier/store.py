@@ -1101,8 +1101,8 @@ class KVStore:
                 tier = by_name.get(name)
                 if tier is not None and not tier.shares:
                     raise ConfigError(f"placement[{i}].quota.{name}: the {type(tier).__name__} keeps no per-tenant "
-                                      f"quotas (a shared server would need every engine's writes counted in one "
-                                      f"place); quotas apply to dram and to filesystem tiers")
+                                      f"quotas (every engine's writes would have to be counted in one place); "
+                                      f"quotas apply to dram, filesystem and redis tiers")
 
     def _apply_share(self, ns: Namespace, decision: Decision) -> None:
         """Tell DRAM and each tier with a quota for ``ns``'s tenant which share its KV counts against."""

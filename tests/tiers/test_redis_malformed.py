@@ -130,7 +130,7 @@ def test_get_into_meets_other_writers_keys_and_the_connection_stays_in_step(serv
     pooled connection for the next read to take for its own."""
     good = b"h" * 96 + b"k" * 5000
     tier.put(key(50), [good])
-    tier.get = None  # type: ignore[assignment, method-assign]  # every read below is get_into's own
+    tier._get = None  # type: ignore[assignment, method-assign]  # every read below is get_into's own
 
     def read(chunk: int, size: int = len(good)) -> bytes | None:
         pages = bytearray(size - 96)

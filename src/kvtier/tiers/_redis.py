@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 from kvtier.config import check_url_port, redact_url
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
+from kvtier.tiers._redis_shares import RedisShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 log = logging.getLogger(__name__)
@@ -298,6 +299,7 @@ class RedisTier(Tier):
     Options = RedisOptions
     persistent = True  # the data lives in the server, not in this process
     listed_times = False  # Redis keeps no creation time: a listing gives the last access (and ttl_seconds expires)
+    shares = True  # counted in the server: every engine's writes count (_redis_shares)
 
     def __init__(self, name: str, options: RedisOptions) -> None:
         super().__init__(name, options)
@@ -320,6 +322,7 @@ class RedisTier(Tier):
                 raise ConfigError(f"{name}.password_file: cannot read {options.password_file}: "
                                   f"{type(exc).__name__}") from None
         self._wrong_type_keys = 0  # keys of another type met at a chunk's name (see counters())
+        self._shares = RedisShares(options.key_prefix, self._call, options.ttl_seconds)
 
     # -- connection --------------------------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -396,6 +399,17 @@ class RedisTier(Tier):
 
     # -- the tier interface ------------------------------------------------------------------------------------
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
+        over = self._shares.account(key, sum(memoryview(p).nbytes for p in parts))  # before: never uncounted
+        try:
+            self._put(key, parts)
+        finally:
+            for victim in over:  # out of the share already: deleted even when this write failed
+                try:
+                    self._delete(victim)
+                except (TierError, ObjectError) as exc:
+                    log.debug("tier %s: evicting %s from its share failed: %s", self.name, victim.name, exc)
+
+    def _put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
         name = self._hash(key.namespace, key.chunk)
         segments = _segments(parts, self.options.segment_bytes)
         n = len(segments)
@@ -430,6 +444,12 @@ class RedisTier(Tier):
         self._call(f"put {key.name}", write)
 
     def get(self, key: ShardKey) -> Buffer | None:
+        blob = self._get(key)
+        if blob is not None:
+            self._shares.touched(key)
+        return blob
+
+    def _get(self, key: ShardKey) -> Buffer | None:
         name = self._hash(key.namespace, key.chunk)
 
         def read(client: Any) -> Buffer | None:
@@ -457,6 +477,12 @@ class RedisTier(Tier):
         return self._call(f"get {key.name}", read)
 
     def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
+        head = self._get_into(key, header_len, payload)
+        if head is not None:
+            self._shares.touched(key)
+        return head
+
+    def _get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
         """The usual one-segment shard in one round trip (its field list and that segment, pipelined), read from
         the socket straight into ``payload`` (e.g. DRAM pages): no reply object, no copy after it. A shard in
         several segments, a cluster's redirection or an error reply other than WRONGTYPE goes through
@@ -493,7 +519,8 @@ class RedisTier(Tier):
             if not in_step:
                 conn.disconnect()  # a reply may be half read
             pool.release(conn)
-        return super().get_into(key, header_len, payload)
+        blob = self._get(key)
+        return None if blob is None else self._split(key, blob, header_len, payload)
 
     def _pool_for(self, name: str) -> Any:
         client = self._client()
@@ -526,6 +553,24 @@ class RedisTier(Tier):
         raise TierError(f"{self.name}: {what} failed: {exc}") from exc
 
     def delete(self, key: ShardKey) -> bool:
+        found = self._delete(key)
+        try:
+            self._shares.removed(key)  # also when it was gone: the server may have evicted it, still counted
+        except TierError as exc:  # the shard is deleted; its count goes at the share's next eviction
+            log.debug("tier %s: taking %s out of its share failed: %s", self.name, key.name, exc)
+        return found
+
+    # -- tenant shares -----------------------------------------------------------------------------------------
+    def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
+        """Count ``namespace``'s shards against the tenant share ``share`` of ``quota_bytes`` (None: none), in the
+        server (:mod:`kvtier.tiers._redis_shares`): a put that takes the share past its quota deletes the
+        share's least recently used shards, whichever engine wrote them."""
+        self._shares.set(namespace, share, quota_bytes)
+
+    def share_bytes(self, share: str) -> int:
+        return self._shares.bytes(share)
+
+    def _delete(self, key: ShardKey) -> bool:
         name = self._hash(key.namespace, key.chunk)
 
         def remove(client: Any) -> bool:
@@ -619,7 +664,7 @@ class RedisTier(Tier):
             yield StoredObject(key, sum(seg_sizes), used, used)
 
     def counters(self) -> dict[str, float]:
-        return {"wrong_type_keys": float(self._wrong_type_keys)}
+        return {"wrong_type_keys": float(self._wrong_type_keys), "share_evictions": float(self._shares.evictions)}
 
     def close(self) -> None:
         self._drop_client()
