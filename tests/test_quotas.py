@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from kvtier import KVStore, Namespace, frame
 from kvtier.config import load_config
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierError
 from kvtier.keys import chunk_keys
 from kvtier.store import open_tiers
+from kvtier.tiers import _redis_shares, _shares as tier_shares
 from kvtier.testing import synthetic_kv, synthetic_tokens
 
 T = 16
@@ -48,6 +49,14 @@ def ns(salt: str | None) -> Namespace:
     return Namespace(model="m", dtype="bfloat16", cache_salt=salt)
 
 
+@pytest.fixture
+def age(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """Tiers never evict a share's objects used in the last RECENT_SECONDS (a prompt's own chunks): shortened
+    here, and ``age()`` lets everything stored so far grow older than that."""
+    monkeypatch.setattr(tier_shares, "RECENT_SECONDS", 0.3)
+    return lambda: time.sleep(0.35)
+
+
 def test_a_tenant_past_its_dram_share_evicts_its_own_chunks_only() -> None:
     prompts = {name: synthetic_tokens(i, 3 * T) for i, name in enumerate(("a1", "a2", "pub", "b1"))}
     kvs = {name: synthetic_kv(p) for name, p in prompts.items()}
@@ -64,13 +73,14 @@ def test_a_tenant_past_its_dram_share_evicts_its_own_chunks_only() -> None:
         assert store.put(ns("team-c"), big, synthetic_kv(big)) == 3 * T  # the leading chunks that fit its share
 
 
-def test_a_tenant_past_its_disk_share_evicts_its_own_files_only(tmp_path: Path) -> None:
+def test_a_tenant_past_its_disk_share_evicts_its_own_files_only(tmp_path: Path, age) -> None:  # noqa: ANN001
     prompts = [synthetic_tokens(10 + i, 2 * T) for i in range(3)]
     with KVStore.from_config(config(tmp_path, {"disk": 4 * (payload_bytes() + frame.HEADER_LEN) + 100}, ["disk"])) as store:
         store.put(ns("public"), prompts[0], synthetic_kv(prompts[0]))
         for p in prompts:
             store.put(ns("team-a"), p, synthetic_kv(p))
             store.flush()
+            age()
         disk = store.tiers[0]
         held = {n.id: sum(1 for _ in disk.list(n.id)) for n in (ns("public"), ns("team-a"))}
         assert held == {ns("public").id: 2, ns("team-a").id: 4}  # team-a's first prompt went, public's stayed
@@ -129,32 +139,62 @@ def shared_redis(request):  # noqa: ANN001, ANN201
 
 
 def test_a_tenant_past_its_redis_share_evicts_its_own_least_recent_shards_whichever_engine_wrote_them(
-        shared_redis, unique_prefix: str) -> None:
+        shared_redis, unique_prefix: str, age) -> None:  # noqa: ANN001
     """Two engines on one server (a cluster too: a share's keys share a slot): the share counts both engines'
-    writes, a read moves a shard to the recent end, and another tenant loses nothing."""
+    writes, a read moves a shard to the recent end, one engine evicts the other's shards, another tenant loses
+    nothing, and the server never sees the salt."""
     p = [synthetic_tokens(40 + i, 2 * T) for i in range(3)]
     cfg = redis_config(shared_redis, unique_prefix, 4)
     with KVStore.from_config(cfg) as a, KVStore.from_config(cfg) as b:
         put(a, "public", p[0])
         put(a, "team-a", p[0])
+        age()
         put(b, "team-a", p[1])  # the share is full: 4 shards, two engines' writes
+        age()
         share = a._placement.decide(ns("team-a")).share
         assert a.tiers[0].share_bytes(share) == b.tiers[0].share_bytes(share) == 4 * SHARD
-        a.drop_dram()
-        assert torch.equal(a.get(ns("team-a"), p[0]), synthetic_kv(p[0]))  # read back from Redis: now recent
-        put(b, "team-a", p[2])  # past the share: the least recently used, p[1] (engine b's own), goes
+        b.drop_dram()
+        assert torch.equal(b.get(ns("team-a"), p[1]), synthetic_kv(p[1]))  # read back from Redis: now recent
+        age()
+        put(b, "team-a", p[2])  # past the share: the least recently used, p[0] (engine a's), goes
         assert (held(a, "team-a"), held(a, "public")) == (4, 2)
         assert a.tiers[0].share_bytes(share) == 4 * SHARD
         assert b.tiers[0].counters()["share_evictions"] == 2
+        client = redis.Redis.from_url(shared_redis.url) if not shared_redis.tier_options().get("cluster") else \
+            redis.RedisCluster.from_url(shared_redis.url)
+        names = list(client.scan_iter(match=f"{unique_prefix}*"))
+        assert any(b"{share:" in n for n in names) and not any(b"team-a" in n for n in names)
     with KVStore.from_config(cfg) as c:  # a third engine finds what the share kept
-        assert c.get(ns("team-a"), p[1]) is None
-        for tenant, tokens in (("team-a", p[0]), ("team-a", p[2]), ("public", p[0])):
+        assert c.get(ns("team-a"), p[0]) is None
+        for tenant, tokens in (("team-a", p[1]), ("team-a", p[2]), ("public", p[0])):
             assert torch.equal(c.get(ns(tenant), tokens), synthetic_kv(tokens))
 
 
-def test_redis_shards_removed_behind_the_share_stay_counted_until_it_evicts_them(redis_server,
-                                                                                 unique_prefix: str) -> None:
-    """Shards the server dropped by itself (maxmemory) stay counted, as the least recently used: the next put
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_a_prompt_larger_than_a_tier_share_keeps_its_leading_chunks(tier: str, tmp_path: Path, redis_server,
+                                                                    unique_prefix: str) -> None:
+    """Its chunks are put together, first chunk first: past the share, its later chunks are refused, never its
+    first ones evicted (which would leave nothing loadable). Putting it again changes nothing."""
+    big = synthetic_tokens(45, 6 * T)
+    kv = synthetic_kv(big)
+    cfg = redis_config(redis_server, unique_prefix, 4) if tier == "redis" else \
+        config(tmp_path, {"disk": 4 * SHARD + 100}, ["disk"])
+    with KVStore.from_config(cfg) as store:
+        for _ in range(2):
+            put(store, "team-a", big)
+            assert held(store, "team-a") == 4
+            store.drop_dram()
+            assert store.load(ns("team-a"), big, lambda first, chunks: None, layers=kv.shape[0],
+                              head_dim=kv.shape[4], dtype=kv.dtype) == 4 * T
+            assert torch.equal(store.get(ns("team-a"), big[:4 * T]), kv[:, :, :, :4 * T])
+        counters = store.tiers[0].counters()
+        assert (counters["share_evictions"], counters["share_refused_writes"]) == (0, 4)
+        assert store.stats()[store.tiers[0].name]["dropped_writes_total{reason=share_full}"] == 4
+
+
+def test_redis_shards_removed_behind_the_share_stay_counted_until_it_evicts_them(redis_server, unique_prefix: str,
+                                                                                 age) -> None:  # noqa: ANN001
+    """Shards the server dropped by itself (maxmemory, ttl) stay counted, as the least recently used: the next put
     past the quota takes those out first, and the share holds its real shards again. A delete by a process that
     was never told the share (a command) takes the shard out of the count."""
     p = [synthetic_tokens(50 + i, 2 * T) for i in range(3)]
@@ -162,7 +202,9 @@ def test_redis_shards_removed_behind_the_share_stay_counted_until_it_evicts_them
     client = redis.Redis.from_url(redis_server.url)  # (the test's own client, not the tier's)
     with KVStore.from_config(cfg) as store:
         put(store, "team-a", p[0])
+        age()
         put(store, "team-a", p[1])
+        age()
         share = store._placement.decide(ns("team-a")).share
         for chunk in chunk_keys(ns("team-a"), p[0], T):
             client.unlink(f"{unique_prefix}{ns('team-a').id}:{chunk.hex()}")  # as maxmemory would
@@ -180,14 +222,53 @@ def test_redis_shards_removed_behind_the_share_stay_counted_until_it_evicts_them
         tier.close()
 
 
-def test_redis_shards_past_the_tiers_ttl_leave_the_count_at_the_next_put(redis_server, unique_prefix: str) -> None:
-    p = [synthetic_tokens(60 + i, 2 * T) for i in range(2)]
-    with KVStore.from_config(redis_config(redis_server, unique_prefix, 100, ttl_seconds=1)) as store:
+def test_a_redis_eviction_that_fails_is_handed_out_again(redis_server, unique_prefix: str, age,  # noqa: ANN001
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard handed out for deletion stays counted until its deletion is confirmed: one whose deletion failed
+    (or whose engine died) is handed out again by a later put, so the share comes back under its quota."""
+    p = [synthetic_tokens(55 + i, 2 * T) for i in range(3)]
+    cfg = redis_config(redis_server, unique_prefix, 4)
+    with KVStore.from_config(cfg) as store:
         put(store, "team-a", p[0])
-        share = store._placement.decide(ns("team-a")).share
-        time.sleep(1.2)  # the server expires p[0]'s shards
+        age()
         put(store, "team-a", p[1])
-        assert store.tiers[0].share_bytes(share) == 2 * SHARD
+        age()
+        tier = store.tiers[0]
+        real = tier._delete
+        monkeypatch.setattr(tier, "_delete", lambda key: (_ for _ in ()).throw(TierError("down")))
+        put(store, "team-a", p[2])  # hands out p[0]'s shards; deleting them fails
+        share = store._placement.decide(ns("team-a")).share
+        assert held(store, "team-a") == 6 and tier.share_bytes(share) == 6 * SHARD  # over, but counted
+        monkeypatch.setattr(tier, "_delete", real)
+        monkeypatch.setattr(_redis_shares, "_STALE_MS", 100)
+        age()
+        put(store, "team-a", synthetic_tokens(58, T))  # hands them out again: deleted now
+        assert held(store, "team-a") <= 4 and tier.share_bytes(share) == held(store, "team-a") * SHARD
+
+
+def test_a_redis_share_whose_own_keys_the_server_evicted_starts_anew(redis_server, unique_prefix: str,
+                                                                     age) -> None:  # noqa: ANN001
+    """maxmemory may evict one of the share's keys alone: the share then counts from scratch, and never takes
+    that for a reason to delete the tenant's shards."""
+    p = [synthetic_tokens(60 + i, 2 * T) for i in range(3)]
+    cfg = redis_config(redis_server, unique_prefix, 4)
+    client = redis.Redis.from_url(redis_server.url)
+    with KVStore.from_config(cfg) as store:
+        share = store._placement.decide(ns("team-a")).share
+        sid = _redis_shares.share_id(share)
+        for i, lost in ((0, "acct"), (1, "lru")):  # the counts; the order (whose shards would then never go)
+            put(store, "team-a", p[i])
+            age()
+            client.unlink(f"{unique_prefix}{{share:{sid}}}:{lost}")  # as maxmemory would
+        put(store, "team-a", p[2])
+        assert held(store, "team-a") == 6  # nothing deleted
+        assert store.tiers[0].share_bytes(share) == 2 * SHARD  # p[2] alone: counting anew
+
+
+def test_a_brace_in_a_clusters_key_prefix_is_refused(redis_cluster) -> None:
+    cfg = {"tiers": [{"type": "redis", **redis_cluster.tier_options(), "key_prefix": "kv{}:"}]}
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.key_prefix: no '\{' or '\}' in a cluster"):
+        KVStore.from_config(cfg)
 
 
 _REDIS_TENANTS = ("team-a", "team-b", "public")
@@ -205,23 +286,29 @@ def test_redis_shares_hold_under_any_sequence_of_two_engines_puts_and_gets(redis
     prefix = f"h{uuid.uuid4().hex[:12]}/"
     cfg = redis_config(redis_server, prefix, 3)
     cfg["placement"].append({"tiers": ["shared"]})
-    with KVStore.from_config(cfg) as e0, KVStore.from_config(cfg) as e1:
-        engines = (e0, e1)
-        public: set[int] = set()
-        for engine, tenant, seed, read in ops:
-            store = engines[engine]
-            tokens = synthetic_tokens(70 + seed, 2 * T)
-            if read:
-                store.drop_dram()
-                got = store.get(ns(tenant), tokens)
-                assert got is None or torch.equal(got, synthetic_kv(tokens))
-            else:
-                put(store, tenant, tokens)
-                if tenant == "public":
-                    public.add(seed)
-            for t in ("team-a", "team-b"):
-                assert held(e0, t) <= 3
-            assert held(e0, "public") == 2 * len(public)
+    recent, tier_shares.RECENT_SECONDS = tier_shares.RECENT_SECONDS, 0.0  # plain LRU: an eviction at every put
+    try:
+        with KVStore.from_config(cfg) as e0, KVStore.from_config(cfg) as e1:
+            engines = (e0, e1)
+            public: set[int] = set()
+            for engine, tenant, seed, read in ops:
+                store = engines[engine]
+                tokens = synthetic_tokens(70 + seed, 2 * T)
+                if read:
+                    store.drop_dram()
+                    got = store.get(ns(tenant), tokens)
+                    assert got is None or torch.equal(got, synthetic_kv(tokens))
+                else:
+                    put(store, tenant, tokens)
+                    if tenant == "public":
+                        public.add(seed)
+                for t in ("team-a", "team-b"):
+                    assert held(e0, t) <= 3
+                assert held(e0, "public") == 2 * len(public)
+    finally:
+        tier_shares.RECENT_SECONDS = recent
+
+
 _TENANTS = ("team-a", "team-b", "public")
 
 
@@ -286,7 +373,7 @@ def test_reservations_count_against_the_share_before_they_commit() -> None:
         assert store.dram.share_bytes(store._placement.decide(ns_a).share) == 0
 
 
-def test_a_disk_share_is_counted_again_after_a_rescan(tmp_path: Path) -> None:
+def test_a_disk_share_is_counted_again_after_a_rescan(tmp_path: Path, age) -> None:  # noqa: ANN001
     """The tier walks its directory again now and then (other engines write there): the share is counted from
     what the walk finds, and still evicts inside itself."""
     prompts = [synthetic_tokens(30 + i, 2 * T) for i in range(3)]
@@ -299,6 +386,7 @@ def test_a_disk_share_is_counted_again_after_a_rescan(tmp_path: Path) -> None:
         disk._reindex()
         assert disk.share_bytes(share) == 2 * file_bytes
         for p in prompts[1:]:
+            age()
             store.put(ns("team-a"), p, synthetic_kv(p))
             store.flush()
         assert disk.share_bytes(share) == 4 * file_bytes

@@ -19,8 +19,8 @@ import yaml
 from kvtier import KVStore, Namespace, frame
 from kvtier.cli import main
 from kvtier.config import load_config
-from kvtier.errors import ConfigError
-from kvtier.keys import ShardKey
+from kvtier.errors import ConfigError, TierError
+from kvtier.keys import ShardKey, chunk_keys
 from kvtier.sealing import KeyProvider, Keyring, Sealer, write_key_file
 from kvtier.testing import synthetic_kv, synthetic_tokens
 
@@ -511,46 +511,48 @@ def _settled(store: KVStore) -> dict[str, int]:
 @pytest.mark.parametrize("fault", ["altered", "unreadable"])
 def test_a_fault_among_shards_read_ahead_and_decrypted_leaks_nothing(tmp_path: Path, fault: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sealed shards are read ahead on the caller's thread and decrypted on another: a shard that fails (altered:
-    its decryption fails there; unreadable: the read fails) ends the load at its chunk with the chunks before it
-    exact, and the shards read ahead past it, decrypted or not, give their DRAM back."""
+    """Sealed shards are read ahead on the caller's thread and decrypted on another. A shard that fails ends the
+    load with the chunks before it exact: altered, its decryption fails there and the load ends at its chunk;
+    unreadable, the disk rests from that moment (an outage), so the load also drops the chunk read ahead before
+    it. Every shard read ahead and not used gives its DRAM back, but only once its decryption has ended."""
     tokens = synthetic_tokens(16, 8 * T)
     kv = synthetic_kv(tokens)
     with KVStore.from_config(config(tmp_path)) as store:
         store.put(ns("f"), tokens, kv)
         cold(store)
         disk = store.tiers[0]
-        keys = sorted(disk.list(), key=lambda o: o.created)  # written in chunk order
-        bad = keys[3].key
+        by_chunk = {o.key.chunk: o.key for o in disk.list()}
+        keys = [by_chunk[c.hex()] for c in chunk_keys(ns("f"), tokens, T)]  # in chunk order
+        bad = keys[3]
         if fault == "altered":
             disk.put(bad, [flip(disk.get(bad))])
         else:
             real = disk.get_into
-            monkeypatch.setattr(disk, "get_into", lambda key, *a: (_ for _ in ()).throw(OSError("EIO"))
+            eio = TierError(f"disk: cannot read {bad.name}: EIO")  # what the tier makes of a failed read
+
+            monkeypatch.setattr(disk, "get_into", lambda key, *a: (_ for _ in ()).throw(eio)
                                 if key == bad else real(key, *a))
-        # The decryption of chunk 4 (read ahead past the fault) is held until the load has returned: its entry
-        # must stay reserved until then (pages given back while a thread writes into them would be reused).
-        held, release = keys[4].key, threading.Event()
-        decryptor = store._sealer.decryptor
+        # One decryption is held until the load has returned, of a shard read ahead and not used (altered: chunk 4,
+        # past the fault; unreadable: chunk 2, dropped as the disk rests): its entry must stay reserved until then
+        # (pages given back while a thread writes into them would be reused).
+        held, release = keys[4 if fault == "altered" else 2], threading.Event()
+        read_into = store._read_into
 
-        def slow(header: frame.Header) -> object:
-            inner = decryptor(header)
-            if header.key != held:
-                return inner
-            update = inner.update_into
-            monkeypatch.setattr(inner, "update_into", lambda src, dst: (release.wait(10), update(src, dst))[1])
-            return inner
+        def slow(tier, key, entry, *args):  # noqa: ANN001, ANN202 - on the decrypting thread
+            if key == held:
+                release.wait(10)
+            return read_into(tier, key, entry, *args)
 
-        monkeypatch.setattr(store._sealer, "decryptor", slow)
+        monkeypatch.setattr(store, "_read_into", slow)
         got = torch.zeros_like(kv)
 
         def sink(first: int, chunks: torch.Tensor) -> None:
             got[:, :, :, first * T:(first + chunks.shape[0]) * T] = chunks.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
 
         served = store.load(ns("f"), tokens, sink, layers=kv.shape[0], head_dim=kv.shape[4], dtype=kv.dtype)
-        assert served == 3 * T
-        assert torch.equal(got[:, :, :, :3 * T], kv[:, :, :, :3 * T])
-        assert store.dram.audit()["pending"] >= 1  # chunk 4's entry, its decryption still under way
+        assert served == (3 * T if fault == "altered" else 2 * T)
+        assert torch.equal(got[:, :, :, :served], kv[:, :, :, :served])
+        assert store.dram.audit()["pending"] >= 1  # the held shard's entry, its decryption still under way
         release.set()
         stats = store.stats()["disk"]
         assert (stats["corrupt_objects_total"], bad in {o.key for o in disk.list()}) == \
@@ -558,5 +560,6 @@ def test_a_fault_among_shards_read_ahead_and_decrypted_leaks_nothing(tmp_path: P
         assert _settled(store) == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
         monkeypatch.undo()
         if fault == "unreadable":
-            time.sleep(1.1)  # the tier's reads rest after a failure
+            assert store.stats()["disk"]["read_errors_total"] >= 1
+            time.sleep(1.1)  # the tier's reads rest after a failure (retry_seconds)
             assert torch.equal(store.get(ns("f"), tokens), kv)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from kvtier import frame, tracing
 from kvtier.config import TierSpec
 from kvtier.dram import DramEntry, DramPool
-from kvtier.errors import SealError, TierError
+from kvtier.errors import QuotaFull, SealError, TierError
 from kvtier.keys import ShardKey
 from kvtier.metrics import StoreMetrics
 from kvtier.tiers.base import Tier
@@ -199,6 +199,10 @@ class CascadeWriter:
         except SealError as exc:  # its tenant was forgotten since the put: nothing may be written under it
             self._metrics.dropped.labels(self.tier.name, "no_tenant_key").inc()
             log.info("tier %s: not writing %s: %s", self.tier.name, entry.key.name, exc)
+            return "dropped"
+        except QuotaFull:  # the tenant's share holds only its recent shards (its own prompt's leading chunks)
+            self._metrics.dropped.labels(self.tier.name, "share_full").inc()
+            self._outage.succeeded()  # the tier answered
             return "dropped"
         except TierError as exc:
             self._metrics.write_errors.labels(self.tier.name).inc()

@@ -3,6 +3,7 @@
     KVTierError
     ├── ConfigError   bad configuration: names the field and what is allowed
     ├── SealError     a shard cannot be sealed: its tenant's key is not held (forgotten since it was put)
+    ├── QuotaFull     a tier refused a write: the tenant's share is full of shards it may not evict yet
     └── TierError     a secondary tier's I/O failed (the cause is chained with ``from``)
         └── ObjectError   the tier answered, but one stored object is malformed (wrong type, bad fields):
                           a miss for that object, counted as corrupt and removed; not an outage of the tier
@@ -21,6 +22,11 @@ class ConfigError(KVTierError, ValueError):
 
 class SealError(KVTierError):
     """A shard cannot be sealed for a tier: its tenant's key is not held here (forgotten since it was put)."""
+
+
+class QuotaFull(KVTierError):
+    """A tier refused to write a shard: its tenant's share holds only shards used too recently to evict (its own
+    prompt's), so the prompt keeps its leading chunks. Not a fault of the tier: the write is dropped and counted."""
 
 
 class TierError(KVTierError):

@@ -238,16 +238,6 @@ def verify(header: bytes | memoryview, payload: Sequence[memoryview], expected: 
     return parsed
 
 
-def begin_sealed(header: bytes | memoryview, payload_len: int, expected: ShardKey, opener: Opener) \
-        -> tuple[Header, Decryptor]:
-    """:func:`verify`'s checks of a sealed object's header, before its payload is read: for a read that decrypts
-    the payload as it arrives. Its decryptor's ``finish`` then completes the verification."""
-    parsed = _checked(header, payload_len, expected)
-    if parsed.sealing is None:
-        raise FrameError("a plain object where encryption is on (only sealed objects are read)")
-    return parsed, opener.decryptor(parsed)
-
-
 def _checked(header: bytes | memoryview, payload_len: int, expected: ShardKey | None) -> Header:
     parsed = decode_header(header)
     if payload_len != parsed.payload_len:

@@ -651,15 +651,17 @@ class KVStore:
         self._read_ahead(read)
 
     def _reads_ahead(self, tier: Tier) -> bool:
-        """Whether a get reads ``tier``'s shards ahead, on threads: where the tier asks for it, and for every tier
-        when objects are sealed (:meth:`_fill_sealed`: a shard is decrypted while the next one is read)."""
+        """Whether a get reads ``tier``'s shards ahead: where the tier asks for it (on reading threads), and for
+        every tier when objects are sealed (a local disk's shard is read on the caller's thread and decrypted on
+        another while the next one is read: :meth:`_fill_sealed`)."""
         return tier.read_ahead or self._decrypting is not None
 
     def _read_ahead(self, read: Read) -> None:
         """Start the next lined-up shard reads, keeping at most :data:`READ_AHEAD` of them started and not yet
         taken (running or done: a done one holds its bytes). Once the read knows its shape, each reads straight
-        into a DRAM entry reserved for it (:class:`Filling`), verified there by the reading thread: no read buffer,
-        and the check overlaps the next read. A tier that batches its reads gets them :data:`_BATCH` at a time,
+        into a DRAM entry reserved for it (:class:`Filling`), verified there by the reading thread (a sealed shard
+        from a local disk: read here, decrypted on a decrypting thread, :meth:`_fill_sealed`): no read buffer, and
+        the check overlaps the next read. A tier that batches its reads gets them :data:`_BATCH` at a time,
         up to :data:`_BATCH_AHEAD` started (:meth:`_read_batch`)."""
         while read.ahead:
             tier, key, parent = read.ahead[-1]
@@ -684,10 +686,10 @@ class KVStore:
                 read.started[(tier.name, key)] = readers.submit(lambda tier=tier, key=key: self._get(tier, key))
                 continue
             try:
-                if tier.read_ahead or self._decrypting is None:
-                    future = readers.submit(lambda tier=tier, key=key, entry=entry: self._read_into(tier, key, entry))
-                else:
+                if self._decrypting is not None and tier.local and not tier.read_ahead:
                     future = self._fill_sealed(tier, key, entry)
+                else:
+                    future = readers.submit(lambda tier=tier, key=key, entry=entry: self._read_into(tier, key, entry))
             except BaseException:
                 self.dram.abort(entry)  # e.g. the store closed meanwhile
                 raise
@@ -742,31 +744,32 @@ class KVStore:
                 future.set_exception(exc)
 
     def _fill_sealed(self, tier: Tier, key: ShardKey, entry: DramEntry) -> Future[float | None]:
-        """Read ahead a sealed shard from a tier read inline (a local disk): read here and now into its DRAM entry
+        """Read ahead a sealed shard from a local tier read inline (a disk): read here and now into its DRAM entry
         as stored (the payload still encrypted), its decryption there and the checks (:meth:`_read_into`) handed
         to the decrypting threads; the future gives their outcome. The caller reads the next shard while this one
         is decrypted: reading and decrypting run on two cores, a whole shard per call, so neither thread waits on
-        the other for the GIL between pieces (``benchmarks/bench_sealing.py``)."""
+        the other for the GIL between pieces (``benchmarks/bench_sealing.py``). A shard missing or unreadable is
+        counted here (:meth:`_read_into`, as any read's fault) and its future ends at once."""
         start = time.perf_counter()
         future: Future[float | None] = Future()
         future.set_running_or_notify_cancel()  # read already: cancelling it would not spare the work
         head: bytes | None | Exception
         try:
             head = tier.get_into(key, self._header_len, self.dram.views(entry))
-        except Exception as exc:  # counted by _read_into, as any read's fault
+        except Exception as exc:
             head = exc
+        if not isinstance(head, bytes):  # nothing to decrypt; an interrupt here reaches the caller
+            future.set_result(self._read_into(tier, key, entry, lambda: _raised(head), start))
+            return future
 
         def verify() -> None:
             try:
-                future.set_result(self._read_into(tier, key, entry, lambda: _raised(head), start))
+                future.set_result(self._read_into(tier, key, entry, lambda: head, start))
             except BaseException as exc:  # handed to the load waiting on it
                 future.set_exception(exc)
 
-        if isinstance(head, bytes):
-            assert self._decrypting is not None
-            self._decrypting.submit(verify)  # raises once the store is closed: the caller aborts the entry
-        else:  # missing or failed: nothing to decrypt
-            verify()
+        assert self._decrypting is not None
+        self._decrypting.submit(verify)  # raises once the store is closed: the caller aborts the entry
         return future
 
     def _get(self, tier: Tier, key: ShardKey) -> Fetched | None:
@@ -975,8 +978,8 @@ class KVStore:
                    fetched: Callable[[], bytes | None] | None = None, start: float | None = None) -> float | None:
         """Read one shard from ``tier`` into a reserved DRAM entry and verify it there; its creation time, or None
         (missing, corrupt or unreadable: counted as :meth:`_read_verified` counts them; the entry is not
-        aborted here). ``fetched``: the shard's header, read into the entry already (by a batch started at
-        ``start``), instead of a read here."""
+        aborted here). ``fetched``: the shard's header, read into the entry already (by a batch, or by
+        :meth:`_fill_sealed`, started at ``start``), instead of a read here."""
         start = time.perf_counter() if start is None else start
 
         def read() -> frame.Header | None:
@@ -1179,6 +1182,8 @@ class KVStore:
         for writer in self._writers:
             writer.close()
         deadline = time.monotonic() + _CLOSE_WAIT
+        if self._decrypting is not None:  # they write into DRAM pages and remove what fails from its tier
+            self._decrypting.close(wait=_CLOSE_WAIT)
         for tier in self.tiers:  # a tier's native batch read into DRAM pages ends before the tier closes
             ended = self._readers[tier.name].close(
                 wait=max(0.0, deadline - time.monotonic()) if tier.batch_reads else 0.0)
@@ -1187,8 +1192,6 @@ class KVStore:
                             "process)", tier.name)
                 continue
             tier.close()
-        if self._decrypting is not None:
-            self._decrypting.close()
         if self._sealer is not None:
             self._sealer.close()
         self.metrics.stop_serving()

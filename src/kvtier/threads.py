@@ -40,11 +40,10 @@ class DaemonPool:
         """Queue ``job``; raises ``queue.Full`` when the queue is bounded and full. A future cancelled before a
         thread takes it never runs."""
         future: Future[Any] = Future()
-        with self._lock:
+        with self._lock:  # one section with close's: a job queued here comes before close's end marks
             if self._closed:
                 raise RuntimeError(f"{self._name}: submit after close (no thread would run it)")
-        self._queue.put_nowait((future, tracing.carried(job)))  # its spans join the submitter's trace
-        with self._lock:
+            self._queue.put_nowait((future, tracing.carried(job)))  # its spans join the submitter's trace
             if not self._threads:
                 self._threads = [threading.Thread(target=self._run, name=f"{self._name}-{i}", daemon=True)
                                  for i in range(self._size)]

@@ -10,7 +10,6 @@ import os
 import threading
 from collections.abc import Callable
 
-import numpy as np
 import pytest
 
 from kvtier.errors import ObjectError

@@ -48,8 +48,9 @@ from typing import Literal, TypeVar
 import numpy as np
 
 from kvtier import frame
-from kvtier.errors import ConfigError, ObjectError, TierError
+from kvtier.errors import ConfigError, ObjectError, QuotaFull, TierError
 from kvtier.keys import HeadRange, ShardKey
+from kvtier.tiers import _shares as tenant_shares
 from kvtier.tiers._shares import Shares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
@@ -190,6 +191,7 @@ class FilesystemTier(Tier):
         self._max_object = min(_MAX_OBJECT_BYTES, options.capacity_bytes or _MAX_OBJECT_BYTES)
         self.evictions = 0
         self.share_evictions = 0  # of those, inside a tenant's share
+        self.share_refused = 0  # writes refused: the tenant's share held only recent files
         self.expired = 0
         self.rejected_files = 0
         self._uid = os.geteuid()
@@ -489,8 +491,9 @@ class FilesystemTier(Tier):
         with self._lock:
             return self._shares.bytes(share)
 
-    def _enforce_share_locked(self, namespace: str) -> None:
-        for key in self._shares.victims(namespace, lambda k: self._files[k].size):
+    def _enforce_share_locked(self, namespace: str, now: float) -> None:
+        for key in self._shares.victims(namespace, lambda k: self._files[k].size, lambda k: self._files[k].last_used,
+                                        now - tenant_shares.RECENT_SECONDS):
             self._remove_locked(key)
             self.evictions += 1
             self.share_evictions += 1
@@ -524,6 +527,12 @@ class FilesystemTier(Tier):
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
         views = [_bytes_view(p) for p in parts]
         now = time.time()
+        with self._lock:
+            if self._shares.refuses(key, sum(len(v) for v in views), lambda k: self._files[k].size,
+                                    lambda k: self._files[k].last_used, now - tenant_shares.RECENT_SECONDS):
+                self.share_refused += 1
+                raise QuotaFull(f"{self.name}: not writing {key.name}: its tenant's share is full of files used "
+                                f"in the last {tenant_shares.RECENT_SECONDS:g} s")
         created = _header_created(views[0][:frame.MAX_HEADER_LEN], now) if views else None
         fd, tmp = -1, None
         size = 0
@@ -559,7 +568,7 @@ class FilesystemTier(Tier):
         self._rescan_if_due()
         with self._lock:
             self._expire_locked(now)
-            self._enforce_share_locked(key.namespace)
+            self._enforce_share_locked(key.namespace, now)
             self._enforce_capacity_locked()
 
     def _create_temp(self) -> tuple[int, str]:
@@ -723,5 +732,6 @@ class FilesystemTier(Tier):
         return self._used
 
     def counters(self) -> dict[str, float]:
-        return {"evictions": self.evictions, "share_evictions": self.share_evictions, "expired": self.expired,
+        return {"evictions": self.evictions, "share_evictions": self.share_evictions,
+                "share_refused_writes": self.share_refused, "expired": self.expired,
                 "removed_temp_files": self.removed_temp_files, "rejected_files": self.rejected_files}

@@ -28,9 +28,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 from kvtier.config import check_url_port, redact_url
-from kvtier.errors import ConfigError, ObjectError, TierError
+from kvtier.errors import ConfigError, ObjectError, QuotaFull, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers._redis_shares import RedisShares
+from kvtier.tiers import _shares as tenant_shares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,11 @@ class RedisOptions:
             raise ConfigError(f"{field}.url: expected a redis://, rediss:// or unix:// URL, got {shown!r}")
         if self.cluster and self.url.startswith("unix://"):
             raise ConfigError(f"{field}.url: a Redis Cluster is reached over TCP, got {shown!r}")
+        if self.cluster and ("{" in self.key_prefix or "}" in self.key_prefix):
+            # a hash tag in the prefix would decide every key's slot: all of kvtier's keys on one node, or a
+            # tenant share's keys (one tag of their own) over several slots, which its scripts cannot reach
+            raise ConfigError(f"{field}.key_prefix: no '{{' or '}}' in a cluster (kvtier places its keys in slots "
+                              f"itself), got {self.key_prefix!r}")
         if not self.url.startswith("unix://"):
             self._check_tcp_url(field, shown)
         if self.ttl_seconds is not None and not (self.ttl_seconds > 0 and math.isfinite(self.ttl_seconds)):
@@ -322,7 +328,7 @@ class RedisTier(Tier):
                 raise ConfigError(f"{name}.password_file: cannot read {options.password_file}: "
                                   f"{type(exc).__name__}") from None
         self._wrong_type_keys = 0  # keys of another type met at a chunk's name (see counters())
-        self._shares = RedisShares(options.key_prefix, self._call, options.ttl_seconds)
+        self._shares = RedisShares(options.key_prefix, self._call)
 
     # -- connection --------------------------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -399,15 +405,30 @@ class RedisTier(Tier):
 
     # -- the tier interface ------------------------------------------------------------------------------------
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
-        over = self._shares.account(key, sum(memoryview(p).nbytes for p in parts))  # before: never uncounted
+        counted = self._shares.account(key, sum(memoryview(p).nbytes for p in parts))  # before: never uncounted
         try:
+            if counted is not None and counted.refused:
+                raise QuotaFull(f"{self.name}: not writing {key.name}: its tenant's share is full of shards used in "
+                                f"the last {tenant_shares.RECENT_SECONDS:g} s")
             self._put(key, parts)
         finally:
-            for victim in over:  # out of the share already: deleted even when this write failed
-                try:
-                    self._delete(victim)
-                except (TierError, ObjectError) as exc:
-                    log.debug("tier %s: evicting %s from its share failed: %s", self.name, victim.name, exc)
+            if counted is not None and counted.victims:  # handed out for deletion: deleted whatever the write did
+                self._evict(counted.share, counted.victims)
+
+    def _evict(self, share: str, victims: list[ShardKey]) -> None:
+        """Delete shards the share handed out, then take those deleted out of its count; one that fails stays
+        counted (handed out again later)."""
+        done = []
+        for victim in victims:
+            try:
+                self._delete(victim)
+                done.append(victim)
+            except TierError as exc:  # ObjectError included: a key of another type at the chunk's name
+                log.debug("tier %s: evicting %s from its share failed: %s", self.name, victim.name, exc)
+        try:
+            self._shares.deleted(share, done)
+        except TierError as exc:  # they stay counted as handed out, and are handed out again (deleted: a no-op)
+            log.debug("tier %s: confirming %d evictions failed: %s", self.name, len(done), exc)
 
     def _put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
         name = self._hash(key.namespace, key.chunk)
@@ -553,12 +574,10 @@ class RedisTier(Tier):
         raise TierError(f"{self.name}: {what} failed: {exc}") from exc
 
     def delete(self, key: ShardKey) -> bool:
-        found = self._delete(key)
-        try:
-            self._shares.removed(key)  # also when it was gone: the server may have evicted it, still counted
-        except TierError as exc:  # the shard is deleted; its count goes at the share's next eviction
-            log.debug("tier %s: taking %s out of its share failed: %s", self.name, key.name, exc)
-        return found
+        # Out of its share first (also when it is gone: the server may have evicted it, still counted): a shard
+        # another engine puts again in between is then counted but deleted, never stored but uncounted.
+        self._shares.removing(key)
+        return self._delete(key)
 
     # -- tenant shares -----------------------------------------------------------------------------------------
     def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
@@ -664,7 +683,9 @@ class RedisTier(Tier):
             yield StoredObject(key, sum(seg_sizes), used, used)
 
     def counters(self) -> dict[str, float]:
-        return {"wrong_type_keys": float(self._wrong_type_keys), "share_evictions": float(self._shares.evictions)}
+        return {"wrong_type_keys": float(self._wrong_type_keys), "share_evictions": float(self._shares.evictions),
+                "share_refused_writes": float(self._shares.refused),
+                "share_touch_failures": float(self._shares.touch_failures)}
 
     def close(self) -> None:
         self._drop_client()

@@ -1,25 +1,34 @@
 """Per-tenant shares (quotas) of a Redis tier, counted in the server itself, so that the writes of every engine
 that uses the server count against one share.
 
-A share's keys carry one hash tag, so a Redis Cluster keeps them in one slot (the scripts below touch all three):
+A share's keys carry one hash tag, so a Redis Cluster keeps them in one slot (each script below touches them all):
 
-    <prefix>{share:<id>}:lru     sorted set: shard -> its last use, in the server's milliseconds
-    <prefix>{share:<id>}:size    hash: shard -> bytes
-    <prefix>{share:<id>}:bytes   the share's total
+    <prefix>{share:<id>}:lru     sorted set: a live shard -> its last use, in the server's milliseconds
+    <prefix>{share:<id>}:acct    hash: every counted shard -> its bytes; ``~total`` and ``~doomed`` byte sums
+    <prefix>{share:<id>}:doomed  sorted set: a shard handed out for deletion -> when
     <prefix>shareof:<namespace>  the share <namespace> counts against (so that any process removes correctly)
 
 A shard is named ``<namespace>:<chunk>:<heads>``; ``<id>`` is a digest of the store's share name, which holds the
-tenant's salt: a salt is never written to a shared server. A put is counted before it is written (a script:
-the shard's size replaces its old one, then the share's least recently used shards are taken out of it while it
-is over its quota); the writer then deletes those shards. A read that hits moves its shard to the recent end; a
-delete takes it out. Shards the server removes by itself (``maxmemory`` eviction, ``ttl_seconds``) stay counted
-until the share next evicts: they are its least recently used, so they go first, and those past the tier's ttl
-are taken out at every put. A count is never below what the share holds, so no share holds more than its quota
-(within one put's racing writers).
+tenant's salt: a salt is never written to a shared server (the share does group a tenant's namespaces).
+
+A put is counted before it is written. While the share's live bytes are over its quota, its least recently used
+shards are handed out for deletion (they stay counted, as doomed, until the deleting engine confirms; an engine
+that died meanwhile leaves them to the next put, after :data:`_STALE_MS`). Shards used in the last
+``RECENT_SECONDS`` (:mod:`kvtier.tiers._shares`) are never handed out (a prompt's own chunks, put or read
+together: evicting its first ones would leave its last ones unreachable); when only such shards are left, the
+new shard is refused instead (:class:`~kvtier.errors.QuotaFull`), so a prompt larger than its share keeps its
+leading chunks. A read that hits
+moves its shard to the recent end; a delete takes it out of the count first (a shard re-put meanwhile by
+another engine is then counted but gone: over-counted, never under). Shards the server removes by itself
+(``maxmemory``, ``ttl_seconds``) stay counted until they are handed out: they are the least recently used. If
+the server evicts one of the share's own keys, the share starts counting anew (the shards stored before are
+then not counted). Counts are never below what the share holds, except for that, so no share holds more than
+its quota beyond the writes in flight at one moment.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import re
@@ -29,59 +38,93 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtier.keys import HeadRange, ShardKey
+from kvtier.tiers import _shares as tenant_shares
 
 log = logging.getLogger(__name__)
 
+_STALE_MS = 30_000  # a shard handed out for deletion this long ago and still counted is handed out again
+_MOST = 64  # shards one put hands out at most (one script call stays short); the rest at the next put
 _KEPT = 65536  # namespaces whose share is remembered (the store tells the tier again when it meets one anew)
 _MEMBER = re.compile(rb"([0-9a-f]{32}):([0-9a-f]{32}):([0-9]+-[0-9]+of[0-9]+)")
 
-_DROP = """
-local function drop(m)
-  local size = tonumber(redis.call('HGET', KEYS[2], m)) or 0
-  redis.call('ZREM', KEYS[1], m)
-  redis.call('HDEL', KEYS[2], m)
-  return redis.call('DECRBY', KEYS[3], size)
-end
-"""
-
-# KEYS: lru, size, total. ARGV: shard, its bytes, the quota, the tier's ttl in ms (0: none). Returns the shards
-# taken out of the share to bring it under its quota (the caller deletes them).
-_ACCOUNT = _DROP + """
+_NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[4])
-if ttl > 0 then  -- last used before now - ttl: put before then too, so expired already
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - ttl), 'LIMIT', 0, 64)) do
-    drop(m)
-  end
+local function num(v) return tonumber(v) or 0 end
+"""
+
+# KEYS: lru, acct, doomed. ARGV: shard, its bytes, the quota, RECENT in ms, STALE in ms, at most this many out.
+# Returns {refused (0/1), shards to delete...}.
+_ACCOUNT = _NOW + """
+local lru, acct, doomed = KEYS[1], KEYS[2], KEYS[3]
+local member, size, quota = ARGV[1], num(ARGV[2]), num(ARGV[3])
+-- Every counted shard is live or doomed; the server evicting one of these keys alone breaks that: start anew.
+if redis.call('HLEN', acct) - redis.call('HEXISTS', acct, '~total') - redis.call('HEXISTS', acct, '~doomed')
+    ~= redis.call('ZCARD', lru) + redis.call('ZCARD', doomed) then
+  redis.call('DEL', lru, acct, doomed)
 end
-local old = tonumber(redis.call('HGET', KEYS[2], ARGV[1])) or 0
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-local used = redis.call('INCRBY', KEYS[3], tonumber(ARGV[2]) - old)
-local quota = tonumber(ARGV[3])
+local total, gone = num(redis.call('HGET', acct, '~total')), num(redis.call('HGET', acct, '~doomed'))
+local old = redis.call('HGET', acct, member)
+if old and redis.call('ZREM', doomed, member) == 1 then gone = gone - num(old) end  -- wanted again
 local out = {}
-while used > quota do
-  local first = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
-  if not first then
-    redis.call('SET', KEYS[3], 0)  -- nothing left to count: a total drifted by hand starts again
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', doomed, '-inf', now - num(ARGV[5]), 'LIMIT', 0, num(ARGV[6]))) do
+  redis.call('ZADD', doomed, now, m)  -- its deleter died: hand it out again
+  out[#out + 1] = m
+end
+local refused = 0
+total = total - num(old) + size
+redis.call('HSET', acct, member, size)
+redis.call('ZADD', lru, now, member)
+while total - gone > quota and #out < num(ARGV[6]) do
+  local first = redis.call('ZRANGE', lru, 0, 0, 'WITHSCORES')
+  if #first == 0 or num(first[2]) > now - num(ARGV[4]) then  -- only recent shards left
+    if not old then  -- a new shard is refused: uncounted, and not written
+      redis.call('HDEL', acct, member)
+      redis.call('ZREM', lru, member)
+      total = total - size
+      refused = 1
+    end
     break
   end
-  used = drop(first)
-  out[#out + 1] = first
+  redis.call('ZREM', lru, first[1])
+  redis.call('ZADD', doomed, now, first[1])
+  gone = gone + num(redis.call('HGET', acct, first[1]))
+  out[#out + 1] = first[1]
 end
+redis.call('HSET', acct, '~total', total, '~doomed', gone)
+table.insert(out, 1, refused)
 return out
 """
 
-_REMOVE = _DROP + """
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then drop(ARGV[1]) end
+# KEYS: lru, acct, doomed. ARGV: shards deleted (doomed ones: out of the count) or about to be (any: out).
+_UNCOUNT = _NOW + """
+local total, gone = num(redis.call('HGET', KEYS[2], '~total')), num(redis.call('HGET', KEYS[2], '~doomed'))
+for _, m in ipairs(ARGV) do
+  local size = redis.call('HGET', KEYS[2], m)
+  if size then
+    if redis.call('ZREM', KEYS[3], m) == 1 then gone = gone - num(size) end
+    redis.call('ZREM', KEYS[1], m)
+    redis.call('HDEL', KEYS[2], m)
+    total = total - num(size)
+  end
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], '~total', total, '~doomed', gone) end
 return 0
 """
 
-_TOUCH = """
-local t = redis.call('TIME')
-return redis.call('ZADD', KEYS[1], 'XX', 'GT', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[1])
+_TOUCH = _NOW + """
+return redis.call('ZADD', KEYS[1], 'XX', 'GT', now, ARGV[1])
 """
+
+
+@dataclasses.dataclass
+class Counted:
+    """What counting a put decided: its share, the shards to delete (then :meth:`RedisShares.deleted`), and
+    whether the shard itself must not be written."""
+
+    share: str
+    victims: list[ShardKey]
+    refused: bool = False
 
 
 def share_id(share: str) -> str:
@@ -93,19 +136,19 @@ class RedisShares:
     """The share accounting of one Redis tier: ``call(what, fn)`` runs ``fn(client)`` as the tier runs its calls
     (raising :class:`~kvtier.errors.TierError`)."""
 
-    def __init__(self, prefix: str, call: Callable[[str, Callable[[Any], Any]], Any], ttl_seconds: float | None) \
-            -> None:
+    def __init__(self, prefix: str, call: Callable[[str, Callable[[Any], Any]], Any]) -> None:
         self._prefix = prefix
         self._call = call
-        self._ttl_ms = 0 if ttl_seconds is None else max(1, int(ttl_seconds * 1000))
         self._lock = threading.Lock()
         self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()  # namespace -> (share id, quota)
         self._recorded: set[str] = set()  # namespaces whose shareof key this process has written
         self.evictions = 0
+        self.refused = 0
+        self.touch_failures = 0
 
     def _keys(self, sid: str) -> list[str]:
         base = f"{self._prefix}{{share:{sid}}}"
-        return [f"{base}:lru", f"{base}:size", f"{base}:bytes"]
+        return [f"{base}:lru", f"{base}:acct", f"{base}:doomed"]
 
     def _of_key(self, namespace: str) -> str:
         return f"{self._prefix}shareof:{namespace}"
@@ -128,39 +171,43 @@ class RedisShares:
         with self._lock:
             return self._share_of.get(namespace)
 
-    def account(self, key: ShardKey, size: int) -> list[ShardKey]:
-        """Count a shard about to be written (before it is: a write that fails then leaves a count, never a shard
-        uncounted); the shards to delete to bring its share back under its quota, maybe itself."""
+    def account(self, key: ShardKey, size: int) -> Counted | None:
+        """Count a shard about to be written (before it is: a write that fails leaves a count, never a shard
+        uncounted); None when its namespace has no share here."""
         found = self._of(key.namespace)
         if found is None:
-            return []
+            return None
         sid, quota = found
-        keys = self._keys(sid)
 
-        def run(client: Any) -> list[bytes]:
+        def run(client: Any) -> Any:
             if key.namespace not in self._recorded:
                 client.set(self._of_key(key.namespace), sid)
                 with self._lock:
                     if len(self._recorded) >= _KEPT:
                         self._recorded.clear()  # written again as they come: an idempotent SET
                     self._recorded.add(key.namespace)
-            return list(client.eval(_ACCOUNT, 3, *keys, self._member(key), size, quota, self._ttl_ms))
+            return client.eval(_ACCOUNT, 3, *self._keys(sid), self._member(key), size, quota,
+                               int(tenant_shares.RECENT_SECONDS * 1000), _STALE_MS, _MOST)
 
-        out = []
-        for raw in self._call(f"share accounting of {key.name}", run):
-            match = _MEMBER.fullmatch(raw if isinstance(raw, bytes) else str(raw).encode())
-            if match is None:
-                continue  # not a name kvtier writes: nothing of ours to delete
-            try:
-                out.append(ShardKey(match[1].decode(), match[2].decode(), HeadRange.parse(match[3].decode())))
-            except ValueError:
-                continue
+        reply = self._call(f"share accounting of {key.name}", run)
+        if not isinstance(reply, list) or not reply:
+            return Counted(sid, [])  # not what the script returns: nothing to delete, the write goes ahead
+        counted = Counted(sid, [parsed for raw in reply[1:] if (parsed := _parse_member(raw)) is not None],
+                          reply[0] == 1)
         with self._lock:
-            self.evictions += len(out)
-        return out
+            self.evictions += len(counted.victims)
+            self.refused += counted.refused
+        return counted
+
+    def deleted(self, sid: str, victims: list[ShardKey]) -> None:
+        """``victims`` (handed out by :meth:`account`) were deleted: out of the count. A failure leaves them
+        counted, to be handed out again."""
+        if victims:
+            self._call("share accounting", lambda c: c.eval(_UNCOUNT, 3, *self._keys(sid),
+                                                            *(self._member(v) for v in victims)))
 
     def touched(self, key: ShardKey) -> None:
-        """A read hit ``key``: it moves to its share's recent end. A failure is only logged (the order is a hint)."""
+        """A read hit ``key``: it moves to its share's recent end. A failure is counted (the order is a hint)."""
         found = self._of(key.namespace)
         if found is None:
             return
@@ -168,11 +215,13 @@ class RedisShares:
             self._call(f"share touch of {key.name}",
                        lambda c: c.eval(_TOUCH, 1, self._keys(found[0])[0], self._member(key)))
         except Exception as exc:  # noqa: BLE001 - the read itself succeeded
+            with self._lock:
+                self.touch_failures += 1
             log.debug("share touch of %s failed: %s", key.name, exc)
 
-    def removed(self, key: ShardKey) -> None:
-        """``key`` was deleted: out of its share, found by its namespace's ``shareof`` key when this process has
-        not been told its share (a command)."""
+    def removing(self, key: ShardKey) -> None:
+        """``key`` is about to be deleted: out of its share first (see the module's docstring), found by its
+        namespace's ``shareof`` key when this process has not been told its share (a command)."""
         found = self._of(key.namespace)
 
         def run(client: Any) -> None:
@@ -181,13 +230,24 @@ class RedisShares:
                 return
             sid = sid.decode() if isinstance(sid, bytes) else str(sid)
             if re.fullmatch(r"[0-9a-f]{32}", sid):
-                client.eval(_REMOVE, 3, *self._keys(sid), self._member(key))
+                client.eval(_UNCOUNT, 3, *self._keys(sid), self._member(key))
 
         self._call(f"share accounting of {key.name}", run)
 
     def bytes(self, share: str) -> int:
-        raw = self._call("share size", lambda c: c.get(self._keys(share_id(share))[2]))
+        """Bytes counted against ``share``, live and doomed."""
+        raw = self._call("share size", lambda c: c.hget(self._keys(share_id(share))[1], "~total"))
         try:
             return max(0, int(raw or 0))
         except ValueError:
             return 0
+
+
+def _parse_member(raw: object) -> ShardKey | None:
+    match = _MEMBER.fullmatch(raw if isinstance(raw, bytes) else str(raw).encode())
+    if match is None:
+        return None  # not a name kvtier writes: nothing of ours to delete
+    try:
+        return ShardKey(match[1].decode(), match[2].decode(), HeadRange.parse(match[3].decode()))
+    except ValueError:
+        return None

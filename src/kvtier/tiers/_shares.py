@@ -1,6 +1,12 @@
 """Per-tenant shares (quotas) inside one tier's own index: which namespaces count against which share, the bytes
 each namespace holds, and each share's objects least recently used first. Plain data, kept under the tier's lock;
-the tier asks :meth:`Shares.victims` after a write and removes what it names."""
+the tier asks :meth:`Shares.refuses` before a write and :meth:`Shares.victims` after it, and removes what those
+name.
+
+Objects used in the last :data:`RECENT_SECONDS` are never evicted to make room: a prompt's own chunks are put
+(and read) together, first chunk first, so evicting the least recently used of them would cut the prompt's
+prefix and leave its later chunks unreachable. When only such objects are left, a new one is refused instead,
+so a prompt larger than its share keeps its leading chunks."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from collections.abc import Callable, Iterable
 from kvtier.keys import ShardKey
 
 _KEPT = 65536  # namespaces whose share is remembered (the store tells a tier again when it meets one anew)
+RECENT_SECONDS = 10.0  # objects used this recently are never evicted to make room (see above)
 
 
 class Shares:
@@ -80,8 +87,28 @@ class Shares:
     def bytes(self, share: str) -> int:
         return sum(self._ns_bytes.get(ns, 0) for ns in self._members.get(share, ()))
 
-    def victims(self, namespace: str, size_of: Callable[[ShardKey], int]) -> list[ShardKey]:
-        """What to evict, least recently used first, to bring ``namespace``'s share back under its quota."""
+    def refuses(self, key: ShardKey, size: int, size_of: Callable[[ShardKey], int],
+                used_at: Callable[[ShardKey], float], since: float) -> bool:
+        """Whether a new object ``key`` of ``size`` bytes must not be written: its share would stay over its quota
+        with every object not used since ``since`` evicted."""
+        found = self._share_of.get(key.namespace)
+        if found is None:
+            return False
+        share, quota = found
+        lru = self._lru[share]
+        if key in lru:
+            return False  # written again: it counts already
+        recent = 0
+        for other in reversed(lru):
+            if used_at(other) < since:
+                break
+            recent += size_of(other)
+        return recent + size > quota
+
+    def victims(self, namespace: str, size_of: Callable[[ShardKey], int], used_at: Callable[[ShardKey], float],
+                since: float) -> list[ShardKey]:
+        """What to evict, least recently used first, to bring ``namespace``'s share back under its quota: never an
+        object used since ``since``."""
         found = self._share_of.get(namespace)
         if found is None:
             return []
@@ -89,7 +116,7 @@ class Shares:
         over = self.bytes(share) - quota
         out = []
         for key in self._lru[share]:
-            if over <= 0:
+            if over <= 0 or used_at(key) >= since:
                 break
             out.append(key)
             over -= size_of(key)
