@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvtier import KVStore, Namespace, frame
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, TierError
-from kvtier.keys import chunk_keys
+from kvtier.keys import HeadRange, ShardKey, chunk_keys
 from kvtier.store import open_tiers
 from kvtier.tiers import _redis_shares, _shares as tier_shares
 from kvtier.testing import synthetic_kv, synthetic_tokens
@@ -153,33 +153,36 @@ def test_a_tenant_past_its_redis_share_evicts_its_own_least_recent_shards_whiche
         age()
         share = a._placement.decide(ns("team-a")).share
         assert a.tiers[0].share_bytes(share) == b.tiers[0].share_bytes(share) == 4 * SHARD
-        b.drop_dram()
-        assert torch.equal(b.get(ns("team-a"), p[1]), synthetic_kv(p[1]))  # read back from Redis: now recent
+        a.drop_dram()
+        assert torch.equal(a.get(ns("team-a"), p[0]), synthetic_kv(p[0]))  # read back from Redis: now recent
         age()
-        put(b, "team-a", p[2])  # past the share: the least recently used, p[0] (engine a's), goes
+        put(a, "team-a", p[2])  # past the share: the least recently used, p[1] (engine b's), goes
         assert (held(a, "team-a"), held(a, "public")) == (4, 2)
         assert a.tiers[0].share_bytes(share) == 4 * SHARD
-        assert b.tiers[0].counters()["share_evictions"] == 2
+        assert a.tiers[0].counters()["share_evictions"] == 2
         client = redis.Redis.from_url(shared_redis.url) if not shared_redis.tier_options().get("cluster") else \
             redis.RedisCluster.from_url(shared_redis.url)
         names = list(client.scan_iter(match=f"{unique_prefix}*"))
         assert any(b"{share:" in n for n in names) and not any(b"team-a" in n for n in names)
     with KVStore.from_config(cfg) as c:  # a third engine finds what the share kept
-        assert c.get(ns("team-a"), p[0]) is None
-        for tenant, tokens in (("team-a", p[1]), ("team-a", p[2]), ("public", p[0])):
+        assert c.get(ns("team-a"), p[1]) is None
+        for tenant, tokens in (("team-a", p[0]), ("team-a", p[2]), ("public", p[0])):
             assert torch.equal(c.get(ns(tenant), tokens), synthetic_kv(tokens))
 
 
 @pytest.mark.parametrize("tier", ["disk", "redis"])
 def test_a_prompt_larger_than_a_tier_share_keeps_its_leading_chunks(tier: str, tmp_path: Path, redis_server,
-                                                                    unique_prefix: str) -> None:
-    """Its chunks are put together, first chunk first: past the share, its later chunks are refused, never its
-    first ones evicted (which would leave nothing loadable). Putting it again changes nothing."""
-    big = synthetic_tokens(45, 6 * T)
+                                                                    unique_prefix: str, age) -> None:  # noqa: ANN001
+    """Its chunks are put together, first chunk first: past the share, an older prompt's chunks are evicted for
+    them, then its later chunks are refused, never its first ones evicted (which would leave nothing loadable),
+    and nothing is evicted for a chunk that is refused. Putting it again changes nothing."""
+    big, older = synthetic_tokens(45, 6 * T), synthetic_tokens(46, 2 * T)
     kv = synthetic_kv(big)
     cfg = redis_config(redis_server, unique_prefix, 4) if tier == "redis" else \
         config(tmp_path, {"disk": 4 * SHARD + 100}, ["disk"])
     with KVStore.from_config(cfg) as store:
+        put(store, "team-a", older)
+        age()
         for _ in range(2):
             put(store, "team-a", big)
             assert held(store, "team-a") == 4
@@ -188,7 +191,7 @@ def test_a_prompt_larger_than_a_tier_share_keeps_its_leading_chunks(tier: str, t
                               head_dim=kv.shape[4], dtype=kv.dtype) == 4 * T
             assert torch.equal(store.get(ns("team-a"), big[:4 * T]), kv[:, :, :, :4 * T])
         counters = store.tiers[0].counters()
-        assert (counters["share_evictions"], counters["share_refused_writes"]) == (0, 4)
+        assert (counters["share_evictions"], counters["share_refused_writes"]) == (2, 4)  # the older prompt
         assert store.stats()[store.tiers[0].name]["dropped_writes_total{reason=share_full}"] == 4
 
 
@@ -246,6 +249,33 @@ def test_a_redis_eviction_that_fails_is_handed_out_again(redis_server, unique_pr
         assert held(store, "team-a") <= 4 and tier.share_bytes(share) == held(store, "team-a") * SHARD
 
 
+def test_a_redis_eviction_confirmed_after_another_engine_put_the_shard_back_leaves_it_counted(
+        redis_server, unique_prefix: str, age) -> None:  # noqa: ANN001
+    """Engine a's put hands out shard x and a deletes it; engine b puts x back before a confirms: x is stored
+    again, so it stays counted (a confirmation takes out only what is still handed out)."""
+    cfg = load_config(redis_config(redis_server, unique_prefix, 2))
+    (a,), (b,) = open_tiers(cfg), open_tiers(cfg)
+    try:
+        x, y, z = (ShardKey(ns("team-a").id, f"{i:032x}", HeadRange(0, 4, 4)) for i in range(3))
+        for tier in (a, b):
+            tier.set_share(x.namespace, "s", 2 * SHARD)
+        for key in (x, y):
+            a.put(key, [b"k" * SHARD])
+        age()
+        counted = a._shares.account(z, SHARD)  # a's put of z, past the share
+        assert counted is not None and counted.victims == [x]
+        a._delete(x)
+        b.put(x, [b"k" * SHARD])  # b puts x back (counted again: live)
+        a._shares.deleted(counted.share, counted.victims)  # a confirms late
+        a.put(z, [b"k" * SHARD])
+        stored = {o.key for o in a.list(x.namespace)}
+        assert stored == {x, z}  # b's put of x evicted y, the least recently used
+        assert a.share_bytes("s") == 2 * SHARD  # x counted: without the check, 1 shard
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_redis_share_whose_own_keys_the_server_evicted_starts_anew(redis_server, unique_prefix: str,
                                                                      age) -> None:  # noqa: ANN001
     """maxmemory may evict one of the share's keys alone: the share then counts from scratch, and never takes
@@ -278,15 +308,17 @@ _REDIS_TENANTS = ("team-a", "team-b", "public")
                                                                  HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 1), st.sampled_from(_REDIS_TENANTS), st.integers(0, 4), st.booleans()),
                 min_size=1, max_size=12))
-def test_redis_shares_hold_under_any_sequence_of_two_engines_puts_and_gets(redis_server,
+@pytest.mark.parametrize("recent", [0.0, 10.0])
+def test_redis_shares_hold_under_any_sequence_of_two_engines_puts_and_gets(redis_server, recent: float,
                                                                           ops: list[tuple[int, str, int, bool]]) \
         -> None:
-    """Two engines, any order of puts and cold gets: no share holds more shards in the server than its quota,
-    the unlimited tenant keeps every shard, and every get is exact or a miss."""
+    """Two engines taking turns, any order of puts and cold gets, with no recent shards kept from eviction (an
+    eviction at every put past the quota) and with the default window (refusals): no share holds more shards
+    in the server than its quota, the unlimited tenant keeps every shard, and every get is exact or a miss."""
     prefix = f"h{uuid.uuid4().hex[:12]}/"
     cfg = redis_config(redis_server, prefix, 3)
     cfg["placement"].append({"tiers": ["shared"]})
-    recent, tier_shares.RECENT_SECONDS = tier_shares.RECENT_SECONDS, 0.0  # plain LRU: an eviction at every put
+    default, tier_shares.RECENT_SECONDS = tier_shares.RECENT_SECONDS, recent
     try:
         with KVStore.from_config(cfg) as e0, KVStore.from_config(cfg) as e1:
             engines = (e0, e1)
@@ -306,7 +338,7 @@ def test_redis_shares_hold_under_any_sequence_of_two_engines_puts_and_gets(redis
                     assert held(e0, t) <= 3
                 assert held(e0, "public") == 2 * len(public)
     finally:
-        tier_shares.RECENT_SECONDS = recent
+        tier_shares.RECENT_SECONDS = default
 
 
 _TENANTS = ("team-a", "team-b", "public")
@@ -360,7 +392,6 @@ def test_reservations_count_against_the_share_before_they_commit() -> None:
         meta = frame.ShardMeta(*synthetic_kv(tokens).shape[:1], T, synthetic_kv(tokens).shape[4],
                                torch.bfloat16, frame.HeadRange(0, synthetic_kv(tokens).shape[2],
                                                                synthetic_kv(tokens).shape[2]))
-        from kvtier.keys import ShardKey
 
         keys = [ShardKey(ns_a.id, c.hex(), meta.heads) for c in chunk_keys(ns_a, tokens, T)]
         first, second = store.dram.reserve(keys[0], meta, None), store.dram.reserve(keys[1], meta, None)

@@ -11,19 +11,20 @@ A share's keys carry one hash tag, so a Redis Cluster keeps them in one slot (ea
 A shard is named ``<namespace>:<chunk>:<heads>``; ``<id>`` is a digest of the store's share name, which holds the
 tenant's salt: a salt is never written to a shared server (the share does group a tenant's namespaces).
 
-A put is counted before it is written. While the share's live bytes are over its quota, its least recently used
-shards are handed out for deletion (they stay counted, as doomed, until the deleting engine confirms; an engine
-that died meanwhile leaves them to the next put, after :data:`_STALE_MS`). Shards used in the last
-``RECENT_SECONDS`` (:mod:`kvtier.tiers._shares`) are never handed out (a prompt's own chunks, put or read
-together: evicting its first ones would leave its last ones unreachable); when only such shards are left, the
-new shard is refused instead (:class:`~kvtier.errors.QuotaFull`), so a prompt larger than its share keeps its
-leading chunks. A read that hits
-moves its shard to the recent end; a delete takes it out of the count first (a shard re-put meanwhile by
-another engine is then counted but gone: over-counted, never under). Shards the server removes by itself
+A put is counted before it is written. A new shard is refused (:class:`~kvtier.errors.QuotaFull`, nothing
+evicted for it) when the shards used in the last ``RECENT_SECONDS`` (:mod:`kvtier.tiers._shares`) and it would
+not fit the quota: a prompt's own chunks are put (and read) together, first chunk first, so evicting its first
+ones would leave its last ones unreachable; a prompt larger than its share keeps its leading chunks. Otherwise,
+while the share's live bytes are over its quota, its least recently used shards (none of those recent ones) are
+handed out for deletion. They stay counted, as doomed, until the engine that deletes them confirms; one whose
+deletion failed, or whose engine died, is handed out again after :data:`_STALE_MS`; a confirmation takes out
+only what is still doomed (a shard another engine put back meanwhile is live again). A read that hits moves
+its shard to the recent end; a delete takes it out of the count first (a shard put again while a command
+deletes it can end stored but not counted, until it is put again). Shards the server removes by itself
 (``maxmemory``, ``ttl_seconds``) stay counted until they are handed out: they are the least recently used. If
 the server evicts one of the share's own keys, the share starts counting anew (the shards stored before are
-then not counted). Counts are never below what the share holds, except for that, so no share holds more than
-its quota beyond the writes in flight at one moment.
+then not counted). So a share holds more than its quota only by the writes in flight at one moment and the
+shards handed out whose deletion has not succeeded yet, and after those two losses of its count.
 """
 
 from __future__ import annotations
@@ -57,46 +58,50 @@ local function num(v) return tonumber(v) or 0 end
 # Returns {refused (0/1), shards to delete...}.
 _ACCOUNT = _NOW + """
 local lru, acct, doomed = KEYS[1], KEYS[2], KEYS[3]
-local member, size, quota = ARGV[1], num(ARGV[2]), num(ARGV[3])
+local member, size, quota, recent, most = ARGV[1], num(ARGV[2]), num(ARGV[3]), now - num(ARGV[4]), num(ARGV[6])
 -- Every counted shard is live or doomed; the server evicting one of these keys alone breaks that: start anew.
 if redis.call('HLEN', acct) - redis.call('HEXISTS', acct, '~total') - redis.call('HEXISTS', acct, '~doomed')
     ~= redis.call('ZCARD', lru) + redis.call('ZCARD', doomed) then
   redis.call('DEL', lru, acct, doomed)
 end
 local total, gone = num(redis.call('HGET', acct, '~total')), num(redis.call('HGET', acct, '~doomed'))
-local old = redis.call('HGET', acct, member)
-if old and redis.call('ZREM', doomed, member) == 1 then gone = gone - num(old) end  -- wanted again
-local out = {}
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', doomed, '-inf', now - num(ARGV[5]), 'LIMIT', 0, num(ARGV[6]))) do
+local out = {0}
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', doomed, '-inf', now - num(ARGV[5]), 'LIMIT', 0, most)) do
   redis.call('ZADD', doomed, now, m)  -- its deleter died: hand it out again
   out[#out + 1] = m
 end
-local refused = 0
+local old = redis.call('HGET', acct, member)
+if not old then
+  -- a new shard: refused, before anything is evicted for it, when the recent shards leave it no room
+  local busy = size
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', lru, '(' .. recent, '+inf')) do
+    busy = busy + num(redis.call('HGET', acct, m))
+  end
+  if busy > quota then
+    out[1] = 1
+    return out
+  end
+elseif redis.call('ZREM', doomed, member) == 1 then
+  gone = gone - num(old)  -- handed out, and wanted again: live
+end
 total = total - num(old) + size
 redis.call('HSET', acct, member, size)
 redis.call('ZADD', lru, now, member)
-while total - gone > quota and #out < num(ARGV[6]) do
+local evicted = 0
+while total - gone > quota and evicted < most do
   local first = redis.call('ZRANGE', lru, 0, 0, 'WITHSCORES')
-  if #first == 0 or num(first[2]) > now - num(ARGV[4]) then  -- only recent shards left
-    if not old then  -- a new shard is refused: uncounted, and not written
-      redis.call('HDEL', acct, member)
-      redis.call('ZREM', lru, member)
-      total = total - size
-      refused = 1
-    end
-    break
-  end
+  if #first == 0 or num(first[2]) > recent then break end  -- only recent shards left (a rewrite of one)
   redis.call('ZREM', lru, first[1])
   redis.call('ZADD', doomed, now, first[1])
   gone = gone + num(redis.call('HGET', acct, first[1]))
   out[#out + 1] = first[1]
+  evicted = evicted + 1
 end
 redis.call('HSET', acct, '~total', total, '~doomed', gone)
-table.insert(out, 1, refused)
 return out
 """
 
-# KEYS: lru, acct, doomed. ARGV: shards deleted (doomed ones: out of the count) or about to be (any: out).
+# KEYS: lru, acct, doomed. ARGV: shards about to be deleted (live or doomed): out of the count.
 _UNCOUNT = _NOW + """
 local total, gone = num(redis.call('HGET', KEYS[2], '~total')), num(redis.call('HGET', KEYS[2], '~doomed'))
 for _, m in ipairs(ARGV) do
@@ -106,6 +111,21 @@ for _, m in ipairs(ARGV) do
     redis.call('ZREM', KEYS[1], m)
     redis.call('HDEL', KEYS[2], m)
     total = total - num(size)
+  end
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], '~total', total, '~doomed', gone) end
+return 0
+"""
+
+# KEYS: lru, acct, doomed. ARGV: shards handed out and deleted since: out of the count if still doomed (one put
+# back meanwhile by another engine is live again, and stays counted).
+_CONFIRM = _NOW + """
+local total, gone = num(redis.call('HGET', KEYS[2], '~total')), num(redis.call('HGET', KEYS[2], '~doomed'))
+for _, m in ipairs(ARGV) do
+  if redis.call('ZREM', KEYS[3], m) == 1 then
+    local size = num(redis.call('HGET', KEYS[2], m))
+    redis.call('HDEL', KEYS[2], m)
+    total, gone = total - size, gone - size
   end
 end
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], '~total', total, '~doomed', gone) end
@@ -192,10 +212,15 @@ class RedisShares:
         reply = self._call(f"share accounting of {key.name}", run)
         if not isinstance(reply, list) or not reply:
             return Counted(sid, [])  # not what the script returns: nothing to delete, the write goes ahead
-        counted = Counted(sid, [parsed for raw in reply[1:] if (parsed := _parse_member(raw)) is not None],
-                          reply[0] == 1)
+        victims, junk = [], []
+        for raw in reply[1:]:
+            parsed = _parse_member(raw)
+            (junk if parsed is None else victims).append(raw if parsed is None else parsed)
+        if junk:  # not a name kvtier writes: nothing of ours to delete, only to take out of the count
+            self._call("share accounting", lambda c: c.eval(_CONFIRM, 3, *self._keys(sid), *junk))
+        counted = Counted(sid, victims, reply[0] == 1)
         with self._lock:
-            self.evictions += len(counted.victims)
+            self.evictions += len(victims)
             self.refused += counted.refused
         return counted
 
@@ -203,7 +228,7 @@ class RedisShares:
         """``victims`` (handed out by :meth:`account`) were deleted: out of the count. A failure leaves them
         counted, to be handed out again."""
         if victims:
-            self._call("share accounting", lambda c: c.eval(_UNCOUNT, 3, *self._keys(sid),
+            self._call("share accounting", lambda c: c.eval(_CONFIRM, 3, *self._keys(sid),
                                                             *(self._member(v) for v in victims)))
 
     def touched(self, key: ShardKey) -> None:

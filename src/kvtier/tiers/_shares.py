@@ -98,12 +98,8 @@ class Shares:
         lru = self._lru[share]
         if key in lru:
             return False  # written again: it counts already
-        recent = 0
-        for other in reversed(lru):
-            if used_at(other) < since:
-                break
-            recent += size_of(other)
-        return recent + size > quota
+        # every entry, not the recent end only: a rescan adds another process's files there with their old times
+        return size + sum(size_of(other) for other in lru if used_at(other) >= since) > quota
 
     def victims(self, namespace: str, size_of: Callable[[ShardKey], int], used_at: Callable[[ShardKey], float],
                 since: float) -> list[ShardKey]:
@@ -116,8 +112,9 @@ class Shares:
         over = self.bytes(share) - quota
         out = []
         for key in self._lru[share]:
-            if over <= 0 or used_at(key) >= since:
+            if over <= 0:
                 break
-            out.append(key)
-            over -= size_of(key)
+            if used_at(key) < since:  # (a rescan's entries are out of order: every one is looked at)
+                out.append(key)
+                over -= size_of(key)
         return out
