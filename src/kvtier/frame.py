@@ -148,22 +148,12 @@ class Header:
         return HEADER_LEN if self.sealing is None else SEALED_HEADER_LEN
 
 
-class Decryptor(Protocol):
-    """One sealed shard's decryption: its payload passed through :meth:`update_into` in order, then :meth:`finish`
-    (until which nothing it wrote may be used)."""
-
-    def update_into(self, src: memoryview, dst: memoryview) -> object:
-        """Decrypt ``src`` into ``dst`` (the same size; they may be the same buffer)."""
-
-    def finish(self) -> None:
-        """:class:`FrameError` unless the whole payload and its header authenticate."""
-
-
 class Opener(Protocol):
     """What decrypts sealed shards (:class:`kvtier.sealing.Sealer`)."""
 
-    def decryptor(self, header: Header) -> Decryptor:
-        """The decryption of a sealed shard; :class:`UnknownKey` if its key is not held."""
+    def open_into(self, header: Header, payload: Sequence[memoryview]) -> None:
+        """Decrypt ``payload`` (writable) in place; :class:`FrameError` if it fails to authenticate,
+        :class:`UnknownKey` if its key is not held."""
 
 
 def decode_header(data: bytes | memoryview) -> Header:
@@ -222,7 +212,12 @@ def verify(header: bytes | memoryview, payload: Sequence[memoryview], expected: 
     """:func:`decode` for an object read in parts: its header, and its payload (e.g. read straight into DRAM
     pages, and decrypted there). With an ``opener`` (encryption on) only a sealed object passes: a plain one is
     what a writer to the tier could forge. Raises :class:`FrameError` as :func:`decode` does."""
-    parsed = _checked(header, sum(len(part) for part in payload), expected)
+    parsed = decode_header(header)
+    size = sum(len(part) for part in payload)
+    if size != parsed.payload_len:
+        raise FrameError(f"payload is {size} bytes, header says {parsed.payload_len}")
+    if expected is not None and parsed.key != expected:
+        raise FrameError(f"object holds {parsed.key.name}, expected {expected.name}")
     if parsed.sealing is None:
         if opener is not None:
             raise FrameError("a plain object where encryption is on (only sealed objects are read)")
@@ -231,19 +226,7 @@ def verify(header: bytes | memoryview, payload: Sequence[memoryview], expected: 
     elif opener is None:
         raise UnknownKey("sealed, and this store has no encryption key")
     else:
-        decryptor = opener.decryptor(parsed)
-        for part in payload:
-            decryptor.update_into(part, part)
-        decryptor.finish()
-    return parsed
-
-
-def _checked(header: bytes | memoryview, payload_len: int, expected: ShardKey | None) -> Header:
-    parsed = decode_header(header)
-    if payload_len != parsed.payload_len:
-        raise FrameError(f"payload is {payload_len} bytes, header says {parsed.payload_len}")
-    if expected is not None and parsed.key != expected:
-        raise FrameError(f"object holds {parsed.key.name}, expected {expected.name}")
+        opener.open_into(parsed, payload)
     return parsed
 
 

@@ -348,23 +348,6 @@ def object_key(tenant_key: bytes, nonce: bytes) -> bytes:
     return hmac.new(tenant_key, b"kvtier object key/" + nonce[:_NONCE_BYTES // 2], hashlib.sha256).digest()
 
 
-class _Decryptor:
-    """AES-GCM decryption of one shard (a :class:`kvtier.frame.Decryptor`)."""
-
-    def __init__(self, decryptor: Any) -> None:
-        self._decryptor = decryptor
-
-    def update_into(self, src: memoryview, dst: memoryview) -> object:
-        return self._decryptor.update_into(src, dst)
-
-    def finish(self) -> None:
-        try:
-            self._decryptor.finalize()
-        except InvalidTag:
-            raise frame.FrameError("sealed object fails to authenticate (forged, altered, or moved from another "
-                                   "key)") from None
-
-
 @dataclasses.dataclass
 class _Tenant:
     id: str
@@ -377,7 +360,7 @@ class _Tenant:
 
 
 class Sealer:
-    """Seals shards for the tiers and decrypts what they return (a :class:`~kvtier.frame.Opener`), for the
+    """Seals shards for the tiers and opens what they return (a :class:`~kvtier.frame.Opener`), for the
     namespaces of the tenants it has seen. Thread-safe."""
 
     def __init__(self, config: EncryptionConfig, on_forgotten: Callable[[set[str]], None] | None = None,
@@ -524,9 +507,7 @@ class Sealer:
             buf = self._scratch.buf = memoryview(bytearray(nbytes))
         return buf
 
-    def decryptor(self, header: frame.Header) -> _Decryptor:
-        """The decryption of a sealed shard of a namespace whose tenant this process holds (see
-        :class:`kvtier.frame.Decryptor`); :class:`~kvtier.frame.UnknownKey` otherwise."""
+    def open_into(self, header: frame.Header, payload: Sequence[memoryview]) -> None:
         sealing = header.sealing
         assert sealing is not None
         tenant = self._tenant(header.key.namespace)
@@ -536,7 +517,13 @@ class Sealer:
         decryptor = Cipher(algorithms.AES(object_key(data_key, sealing.nonce)),
                            modes.GCM(sealing.nonce[_NONCE_BYTES // 2:], sealing.tag)).decryptor()
         decryptor.authenticate_additional_data(sealing.aad)
-        return _Decryptor(decryptor)
+        for part in payload:
+            decryptor.update_into(part, part)
+        try:
+            decryptor.finalize()
+        except InvalidTag:
+            raise frame.FrameError("sealed object fails to authenticate (forged, altered, or moved from another "
+                                   "key)") from None
 
     def close(self) -> None:
         self._closed.set()

@@ -30,8 +30,8 @@ from typing import Any, NoReturn
 from kvtier.config import check_url_port, redact_url
 from kvtier.errors import ConfigError, ObjectError, QuotaFull, TierError
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers._redis_shares import RedisShares
 from kvtier.tiers import _shares as tenant_shares
+from kvtier.tiers._redis_shares import RedisShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 log = logging.getLogger(__name__)
@@ -575,7 +575,8 @@ class RedisTier(Tier):
 
     def delete(self, key: ShardKey) -> bool:
         # Out of its share first (also when it is gone: the server may have evicted it, still counted): a shard
-        # another engine puts again in between is then counted but deleted, never stored but uncounted.
+        # another engine writes again after this delete is counted by that write. One whose count that engine
+        # made before the uncount, and whose write lands after this delete, ends stored but not counted.
         self._shares.removing(key)
         return self._delete(key)
 
