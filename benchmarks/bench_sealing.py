@@ -143,7 +143,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (about a minute)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--dir", type=Path, help="directory for the filesystem tier (default: a temp dir)")
+    parser.add_argument("--torch-threads", type=int, metavar="N",
+                        help="torch's intra-op threads in this process (default: torch's own, one per core); "
+                             "the copies out of DRAM run on them, and their OpenMP spin-wait takes CPU from the "
+                             "store's reading and decrypting threads")
     args = parser.parse_args()
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            parser.error(f"--torch-threads: must be at least 1, got {args.torch_threads}")
+        torch.set_num_threads(args.torch_threads)
     repeats = 3 if args.quick else 7
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-sealing-", dir=args.dir))
     rows: list[dict] = []
@@ -155,11 +163,13 @@ def main() -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     speeds = primitives()
-    print(f"Machine: {machine()}; filesystem tier in {args.dir or tempfile.gettempdir()}\n")
+    print(f"Machine: {machine()}; torch intra-op threads {torch.get_num_threads()}; filesystem tier in "
+          f"{args.dir or tempfile.gettempdir()}\n")
     print(markdown(rows))
     print("\nOne core: " + ", ".join(f"{name[:-5]} {value:.1f} GB/s" for name, value in speeds.items()))
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "rows": rows, "one_core": speeds}, indent=2))
+        args.json.write_text(json.dumps({"machine": machine(), "torch_threads": torch.get_num_threads(), "rows": rows,
+                                    "one_core": speeds}, indent=2))
     return 0
 
 
