@@ -105,11 +105,11 @@ def test_bad_quotas_are_refused_naming_the_field(tmp_path: Path, placement: list
         KVStore.from_config(cfg)
 
 
-def test_a_quota_on_a_tier_that_cannot_keep_one_is_refused(s3_server) -> None:
-    cfg = {"tiers": [{"type": "s3", "name": "shared", **s3_server.tier_options()}],
+def test_a_quota_on_a_tier_that_cannot_keep_one_is_refused(mooncake_server) -> None:
+    cfg = {"tiers": [{"type": "mooncake", "name": "shared", **mooncake_server.tier_options()}],
            "placement": [{"salt": "t-*", "tiers": ["shared"], "quota": {"shared": "1GiB"}}]}
-    with pytest.raises(ConfigError, match=r"placement\[0\]\.quota\.shared: the S3Tier keeps no per-tenant quotas.*"
-                                          r"quotas apply to dram, filesystem and redis tiers"):
+    with pytest.raises(ConfigError, match=r"placement\[0\]\.quota\.shared: the MooncakeTier keeps no per-tenant "
+                                          r"quotas.*quotas apply to dram, filesystem, redis and s3 tiers"):
         KVStore.from_config(cfg)
 
 
@@ -170,19 +170,22 @@ def test_a_tenant_past_its_redis_share_evicts_its_own_least_recent_shards_whiche
             assert torch.equal(c.get(ns(tenant), tokens), synthetic_kv(tokens))
 
 
-@pytest.mark.parametrize("tier", ["disk", "redis"])
-def test_a_prompt_larger_than_a_tier_share_keeps_its_leading_chunks(tier: str, tmp_path: Path, redis_server,
+@pytest.mark.parametrize("tier", ["disk", "redis", "s3"])
+def test_a_prompt_larger_than_a_tier_share_keeps_its_leading_chunks(tier: str, tmp_path: Path, request,
                                                                     unique_prefix: str, age) -> None:  # noqa: ANN001
     """Its chunks are put together, first chunk first: past the share, an older prompt's chunks are evicted for
     them, then its later chunks are refused, never its first ones evicted (which would leave nothing loadable),
     and nothing is evicted for a chunk that is refused. Putting it again changes nothing."""
     big, older = synthetic_tokens(45, 6 * T), synthetic_tokens(46, 2 * T)
     kv = synthetic_kv(big)
-    cfg = redis_config(redis_server, unique_prefix, 4) if tier == "redis" else \
-        config(tmp_path, {"disk": 4 * SHARD + 100}, ["disk"])
+    if tier == "disk":
+        cfg = config(tmp_path, {"disk": 4 * SHARD + 100}, ["disk"])
+    else:
+        make = redis_config if tier == "redis" else s3_config
+        cfg = make(request.getfixturevalue(f"{tier}_server"), unique_prefix, 4)
     with KVStore.from_config(cfg) as store:
         put(store, "team-a", older)
-        age()
+        listed_age() if tier == "s3" else age()
         for _ in range(2):
             put(store, "team-a", big)
             assert held(store, "team-a") == 4
@@ -309,14 +312,16 @@ _REDIS_TENANTS = ("team-a", "team-b", "public")
 @given(st.lists(st.tuples(st.integers(0, 1), st.sampled_from(_REDIS_TENANTS), st.integers(0, 4), st.booleans()),
                 min_size=1, max_size=12))
 @pytest.mark.parametrize("recent", [0.0, 10.0])
-def test_redis_shares_hold_under_any_sequence_of_two_engines_puts_and_gets(redis_server, recent: float,
-                                                                          ops: list[tuple[int, str, int, bool]]) \
+@pytest.mark.parametrize("kind", ["redis", "s3"])
+def test_tier_shares_hold_under_any_sequence_of_two_engines_puts_and_gets(request, kind: str, recent: float,
+                                                                         ops: list[tuple[int, str, int, bool]]) \
         -> None:
     """Two engines taking turns, any order of puts and cold gets, with no recent shards kept from eviction (an
     eviction at every put past the quota) and with the default window (refusals): no share holds more shards
-    in the server than its quota, the unlimited tenant keeps every shard, and every get is exact or a miss."""
+    in the server than its quota (S3: each put lists the share first), the unlimited tenant keeps every shard,
+    and every get is exact or a miss."""
     prefix = f"h{uuid.uuid4().hex[:12]}/"
-    cfg = redis_config(redis_server, prefix, 3)
+    cfg = (redis_config if kind == "redis" else s3_config)(request.getfixturevalue(f"{kind}_server"), prefix, 3)
     cfg["placement"].append({"tiers": ["shared"]})
     default, tier_shares.RECENT_SECONDS = tier_shares.RECENT_SECONDS, recent
     try:
@@ -422,3 +427,86 @@ def test_a_disk_share_is_counted_again_after_a_rescan(tmp_path: Path, age) -> No
             store.flush()
         assert disk.share_bytes(share) == 4 * file_bytes
         assert sum(1 for _ in disk.list(ns("team-a").id)) == 4
+
+
+# -- S3: each engine counts a share from listings of the bucket ---------------------------------------------------
+def s3_config(server, prefix: str, quota_shards: int, **tier: object) -> dict:  # noqa: ANN001
+    return {"chunk_tokens": T, "dram": {"capacity_bytes": "16MiB", "page_bytes": PAGE},
+            "tiers": [{"type": "s3", "name": "shared", **server.tier_options(), "prefix": prefix,
+                       "queue_depth": 4096, "share_refresh_seconds": 0, **tier}],
+            "placement": [{"salt": "team-*", "tiers": ["shared"], "quota": {"shared": quota_shards * SHARD}}]}
+
+
+def listed_age() -> None:
+    """``age()`` for objects in an S3 listing: S3 lists write times to the second (the server's ``Date`` too),
+    so a listed object may count as written up to 2 s after it was."""
+    time.sleep(2.0 + tier_shares.RECENT_SECONDS + 0.1)
+
+
+def test_a_tenant_past_its_s3_share_evicts_its_own_least_recent_objects_whichever_engine_wrote_them(
+        s3_server, unique_prefix: str, age) -> None:  # noqa: ANN001
+    """Two engines on one bucket, the tenant's KV of two models: each engine lists the share before it writes
+    (``share_refresh_seconds: 0``), finding the other's namespaces through the share's objects, so it counts the
+    other's objects; a read moves an object to the recent end; one engine evicts the other's objects; another
+    tenant loses nothing; no object name holds the salt."""
+    p = [synthetic_tokens(60 + i, 2 * T) for i in range(3)]
+    other = Namespace(model="m2", dtype="bfloat16", cache_salt="team-a")  # the same tenant: the same share
+    cfg = s3_config(s3_server, unique_prefix, 4)
+    with KVStore.from_config(cfg) as a, KVStore.from_config(cfg) as b:
+        put(a, "public", p[0])
+        put(a, "team-a", p[0])
+        listed_age()
+        b.put(other, p[1], synthetic_kv(p[1]))  # the share is full: 4 objects, two engines' writes
+        b.flush()
+        listed_age()
+        share = a._placement.decide(ns("team-a")).share
+        assert b._placement.decide(other).share == share
+        assert a.tiers[0].share_bytes(share) == b.tiers[0].share_bytes(share) == 4 * SHARD
+        a.drop_dram()
+        assert torch.equal(a.get(ns("team-a"), p[0]), synthetic_kv(p[0]))  # read back from S3: now recent
+        age()
+        put(a, "team-a", p[2])  # past the share: the least recently used, p[1] (engine b's), goes
+        assert (held(a, "team-a"), held(a, "public"), sum(1 for _ in a.tiers[0].list(other.id))) == (4, 2, 0)
+        assert a.tiers[0].share_bytes(share) == 4 * SHARD
+        assert a.tiers[0].counters()["share_evictions"] == 2
+        names = [obj["Key"] for obj in a.tiers[0]._list(unique_prefix)]
+        assert any(n.startswith(f"{unique_prefix}shares/") for n in names)
+        assert not any("team-a" in n for n in names)
+    with KVStore.from_config(cfg) as c:  # a third engine finds what the share kept
+        assert c.get(other, p[1]) is None
+        for tenant, tokens in (("team-a", p[0]), ("team-a", p[2]), ("public", p[0])):
+            assert torch.equal(c.get(ns(tenant), tokens), synthetic_kv(tokens))
+
+
+def test_an_s3_share_sees_another_engines_writes_at_its_next_listing(s3_server, unique_prefix: str,
+                                                                     age) -> None:  # noqa: ANN001
+    """Between listings an engine counts only its own writes (the share can pass its quota by the others'); its
+    first put once the view is ``share_refresh_seconds`` old (10 s by default) lists the share and brings it back
+    under its quota, least recent first."""
+    p = [synthetic_tokens(70 + i, 2 * T) for i in range(4)]
+    cfg = s3_config(s3_server, unique_prefix, 4, share_refresh_seconds=10.0)
+    with KVStore.from_config(cfg) as a, KVStore.from_config(cfg) as b:
+        put(a, "team-a", p[0])  # a lists the share: empty
+        listed = time.monotonic()
+        listed_age()
+        put(b, "team-a", p[1])  # b lists: a's two objects and its own two
+        listed_age()  # (b's objects are listed to the second)
+        put(a, "team-a", p[2])  # a's view is not due: its own four objects, no eviction
+        assert time.monotonic() - listed < 10.0, "the machine is too slow for this test's timing"
+        assert held(a, "team-a") == 6
+        time.sleep(max(0.0, listed + 10.0 - time.monotonic()))
+        listed_age()
+        put(a, "team-a", p[3])  # listed again: p[0] (a's), then p[1] (b's) go
+        assert held(a, "team-a") == 4
+        assert a.tiers[0].counters()["share_evictions"] == 4
+        a.drop_dram()
+        assert a.get(ns("team-a"), p[0]) is None and a.get(ns("team-a"), p[1]) is None
+        for tokens in p[2:]:
+            assert torch.equal(a.get(ns("team-a"), tokens), synthetic_kv(tokens))
+
+
+def test_bad_s3_share_refresh_is_refused_naming_the_field(s3_server) -> None:
+    cfg = {"tiers": [{"type": "s3", "name": "shared", **s3_server.tier_options(), "share_refresh_seconds": -1}]}
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.share_refresh_seconds: must be a number of seconds >= 0, "
+                                          r"got -1"):
+        KVStore.from_config(cfg)

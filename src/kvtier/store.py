@@ -1104,8 +1104,8 @@ class KVStore:
                 tier = by_name.get(name)
                 if tier is not None and not tier.shares:
                     raise ConfigError(f"placement[{i}].quota.{name}: the {type(tier).__name__} keeps no per-tenant "
-                                      f"quotas (every engine's writes would have to be counted in one place); "
-                                      f"quotas apply to dram, filesystem and redis tiers")
+                                      f"quotas (an engine can neither count nor list every engine's writes "
+                                      f"there); quotas apply to dram, filesystem, redis and s3 tiers")
 
     def _apply_share(self, ns: Namespace, decision: Decision) -> None:
         """Tell DRAM and each tier with a quota for ``ns``'s tenant which share its KV counts against."""

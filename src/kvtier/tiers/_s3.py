@@ -4,6 +4,8 @@ Object names: ``<prefix><namespace>/<chunk>/<heads>``. A PUT is atomic in S3, so
 or none. A lookup lists each chunk's prefix (in parallel, on a small thread pool). Credentials come from the
 usual places (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws``, instance roles) unless the config
 names a profile or gives keys. Retention is the bucket's own (lifecycle rules) or ``kvtier cache purge``.
+Per-tenant quotas are kept from listings of the bucket (:mod:`kvtier.tiers._s3_shares`), with one empty object
+per namespace a share counts under ``<prefix>shares/``.
 
 On start the tier asks for the bucket once (HEAD): a server that answers "access denied", "no such bucket" or
 finds no credentials is a :class:`TierError` then, naming the bucket and the S3 error code; one that does not
@@ -14,7 +16,9 @@ attempts). Only objects named exactly ``<prefix><32 hex>/<32 hex>/<heads>`` are 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import email.utils
 import logging
 import math
 import re
@@ -25,8 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from kvtier.config import check_ttl, check_url_port
-from kvtier.errors import ConfigError, ObjectError, TierError
+from kvtier.errors import ConfigError, ObjectError, QuotaFull, TierError
 from kvtier.keys import HeadRange, ShardKey
+from kvtier.tiers import _shares as tenant_shares
+from kvtier.tiers._s3_shares import S3Shares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 log = logging.getLogger(__name__)
@@ -57,9 +63,15 @@ class S3Options:
     # Served no longer than this after it was written (the store checks each object's age as it reads it);
     # removed by `kvtier cache retain`. None: kept until evicted or purged.
     ttl_seconds: float | None = None
+    # With per-tenant quotas: how old this engine's view of a share may get before a put lists it again (other
+    # engines' writes are seen at the next listing; 0: every put lists first). See kvtier.tiers._s3_shares.
+    share_refresh_seconds: float = 10.0
 
     def check(self, field: str) -> None:
         check_ttl(self.ttl_seconds, field)
+        if not (self.share_refresh_seconds >= 0 and math.isfinite(self.share_refresh_seconds)):
+            raise ConfigError(f"{field}.share_refresh_seconds: must be a number of seconds >= 0, got "
+                              f"{self.share_refresh_seconds}")
         if not self.bucket:
             raise ConfigError(f"{field}.bucket: must name a bucket")
         if (self.access_key_id is None) != (self.secret_access_key is None):
@@ -108,6 +120,7 @@ class S3Tier(Tier):
     persistent = True
     heads_in_one_call = False  # a listing per chunk
     read_ahead = True  # GETs wait on the store's latency: 16 chunks of 5.9 MB read in 0.15 s instead of 0.17 s
+    shares = True  # from listings of the bucket, per engine (_s3_shares)
 
     def __init__(self, name: str, options: S3Options) -> None:
         super().__init__(name, options)
@@ -138,6 +151,8 @@ class S3Tier(Tier):
             raise TierError(f"{name}: cannot create an S3 client: {exc}") from exc
         self._credentials = session.get_credentials
         self._pool = ThreadPoolExecutor(max_workers=o.max_connections, thread_name_prefix=f"kvtier-{name}-list")
+        self._shares = S3Shares(self._share_members, self.list, self._record_member, o.share_refresh_seconds,
+                                self._pool.map)
         try:
             self._probe(botocore.exceptions)
         except BaseException:
@@ -186,6 +201,9 @@ class S3Tier(Tier):
     def _object(self, key: ShardKey) -> str:
         return f"{self.options.prefix}{key.namespace}/{key.chunk}/{key.heads}"
 
+    def _share_prefix(self, sid: str) -> str:
+        return f"{self.options.prefix}shares/{sid}/"
+
     def _missing(self, exc: Exception) -> bool:
         return _code(exc) in ("NoSuchKey", "404", "NotFound")
 
@@ -195,6 +213,29 @@ class S3Tier(Tier):
     # -- the tier interface ------------------------------------------------------------------------------------
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
         body = b"".join(parts)
+        counted = self._shares.account(key, len(body))  # before: a concurrent put sees it
+        if counted is None:
+            self._put(key, body)
+            return
+        if counted.refused:
+            raise QuotaFull(f"{self.name}: not writing {key.name}: its tenant's share is full of objects used in "
+                            f"the last {tenant_shares.RECENT_SECONDS:g} s")
+        written = False
+        try:
+            self._put(key, body)
+            written = True
+        finally:
+            victims = self._shares.done(key, counted, written)  # none when the write failed: nothing to make room for
+        evicted = 0
+        for victim in victims:
+            try:
+                self._s3.delete_object(Bucket=self.options.bucket, Key=self._object(victim))
+                evicted += 1
+            except self._errors as exc:  # the next listing counts it again, and it is evicted again
+                log.debug("tier %s: evicting %s from its share failed: %s", self.name, victim.name, exc)
+        self._shares.evicted(evicted)
+
+    def _put(self, key: ShardKey, body: bytes) -> None:
         for attempt in (1, 2):
             try:
                 self._s3.put_object(Bucket=self.options.bucket, Key=self._object(key), Body=body)
@@ -208,11 +249,13 @@ class S3Tier(Tier):
     def get(self, key: ShardKey) -> Buffer | None:
         try:
             resp = self._s3.get_object(Bucket=self.options.bucket, Key=self._object(key))
-            return resp["Body"].read()
+            data = resp["Body"].read()
         except self._errors as exc:
             if self._missing(exc):
                 return None
             raise self._fail(f"get {key.name}", exc) from exc
+        self._shares.used(key)
+        return data
 
     def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
         """The body copied from the response stream into ``payload`` (e.g. DRAM pages) a MiB at a time: no bytes
@@ -245,6 +288,7 @@ class S3Tier(Tier):
             raise self._fail(f"get {key.name}", exc) from exc
         finally:
             body.close()
+        self._shares.used(key)
         return bytes(header)
 
     def delete(self, key: ShardKey) -> bool:
@@ -255,11 +299,50 @@ class S3Tier(Tier):
             if self._missing(exc):
                 return False
             raise self._fail(f"delete {key.name}", exc) from exc
+        self._shares.removed(key)
         try:
             self._s3.delete_object(Bucket=self.options.bucket, Key=self._object(key))
         except self._errors as exc:
             raise self._fail(f"delete {key.name}", exc) from exc
         return True
+
+    # -- tenant shares -----------------------------------------------------------------------------------------
+    def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
+        """Count ``namespace``'s objects against the tenant share ``share`` of ``quota_bytes`` (None: none), in
+        this engine's view of the bucket (:mod:`kvtier.tiers._s3_shares`): a put that takes the share past its
+        quota deletes the share's least recently used objects, whichever engine wrote them."""
+        self._shares.set(namespace, share, quota_bytes)
+
+    def share_bytes(self, share: str) -> int:
+        return self._shares.bytes(share)
+
+    def _share_members(self, sid: str) -> tuple[list[str], float | None]:
+        """The namespaces recorded for share ``sid``, and the server's time (its ``Date``) as it answered."""
+        prefix = self._share_prefix(sid)
+        names, server_now = [], None
+        pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.options.bucket, Prefix=prefix,
+                                                                   Delimiter="/")
+        try:
+            for page in pages:
+                if server_now is None:
+                    date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+                    with contextlib.suppress(TypeError, ValueError):
+                        server_now = email.utils.parsedate_to_datetime(date).timestamp()
+                names += [obj["Key"][len(prefix):] for obj in page.get("Contents", [])]
+        except self._errors as exc:
+            raise self._fail(f"listing {prefix!r}", exc) from exc
+        return names, server_now
+
+    def _record_member(self, sid: str, namespace: str) -> None:
+        try:
+            self._s3.put_object(Bucket=self.options.bucket, Key=self._share_prefix(sid) + namespace, Body=b"")
+        except self._errors as exc:
+            raise self._fail(f"recording namespace {namespace} in its share", exc) from exc
+
+    def counters(self) -> dict[str, float]:
+        return {"share_evictions": float(self._shares.evictions),
+                "share_refused_writes": float(self._shares.refused),
+                "share_view_failures": float(self._shares.view_failures)}
 
     def _list(self, prefix: str) -> Iterator[dict[str, Any]]:
         pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.options.bucket, Prefix=prefix)

@@ -53,8 +53,9 @@ class Tier(ABC):
     # list() reports when each object was written (else every object counts as new: Mooncake keeps no times), so
     # age-based removals (`kvtier cache purge --older-than`, `retain`) can select by it.
     listed_times: ClassVar[bool] = True
-    # Keeps per-tenant quotas (set_share): a tier with an index of its own (a local disk), or a server that counts
-    # every engine's writes itself (Redis). S3 and Mooncake have no such place.
+    # Keeps per-tenant quotas (set_share): a tier with an index of its own (a local disk), a server that counts
+    # every engine's writes itself (Redis), or a store each engine lists (S3). Mooncake reports no times and lists
+    # only its whole store.
     shares: ClassVar[bool] = False
 
     def __init__(self, name: str, options: Any) -> None:
