@@ -505,6 +505,14 @@ def test_an_s3_share_sees_another_engines_writes_at_its_next_listing(s3_server, 
             assert torch.equal(a.get(ns("team-a"), tokens), synthetic_kv(tokens))
 
 
+def test_an_s3_share_listing_reads_the_servers_clock(s3_server, unique_prefix: str) -> None:
+    """The offset between the server's clock and this engine's comes from the listing's Date (botocore's
+    headers, as the server sends them): on one host it is under the Date's second."""
+    with KVStore.from_config(s3_config(s3_server, unique_prefix, 4)) as store:
+        names, offset = store.tiers[0]._share_members(_redis_shares.share_id("rule0/nobody"))
+        assert names == [] and offset is not None and -1.5 < offset < 0.5
+
+
 def test_bad_s3_share_refresh_is_refused_naming_the_field(s3_server) -> None:
     cfg = {"tiers": [{"type": "s3", "name": "shared", **s3_server.tier_options(), "share_refresh_seconds": -1}]}
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.share_refresh_seconds: must be a number of seconds >= 0, "

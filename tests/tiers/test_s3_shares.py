@@ -1,7 +1,8 @@
 """The S3 tier's share views (kvtier.tiers._s3_shares) against a bucket kept in a dict: the faults and timings a
-real server does not produce on demand (a write still under way while another engine's put lists the share, a
-listing that fails, a share object a lifecycle rule removed, a server clock behind this engine's, a write that
-fails after its victims were chosen). tests/test_quotas.py runs the same views against SeaweedFS."""
+real server does not produce on demand (a write still under way, or landing, while another put lists the share;
+a listing that fails; a share object a lifecycle rule removed; a server clock behind this engine's; a write that
+fails after its victims were chosen; two puts of one key; a victim listed again before its delete). The puts
+are interleaved by hand, as writer threads would. tests/test_quotas.py runs the same views against SeaweedFS."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Bucket:
         self.offset = clock_offset  # the server's clock minus ours
         self.listing_fails = False
         self.records = 0
+        self.during_listing: list = []  # run once, each, while the next listing reads the objects
 
     def now(self) -> float:
         return time.time() + self.offset
@@ -44,13 +46,16 @@ class Bucket:
         def members(sid: str) -> tuple[list[str], float | None]:
             if self.listing_fails:
                 raise TierError("listing failed: the server timed out")
-            return sorted(self.members.get(sid, ())), float(int(self.now()))  # Date: to the second
+            return sorted(self.members.get(sid, ())), float(int(self.now())) - time.time()  # Date: to the second
 
         def objects(ns: str) -> list[StoredObject]:
             if self.listing_fails:
                 raise TierError("listing failed: the server timed out")
-            return [StoredObject(k, size, float(int(t)), float(int(t)))  # LastModified: to the second
-                    for k, (size, t) in self.objects.items() if k.namespace == ns]
+            found = [StoredObject(k, size, float(int(t)), float(int(t)))  # LastModified: to the second
+                     for k, (size, t) in self.objects.items() if k.namespace == ns]
+            while self.during_listing:
+                self.during_listing.pop(0)()
+            return found
 
         def record(sid: str, ns: str) -> None:
             self.records += 1
@@ -67,9 +72,15 @@ def put(shares: S3Shares, bucket: Bucket, k: ShardKey, size: int, land: bool = T
         return None
     if land:
         bucket.write(k, size)
-    victims = shares.done(k, counted, land)
+    return finish(shares, bucket, k, counted, land)
+
+
+def finish(shares: S3Shares, bucket: Bucket, k: ShardKey, counted, written: bool) -> list[ShardKey]:  # noqa: ANN001
+    """The end of a put :meth:`S3Shares.account` counted: its victims deleted."""
+    victims = shares.done(k, counted, written)
     for v in victims:
         bucket.objects.pop(v, None)
+    shares.evicted(counted, len(victims))
     return victims
 
 
@@ -87,11 +98,108 @@ def test_a_write_under_way_stays_counted_through_another_puts_listing(recent: fl
     shares.set(NS, SHARE, 100)
     first = shares.account(key(1), 60)
     assert first is not None and not first.refused  # under way: not in the bucket yet
+    time.sleep(0.01)  # the second listing starts after the first write was counted
     second = shares.account(key(2), 60)
     assert second is not None and second.refused
     bucket.write(key(1), 60)
-    assert shares.done(key(1), first, True) == []
+    assert finish(shares, bucket, key(1), first, True) == []
     assert shares.bytes(SHARE) == 60
+
+
+def test_a_write_landing_while_another_put_lists_stays_counted(recent: float) -> None:
+    """k1's write lands (and ends) while k2's put lists the share, after the listing read k1's namespace: k1 is
+    neither listed nor under way any more, and stays counted, so k2 is refused."""
+    bucket = Bucket()
+    shares = bucket.shares()
+    shares.set(NS, SHARE, 100)
+    first = shares.account(key(1), 60)
+    time.sleep(0.01)
+
+    def land() -> None:
+        bucket.write(key(1), 60)
+        finish(shares, bucket, key(1), first, True)
+
+    bucket.during_listing.append(land)
+    assert put(shares, bucket, key(2), 60) is None
+    assert shares.bytes(SHARE) == 60
+
+
+def test_a_namespace_told_its_share_again_keeps_the_view(recent: float) -> None:
+    """The store may tell a tier a namespace's share again (two first requests at once): a write under way stays
+    counted."""
+    bucket = Bucket()
+    shares = bucket.shares(refresh=3600.0)
+    shares.set(NS, SHARE, 100)
+    first = shares.account(key(1), 60)
+    shares.set(NS, SHARE, 100)
+    assert put(shares, bucket, key(2), 60) is None
+    bucket.write(key(1), 60)
+    finish(shares, bucket, key(1), first, True)
+
+
+@pytest.mark.parametrize("failing, first_to_end", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_two_puts_of_one_key_leave_it_counted_when_one_fails(recent: float, failing: int, first_to_end: int) \
+        -> None:
+    bucket = Bucket()
+    shares = bucket.shares(refresh=3600.0)
+    shares.set(NS, SHARE, 100)
+    puts = [shares.account(key(1), 60), shares.account(key(1), 60)]
+    for i in (first_to_end, 1 - first_to_end):
+        if i != failing:
+            bucket.write(key(1), 60)
+        finish(shares, bucket, key(1), puts[i], i != failing)
+    assert shares.bytes(SHARE) == 60
+
+
+def test_puts_waiting_on_a_listing_share_the_next_one(recent: float) -> None:
+    """With ``share_refresh_seconds: 0``, puts that arrive while a listing runs wait for it; the next listing
+    then serves every one of them that arrived before it began, not one listing each."""
+    import threading
+
+    bucket = Bucket()
+    shares = bucket.shares()
+    shares.set(NS, SHARE, 10_000)
+    listings = []
+    members = shares._members
+
+    def counted(sid: str):  # noqa: ANN202
+        listings.append(sid)
+        return members(sid)
+
+    shares._members = counted
+    release = threading.Event()
+    bucket.during_listing.append(lambda: release.wait(10))
+    bucket.objects[key(0)] = (1, bucket.now())  # so the listing reads objects (and waits there)
+    threads = [threading.Thread(target=put, args=(shares, bucket, key(i), 10)) for i in (1, 2, 3)]
+    threads[0].start()
+    time.sleep(0.2)
+    for t in threads[1:]:
+        t.start()
+    time.sleep(0.2)
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert len(listings) == 2
+
+
+def test_a_victim_listed_again_before_its_delete_is_not_counted_or_chosen_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_s3_shares.tenant_shares, "RECENT_SECONDS", 0.0)
+    bucket = Bucket()
+    bucket.members[share_id(SHARE)] = {NS}
+    bucket.objects[key(1)] = (60, bucket.now() - 100)  # written long ago (by any engine)
+    bucket.objects[key(2)] = (60, bucket.now() - 90)
+    shares = bucket.shares()
+    shares.set(NS, SHARE, 120)
+    first = shares.account(key(3), 60)  # key(1) chosen; its delete waits for this write
+    assert list(first.victims) == [key(1)]
+    second = shares.account(key(4), 60)  # lists the bucket, which still holds key(1)
+    assert list(second.victims) == [key(2)]
+    bucket.write(key(3), 60)
+    bucket.write(key(4), 60)
+    assert finish(shares, bucket, key(3), first, True) == [key(1)]
+    assert finish(shares, bucket, key(4), second, True) == [key(2)]
+    assert shares.evictions == 2 and shares.bytes(SHARE) == 120
 
 
 def test_a_failed_listing_keeps_the_view_and_the_write_goes_on(recent: float) -> None:
@@ -146,6 +254,22 @@ def test_a_shares_view_goes_when_no_namespace_counts_against_it(monkeypatch: pyt
     shares = Bucket().shares()
     for i in range(3):
         shares.set(f"{i:032x}", f"rule0/t{i}", 100)
+        shares.used(key(0, f"{i:032x}"))  # a read: the share's view is made
     assert len(shares._views) == 2  # the first namespace was forgotten, and its share's view with it
     shares.set(f"{1:032x}", None, 0)
     assert len(shares._views) == 1
+
+
+def test_a_view_no_put_or_read_used_for_ten_minutes_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket = Bucket()
+    shares = bucket.shares()
+    shares.set(NS, SHARE, 100)
+    put(shares, bucket, key(1), 10)
+    assert len(shares._views) == 1
+    later = time.monotonic() + _s3_shares._IDLE_SECONDS + 61
+    monkeypatch.setattr(_s3_shares.time, "monotonic", lambda: later)
+    other = "c" * 32
+    shares.set(other, "rule0/other", 100)
+    put(shares, bucket, key(1, other), 10)  # sweeps: the first view goes
+    assert list(shares._views) == [share_id("rule0/other")]
+    assert put(shares, bucket, key(2), 10) == [] and shares.bytes(SHARE) == 20  # listed anew when needed

@@ -16,13 +16,13 @@ attempts). Only objects named exactly ``<prefix><32 hex>/<32 hex>/<heads>`` are 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import email.utils
 import logging
 import math
 import re
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -108,6 +108,15 @@ def _code(exc: Exception) -> str | None:
     return (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")  # type: ignore[no-any-return]
 
 
+def _clock_offset(page: dict[str, Any]) -> float | None:
+    """The server's clock minus this engine's, from an answer's ``Date`` (to the second) and the time now."""
+    date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return email.utils.parsedate_to_datetime(date).timestamp() - time.time()
+    except (TypeError, ValueError):
+        return None
+
+
 # Bytes per read from a response body: each read makes a bytes object of its size (so does urllib3's readinto).
 _READ_PIECE = 1 << 20
 
@@ -151,8 +160,11 @@ class S3Tier(Tier):
             raise TierError(f"{name}: cannot create an S3 client: {exc}") from exc
         self._credentials = session.get_credentials
         self._pool = ThreadPoolExecutor(max_workers=o.max_connections, thread_name_prefix=f"kvtier-{name}-list")
+        # Share listings on threads of their own: lookups never wait behind them.
+        self._share_pool = ThreadPoolExecutor(max_workers=min(4, o.max_connections),
+                                              thread_name_prefix=f"kvtier-{name}-shares")
         self._shares = S3Shares(self._share_members, self.list, self._record_member, o.share_refresh_seconds,
-                                self._pool.map)
+                                self._share_pool.map)
         try:
             self._probe(botocore.exceptions)
         except BaseException:
@@ -226,14 +238,16 @@ class S3Tier(Tier):
             written = True
         finally:
             victims = self._shares.done(key, counted, written)  # none when the write failed: nothing to make room for
-        evicted = 0
-        for victim in victims:
-            try:
-                self._s3.delete_object(Bucket=self.options.bucket, Key=self._object(victim))
-                evicted += 1
-            except self._errors as exc:  # the next listing counts it again, and it is evicted again
-                log.debug("tier %s: evicting %s from its share failed: %s", self.name, victim.name, exc)
-        self._shares.evicted(evicted)
+        deleted = 0
+        try:
+            for victim in victims:
+                try:
+                    self._s3.delete_object(Bucket=self.options.bucket, Key=self._object(victim))
+                    deleted += 1
+                except self._errors as exc:  # the next listing counts it again, and it is chosen again
+                    log.debug("tier %s: evicting %s from its share failed: %s", self.name, victim.name, exc)
+        finally:
+            self._shares.evicted(counted, deleted)
 
     def _put(self, key: ShardKey, body: bytes) -> None:
         for attempt in (1, 2):
@@ -317,21 +331,21 @@ class S3Tier(Tier):
         return self._shares.bytes(share)
 
     def _share_members(self, sid: str) -> tuple[list[str], float | None]:
-        """The namespaces recorded for share ``sid``, and the server's time (its ``Date``) as it answered."""
+        """The namespaces recorded for share ``sid``, and the server's clock minus this engine's, from the first
+        answer's ``Date`` (None without a readable one)."""
         prefix = self._share_prefix(sid)
-        names, server_now = [], None
+        names: list[str] = []
+        offset = None
         pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.options.bucket, Prefix=prefix,
                                                                    Delimiter="/")
         try:
-            for page in pages:
-                if server_now is None:
-                    date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-                    with contextlib.suppress(TypeError, ValueError):
-                        server_now = email.utils.parsedate_to_datetime(date).timestamp()
+            for i, page in enumerate(pages):
+                if i == 0:
+                    offset = _clock_offset(page)
                 names += [obj["Key"][len(prefix):] for obj in page.get("Contents", [])]
         except self._errors as exc:
             raise self._fail(f"listing {prefix!r}", exc) from exc
-        return names, server_now
+        return names, offset
 
     def _record_member(self, sid: str, namespace: str) -> None:
         try:
@@ -408,4 +422,5 @@ class S3Tier(Tier):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._share_pool.shutdown(wait=True)
         self._s3.close()

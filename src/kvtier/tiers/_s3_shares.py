@@ -11,26 +11,30 @@ have expired it), so every engine's view finds every engine's namespaces.
 
 A view is listed again (the share's members, then each member namespace's objects, in parallel: sizes and write
 times) when it is older than the tier's ``share_refresh_seconds``; a listing that fails leaves the view as it was
-(counted, logged) until the next one is due, as does a share object that cannot be written. A put is counted in the view before it is written, and stays
-counted while it is under way whatever a listing finds. The rules are :mod:`kvtier.tiers._shares`'s: a new
-object that the objects used in the last ``RECENT_SECONDS`` leave no room for is refused
-(:class:`~kvtier.errors.QuotaFull`); otherwise, while the share is over its quota, the writing engine deletes its
-least recently used objects (none of those recent ones) once its own write has succeeded, whichever engine wrote
-them.
+(counted as ``share_view_failures``) until the next one is due, as does a share object that cannot be written.
+A put is counted in the view before it is written; a listing keeps it while it is under way and once it has
+landed, whatever the listing found, and never counts again an object chosen for deletion whose delete has not
+ended. The rules are :mod:`kvtier.tiers._shares`'s: a new object that the objects used in the last
+``RECENT_SECONDS`` leave no room for is refused (:class:`~kvtier.errors.QuotaFull`); otherwise, while the share
+is over its quota, the writing engine deletes its least recently used objects (none of those recent ones, none
+being written) once its own write has succeeded, whichever engine wrote them. A view no put or read used for
+10 minutes is dropped, and listed anew when it is needed again.
 
 Times: S3 lists write times to the second, by the server's clock. A listed time is moved onto this engine's clock
-by the offset between the two (from the listing's ``Date``, itself to the second), and counts as the end of its
-second: an object never looks older than it is, and at most 2 s younger (this engine's own writes included: the
-listing cannot tell them from another engine's write of the same object just after).
+by the offset between the two (the listing's ``Date``, itself to the second, against this engine's clock when
+the answer came), and counts as the end of its second: an object never looks older than it is, and at most
+2 s (plus the listing's round trip) younger, this engine's own writes included (the listing cannot tell them
+from another engine's write of the same object just after).
 
 Limits, from S3 keeping no count and no read times:
 - An object's last use is its write time or this engine's last write or read of it, whichever is later: another
   engine's reads do not count, so it may evict an object only that engine reads.
 - Between listings an engine does not see the others' writes or deletes, so a share can hold more than its
   quota by what other engines wrote in the last ``share_refresh_seconds``; two engines may evict the same object
-  (the second delete is a no-op). With ``share_refresh_seconds: 0`` every put lists the share first.
-- A listing costs a LIST call per 1,000 objects of the share, each ``share_refresh_seconds`` per engine writing
-  to it; while it runs, that share's writes wait.
+  (both count it in ``share_evictions``: S3 deletes answer the same whether the object was there). With
+  ``share_refresh_seconds: 0`` every put lists the share first.
+- A listing costs a LIST call per namespace of the share and per 1,000 of its objects, each
+  ``share_refresh_seconds`` per engine writing to it; while it runs, that share's writes wait.
 - The ``shares/`` objects stay after the tenant's objects are purged or forgotten.
 """
 
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import threading
 import time
@@ -53,6 +58,7 @@ from kvtier.tiers.base import StoredObject
 log = logging.getLogger(__name__)
 
 _KEPT = 65536  # namespaces whose share is remembered (the store tells the tier again when it meets one anew)
+_IDLE_SECONDS = 600.0  # a view no put or read used this long is dropped (listed anew when it is needed again)
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _LISTED_SLACK = 1.0  # a listed write time (to the second) counts as the end of its second
 
@@ -67,29 +73,34 @@ class _Object:
 class _View:
     objects: dict[ShardKey, _Object] = dataclasses.field(default_factory=dict)
     writing: dict[ShardKey, int] = dataclasses.field(default_factory=dict)  # counted puts under way: how many
-    listed: float = -float("inf")  # time.monotonic() of the last listing (or failed one)
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # objects, writing
+    evicting: set[ShardKey] = dataclasses.field(default_factory=set)  # chosen for deletion, not deleted yet
+    listed: float = -math.inf  # time.monotonic() when the last listing (or failed one) ended
+    listed_from: float = -math.inf  # ... and when it started
+    touched: float = dataclasses.field(default_factory=time.monotonic)  # the last put or read that used it
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # everything above
     listing: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # one listing at a time
 
 
 @dataclasses.dataclass(frozen=True)
 class Counted:
-    """What :meth:`S3Shares.account` decided for a write: refused, or go ahead, then delete ``victims``."""
+    """What :meth:`S3Shares.account` decided for a write: refused, or go ahead (``entry`` counted for it, in place
+    of ``before``), then delete ``victims``."""
 
-    sid: str
+    view: _View
     refused: bool
-    victims: dict[ShardKey, _Object]
-    before: _Object | None  # what the view held for the key (a write again), to restore if the write fails
+    entry: _Object | None = None
+    before: _Object | None = None
+    victims: dict[ShardKey, _Object] = dataclasses.field(default_factory=dict)
 
 
-Members = Callable[[str], tuple[list[str], float | None]]  # share id -> its namespaces, the server's time then
+# share id -> its namespaces, and the server's clock minus this engine's (from the listing's Date; None: unknown)
+Members = Callable[[str], tuple[list[str], float | None]]
 
 
 class S3Shares:
-    """The share accounting of one S3 tier. ``members(id)`` lists the namespaces recorded for a share (with the
-    server's time from the listing's ``Date``, None without one), ``objects(namespace)`` a namespace's objects,
-    ``record(id, namespace)`` writes a namespace's share object, each raising :class:`~kvtier.errors.TierError`;
-    ``map`` runs a function over several namespaces (the tier's listing threads)."""
+    """The share accounting of one S3 tier. ``members(id)`` lists the namespaces recorded for a share,
+    ``objects(namespace)`` a namespace's objects, ``record(id, namespace)`` writes a namespace's share object,
+    each raising :class:`~kvtier.errors.TierError`; ``map_`` runs a listing over several namespaces at once."""
 
     def __init__(self, members: Members, objects: Callable[[str], Iterable[StoredObject]],
                  record: Callable[[str, str], None], refresh_seconds: float,
@@ -100,25 +111,29 @@ class S3Shares:
         self._record = record
         self._refresh = refresh_seconds
         self._map = map_
-        self._lock = threading.Lock()  # the maps below
+        self._lock = threading.Lock()  # the maps below and the counters
         self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()  # namespace -> (share id, quota)
         self._count: dict[str, int] = {}  # share id -> its namespaces in _share_of; its view goes with the last
         self._views: dict[str, _View] = {}
         self._recorded: set[str] = set()  # namespaces whose share object this process has written
-        self.evictions = 0
+        self._swept = time.monotonic()
+        self._warned = False
+        self.evictions = 0  # deletions of objects this engine chose (another engine may delete one too)
         self.refused = 0
         self.view_failures = 0  # listings and share records that failed
 
     # -- which namespaces count against which share ------------------------------------------------------------
     def set(self, namespace: str, share: str | None, quota_bytes: int) -> None:
+        sid = None if share is None else share_id(share)
         with self._lock:
-            self._unset_locked(namespace)
-            if share is None:
+            if sid is not None and self._share_of.get(namespace) == (sid, quota_bytes):
+                self._share_of.move_to_end(namespace)  # told again: its view stays as it is
                 return
-            sid = share_id(share)
+            self._unset_locked(namespace)
+            if sid is None:
+                return
             self._share_of[namespace] = (sid, quota_bytes)
             self._count[sid] = self._count.get(sid, 0) + 1
-            self._views.setdefault(sid, _View())
             while len(self._share_of) > _KEPT:
                 self._unset_locked(next(iter(self._share_of)))
 
@@ -130,35 +145,54 @@ class S3Shares:
         if left:
             self._count[old[0]] = left
         else:  # no namespace counts against it here any more: the view (all its objects) goes
-            del self._count[old[0]], self._views[old[0]]
+            del self._count[old[0]]
+            self._views.pop(old[0], None)
 
     def _found(self, namespace: str) -> tuple[str, int, _View] | None:
         with self._lock:
             found = self._share_of.get(namespace)
-            return None if found is None else (*found, self._views[found[0]])
+            if found is None:
+                return None
+            return (*found, self._views.setdefault(found[0], _View()))
+
+    def _sweep(self) -> None:
+        """Drop views no put or read used for :data:`_IDLE_SECONDS` (each holds its share's whole listing)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._swept < 60.0:
+                return
+            self._swept = now
+            idle = [sid for sid, view in self._views.items()
+                    if now - view.touched > _IDLE_SECONDS and not view.writing and not view.evicting]
+            for sid in idle:
+                del self._views[sid]
 
     # -- listings ----------------------------------------------------------------------------------------------
     def _refresh_if_due(self, sid: str, view: _View) -> None:
-        if time.monotonic() - view.listed < self._refresh:
+        arrived = time.monotonic()
+        if arrived - view.listed < self._refresh:
             return
         with view.listing:
-            if time.monotonic() - view.listed < self._refresh:
-                return  # listed by another thread meanwhile
+            if view.listed_from >= arrived or time.monotonic() - view.listed < self._refresh:
+                return  # listed by another thread meanwhile, from after this one asked
+            began = time.monotonic()
             try:
                 self._list(sid, view)
             except TierError as exc:  # the view as it was, until the next listing is due: writes go on
                 self._failed("listing a share", exc)
-            view.listed = time.monotonic()
+            view.listed_from, view.listed = began, time.monotonic()
 
     def _failed(self, what: str, exc: TierError) -> None:
         with self._lock:
             self.view_failures += 1
-        log.warning("%s failed (the share is counted from this engine's view as it is): %s", what, exc)
+            first, self._warned = not self._warned, True
+        log.log(logging.WARNING if first else logging.DEBUG, "%s failed (the share is counted from this engine's "
+                "view as it is; further failures are counted as share_view_failures): %s", what, exc)
 
     def _list(self, sid: str, view: _View) -> None:
         started = time.time()
-        members, server_now = self._members(sid)
-        offset = 0.0 if server_now is None else server_now - time.time()  # server's clock minus ours
+        members, offset = self._members(sid)
+        offset = offset or 0.0  # the server's clock minus ours
         listed_ns = {ns for ns in members if _HEX32.fullmatch(ns)}
         with self._lock:
             mine = [ns for ns, (s, _) in self._share_of.items() if s == sid]
@@ -168,28 +202,27 @@ class S3Shares:
                     self._record(sid, ns)  # its share object is gone (a lifecycle rule, a purge by hand): again
                 except TierError as exc:
                     self._failed("recording a namespace in its share", exc)
-        namespaces = sorted(listed_ns.union(mine))
         listed: dict[ShardKey, _Object] = {}
-        for objects in self._map(lambda ns: list(self._objects(ns)), namespaces):
+        for objects in self._map(lambda ns: list(self._objects(ns)), sorted(listed_ns.union(mine))):
             for obj in objects:
                 listed[obj.key] = _Object(obj.size, obj.created - offset + _LISTED_SLACK)
         with view.lock:
+            for key in view.evicting:
+                listed.pop(key, None)  # chosen for deletion already: not counted, not chosen twice
             for key, found in listed.items():
                 known = view.objects.get(key)
                 if known is not None:
                     found.used = max(found.used, known.used)  # this engine's reads count
-            for key in view.writing:
-                if key not in listed and key in view.objects:
-                    listed[key] = view.objects[key]  # under way: its write may land after the listing
             for key, known in view.objects.items():
-                if key not in listed and known.used >= started:
-                    listed[key] = known  # counted (or written) by this engine while the listing ran
+                if key not in listed and (key in view.writing or known.used >= started):
+                    listed[key] = known  # under way, or landed (or read) while the listing ran
             view.objects = listed
 
     # -- a put -------------------------------------------------------------------------------------------------
     def account(self, key: ShardKey, size: int) -> Counted | None:
-        """Count an object about to be written; None when its namespace has no share here. The caller ends
-        with :meth:`done` whatever happens."""
+        """Count an object about to be written; None when its namespace has no share here. Unless refused, the
+        caller ends with :meth:`done`, then :meth:`evicted`, whatever happens."""
+        self._sweep()  # first: never the view this put is about to use
         found = self._found(key.namespace)
         if found is None:
             return None
@@ -208,13 +241,14 @@ class S3Shares:
         now = time.time()
         since = now - tenant_shares.RECENT_SECONDS
         with view.lock:
+            view.touched = time.monotonic()
             objects = view.objects
             before = objects.get(key)
             if before is None and size + sum(o.size for o in objects.values() if o.used >= since) > quota:
                 with self._lock:
                     self.refused += 1
-                return Counted(sid, True, {}, None)
-            objects[key] = _Object(size, now)
+                return Counted(view, True)
+            entry = objects[key] = _Object(size, now)
             view.writing[key] = view.writing.get(key, 0) + 1
             over = sum(o.size for o in objects.values()) - quota
             victims = {}
@@ -226,17 +260,13 @@ class S3Shares:
                     over -= obj.size
             for victim in victims:
                 del objects[victim]
-        return Counted(sid, False, victims, before)
+            view.evicting.update(victims)
+        return Counted(view, False, entry, before, victims)
 
     def done(self, key: ShardKey, counted: Counted, written: bool) -> list[ShardKey]:
         """The write :meth:`account` counted has ended: the victims to delete now (none when it failed: they are
-        counted again, and the key as it was before)."""
-        if counted.refused:
-            return []
-        with self._lock:
-            view = self._views.get(counted.sid)
-        if view is None:
-            return list(counted.victims) if written else []
+        counted again, and the key as it was before, unless another put of it counted since)."""
+        view = counted.view
         with view.lock:
             left = view.writing.get(key, 0) - 1
             if left > 0:
@@ -244,26 +274,37 @@ class S3Shares:
             else:
                 view.writing.pop(key, None)
             if written:
+                assert counted.entry is not None
+                counted.entry.used = time.time()  # landed now: a listing that began before keeps it
+                view.objects.setdefault(key, counted.entry)
                 return list(counted.victims)
             for victim, obj in counted.victims.items():
+                view.evicting.discard(victim)
                 view.objects.setdefault(victim, obj)
-            if counted.before is None:
-                view.objects.pop(key, None)
-            else:
-                view.objects[key] = counted.before
+            if view.objects.get(key) is counted.entry:
+                if counted.before is None:
+                    del view.objects[key]
+                else:
+                    view.objects[key] = counted.before
         return []
 
-    def evicted(self, n: int) -> None:
+    def evicted(self, counted: Counted, deleted: int) -> None:
+        """The victims :meth:`done` gave were deleted (``deleted`` of them; one that failed comes back with the
+        next listing, and is chosen again)."""
+        with counted.view.lock:
+            counted.view.evicting.difference_update(counted.victims)
         with self._lock:
-            self.evictions += n
+            self.evictions += deleted
 
     # -- reads and deletes -------------------------------------------------------------------------------------
     def used(self, key: ShardKey) -> None:
         """A read hit ``key``: it moves to its share's recent end (in this engine's view)."""
         found = self._found(key.namespace)
         if found is not None:
-            with found[2].lock:
-                obj = found[2].objects.get(key)
+            view = found[2]
+            with view.lock:
+                view.touched = time.monotonic()
+                obj = view.objects.get(key)
                 if obj is not None:
                     obj.used = max(obj.used, time.time())
 
@@ -278,7 +319,7 @@ class S3Shares:
         share no namespace counts against here."""
         sid = share_id(share)
         with self._lock:
-            view = self._views.get(sid)
+            view = self._views.get(sid) if sid in self._count else None
         if view is None:
             return 0
         self._refresh_if_due(sid, view)
