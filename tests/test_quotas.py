@@ -106,10 +106,26 @@ def test_bad_quotas_are_refused_naming_the_field(tmp_path: Path, placement: list
 
 
 def test_a_quota_on_a_tier_that_cannot_keep_one_is_refused(mooncake_server) -> None:
-    cfg = {"tiers": [{"type": "mooncake", "name": "shared", **mooncake_server.tier_options()}],
+    cfg = {"tiers": [{"type": "mooncake", "name": "shared", **mooncake_server.tier_options(), "admin_url": None}],
            "placement": [{"salt": "t-*", "tiers": ["shared"], "quota": {"shared": "1GiB"}}]}
-    with pytest.raises(ConfigError, match=r"placement\[0\]\.quota\.shared: the MooncakeTier keeps no per-tenant "
-                                          r"quotas.*quotas apply to dram, filesystem, redis and s3 tiers"):
+    with pytest.raises(ConfigError, match=r"placement\[0\]\.quota\.shared: a quota on a Mooncake tier needs "
+                                          r"tiers\[0\]\.admin_url .*to list the share's keys"):
+        KVStore.from_config(cfg)
+
+
+def test_a_quota_on_an_out_of_tree_tier_without_shares_is_refused(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.tiers import TIERS
+    from kvtier.tiers._filesystem import FilesystemTier
+
+    class NoShares(FilesystemTier):
+        shares = False
+
+    monkeypatch.setitem(TIERS._entries, "no-shares-test", NoShares)
+    cfg = {"tiers": [{"type": "no-shares-test", "name": "plain", "path": str(tmp_path / "d")}],
+           "placement": [{"salt": "t-*", "tiers": ["plain"], "quota": {"plain": "1GiB"}}]}
+    with pytest.raises(ConfigError, match=r"placement\[0\]\.quota\.plain: the NoShares keeps no per-tenant quotas "
+                                          r".*quotas apply to dram, filesystem, redis, s3 and mooncake tiers"):
         KVStore.from_config(cfg)
 
 
@@ -170,7 +186,7 @@ def test_a_tenant_past_its_redis_share_evicts_its_own_least_recent_shards_whiche
             assert torch.equal(c.get(ns(tenant), tokens), synthetic_kv(tokens))
 
 
-@pytest.mark.parametrize("tier", ["disk", "redis", "s3"])
+@pytest.mark.parametrize("tier", ["disk", "redis", "s3", "mooncake"])
 def test_a_prompt_larger_than_a_tier_share_keeps_its_leading_chunks(tier: str, tmp_path: Path, request,
                                                                     unique_prefix: str, age) -> None:  # noqa: ANN001
     """Its chunks are put together, first chunk first: past the share, an older prompt's chunks are evicted for
@@ -181,7 +197,7 @@ def test_a_prompt_larger_than_a_tier_share_keeps_its_leading_chunks(tier: str, t
     if tier == "disk":
         cfg = config(tmp_path, {"disk": 4 * SHARD + 100}, ["disk"])
     else:
-        make = redis_config if tier == "redis" else s3_config
+        make = {"redis": redis_config, "s3": s3_config, "mooncake": mooncake_config}[tier]
         cfg = make(request.getfixturevalue(f"{tier}_server"), unique_prefix, 4)
     with KVStore.from_config(cfg) as store:
         put(store, "team-a", older)
@@ -312,7 +328,7 @@ _REDIS_TENANTS = ("team-a", "team-b", "public")
 @given(st.lists(st.tuples(st.integers(0, 1), st.sampled_from(_REDIS_TENANTS), st.integers(0, 4), st.booleans()),
                 min_size=1, max_size=12))
 @pytest.mark.parametrize("recent", [0.0, 10.0])
-@pytest.mark.parametrize("kind", ["redis", "s3"])
+@pytest.mark.parametrize("kind", ["redis", "s3", "mooncake"])
 def test_tier_shares_hold_under_any_sequence_of_two_engines_puts_and_gets(request, kind: str, recent: float,
                                                                          ops: list[tuple[int, str, int, bool]]) \
         -> None:
@@ -321,7 +337,8 @@ def test_tier_shares_hold_under_any_sequence_of_two_engines_puts_and_gets(reques
     in the server than its quota (S3: each put lists the share first), the unlimited tenant keeps every shard,
     and every get is exact or a miss."""
     prefix = f"h{uuid.uuid4().hex[:12]}/"
-    cfg = (redis_config if kind == "redis" else s3_config)(request.getfixturevalue(f"{kind}_server"), prefix, 3)
+    make = {"redis": redis_config, "s3": s3_config, "mooncake": mooncake_config}[kind]
+    cfg = make(request.getfixturevalue(f"{kind}_server"), prefix, 3)
     cfg["placement"].append({"tiers": ["shared"]})
     default, tier_shares.RECENT_SECONDS = tier_shares.RECENT_SECONDS, recent
     try:
@@ -518,3 +535,39 @@ def test_bad_s3_share_refresh_is_refused_naming_the_field(s3_server) -> None:
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.share_refresh_seconds: must be a number of seconds >= 0, "
                                           r"got -1"):
         KVStore.from_config(cfg)
+
+
+# -- Mooncake: each engine counts a share from the master's key list ---------------------------------------------
+def mooncake_config(server, prefix: str, quota_shards: int, **tier: object) -> dict:  # noqa: ANN001
+    return {"chunk_tokens": T, "dram": {"capacity_bytes": "16MiB", "page_bytes": PAGE},
+            "tiers": [{"type": "mooncake", "name": "shared", **server.tier_options(), "key_prefix": prefix,
+                       "queue_depth": 4096, "share_refresh_seconds": 0, **tier}],
+            "placement": [{"salt": "team-*", "tiers": ["shared"], "quota": {"shared": quota_shards * SHARD}}]}
+
+
+def test_a_tenant_past_its_mooncake_share_evicts_its_own_least_recent_objects_whichever_engine_wrote_them(
+        mooncake_server, unique_prefix: str, age) -> None:  # noqa: ANN001
+    """As on S3, with no times from Mooncake: another engine's objects age from when this engine first listed
+    them; one engine evicts the other's objects; another tenant loses nothing."""
+    p = [synthetic_tokens(80 + i, 2 * T) for i in range(3)]
+    other = Namespace(model="m2", dtype="bfloat16", cache_salt="team-a")
+    cfg = mooncake_config(mooncake_server, unique_prefix, 4)
+    with KVStore.from_config(cfg) as a, KVStore.from_config(cfg) as b:
+        put(a, "public", p[0])
+        put(a, "team-a", p[0])
+        age()
+        b.put(other, p[1], synthetic_kv(p[1]))  # the share is full: 4 objects, two engines' writes
+        b.flush()
+        share = a._placement.decide(ns("team-a")).share
+        assert a.tiers[0].share_bytes(share) == b.tiers[0].share_bytes(share) == 4 * SHARD  # a first sees b's
+        age()
+        a.drop_dram()
+        assert torch.equal(a.get(ns("team-a"), p[0]), synthetic_kv(p[0]))  # read back: now recent
+        age()
+        put(a, "team-a", p[2])  # past the share: the least recently used, p[1] (engine b's), goes
+        assert (held(a, "team-a"), held(a, "public"), sum(1 for _ in a.tiers[0].list(other.id))) == (4, 2, 0)
+        assert a.tiers[0].counters()["share_evictions"] == 2
+    with KVStore.from_config(cfg) as c:
+        assert c.get(other, p[1]) is None
+        for tenant, tokens in (("team-a", p[0]), ("team-a", p[2]), ("public", p[0])):
+            assert torch.equal(c.get(ns(tenant), tokens), synthetic_kv(tokens))

@@ -22,8 +22,8 @@ Rules are tried in order; the first that matches decides. KV no rule matches may
 from the client: a request without one (or with another) is placed by the default. Salts are matched as globs
 (``*``, ``?``, ``[...]``; write ``[[]`` for a literal ``[``). A ``quota`` is per tenant: each salt (or namespace)
 a rule matches has a share of that size in each tier named: DRAM, filesystem tiers (each keeps an index of its
-own), Redis tiers (counted in the server, over every engine's writes) and S3 tiers (each engine counts from
-listings of the bucket); requests without a salt are one tenant.
+own), Redis tiers (counted in the server, over every engine's writes), S3 and Mooncake tiers (each engine counts
+from listings of the bucket or of the master's keys); requests without a salt are one tenant.
 """
 
 from __future__ import annotations

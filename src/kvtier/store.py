@@ -1092,8 +1092,8 @@ class KVStore:
         self._dram_evictions.inc()
 
     def _check_quotas(self) -> None:
-        """A quota may name DRAM and the tiers that keep one (:attr:`Tier.shares`)."""
-        by_name = {t.name: t for t in self.tiers}
+        """A quota may name DRAM and the tiers that can keep one (:meth:`Tier.quota_refusal`)."""
+        by_name = {t.name: (i, t) for i, t in enumerate(self.tiers)}
         dram = self.config.dram
         for i, rule in enumerate(self.config.placement):
             for name, quota in rule.quota:
@@ -1101,11 +1101,10 @@ class KVStore:
                     raise ConfigError(f"placement[{i}].quota.dram: must be from dram.page_bytes ({dram.page_bytes}) "
                                       f"to dram.capacity_bytes ({dram.capacity_bytes}), got {quota}; every put goes "
                                       "through DRAM, so a tenant whose share holds no chunk stores nothing anywhere")
-                tier = by_name.get(name)
-                if tier is not None and not tier.shares:
-                    raise ConfigError(f"placement[{i}].quota.{name}: the {type(tier).__name__} keeps no per-tenant "
-                                      f"quotas (an engine can neither count nor list every engine's writes "
-                                      f"there); quotas apply to dram, filesystem, redis and s3 tiers")
+                found = by_name.get(name)
+                refusal = None if found is None else found[1].quota_refusal(f"tiers[{found[0]}]")
+                if refusal is not None:
+                    raise ConfigError(f"placement[{i}].quota.{name}: {refusal}")
 
     def _apply_share(self, ns: Namespace, decision: Decision) -> None:
         """Tell DRAM and each tier with a quota for ``ns``'s tenant which share its KV counts against."""

@@ -34,16 +34,40 @@ def server_env() -> dict[str, str]:
     """The environment vLLM runs in for a measurement: the server's own defaults (multiprocessing on; an
     in-process engine sets it off), and the same compute cores with and without a KV connector.
 
-    On CPU, vLLM binds its worker's OpenMP threads to the cores it does not reserve, and reserves one core per
-    rank (for the scheduler's process), plus one more when a KV connector is configured; on 2 cores the second
-    reservation leaves none, and vLLM then falls back to all of them. So by default vLLM alone computes on 1 core
-    of 2 and vLLM with kvtier on 2: a comparison between them would credit kvtier with a core. Reserving one for
-    both (unless the caller set ``VLLM_CPU_NUM_OF_RESERVED_CPU``), vLLM's own default without a connector, makes
-    them compute on the same core, the other left to Python (the scheduler, kvtier's threads). Reserving none
-    was tried: OpenMP threads on every core then wait on the Python threads they share them with, and vLLM's own
-    exact-repeat hit took 0.61 s instead of 0.44 s."""
+    On CPU, vLLM's API server binds its worker's OpenMP threads to the cores it does not reserve, and reserves one
+    core per rank (for the scheduler's process), plus one more when a KV connector is configured; on 2 cores the
+    second reservation leaves none, and vLLM then falls back to all of them. So by default vLLM alone computes on
+    1 core of 2 and vLLM with kvtier on 2: a comparison between them would credit kvtier with a core. Reserving
+    one for both (unless the caller set ``VLLM_CPU_NUM_OF_RESERVED_CPU``), vLLM's own default without a
+    connector, makes them compute on the same core, the other left to Python (the scheduler, kvtier's threads).
+    Reserving none was tried: OpenMP threads on every core then wait on the Python threads they share them with,
+    and vLLM's own exact-repeat hit took 0.61 s instead of 0.44 s. An in-process engine applies no reservation:
+    :func:`inprocess_env` gives it the same compute cores."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    return env
+
+
+def compute_threads(env: dict[str, str]) -> int:
+    """The OpenMP threads vLLM's API server gives its worker here: this process's cores less the reserved ones
+    (all of them when none would be left, as vLLM falls back)."""
+    cores = len(os.sched_getaffinity(0))
+    left = cores - int(env.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 0)
+    return left if left >= 1 else cores
+
+
+def inprocess_env() -> dict[str, str]:
+    """:func:`server_env` for an engine in this process's child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). vLLM's
+    reservation of cores applies only to the workers its API server starts (measured: an in-process engine
+    computed on both cores of 2, recompute 2.8 s instead of 4.3 s on one), so the in-process engine is given the
+    worker's thread count itself (``OMP_NUM_THREADS``, unless the caller set it): every phase computes with the
+    same number of threads, the rest of the cores left to Python and kvtier's threads. Unlike the API server's
+    worker, the threads are not pinned to cores (the OS places them), and the count is of this process's CPUs
+    (vLLM's own binding takes one per physical core of the rank's NUMA node: on hosts with SMT or several nodes
+    the two differ)."""
+    env = server_env()
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.setdefault("OMP_NUM_THREADS", str(compute_threads(env)))
     return env
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.model import prepare_model
-from kvtier.bench.server import server_env
+from kvtier.bench.server import inprocess_env, server_env
 from kvtier.bench.workload import documents, requests
 
 BLOCK = 128
@@ -136,7 +136,7 @@ def _run_phases(job: dict, work: Path, profile: dict, json_path: Path | None, ph
         with open(work / f"{phase}.log", "w") as engine_log:  # vLLM logs to stdout: keep it out of the table
             proc = subprocess.run([sys.executable, "-m", "kvtier.bench.phase", str(job_path), phase,
                                    str(out)], stdout=engine_log,
-                                  env={**server_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                  env={**inprocess_env(),
                                        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                                        # prefixes beyond the model's 8,192 positions (--prefix-tokens 16384)
                                        "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
@@ -207,6 +207,7 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"machine": machine(), "profile": profile, "secondary": secondary,
                                          "vllm_cpu_reserved": server_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"],
+                                         "inprocess_omp_threads": inprocess_env()["OMP_NUM_THREADS"],
                                          "ttft": rows, "vs_engine_hit": ratios, "noreuse_tokens_per_s": noreuse,
                                          "encryption": encryption,
                                          "raw": results}, indent=2))

@@ -11,6 +11,9 @@ process mounts none and uses the segments of dedicated clients (``mooncake_clien
 engine restarts. ``kvtier cache ls`` needs the master's admin address
 (``admin_url``) to list keys; it lists only names that are exactly ``<key_prefix><32 hex>/<32 hex>/<heads>``.
 
+Per-tenant quotas are kept from the master's key list (:mod:`kvtier.tiers._listed_shares`, which needs
+``admin_url``), with one small object per namespace a share counts under ``<key_prefix>shares/``.
+
 A damaged marker (not a short list of head counts) is an :class:`ObjectError` for lookups in its namespace, not
 an outage of the tier; the next put in that namespace rewrites it.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import http.client
 import logging
 import math
 import re
@@ -30,8 +34,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from kvtier.config import check_ttl, check_url_port
-from kvtier.errors import ConfigError, ObjectError, TierError
+from kvtier.errors import ConfigError, ObjectError, QuotaFull, TierError
 from kvtier.keys import HeadRange, ShardKey
+from kvtier.tiers import _shares as tenant_shares
+from kvtier.tiers._listed_shares import ListedShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 _MARKER = "heads"
@@ -42,6 +48,7 @@ _MARKER_REFRESH = 30.0  # seconds between rewrites of a namespace's marker by on
 _MAX_HEADS = 1024
 _MAX_COUNTS = 16
 _MARKER_RE = re.compile(rb"[0-9]{1,4}(,[0-9]{1,4}){0,%d}" % (_MAX_COUNTS - 1))
+_KEYS_FRESH = 1.0  # seconds one key list from the master serves (a share's listing reads it once per namespace)
 log = logging.getLogger(__name__)
 
 
@@ -60,9 +67,15 @@ class MooncakeOptions:
     # Served no longer than this after it was written (the store checks each object's age as it reads it);
     # removed by `kvtier cache retain`. None: kept until evicted or purged.
     ttl_seconds: float | None = None
+    # With per-tenant quotas: how old this engine's view of a share may get before a put lists it again (other
+    # engines' writes are seen at the next listing; 0: every put lists first). See kvtier.tiers._listed_shares.
+    share_refresh_seconds: float = 10.0
 
     def check(self, field: str) -> None:
         check_ttl(self.ttl_seconds, field)
+        if not (self.share_refresh_seconds >= 0 and math.isfinite(self.share_refresh_seconds)):
+            raise ConfigError(f"{field}.share_refresh_seconds: must be a number of seconds >= 0, got "
+                              f"{self.share_refresh_seconds}")
         host, _, port = self.master.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ConfigError(f"{field}.master: expected host:port of the Mooncake master (port 1-65535), got "
@@ -97,6 +110,7 @@ class MooncakeTier(Tier):
     persistent = True  # in the segments of other clients, not of this process
     batch_reads = True  # a get's shards read by batch gets, a few shards each
     listed_times = False  # Mooncake reports no times: every listed object counts as new
+    shares = True  # from the master's key list, per engine (_listed_shares); needs admin_url
 
     def __init__(self, name: str, options: MooncakeOptions) -> None:
         super().__init__(name, options)
@@ -111,6 +125,12 @@ class MooncakeTier(Tier):
         self._totals: dict[str, set[int]] = {}  # namespace -> KV-head totals, from markers read or written
         self._marked: dict[str, float] = {}  # namespace -> when this process last wrote its marker
         self._marker_lock = threading.Lock()
+        # the master's last key list: (time.monotonic() when it came, its names, its shard names by namespace)
+        self._keys: tuple[float, list[str], dict[str, list[re.Match[str]]]] | None = None
+        self._keys_lock = threading.Lock()
+        self._shares = ListedShares(self._share_members, lambda ns: self._listed(ns, fresh=False),
+                                    self._record_member, options.share_refresh_seconds, times=False,
+                                    record_every=_MARKER_REFRESH)
         # Joining a master that does not answer blocks for about 90 s inside Mooncake: join on a thread of our
         # own, wait for it briefly here, and let calls fail fast (TierError) until it has joined.
         self._joiner = threading.Thread(target=self._join, name=f"kvtier-{name}-join", daemon=True)
@@ -187,6 +207,32 @@ class MooncakeTier(Tier):
         if size > self.options.local_buffer_bytes:
             raise TierError(f"{self.name}: {key.name} is {size} bytes, above local_buffer_bytes "
                             f"({self.options.local_buffer_bytes}); raise it")
+        counted = self._shares.account(key, size)  # before: a concurrent put sees it
+        if counted is None:
+            self._put(store, key, parts)
+            return
+        if counted.refused:
+            raise QuotaFull(f"{self.name}: not writing {key.name}: its tenant's share is full of objects used in "
+                            f"the last {tenant_shares.RECENT_SECONDS:g} s")
+        written = False
+        try:
+            self._put(store, key, parts)
+            written = True
+        finally:
+            victims = self._shares.done(key, counted, written)  # none when the write failed: nothing to make room for
+        deleted = []
+        try:
+            for victim in victims:
+                # force: as delete does; a victim gone meanwhile (Mooncake's own eviction) is gone all the same
+                rc = store.remove(self._object(victim), force=True)
+                if rc >= 0 or rc == _NOT_FOUND:
+                    deleted.append(victim)
+                else:  # counted again, and chosen again
+                    log.debug("tier %s: evicting %s from its share failed with error %d", self.name, victim.name, rc)
+        finally:
+            self._shares.evicted(counted, deleted)
+
+    def _put(self, store: Any, key: ShardKey, parts: Sequence[Buffer]) -> None:
         # upsert: a rewrite of a shard replaces it (a plain put leaves the old object in place).
         rc = store.upsert_parts(self._object(key), *parts)
         if rc < 0:  # the master may be restarting and lose every object, markers too: rewrite them next time
@@ -220,7 +266,10 @@ class MooncakeTier(Tier):
         if not present:
             return None
         blob = store.get(name)
-        return blob or None  # evicted between the two calls: a miss
+        if not blob:
+            return None  # evicted between the two calls: a miss
+        self._shares.used(key)
+        return blob
 
     def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
         """Over TCP, one call that lays the object out over a small header buffer and ``payload`` (e.g. DRAM
@@ -257,6 +306,7 @@ class MooncakeTier(Tier):
             want = sum(size)
             if rc == want:
                 out.append(bytes(header))
+                self._shares.used(key)
             elif rc == _NOT_FOUND:
                 out.append(None)
             elif down is not None:
@@ -292,8 +342,38 @@ class MooncakeTier(Tier):
             return False
         # force: skip the master's read lease. A delete removes a corrupt or purged object; a reader racing
         # with it gets a miss or bytes that fail their checksum, never wrong KV.
+        self._shares.removed(key)
         self._check(store.remove(name, force=True), f"delete {key.name}")
         return True
+
+    # -- tenant shares -----------------------------------------------------------------------------------------
+    def quota_refusal(self, field: str) -> str | None:
+        if self.options.admin_url is None:
+            return (f"a quota on a Mooncake tier needs {field}.admin_url (the master's admin address, e.g. "
+                    "http://master-host:9003), to list the share's keys")
+        return None
+
+    def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
+        """Count ``namespace``'s objects against the tenant share ``share`` of ``quota_bytes`` (None: none), in
+        this engine's view of the store's keys (:mod:`kvtier.tiers._listed_shares`): a put that takes the share
+        past its quota deletes the share's least recently used objects, whichever engine wrote them."""
+        self._shares.set(namespace, share, quota_bytes)
+
+    def share_bytes(self, share: str) -> int:
+        return self._shares.bytes(share)
+
+    def _share_members(self, sid: str) -> tuple[list[str], float | None]:
+        prefix = f"{self.options.key_prefix}shares/{sid}/"
+        return [name[len(prefix):] for name in self._all_keys(fresh=True)[0] if name.startswith(prefix)], None
+
+    def _record_member(self, sid: str, namespace: str) -> None:
+        rc = self._store().upsert(f"{self.options.key_prefix}shares/{sid}/{namespace}", b"1")
+        self._check(rc, f"recording namespace {namespace} in its share")
+
+    def counters(self) -> dict[str, float]:
+        return {"share_evictions": float(self._shares.evictions),
+                "share_refused_writes": float(self._shares.refused),
+                "share_view_failures": float(self._shares.view_failures)}
 
     def heads(self, namespace: str, chunks: Sequence[str]) -> list[list[HeadRange]]:
         if not chunks:
@@ -314,34 +394,55 @@ class MooncakeTier(Tier):
                 for i in range(len(chunks))]
 
     def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
-        if self.options.admin_url is None:
-            raise TierError(f"{self.name}: listing Mooncake keys needs the master's admin address "
-                            f"(tiers[].admin_url, e.g. http://master-host:9003)")
+        return self._listed(namespace, fresh=True)
+
+    def _listed(self, namespace: str | None, fresh: bool) -> Iterator[StoredObject]:
+        """:meth:`list`, from a key list up to :data:`_KEYS_FRESH` old unless ``fresh`` (a share's listing)."""
         if namespace is not None and not re.fullmatch(r"[0-9a-f]{32}", namespace):
             return  # no namespace id looks like that
-        url = self.options.admin_url.rstrip("/")
-        try:
-            with urllib.request.urlopen(f"{url}/get_all_keys", timeout=10) as resp:
-                names = resp.read().decode(errors="replace").split()  # a non-UTF-8 name matches nothing
-        except (OSError, urllib.error.URLError) as exc:
-            raise TierError(f"{self.name}: listing keys at {url} failed: {exc}") from exc
-        # Exactly <prefix><32 hex>/<32 hex>/<heads>: markers, other deployments' longer prefixes and anything else
-        # in the store are never listed (so never purged).
-        own = re.compile(re.escape(self.options.key_prefix) + r"([0-9a-f]{32})/([0-9a-f]{32})/([0-9]+-[0-9]+of[0-9]+)")
+        _, by_ns = self._all_keys(fresh)
+        matches = by_ns.get(namespace, []) if namespace is not None else \
+            [m for found in by_ns.values() for m in found]
         now = time.time()
-        for name in names:
-            match = own.fullmatch(name)
-            if match is None or (namespace is not None and match[1] != namespace):
-                continue
+        for match in matches:
             try:
                 key = ShardKey(match[1], match[2], HeadRange.parse(match[3]))
             except ValueError:
                 continue
-            size = self._store().get_size(name)
-            if size >= 0:
-                # Mooncake reports no times: objects count as new, so age-based purges leave them to
-                # Mooncake's own eviction.
-                yield StoredObject(key, size, now, now)
+            size = self._store().get_size(match[0])
+            if size == _NOT_FOUND:
+                continue  # removed since the key list
+            self._check(size, f"size of {key.name}")  # a failure fails the listing, never shrinks it
+            # Mooncake reports no times: objects count as new, so age-based purges leave them to Mooncake's own
+            # eviction.
+            yield StoredObject(key, size, now, now)
+
+    def _all_keys(self, fresh: bool) -> tuple[list[str], dict[str, list[re.Match[str]]]]:
+        """Every key in the store, from the master's admin address, and kvtier's shard names in it by namespace
+        (exactly ``<prefix><32 hex>/<32 hex>/<heads>``: markers, other deployments' longer prefixes and anything
+        else in the store are never listed, so never purged). Unless ``fresh``, a list that came up to
+        :data:`_KEYS_FRESH` ago serves (a share's listing asks once for its members, then once per namespace)."""
+        if self.options.admin_url is None:
+            raise TierError(f"{self.name}: listing Mooncake keys needs the master's admin address "
+                            f"(tiers[].admin_url, e.g. http://master-host:9003)")
+        with self._keys_lock:
+            if not fresh and self._keys is not None and time.monotonic() - self._keys[0] < _KEYS_FRESH:
+                return self._keys[1], self._keys[2]
+            url = self.options.admin_url.rstrip("/")
+            try:
+                with urllib.request.urlopen(f"{url}/get_all_keys", timeout=10) as resp:
+                    names = resp.read().decode(errors="replace").split()  # a non-UTF-8 name matches nothing
+            except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
+                raise TierError(f"{self.name}: listing keys at {url} failed: {exc!r}") from exc
+            own = re.compile(re.escape(self.options.key_prefix) +
+                             r"([0-9a-f]{32})/([0-9a-f]{32})/([0-9]+-[0-9]+of[0-9]+)")
+            by_ns: dict[str, list[re.Match[str]]] = {}
+            for name in names:
+                match = own.fullmatch(name)
+                if match is not None:
+                    by_ns.setdefault(match[1], []).append(match)
+            self._keys = (time.monotonic(), names, by_ns)
+            return names, by_ns
 
     def close(self) -> None:
         self._closed.set()

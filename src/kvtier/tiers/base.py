@@ -54,8 +54,7 @@ class Tier(ABC):
     # age-based removals (`kvtier cache purge --older-than`, `retain`) can select by it.
     listed_times: ClassVar[bool] = True
     # Keeps per-tenant quotas (set_share): a tier with an index of its own (a local disk), a server that counts
-    # every engine's writes itself (Redis), or a store each engine lists (S3). Mooncake reports no times and lists
-    # only its whole store.
+    # every engine's writes itself (Redis), or a store each engine lists (S3, Mooncake with its admin address).
     shares: ClassVar[bool] = False
 
     def __init__(self, name: str, options: Any) -> None:
@@ -120,6 +119,14 @@ class Tier(ABC):
     @abstractmethod
     def list(self, namespace: str | None = None) -> Iterator[StoredObject]:
         """Every stored object, optionally only one namespace's."""
+
+    def quota_refusal(self, field: str) -> str | None:
+        """Why this tier (configured at ``field``, e.g. ``tiers[1]``) cannot keep a per-tenant quota (None: it
+        can)."""
+        if self.shares:
+            return None
+        return (f"the {type(self).__name__} keeps no per-tenant quotas (an engine can neither count nor list every "
+                "engine's writes there); quotas apply to dram, filesystem, redis, s3 and mooncake tiers")
 
     def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
         """Count ``namespace``'s objects against the tenant share ``share`` of ``quota_bytes`` (None: no share),

@@ -1,4 +1,4 @@
-"""The S3 tier's share views (kvtier.tiers._s3_shares) against a bucket kept in a dict: the faults and timings a
+"""The S3 tier's share views (kvtier.tiers._listed_shares) against a bucket kept in a dict: the faults and timings a
 real server does not produce on demand (a write still under way, or landing, while another put lists the share;
 a listing that fails; a share object a lifecycle rule removed; a server clock behind this engine's; a write that
 fails after its victims were chosen; two puts of one key; a victim listed again before its delete). The puts
@@ -12,9 +12,9 @@ import pytest
 
 from kvtier.errors import TierError
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers import _s3_shares
+from kvtier.tiers import _listed_shares
 from kvtier.tiers._redis_shares import share_id
-from kvtier.tiers._s3_shares import S3Shares
+from kvtier.tiers._listed_shares import ListedShares
 from kvtier.tiers.base import StoredObject
 
 NS = "a" * 32
@@ -42,7 +42,7 @@ class Bucket:
     def write(self, k: ShardKey, size: int) -> None:
         self.objects[k] = (size, self.now())
 
-    def shares(self, refresh: float = 0.0) -> S3Shares:
+    def shares(self, refresh: float = 0.0, times: bool = True) -> ListedShares:
         def members(sid: str) -> tuple[list[str], float | None]:
             if self.listing_fails:
                 raise TierError("listing failed: the server timed out")
@@ -61,10 +61,10 @@ class Bucket:
             self.records += 1
             self.members.setdefault(sid, set()).add(ns)
 
-        return S3Shares(members, objects, record, refresh)
+        return ListedShares(members, objects, record, refresh, times=times)
 
 
-def put(shares: S3Shares, bucket: Bucket, k: ShardKey, size: int, land: bool = True) -> list[ShardKey] | None:
+def put(shares: ListedShares, bucket: Bucket, k: ShardKey, size: int, land: bool = True) -> list[ShardKey] | None:
     """A put as the tier does it: None when refused, else the victims it deleted."""
     counted = shares.account(k, size)
     assert counted is not None
@@ -75,18 +75,18 @@ def put(shares: S3Shares, bucket: Bucket, k: ShardKey, size: int, land: bool = T
     return finish(shares, bucket, k, counted, land)
 
 
-def finish(shares: S3Shares, bucket: Bucket, k: ShardKey, counted, written: bool) -> list[ShardKey]:  # noqa: ANN001
-    """The end of a put :meth:`S3Shares.account` counted: its victims deleted."""
+def finish(shares: ListedShares, bucket: Bucket, k: ShardKey, counted, written: bool) -> list[ShardKey]:  # noqa: ANN001
+    """The end of a put :meth:`ListedShares.account` counted: its victims deleted."""
     victims = shares.done(k, counted, written)
     for v in victims:
         bucket.objects.pop(v, None)
-    shares.evicted(counted, len(victims))
+    shares.evicted(counted, victims)
     return victims
 
 
 @pytest.fixture
 def recent(monkeypatch: pytest.MonkeyPatch) -> float:
-    monkeypatch.setattr(_s3_shares.tenant_shares, "RECENT_SECONDS", 10.0)
+    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 10.0)
     return 10.0
 
 
@@ -184,7 +184,7 @@ def test_puts_waiting_on_a_listing_share_the_next_one(recent: float) -> None:
 
 def test_a_victim_listed_again_before_its_delete_is_not_counted_or_chosen_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_s3_shares.tenant_shares, "RECENT_SECONDS", 0.0)
+    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.0)
     bucket = Bucket()
     bucket.members[share_id(SHARE)] = {NS}
     bucket.objects[key(1)] = (60, bucket.now() - 100)  # written long ago (by any engine)
@@ -238,7 +238,7 @@ def test_a_server_clock_behind_ours_does_not_make_fresh_objects_look_old(recent:
 
 def test_victims_are_deleted_only_after_the_write_succeeds(recent: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write that fails deletes nothing, and the view counts its victims again (and not the failed object)."""
-    monkeypatch.setattr(_s3_shares.tenant_shares, "RECENT_SECONDS", 0.0)
+    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.0)
     bucket = Bucket()
     shares = bucket.shares(refresh=3600.0)  # listed once: the view alone decides
     shares.set(NS, SHARE, 100)
@@ -250,7 +250,7 @@ def test_victims_are_deleted_only_after_the_write_succeeds(recent: float, monkey
 
 
 def test_a_shares_view_goes_when_no_namespace_counts_against_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_s3_shares, "_KEPT", 2)
+    monkeypatch.setattr(_listed_shares, "_KEPT", 2)
     shares = Bucket().shares()
     for i in range(3):
         shares.set(f"{i:032x}", f"rule0/t{i}", 100)
@@ -266,10 +266,62 @@ def test_a_view_no_put_or_read_used_for_ten_minutes_is_dropped(monkeypatch: pyte
     shares.set(NS, SHARE, 100)
     put(shares, bucket, key(1), 10)
     assert len(shares._views) == 1
-    later = time.monotonic() + _s3_shares._IDLE_SECONDS + 61
-    monkeypatch.setattr(_s3_shares.time, "monotonic", lambda: later)
+    later = time.monotonic() + _listed_shares._IDLE_SECONDS + 61
+    monkeypatch.setattr(_listed_shares.time, "monotonic", lambda: later)
     other = "c" * 32
     shares.set(other, "rule0/other", 100)
     put(shares, bucket, key(1, other), 10)  # sweeps: the first view goes
     assert list(shares._views) == [share_id("rule0/other")]
     assert put(shares, bucket, key(2), 10) == [] and shares.bytes(SHARE) == 20  # listed anew when needed
+
+
+def test_without_listed_times_another_engines_objects_age_from_their_first_listing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake lists no times: an object another engine wrote long ago counts as used when this engine first
+    listed it, so it is not evicted for RECENT_SECONDS after that (a new object is refused), then it is, oldest
+    first listed first."""
+    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.2)
+    bucket = Bucket(clock_offset=-3600.0)  # times the tier would not report anyway
+    other = "b" * 32
+    bucket.members[share_id(SHARE)] = {other}
+    bucket.write(key(1, other), 60)
+    shares = bucket.shares(times=False)
+    shares.set(NS, SHARE, 100)
+    assert put(shares, bucket, key(2), 60) is None  # key(1) first listed just now: recent
+    time.sleep(0.3)
+    assert put(shares, bucket, key(3), 60) == [key(1, other)]
+
+
+def test_a_victim_whose_delete_failed_stays_counted_and_is_chosen_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.0)
+    bucket = Bucket()
+    shares = bucket.shares(refresh=3600.0)  # the view alone decides
+    shares.set(NS, SHARE, 100)
+    put(shares, bucket, key(1), 60)
+    counted = shares.account(key(2), 60)
+    bucket.write(key(2), 60)
+    assert shares.done(key(2), counted, True) == [key(1)]
+    shares.evicted(counted, [])  # its delete failed: key(1) is still in the bucket
+    assert shares.bytes(SHARE) == 120 and shares.evictions == 0
+    assert put(shares, bucket, key(3), 10) == [key(1)]
+
+
+def test_a_share_object_is_written_again_every_record_every_seconds() -> None:
+    """Mooncake evicts objects by itself: a namespace's share object is written again every so often, even while
+    every listing still finds it."""
+    bucket = Bucket()
+    shares = ListedShares(lambda sid: (sorted(bucket.members.get(sid, ())), None), lambda ns: [],
+                          lambda sid, ns: (bucket.members.setdefault(sid, set()).add(ns), _count()), 3600.0,
+                          times=False, record_every=0.05)
+    written = []
+
+    def _count() -> None:
+        written.append(1)
+
+    shares.set(NS, SHARE, 1000)
+    put(shares, bucket, key(1), 1)
+    put(shares, bucket, key(2), 1)
+    assert len(written) == 1
+    time.sleep(0.06)
+    put(shares, bucket, key(3), 1)
+    assert len(written) == 2

@@ -1,16 +1,17 @@
-"""Per-tenant shares (quotas) of an S3 tier, kept from listings of the bucket. S3 counts nothing for us, so each
-engine keeps a view of every share it writes to: the share's objects with their sizes and last use, listed from
-the bucket and kept up to date between listings by the engine's own writes, reads and deletes.
+"""Per-tenant shares (quotas) of a tier that counts nothing itself but can be listed: S3 (a bucket) and Mooncake
+Store (its master's key list). Each engine keeps a view of every share it writes to: the share's objects with
+their sizes and last use, listed from the tier and kept up to date between listings by the engine's own writes,
+reads and deletes.
 
-    <prefix>shares/<id>/<namespace>   an empty object: <namespace> counts against the share <id>
+    <prefix>shares/<id>/<namespace>   a small object: <namespace> counts against the share <id>
 
 ``<id>`` is a digest of the store's share name (as in Redis, :func:`kvtier.tiers._redis_shares.share_id`), which
-holds the tenant's salt: a salt is never written to the bucket (the share does group a tenant's namespaces). An
-engine writes the object for each namespace it counts (again when a listing misses it: a lifecycle rule may
-have expired it), so every engine's view finds every engine's namespaces.
+holds the tenant's salt: a salt is never written to the tier (the share does group a tenant's namespaces). An
+engine writes the object for each namespace it counts (again when a listing misses it: a lifecycle rule or the
+store's own eviction may have removed it), so every engine's view finds every engine's namespaces.
 
-A view is listed again (the share's members, then each member namespace's objects, in parallel: sizes and write
-times) when it is older than the tier's ``share_refresh_seconds``; a listing that fails leaves the view as it was
+A view is listed again (the share's members, then each member namespace's objects: sizes, and on S3 write times,
+its namespaces listed in parallel) when it is older than the tier's ``share_refresh_seconds``; a listing that fails leaves the view as it was
 (counted as ``share_view_failures``) until the next one is due, as does a share object that cannot be written.
 A put is counted in the view before it is written; a listing keeps it while it is under way and once it has
 landed, whatever the listing found, and never counts again an object chosen for deletion whose delete has not
@@ -20,21 +21,27 @@ is over its quota, the writing engine deletes its least recently used objects (n
 being written) once its own write has succeeded, whichever engine wrote them. A view no put or read used for
 10 minutes is dropped, and listed anew when it is needed again.
 
-Times: S3 lists write times to the second, by the server's clock. A listed time is moved onto this engine's clock
-by the offset between the two (the listing's ``Date``, itself to the second, against this engine's clock when
-the answer came), and counts as the end of its second: an object never looks older than it is, and at most
-2 s (plus the listing's round trip) younger, this engine's own writes included (the listing cannot tell them
-from another engine's write of the same object just after).
+Times. S3 lists write times to the second, by the server's clock (``times=True``): a listed time is moved onto
+this engine's clock by the offset between the two (the listing's ``Date``, itself to the second, against this
+engine's clock when the answer came), and counts as the end of its second: an object never looks older than it
+is, and at most 2 s (plus the listing's round trip) younger, this engine's own writes included (the listing
+cannot tell them from another engine's write of the same object just after). Mooncake lists no times
+(``times=False``): an object this engine neither wrote nor read since its view was made counts as used when the
+view first listed it, so after a view's first listing its whole share counts as recent for ``RECENT_SECONDS``,
+and another engine's objects age from when this engine first saw them.
 
-Limits, from S3 keeping no count and no read times:
-- An object's last use is its write time or this engine's last write or read of it, whichever is later: another
-  engine's reads do not count, so it may evict an object only that engine reads.
+Limits, from the tier keeping no count and no read times:
+- An object's last use is this engine's last write or read of it, or its write time as listed (first listing,
+  for Mooncake), whichever is later: another engine's reads do not count, so it may evict an object only that
+  engine reads.
 - Between listings an engine does not see the others' writes or deletes, so a share can hold more than its
   quota by what other engines wrote in the last ``share_refresh_seconds``; two engines may evict the same object
-  (both count it in ``share_evictions``: S3 deletes answer the same whether the object was there). With
-  ``share_refresh_seconds: 0`` every put lists the share first.
-- A listing costs a LIST call per namespace of the share and per 1,000 of its objects, each
-  ``share_refresh_seconds`` per engine writing to it; while it runs, that share's writes wait.
+  (both count it in ``share_evictions``). With ``share_refresh_seconds: 0`` every put lists the share first.
+- A listing costs, on S3, a LIST call per namespace of the share and per 1,000 of its objects; on Mooncake one
+  key list of the whole store from the master and a size query per object of the share; each
+  ``share_refresh_seconds`` per engine writing to the share, which waits for it meanwhile.
+- Without times, an object this engine knew that the store evicted by itself and another engine wrote again
+  between two of its listings keeps its old time: it may be evicted first though it was just written.
 - The ``shares/`` objects stay after the tenant's objects are purged or forgotten.
 """
 
@@ -47,7 +54,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 from kvtier.errors import TierError
 from kvtier.keys import ShardKey
@@ -83,7 +90,7 @@ class _View:
 
 @dataclasses.dataclass(frozen=True)
 class Counted:
-    """What :meth:`S3Shares.account` decided for a write: refused, or go ahead (``entry`` counted for it, in place
+    """What :meth:`ListedShares.account` decided for a write: refused, or go ahead (``entry`` counted for it, in place
     of ``before``), then delete ``victims``."""
 
     view: _View
@@ -97,25 +104,30 @@ class Counted:
 Members = Callable[[str], tuple[list[str], float | None]]
 
 
-class S3Shares:
-    """The share accounting of one S3 tier. ``members(id)`` lists the namespaces recorded for a share,
+class ListedShares:
+    """The share accounting of one tier. ``members(id)`` lists the namespaces recorded for a share,
     ``objects(namespace)`` a namespace's objects, ``record(id, namespace)`` writes a namespace's share object,
-    each raising :class:`~kvtier.errors.TierError`; ``map_`` runs a listing over several namespaces at once."""
+    each raising :class:`~kvtier.errors.TierError`; ``map_`` runs a listing over several namespaces at once;
+``times``: whether listed objects carry their write times; ``record_every``: seconds after which this process
+writes a namespace's share object again (a store that evicts objects by itself evicts it too)."""
 
     def __init__(self, members: Members, objects: Callable[[str], Iterable[StoredObject]],
-                 record: Callable[[str, str], None], refresh_seconds: float,
+                 record: Callable[[str, str], None], refresh_seconds: float, times: bool = True,
+                 record_every: float = math.inf,
                  map_: Callable[[Callable[[str], list[StoredObject]], list[str]], Iterator[list[StoredObject]]] = map,
                  ) -> None:
         self._members = members
         self._objects = objects
         self._record = record
         self._refresh = refresh_seconds
+        self._times = times
+        self._record_every = record_every
         self._map = map_
         self._lock = threading.Lock()  # the maps below and the counters
         self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()  # namespace -> (share id, quota)
         self._count: dict[str, int] = {}  # share id -> its namespaces in _share_of; its view goes with the last
         self._views: dict[str, _View] = {}
-        self._recorded: set[str] = set()  # namespaces whose share object this process has written
+        self._recorded: dict[str, float] = {}  # namespace -> when this process last wrote its share object
         self._swept = time.monotonic()
         self._warned = False
         self.evictions = 0  # deletions of objects this engine chose (another engine may delete one too)
@@ -182,6 +194,17 @@ class S3Shares:
                 self._failed("listing a share", exc)
             view.listed_from, view.listed = began, time.monotonic()
 
+    def _record_member(self, sid: str, namespace: str) -> None:
+        try:
+            self._record(sid, namespace)
+        except TierError as exc:  # tried again at the next put; the write goes on
+            self._failed("recording a namespace in its share", exc)
+            return
+        with self._lock:
+            if len(self._recorded) >= _KEPT:
+                self._recorded.clear()  # written again as they come: the same small object
+            self._recorded[namespace] = time.monotonic()
+
     def _failed(self, what: str, exc: TierError) -> None:
         with self._lock:
             self.view_failures += 1
@@ -198,21 +221,18 @@ class S3Shares:
             mine = [ns for ns, (s, _) in self._share_of.items() if s == sid]
         for ns in mine:
             if ns not in listed_ns and ns in self._recorded:
-                try:
-                    self._record(sid, ns)  # its share object is gone (a lifecycle rule, a purge by hand): again
-                except TierError as exc:
-                    self._failed("recording a namespace in its share", exc)
+                self._record_member(sid, ns)  # its share object is gone (a lifecycle rule, an eviction): again
         listed: dict[ShardKey, _Object] = {}
         for objects in self._map(lambda ns: list(self._objects(ns)), sorted(listed_ns.union(mine))):
-            for obj in objects:
-                listed[obj.key] = _Object(obj.size, obj.created - offset + _LISTED_SLACK)
+            for obj in objects:  # (without times: first listed now, unless the view knew it)
+                listed[obj.key] = _Object(obj.size, obj.created - offset + _LISTED_SLACK if self._times else started)
         with view.lock:
             for key in view.evicting:
                 listed.pop(key, None)  # chosen for deletion already: not counted, not chosen twice
             for key, found in listed.items():
                 known = view.objects.get(key)
-                if known is not None:
-                    found.used = max(found.used, known.used)  # this engine's reads count
+                if known is not None:  # this engine's writes and reads count; without times, they are all it has
+                    found.used = max(found.used, known.used) if self._times else known.used
             for key, known in view.objects.items():
                 if key not in listed and (key in view.writing or known.used >= started):
                     listed[key] = known  # under way, or landed (or read) while the listing ran
@@ -227,16 +247,9 @@ class S3Shares:
         if found is None:
             return None
         sid, quota, view = found
-        if key.namespace not in self._recorded:
-            try:
-                self._record(sid, key.namespace)
-            except TierError as exc:  # tried again at the next put; the write goes on
-                self._failed("recording a namespace in its share", exc)
-            else:
-                with self._lock:
-                    if len(self._recorded) >= _KEPT:
-                        self._recorded.clear()  # written again as they come: the same empty object
-                    self._recorded.add(key.namespace)
+        if time.monotonic() - self._recorded.get(key.namespace, -math.inf) >= self._record_every or \
+                key.namespace not in self._recorded:
+            self._record_member(sid, key.namespace)
         self._refresh_if_due(sid, view)
         now = time.time()
         since = now - tenant_shares.RECENT_SECONDS
@@ -288,13 +301,17 @@ class S3Shares:
                     view.objects[key] = counted.before
         return []
 
-    def evicted(self, counted: Counted, deleted: int) -> None:
-        """The victims :meth:`done` gave were deleted (``deleted`` of them; one that failed comes back with the
-        next listing, and is chosen again)."""
-        with counted.view.lock:
-            counted.view.evicting.difference_update(counted.victims)
+    def evicted(self, counted: Counted, deleted: Collection[ShardKey]) -> None:
+        """The victims :meth:`done` gave were deleted, those in ``deleted`` (the others failed: counted again as
+        they were, to be chosen again)."""
+        view = counted.view
+        with view.lock:
+            view.evicting.difference_update(counted.victims)
+            for victim, obj in counted.victims.items():
+                if victim not in deleted:
+                    view.objects.setdefault(victim, obj)
         with self._lock:
-            self.evictions += deleted
+            self.evictions += len(deleted)
 
     # -- reads and deletes -------------------------------------------------------------------------------------
     def used(self, key: ShardKey) -> None:
