@@ -112,6 +112,15 @@ def main() -> int:
             result[f"kvtier, {where} hit, exact repeat"] = run_docs(llm, job, f"kvtier {where}, exact", before=drop)
         store.flush()
         result["stats"] = store.stats()
+    elif phase == "reread":  # a new process re-reading a disk an earlier phase wrote: disk hits only
+        from kvtier.integrations.vllm import shared_store
+
+        llm = engine(job, True, job["small_blocks"])
+        store = shared_store(job["store"])
+        assert store is not None
+        sealed = ", encrypted" if "encryption" in job["store"] else ""
+        run_requests(llm, job, [0], f"reread{sealed}, warm-up", before=store.drop_dram)
+        result[f"disk hit{sealed}"] = run_requests(llm, job, later, f"reread{sealed}", before=store.drop_dram)
     elif phase == "restart":  # a new process: everything it hits was stored by the previous one
         from kvtier.integrations.vllm import shared_store
 
