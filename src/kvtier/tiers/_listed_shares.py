@@ -56,7 +56,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator
 
-from kvtier.errors import TierError
+from kvtier.errors import QuotaFull, TierError
 from kvtier.keys import ShardKey
 from kvtier.tiers import _shares as tenant_shares
 from kvtier.tiers._redis_shares import share_id
@@ -239,6 +239,30 @@ writes a namespace's share object again (a store that evicts objects by itself e
             view.objects = listed
 
     # -- a put -------------------------------------------------------------------------------------------------
+    def write(self, tier: str, key: ShardKey, size: int, write: Callable[[], None],
+              delete: Callable[[ShardKey], bool]) -> None:
+        """A tier's put of ``key`` (``write()``, ``size`` bytes), counted against its namespace's share:
+        :class:`~kvtier.errors.QuotaFull` when the share is full of recent objects; once it is written, the
+        share's victims deleted (``delete(victim)``: whether it is gone)."""
+        counted = self.account(key, size)  # before: a concurrent put sees it
+        if counted is None:
+            write()
+            return
+        if counted.refused:
+            raise QuotaFull(f"{tier}: not writing {key.name}: its tenant's share is full of objects used in the "
+                            f"last {tenant_shares.RECENT_SECONDS:g} s")
+        written = False
+        try:
+            write()
+            written = True
+        finally:
+            victims = self.done(key, counted, written)  # none when the write failed: nothing to make room for
+        deleted = []
+        try:
+            deleted = [victim for victim in victims if delete(victim)]
+        finally:
+            self.evicted(counted, deleted)
+
     def account(self, key: ShardKey, size: int) -> Counted | None:
         """Count an object about to be written; None when its namespace has no share here. Unless refused, the
         caller ends with :meth:`done`, then :meth:`evicted`, whatever happens."""

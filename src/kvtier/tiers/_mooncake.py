@@ -34,9 +34,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from kvtier.config import check_ttl, check_url_port
-from kvtier.errors import ConfigError, ObjectError, QuotaFull, TierError
+from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers import _shares as tenant_shares
 from kvtier.tiers._listed_shares import ListedShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
@@ -207,30 +206,17 @@ class MooncakeTier(Tier):
         if size > self.options.local_buffer_bytes:
             raise TierError(f"{self.name}: {key.name} is {size} bytes, above local_buffer_bytes "
                             f"({self.options.local_buffer_bytes}); raise it")
-        counted = self._shares.account(key, size)  # before: a concurrent put sees it
-        if counted is None:
-            self._put(store, key, parts)
-            return
-        if counted.refused:
-            raise QuotaFull(f"{self.name}: not writing {key.name}: its tenant's share is full of objects used in "
-                            f"the last {tenant_shares.RECENT_SECONDS:g} s")
-        written = False
-        try:
-            self._put(store, key, parts)
-            written = True
-        finally:
-            victims = self._shares.done(key, counted, written)  # none when the write failed: nothing to make room for
-        deleted = []
-        try:
-            for victim in victims:
-                # force: as delete does; a victim gone meanwhile (Mooncake's own eviction) is gone all the same
-                rc = store.remove(self._object(victim), force=True)
-                if rc >= 0 or rc == _NOT_FOUND:
-                    deleted.append(victim)
-                else:  # counted again, and chosen again
-                    log.debug("tier %s: evicting %s from its share failed with error %d", self.name, victim.name, rc)
-        finally:
-            self._shares.evicted(counted, deleted)
+        self._shares.write(self.name, key, size, lambda: self._put(store, key, parts),
+                           lambda victim: self._evict(store, victim))
+
+    def _evict(self, store: Any, victim: ShardKey) -> bool:
+        """Delete an object its share chose to evict; whether it is gone (else it is counted again). Forced, as
+        :meth:`delete` is; one gone meanwhile (Mooncake's own eviction) is gone all the same."""
+        rc = store.remove(self._object(victim), force=True)
+        if rc >= 0 or rc == _NOT_FOUND:
+            return True
+        log.debug("tier %s: evicting %s from its share failed with error %d", self.name, victim.name, rc)
+        return False
 
     def _put(self, store: Any, key: ShardKey, parts: Sequence[Buffer]) -> None:
         # upsert: a rewrite of a shard replaces it (a plain put leaves the old object in place).

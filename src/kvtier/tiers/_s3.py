@@ -29,9 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from kvtier.config import check_ttl, check_url_port
-from kvtier.errors import ConfigError, ObjectError, QuotaFull, TierError
+from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers import _shares as tenant_shares
 from kvtier.tiers._listed_shares import ListedShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
@@ -225,29 +224,16 @@ class S3Tier(Tier):
     # -- the tier interface ------------------------------------------------------------------------------------
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
         body = b"".join(parts)
-        counted = self._shares.account(key, len(body))  # before: a concurrent put sees it
-        if counted is None:
-            self._put(key, body)
-            return
-        if counted.refused:
-            raise QuotaFull(f"{self.name}: not writing {key.name}: its tenant's share is full of objects used in "
-                            f"the last {tenant_shares.RECENT_SECONDS:g} s")
-        written = False
+        self._shares.write(self.name, key, len(body), lambda: self._put(key, body), self._evict)
+
+    def _evict(self, victim: ShardKey) -> bool:
+        """Delete an object its share chose to evict; whether that succeeded (else it is counted again)."""
         try:
-            self._put(key, body)
-            written = True
-        finally:
-            victims = self._shares.done(key, counted, written)  # none when the write failed: nothing to make room for
-        deleted = []
-        try:
-            for victim in victims:
-                try:
-                    self._s3.delete_object(Bucket=self.options.bucket, Key=self._object(victim))
-                    deleted.append(victim)
-                except self._errors as exc:  # counted again, and chosen again
-                    log.debug("tier %s: evicting %s from its share failed: %s", self.name, victim.name, exc)
-        finally:
-            self._shares.evicted(counted, deleted)
+            self._s3.delete_object(Bucket=self.options.bucket, Key=self._object(victim))
+            return True
+        except self._errors as exc:
+            log.debug("tier %s: evicting %s from its share failed: %s", self.name, victim.name, exc)
+            return False
 
     def _put(self, key: ShardKey, body: bytes) -> None:
         for attempt in (1, 2):
