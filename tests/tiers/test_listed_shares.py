@@ -63,6 +63,15 @@ class Bucket:
 
         return ListedShares(members, objects, record, refresh, times=times)
 
+    def put(self, shares: ListedShares, k: ShardKey, size: int, fail_deletes: bool = False) -> None:
+        """A put as a tier makes it (:meth:`ListedShares.write`), deleting victims from the dict."""
+        def delete(victim: ShardKey) -> bool:
+            if fail_deletes:
+                raise OSError("the server went away mid-delete")
+            return self.objects.pop(victim, None) is not None
+
+        shares.write("dict", k, size, lambda: self.write(k, size), delete)
+
 
 def put(shares: ListedShares, bucket: Bucket, k: ShardKey, size: int, land: bool = True) -> list[ShardKey] | None:
     """A put as the tier does it: None when refused, else the victims it deleted."""
@@ -266,8 +275,9 @@ def test_a_view_no_put_or_read_used_for_ten_minutes_is_dropped(monkeypatch: pyte
     shares.set(NS, SHARE, 100)
     put(shares, bucket, key(1), 10)
     assert len(shares._views) == 1
-    later = time.monotonic() + _listed_shares._IDLE_SECONDS + 61
-    monkeypatch.setattr(_listed_shares.time, "monotonic", lambda: later)
+    monkeypatch.setattr(_listed_shares, "_IDLE_SECONDS", 0.05)
+    monkeypatch.setattr(_listed_shares, "_SWEEP_EVERY", 0.0)
+    time.sleep(0.1)
     other = "c" * 32
     shares.set(other, "rule0/other", 100)
     put(shares, bucket, key(1, other), 10)  # sweeps: the first view goes
@@ -325,3 +335,39 @@ def test_a_share_object_is_written_again_every_record_every_seconds() -> None:
     time.sleep(0.06)
     put(shares, bucket, key(3), 1)
     assert len(written) == 2
+
+
+def test_a_delete_that_raises_leaves_the_put_written_and_the_victim_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ListedShares.write, the flow the tiers use: an exception from a victim's delete never escapes the
+    put (the tier's writes would be counted failing for every tenant), and the victim stays counted."""
+    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.0)
+    bucket = Bucket()
+    shares = bucket.shares(refresh=3600.0)
+    shares.set(NS, SHARE, 100)
+    bucket.put(shares, key(1), 60)
+    bucket.put(shares, key(2), 60, fail_deletes=True)
+    assert set(bucket.objects) == {key(1), key(2)} and shares.bytes(SHARE) == 120 and shares.evictions == 0
+    bucket.put(shares, key(3), 10)  # chosen again, deleted now
+    assert key(1) not in bucket.objects and shares.evictions == 1
+
+
+def test_a_victim_put_again_before_its_delete_is_not_deleted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put A chooses key(1); put B of key(1) counts it again before A's write ends: A must not delete B's new
+    object."""
+    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.0)
+    bucket = Bucket()
+    shares = bucket.shares(refresh=3600.0)
+    shares.set(NS, SHARE, 100)
+    bucket.put(shares, key(1), 60)
+    deleted = []
+
+    def write_a() -> None:  # while A writes, B puts key(1) again
+        bucket.write(key(2), 60)
+        again = shares.account(key(1), 60)
+        assert again is not None and not again.refused
+        bucket.write(key(1), 60)
+        shares.done(key(1), again, True)
+
+    shares.write("dict", key(2), 60, write_a, lambda v: deleted.append(v) or True)
+    assert deleted == [] and key(1) in bucket.objects

@@ -119,8 +119,13 @@ def main() -> int:
         store = shared_store(job["store"])
         assert store is not None
         sealed = ", encrypted" if "encryption" in job["store"] else ""
-        run_requests(llm, job, [0], f"reread{sealed}, warm-up", before=store.drop_dram)
-        result[f"disk hit{sealed}"] = run_requests(llm, job, later, f"reread{sealed}", before=store.drop_dram)
+
+        def drop() -> None:
+            store.flush()
+            store.drop_dram()
+
+        run_requests(llm, job, [0], f"reread{sealed}, warm-up", before=drop)
+        result[f"disk hit{sealed}"] = run_requests(llm, job, later, f"reread{sealed}", before=drop)
     elif phase == "restart":  # a new process: everything it hits was stored by the previous one
         from kvtier.integrations.vllm import shared_store
 

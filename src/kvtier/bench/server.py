@@ -58,8 +58,8 @@ def compute_threads(env: dict[str, str]) -> int:
 
 def inprocess_env() -> dict[str, str]:
     """:func:`server_env` for an engine in this process's child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). vLLM's
-    reservation of cores applies only to the workers its API server starts (measured: an in-process engine
-    computed on both cores of 2, recompute 2.8 s instead of 4.3 s on one), so the in-process engine is given the
+    reservation of cores applies only to the workers its API server starts (an in-process engine computed on
+    both cores of 2: two threads busy through a recompute), so the in-process engine is given the
     worker's thread count itself (``OMP_NUM_THREADS``, unless the caller set it): every phase computes with the
     same number of threads, the rest of the cores left to Python and kvtier's threads. Unlike the API server's
     worker, the threads are not pinned to cores (the OS places them), and the count is of this process's CPUs

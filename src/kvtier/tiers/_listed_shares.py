@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 
 _KEPT = 65536  # namespaces whose share is remembered (the store tells the tier again when it meets one anew)
 _IDLE_SECONDS = 600.0  # a view no put or read used this long is dropped (listed anew when it is needed again)
+_SWEEP_EVERY = 60.0  # seconds between looks for such views
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _LISTED_SLACK = 1.0  # a listed write time (to the second) counts as the end of its second
 
@@ -112,7 +113,7 @@ class ListedShares:
 writes a namespace's share object again (a store that evicts objects by itself evicts it too)."""
 
     def __init__(self, members: Members, objects: Callable[[str], Iterable[StoredObject]],
-                 record: Callable[[str, str], None], refresh_seconds: float, times: bool = True,
+                 record: Callable[[str, str], None], refresh_seconds: float, *, times: bool = True,
                  record_every: float = math.inf,
                  map_: Callable[[Callable[[str], list[StoredObject]], list[str]], Iterator[list[StoredObject]]] = map,
                  ) -> None:
@@ -165,13 +166,15 @@ writes a namespace's share object again (a store that evicts objects by itself e
             found = self._share_of.get(namespace)
             if found is None:
                 return None
-            return (*found, self._views.setdefault(found[0], _View()))
+            view = self._views.setdefault(found[0], _View())
+            view.touched = time.monotonic()  # here, under the lock the sweep takes: never swept while in use
+            return (*found, view)
 
     def _sweep(self) -> None:
         """Drop views no put or read used for :data:`_IDLE_SECONDS` (each holds its share's whole listing)."""
         now = time.monotonic()
         with self._lock:
-            if now - self._swept < 60.0:
+            if now - self._swept < _SWEEP_EVERY:
                 return
             self._swept = now
             idle = [sid for sid, view in self._views.items()
@@ -259,9 +262,21 @@ writes a namespace's share object again (a store that evicts objects by itself e
             victims = self.done(key, counted, written)  # none when the write failed: nothing to make room for
         deleted = []
         try:
-            deleted = [victim for victim in victims if delete(victim)]
+            for victim in victims:
+                if not self._still_victim(counted.view, victim):
+                    continue  # put again since it was chosen: deleting it would take the new object
+                try:
+                    if delete(victim):
+                        deleted.append(victim)
+                except Exception as exc:  # noqa: BLE001 - this put's own write succeeded; the victim is counted again
+                    log.debug("%s: evicting %s from its share failed: %s", tier, victim.name, exc)
         finally:
             self.evicted(counted, deleted)
+
+    @staticmethod
+    def _still_victim(view: _View, victim: ShardKey) -> bool:
+        with view.lock:
+            return victim not in view.writing and victim not in view.objects
 
     def account(self, key: ShardKey, size: int) -> Counted | None:
         """Count an object about to be written; None when its namespace has no share here. Unless refused, the
@@ -278,7 +293,6 @@ writes a namespace's share object again (a store that evicts objects by itself e
         now = time.time()
         since = now - tenant_shares.RECENT_SECONDS
         with view.lock:
-            view.touched = time.monotonic()
             objects = view.objects
             before = objects.get(key)
             if before is None and size + sum(o.size for o in objects.values() if o.used >= since) > quota:
@@ -344,7 +358,6 @@ writes a namespace's share object again (a store that evicts objects by itself e
         if found is not None:
             view = found[2]
             with view.lock:
-                view.touched = time.monotonic()
                 obj = view.objects.get(key)
                 if obj is not None:
                     obj.used = max(obj.used, time.time())
@@ -360,7 +373,7 @@ writes a namespace's share object again (a store that evicts objects by itself e
         share no namespace counts against here."""
         sid = share_id(share)
         with self._lock:
-            view = self._views.get(sid) if sid in self._count else None
+            view = self._views.setdefault(sid, _View()) if sid in self._count else None
         if view is None:
             return 0
         self._refresh_if_due(sid, view)

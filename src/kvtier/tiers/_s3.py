@@ -163,7 +163,7 @@ class S3Tier(Tier):
         self._share_pool = ThreadPoolExecutor(max_workers=min(4, o.max_connections),
                                               thread_name_prefix=f"kvtier-{name}-shares")
         self._shares = ListedShares(self._share_members, self.list, self._record_member, o.share_refresh_seconds,
-                                self._share_pool.map)
+                                    map_=self._share_pool.map)
         try:
             self._probe(botocore.exceptions)
         except BaseException:
