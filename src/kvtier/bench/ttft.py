@@ -221,7 +221,7 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
         encryption["reread"] = {"plain_means": means["plain"], "sealed_means": means["sealed"], "pair_ratios": each,
                                 "ratio": ratio}
         print(f"Encryption at rest, disk hits in processes that only re-read the disks, plain and sealed in turn "
-              f"({len(each)} pairs: {', '.join(f'{r:.2f}' for r in each)}): median sealed / plain {ratio:.2f} "
+              f"({len(each)} pair{'s' if len(each) > 1 else ''}: {', '.join(f'{r:.2f}' for r in each)}): median sealed / plain {ratio:.2f} "
               f"(target <= 1.10: {'met' if ratio <= 1.10 else 'not met'})")
     if "api_server" in results:
         hits = results["api_server"]["external_hits"]

@@ -109,8 +109,8 @@ class ListedShares:
     """The share accounting of one tier. ``members(id)`` lists the namespaces recorded for a share,
     ``objects(namespace)`` a namespace's objects, ``record(id, namespace)`` writes a namespace's share object,
     each raising :class:`~kvtier.errors.TierError`; ``map_`` runs a listing over several namespaces at once;
-``times``: whether listed objects carry their write times; ``record_every``: seconds after which this process
-writes a namespace's share object again (a store that evicts objects by itself evicts it too)."""
+    ``times``: whether listed objects carry their write times; ``record_every``: seconds after which this process
+    writes a namespace's share object again (a store that evicts objects by itself evicts it too)."""
 
     def __init__(self, members: Members, objects: Callable[[str], Iterable[StoredObject]],
                  record: Callable[[str, str], None], refresh_seconds: float, *, times: bool = True,
@@ -286,8 +286,7 @@ writes a namespace's share object again (a store that evicts objects by itself e
         if found is None:
             return None
         sid, quota, view = found
-        if time.monotonic() - self._recorded.get(key.namespace, -math.inf) >= self._record_every or \
-                key.namespace not in self._recorded:
+        if time.monotonic() - self._recorded.get(key.namespace, -math.inf) >= self._record_every:  # (never yet: inf)
             self._record_member(sid, key.namespace)
         self._refresh_if_due(sid, view)
         now = time.time()
