@@ -36,13 +36,16 @@ def test_a_purge_is_recorded_and_the_chain_finds_tampering(tmp_path: Path, capsy
     audit = tmp_path / "audit.jsonl"
     config = setup_store(tmp_path, audit)
     assert main(["cache", "purge", "--config", str(config), "--namespace", NS.id]) == 0
-    start, done = [json.loads(line) for line in audit.read_text().splitlines()]
+    start, done, records = [json.loads(line) for line in audit.read_text().splitlines()]
     assert start["action"] == "purge-start" and start["objects"] == 4 and start["namespace"] == NS.id
     assert done["action"] == "purge" and done["tier"] == "filesystem" and done["failed"] is False
     assert done["objects"] == 4 and done["bytes"] > 0 and done["who"]["pid"] > 0 and done["time"]
+    # then the namespace's directory, the one record of it beside its objects on a disk
+    assert (records["action"], records["namespace"], records["records"], records["failed"]) == \
+        ("purge-records", NS.id, 1, False)
     assert main(["cache", "purge", "--config", str(config), "--all"]) == 0
     assert main(["cache", "audit", "--config", str(config)]) == 0
-    assert "4 records, chain intact" in capsys.readouterr().out
+    assert "5 records, chain intact" in capsys.readouterr().out
     lines = audit.read_text().splitlines()
     head = Path(f"{audit}.head").read_text()
     forged = json.loads(lines[-1]) | {"objects": 99}

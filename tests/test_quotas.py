@@ -571,3 +571,69 @@ def test_a_tenant_past_its_mooncake_share_evicts_its_own_least_recent_objects_wh
         assert c.get(other, p[1]) is None
         for tenant, tokens in (("team-a", p[0]), ("team-a", p[2]), ("public", p[0])):
             assert torch.equal(c.get(ns(tenant), tokens), synthetic_kv(tokens))
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis", "s3", "mooncake"])
+def test_a_purged_namespace_leaves_nothing_that_names_it(tier: str, tmp_path: Path, request,
+                                                         unique_prefix: str, capsys) -> None:  # noqa: ANN001
+    """``kvtier cache purge --namespace`` (and ``tenant forget``, which removes the same way) removes the
+    namespace's objects, then its records beside them: its share records (Redis ``shareof``, S3 and Mooncake
+    ``shares/``), its Mooncake marker, its directory on disk. Another namespace of the same share (the tenant's
+    other model) keeps its own."""
+    import yaml
+
+    from kvtier.cli import main
+
+    tokens = synthetic_tokens(47, 2 * T)
+    if tier == "disk":
+        cfg = config(tmp_path, {"disk": 40 * SHARD}, ["disk"])
+    else:
+        make = {"redis": redis_config, "s3": s3_config, "mooncake": mooncake_config}[tier]
+        cfg = make(request.getfixturevalue(f"{tier}_server"), unique_prefix, 40)
+    other = Namespace(model="m2", dtype="bfloat16", cache_salt="team-a")
+    with KVStore.from_config(cfg) as store:
+        for namespace in (ns("team-a"), other):
+            store.put(namespace, tokens, synthetic_kv(tokens))
+        store.flush()
+    gone, kept = ns("team-a").id, other.id
+    records = {"disk": [f"disk/{{}}"], "redis": ["shareof:{}"], "s3": ["shares/"],
+               "mooncake": ["shares/", "{}/heads"]}[tier]
+    names = _raw_names(tier, cfg, request, tmp_path)
+    for namespace in (gone, kept):  # its objects, and records beside them
+        assert all(any(r.format(namespace) in n and namespace in n for n in names) for r in records), names
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["cache", "purge", "--namespace", gone, "--config", str(path)]) == 0
+    assert "removed 2 objects" in capsys.readouterr().out
+    names = _raw_names(tier, cfg, request, tmp_path)
+    assert not any(gone in n for n in names), names
+    assert all(any(r.format(kept) in n and kept in n for n in names) for r in records), names
+    with KVStore.from_config(cfg) as store:  # the namespace is written and found again after its records went
+        assert torch.equal(store.get(other, tokens), synthetic_kv(tokens))
+        put(store, "team-a", tokens)
+        store.drop_dram()
+        assert torch.equal(store.get(ns("team-a"), tokens), synthetic_kv(tokens))
+
+
+def _raw_names(tier: str, cfg: dict, request, tmp_path: Path) -> list[str]:  # noqa: ANN001
+    """Every name the tier's server (or directory) holds under the test's prefix."""
+    if tier == "disk":
+        return [str(p.relative_to(tmp_path)) for p in (tmp_path / "disk").rglob("*")]
+    server = request.getfixturevalue(f"{tier}_server")
+    options = cfg["tiers"][0]
+    if tier == "redis":
+        return [n.decode() for n in redis.Redis.from_url(server.url).scan_iter(match=f"{options['key_prefix']}*")]
+    if tier == "s3":
+        import boto3
+
+        tier_options = server.tier_options()
+        client = boto3.client("s3", endpoint_url=tier_options["endpoint_url"], region_name="us-east-1",
+                              aws_access_key_id=tier_options["access_key_id"],
+                              aws_secret_access_key=tier_options["secret_access_key"])
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=tier_options["bucket"],
+                                                                 Prefix=options["prefix"])
+        return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+    import urllib.request
+
+    with urllib.request.urlopen(f"{options['admin_url'].rstrip('/')}/get_all_keys", timeout=10) as resp:
+        return [n for n in resp.read().decode().split() if n.startswith(options["key_prefix"])]

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvtier import frame, tracing
+from kvtier import frame, threads, tracing
 from kvtier.config import TierSpec
 from kvtier.dram import DramEntry, DramPool
 from kvtier.errors import QuotaFull, SealError, TierError
@@ -96,10 +96,7 @@ class CascadeWriter:
         self._present = metrics.present_writes.labels(tier.name)
         self._exists_failed = False  # logged once
         self._closed = False
-        self._threads = [threading.Thread(target=self._run, name=f"kvtier-{tier.name}-{i}", daemon=True)
-                         for i in range(spec.workers)]
-        for t in self._threads:
-            t.start()
+        self._threads = [threads.start(self._run, f"kvtier-{tier.name}-{i}") for i in range(spec.workers)]
 
     @property
     def depth(self) -> int:

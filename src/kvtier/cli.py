@@ -176,6 +176,8 @@ def cmd_purge(tiers: list[Tier], args: argparse.Namespace) -> int:
         if args.older_than is not None:
             objs = [o for o in objs if now - o.created > args.older_than]
         _remove_objects(tier, objs, audit, "purge", selector)
+        if args.namespace:
+            _remove_records(tier, [args.namespace], audit, "purge", selector)
     return 0
 
 
@@ -215,6 +217,23 @@ def _remove_objects(tier: Tier, objs: list[StoredObject], audit, action: str,  #
         if audit is not None:
             audit.record(action, tier=tier.name, **selector, objects=removed, bytes=size, failed=failed)
     print(f"tier {tier.name}: removed {removed} objects ({_human(size)})")
+
+
+def _remove_records(tier: Tier, namespaces: list[str], audit, action: str,  # noqa: ANN001
+                    selector: dict[str, object]) -> None:
+    """After their objects: what ``tier`` keeps about whole ``namespaces`` beside them (:meth:`Tier.remove_records`:
+    share records, a namespace's directory), so nothing names them any more; with an audit log, recorded as
+    ``<action>-records`` (failed, when it raised)."""
+    removed, failed = 0, True
+    try:
+        removed = tier.remove_records(namespaces)
+        failed = False
+    finally:
+        if audit is not None:
+            audit.record(f"{action}-records", tier=tier.name, **selector, records=removed, failed=failed)
+    if removed:
+        print(f"tier {tier.name}: removed {removed} records of the namespaces (tenant share records, directories, "
+              "markers)")
 
 
 def cmd_audit(tiers: list[Tier], args: argparse.Namespace) -> int:

@@ -143,7 +143,7 @@ def cmd_forget(tiers: list[Tier], args: argparse.Namespace) -> int:
 def _remove(tier: Tier, namespaces: list[str], tenant: str, audit) -> int:  # noqa: ANN001
     """Remove the tenant's objects from one tier (as a purge does, recorded as ``forget-remove``); 1 if the tier
     could not list or delete them (they stay, and no key opens them)."""
-    from kvtier.cli import _remove_objects
+    from kvtier.cli import _remove_objects, _remove_records
 
     try:
         objects = [o for namespace in namespaces for o in tier.list(namespace)]
@@ -153,7 +153,8 @@ def _remove(tier: Tier, namespaces: list[str], tenant: str, audit) -> int:  # no
         return _cannot(tier, exc)
     try:
         _remove_objects(tier, objects, audit, "forget-remove", {"tenant": tenant})
-    except TierError as exc:  # recorded as failed part-way by _remove_objects
+        _remove_records(tier, namespaces, audit, "forget-remove", {"tenant": tenant})
+    except TierError as exc:  # recorded as failed by _remove_objects or _remove_records
         return _cannot(tier, exc)
     return 0
 

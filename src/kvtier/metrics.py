@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier import threads
+
 if TYPE_CHECKING:
     from kvtier.tiers.base import Tier
 
@@ -102,8 +104,9 @@ class StoreMetrics:
         """
         for candidate in range(port, port + tries):
             try:
-                self._server = start_http_server(candidate, addr=addr,
-                                                 registry=_Labelled(self.registry, self.process_labels))
+                # its threads (one per scrape) where kvtier's run, named as kvtier's
+                self._server = threads.call(lambda port=candidate: start_http_server(
+                    port, addr=addr, registry=_Labelled(self.registry, self.process_labels)), "kvtier-metrics")
             except OSError:
                 continue
             log.info("kvtier metrics on http://%s:%d/metrics", addr, candidate)

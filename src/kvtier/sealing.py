@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from kvtier import frame
+from kvtier import frame, threads
 from kvtier.errors import ConfigError, KVTierError, SealError
 from kvtier.registry import Registry
 
@@ -378,8 +378,7 @@ class Sealer:
         self._scratch = threading.local()
         self._closed = threading.Event()
         self._watch_failed = False
-        self._watcher = threading.Thread(target=self._watch, name="kvtier-keyring", daemon=True)
-        self._watcher.start()
+        self._watcher = threads.start(self._watch, "kvtier-keyring")
 
     # -- tenants -----------------------------------------------------------------------------------------------
     def register(self, ns: Namespace, create: bool = True) -> object | None:

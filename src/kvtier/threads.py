@@ -1,4 +1,13 @@
-"""Daemon threads for work that may wait on a network (background lookups, asynchronous loads, read-ahead).
+"""kvtier's own threads: where they run, and daemon pools for work that may wait on a network (background
+lookups, asynchronous loads, read-ahead).
+
+Every thread kvtier starts goes through :func:`start` (or an executor's ``initializer=``:func:`entered`), and
+libraries' threads it starts (the metrics server's, the span exporter's) through :func:`call`: each is named in
+the OS (``top -H``, ``/proc/PID/task/*/comm``) and runs on the CPUs :func:`run_on` set, if any. An
+engine that pins its computing threads to cores (vLLM on CPU pins each worker's OpenMP threads) also pins every
+thread started from them, kvtier's included, so that reading, decrypting and writing KV would take turns with
+the engine's computation on its cores while the cores left to the rest stayed idle; the vLLM connector therefore
+moves kvtier's threads off the engine's compute cores (:func:`spare_cpus`).
 
 Daemon threads, because a call stuck on a stalled server must never hold up the engine's exit; a bounded queue,
 because a stalled server must not grow memory without end: a full queue refuses (``queue.Full``) and the caller
@@ -7,14 +16,184 @@ decides what that means (an inline answer, counted).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import glob
+import logging
+import os
 import queue
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier import tracing
+
+log = logging.getLogger("kvtier")
+_T = TypeVar("_T")
+
+_cpus: frozenset[int] | None = None  # where kvtier's threads run (None: where the thread starting them may)
+_placement_failed = False  # logged once
+_PR_SET_NAME = 15  # prctl(2): the calling thread's name, 15 bytes at most
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if os.name == "posix" else None
+
+
+def run_on(cpus: frozenset[int] | None) -> None:
+    """Have every kvtier thread started from now on run on ``cpus`` (None: wherever its starter may run)."""
+    global _cpus
+    _cpus = cpus
+
+
+def entered(name: str) -> None:
+    """First thing on every kvtier thread: its name in the OS, and its CPUs (:func:`run_on`). Never raises: a
+    thread that cannot move runs where it was started (logged once)."""
+    global _placement_failed
+    if _libc is not None:
+        try:
+            _libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+        except (AttributeError, OSError):  # not Linux: the name stays the process's
+            pass
+    cpus = _cpus
+    if cpus is not None and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, cpus)  # 0: the calling thread
+        except OSError as exc:  # e.g. the CPUs left the process's cpuset since
+            if not _placement_failed:
+                _placement_failed = True
+                log.warning("kvtier: cannot move thread %s to CPUs %s (%s); it runs where it was started",
+                            name, _cpu_list(cpus), exc)
+
+
+def start(target: Callable[[], object], name: str) -> threading.Thread:
+    """Start a daemon thread running ``target`` that first calls :func:`entered`."""
+    def run() -> None:
+        entered(name)
+        target()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def call(fn: Callable[[], _T], name: str) -> _T:
+    """``fn()`` run on a kvtier thread of its own (named ``name``), its result returned and what it raises
+    raised: the threads a library starts inside it (a metrics server's, a span exporter's) inherit its CPUs and
+    its name in the OS."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # handed to the caller
+            box.append((False, exc))
+
+    start(run, name).join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+def spare_cpus(environ: Mapping[str, str], allowed: set[int], current: set[int], *,
+               siblings: Mapping[int, set[int]] | None = None,
+               nodes: list[set[int]] | None = None) -> frozenset[int] | None:
+    """The CPUs of ``allowed`` that an engine binding its OpenMP threads leaves free: None where this process is
+    not bound that way, or none are left.
+
+    ``environ`` is the process's environment: the cores its OpenMP threads are bound to come from ``OMP_PLACES``
+    (unless ``OMP_PROC_BIND`` is false), ``GOMP_CPU_AFFINITY`` or ``KMP_AFFINITY``'s ``proclist``, as vLLM sets
+    them for each CPU worker; the other workers' cores from ``VLLM_CPU_OMP_THREADS_BIND`` where it lists them
+    (``0-3|4-7``; vLLM's ``auto`` does not say them, and a worker then only keeps off its own). ``allowed`` is
+    where the process may run (the engine process that started it: the worker's own threads are bound already);
+    ``current`` the calling thread's CPUs, which must be the bound cores: the binding took effect. Of the rest,
+    a CPU that shares a physical core with a busy one (``siblings``: SMT threads by CPU) is not free, and only
+    CPUs of the NUMA ``nodes`` the bound cores are on are taken (near the memory they use)."""
+    bound = _omp_cpus(environ)
+    if bound is None or not current or not current <= bound or not bound <= allowed:
+        return None
+    listed = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    busy = set(bound)
+    if listed not in ("auto", "nobind", ""):
+        try:
+            busy |= {cpu for part in listed.split("|") for cpu in _id_list(part)}
+        except ValueError:
+            return None
+    busy |= {sibling for cpu in busy for sibling in (siblings or {}).get(cpu, ())}
+    spare = allowed - busy
+    near = [node for node in nodes or [] if node & bound]
+    if near:
+        spare &= set().union(*near)
+    return frozenset(spare) or None
+
+
+def topology() -> tuple[dict[int, set[int]], list[set[int]]]:
+    """This machine's SMT siblings by CPU and its NUMA nodes' CPUs, from ``/sys`` (empty where not readable)."""
+    siblings: dict[int, set[int]] = {}
+    for path in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list"):
+        try:
+            cpu = int(path.split("/")[5].removeprefix("cpu"))
+            with open(path) as f:
+                siblings[cpu] = set(_id_list(f.read().strip()))
+        except (OSError, ValueError):
+            continue
+    nodes = []
+    for path in glob.glob("/sys/devices/system/node/node[0-9]*/cpulist"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text:
+                nodes.append(set(_id_list(text)))
+        except (OSError, ValueError):
+            continue
+    return siblings, nodes
+
+
+def _omp_cpus(environ: Mapping[str, str]) -> set[int] | None:
+    try:
+        places = environ.get("OMP_PLACES", "").replace(" ", "")
+        if places:
+            # libgomp binds by default once places are given; a list (spread,close) begins with the outer level
+            if environ.get("OMP_PROC_BIND", "true").split(",")[0].strip().lower() == "false":
+                return None
+            if not re.fullmatch(r"\{[^{}]*\}(,\{[^{}]*\})*", places):  # abstract names, replicated places
+                return None
+            cpus = set()
+            for place in re.findall(r"\{([^}]*)\}", places):
+                for item in place.split(","):
+                    start, _, rest = item.partition(":")
+                    count, _, stride = rest.partition(":")
+                    step = int(stride or 1)
+                    cpus.update(range(int(start), int(start) + int(count or 1) * step, step))
+            return cpus or None
+        gomp = environ.get("GOMP_CPU_AFFINITY", "")
+        if gomp:
+            cpus = set()
+            for item in gomp.replace(",", " ").split():
+                span, _, stride = item.partition(":")
+                first, _, last = span.partition("-")
+                cpus.update(range(int(first), int(last or first) + 1, int(stride or 1)))
+            return cpus or None
+        kmp = re.search(r"proclist=\[([^\]]*)\]", environ.get("KMP_AFFINITY", ""))
+        if kmp:
+            return set(_id_list(kmp.group(1))) or None
+    except ValueError:  # a form not parsed here (OMP_PLACES=cores, ...): not knowing, kvtier leaves it
+        return None
+    return None
+
+
+def _id_list(text: str) -> list[int]:
+    """``5,2-4`` -> [5, 2, 3, 4]; raises ValueError on anything else."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
 
 
 # In an engine step that runs no model, how long the connector waits for its background work (a lookup, an
@@ -45,10 +224,7 @@ class DaemonPool:
                 raise RuntimeError(f"{self._name}: submit after close (no thread would run it)")
             self._queue.put_nowait((future, tracing.carried(job)))  # its spans join the submitter's trace
             if not self._threads:
-                self._threads = [threading.Thread(target=self._run, name=f"{self._name}-{i}", daemon=True)
-                                 for i in range(self._size)]
-                for thread in self._threads:
-                    thread.start()
+                self._threads = [start(self._run, f"{self._name}-{i}") for i in range(self._size)]
         return future
 
     def _run(self) -> None:

@@ -57,8 +57,12 @@ def configure(endpoint: str, service_name: str) -> None:
             raise ConfigError(f"otlp_traces_endpoint: traces need OpenTelemetry's SDK and OTLP exporter: pip "
                               f"install 'kvtier[tracing]' ({exc})") from exc
 
+        from kvtier import threads  # (it imports this module)
+
         provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        # its exporting thread where kvtier's threads run, named as kvtier's
+        provider.add_span_processor(threads.call(lambda: BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)),
+                                                 "kvtier-traces"))
         _install(provider)
         _endpoint = endpoint
         atexit.register(provider.shutdown)  # the spans still queued are exported before the process ends

@@ -39,25 +39,25 @@ def test_the_encryption_ratio_is_the_median_of_alternating_pairs(tmp_path: Path,
     assert "1.05, 1.00, 1.15: median 1.05 (target <= 1.10: met)" in printed
 
 
-def test_a_read_is_the_median_over_prompts_and_a_costly_one_is_not_met(tmp_path: Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_read_is_the_mean_over_prompts_and_a_costly_one_is_not_met(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     results = {
         "baseline": {"vLLM, recompute": [1.0]},
         "kvtier": {"kvtier, disk hit": [0.10]},
         "encrypted": {"kvtier, disk hit, encrypted": [0.10]},
         "engine_hit": {"vLLM prefix-cache hit": [0.08], "vLLM prefix-cache hit, exact repeat": [0.4]},
-        # one disturbed prompt (0.40 s) does not move the plain read; the sealed read is 30 ms longer
-        "reread": {"plain": [_run([0.10, 0.10, 0.40], [0.09, 0.09, 0.09])],
-                   "sealed": [_run([0.13, 0.13, 0.13], [0.09, 0.09, 0.09])]},
+        # the sealed read is 60 ms longer on one prompt of three: 20 ms on the mean, as the target counts it
+        "reread": {"plain": [_run([0.10, 0.10, 0.10], [0.09, 0.09, 0.09])],
+                   "sealed": [_run([0.10, 0.10, 0.16], [0.09, 0.09, 0.09])]},
     }
     out = tmp_path / "ttft.json"
     assert report(results, {"name": "quick", "docs": 3, "doc_tokens": 2048}, out) == 0
     reread = json.loads(out.read_text())["encryption"]["reread"]
-    assert reread["read_seconds"] == {"plain": [pytest.approx(0.01)], "sealed": [pytest.approx(0.04)]}
-    assert reread["ratio"] == pytest.approx((0.2 + 0.03) / 0.2)  # the plain disk hit's mean is 0.2 s
+    assert reread["read_seconds"] == {"plain": [pytest.approx(0.01)], "sealed": [pytest.approx(0.03)]}
+    assert reread["ratio"] == pytest.approx(1.2)
     printed = capsys.readouterr().out
     assert "(1 pair):" in printed
-    assert "median 1.15 (target <= 1.10: not met)" in printed
+    assert "median 1.20 (target <= 1.10: not met)" in printed
 
 
 def _run(disk: list[float], dram: list[float]) -> dict[str, list[float]]:

@@ -20,7 +20,7 @@ pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate a
 from kvtier.bench.model import prepare_model  # noqa: E402
 from kvtier.testing.servers import free_port  # noqa: E402
 from kvtier.bench.server import post_completion as post  # noqa: E402
-from kvtier.bench.server import stop  # noqa: E402
+from kvtier.bench.server import server_env, stop  # noqa: E402
 
 
 def scrape(ports: range) -> dict[str, float]:
@@ -60,7 +60,8 @@ def test_openai_server_reuses_stored_prefixes(tmp_path: Path, tiers: str) -> Non
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
          "--port", str(port), "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "2048",
          "--gpu-memory-utilization", "0.3", "--kv-transfer-config", json.dumps(kv_config)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ})
+        # vLLM binds its worker's OpenMP threads to the cores it does not reserve (one reserved: the bench's env)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=server_env())
     try:
         deadline = time.time() + 300
         while True:
@@ -85,6 +86,51 @@ def test_openai_server_reuses_stored_prefixes(tmp_path: Path, tiers: str) -> Non
         # The second request loaded its 4 chunks (the worker's store read them); the salted one none. The
         # scheduler's process (lookups only) tells itself apart by its label.
         assert scrape(range(metrics, metrics + 8)) == {"scheduler": 0, "worker": 4}
+        if tiers == "filesystem" and len(os.sched_getaffinity(0)) > 1:
+            _assert_kvtier_threads_off_the_compute_core(server.pid)
     finally:
         stop(server)
         log.close()
+
+
+def _cpus(status: str) -> set[int]:
+    text = next(ln.split(":", 1)[1].strip() for ln in status.splitlines() if ln.startswith("Cpus_allowed_list"))
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _assert_kvtier_threads_off_the_compute_core(server_pid: int) -> None:
+    """In the worker (the process whose main thread vLLM bound to its compute cores), every kvtier thread runs on
+    the process's other cores: the cascade's disk writers at least (named in the OS, 15 bytes of the name)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = [], [server_pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    workers = []
+    for pid in tree:
+        try:
+            main = _cpus(Path(f"/proc/{pid}/status").read_text())
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent = _cpus(Path(f"/proc/{ppid}/status").read_text())
+            names = {t.name: (t / "comm").read_text().strip() for t in Path(f"/proc/{pid}/task").iterdir()}
+            placed = [(names[t], _cpus((Path(f"/proc/{pid}/task") / t / "status").read_text())) for t in names
+                      if names[t].startswith("kvtier")]
+        except (OSError, StopIteration):
+            continue
+        if main < parent and placed:
+            workers.append((main, parent, placed))
+    assert len(workers) == 1, workers
+    compute, allowed, placed = workers[0]
+    assert "kvtier-filesyst" in {name for name, _ in placed}, placed
+    assert all(cpus == allowed - compute for _, cpus in placed), (compute, allowed, placed)

@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 
 def log(msg: str) -> None:
     print(f"bench: {msg}", file=sys.stderr, flush=True)
@@ -70,25 +68,42 @@ def run_docs(llm, job: dict, label: str, before=None) -> list[float]:
     return times
 
 
-def disk_then_dram(llm, job: dict, rounds: list[int], drop) -> tuple[list[float], list[float]]:  # noqa: ANN001
+def disk_then_dram(llm, store, job: dict, rounds: list[int]) -> tuple[list[float], list[float]]:  # noqa: ANN001
     """Each request twice in a row, vLLM's own prefix cache emptied before each: from the disk (kvtier's DRAM
-    emptied by ``drop``), then from kvtier's DRAM, where the disk hit left its chunks. The second is the first
+    emptied first), then from kvtier's DRAM, where the disk hit left its chunks. The second is the first
     without the disk's read: the same prompt computed by the same process a moment later. Processes differ in
     how fast they compute by as much as a disk read costs, so what a disk read costs is best known as the
-    difference between the two in one process."""
+    difference between the two in one process. Each pair is checked to have been what it stands for (every
+    chunk from the disk, then the same number from DRAM, none missing); RuntimeError if not."""
+    drop, tier = _dropper(store), store.tiers[0].name
     disk, dram = [], []
     for req in job["requests"]:
         if req["round"] not in rounds:
             continue
+        served = []
         for times, before, source in ((disk, drop, "disk"), (dram, None, "DRAM")):
             if before is not None:
                 before()
             if not llm.reset_prefix_cache():
                 raise RuntimeError("vLLM did not empty its prefix cache")
+            counts = _served(store, tier)
             times.append(ttft(llm, req["tokens"]))
+            served.append(tuple(after - was for after, was in zip(_served(store, tier), counts)))
             log(f"{'reread ' + source:>12}: round {req['round']} doc {req['doc']}: {len(req['tokens'])} tokens, "
                 f"TTFT {times[-1]:.3f} s")
+        (disk_dram, disk_tier, disk_missed), (dram_dram, dram_tier, dram_missed) = served
+        if disk_dram or not disk_tier or disk_missed or dram_tier or dram_missed or dram_dram != disk_tier:
+            raise RuntimeError(f"round {req['round']} doc {req['doc']}: chunks from DRAM, {tier}, missing: "
+                               f"{served[0]} from the disk, then {served[1]} from DRAM; expected (0, n, 0), "
+                               "then (n, 0, 0)")
     return disk, dram
+
+
+def _served(store, tier: str) -> tuple[float, float, float]:  # noqa: ANN001
+    """Chunks the store served so far from DRAM and from ``tier``, and chunks it found nowhere."""
+    stats = store.stats()
+    return (stats["dram"].get("hit_chunks_total", 0.0), stats[tier].get("hit_chunks_total", 0.0),
+            stats["_store"].get("miss_chunks_total", 0.0))
 
 
 def _dropper(store):  # noqa: ANN001, ANN202
@@ -100,6 +115,7 @@ def _dropper(store):  # noqa: ANN001, ANN202
 
 
 def main() -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vLLM is imported: an in-process engine
     job = json.loads(Path(sys.argv[1]).read_text())
     phase, out_path = sys.argv[2], Path(sys.argv[3])
     result: dict[str, object] = {}
@@ -143,10 +159,10 @@ def main() -> int:
         llm = engine(job, True, job["small_blocks"])
         store = shared_store(job["store"])
         assert store is not None
-        sealed = ", encrypted" if "encryption" in job["store"] else ""
-        drop = _dropper(store)
-        run_requests(llm, job, [0], f"reread{sealed}, warm-up", before=drop)
-        result[f"disk hit{sealed}"], result[f"DRAM hit{sealed}"] = disk_then_dram(llm, job, later, drop)
+        sealed = "encryption" in job["store"]
+        run_requests(llm, job, [0], f"reread{', encrypted' if sealed else ''}, warm-up", before=_dropper(store))
+        result["disk"], result["dram"] = disk_then_dram(llm, store, job, later)
+        result["sealed"] = sealed
     elif phase == "restart":  # a new process: everything it hits was stored by the previous one
         from kvtier.integrations.vllm import shared_store
 

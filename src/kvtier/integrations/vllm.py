@@ -20,6 +20,8 @@ logged (:mod:`._vllm_shared`).
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvtier import threads
 from kvtier.errors import ConfigError
 from kvtier.integrations import _vllm_shared
 from kvtier.integrations._vllm_namespace import Namespaces
@@ -80,6 +83,30 @@ def _events_enabled(vllm_config: VllmConfig) -> bool:
     return bool(config is not None and config.enable_kv_cache_events)
 
 
+def _keep_off_compute_cores() -> None:
+    """In a CPU worker vLLM started with its OpenMP threads bound to cores (its multiprocessing executor: under
+    the API server, or an ``LLM`` with multiprocessing on), run kvtier's threads on the process's other cores
+    (:func:`kvtier.threads.spare_cpus`). Bound, the worker's main thread passes its cores to every thread started
+    from it: kvtier's reading, decrypting and writing threads took turns with the engine's computation on its
+    one core (measured in ``/proc``: every thread of the worker on core 0 of 2). Only in vLLM's worker processes
+    (``VllmWorker-N``): where such a process may run is its starter's CPUs (vLLM's engine process, not bound),
+    which for a process started some other way need not be the user's."""
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid != os.getppid() or not hasattr(os, "sched_getaffinity") or \
+            not multiprocessing.current_process().name.startswith("VllmWorker-"):
+        return
+    try:
+        allowed, current = os.sched_getaffinity(parent.pid), os.sched_getaffinity(0)
+    except OSError:  # the starter is gone: not knowing where the process may run, kvtier leaves its threads
+        return
+    siblings, nodes = threads.topology()
+    cpus = threads.spare_cpus(os.environ, allowed, current, siblings=siblings, nodes=nodes)
+    if cpus is not None:
+        threads.run_on(cpus)
+        log.info("kvtier: vLLM computes on CPUs %s; kvtier's threads run on CPUs %s",
+                 ",".join(map(str, sorted(current))), ",".join(map(str, sorted(cpus))))
+
+
 class KVTierConnector(KVConnectorBase_V1):
     """vLLM KV connector that loads prefixes from, and saves prefills to, kvtier's tiered store."""
 
@@ -105,6 +132,8 @@ class KVTierConnector(KVConnectorBase_V1):
         # Namespaces come first: a model that cannot be fingerprinted is refused before any store opens.
         names = Namespaces(vllm_config, extra.get("model_fingerprint")) if role == KVConnectorRole.SCHEDULER \
             else None
+        if role != KVConnectorRole.SCHEDULER:  # before the store starts its threads
+            _keep_off_compute_cores()
         self._shared = _vllm_shared.acquire(extra.get("config"), moves_bytes=role != KVConnectorRole.SCHEDULER)
         store, metrics = self._shared.store, self._shared.metrics
         if store.chunk_tokens % block_size:

@@ -28,6 +28,7 @@ redirect a later start), and so is every process of this uid.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -41,7 +42,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -367,7 +368,10 @@ class FilesystemTier(Tier):
                 log.warning("%s: skipping %s/%s: not a directory (links are never followed)", self.name,
                             where, entry.name)
                 continue
-            fd = self._open_dir(parent_fd, entry.name, f"{where}/{entry.name}", create=False)
+            try:
+                fd = self._open_dir(parent_fd, entry.name, f"{where}/{entry.name}", create=False)
+            except FileNotFoundError:  # removed since it was listed (a purge's, once empty)
+                continue
             try:
                 yield entry.name, fd
             finally:
@@ -545,15 +549,21 @@ class FilesystemTier(Tier):
                     view = view[n:]
             if self.options.durability == "fsync":
                 os.fsync(fd)
-            sub_fd = self._open_sub(key.namespace, key.chunk[:2], create=True)
-            assert sub_fd is not None
-            try:
-                os.rename(tmp, _file_name(key), src_dir_fd=self._tmp_fd, dst_dir_fd=sub_fd)
-                tmp = None
-                if self.options.durability == "fsync":
-                    os.fsync(sub_fd)
-            finally:
-                os.close(sub_fd)
+            for attempt in range(2):  # again once, if a purge removed the directory (empty) under us
+                try:
+                    sub_fd = self._open_sub(key.namespace, key.chunk[:2], create=True)
+                    assert sub_fd is not None
+                    try:
+                        os.rename(tmp, _file_name(key), src_dir_fd=self._tmp_fd, dst_dir_fd=sub_fd)
+                        tmp = None
+                        if self.options.durability == "fsync":
+                            os.fsync(sub_fd)
+                    finally:
+                        os.close(sub_fd)
+                    break
+                except FileNotFoundError:
+                    if attempt:
+                        raise
         except BaseException as exc:
             if tmp is not None:
                 _unlink_quietly(tmp, self._tmp_fd)
@@ -666,6 +676,37 @@ class FilesystemTier(Tier):
     def delete(self, key: ShardKey) -> bool:
         with self._lock:
             return self._remove_locked(key)
+
+    def remove_records(self, namespaces: Collection[str]) -> int:
+        """The namespaces' directories (their names are namespace ids), where empty: a file written into one
+        meanwhile keeps it, and a write whose directory went under it makes it again. Links and names that are
+        not kvtier's are left alone."""
+        removed = 0
+        for namespace in namespaces:
+            if not _HEX.fullmatch(namespace):
+                continue
+            where = f"{self.root}/{namespace}"
+            with self._lock:
+                try:
+                    ns_fd = self._open_dir(self._root_fd, namespace, where, create=False)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                        continue
+                    raise TierError(f"{self.name}: cannot open {where}: {_reason(exc)}") from exc
+                try:
+                    with os.scandir(ns_fd) as it:
+                        subs = [e.name for e in it if _SUB.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+                    for sub in subs:
+                        with contextlib.suppress(OSError):  # not empty: a file of it is kept
+                            os.rmdir(sub, dir_fd=ns_fd)
+                finally:
+                    os.close(ns_fd)
+                try:
+                    os.rmdir(namespace, dir_fd=self._root_fd)
+                    removed += 1
+                except OSError:  # not empty
+                    pass
+        return removed
 
     def exists(self, key: ShardKey) -> bool:
         """Whether the index holds ``key`` (no disk access: the cascade asks before every write)."""

@@ -42,7 +42,8 @@ Limits, from the tier keeping no count and no read times:
   ``share_refresh_seconds`` per engine writing to the share, which waits for it meanwhile.
 - Without times, an object this engine knew that the store evicted by itself and another engine wrote again
   between two of its listings keeps its old time: it may be evicted first though it was just written.
-- The ``shares/`` objects stay after the tenant's objects are purged or forgotten.
+- A namespace's ``shares/`` objects are deleted when it is purged or forgotten (``Tier.remove_records``); an
+  engine still writing to it records it again.
 """
 
 from __future__ import annotations

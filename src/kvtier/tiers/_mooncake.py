@@ -30,9 +30,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Literal
 
+from kvtier import threads
 from kvtier.config import check_ttl, check_url_port
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
@@ -132,8 +133,7 @@ class MooncakeTier(Tier):
                                     record_every=_MARKER_REFRESH)
         # Joining a master that does not answer blocks for about 90 s inside Mooncake: join on a thread of our
         # own, wait for it briefly here, and let calls fail fast (TierError) until it has joined.
-        self._joiner = threading.Thread(target=self._join, name=f"kvtier-{name}-join", daemon=True)
-        self._joiner.start()
+        self._joiner = threads.start(self._join, f"kvtier-{name}-join")  # Mooncake's own threads start there
         self._joiner.join(options.connect_timeout)
 
     # -- connection --------------------------------------------------------------------------------------------
@@ -347,6 +347,26 @@ class MooncakeTier(Tier):
 
     def share_bytes(self, share: str) -> int:
         return self._shares.bytes(share)
+
+    def remove_records(self, namespaces: Collection[str]) -> int:
+        """Each namespace's records in the tenant shares (``<prefix>shares/<id>/<namespace>``) and its KV-head
+        marker (``<prefix><namespace>/heads``), unless objects of it are stored (written meanwhile: lookups need
+        the marker to find them)."""
+        wanted = set(namespaces)
+        names, by_ns = self._all_keys(fresh=True)
+        shape = re.compile(re.escape(f"{self.options.key_prefix}shares/") + r"[0-9a-f]{32}/([0-9a-f]{32})")
+        doomed = [n for n in names if (match := shape.fullmatch(n)) is not None and match[1] in wanted]
+        doomed += [self._name(namespace, _MARKER) for namespace in sorted(wanted - by_ns.keys())]
+        store = self._store()
+        removed = 0
+        for name in doomed:
+            present = store.is_exist(name)
+            self._check(present, f"removing {name}")
+            rc = store.remove(name, force=True) if present else _NOT_FOUND
+            if rc != _NOT_FOUND:  # (gone meanwhile: Mooncake's eviction, another command)
+                self._check(rc, f"removing {name}")
+                removed += 1
+        return removed
 
     def _share_members(self, sid: str) -> tuple[list[str], float | None]:
         prefix = f"{self.options.key_prefix}shares/{sid}/"

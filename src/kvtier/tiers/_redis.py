@@ -24,7 +24,7 @@ import re
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, NoReturn
 
 from kvtier.config import check_url_port, redact_url
@@ -589,6 +589,10 @@ class RedisTier(Tier):
 
     def share_bytes(self, share: str) -> int:
         return self._shares.bytes(share)
+
+    def remove_records(self, namespaces: Collection[str]) -> int:
+        """Each namespace's record of its tenant share (``<prefix>shareof:<namespace>``)."""
+        return self._shares.forget(namespaces)
 
     def _delete(self, key: ShardKey) -> bool:
         name = self._hash(key.namespace, key.chunk)

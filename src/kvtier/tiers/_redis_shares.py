@@ -35,7 +35,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from kvtier.keys import HeadRange, ShardKey
@@ -258,6 +258,16 @@ class RedisShares:
                 client.eval(_UNCOUNT, 3, *self._keys(sid), self._member(key))
 
         self._call(f"share accounting of {key.name}", run)
+
+    def forget(self, namespaces: Collection[str]) -> int:
+        """Delete the ``shareof`` keys of ``namespaces``, whose shards are deleted (each taken out of its share
+        first, found by that key: :meth:`removing`); how many there were."""
+        removed = 0
+        for namespace in namespaces:
+            removed += int(self._call("share record", lambda c, ns=namespace: c.delete(self._of_key(ns))) or 0)
+            with self._lock:
+                self._recorded.discard(namespace)
+        return removed
 
     def bytes(self, share: str) -> int:
         """Bytes counted against ``share``, live and doomed."""

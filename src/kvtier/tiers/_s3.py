@@ -24,10 +24,11 @@ import re
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+from kvtier import threads
 from kvtier.config import check_ttl, check_url_port
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
@@ -158,10 +159,12 @@ class S3Tier(Tier):
         except self._errors as exc:
             raise TierError(f"{name}: cannot create an S3 client: {exc}") from exc
         self._credentials = session.get_credentials
-        self._pool = ThreadPoolExecutor(max_workers=o.max_connections, thread_name_prefix=f"kvtier-{name}-list")
+        self._pool = ThreadPoolExecutor(max_workers=o.max_connections, thread_name_prefix=f"kvtier-{name}-list",
+                                        initializer=threads.entered, initargs=(f"kvtier-{name}-list",))
         # Share listings on threads of their own: lookups never wait behind them.
         self._share_pool = ThreadPoolExecutor(max_workers=min(4, o.max_connections),
-                                              thread_name_prefix=f"kvtier-{name}-shares")
+                                              thread_name_prefix=f"kvtier-{name}-shares",
+                                              initializer=threads.entered, initargs=(f"kvtier-{name}-shares",))
         self._shares = ListedShares(self._share_members, self.list, self._record_member, o.share_refresh_seconds,
                                     map_=self._share_pool.map)
         try:
@@ -315,6 +318,19 @@ class S3Tier(Tier):
 
     def share_bytes(self, share: str) -> int:
         return self._shares.bytes(share)
+
+    def remove_records(self, namespaces: Collection[str]) -> int:
+        """Each namespace's records in the tenant shares (``<prefix>shares/<id>/<namespace>``)."""
+        wanted = set(namespaces)
+        shape = re.compile(re.escape(f"{self.options.prefix}shares/") + r"[0-9a-f]{32}/([0-9a-f]{32})")
+        records = [obj["Key"] for obj in self._list(f"{self.options.prefix}shares/")
+                   if (match := shape.fullmatch(obj["Key"])) is not None and match[1] in wanted]
+        for record in records:
+            try:
+                self._s3.delete_object(Bucket=self.options.bucket, Key=record)
+            except self._errors as exc:
+                raise self._fail(f"removing {record!r}", exc) from exc
+        return len(records)
 
     def _share_members(self, sid: str) -> tuple[list[str], float | None]:
         """The namespaces recorded for share ``sid``, and the server's clock minus this engine's, from the first

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from kvtier.config import build_dataclass
@@ -132,6 +132,13 @@ class Tier(ABC):
         """Count ``namespace``'s objects against the tenant share ``share`` of ``quota_bytes`` (None: no share),
         evicting inside the share when it is over (only where :attr:`shares`)."""
         raise NotImplementedError(f"tier {self.name} keeps no per-tenant quotas")
+
+    def remove_records(self, namespaces: Collection[str]) -> int:
+        """Remove what the tier keeps about ``namespaces`` beside their objects (which tenant share each counts
+        against), once their objects are gone: ``kvtier tenant forget`` and a purge of a namespace leave nothing
+        of it. How many records it removed; raises :class:`TierError`. An engine that writes to one of them again
+        records it again. The default keeps none."""
+        return 0
 
     def exists(self, key: ShardKey) -> bool:
         return key.heads in self.heads(key.namespace, [key.chunk])[0]
