@@ -153,9 +153,14 @@ def _remove(tier: Tier, namespaces: list[str], tenant: str, audit) -> int:  # no
         return _cannot(tier, exc)
     try:
         _remove_objects(tier, objects, audit, "forget-remove", {"tenant": tenant})
-        _remove_records(tier, namespaces, audit, "forget-remove", {"tenant": tenant})
-    except TierError as exc:  # recorded as failed by _remove_objects or _remove_records
+    except TierError as exc:  # recorded as failed part-way by _remove_objects
         return _cannot(tier, exc)
+    try:
+        _remove_records(tier, namespaces, audit, "forget-remove", {"tenant": tenant})
+    except TierError as exc:  # recorded as failed by _remove_records
+        print(f"tier {tier.name}: removed the objects, but not every record naming the tenant's namespaces ({exc}); "
+              "run the command again to retry")
+        return 1
     return 0
 
 

@@ -17,7 +17,6 @@ decides what that means (an inline answer, counted).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import glob
 import logging
 import os
@@ -37,7 +36,7 @@ _T = TypeVar("_T")
 _cpus: frozenset[int] | None = None  # where kvtier's threads run (None: where the thread starting them may)
 _placement_failed = False  # logged once
 _PR_SET_NAME = 15  # prctl(2): the calling thread's name, 15 bytes at most
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if os.name == "posix" else None
+_libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None  # this process's own C library
 
 
 def run_on(cpus: frozenset[int] | None) -> None:
@@ -104,23 +103,19 @@ def spare_cpus(environ: Mapping[str, str], allowed: set[int], current: set[int],
 
     ``environ`` is the process's environment: the cores its OpenMP threads are bound to come from ``OMP_PLACES``
     (unless ``OMP_PROC_BIND`` is false), ``GOMP_CPU_AFFINITY`` or ``KMP_AFFINITY``'s ``proclist``, as vLLM sets
-    them for each CPU worker; the other workers' cores from ``VLLM_CPU_OMP_THREADS_BIND`` where it lists them
-    (``0-3|4-7``; vLLM's ``auto`` does not say them, and a worker then only keeps off its own). ``allowed`` is
-    where the process may run (the engine process that started it: the worker's own threads are bound already);
-    ``current`` the calling thread's CPUs, which must be the bound cores: the binding took effect. Of the rest,
-    a CPU that shares a physical core with a busy one (``siblings``: SMT threads by CPU) is not free, and only
-    CPUs of the NUMA ``nodes`` the bound cores are on are taken (near the memory they use)."""
+    them for each CPU worker. Only where vLLM chose them itself (``VLLM_CPU_OMP_THREADS_BIND`` unset or
+    ``auto``): cores a user listed may be one of several engines' on the host, and the others' cores would look
+    free from here. ``allowed`` is where the process may run (the engine process that started it: the worker's
+    own threads are bound already); ``current`` the calling thread's CPUs, which must be the bound cores: the
+    binding took effect. Of the rest, a CPU that shares a physical core with a bound one (``siblings``: SMT
+    threads by CPU) is not free, and only CPUs of the NUMA ``nodes`` the bound cores are on are taken (near the
+    memory they use)."""
+    if environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") not in ("auto", ""):
+        return None
     bound = _omp_cpus(environ)
     if bound is None or not current or not current <= bound or not bound <= allowed:
         return None
-    listed = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    busy = set(bound)
-    if listed not in ("auto", "nobind", ""):
-        try:
-            busy |= {cpu for part in listed.split("|") for cpu in _id_list(part)}
-        except ValueError:
-            return None
-    busy |= {sibling for cpu in busy for sibling in (siblings or {}).get(cpu, ())}
+    busy = bound | {sibling for cpu in bound for sibling in (siblings or {}).get(cpu, ())}
     spare = allowed - busy
     near = [node for node in nodes or [] if node & bound]
     if near:

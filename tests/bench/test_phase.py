@@ -60,8 +60,8 @@ JOB = {"requests": [{"round": 0, "doc": 0, "tokens": [1, 2]}, {"round": 1, "doc"
 
 def test_each_prompt_comes_from_the_disk_then_from_dram() -> None:
     store = Store()
-    disk, dram = phase.disk_then_dram(LLM(store), store, JOB, [1])
-    assert len(disk) == len(dram) == 2
+    disk, dram, chunks = phase.disk_then_dram(LLM(store), store, JOB, [1])
+    assert len(disk) == len(dram) == 2 and chunks == [4, 4]
     one = ["flush", "drop", "reset", "generate", "reset", "generate"]  # dropped before the disk hit only
     assert store.calls == one + one
 

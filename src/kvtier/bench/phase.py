@@ -68,15 +68,17 @@ def run_docs(llm, job: dict, label: str, before=None) -> list[float]:
     return times
 
 
-def disk_then_dram(llm, store, job: dict, rounds: list[int]) -> tuple[list[float], list[float]]:  # noqa: ANN001
+def disk_then_dram(llm, store, job: dict,  # noqa: ANN001
+                   rounds: list[int]) -> tuple[list[float], list[float], list[int]]:
     """Each request twice in a row, vLLM's own prefix cache emptied before each: from the disk (kvtier's DRAM
     emptied first), then from kvtier's DRAM, where the disk hit left its chunks. The second is the first
     without the disk's read: the same prompt computed by the same process a moment later. Processes differ in
     how fast they compute by as much as a disk read costs, so what a disk read costs is best known as the
-    difference between the two in one process. Each pair is checked to have been what it stands for (every
-    chunk from the disk, then the same number from DRAM, none missing); RuntimeError if not."""
+    difference between the two in one process. Each pair is checked to have been what it stands for (chunks
+    from the disk only, then as many from DRAM only, none missing; RuntimeError if not); the third list is how
+    many, by prompt (the orchestrator checks the plain and the sealed process loaded the same)."""
     drop, tier = _dropper(store), store.tiers[0].name
-    disk, dram = [], []
+    disk, dram, chunks = [], [], []
     for req in job["requests"]:
         if req["round"] not in rounds:
             continue
@@ -96,7 +98,8 @@ def disk_then_dram(llm, store, job: dict, rounds: list[int]) -> tuple[list[float
             raise RuntimeError(f"round {req['round']} doc {req['doc']}: chunks from DRAM, {tier}, missing: "
                                f"{served[0]} from the disk, then {served[1]} from DRAM; expected (0, n, 0), "
                                "then (n, 0, 0)")
-    return disk, dram
+        chunks.append(int(disk_tier))
+    return disk, dram, chunks
 
 
 def _served(store, tier: str) -> tuple[float, float, float]:  # noqa: ANN001
@@ -161,7 +164,7 @@ def main() -> int:
         assert store is not None
         sealed = "encryption" in job["store"]
         run_requests(llm, job, [0], f"reread{', encrypted' if sealed else ''}, warm-up", before=_dropper(store))
-        result["disk"], result["dram"] = disk_then_dram(llm, store, job, later)
+        result["disk"], result["dram"], result["chunks"] = disk_then_dram(llm, store, job, later)
         result["sealed"] = sealed
     elif phase == "restart":  # a new process: everything it hits was stored by the previous one
         from kvtier.integrations.vllm import shared_store

@@ -154,7 +154,11 @@ def _run_phases(job: dict, work: Path, profile: dict, json_path: Path | None, ph
                 got = json.loads(out.read_text())  # (phase.disk_then_dram)
                 if got["sealed"] != (kind == "sealed"):
                     raise RuntimeError(f"{out}: a {'sealed' if got['sealed'] else 'plain'} store, not {kind}")
-                pairs[kind].append({"disk": got["disk"], "dram": got["dram"]})
+                pairs[kind].append({"disk": got["disk"], "dram": got["dram"], "chunks": got["chunks"]})
+            if pairs["plain"][-1]["chunks"] != pairs["sealed"][-1]["chunks"]:
+                log(f"phase reread, pair {i + 1}: the plain and the sealed process loaded different chunks by prompt "
+                    f"({pairs['plain'][-1]['chunks']} and {pairs['sealed'][-1]['chunks']}); not comparable")
+                return 1
         results["reread"] = pairs
     return report(results, profile, json_path, job["secondary"])
 

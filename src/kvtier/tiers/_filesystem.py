@@ -164,6 +164,15 @@ def _reason(exc: OSError) -> str:
     return f"{exc.filename}: {why}" if exc.filename else why
 
 
+@contextlib.contextmanager
+def _raised_as_tier_error(tier: str, where: str) -> Iterator[None]:
+    """An OSError inside (a directory unreadable, a disk error) raised as a TierError naming ``where``."""
+    try:
+        yield
+    except OSError as exc:
+        raise TierError(f"{tier}: {where}: {_reason(exc)}") from exc
+
+
 def _unlink_quietly(name: str, dir_fd: int) -> None:
     """Remove a directory entry (a link itself, never its target) if possible; a vanished one is fine."""
     try:
@@ -686,7 +695,7 @@ class FilesystemTier(Tier):
             if not _HEX.fullmatch(namespace):
                 continue
             where = f"{self.root}/{namespace}"
-            with self._lock:
+            with self._lock, _raised_as_tier_error(self.name, where):
                 try:
                     ns_fd = self._open_dir(self._root_fd, namespace, where, create=False)
                 except OSError as exc:
@@ -697,16 +706,22 @@ class FilesystemTier(Tier):
                     with os.scandir(ns_fd) as it:
                         subs = [e.name for e in it if _SUB.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
                     for sub in subs:
-                        with contextlib.suppress(OSError):  # not empty: a file of it is kept
-                            os.rmdir(sub, dir_fd=ns_fd)
+                        self._rmdir_if_empty(ns_fd, sub, f"{where}/{sub}")
                 finally:
                     os.close(ns_fd)
-                try:
-                    os.rmdir(namespace, dir_fd=self._root_fd)
-                    removed += 1
-                except OSError:  # not empty
-                    pass
+                removed += self._rmdir_if_empty(self._root_fd, namespace, where)
         return removed
+
+    def _rmdir_if_empty(self, parent_fd: int, name: str, where: str) -> int:
+        """1 if the directory was removed; 0 if it is not empty (a file written meanwhile) or gone already;
+        TierError on anything else."""
+        try:
+            os.rmdir(name, dir_fd=parent_fd)
+            return 1
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                return 0
+            raise TierError(f"{self.name}: cannot remove {where}: {_reason(exc)}") from exc
 
     def exists(self, key: ShardKey) -> bool:
         """Whether the index holds ``key`` (no disk access: the cascade asks before every write)."""

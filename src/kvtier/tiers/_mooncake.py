@@ -350,13 +350,14 @@ class MooncakeTier(Tier):
 
     def remove_records(self, namespaces: Collection[str]) -> int:
         """Each namespace's records in the tenant shares (``<prefix>shares/<id>/<namespace>``) and its KV-head
-        marker (``<prefix><namespace>/heads``), unless objects of it are stored (written meanwhile: lookups need
-        the marker to find them)."""
+        marker (``<prefix><namespace>/heads``), unless objects of it are stored: lookups need the marker to find
+        them, so one written while the marker was removed has it written again."""
         wanted = set(namespaces)
         names, by_ns = self._all_keys(fresh=True)
         shape = re.compile(re.escape(f"{self.options.key_prefix}shares/") + r"[0-9a-f]{32}/([0-9a-f]{32})")
         doomed = [n for n in names if (match := shape.fullmatch(n)) is not None and match[1] in wanted]
-        doomed += [self._name(namespace, _MARKER) for namespace in sorted(wanted - by_ns.keys())]
+        unmarked = sorted(wanted - by_ns.keys())
+        doomed += [self._name(namespace, _MARKER) for namespace in unmarked]
         store = self._store()
         removed = 0
         for name in doomed:
@@ -366,6 +367,10 @@ class MooncakeTier(Tier):
             if rc != _NOT_FOUND:  # (gone meanwhile: Mooncake's eviction, another command)
                 self._check(rc, f"removing {name}")
                 removed += 1
+        _, by_ns = self._all_keys(fresh=True)
+        for namespace in unmarked:
+            for total in {int(match[3].rsplit("of", 1)[1]) for match in by_ns.get(namespace, [])}:
+                self._mark(store, namespace, total)  # written meanwhile: marked again
         return removed
 
     def _share_members(self, sid: str) -> tuple[list[str], float | None]:

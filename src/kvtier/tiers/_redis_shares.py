@@ -32,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 _STALE_MS = 30_000  # a shard handed out for deletion this long ago and still counted is handed out again
 _MOST = 64  # shards one put hands out at most (one script call stays short); the rest at the next put
 _KEPT = 65536  # namespaces whose share is remembered (the store tells the tier again when it meets one anew)
+_RECORD_EVERY = 30.0  # seconds after which a put writes its namespace's shareof key again (a purge deletes it)
+_FORGET_BATCH = 256  # members taken out of a share per script call
 _MEMBER = re.compile(rb"([0-9a-f]{32}):([0-9a-f]{32}):([0-9]+-[0-9]+of[0-9]+)")
 
 _NOW = """
@@ -102,6 +106,15 @@ return out
 """
 
 # KEYS: lru, acct, doomed. ARGV: shards about to be deleted (live or doomed): out of the count.
+# A share with nothing counted in it any more (its two sums only): its keys deleted; returns how many.
+_DROP_EMPTY = """
+local counted = redis.call('HLEN', KEYS[2]) - redis.call('HEXISTS', KEYS[2], '~total')
+  - redis.call('HEXISTS', KEYS[2], '~doomed')
+if counted == 0 and redis.call('ZCARD', KEYS[1]) == 0 and redis.call('ZCARD', KEYS[3]) == 0 then
+  return redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+end
+return 0
+"""
 _UNCOUNT = _NOW + """
 local total, gone = num(redis.call('HGET', KEYS[2], '~total')), num(redis.call('HGET', KEYS[2], '~doomed'))
 for _, m in ipairs(ARGV) do
@@ -161,7 +174,7 @@ class RedisShares:
         self._call = call
         self._lock = threading.Lock()
         self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()  # namespace -> (share id, quota)
-        self._recorded: set[str] = set()  # namespaces whose shareof key this process has written
+        self._recorded: dict[str, float] = {}  # namespace -> when this process last wrote its shareof key
         self.evictions = 0
         self.refused = 0
         self.touch_failures = 0
@@ -200,12 +213,13 @@ class RedisShares:
         sid, quota = found
 
         def run(client: Any) -> Any:
-            if key.namespace not in self._recorded:
+            now = time.monotonic()
+            if now - self._recorded.get(key.namespace, -math.inf) >= _RECORD_EVERY:
                 client.set(self._of_key(key.namespace), sid)
                 with self._lock:
                     if len(self._recorded) >= _KEPT:
                         self._recorded.clear()  # written again as they come: an idempotent SET
-                    self._recorded.add(key.namespace)
+                    self._recorded[key.namespace] = now
             return client.eval(_ACCOUNT, 3, *self._keys(sid), self._member(key), size, quota,
                                int(tenant_shares.RECENT_SECONDS * 1000), _STALE_MS, _MOST)
 
@@ -260,13 +274,27 @@ class RedisShares:
         self._call(f"share accounting of {key.name}", run)
 
     def forget(self, namespaces: Collection[str]) -> int:
-        """Delete the ``shareof`` keys of ``namespaces``, whose shards are deleted (each taken out of its share
-        first, found by that key: :meth:`removing`); how many there were."""
+        """Once the shards of ``namespaces`` are deleted (each taken out of its share first: :meth:`removing`),
+        what still names them: members of their share the server dropped by itself or that were written
+        meanwhile (taken out of its count), the share's keys once nothing is left in them, and their ``shareof``
+        keys; how many of these there were. A put writes ``shareof`` again within :data:`_RECORD_EVERY`."""
         removed = 0
         for namespace in namespaces:
-            removed += int(self._call("share record", lambda c, ns=namespace: c.delete(self._of_key(ns))) or 0)
+            def run(client: Any, ns: str = namespace) -> int:
+                count = 0
+                sid = client.get(self._of_key(ns))
+                sid = sid.decode() if isinstance(sid, bytes) else sid
+                if isinstance(sid, str) and re.fullmatch(r"[0-9a-f]{32}", sid):
+                    keys = self._keys(sid)
+                    members = [m for m, _ in client.hscan_iter(keys[1], match=f"{ns}:*")]
+                    for i in range(0, len(members), _FORGET_BATCH):
+                        client.eval(_UNCOUNT, 3, *keys, *members[i:i + _FORGET_BATCH])
+                    count += len(members) + int(client.eval(_DROP_EMPTY, 3, *keys) or 0)
+                return count + int(client.delete(self._of_key(ns)) or 0)
+
+            removed += self._call("share records", run)
             with self._lock:
-                self._recorded.discard(namespace)
+                self._recorded.pop(namespace, None)
         return removed
 
     def bytes(self, share: str) -> int:
