@@ -5,9 +5,8 @@ Every thread kvtier starts goes through :func:`start` (or an executor's ``initia
 libraries' threads it starts (the metrics server's, the span exporter's) through :func:`call`: each is named in
 the OS (``top -H``, ``/proc/PID/task/*/comm``) and runs on the CPUs :func:`run_on` set, if any. An
 engine that pins its computing threads to cores (vLLM on CPU pins each worker's OpenMP threads) also pins every
-thread started from them, kvtier's included, so that reading, decrypting and writing KV would take turns with
-the engine's computation on its cores while the cores left to the rest stayed idle; the vLLM connector therefore
-moves kvtier's threads off the engine's compute cores (:func:`spare_cpus`).
+thread started from them, kvtier's included, so that reading, decrypting and writing KV would share the
+engine's compute cores; the vLLM connector therefore moves kvtier's threads off them (:func:`spare_cpus`).
 
 Daemon threads, because a call stuck on a stalled server must never hold up the engine's exit; a bounded queue,
 because a stalled server must not grow memory without end: a full queue refuses (``queue.Full``) and the caller
@@ -24,7 +23,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -62,7 +61,7 @@ def entered(name: str) -> None:
             if not _placement_failed:
                 _placement_failed = True
                 log.warning("kvtier: cannot move thread %s to CPUs %s (%s); it runs where it was started",
-                            name, _cpu_list(cpus), exc)
+                            name, cpu_list(cpus), exc)
 
 
 def start(target: Callable[[], object], name: str) -> threading.Thread:
@@ -187,7 +186,8 @@ def _id_list(text: str) -> list[int]:
     return cpus
 
 
-def _cpu_list(cpus: frozenset[int]) -> str:
+def cpu_list(cpus: Collection[int]) -> str:
+    """``{2, 0, 1}`` -> ``0,1,2`` (for messages)."""
     return ",".join(str(c) for c in sorted(cpus))
 
 

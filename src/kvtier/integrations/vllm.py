@@ -87,8 +87,8 @@ def _keep_off_compute_cores() -> None:
     """In a CPU worker vLLM started with its OpenMP threads bound to cores (its multiprocessing executor: under
     the API server, or an ``LLM`` with multiprocessing on), run kvtier's threads on the process's other cores
     (:func:`kvtier.threads.spare_cpus`). Bound, the worker's main thread passes its cores to every thread started
-    from it: kvtier's reading, decrypting and writing threads took turns with the engine's computation on its
-    one core (measured in ``/proc``: every thread of the worker on core 0 of 2). Only in vLLM's worker processes
+    from it: kvtier's reading, decrypting and writing threads shared the engine's compute core (seen in
+    ``/proc``: every thread of the worker on core 0 of 2). Only in vLLM's worker processes
     (``VllmWorker-N``): where such a process may run is its starter's CPUs (vLLM's engine process, not bound),
     which for a process started some other way need not be the user's."""
     parent = multiprocessing.parent_process()
@@ -103,8 +103,8 @@ def _keep_off_compute_cores() -> None:
     cpus = threads.spare_cpus(os.environ, allowed, current, siblings=siblings, nodes=nodes)
     if cpus is not None:
         threads.run_on(cpus)
-        log.info("kvtier: vLLM computes on CPUs %s; kvtier's threads run on CPUs %s",
-                 ",".join(map(str, sorted(current))), ",".join(map(str, sorted(cpus))))
+        log.info("kvtier: vLLM computes on CPUs %s; kvtier's threads run on CPUs %s", threads.cpu_list(current),
+                 threads.cpu_list(cpus))
 
 
 class KVTierConnector(KVConnectorBase_V1):

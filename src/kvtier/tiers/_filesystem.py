@@ -170,7 +170,7 @@ def _raised_as_tier_error(tier: str, where: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        raise TierError(f"{tier}: {where}: {_reason(exc)}") from exc
+        raise TierError(f"{tier}: cannot remove {where}: {_reason(exc)}") from exc
 
 
 def _unlink_quietly(name: str, dir_fd: int) -> None:
@@ -699,9 +699,9 @@ class FilesystemTier(Tier):
                 try:
                     ns_fd = self._open_dir(self._root_fd, namespace, where, create=False)
                 except OSError as exc:
-                    if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                    if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):  # gone, or not ours to follow
                         continue
-                    raise TierError(f"{self.name}: cannot open {where}: {_reason(exc)}") from exc
+                    raise
                 try:
                     with os.scandir(ns_fd) as it:
                         subs = [e.name for e in it if _SUB.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
