@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
 from kvtier import KVStore
-from kvtier.audit import AuditLog, verify
+from kvtier.audit import AuditLog, Verdict, verify
 from kvtier.cli import main
 from kvtier.testing import synthetic_kv, synthetic_tokens
 from tests.conftest import NS, store_config
@@ -118,7 +120,7 @@ def test_processes_appending_at_once_keep_the_chain_whole(tmp_path: Path) -> Non
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    assert verify(path) == (400, None)
+    assert verify(path) == Verdict(400)
     assert Path(path).stat().st_mode & 0o077 == 0
 
 
@@ -132,3 +134,160 @@ def test_an_unwritable_log_stops_the_purge_before_anything_is_removed(tmp_path: 
     config.write_text(yaml.safe_dump(bad))
     assert main(["cache", "stats", "--config", str(config)]) == 2
     assert "audit_log: an absolute path" in capsys.readouterr().err
+
+
+def _bounded(call, fifo: Path, release_flags: int) -> int:  # noqa: ANN001
+    """``call()``'s result; fails (instead of hanging the suite) when it blocks on ``fifo``, opening the other
+    end to let it go."""
+    out: list[int] = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    thread.join(20)
+    hung = thread.is_alive()
+    if hung:
+        os.close(os.open(fifo, release_flags | os.O_NONBLOCK))
+        thread.join(20)
+    assert not hung, f"blocked on the FIFO {fifo}"
+    return out[0]
+
+
+def purged(tmp_path: Path, audit: Path) -> Path:
+    """A store's config whose audit log holds the 3 records of one namespace's purge."""
+    config = setup_store(tmp_path, audit)
+    assert main(["cache", "purge", "--config", str(config), "--namespace", NS.id]) == 0
+    return config
+
+
+def test_an_audit_directory_another_user_could_write_is_refused(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    where = tmp_path / "audit"
+    where.mkdir(mode=0o700)
+    audit = where / "audit.jsonl"
+    config = purged(tmp_path, audit)
+    stored = len(list((tmp_path / "fs").rglob("*.kv")))
+    capsys.readouterr()
+    # whoever may write the directory may delete the log and its head, or put a forged pair in their place
+    for mode in (0o770, 0o703, 0o1777):
+        where.chmod(mode)
+        assert main(["cache", "audit", "--config", str(config)]) == 2
+        assert "writable by group or other" in capsys.readouterr().err
+        audit.unlink()
+        Path(f"{audit}.head").unlink()  # what such a user can do: not "no records yet"
+        assert main(["cache", "audit", "--config", str(config)]) == 2
+        assert main(["cache", "purge", "--config", str(config), "--all"]) == 2
+        assert "nothing was removed" in capsys.readouterr().err
+        where.chmod(0o700)
+        audit.unlink(missing_ok=True)
+        config = purged(tmp_path, audit)
+        capsys.readouterr()
+    if os.geteuid() == 0:  # another user's directory (root can hand it over)
+        os.chown(where, 12345, -1)
+        assert main(["cache", "audit", "--config", str(config)]) == 2
+        assert "owned by uid 12345" in capsys.readouterr().err
+        assert main(["cache", "purge", "--config", str(config), "--all"]) == 2
+        os.chown(where, 0, -1)
+    assert main(["cache", "audit", "--config", str(config)]) == 0
+    assert len(list((tmp_path / "fs").rglob("*.kv"))) == stored
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hands files to another uid (CI runs as root)")
+def test_a_log_or_head_another_user_owns_or_may_write_fails_the_audit(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    audit = tmp_path / "audit.jsonl"
+    config = purged(tmp_path, audit)
+    head = Path(f"{audit}.head")
+    for path in (audit, head):
+        os.chown(path, 12345, -1)  # a consistent pair forged by that user would pass the chain
+        assert main(["cache", "audit", "--config", str(config)]) == 1
+        assert f"{path} is owned by uid 12345" in capsys.readouterr().out
+        os.chown(path, 0, -1)
+        path.chmod(0o620)
+        assert main(["cache", "audit", "--config", str(config)]) == 1
+        assert f"{path} is writable by group or other" in capsys.readouterr().out
+        path.chmod(0o600)
+    assert main(["cache", "audit", "--config", str(config)]) == 0
+
+
+def test_a_fifo_or_link_in_place_of_the_log_or_head_fails_at_once(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    audit = tmp_path / "audit.jsonl"
+    config = purged(tmp_path, audit)
+    head = Path(f"{audit}.head")
+    check = lambda: main(["cache", "audit", "--config", str(config)])  # noqa: E731
+    head.unlink()
+    os.mkfifo(head, 0o600)
+    assert _bounded(check, head, os.O_WRONLY) == 1
+    assert f"{head} is not a regular file" in capsys.readouterr().out
+    assert main(["cache", "purge", "--config", str(config), "--all"]) == 0  # the FIFO is replaced, not opened
+    assert check() == 0
+    assert "5 records, chain intact" in capsys.readouterr().out
+    head.unlink()
+    head.symlink_to(tmp_path / "elsewhere")
+    assert check() == 1
+    assert "is a symbolic link" in capsys.readouterr().out
+    audit.unlink()
+    os.mkfifo(audit, 0o600)
+    assert _bounded(check, audit, os.O_WRONLY) == 1
+    assert f"{audit} is not a regular file" in capsys.readouterr().out
+
+
+def test_a_planted_head_temp_file_changes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    log.record("purge", tier="t", objects=0, bytes=0)
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    planted = Path(f"{path}.head.tmp")
+    for plant in (lambda: os.mkfifo(planted, 0o600), lambda: planted.symlink_to(victim), planted.mkdir):
+        plant()
+        _bounded(lambda: log.record("purge", tier="t", objects=1, bytes=0), planted, os.O_RDONLY)
+        (planted.rmdir if planted.is_dir() and not planted.is_symlink() else planted.unlink)()
+    assert verify(path) == Verdict(4)
+    assert victim.read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.jsonl", "audit.jsonl.head", "victim"]
+
+
+def test_a_crash_mid_append_is_reported_and_mended_by_the_next_record(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    audit = tmp_path / "audit.jsonl"
+    config = purged(tmp_path, audit)
+    check = lambda: main(["cache", "audit", "--config", str(config)])  # noqa: E731
+    whole = audit.read_bytes()
+    with audit.open("ab") as log:
+        log.write(b'{"action":"purge","zz')  # the process died in the middle of its write
+    assert check() == 0
+    out = capsys.readouterr().out
+    assert "3 records, chain intact" in out and "an unfinished last line of 21 bytes after record 3" in out
+    head = Path(f"{audit}.head")
+    before = head.read_bytes()
+    assert main(["cache", "purge", "--config", str(config), "--all"]) == 0
+    data = audit.read_bytes()
+    assert data.startswith(whole) and b'"zz' not in data and data.endswith(b"\n")
+    assert json.loads(data.splitlines()[3])["torn_tail_cut"] == 21
+    assert check() == 0
+    assert "5 records, chain intact" in capsys.readouterr().out
+    # the other crash: the record appended, its head not yet replaced
+    head.write_bytes(before)
+    lines = data.splitlines(keepends=True)
+    audit.write_bytes(b"".join(lines[:4]))
+    assert check() == 0
+    assert "4 records, chain intact" in (out := capsys.readouterr().out) and "its head trails by one" in out
+    AuditLog(audit).record("purge", tier="t", objects=0, bytes=0)
+    assert verify(audit) == Verdict(5)
+
+
+def test_a_head_past_the_log_is_tampering(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    audit = tmp_path / "audit.jsonl"
+    config = purged(tmp_path, audit)
+    audit.write_bytes(b"")  # emptied: its head still counts 3
+    assert main(["cache", "audit", "--config", str(config)]) == 1
+    assert "its head says 3" in capsys.readouterr().out
+    audit.unlink()  # gone, and its head a FIFO
+    head = Path(f"{audit}.head")
+    head.unlink()
+    os.mkfifo(head, 0o600)
+    assert main(["cache", "audit", "--config", str(config)]) == 1
+    assert "the log is gone" in capsys.readouterr().out
+    head.unlink()  # both gone, in a directory only this user may write: nothing was ever recorded
+    assert main(["cache", "audit", "--config", str(config)]) == 0
+    assert "no records yet" in capsys.readouterr().out

@@ -242,20 +242,14 @@ def cmd_audit(tiers: list[Tier], args: argparse.Namespace) -> int:
     path = args.store_config.audit_log
     if path is None:
         raise ConfigError("audit_log: not set in this config; nothing to check")
-    try:
-        count, broken = verify(path)
-    except FileNotFoundError:
-        if os.path.exists(f"{path}.head"):
-            print(f"audit log {path}: BROKEN: the log is gone, its head ({path}.head) is not")
-            return 1
-        print(f"audit log {path}: no records yet")
-        return 0
-    except OSError as exc:
-        raise ConfigError(f"audit_log: cannot read {path}: {exc.strerror}") from None
-    if broken is not None:
-        print(f"audit log {path}: BROKEN after {count} records: {broken}")
+    verdict = verify(path)
+    for note in verdict.notes:
+        print(f"audit log {path}: note: {note}")
+    if verdict.broken is not None:
+        print(f"audit log {path}: BROKEN after {verdict.records} records: {verdict.broken}")
         return 1
-    print(f"audit log {path}: {count} records, chain intact")
+    print(f"audit log {path}: " + (f"{verdict.records} records, chain intact" if verdict.records else
+                                   "no records yet"))
     return 0
 
 
