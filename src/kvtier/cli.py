@@ -371,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "kvtier tiers; YAML), with and without kvtier")
     simulate.add_argument("--calibration", type=Path, help="the `kvtier calibrate` file the timing uses (needed "
                                                             "with --deployment)")
+    simulate.add_argument("--strict", action="store_true", help="refuse a trace with a line whose prompt is empty "
+                                                                 "(by default such lines are skipped and counted)")
     simulate.add_argument("--no-plot", action="store_true", help="skip the PNGs")
     decide = top.add_parser("decide", help="from a workload card and deployment facts: no offloading, "
                                            "engine-local offloading or a shared tier, with the numbers why")
@@ -420,10 +422,13 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         if args.tokenizer:
             tokenizer = _tokenizer(args.tokenizer)
-        trace = load_trace(args.trace, args.block_tokens, tokenizer)
+        trace = load_trace(args.trace, args.block_tokens, tokenizer, strict=args.strict)
     except KVTierError as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 2
+    if trace.skipped_empty:
+        print(f"kvtier: warning: skipped {trace.skipped_empty} lines of {args.trace} with an empty prompt (they look "
+              "up nothing; --strict refuses them)", file=sys.stderr)
     deployment = calibration = None
     if (args.deployment is None) != (args.calibration is None):
         print("kvtier: --deployment and --calibration go together (the timing layer needs both)", file=sys.stderr)

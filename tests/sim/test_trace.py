@@ -73,7 +73,7 @@ def test_text_lines_need_a_tokenizer_and_use_it(tmp_path: Path) -> None:
     ({"timestamp": 1, "output_length": 1, "token_ids": [2**70]}, r":2: token_ids: expected a list of integers in"),
     ({"timestamp": 10**400, "input_length": 4, "output_length": 1, "hash_ids": [1]}, r":2: timestamp: .* too large"),
     ({"timestamp": 1, "input_length": 8, "output_length": 1, "hash_ids": [7, 7]}, r":2: hash_ids: an id repeats"),
-    ({"timestamp": 1, "output_length": 1, "token_ids": []}, r":2: token_ids: an empty prompt"),
+    ({"timestamp": 1, "output_length": 1, "token_ids": []}, r":2: token_ids: an empty prompt \(without --strict"),
     ({"timestamp": 1, "output_length": 1, "token_ids": [1], "cache_salt": 5}, r":2: cache_salt: expected a string"),
     ({"timestamp": 0.5, "input_length": 4, "output_length": 1, "hash_ids": [1]}, r":2: timestamp: 0.5 is before the previous line's 1.0"),
 ])
@@ -81,7 +81,40 @@ def test_a_malformed_line_names_its_line_and_field(tmp_path: Path, line, message
     path = write(tmp_path / "bad.jsonl", [{"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": [0]},
                                           line])
     with pytest.raises(TraceError, match=r"bad.jsonl" + message):
-        load_trace(path, block_tokens=4)
+        load_trace(path, block_tokens=4, strict=True)
+
+
+def test_lines_with_an_empty_prompt_are_skipped_and_counted_unless_strict(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    from kvtier.cli import main
+
+    path = write(tmp_path / "agent.jsonl", [
+        {"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [7, 8]},
+        {"timestamp": 1, "input_length": 0, "output_length": 3, "hash_ids": []},  # an agent call, no prompt
+        {"timestamp": 2, "token_ids": [], "output_length": 1},
+        {"timestamp": 3, "input_length": 8, "output_length": 1, "hash_ids": [7, 8]},
+    ])
+    trace = load_trace(path, block_tokens=4)
+    assert (len(trace.requests), trace.skipped_empty, trace.accesses) == (2, 2, 4)
+    with pytest.raises(TraceError, match=r"agent.jsonl:2: input_length: expected an integer >= 1, got 0"):
+        load_trace(path, block_tokens=4, strict=True)
+    with pytest.raises(TraceError, match=r"input_length: expected an integer >= 0, got -1"):
+        load_trace(write(tmp_path / "neg.jsonl", [{"timestamp": 0, "input_length": -1, "output_length": 1,
+                                                   "hash_ids": []}]), block_tokens=4)
+    with pytest.raises(TraceError, match=r"hash_ids: 1 ids for input_length 0"):  # no prompt, yet blocks
+        load_trace(write(tmp_path / "ids.jsonl", [{"timestamp": 0, "input_length": 0, "output_length": 1,
+                                                   "hash_ids": [3]}]), block_tokens=4)
+    with pytest.raises(TraceError, match=r"the trace has no requests \(1 lines with an empty prompt skipped\)"):
+        load_trace(write(tmp_path / "none.jsonl", [{"timestamp": 0, "token_ids": [], "output_length": 1}]))
+    argv = ["simulate", "--trace", str(path), "--block-tokens", "4", "--capacities", "1,2", "--no-plot"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 2 lines of" in captured.err and "--strict refuses them" in captured.err
+    assert "2 requests (2 lines with an empty prompt skipped)" in captured.out
+    report = json.loads((tmp_path / "out" / "cache.json").read_text())
+    assert report["trace"]["requests"] == 2 and report["trace"]["skipped_empty_prompts"] == 2
+    assert main([*argv, "--out", str(tmp_path / "strict"), "--strict"]) == 2
+    assert "agent.jsonl:2: input_length" in capsys.readouterr().err
 
 
 def test_unreadable_empty_and_binary_files_are_clear_errors(tmp_path: Path) -> None:

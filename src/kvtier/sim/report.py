@@ -31,7 +31,8 @@ def cache_report(trace: Trace, capacities: Sequence[int] | None, policies: Seque
     elapsed = time.monotonic() - started
     result = {
         "trace": {"source": trace.source, "requests": len(trace.requests), "block_tokens": trace.block_tokens,
-                  "block_accesses": trace.accesses, "distinct_whole_blocks": trace.distinct_blocks},
+                  "block_accesses": trace.accesses, "distinct_whole_blocks": trace.distinct_blocks,
+                  "skipped_empty_prompts": trace.skipped_empty},
         "model": "prefix hits of one cache; capacity in blocks; partial trailing blocks never stored",
         "seconds": round(elapsed, 2),
         "capacities": caps,
@@ -54,7 +55,8 @@ def cache_report(trace: Trace, capacities: Sequence[int] | None, policies: Seque
 
 
 def _print_table(trace: Trace, caps: Sequence[int], table: dict[str, dict[int, HitCount]], elapsed: float) -> None:
-    print(f"{trace.source}: {len(trace.requests):,} requests, {trace.accesses:,} block lookups, "
+    skipped = f" ({trace.skipped_empty:,} lines with an empty prompt skipped)" if trace.skipped_empty else ""
+    print(f"{trace.source}: {len(trace.requests):,} requests{skipped}, {trace.accesses:,} block lookups, "
           f"{trace.distinct_blocks:,} distinct whole blocks of {trace.block_tokens} tokens ({elapsed:.1f} s)")
     widths = {n: max(10, len(n)) for n in table}
     print("capacity  " + "  ".join(f"{n:>{w}}" for n, w in widths.items()))

@@ -11,6 +11,10 @@ Three kinds of JSONL line, told apart by their fields:
 
 Every request keeps its blocks as small integers (ids interned per trace) and how many of them are whole:
 kvtier never stores a partial trailing chunk, so only whole blocks are ever cached.
+
+A line with an empty prompt (``input_length: 0``, empty ``token_ids``, or a prompt that tokenizes to nothing: an
+agent's call with no prompt) looks up nothing, so it is skipped and counted (``Trace.skipped_empty``) rather than
+refusing the whole trace; ``strict=True`` refuses it instead.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Trace:
     requests: tuple[Request, ...]
     block_tokens: int
     source: str
+    skipped_empty: int = 0  # lines with an empty prompt, left out (see the module docstring)
 
     @property
     def accesses(self) -> int:
@@ -62,8 +67,9 @@ class Trace:
 
 
 def load_trace(path: str | Path, block_tokens: int = 512,
-               tokenizer: Callable[[str], Sequence[int]] | None = None) -> Trace:
-    """Read a JSONL trace; raises :class:`TraceError` naming the line and field of the first bad line."""
+               tokenizer: Callable[[str], Sequence[int]] | None = None, strict: bool = False) -> Trace:
+    """Read a JSONL trace; raises :class:`TraceError` naming the line and field of the first bad line (with
+    ``strict``, a line with an empty prompt is one; without, it is skipped and counted)."""
     if block_tokens < 1:
         raise TraceError(f"block_tokens: must be at least 1, got {block_tokens}")
     path = Path(path)
@@ -73,6 +79,7 @@ def load_trace(path: str | Path, block_tokens: int = 512,
         raise TraceError(f"{path}: cannot read the trace: {exc.strerror or exc}") from exc
     ids: dict[object, int] = {}
     requests: list[Request] = []
+    skipped = 0
     with handle:
         last_ts = -math.inf
         for number, line in _lines(handle, path):
@@ -83,15 +90,19 @@ def load_trace(path: str | Path, block_tokens: int = 512,
                 raise TraceError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(row, dict):
                 raise TraceError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            request = _request(row, where, block_tokens, ids, tokenizer)
+            request = _request(row, where, block_tokens, ids, tokenizer, strict)
+            if request is None:
+                skipped += 1
+                continue
             if request.timestamp_ms < last_ts:
                 raise TraceError(f"{where}: timestamp: {request.timestamp_ms} is before the previous line's "
                                  f"{last_ts}; a trace is in arrival order")
             last_ts = request.timestamp_ms
             requests.append(request)
     if not requests:
-        raise TraceError(f"{path}: the trace has no requests")
-    return Trace(tuple(requests), block_tokens, str(path))
+        raise TraceError(f"{path}: the trace has no requests"
+                         + (f" ({skipped} lines with an empty prompt skipped)" if skipped else ""))
+    return Trace(tuple(requests), block_tokens, str(path), skipped)
 
 
 def _lines(handle, path: Path) -> Iterator[tuple[int, str]]:
@@ -104,7 +115,8 @@ def _lines(handle, path: Path) -> Iterator[tuple[int, str]]:
 
 
 def _request(row: dict, where: str, block_tokens: int, ids: dict[object, int],
-             tokenizer: Callable[[str], Sequence[int]] | None) -> Request:
+             tokenizer: Callable[[str], Sequence[int]] | None, strict: bool) -> Request | None:
+    """The line's request; None for an empty prompt unless ``strict`` (then an error)."""
     timestamp = _number(row, "timestamp", where)
     output = _count(row, "output_length", where, minimum=0)
     kinds = [k for k in ("hash_ids", "token_ids", "prompt") if k in row]
@@ -112,7 +124,7 @@ def _request(row: dict, where: str, block_tokens: int, ids: dict[object, int],
         raise TraceError(f"{where}: needs exactly one of hash_ids (with input_length), token_ids or prompt; "
                          f"got {kinds or 'none'}")
     if kinds[0] == "hash_ids":
-        length = _count(row, "input_length", where, minimum=1)
+        length = _count(row, "input_length", where, minimum=1 if strict else 0)
         raw = row["hash_ids"]
         if not isinstance(raw, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in raw):
             raise TraceError(f"{where}: hash_ids: expected a list of integers")
@@ -121,6 +133,8 @@ def _request(row: dict, where: str, block_tokens: int, ids: dict[object, int],
                              f"{block_tokens} tokens need {-(-length // block_tokens)} (is --block-tokens right?)")
         if len(set(raw)) != len(raw):
             raise TraceError(f"{where}: hash_ids: an id repeats; prefix-chained ids never do")
+        if length == 0:  # and no ids, checked above
+            return None
         keys: list[object] = list(raw)
         whole = length // block_tokens
     else:
@@ -136,7 +150,9 @@ def _request(row: dict, where: str, block_tokens: int, ids: dict[object, int],
                                                        and 0 <= t < 2**63 for t in tokens):
                 raise TraceError(f"{where}: token_ids: expected a list of integers in [0, 2**63)")
         if not tokens:
-            raise TraceError(f"{where}: {kinds[0]}: an empty prompt")
+            if not strict:
+                return None
+            raise TraceError(f"{where}: {kinds[0]}: an empty prompt (without --strict such lines are skipped)")
         for field in ("cache_salt", "lora"):
             if row.get(field) is not None and not isinstance(row[field], str):
                 raise TraceError(f"{where}: {field}: expected a string")
