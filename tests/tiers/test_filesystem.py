@@ -145,3 +145,13 @@ def test_get_into_more_buffers_than_one_readv_takes(tmp_path: Path) -> None:
     pages = [bytearray(16) for _ in range(3000)]
     assert tier.get_into(key(1), 96, [memoryview(p) for p in pages]) == blob[:96]
     assert b"".join(pages) == blob[96:]
+
+
+def test_an_expired_file_does_not_exist_and_is_removed(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "fs", ttl_seconds=0.2)
+    tier.put(key(1), [b"old"])
+    assert tier.exists(key(1))
+    time.sleep(0.25)
+    assert not tier.exists(key(1))  # as get: past its TTL it is gone, counted and removed from disk
+    assert tier.counters()["expired"] == 1
+    assert not any(p.suffix == ".kv" for p in (tmp_path / "fs").rglob("*"))

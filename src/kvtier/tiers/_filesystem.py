@@ -486,6 +486,15 @@ class FilesystemTier(Tier):
     def _expired(self, info: _File, now: float) -> bool:
         return self.options.ttl_seconds is not None and now - info.created > self.options.ttl_seconds
 
+    def _live_locked(self, key: ShardKey, now: float) -> _File | None:
+        """``key``'s index entry; None when there is none, or it is past its TTL (then removed and counted)."""
+        info = self._files.get(key)
+        if info is not None and self._expired(info, now):
+            self._remove_locked(key)
+            self.expired += 1
+            return None
+        return info
+
     def _expire_locked(self, now: float) -> None:
         if self.options.ttl_seconds is None:
             return
@@ -638,12 +647,8 @@ class FilesystemTier(Tier):
         from the index) or not a file we read (removed)."""
         now = time.time()
         with self._lock:
-            info = self._files.get(key)
+            info = self._live_locked(key, now)
             if info is None:
-                return None
-            if self._expired(info, now):
-                self._remove_locked(key)
-                self.expired += 1
                 return None
             self._files.move_to_end(key)
             self._shares.used(key)
@@ -724,9 +729,10 @@ class FilesystemTier(Tier):
             raise TierError(f"{self.name}: cannot remove {where}: {_reason(exc)}") from exc
 
     def exists(self, key: ShardKey) -> bool:
-        """Whether the index holds ``key`` (no disk access: the cascade asks before every write)."""
+        """Whether the index holds ``key`` unexpired (no disk access but to remove an expired file, as ``get``
+        does: the cascade asks before every write)."""
         with self._lock:
-            return key in self._files
+            return self._live_locked(key, time.time()) is not None
 
     def heads(self, namespace: str, chunks: Sequence[str]) -> list[list[HeadRange]]:
         with self._lock:
