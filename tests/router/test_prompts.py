@@ -1,0 +1,237 @@
+"""Reading a request body as vLLM 0.32 reads it: its fields (pydantic's lax rules), the chat template (the model's
+own, never the client's, with bounded kwargs), truncation and the fields that keep a prefix from being cached.
+The model's real tokenizer (SmolLM2-135M), and a copy of it with a template of the tests' own."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from kvtier.bench.model import prepare_model
+from kvtier.router.prompts import FieldError, Prompt, PromptError, Tokenizer, Uncached, read_bool, read_int, \
+    read_prompt, read_stream
+
+CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+# The issue's 223-byte request template: 36 million iterations (1.3-1.8 s of the router's loop, and more with
+# larger ranges), had the router rendered it.
+LOOPS = ("{% for a in range(600) %}{% for b in range(600) %}{% for c in range(100) %}x{% endfor %}{% endfor %}"
+         "{% endfor %}")
+# A template of the tests' own: it reads one custom variable (``note``), documents and enable_thinking.
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if note %}[{{ note }}]{% endif %}{% for d in documents or [] %}<doc>{{ d['text'] }}</doc>{% endfor %}"
+            "{% if enable_thinking %}<think>{% endif %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return prepare_model()
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def custom(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The model's tokenizer with :data:`TEMPLATE`, adding a BOS token (``<|im_start|>``) as Llama's do."""
+    target = tmp_path_factory.mktemp("tokenizer")
+    shutil.copy(model_dir / "tokenizer_config.json", target)
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    bos = next(t["id"] for t in spec["added_tokens"] if t["content"] == "<|im_start|>")
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [bos], "tokens": ["<|im_start|>"]}}}
+    (target / "tokenizer.json").write_text(json.dumps(spec))
+    (target / "chat_template.jinja").write_text(TEMPLATE)
+    tokenizer = Tokenizer(str(target))
+    tokenizer.bos = bos  # type: ignore[attr-defined]
+    return tokenizer
+
+
+@pytest.fixture
+def compiled(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every template source jinja2 compiles or parses while the test runs."""
+    sources: list[str] = []
+    for name in ("from_string", "parse"):
+        original = getattr(jinja2.Environment, name)
+
+        def spy(self, source, *args, _original=original, **kw):
+            sources.append(str(source))
+            return _original(self, source, *args, **kw)
+        monkeypatch.setattr(jinja2.Environment, name, spy)
+    return sources
+
+
+def chat(tokenizer: Tokenizer, **fields) -> Prompt:
+    return read_prompt(tokenizer, CHAT, {"model": "m", "messages": MESSAGES, **fields}, set())
+
+
+def completion(tokenizer: Tokenizer, prompt, **fields) -> Prompt:
+    return read_prompt(tokenizer, COMPLETION, {"model": "m", "prompt": prompt, **fields}, set())
+
+
+# --- the chat template --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["chat_template", "chat_template_kwargs"])
+def test_a_template_in_the_request_is_never_compiled_nor_rendered(tok, compiled, where):
+    body = {"chat_template": LOOPS} if where == "chat_template" else {"chat_template_kwargs": {"chat_template": LOOPS}}
+    with pytest.raises(FieldError, match="^chat_template: a template in the request is not rendered"):
+        chat(tok, **body)
+    assert not any("range(600)" in source for source in compiled)
+
+
+def test_the_models_own_template_renders_and_kwargs_it_does_not_read_are_not_passed(custom, compiled, monkeypatch):
+    calls = []
+    original = custom._tok.apply_chat_template
+    monkeypatch.setattr(custom._tok, "apply_chat_template", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+    plain = chat(custom).tokens
+    assert chat(custom, chat_template_kwargs={"unread": "x" * 1_000_000}).tokens == plain
+    assert all("unread" not in kw for kw in calls)
+    assert all(kw["chat_template"] == TEMPLATE for kw in calls)  # the model directory's, named each time
+    noted = chat(custom, chat_template_kwargs={"note": "be brief"}).tokens
+    assert noted != plain and custom._tok.decode(noted).endswith("[be brief]<|im_start|>assistant\n")
+    assert set(compiled) <= {TEMPLATE}
+
+
+@pytest.mark.parametrize("value", ["x" * 1_000_000, ["x"] * 20_000, 10**9])
+def test_a_large_kwarg_the_template_reads_is_not_rendered(custom, monkeypatch, value):
+    """A value the template reads could be copied or looped over: past a small budget, no prediction (and no
+    render: the 'x' * 1e8 of the issue added 350 MB)."""
+    monkeypatch.setattr(custom._tok, "apply_chat_template", lambda *a, **kw: pytest.fail("rendered"))
+    with pytest.raises(FieldError, match="^chat_template_kwargs: more than"):
+        chat(custom, chat_template_kwargs={"note": value})
+
+
+def test_kwargs_merge_as_vllm_merges_them(custom):
+    """The request's own fields win over the client's kwargs; null and "auto" values are dropped; a reasoning
+    effort turns thinking on unless the kwargs say."""
+    assert chat(custom, chat_template_kwargs={"add_generation_prompt": False}).tokens == chat(custom).tokens
+    assert chat(custom, chat_template_kwargs={"note": None}).tokens == chat(custom).tokens
+    assert chat(custom, chat_template_kwargs={"note": "auto"}).tokens == chat(custom).tokens
+    thinking = custom._tok.decode(chat(custom, reasoning_effort="low").tokens)
+    assert thinking.endswith("<think><|im_start|>assistant\n")
+    assert "<think>" not in custom._tok.decode(chat(custom, reasoning_effort="low",
+                                                    chat_template_kwargs={"enable_thinking": False}).tokens)
+    docs = custom._tok.decode(chat(custom, documents=[{"title": "t", "text": "Paris"}]).tokens)
+    assert "<doc>Paris</doc>" in docs
+
+
+# --- fields read as pydantic reads them -----------------------------------------------------------------------
+BOOLS = [True, False, 0, 1, 0.0, 1.0, "true", "false", "False", "TRUE", "yes", "No", "on", "OFF", "t", "f", "y",
+         "n", "1", "0", 2, -1, 0.5, "", " true", "true ", "2", "maybe", "ＴＲＵＥ", None, [], {}]
+
+
+@pytest.mark.parametrize("value", BOOLS)
+def test_booleans_read_as_pydantic_reads_them(value):
+    pydantic = pytest.importorskip("pydantic")
+    try:
+        expected = pydantic.TypeAdapter(bool).validate_python(value)
+    except pydantic.ValidationError:
+        with pytest.raises(FieldError, match="^flag: expected a boolean"):
+            read_bool({"flag": value}, "flag", True)
+    else:
+        assert read_bool({"flag": value}, "flag", not expected) is expected
+
+
+@pytest.mark.parametrize("value", [5, -1, 5.0, True, "5", "-1", "+7", 5.5, "1e3", "0x5", "", [], -2, 2**63, "1" * 30])
+def test_integers_read_as_pydantic_does_or_not_at_all(value):
+    """Where the router reads an integer, it is the one pydantic reads; where pydantic would refuse, so does the
+    router (a few strings pydantic takes, such as "1_000", the router refuses: it predicts nothing for them)."""
+    pydantic = pytest.importorskip("pydantic")
+    from typing import Annotated
+
+    adapter = pydantic.TypeAdapter(Annotated[int, pydantic.Field(ge=-1, le=2**63 - 1)] | None)
+    try:
+        mine = read_int({"n": value}, "n", -1)
+    except FieldError:
+        mine = FieldError
+    try:
+        theirs = adapter.validate_python(value)
+    except pydantic.ValidationError:
+        theirs = FieldError
+    assert mine == theirs
+
+
+def test_a_string_false_is_false_for_every_flag(custom):
+    assert read_stream({"stream": "false"}) is False and read_stream({"stream": "true"}) is True
+    assert read_stream({"stream": None}) is False and read_stream({"stream": "sometimes"}) is False
+    assert chat(custom, add_generation_prompt="false").tokens == chat(custom, add_generation_prompt=False).tokens
+    assert chat(custom, add_generation_prompt="false").tokens != chat(custom).tokens
+    assert completion(custom, "hello world", add_special_tokens="false").tokens == \
+        completion(custom, "hello world", add_special_tokens=False).tokens
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"stream": "sometimes"}, "stream"),
+    ({"add_generation_prompt": None}, "add_generation_prompt"),  # bool, not bool | None, in vLLM
+    ({"continue_final_message": True}, "add_generation_prompt, continue_final_message"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncation_side": "middle"}, "truncation_side"),
+    ({"documents": ["text"]}, "documents"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+])
+def test_fields_vllm_refuses_give_no_prediction_and_name_the_field(tok, fields, field):
+    with pytest.raises(FieldError) as info:
+        chat(tok, **fields)
+    assert str(info.value).startswith(field + ":")
+
+
+# --- what the engine computes and caches ---------------------------------------------------------------------
+def test_add_special_tokens_is_honoured_for_chats_and_completions(custom):
+    bos = custom.bos
+    assert completion(custom, "hello world").tokens[0] == bos  # completions add them by default
+    assert completion(custom, "hello world", add_special_tokens=False).tokens[0] != bos
+    default = chat(custom).tokens
+    assert chat(custom, add_special_tokens=True).tokens == [bos, *default]  # chats do not, unless asked
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_as_vllm_does(tok, custom):
+    ids = list(range(100, 200))
+    assert completion(tok, ids, truncate_prompt_tokens=10).tokens == ids[-10:]
+    assert completion(tok, ids, truncate_prompt_tokens="10", truncation_side="right").tokens == ids[:10]
+    assert completion(tok, ids, truncate_prompt_tokens=500).tokens == ids
+    text = " ".join(f"word{i}" for i in range(50))
+    full = completion(custom, text).tokens
+    cut = completion(custom, text, truncate_prompt_tokens=10).tokens
+    # the tokenizer truncates and keeps its BOS, as vLLM has it do
+    assert len(cut) == 10 and cut[0] == custom.bos and cut[1:] == full[-9:]
+    assert completion(custom, text, truncate_prompt_tokens=10, truncation_side="left").tokens == full[-10:]
+    whole = chat(tok).tokens
+    assert chat(tok, truncate_prompt_tokens=8).tokens == whole[-8:]
+
+
+@pytest.mark.parametrize("path, fields, reason", [
+    (CHAT, {"prompt_logprobs": 1}, Uncached.PROMPT_LOGPROBS),
+    (CHAT, {"echo": True}, Uncached.PROMPT_LOGPROBS),  # vLLM takes top_logprobs (0) as prompt_logprobs
+    (CHAT, {"echo": "true", "top_logprobs": None}, Uncached.PROMPT_LOGPROBS),  # null reads 0 there
+    (COMPLETION, {"prompt_logprobs": 0}, Uncached.PROMPT_LOGPROBS),
+    (COMPLETION, {"echo": True}, None),  # logprobs unset: no prompt logprobs
+    (COMPLETION, {"echo": True, "logprobs": 2}, Uncached.PROMPT_LOGPROBS),
+    (COMPLETION, {"truncate_prompt_tokens": -1}, Uncached.TRUNCATED_TO_LIMIT),
+    (COMPLETION, {"truncate_prompt_tokens": 4}, None),
+])
+def test_fields_that_keep_vllm_from_reading_its_cache_predict_no_hit(tok, path, fields, reason):
+    body = {"model": "m", "messages": MESSAGES, "prompt": "hello there world", **fields}
+    prompt = read_prompt(tok, path, body, set())
+    assert prompt.uncached is reason and prompt.tokens
+
+
+def test_media_parts_predict_no_hit_and_count_the_text_alone(tok):
+    text = {"type": "text", "text": "What is in this picture?"}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    alone = read_prompt(tok, CHAT, {"messages": [{"role": "user", "content": [text]}]}, set())
+    assert alone.uncached is None
+    mixed = read_prompt(tok, CHAT, {"messages": [{"role": "user", "content": [text, image]}]}, set())
+    assert mixed.uncached is Uncached.CONTENT_PARTS and not mixed.uncached.stored
+    assert mixed.tokens == alone.tokens
+
