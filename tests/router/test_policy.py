@@ -13,7 +13,7 @@ from kvtier.router.config import load_router_config
 from kvtier.router.events import Stored
 from kvtier.router.index import PrefixIndex, block_key
 from kvtier.router.policy import Router
-from kvtier.router.prompts import Prompt
+from kvtier.router.prompts import Prompt, Uncached
 
 BS = 16
 
@@ -123,13 +123,15 @@ def test_lost_engine_is_forgotten():
     assert router.decide(Prompt(DOC + [1]))[0].match.blocks == 0
 
 
-def test_first_byte_calibrates_prefill_cost():
-    router = make()
-    prompt = Prompt(DOC)
-    decision = router.decide(prompt)[0]
-    flight = router.started(decision, router.keys(prompt))
-    router.first_byte(decision.engine, flight, ttft_s=0.5)  # 1,024 tokens in 0.5 s, nothing ahead
-    assert router.engines[decision.engine].prefill_s_per_token < 1e-3
+def test_first_bytes_calibrate_prefill_cost():
+    router = make(engines=("e0",))
+    for i in range(3):  # the first calibration takes the median of three samples
+        prompt = Prompt([5000 * (i + 1) + t for t in range(1024)])  # a prefix of its own each time
+        decision = router.decide(prompt)[0]
+        flight = router.started(decision, router.keys(prompt))
+        router.first_byte(decision.engine, flight, ttft_s=0.5)  # 1,024 tokens in 0.5 s, nothing ahead
+        router.finished(decision.engine, flight)
+    assert router.engines["e0"].calibrated and router.engines["e0"].prefill_s_per_token < 0.6e-3
 
 
 @pytest.mark.parametrize("patch, field", [
@@ -200,9 +202,35 @@ def test_requests_not_streamed_count_as_decoding_once_their_prefill_is_over():
 def test_one_odd_sample_moves_a_calibration_by_a_bounded_step():
     router = make(engines=("e0",))
     state = router.engines["e0"]
-    state.calibrate_prefill(1e-3)
+    for _ in range(3):
+        state.calibrate_prefill(1e-3)
     state.calibrate_prefill(1e-9)  # e.g. an answer that computed nothing it was predicted to
-    assert state.prefill_s_per_token >= 0.8e-3
+    assert state.prefill_s_per_token == pytest.approx(1e-3)
+    state.calibrate_prefill(48e-3)  # a whole answer timed as its first byte
+    assert state.prefill_s_per_token == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("order", [(48, 1, 1), (1, 48, 1)])
+def test_an_absurd_first_sample_neither_calibrates_an_engine_nor_the_fleet(order):
+    """One request whose whole answer was timed as a first byte (48x its prefill) raised every engine's estimate
+    48x: the first sample was taken as it came, and engines not yet calibrated take the fleet's mean."""
+    router = make(prefill_tokens_per_s=500)  # 2 ms a token configured; the engines really take 1 ms
+    e0, e1 = router.engines["e0"], router.engines["e1"]
+    router.engines["e0"].calibrate_prefill(order[0] * 1e-3)
+    assert not e0.calibrated and router.prefill_rate(e0) == router.prefill_rate(e1) == pytest.approx(2e-3)
+    for factor in order[1:]:
+        e0.calibrate_prefill(factor * 1e-3)
+    assert router.prefill_rate(e0) == router.prefill_rate(e1) == pytest.approx(1e-3)
+
+
+def test_a_calibration_follows_a_real_change_within_a_few_samples():
+    router = make(engines=("e0",))
+    state = router.engines["e0"]
+    for _ in range(3):
+        state.calibrate_prefill(1e-3)
+    for _ in range(8):  # the engine got four times slower (a noisy neighbour)
+        state.calibrate_prefill(4e-3)
+    assert state.prefill_s_per_token > 3e-3
 
 
 def test_a_ttft_that_included_a_kvtier_load_calibrates_nothing():
@@ -250,3 +278,25 @@ def test_endpoints_the_router_cannot_connect_to_are_refused(endpoint, field):
         load_router_config({"tokenizer": "/m", "engines": [{"name": "a", "url": "http://127.0.0.1:1", **endpoint}]})
     load_router_config({"tokenizer": "/m", "engines": [{"name": "a", "url": "http://127.0.0.1:1",
                                                         "kv_events": "tcp://*:5557", "kv_events_bind": True}]})
+
+
+def test_a_prompt_vllm_reads_nothing_of_from_its_cache_is_predicted_to_compute_every_token():
+    router = make(engines=("e0",))
+    hold(router, "e0", DOC)
+    assert router.decide(Prompt(DOC + [1]))[0].predicted_cached == 64 * BS
+    logprobs = Prompt(DOC + [1], uncached=Uncached.PROMPT_LOGPROBS)
+    decision = router.decide(logprobs, keys=router.keys(logprobs))[0]
+    assert (decision.predicted_cached, decision.uncached, decision.match.blocks) == (0, len(DOC) + 1, 0)
+    assert decision.reason == "no_prefix"
+
+
+def test_an_uncached_prompts_blocks_are_reserved_only_when_its_tokens_are_the_engines():
+    """prompt_logprobs: vLLM computes every token and still stores the blocks (the next request finds them);
+    media parts: the router's tokens are the text's alone, so nothing is reserved under them."""
+    for reason, reserved in ((Uncached.PROMPT_LOGPROBS, 64), (Uncached.CONTENT_PARTS, 0),
+                             (Uncached.TRUNCATED_TO_LIMIT, 0)):
+        router = make(engines=("e0",))
+        prompt = Prompt(DOC + [1], uncached=reason)
+        keys = router.keys(prompt)
+        router.started(router.decide(prompt, keys=keys)[0], keys)
+        assert router.decide(Prompt(DOC + [2]))[0].match.engine == reserved, reason

@@ -8,7 +8,9 @@ where ``wait`` is the router's own account of the engine (the prefill left of re
 seen start answering, plus a cost per request decoding there), and takes the smallest. Accounting happens at
 decision time, before any event arrives: the request's blocks are reserved on its engine and its prefill
 counts in that engine's wait at once. Prefill cost per token is calibrated per engine, online, from the
-engines' own prefill counters and from the first bytes the router sees.
+engines' own prefill counters and from the first bytes the router sees: each update steps toward the median of
+the engine's last samples (its first calibration waits for a few), so one odd sample moves nothing far. A prompt
+the engine reads nothing of from its cache (:attr:`Prompt.uncached`) is predicted to compute every token.
 
 Nothing here does I/O: the proxy calls :meth:`Router.decide`, then :meth:`Router.started` /
 :meth:`Router.first_byte` / :meth:`Router.finished` as the request goes.
@@ -19,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 
 from kvtier.router.config import Costs, RouterConfig
@@ -28,6 +32,8 @@ from kvtier.router.prompts import Prompt
 
 _EWMA = 0.3  # weight of a new calibration sample
 _BAND = 2.0  # a sample moves a calibrated value by at most this factor: one odd request cannot swing routing
+_WINDOW = 5  # prefill samples kept per engine: a calibration steps toward their median
+_FIRST = 3  # prefill samples before an engine's own calibration replaces the configured cost (their median)
 _NEAR_TIE = 0.25  # predicted times within 25% of the best plus one block's prefill are a near tie
 
 
@@ -72,6 +78,7 @@ class EngineState:
         self.healthy = False
         self.prefill_s_per_token = 1 / costs.prefill_tokens_per_s / weight
         self.calibrated = False  # until then the fleet's calibrated engines speak for it
+        self._prefill_samples: deque[float] = deque(maxlen=_WINDOW)
         # What each request decoding on the engine adds to a new one's wait (its steps share the engine):
         # calibrated from TTFTs observed with others decoding.
         self.decode_s = costs.decode_s_per_request
@@ -92,12 +99,19 @@ class EngineState:
         return queued, decoding
 
     def calibrate_prefill(self, seconds_per_token: float) -> None:
+        """One sample of the prefill cost. The median of the last few is what counts: a sample far off (a whole
+        answer timed as a first byte, a request stuck behind another) is outvoted by its neighbours, the first
+        included, and the median moves a calibrated value by a bounded step."""
         if not 0 < seconds_per_token < 1:
             return
+        self._prefill_samples.append(seconds_per_token)
+        if len(self._prefill_samples) < _FIRST:
+            return
+        median = statistics.median(self._prefill_samples)
         if self.calibrated:
-            self.prefill_s_per_token = _step(self.prefill_s_per_token, seconds_per_token)
+            self.prefill_s_per_token = _step(self.prefill_s_per_token, median)
         else:
-            self.prefill_s_per_token, self.calibrated = seconds_per_token, True
+            self.prefill_s_per_token, self.calibrated = median, True
 
 
 class Router:
@@ -114,6 +128,9 @@ class Router:
         return [name for name, e in self.engines.items() if e.healthy]
 
     def keys(self, prompt: Prompt) -> list[bytes]:
+        """The prompt's block keys: none when its tokens are not the engine's (it cannot be keyed)."""
+        if prompt.uncached is not None and not prompt.uncached.stored:
+            return []
         return request_keys(prompt.tokens, self.config.block_size, lora_name=prompt.lora_name,
                             cache_salt=prompt.cache_salt)
 
@@ -126,7 +143,9 @@ class Router:
             return []
         if keys is None:
             keys = self.keys(prompt) if prompt is not None else []
-        matches = self.index.match(keys, names) if keys else {n: Match() for n in names}
+        # An uncached prompt's keys (the engine still stores its blocks) are for reserving, not matching
+        reads = prompt is None or prompt.uncached is None
+        matches = self.index.match(keys, names) if keys and reads else {n: Match() for n in names}
         n_tokens = len(prompt.tokens) if prompt is not None else 0
         now = time.monotonic()
         costed = {n: self._cost(n, matches[n], n_tokens, now) for n in names}
