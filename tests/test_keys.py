@@ -1,12 +1,21 @@
+"""Names of stored KV: prefix-chained chunk and tail keys, namespaces, head ranges, model fingerprints; with
+encryption, names keyed by the keyring (nothing in a tier confirms a guessed prompt; stable across a rekey)."""
+
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import yaml
 
-from kvtier import Namespace, chunk_keys, fingerprint_model
-from kvtier.keys import HeadRange, InputSpan, cover, tail_keys
+from kvtier import KVStore, Namespace, chunk_keys, fingerprint_model
+from kvtier.cli import main
+from kvtier.keys import HeadRange, InputSpan, ShardKey, cover, tail_keys
+from kvtier.sealing import write_key_file
+from kvtier.testing import synthetic_kv, synthetic_tokens
 
 NS = Namespace(model="m", dtype="bfloat16")
 
@@ -137,3 +146,103 @@ def test_cover_picks_pieces_across_degrees() -> None:
     assert HeadRange.parse("2-4of8") == HeadRange(2, 4, 8)
     with pytest.raises(ValueError):
         HeadRange.parse("4-2of8")
+
+
+# -- keyed names (encryption on): a tier's contents confirm no guessed prompt -------------------------------------
+NAME_KEY = bytes(range(32))
+
+
+def _unkeyed_child(parent: bytes, tokens: list[int]) -> bytes:
+    """What anyone can compute from a chunk's name shown in a tier: its child's name, were names unkeyed."""
+    h = hashlib.blake2b(parent, digest_size=16, person=b"kvtier-chunk")
+    h.update(np.asarray(tokens, dtype="<i8").tobytes())
+    return h.digest()
+
+
+def test_a_keyed_namespace_names_nothing_checkable_without_its_key() -> None:
+    tokens = list(range(48))
+    plain, keyed = chunk_keys(NS, tokens, 16), chunk_keys(NS.keyed(NAME_KEY), tokens, 16)
+    # Unkeyed, a shown name extends to the next chunk's for a guessed prompt: the attack the key defeats.
+    assert _unkeyed_child(plain[0], tokens[16:32]) == plain[1]
+    assert _unkeyed_child(keyed[0], tokens[16:32]) != keyed[1]
+    assert not set(plain) & set(keyed) and NS.keyed(NAME_KEY).id != NS.id
+    other = NS.keyed(bytes(32))
+    assert other.id != NS.keyed(NAME_KEY).id and chunk_keys(other, tokens, 16)[0] != keyed[0]
+    tail = chunk_keys(NS.keyed(NAME_KEY), tokens[:40], 16, tail=True)[2]
+    assert tail != chunk_keys(NS, tokens[:40], 16, tail=True)[2]
+    assert NS.keyed(NAME_KEY).keyed(NAME_KEY) == NS.keyed(NAME_KEY) != NS  # two names, two namespaces
+    assert NS.keyed(NAME_KEY).keyed(b"") == NS
+    assert NAME_KEY.hex() not in repr(NS.keyed(NAME_KEY)) and "name_key" not in NS.keyed(NAME_KEY).describe()
+    with pytest.raises(ValueError, match="name_key must be 16 to 64 bytes"):
+        NS.keyed(b"short")
+
+
+def _sealed(tmp_path: Path, key: str = "k1", old: tuple[str, ...] = ()) -> dict:
+    def source(name: str) -> str:
+        if not (tmp_path / name).exists():
+            write_key_file(str(tmp_path / name))
+        return f"file:{tmp_path / name}"
+
+    return {"chunk_tokens": 16, "dram": {"capacity_bytes": "8MiB", "page_bytes": "16KiB"},
+            "tiers": [{"type": "filesystem", "name": "disk", "path": str(tmp_path / "disk"), "queue_depth": 4096}],
+            "encryption": {"key": source(key), "old_keys": [source(k) for k in old],
+                           "keyring": str(tmp_path / "keyring")}}
+
+
+def _names(store: KVStore) -> set[ShardKey]:
+    return {o.key for o in store.tiers[0].list()}
+
+
+def test_with_encryption_a_tier_shows_keyed_names_that_every_store_of_the_keyring_computes(tmp_path: Path) -> None:
+    tenant = Namespace(model="m", dtype="bfloat16", cache_salt="tenant-a")
+    tokens = synthetic_tokens(1, 40)  # two chunks and a tail
+    kv = synthetic_kv(tokens[:32])
+    with KVStore.from_config(_sealed(tmp_path)) as a:
+        a.put(tenant, tokens[:32], kv)
+        a.flush()
+        stored = _names(a)
+        assert {k.namespace for k in stored} == {a.named(tenant).id} and tenant.id != a.named(tenant).id
+    unkeyed = {k.hex() for k in chunk_keys(tenant, tokens, 16, tail=True)}
+    assert len(stored) == 2 and not {k.chunk for k in stored} & unkeyed
+    assert not any(tenant.id in str(p) or name in str(p) for p in (tmp_path / "disk").rglob("*") for name in unkeyed)
+    # Nor does a shown name extend to its child's for the prompt's next tokens.
+    assert not {_unkeyed_child(bytes.fromhex(k.chunk), tokens[16:32]).hex() for k in stored} & {k.chunk for k in stored}
+    # Another engine of the deployment (its own sealer, sharing only the keyring directory) finds the same names.
+    with KVStore.from_config(_sealed(tmp_path)) as b:
+        assert b.lookup(tenant, tokens) == 32
+        assert torch.equal(b.get(tenant, tokens[:32]), kv)
+        assert b.stats()["disk"]["hit_chunks_total"] == 2
+    # A deployment with its own keyring names the same prompt otherwise: the names come from the keyring.
+    (tmp_path / "other").mkdir()
+    elsewhere = _sealed(tmp_path / "other")
+    with KVStore.from_config(elsewhere) as c:
+        assert c.named(tenant).id != tenant.id and c.named(tenant).id not in {k.namespace for k in stored}
+
+
+def test_a_master_key_rotation_keeps_every_name(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tenant = Namespace(model="m", dtype="bfloat16", cache_salt="tenant-a")
+    tokens = synthetic_tokens(2, 48)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(_sealed(tmp_path)) as store:
+        store.put(tenant, tokens, kv)
+        store.flush()
+        before = _names(store)
+    rotated = tmp_path / "rotated.yaml"
+    rotated.write_text(yaml.safe_dump(_sealed(tmp_path, key="k2", old=("k1",))))
+    assert main(["cache", "rekey", "--config", str(rotated)]) == 0
+    assert "3 re-sealed" in capsys.readouterr().out
+    with KVStore.from_config(_sealed(tmp_path, key="k2")) as store:  # the old master key retired
+        assert _names(store) == before
+        assert torch.equal(store.get(tenant, tokens), kv)
+        assert store.stats()["disk"]["hit_chunks_total"] == 3
+
+
+def test_without_encryption_names_stay_unkeyed(tmp_path: Path) -> None:
+    tokens = synthetic_tokens(3, 32)
+    cfg = {"chunk_tokens": 16, "dram": {"capacity_bytes": "8MiB", "page_bytes": "16KiB"},
+           "tiers": [{"type": "filesystem", "name": "disk", "path": str(tmp_path / "disk")}]}
+    with KVStore.from_config(cfg) as store:
+        assert store.named(NS) is NS
+        store.put(NS, tokens, synthetic_kv(tokens))
+        store.flush()
+        assert {(k.namespace, k.chunk) for k in _names(store)} == {(NS.id, k.hex()) for k in chunk_keys(NS, tokens, 16)}

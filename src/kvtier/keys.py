@@ -2,6 +2,13 @@
 
 Chunk ``i``'s key is ``blake2b(key[i-1] || tokens[i])`` (128 bits) and the chain's root hashes the namespace, so
 one key names a whole prefix inside one namespace. Token ids never appear in a key or on disk.
+
+Unkeyed, these names can be checked by anyone who sees them: a tier shows the namespace id (the chain's root) and
+each chunk's key (the next one's parent), so whoever reads a tier can hash a guessed prompt and confirm it. A
+namespace with a :attr:`Namespace.name_key` hashes everything under that key (keyed BLAKE2b, a PRF): its id and
+every key look random to whoever lacks the key, and nothing in a tier confirms a guess. A store with encryption
+names its objects so (:meth:`kvtier.store.KVStore.named`, the key from its keyring); one without keeps the unkeyed
+names.
 """
 
 from __future__ import annotations
@@ -49,6 +56,10 @@ class Namespace:
     ``inputs`` are the request's non-token inputs. They are not part of the root digest (the chunks before the
     first input are the same KV as without it) but are folded into the key of every chunk they overlap, with
     their offset in that chunk, as vLLM's own prefix cache does; so is every later key, through the chain.
+
+    ``name_key`` (16 to 64 bytes; empty: none) keys every hash of the namespace's names: its digest, id and chunk
+    keys. A store with encryption sets it to its deployment's naming key (:meth:`kvtier.store.KVStore.named`), so
+    the names it writes to tiers confirm no guessed prompt; it is never shown (``repr``, :meth:`describe`).
     """
 
     model: str
@@ -58,6 +69,7 @@ class Namespace:
     layout_version: int = LAYOUT_VERSION
     settings: str | None = None
     inputs: tuple[InputSpan, ...] = ()
+    name_key: bytes = dataclasses.field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -71,18 +83,26 @@ class Namespace:
             if span.offset < 0 or span.length < 1 or not isinstance(span.identifier, str) or not span.identifier:
                 raise ValueError(f"Namespace.inputs: bad span {span!r} (offset >= 0, length >= 1, an identifier)")
         object.__setattr__(self, "inputs", spans)
+        if not isinstance(self.name_key, bytes) or len(self.name_key) not in (0, *range(16, 65)):
+            raise ValueError("Namespace.name_key must be 16 to 64 bytes (or empty: unkeyed names)")
+
+    def keyed(self, name_key: bytes) -> Namespace:
+        """This namespace with its names hashed under ``name_key`` (itself when they are already)."""
+        return self if name_key == self.name_key else dataclasses.replace(self, name_key=name_key)
 
     def _root_fields(self) -> dict[str, object]:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "inputs"}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("inputs",
+                                                                                                      "name_key")}
         if fields["settings"] is None:
             del fields["settings"]  # namespaces made before the field existed keep their ids (and stored KV)
         return fields
 
     @functools.cached_property
     def digest(self) -> bytes:
-        """A 128-bit hash of every field but ``inputs``; the root of this namespace's key chains."""
+        """A 128-bit hash of every field but ``inputs`` (keyed by ``name_key``); the root of this namespace's key
+        chains."""
         blob = json.dumps(self._root_fields(), sort_keys=True).encode()
-        return hashlib.blake2b(blob, digest_size=KEY_BYTES, person=b"kvtier-ns").digest()
+        return hashlib.blake2b(blob, digest_size=KEY_BYTES, person=b"kvtier-ns", key=self.name_key).digest()
 
     @functools.cached_property
     def id(self) -> str:
@@ -121,13 +141,14 @@ def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.
     """Keys of the whole chunks of ``tokens``; a partial trailing chunk gets no key, or with ``tail`` a tail key
     (see :func:`tail_keys`).
 
-    A chunk's key hashes its parent's key, its token ids and the namespace's inputs that overlap it.
+    A chunk's key hashes its parent's key, its token ids and the namespace's inputs that overlap it (under the
+    namespace's ``name_key``: a parent's key, shown in a tier, does not let anyone compute its children's).
     """
     ids = _token_ids(tokens)
     keys = []
     prev = namespace.digest
     for i in range(len(ids) // chunk_tokens):
-        h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=b"kvtier-chunk")
+        h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=b"kvtier-chunk", key=namespace.name_key)
         h.update(ids[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes())
         if namespace.inputs:
             # After the fixed-length token bytes, so a chunk with inputs never hashes like one without.
@@ -148,15 +169,15 @@ def tail_keys(namespace: Namespace, parent: bytes, tokens: Sequence[int] | np.nd
 
     A tail is a prompt's tokens after its last whole chunk, stored as a chunk of its own, so that a prompt asked
     again loads as far as the engine's own prefix cache would. Its key hashes its parent, its length, its token
-    ids and the inputs overlapping it, with a personalisation of its own: a tail is never taken for a whole chunk
-    or for a tail of another length.
+    ids and the inputs overlapping it (under the namespace's ``name_key``), with a personalisation of its own: a
+    tail is never taken for a whole chunk or for a tail of another length.
     """
     ids = _token_ids(tokens)
     if any(not 0 < n <= len(ids) for n in lengths):
         raise ValueError(f"tail lengths must be in [1, {len(ids)}], got {list(lengths)}")
     keys = []
     for n in lengths:
-        h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvtier-tail")
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvtier-tail", key=namespace.name_key)
         h.update(struct.pack("<q", n))
         h.update(ids[:n].tobytes())
         if namespace.inputs:

@@ -228,6 +228,12 @@ class Keyring:
         data = b"\x00" if salt is None else b"s" + salt.encode("utf-8", "surrogatepass")
         return "t-" + hashlib.blake2b(data, key=self._pepper, digest_size=16).hexdigest()
 
+    def naming_key(self) -> bytes:
+        """The key of the deployment's object names (:attr:`kvtier.keys.Namespace.name_key`). From the pepper: the
+        same in every process sharing the keyring, never rotated (``kvtier cache rekey`` keeps every name), and no
+        tenant state to read before a lookup can name its chunks."""
+        return hashlib.blake2b(b"kvtier object names v1", key=self._pepper, digest_size=32).digest()
+
     def secret(self, tenant: str, create: bool) -> bytes | None:
         """The tenant's secret; created when missing and ``create``, else None."""
         return self._create_or_read(tenant) if create else self._read(tenant)

@@ -121,6 +121,8 @@ class KVStore:
                                   f"'kvtier[encryption]'): {exc}") from exc
 
             self._sealer = Sealer(config.encryption, self._forgotten)
+        # With encryption, object names are keyed too (kvtier.keys): what a tier shows confirms no guessed prompt.
+        self._name_key = b"" if self._sealer is None else self._sealer.keyring.naming_key()
         try:
             self.tiers = open_tiers(config) if tiers is None else tiers
         except BaseException:
@@ -249,6 +251,7 @@ class KVStore:
     def _put(self, ns: Namespace, tokens: Tokens, meta: frame.ShardMeta, source: Callable[[int, torch.Tensor], None],
              offset: int, device: torch.device, start: float, tail: bool = False) -> int:
         t = self.chunk_tokens
+        ns = self.named(ns)
         tenant = self._register(ns, create=True)
         decision = self._placement.decide(ns)
         self._apply_share(ns, decision)
@@ -299,6 +302,7 @@ class KVStore:
         Asks DRAM only (no tier I/O), so a caller can decide cheaply what to gather before a put.
         """
         heads = rank_heads(kv_heads, tp_rank, tp_size)
+        ns = self.named(ns)
         n = 0
         for key in chunk_keys(ns, tokens, self.chunk_tokens, tail=tail):
             if not self.in_dram(ns.id, key.hex(), heads):
@@ -326,6 +330,13 @@ class KVStore:
                     for landed in self._tier_watchers:
                         landed.append((key, tier))
         return stored
+
+    def named(self, ns: Namespace) -> Namespace:
+        """``ns`` as this store names it in DRAM and the tiers: with encryption, its names keyed by the keyring's
+        naming key (:attr:`~kvtier.keys.Namespace.name_key`), the same in every process sharing the keyring; without,
+        ``ns`` itself. Its :attr:`~kvtier.keys.Namespace.id` is what ``kvtier cache ls`` shows and what a placement
+        rule's ``namespace`` names."""
+        return ns.keyed(self._name_key)
 
     def in_dram(self, namespace: str, chunk: str, heads: HeadRange) -> bool:
         """Whether DRAM holds ``heads`` of one chunk (namespace id and chunk key in hex)."""
@@ -379,6 +390,7 @@ class KVStore:
         t = self.chunk_tokens
         if tail_block is not None and not (0 < tail_block <= t and t % tail_block == 0):
             raise ValueError(f"tail_block must divide the chunk size {t}, got {tail_block}")
+        ns = self.named(ns)
         keys = chunk_keys(ns, tokens, t)
         tiers = [t for t in self.tiers if t.local] if local_only else self.tiers
 
@@ -576,6 +588,7 @@ class KVStore:
             raise ValueError(f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}")
         if kv_heads is not None:
             rank_heads(kv_heads, tp_rank, tp_size)  # the caller's own degree must fit its model: raises if not
+        ns = self.named(ns)
         self._register(ns, create=False)
         decision = self._placement.decide(ns)
         self._apply_share(ns, decision)  # what this read promotes into DRAM counts against the tenant's share

@@ -53,9 +53,16 @@ def _empty():
 _IDLE = hashed_request("idle", [1])
 
 
-@pytest.mark.parametrize("salt", [None, "tenant-a"])
+@pytest.mark.parametrize("salt, sealed", [(None, False), ("tenant-a", False), ("tenant-a", True)],
+                         ids=["unsalted", "salted", "encrypted"])
 def test_a_save_publishes_dram_and_tier_events_that_vllm_decodes_and_the_router_indexes(
-        model_dir: Path, store_cfg: dict, salt: str | None) -> None:
+        model_dir: Path, store_cfg: dict, tmp_path: Path, salt: str | None, sealed: bool) -> None:
+    """Encrypted, the workers report chunks under keyed names (kvtier.keys): the scheduler names them alike."""
+    if sealed:
+        from kvtier.sealing import write_key_file
+
+        write_key_file(str(tmp_path / "master.key"))
+        store_cfg["encryption"] = {"key": f"file:{tmp_path / 'master.key'}", "keyring": str(tmp_path / "keyring")}
     config = vllm_config(str(model_dir), store_cfg)
     config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq")
     engine = MiniEngine(config)

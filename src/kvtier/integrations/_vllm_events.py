@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,7 +45,11 @@ class _Blocks:
 
 
 class KVEvents:
-    def __init__(self, tiers: Sequence[Tier], tp_size: int, block_size: int, chunk_tokens: int) -> None:
+    def __init__(self, tiers: Sequence[Tier], tp_size: int, block_size: int, chunk_tokens: int,
+                 names: Callable[[Namespace], Namespace]) -> None:
+        """``names``: the store's naming (:meth:`KVStore.named`), so that chunks are named as the workers report
+        them (keyed names with encryption). kvtier's names never leave the process: events carry vLLM's hashes."""
+        self._names = names
         self._locality = {t.name: "LOCAL" if t.local else "REMOTE" for t in tiers}
         self._tp = tp_size
         self._bs = block_size
@@ -75,6 +79,7 @@ class KVEvents:
         lora_id = request.lora_request.adapter_id if request.lora_request is not None else None
         salt = request.cache_salt or None
         ids = np.asarray(tokens[:n_blocks * self._bs], dtype=np.int64)
+        namespace = self._names(namespace)
         for i, key in enumerate(chunk_keys(namespace, ids, self._chunk, tail=True)):
             name = (namespace.id, key.hex())
             if name in self._blocks:

@@ -94,7 +94,8 @@ class SchedulerSide:
                  tails: bool = True) -> None:
         self._store = store
         # kvtier's KV events, published with the engine's when vLLM publishes events
-        self._events = KVEvents(store.tiers, tp_size, block_size, store.chunk_tokens) if events else None
+        self._events = KVEvents(store.tiers, tp_size, block_size, store.chunk_tokens,
+                                store.named) if events else None
         self._requests: dict[str, Request] = {}  # looked up and not finished: their block hashes name events
         self._worker_dram = WorkerDram(tp_size)  # what the workers' DRAM holds, as they report it
         self._lookups = Lookups(store, kv_heads, self._worker_dram.holds, lookup_timeout, metrics.async_lookups,
