@@ -510,7 +510,13 @@ def _calibrate(args: argparse.Namespace) -> int:
         return 2
     fit = result["prefill"]["fit"]
     print(f"prefill: {fit['a']:.3f} + {fit['b']:.2e}*new + {fit['c']:.2e}*new*(new + 2*cached) s "
-          f"(worst point off by {fit['max_rel_error']:.0%})")
+          f"(worst point off by {fit['max_rel_error']:.0%}, {fit['rms_rel_error']:.0%} root-mean-square)")
+    if fit["held_at_zero"]:
+        print(f"prefill: {', '.join(fit['held_at_zero'])} held at 0 (the measurements, noisy or flat, made it "
+              "negative; a cost never shrinks as work grows)")
+    if fit["max_rel_error"] > 0.5:
+        print("kvtier: warning: the prefill fit is off by more than 50% at some point: a noisy machine? the "
+              "simulator's prefill times will be as far off; recalibrate when it is quiet", file=sys.stderr)
     floor, decode = result["hit_floor"]["fit"], result["decode"]["fit"]
     print(f"engine hit floor: {floor['intercept']:.3f} + {floor['slope']:.2e}*tokens s; decode step: "
           f"{decode['intercept'] * 1000:.1f} + {decode['slope'] * 1000:.2f}*batch ms")

@@ -9,7 +9,9 @@ Usage: ``python -m kvtier.sim._engine_sweep JOB_JSON OUT_JSON``. The job names t
   difference over ``steps - 1`` is one decode step at that batch size.
 
 Prompts are random token ids (timing does not depend on content), fresh for every measurement so that nothing is
-cached unless the sweep cached it on purpose.
+cached unless the sweep cached it on purpose. A prefill point and a hit floor are measured ``min_repeats`` times,
+and again until most measurements lie within ``spread`` of their median (at most ``max_repeats``); the point is
+their median, with every measurement kept (``times``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -28,6 +31,20 @@ BLOCK = 128
 
 def log(msg: str) -> None:
     print(f"calibrate: {msg}", file=sys.stderr, flush=True)
+
+
+def repeated(measure: Callable[[], float], least: int, most: int, spread: float) -> list[float]:
+    """``least`` measurements, and more (up to ``most``) until most of them lie within ``spread`` of their
+    median: on a noisy machine a slow run is outvoted instead of becoming the point."""
+    times: list[float] = []
+    while len(times) < least or (len(times) < most and not _agree(times, spread)):
+        times.append(measure())
+    return times
+
+
+def _agree(times: list[float], spread: float) -> bool:
+    middle = statistics.median(times)
+    return 2 * sum(abs(t - middle) <= spread * middle for t in times) > len(times)
 
 
 def main() -> int:
@@ -59,25 +76,30 @@ def main() -> int:
 
     run([tokens(64)], 2)  # first-call costs (kernels, allocations) are nobody's prefill
     out: dict[str, list] = {"prefill": [], "hit_floor": [], "decode": []}
-    repeats = job["repeats"]
+    repeats = job["repeats"]  # decode's
+    least = max(1, job.get("min_repeats", repeats))
+    bounds = (least, max(least, job.get("max_repeats", least)), job.get("spread", 0.25))
+
+    def prefill(cached: int, new: int) -> float:
+        prefix = tokens(cached)
+        if cached:
+            run([prefix], 1)
+        return run([prefix + tokens(new)], 1)
+
+    def hit(length: int) -> float:
+        prompt = tokens(length)
+        run([prompt], 1)
+        return run([prompt], 1)
+
     for i, (cached, new) in enumerate(job["prefill"], 1):
-        times = []
-        for _ in range(repeats):
-            prefix = tokens(cached)
-            if cached:
-                run([prefix], 1)
-            times.append(run([prefix + tokens(new)], 1))
-        out["prefill"].append({"cached": cached, "new": new, "seconds": statistics.median(times)})
+        times = repeated(lambda: prefill(cached, new), *bounds)  # noqa: B023 (called at once)
+        out["prefill"].append({"cached": cached, "new": new, "seconds": statistics.median(times), "times": times})
         log(f"prefill {i}/{len(job['prefill'])}: {new} new tokens after {cached} cached: "
-            f"{statistics.median(times):.3f} s")
+            f"{statistics.median(times):.3f} s ({len(times)} measurements)")
     for length in job["hit_floor"]:
-        times = []
-        for _ in range(repeats):
-            prompt = tokens(length)
-            run([prompt], 1)
-            times.append(run([prompt], 1))
-        out["hit_floor"].append({"tokens": length, "seconds": statistics.median(times)})
-        log(f"hit floor: {length} tokens asked again: {statistics.median(times):.3f} s")
+        times = repeated(lambda: hit(length), *bounds)  # noqa: B023 (called at once)
+        out["hit_floor"].append({"tokens": length, "seconds": statistics.median(times), "times": times})
+        log(f"hit floor: {length} tokens asked again: {statistics.median(times):.3f} s ({len(times)} measurements)")
     steps = job["decode_steps"]
     for batch in job["decode_batches"]:
         per_step = []

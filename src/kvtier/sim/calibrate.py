@@ -3,6 +3,10 @@
 Two parts. The engine's (in a process of its own, see :mod:`kvtier.sim._engine_sweep`): prefill time against
 new and already-cached tokens, fitted as ``a + b*new + c*new*(new + 2*cached)`` (linear work plus attention over
 the whole context); the engine's own hit floor (a prompt asked again); decode step time against batch size.
+Every fit is constrained to non-negative coefficients (a cost never shrinks as work grows; plain least squares
+on a noisy machine gave a negative attention term, which no later step can use), and reports the error it has.
+A prefill point or hit floor is measured at least twice, and again (a bounded number of times) while its
+measurements disagree.
 The tiers' (here, through kvtier's own store): load and store time of a prompt's chunks per tier, at 1, 2 and 4
 concurrent streams, as a per-load latency plus bytes over bandwidth.
 
@@ -32,11 +36,11 @@ VERSION = 1
 GRIDS = {
     "quick": dict(prefill=[(0, 128), (0, 512), (0, 1024), (0, 2048), (2048, 128), (2048, 512), (2048, 1024)],
                   hit_floor=[1024, 2048], decode_batches=[1, 8], decode_steps=16, decode_prompt=64, repeats=1,
-                  chunks=8, streams=[1, 2, 4]),
+                  min_repeats=2, max_repeats=5, spread=0.25, chunks=8, streams=[1, 2, 4]),
     "full": dict(prefill=[(0, 128), (0, 256), (0, 512), (0, 1024), (0, 2048), (0, 4096), (0, 8192), (1024, 256),
                           (1024, 1024), (1024, 4096), (4096, 256), (4096, 1024), (4096, 4096)],
                  hit_floor=[1024, 4096, 8192], decode_batches=[1, 4, 16, 32], decode_steps=32, decode_prompt=64,
-                 repeats=3, chunks=16, streams=[1, 2, 4]),
+                 repeats=3, min_repeats=3, max_repeats=7, spread=0.25, chunks=16, streams=[1, 2, 4]),
 }
 
 
@@ -87,19 +91,46 @@ def mismatches(calibration: dict[str, Any], model_dir: Path | None = None) -> li
     return out
 
 
-def fit_prefill(points: list[dict[str, float]]) -> dict[str, float]:
-    """Relative least squares of ``seconds = a + b*new + c*new*(new + 2*cached)``, with the worst relative
-    error."""
+def nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """``argmin |design @ x - target|`` over ``x >= 0``, for a few columns.
+
+    The constrained optimum is the unconstrained least-squares fit of the columns it leaves non-zero, so the
+    best of those fits, over every subset of columns, whose coefficients all come out non-negative is the
+    optimum (2**columns small solves; scipy is not a dependency). Columns are scaled to unit norm first: here
+    they span six orders of magnitude.
+    """
+    columns = design.shape[1]
+    norms = np.linalg.norm(design, axis=0)
+    norms[norms == 0] = 1.0
+    scaled = design / norms
+    best, best_cost = np.zeros(columns), float(target @ target)
+    for mask in range(1, 2**columns):
+        keep = [j for j in range(columns) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(scaled[:, keep], target, rcond=None)
+        if np.any(coef < 0):
+            continue
+        x = np.zeros(columns)
+        x[keep] = coef
+        residual = scaled @ x - target
+        if (cost := float(residual @ residual)) < best_cost:
+            best, best_cost = x, cost
+    return best / norms
+
+
+def fit_prefill(points: list[dict[str, float]]) -> dict[str, Any]:
+    """Relative least squares of ``seconds = a + b*new + c*new*(new + 2*cached)`` with ``a, b, c >= 0``, with
+    the worst and the root-mean-square relative error, and the terms the constraint held at 0."""
     new = np.array([p["new"] for p in points], dtype=float)
     cached = np.array([p["cached"] for p in points], dtype=float)
     seconds = np.array([p["seconds"] for p in points], dtype=float)
     design = np.stack([np.ones_like(new), new, new * (new + 2 * cached)], axis=1)
     # Relative least squares: a 50 ms point matters as much as a 20 s one (plain least squares fits the long
     # prompts and leaves the short ones off by 200%).
-    (a, b, c), *_ = np.linalg.lstsq(design / seconds[:, None], np.ones_like(seconds), rcond=None)
-    predicted = design @ np.array([a, b, c])
+    a, b, c = nonnegative_least_squares(design / seconds[:, None], np.ones_like(seconds))
+    relative = (design @ np.array([a, b, c]) - seconds) / seconds
     return {"a": float(a), "b": float(b), "c": float(c),
-            "max_rel_error": float(np.max(np.abs(predicted - seconds) / seconds))}
+            "max_rel_error": float(np.max(np.abs(relative))), "rms_rel_error": float(np.sqrt(np.mean(relative**2))),
+            "held_at_zero": [name for name, value in zip("abc", (a, b, c)) if value == 0]}
 
 
 def prefill_seconds(fit: dict[str, float], new: float, cached: float = 0.0) -> float:
@@ -107,10 +138,12 @@ def prefill_seconds(fit: dict[str, float], new: float, cached: float = 0.0) -> f
 
 
 def fit_line(xs: list[float], ys: list[float]) -> dict[str, float]:
-    """``y = intercept + slope * x`` by least squares (a single point: slope 0)."""
+    """``y = intercept + slope * x`` by least squares with both ``>= 0`` (a step or a hit never costs less for
+    more work, nor less than nothing); a single point: slope 0."""
     if len(xs) == 1:
         return {"intercept": float(ys[0]), "slope": 0.0}
-    slope, intercept = np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 1)
+    x = np.array(xs, dtype=float)
+    intercept, slope = nonnegative_least_squares(np.stack([np.ones_like(x), x], axis=1), np.array(ys, dtype=float))
     return {"intercept": float(intercept), "slope": float(slope)}
 
 
@@ -131,7 +164,8 @@ def model_facts(model_dir: Path) -> dict[str, int]:
 def sweep_engine(model_dir: Path, grid: dict[str, Any], vocab_size: int, work: Path) -> dict[str, Any]:
     """Run the engine sweeps in a fresh process (vLLM keeps state per process); progress goes to stderr."""
     job = {"model": str(model_dir), "vocab_size": vocab_size, **{k: grid[k] for k in (
-        "prefill", "hit_floor", "decode_batches", "decode_steps", "decode_prompt", "repeats")}}
+        "prefill", "hit_floor", "decode_batches", "decode_steps", "decode_prompt", "repeats", "min_repeats",
+        "max_repeats", "spread")}}
     (work / "engine-job.json").write_text(json.dumps(job))
     out = work / "engine.json"
     env = {**os.environ, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
