@@ -1,14 +1,11 @@
 """``kvtier router``: an OpenAI-compatible proxy in front of vLLM API servers (aiohttp, one event loop).
 
-Per request: read the body (within ``limits``), tokenize the prompt as the engine will and key it on a worker
-thread (:mod:`kvtier.router.guards`), ask the policy for engines in order, send the request to the first; one
-that fails before its first byte (or redirects) is retried on the next. After the first byte the answer passes
-through byte for byte, a streamed one in whole SSE events; an engine that fails or goes quiet mid-stream ends
-the client's stream with an SSE ``error`` event (after the last whole event: a partial one is dropped). A client
-that leaves closes the upstream connection, which aborts the request in vLLM. Beside the proxy: a KV-event
-subscriber per engine, a health check, and a scrape of each engine's prefill counters for calibration, all sent
-with the engines' API key when one is configured. With ``admin_listen``, ``/metrics`` and ``/health``'s
-per-engine detail are served on that listener only.
+Per request: read the body, tokenize the prompt as the engine will, ask the policy for engines in order, send
+the request to the first; one that fails before its first byte is retried on the next. After the first byte
+the answer passes through byte for byte; an engine that fails or goes quiet mid-stream ends the client's
+stream with an SSE ``error`` event. A client that leaves closes the upstream connection, which aborts the
+request in vLLM. Beside the proxy: a KV-event subscriber per engine, a health check, and a scrape of each
+engine's prefill counters for calibration.
 """
 
 from __future__ import annotations
@@ -21,9 +18,6 @@ import time
 import uuid
 from collections.abc import Mapping
 
-import dataclasses
-import signal
-
 import aiohttp
 import zmq.asyncio
 from aiohttp import web
@@ -34,10 +28,8 @@ from kvtier import tracing
 from kvtier.metrics import sample_sum
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import Batch, Cleared, Feed, Removed, Stored, Subscriber
-from kvtier.router.guards import (BodyTooLarge, CappedSite, PoolFull, WorkerPool, descriptor_room, handler_args,
-                                  read_body, read_secret)
 from kvtier.router.index import LOCAL_PLACES, Place, PrefixIndex
-from kvtier.router.metrics import LogOnce, RouterMetrics
+from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Decision, Router
 from kvtier.router.prompts import Prompt, PromptError, Tokenizer, read_prompt, read_stream
 
@@ -45,36 +37,12 @@ log = logging.getLogger(__name__)
 
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
         "proxy-authorization", "proxy-authenticate", "accept-encoding"}
-# Of a client's request, also: ``Expect`` (aiohttp answered its 100-continue already) and ``Content-Encoding``
-# (aiohttp inflated the body; the engine is sent it inflated)
-_REQUEST_HOP = _HOP | {"expect", "content-encoding"}
 _USAGE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # the blank line that ends an SSE event
-_MAX_EVENT = 4 * 2**20  # an SSE event held longer than this without its end is passed on as it is
 _LOST_AFTER = 3  # health checks failed in a row before an engine's entries are cleared
-# A body this many times max_model_len in bytes is not tokenized (routed without a prediction): no tokenizer
-# averages 64 bytes a token over a prompt (text is ~4, JSON-escaped CJK ~6), so its prompt is longer than the
-# engines take; tokenizing it would only hold a worker.
-_BYTES_PER_TOKEN = 64
-_ADMIN_CONNECTIONS = 32
 
 
 class _Upstream(Exception):
     """An engine failed before its first byte: try the next one."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Read:
-    """A request's body as a worker read it: parsed, its prompt tokenized and keyed (or why not)."""
-
-    body: dict
-    raw: bytes  # what is sent to the engine
-    prompt: Prompt | None
-    keys: list[bytes]
-
-
-class _Unreadable(Exception):
-    """The body is not a JSON object: a 400 of the router's own."""
 
 
 class RouterApp:
@@ -87,13 +55,6 @@ class RouterApp:
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(config.tokenizer)
         self.urls = {e.name: e.url.rstrip("/") for e in config.engines}
         self.base_models: set[str] = set()
-        self.max_model_len: int | None = None  # the engines' smallest, from their /v1/models
-        # the router's own calls to the engines (health, models, metrics) carry the engines' --api-key
-        self._own_headers = ({"Authorization": "Bearer " + read_secret(config.engine_api_key, "engine_api_key")}
-                             if config.engine_api_key is not None else {})
-        self.pool = WorkerPool(config.limits.workers, config.limits.queue)
-        self._unpredicted = LogOnce(self.metrics.unpredicted, "kvtier_router_unpredicted_requests", log)
-        self._sites: dict[str, CappedSite] = {}
         self.subscribers: dict[str, Subscriber] = {}
         self._zmq: zmq.asyncio.Context | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -102,49 +63,16 @@ class RouterApp:
         self._failures: dict[str, int] = {}  # health checks failed in a row, per engine
 
     # --- lifecycle ------------------------------------------------------------------------------------------
-    def web_app(self, admin: bool = False) -> web.Application:
-        """The client listener's application; ``admin``: /metrics and /health's detail are the admin one's."""
-        app = web.Application(client_max_size=self.config.limits.max_body_bytes)
+    def web_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", self._proxy)
         app.router.add_post("/v1/chat/completions", self._proxy)
         app.router.add_get("/v1/models", self._models)
-        # /health stays on the client listener (a load balancer's check), without the index's detail when an
-        # admin listener serves that: blocks per engine would tell a client whether its prompt was cached
-        app.router.add_get("/health", self._status if admin else self._health)
-        if not admin:
-            app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
-
-    def admin_app(self) -> web.Application:
-        app = web.Application(client_max_size=2**16)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        return app
-
-    async def listen(self, host: str, port: int, admin: tuple[str, int] | None = None) -> list[web.AppRunner]:
-        """Start the client listener on ``host:port`` (and the admin one); the runners, to clean up in order."""
-        limits = self.config.limits
-        runners = [web.AppRunner(self.web_app(admin=admin is not None), **handler_args(limits))]
-        if admin is not None:
-            runners.append(web.AppRunner(self.admin_app(), **handler_args(limits)))
-        cap = descriptor_room(limits.max_connections)
-        if cap < limits.max_connections:
-            log.warning("limits.max_connections: %d, but the descriptor limit (ulimit -n) allows %d client "
-                        "connections (each may hold one to an engine too): capped at %d",
-                        limits.max_connections, cap, cap)
-        for runner, (name, (h, p), n) in zip(runners, [("client", (host, port), cap),
-                                                        ("admin", admin or ("", 0), _ADMIN_CONNECTIONS)]):
-            await runner.setup()
-            site = CappedSite(runner, h, p, n, self.metrics.refused_connections.labels(name).inc)
-            await site.start()
-            self._sites[name] = site
-            log.info("router %s listener on %s", name, site.name)
-        return runners
-
-    def port(self, listener: str = "client") -> int:
-        return self._sites[listener].port
 
     async def _start(self, app: web.Application) -> None:
         # No Accept-Encoding of the client's own: engines answer uncompressed, which passes through as it is.
@@ -182,7 +110,6 @@ class RouterApp:
             await self._session.close()
         if self._zmq is not None:
             self._zmq.term()
-        self.pool.close()
 
     # --- KV events ------------------------------------------------------------------------------------------
     def _arrived(self, engine: str, batch: Batch) -> None:
