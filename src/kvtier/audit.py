@@ -241,6 +241,13 @@ def _read_head(dir_fd: int, name: str, where: str) -> tuple[dict[str, Any] | Non
 def verify(path: str | os.PathLike[str]) -> Verdict:
     """Check the log's chain and head. Raises ConfigError for a directory another user may write or an I/O
     error; a log or head another user owns or may write, or that is not a regular file, is a break."""
+    try:
+        return _verify(path)
+    except OSError as exc:
+        raise ConfigError(f"audit_log: cannot read {path}: {exc.strerror}") from None
+
+
+def _verify(path: str | os.PathLike[str]) -> Verdict:
     head_where = f"{path}.head"
     dir_fd = open_dir(path)
     try:
