@@ -12,19 +12,20 @@ import jinja2
 import pytest
 
 from kvtier.bench.model import prepare_model
-from kvtier.router.prompts import FieldError, Prompt, PromptError, Tokenizer, Uncached, read_bool, read_int, \
-    read_prompt, read_stream
+from kvtier.router.prompts import FieldError, Prompt, Tokenizer, Uncached, read_bool, read_int, read_prompt, \
+    read_stream
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-# The issue's 223-byte request template: 36 million iterations (1.3-1.8 s of the router's loop, and more with
-# larger ranges), had the router rendered it.
+# A request template like the issue's 223-byte one: 36 million iterations (1.3-1.8 s of the router's loop there),
+# had the router rendered it.
 LOOPS = ("{% for a in range(600) %}{% for b in range(600) %}{% for c in range(100) %}x{% endfor %}{% endfor %}"
          "{% endfor %}")
 # A template of the tests' own: it reads one custom variable (``note``), documents and enable_thinking.
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if note %}[{{ note }}]{% endif %}{% for d in documents or [] %}<doc>{{ d['text'] }}</doc>{% endfor %}"
-            "{% if enable_thinking %}<think>{% endif %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+            "{% if enable_thinking %}<think>{% endif %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")

@@ -178,19 +178,18 @@ class Tokenizer:
         if body.get("chat_template") is not None or client.get("chat_template") is not None:
             raise FieldError("chat_template: a template in the request is not rendered by the router (vLLM refuses "
                              "one unless started with --trust-request-chat-template)")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise FieldError("tools: expected a list")
-        try:
-            template = self._tok.get_chat_template(None, tools)  # the model's own ("tool_use" when it has one)
-        except ValueError as exc:
-            raise PromptError("the model directory has no chat template") from exc
         kwargs = _template_kwargs(body, client)
         for name in _UNMODELLED:
             if name in kwargs:
                 raise FieldError(f"chat_template_kwargs.{name}: not rendered by the router")
         fixed = {k: kwargs.pop(k, None) for k in ("tools", "documents")}
         fixed.update({k: kwargs.pop(k) for k in ("add_generation_prompt", "continue_final_message")})
+        if fixed["tools"] is not None and not isinstance(fixed["tools"], list):
+            raise FieldError("tools: expected a list")
+        try:  # the model's own (its "tool_use" one, where it has one, for a request with tools)
+            template = self._tok.get_chat_template(None, fixed["tools"])
+        except ValueError as exc:
+            raise PromptError("the model directory has no chat template") from exc
         read = _template_variables(template)
         passed = {k: v for k, v in kwargs.items() if k in read}  # what the template never reads changes nothing
         if _size(passed, _KWARGS_BUDGET) > _KWARGS_BUDGET:
