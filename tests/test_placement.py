@@ -1,11 +1,14 @@
-"""Placement rules: a tenant's KV reaches only the tiers its rule allows, on put and on promotion; other tenants'
-KV reaches every tier; bad rules are refused naming the field; `kvtier cache stats` shows them."""
+"""Placement rules: a tenant's KV reaches only the tiers its rule allows, on put and on promotion, and lookups and
+reads ask only those tiers; other tenants' KV reaches every tier; bad rules are refused naming the field; `kvtier
+cache stats` shows them."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from kvtier import KVStore, Namespace
@@ -114,3 +117,74 @@ def test_a_default_rule_places_unsalted_requests_and_every_other_tenant(tmp_path
             store.put(ns(salt), tokens, synthetic_kv(tokens))
         store.flush()
     assert files(tmp_path / "disk") == 3 and files(tmp_path / "shared") == 1
+
+
+class _Monitor:
+    """Every command a Redis server receives while the block runs (MONITOR), read up to a marker sent at its end:
+    nothing is missed and nothing is waited for by time."""
+
+    def __init__(self, url: str) -> None:
+        self._client = redis.Redis.from_url(url, socket_timeout=30)
+        self.commands: list[str] = []
+
+    def __enter__(self) -> _Monitor:
+        self._monitor = self._client.monitor().__enter__()  # returns once the server answered OK: watching
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        marker = f"end-{uuid.uuid4().hex}"
+        self._client.echo(marker)
+        try:
+            while marker not in (command := self._monitor.next_command()["command"]):
+                self.commands.append(command)
+        finally:
+            self._monitor.__exit__()
+            self._client.close()
+
+    def naming(self, namespace: str) -> list[str]:
+        return [c for c in self.commands if namespace in c]
+
+
+def _asked(tier: object, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The namespaces a tier is asked about from now on, by lookups (heads) and reads (get, get_into)."""
+    asked: list[str] = []
+    for name in ("heads", "get", "get_into"):
+        real = getattr(tier, name)
+
+        def record(first, *args, real=real, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            asked.append(first if isinstance(first, str) else first.namespace)
+            return real(first, *args, **kw)
+
+        monkeypatch.setattr(tier, name, record)
+    return asked
+
+
+def test_lookups_and_reads_ask_only_the_tiers_a_tenant_may_be_in(tmp_path: Path, redis_server, unique_prefix: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DRAM-only tenant's lookups and gets send nothing to any tier, in DRAM or not; a tenant placed on the disk
+    alone is never asked about in Redis (MONITOR shows every command the server got); others are asked in both."""
+    cfg = config(tmp_path, "disk", placement=[{"salt": "bank-*", "tiers": []}, {"salt": "internal-*",
+                                                                                "tiers": ["disk"]}])
+    cfg["tiers"].append({"type": "redis", "name": "redis", **redis_server.tier_options(), "key_prefix": unique_prefix})
+    tokens = synthetic_tokens(5, 2 * T)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(cfg) as store:
+        bank, internal, public = (store.named(ns(s)).id for s in ("bank-1", "internal-7", "public"))
+        for salt in ("bank-1", "internal-7", "public"):
+            store.put(ns(salt), tokens, kv)
+        store.flush()
+        disk = _asked(store.tiers[0], monkeypatch)
+        with _Monitor(redis_server.url) as seen:
+            for dropped in (False, True):  # served from DRAM; then DRAM dropped: found on the tiers, or not at all
+                if dropped:
+                    store.drop_dram()
+                assert store.lookup(ns("bank-1"), tokens + [1]) == (0 if dropped else 2 * T)
+                got = store.get(ns("bank-1"), tokens)
+                assert got is None if dropped else torch.equal(got, kv)
+                for salt in ("internal-7", "public"):
+                    store.drop_dram()
+                    assert store.lookup(ns(salt), tokens + [1]) == 2 * T
+                    assert torch.equal(store.get(ns(salt), tokens), kv)
+        assert seen.naming(bank) == [] and bank not in disk  # DRAM only: no tier heard of it
+        assert seen.naming(internal) == [] and internal in disk  # the disk only
+        assert seen.naming(public) and public in disk  # every tier (the store's disk hits; Redis still asked)

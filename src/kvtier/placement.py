@@ -18,6 +18,12 @@ engine loads through it); a rule with ``tiers: []`` keeps that KV in DRAM only.
 
       - tiers: [disk]           # last, with neither: the default for all other KV (unsalted requests too)
 
+Reads follow the same rules: a lookup or a get asks only the tiers the namespace's KV may reach, so a tenant kept
+in DRAM sends none of its keys to any tier, and one placed on the disk none to a shared one. KV that an earlier
+placement left in a tier the rules now withhold is not looked for there: it is served no more, and goes with the
+tier's eviction or TTL, ``kvtier cache purge --namespace``, or the tenant's ``forget`` (the commands list every
+tier, whatever the rules).
+
 Rules are tried in order; the first that matches decides. KV no rule matches may reach every tier. A salt comes
 from the client: a request without one (or with another) is placed by the default. Salts are matched as globs
 (``*``, ``?``, ``[...]``; write ``[[]`` for a literal ``[``). A ``quota`` is per tenant: each salt (or namespace)
@@ -84,6 +90,11 @@ class Decision:
     allowed: frozenset[str] | None
     share: str | None = None
     quota: tuple[tuple[str, int], ...] = ()
+
+    def admits(self, tier: str) -> bool:
+        """Whether the namespace's KV may be in secondary tier ``tier``: written there, so looked up and read there
+        (and nowhere else: see the module's docstring)."""
+        return self.allowed is None or tier in self.allowed
 
 
 def parse_placement(raw: object, tier_names: Sequence[str]) -> tuple[PlacementRule, ...]:

@@ -343,6 +343,11 @@ class KVStore:
         ranges = [r for r in self.dram.ranges(namespace, chunk) if r.total == heads.total]
         return cover(ranges, heads.start, heads.stop) is not None
 
+    def _readable(self, decision: Decision, local_only: bool) -> list[Tier]:
+        """The secondary tiers a lookup or read of a namespace asks: those its placement lets its KV reach (a tenant
+        kept in DRAM sends its keys to none), only the local ones with ``local_only``."""
+        return [t for t in self.tiers if decision.admits(t.name) and (t.local or not local_only)]
+
     def _writers_for(self, allowed: frozenset[str] | None, writers: list[CascadeWriter],
                      shards: int) -> list[CascadeWriter]:
         """The cascade writers a namespace's shards may go to (placement rules); those withheld are counted."""
@@ -392,7 +397,7 @@ class KVStore:
             raise ValueError(f"tail_block must divide the chunk size {t}, got {tail_block}")
         ns = self.named(ns)
         keys = chunk_keys(ns, tokens, t)
-        tiers = [t for t in self.tiers if t.local] if local_only else self.tiers
+        tiers = self._readable(self._placement.decide(ns), local_only)
 
         def tails_after(n: int) -> tuple[list[str], list[int]]:
             """The tails to try after ``n`` whole chunks, longest first (none without ``tail_block``)."""
@@ -598,8 +603,7 @@ class KVStore:
                 raise ValueError(f"the caller expects {wanted}, the KV put in this namespace is {shape}")
             shape = wanted
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t, tail=tail)]
-        read = Read(ns.id, tp_rank, tp_size, kv_heads, shape,
-                     [t for t in self.tiers if t.local] if local_only else self.tiers,
+        read = Read(ns.id, tp_rank, tp_size, kv_heads, shape, self._readable(decision, local_only),
                      allowed=decision.allowed)
         try:
             self._plan_reads(read, chunks, offset // t)
