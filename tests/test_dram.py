@@ -233,3 +233,27 @@ def test_reserving_chunks_stops_at_the_first_that_cannot_fit() -> None:
         pool.abort(e)  # type: ignore[arg-type]
     pool.release(busy)
     assert pool.audit()["lost_pages"] == 0
+
+
+def test_an_entry_is_served_only_under_its_owner_and_before_its_expiry() -> None:
+    """An entry stored under one owner (a tenant key id) is not served under another or none, nor once past its
+    expiry: each is discarded when found, and a put of the same key under the right owner replaces it."""
+    pool = DramPool(8 * PAGE, PAGE, LRUPolicy())
+    key = skey(1)
+    for owner, ask, expires in [(b"k1", b"k2", None), (b"k1", None, None), (None, None, 0.0)]:
+        entry = pool.reserve(key, META, None, owner)
+        assert isinstance(entry, DramEntry)
+        entry.expires = expires
+        pool.commit(entry)
+        assert pool.acquire(key.namespace, key.chunk, [key.heads], ask) is None
+        assert pool.ranges(key.namespace, key.chunk) == [] and len(pool) == 0
+    stale = pool.reserve(key, META, None, b"k1")
+    pool.commit(stale)
+    fresh = pool.reserve(key, META, None, b"k2")  # the owner's put replaces what it may not be served
+    assert isinstance(fresh, DramEntry)
+    pool.commit(fresh)
+    (got,) = pool.acquire(key.namespace, key.chunk, [key.heads], b"k2")
+    assert got is fresh
+    pool.release(got)
+    assert pool.discard_owned({b"k2"}) == 1 and len(pool) == 0
+    assert pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}

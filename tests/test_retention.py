@@ -135,3 +135,30 @@ def test_a_redis_listing_gives_the_time_since_last_use(redis_server, unique_pref
         time.sleep(2.2)
         (listed,) = list(store.tiers[0].list())
         assert time.time() - listed.last_used >= 2
+
+
+@pytest.mark.parametrize("how", ["promoted", "put"])
+def test_dram_serves_no_shard_past_its_tiers_ttl(how: str, tmp_path: Path) -> None:
+    """A DRAM entry expires with the object it came from (its write time plus the shortest ttl_seconds of its
+    tiers): a shard promoted a second before its tier's TTL, or put into a store whose tier keeps it a second,
+    is a miss from then on, in DRAM as on the tier."""
+    tokens = synthetic_tokens(7, T)
+    kv = synthetic_kv(tokens)
+    ttl = 3600.0 if how == "promoted" else 1.0
+    with KVStore.from_config(store_config({"type": "filesystem", "name": "t", "path": str(tmp_path / "fs"),
+                                           "ttl_seconds": ttl})) as store:
+        if how == "promoted":
+            heads = rank_heads(kv.shape[2], 0, 1)
+            key = ShardKey(NS.id, chunk_keys(NS, tokens, T)[0].hex(), heads)
+            meta = frame.ShardMeta(kv.shape[0], T, kv.shape[4], kv.dtype, heads)
+            payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
+            created = time.time() - ttl + 1.0
+            store.tiers[0].put(key, [frame.encode_header(key, meta, [payload], created=created) + payload])
+        else:
+            created = time.time()
+            store.put(NS, tokens, kv)
+        assert torch.equal(store.get(NS, tokens), kv)  # in DRAM now
+        assert len(store.dram) == 1
+        time.sleep(max(0.0, created + ttl - time.time()) + 0.05)
+        assert store.get(NS, tokens) is None
+        assert len(store.dram) == 0

@@ -431,7 +431,8 @@ def test_forget_is_taken_up_again_after_a_crash_at_any_step(tmp_path: Path, monk
         assert len(objects(tmp_path)) == 2
         assert main(["tenant", "forget", "c", "--config", str(path)]) == 0, crash_at
         assert "removed 2 objects" in capsys.readouterr().out and not objects(tmp_path)
-        assert not list((tmp_path / "keyring").glob("t-*"))  # nothing of the tenant is left in the keyring
+        tid = Keyring(str(tmp_path / "keyring")).tenant_id("c")
+        assert [p.name for p in (tmp_path / "keyring").glob("t-*")] == [f"{tid}.forgotten"]  # its tombstone alone
 
 
 def test_a_tenant_forgotten_while_a_put_runs_leaves_nothing_in_dram(tmp_path: Path) -> None:
@@ -564,3 +565,117 @@ def test_a_fault_among_shards_read_ahead_and_decrypted_leaks_nothing(tmp_path: P
             assert store.stats()["disk"]["read_errors_total"] >= 1
             time.sleep(1.1)  # the tier's reads rest after a failure (retry_seconds)
             assert torch.equal(store.get(ns("f"), tokens), kv)
+
+
+def _forget_cli(tmp_path: Path, cfg: dict, salt: str) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["tenant", "forget", salt, "--config", str(path)]) == 0
+
+
+def test_a_forget_drops_dram_of_a_tenant_pushed_out_of_the_key_cache(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client sending requests under many salts pushes a tenant out of the process's bounded key cache (shrunk
+    here): the keyring watch no longer checks it, yet once it is forgotten its DRAM entries are never served."""
+    monkeypatch.setattr("kvtier.sealing._KEPT_TENANTS", 2)
+    tokens = synthetic_tokens(20, 2 * T)
+    kv = synthetic_kv(tokens)
+    cfg = config(tmp_path, refresh=0.05)
+    with KVStore.from_config(cfg) as engine:
+        engine.put(ns("old"), tokens, kv)
+        for i in range(3):  # the flood: "old" leaves the key cache
+            engine.put(ns(f"flood{i}"), tokens[:T], kv[:, :, :, :T])
+        assert len(engine.dram) == 2 + 3  # "old" still in DRAM
+        _forget_cli(tmp_path, cfg, "old")
+        assert engine.get(ns("old"), tokens) is None
+        assert torch.equal(engine.get(ns("flood2"), tokens[:T]), kv[:, :, :, :T])
+
+
+def test_a_forget_drops_dram_of_a_namespace_the_keyring_failed_to_record(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """One failed keyring write (here EMFILE opening the tenant's namespace list) during a put leaves the namespace
+    in no tenant's list: DRAM may serve it, no secondary tier gets it, and a forget still ends its service."""
+    tokens = synthetic_tokens(21, 2 * T)
+    kv = synthetic_kv(tokens)
+    cfg = config(tmp_path, refresh=0.05)
+    real_open = os.open
+
+    def no_descriptors(path, flags, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if str(path).endswith(".ns") and flags & os.O_APPEND:
+            raise OSError(24, "Too many open files")
+        return real_open(path, flags, *args, **kwargs)
+
+    with KVStore.from_config(cfg) as engine:
+        monkeypatch.setattr(os, "open", no_descriptors)
+        engine.put(ns("b"), tokens, kv)
+        assert torch.equal(engine.get(ns("b"), tokens), kv)  # served from DRAM
+        engine.flush()
+        assert not objects(tmp_path)  # nothing sealed for a namespace forget could not find
+        assert engine.stats()["_store"]["keyring_errors_total"] >= 1
+        _forget_cli(tmp_path, cfg, "b")
+        assert engine.get(ns("b"), tokens) is None
+
+
+def test_a_forget_noticed_while_a_read_promotes_leaves_nothing_served(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard decrypted before the keyring watch noticed a forget and committed into DRAM after the watch's purge:
+    neither the read under way nor any later one serves it (held here between decryption and commit)."""
+    tokens = synthetic_tokens(22, T)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(config(tmp_path, refresh=60)) as store:  # the watch ticks only when told below
+        store.put(ns("p"), tokens, kv)
+        cold(store)
+        decrypted, release = threading.Event(), threading.Event()
+        read_into = store._read_into
+
+        def held(tier, key, entry, *args):  # noqa: ANN001, ANN002, ANN202 - the decrypting thread
+            created = read_into(tier, key, entry, *args)
+            decrypted.set()
+            release.wait(10)
+            return created
+
+        monkeypatch.setattr(store, "_read_into", held)
+        got: list[torch.Tensor | None] = []
+        reader = threading.Thread(target=lambda: got.append(store.get(ns("p"), tokens)))
+        reader.start()
+        try:
+            assert decrypted.wait(10)
+            keyring = Keyring(str(tmp_path / "keyring"))
+            keyring.forget(keyring.tenant_id("p"))
+            store._sealer.check_forgotten()  # the watch's tick: its DRAM purge runs before the commit
+        finally:
+            release.set()
+            reader.join(10)
+        monkeypatch.undo()
+        assert got == [None]
+        assert store.get(ns("p"), tokens) is None
+        assert len(store.dram) == 0
+
+
+def test_an_unreadable_secret_fails_closed_for_its_tenant_only(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """One secret the keyring cannot read (EIO) stops neither the watch's check of the others nor fails open: its
+    tenant is not served while it stays unreadable (counted), and is again once it reads."""
+    tokens = synthetic_tokens(23, 2 * T)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(config(tmp_path, refresh=60)) as store:
+        store.put(ns("eio"), tokens, kv)  # checked first
+        store.put(ns("gone"), tokens, kv)
+        store.flush()
+        keyring = Keyring(str(tmp_path / "keyring"))
+        bad, real = keyring.tenant_id("eio"), Keyring.secret
+
+        def flaky(self, tenant, create):  # noqa: ANN001, ANN202
+            if tenant == bad:
+                raise OSError(5, "Input/output error")
+            return real(self, tenant, create)
+
+        monkeypatch.setattr(Keyring, "secret", flaky)
+        keyring.forget(keyring.tenant_id("gone"))
+        store._sealer.check_forgotten()
+        assert store.get(ns("gone"), tokens) is None  # the check went on past the unreadable secret
+        assert store.get(ns("eio"), tokens) is None  # and did not keep serving the tenant it could not check
+        assert store.stats()["_store"]["keyring_errors_total"] >= 1
+        monkeypatch.undo()
+        store.put(ns("eio"), tokens, kv)  # (what the tiers hold is taken as absent for a while: unopened)
+        assert torch.equal(store.get(ns("eio"), tokens), kv)

@@ -240,9 +240,9 @@ def test_a_put_stops_at_the_first_chunk_that_does_not_fit(tier: DictTier, monkey
     with open_store(tier) as store:
         reserve = store.dram.reserve_chunks
 
-        def third_is_full(chunks, meta):  # e.g. every page pinned at that moment, freed just after
+        def third_is_full(chunks, meta, owner=None):  # e.g. every page pinned at that moment, freed just after
             assert len(chunks) == 4
-            return [*reserve(chunks[:2], meta), "full"]  # the fourth is not reserved (tests/test_dram.py)
+            return [*reserve(chunks[:2], meta, owner), "full"]  # the fourth is not reserved (tests/test_dram.py)
 
         monkeypatch.setattr(store.dram, "reserve_chunks", third_is_full)
         assert store.put(NS, tokens, synthetic_kv(tokens)) == 2 * T

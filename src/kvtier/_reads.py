@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from kvtier import frame
 from kvtier.dram import DramEntry
 from kvtier.keys import HeadRange, ShardKey, cover
 from kvtier.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from kvtier.sealing import Tenant
 
 
 def valid_range(rng: object) -> bool:
@@ -84,6 +88,8 @@ class Read:
     shape: Shape | None  # None until the first shard read fixes it
     tiers: list[Tier]  # the secondary tiers it may read (e.g. only the local ones)
     allowed: frozenset[str] | None = None  # the tiers its namespace's KV may reach (placement); None: all
+    tenant: Tenant | None = None  # encrypted stores: its tenant when it began (what it promotes after a forget goes)
+    owner: bytes | None = None  # the owner its DRAM entries must have (kvtier.dram): that tenant's key id
     pinned: list[DramEntry] = dataclasses.field(default_factory=list)
     # What each tier said it holds of the chunks DRAM lacks (one batched question per tier and read; a re-plan
     # after a failed piece asks again), and the shard reads planned from it, in order, started READ_AHEAD ahead.

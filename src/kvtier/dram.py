@@ -5,6 +5,10 @@ is present) and hands out page extents, so storing a shard allocates no tensor. 
 :meth:`DramPool.reserve` returns a private entry holding one reference, the caller copies bytes in outside the
 lock, then :meth:`DramPool.commit` makes it visible (or :meth:`DramPool.abort` frees it). Entries with references
 (being written, read or cascaded) are never evicted.
+
+An entry may carry an owner (the key id of the tenant key it was stored under, :mod:`kvtier.sealing`) and an
+expiry (its tiers' ``ttl_seconds`` from when it was written): a read names the owner it may be served under, and
+an entry of another owner, or past its expiry, is never served: it is discarded when found.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Literal
@@ -95,6 +100,11 @@ class DramEntry:
     discarded: bool = False  # out of the index, pages freed when the last reference goes
     created: float | None = None  # when first stored, for a shard promoted from a tier (its TTL runs from then)
     share: str | None = None  # the tenant share (quota) it counts against, if any
+    owner: bytes | None = None  # the tenant key id it was stored under (encrypted stores): served only under it
+    expires: float | None = None  # the time (time.time()) from which it is never served: its tiers' TTL
+
+    def servable(self, owner: bytes | None, now: float) -> bool:
+        return self.owner == owner and (self.expires is None or now < self.expires)
 
     @property
     def pages(self) -> int:
@@ -193,29 +203,31 @@ class DramPool:
         return len(self._by_key)
 
     # -- two-phase insert --------------------------------------------------------------------------------------
-    def reserve(self, key: ShardKey, meta: ShardMeta, parent: str | None) -> Reservation:
-        """Claim pages for ``key``, evicting unpinned entries as needed. The entry holds one reference."""
+    def reserve(self, key: ShardKey, meta: ShardMeta, parent: str | None, owner: bytes | None = None) -> Reservation:
+        """Claim pages for ``key`` (to be served under ``owner``), evicting unpinned entries as needed. The entry
+        holds one reference."""
         if self._arena is None:
             self.allocate()  # deferred until the first shard needs it
         with self._lock:
-            return self._reserve_locked(key, meta, parent)
+            return self._reserve_locked(key, meta, parent, owner)
 
-    def _held_locked(self, key: ShardKey, meta: ShardMeta) -> DramEntry | bool:
-        """Whether ``key`` is held in this shape (its entry) or being written (True); False if not, discarding an
-        entry of another shape under it (e.g. a hostile promotion): the put replaces it."""
+    def _held_locked(self, key: ShardKey, meta: ShardMeta, owner: bytes | None) -> DramEntry | bool:
+        """Whether ``key`` is held in this shape, servable under ``owner`` (its entry), or being written (True);
+        False if not, discarding an entry under it that is not (another shape, e.g. from a hostile promotion; a
+        tenant key forgotten since; expired): the put replaces it."""
         if key in self._pending:
             return True
         held = self._by_key.get(key)
         if held is None:
             return False
-        if held.meta == meta:
+        if held.meta == meta and held.servable(owner, time.time()):
             self._touch_locked(held)  # stored again: as recent as a read (the simulator's model too)
             return held
         self._discard_locked(held)
         return False
 
-    def _reserve_locked(self, key: ShardKey, meta: ShardMeta, parent: str | None) -> Reservation:
-        if self._held_locked(key, meta) is not False:
+    def _reserve_locked(self, key: ShardKey, meta: ShardMeta, parent: str | None, owner: bytes | None) -> Reservation:
+        if self._held_locked(key, meta, owner) is not False:
             return "present"
         need = -(-meta.nbytes // self.page_bytes)
         share = self._share_of.get(key.namespace)
@@ -225,12 +237,12 @@ class DramPool:
         extents = self._free.take(need)
         assert extents is not None, "free pages were counted"
         self._pending.add(key)
-        return self._entry(key, meta, parent, extents, share)
+        return self._entry(key, meta, parent, extents, share, owner)
 
     def _entry(self, key: ShardKey, meta: ShardMeta, parent: str | None, extents: list[Extent],
-               share: tuple[str, int] | None) -> DramEntry:
+               share: tuple[str, int] | None, owner: bytes | None) -> DramEntry:
         """A reserved entry; its pages count against its tenant's share from now (given back by abort)."""
-        entry = DramEntry(key, meta, parent, extents, share=None if share is None else share[0])
+        entry = DramEntry(key, meta, parent, extents, share=None if share is None else share[0], owner=owner)
         if entry.share is not None:
             self._share_pages[entry.share] = self._share_pages.get(entry.share, 0) + entry.pages
         return entry
@@ -281,13 +293,14 @@ class DramPool:
             assert victim is not None, "idle pages were counted but no entry is evictable"
             self._evict(self._by_key[victim])  # type: ignore[index]
 
-    def reserve_chunks(self, chunks: list[tuple[ShardKey, str | None]], meta: ShardMeta) -> list[Reservation]:
-        """:meth:`reserve` for consecutive chunks of one shape (key, parent), in order, under one lock; the list
-        ends at the first ``"full"``. Each chunk is touched or makes room exactly as :meth:`reserve` would in turn
-        (the same victims: the simulator's model, kvtier.sim.cache, is this order), but the pages are taken only
-        after the last chunk, as one run where the free pages allow, so their copy is one (:meth:`fill_chunks`):
-        evicting an old prefix leaf frees its pages back to front, and taking pages chunk by chunk would give
-        each chunk a run of its own."""
+    def reserve_chunks(self, chunks: list[tuple[ShardKey, str | None]], meta: ShardMeta,
+                       owner: bytes | None = None) -> list[Reservation]:
+        """:meth:`reserve` for consecutive chunks of one shape (key, parent) and owner, in order, under one lock;
+        the list ends at the first ``"full"``. Each chunk is touched or makes room exactly as :meth:`reserve`
+        would in turn (the same victims: the simulator's model, kvtier.sim.cache, is this order), but the pages
+        are taken only after the last chunk, as one run where the free pages allow, so their copy is one
+        (:meth:`fill_chunks`): evicting an old prefix leaf frees its pages back to front, and taking pages chunk
+        by chunk would give each chunk a run of its own."""
         if not chunks:
             return []
         if self._arena is None:
@@ -298,7 +311,7 @@ class DramPool:
         held: set[ShardKey] = set()  # found held: the prefix this put reports stored, never evicted for a share
         with self._lock:
             for key, _ in chunks:
-                if key in fresh or self._held_locked(key, meta) is not False:
+                if key in fresh or self._held_locked(key, meta, owner) is not False:
                     out.append("present")
                     held.add(key)
                     continue
@@ -322,7 +335,8 @@ class DramPool:
                 assert extents is not None, "free pages were counted"
                 self._pending.add(key)
                 share = self._share_of.get(key.namespace)  # counted against it in the loop above
-                out[i] = DramEntry(key, meta, chunks[i][1], extents, share=None if share is None else share[0])
+                out[i] = DramEntry(key, meta, chunks[i][1], extents, share=None if share is None else share[0],
+                                   owner=owner)
         return out
 
     def fill_chunks(self, fill: Callable[[int, torch.Tensor], None], chunks: list[tuple[int, DramEntry]],
@@ -409,15 +423,30 @@ class DramPool:
 
     # -- reads -------------------------------------------------------------------------------------------------
     def ranges(self, namespace: str, chunk: str) -> list[HeadRange]:
+        """The head ranges held of one chunk (expired entries are discarded, not counted)."""
+        now = time.time()
         with self._lock:
-            return list(self._index.get((namespace, chunk), ()))
+            slot = self._index.get((namespace, chunk))
+            if slot is None:
+                return []
+            for entry in [e for e in slot.values() if e.expires is not None and now >= e.expires]:
+                self._discard_locked(entry)
+            return list(slot)
 
-    def acquire(self, namespace: str, chunk: str, heads: list[HeadRange]) -> list[DramEntry] | None:
-        """Pin the entries for ``heads`` of a chunk (None if one is gone) and mark them used."""
+    def acquire(self, namespace: str, chunk: str, heads: list[HeadRange],
+                owner: bytes | None = None) -> list[DramEntry] | None:
+        """Pin the entries for ``heads`` of a chunk and mark them used; None if one is gone, or not servable under
+        ``owner`` (then discarded: stored under a tenant key forgotten since, or expired)."""
+        now = time.time()
         with self._lock:
             found = self._index.get((namespace, chunk), {})
             entries = [found.get(h) for h in heads]
             if any(e is None for e in entries):
+                return None
+            stale = [e for e in entries if not e.servable(owner, now)]  # type: ignore[union-attr]
+            for entry in stale:
+                self._discard_locked(entry)  # type: ignore[arg-type]
+            if stale:
                 return None
             for entry in entries:
                 self._pin_locked(entry)  # type: ignore[arg-type]
@@ -558,11 +587,11 @@ class DramPool:
                 self._evict(entry)
             return len(victims)
 
-    def discard_namespaces(self, namespaces: set[str]) -> int:
-        """Remove every committed entry of ``namespaces`` from the index now (a pinned one's pages are freed when
-        its last reader is done); how many went."""
+    def discard_owned(self, owners: set[bytes]) -> int:
+        """Remove every committed entry of ``owners`` (tenant key ids: forgotten tenants) from the index now (a
+        pinned one's pages are freed when its last reader is done); how many went."""
         with self._lock:
-            victims = [e for e in self._by_key.values() if e.key.namespace in namespaces]
+            victims = [e for e in self._by_key.values() if e.owner in owners]
             for entry in victims:
                 self._discard_locked(entry)
             return len(victims)

@@ -18,7 +18,10 @@ of them is a miss (:class:`~kvtier.frame.UnknownKey`), left in place for the eng
 The keyring also records which namespaces each tenant used, so that ``forget`` can remove a tenant's objects where
 a tier can list, and ``kvtier cache rekey`` can re-seal any tenant's objects. It is shared by every process of a
 deployment: a directory on the engines' host (or a shared filesystem). Processes notice a forgotten tenant within
-``refresh_seconds`` (its secret gone, or made anew) and drop its keys and DRAM entries.
+``refresh_seconds`` (its secret gone, or made anew) and drop its keys and DRAM entries. A DRAM entry of an encrypted
+store carries the key id of the tenant key it was stored under (:attr:`Tenant.key_id`), and a read serves it only
+under that key: a tenant this process no longer remembers (pushed out of its bounded key cache, or a namespace the
+keyring failed to record) is looked up in the keyring again, and once forgotten its entries are never served.
 """
 
 from __future__ import annotations
@@ -198,7 +201,8 @@ class Keyring:
     Files: ``pepper`` (the key of tenant ids), ``t-<id>`` (a tenant's 32-byte secret, written under a temporary
     name and linked into place: two processes creating one tenant at once agree on the first one linked, and a
     secret is never rewritten), ``t-<id>.ns`` (the namespaces the tenant used, one id per line, appended) and
-    ``t-<id>.ns.forgetting`` (those of the forgets under way).
+    ``t-<id>.ns.forgetting`` (those of the forgets under way) and ``t-<id>.forgotten`` (a tombstone, empty: the
+    tenant's last forget ended at its mtime).
     """
 
     def __init__(self, path: str, field: str = "encryption.keyring", create: bool = True) -> None:
@@ -307,8 +311,8 @@ class Keyring:
 
         Crash-safe in this order: the tenant's namespace list joins the list of the forgets under way
         (``.ns.forgetting``, written whole and renamed into place), then the secret goes. A forget that stopped
-        anywhere is taken up again by the next one; :meth:`forgotten` drops the list once the objects are removed.
-        A tenant made again afterwards starts a list of its own."""
+        anywhere is taken up again by the next one; :meth:`forgotten` drops the list (for a tombstone) once the
+        objects are removed. A tenant made again afterwards starts a list of its own."""
         final = os.path.join(self.path, tenant)
         has_secret = os.path.exists(final)
         merged = list(dict.fromkeys(self.namespaces(tenant, ".ns.forgetting") + self.namespaces(tenant)))
@@ -332,10 +336,23 @@ class Keyring:
         return merged
 
     def forgotten(self, tenant: str) -> None:
+        """The forget's objects are removed: its list of namespaces goes, a tombstone stays (:meth:`forgotten_at`)."""
+        final = os.path.join(self.path, tenant)
+        os.close(os.open(final + ".forgotten", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600))
+        os.utime(final + ".forgotten")  # (its mtime: when the forget ended)
         try:
-            os.unlink(os.path.join(self.path, tenant + ".ns.forgetting"))
+            os.unlink(final + ".ns.forgetting")
         except FileNotFoundError:
             pass
+
+    def forgotten_at(self, tenant: str) -> float | None:
+        """When the tenant's last forget ended (its tombstone), or None if none did: a repeated forget is told
+        apart from a salt never seen."""
+        try:
+            st = os.stat(os.path.join(self.path, tenant + ".forgotten"), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return st.st_mtime if stat.S_ISREG(st.st_mode) else None
 
 
 def key_id(tenant_key: bytes) -> bytes:
@@ -354,44 +371,65 @@ def object_key(tenant_key: bytes, nonce: bytes) -> bytes:
     return hmac.new(tenant_key, b"kvtier object key/" + nonce[:_NONCE_BYTES // 2], hashlib.sha256).digest()
 
 
-@dataclasses.dataclass
-class _Tenant:
+@dataclasses.dataclass(eq=False)
+class Tenant:
+    """A tenant's keys as one process derived them: what :meth:`Sealer.register` returns."""
+
     id: str
     secret: bytes = dataclasses.field(repr=False)
     keys: list[tuple[bytes, bytes]] = dataclasses.field(repr=False)  # (key id, tenant key), the current master's first
     namespaces: set[str] = dataclasses.field(default_factory=set)
 
+    @property
+    def key_id(self) -> bytes:
+        """The id of the tenant key that seals its shards now: what its DRAM entries carry (their owner)."""
+        return self.keys[0][0]
+
     def key_for(self, wanted: bytes) -> bytes | None:
         return next((k for kid, k in self.keys if hmac.compare_digest(kid, wanted)), None)
+
+
+class UnrecordedNamespace(KVTierError):
+    """The tenant's secret is at hand but the keyring could not record that it used this namespace (a failed
+    write: ENOSPC, EMFILE). A forget could not find the namespace's objects, so none may be sealed; DRAM may hold
+    its KV, owned by :attr:`tenant` (a forget still ends its service: see :attr:`Tenant.key_id`)."""
+
+    def __init__(self, tenant: Tenant, namespace: str) -> None:
+        super().__init__(f"keyring: cannot record namespace {namespace} of tenant {tenant.id}")
+        self.tenant = tenant
 
 
 class Sealer:
     """Seals shards for the tiers and opens what they return (a :class:`~kvtier.frame.Opener`), for the
     namespaces of the tenants it has seen. Thread-safe."""
 
-    def __init__(self, config: EncryptionConfig, on_forgotten: Callable[[set[str]], None] | None = None,
-                 create: bool = True) -> None:
-        """``create=False``: for a command, which must not make a keyring (or a tenant) where none is."""
+    def __init__(self, config: EncryptionConfig, on_forgotten: Callable[[set[bytes]], None] | None = None,
+                 create: bool = True, on_unreadable: Callable[[OSError], None] | None = None) -> None:
+        """``on_forgotten`` gets the key ids (:attr:`Tenant.key_id`) of the tenants the watch found forgotten;
+        ``on_unreadable`` each error reading a secret there (to count). ``create=False``: for a command, which must
+        not make a keyring (or a tenant) where none is."""
         self.config = config
         self._masters = [load_key(config.key, "encryption.key", config.provider_options)]
         self._masters += [load_key(s, f"encryption.old_keys[{i}]", config.provider_options)
                           for i, s in enumerate(config.old_keys)]
         self.keyring = Keyring(config.keyring, create=create)
         self._on_forgotten = on_forgotten
+        self._on_unreadable = on_unreadable
         self._lock = threading.Lock()
-        self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
-        self._by_ns: OrderedDict[str, _Tenant] = OrderedDict()
+        self._tenants: OrderedDict[str, Tenant] = OrderedDict()
+        self._by_ns: OrderedDict[str, Tenant] = OrderedDict()
+        self._forgotten: set[bytes] = set()  # key ids the watch found forgotten (one per forget: few)
         self._scratch = threading.local()
         self._closed = threading.Event()
         self._watch_failed = False
         self._watcher = threads.start(self._watch, "kvtier-keyring")
 
     # -- tenants -----------------------------------------------------------------------------------------------
-    def register(self, ns: Namespace, create: bool = True) -> object | None:
+    def register(self, ns: Namespace, create: bool = True) -> Tenant | None:
         """Make ``ns``'s tenant key available before its shards are sealed or opened here; its secret is made on
         first use when ``create`` (a put), not for a read (nothing is stored under a tenant that has none).
-        Returns a token for :meth:`current` (None: the tenant has no secret). Raises OSError or
-        :class:`KVTierError` when the keyring cannot be read or written."""
+        Returns the tenant (None: it has no secret). Raises :class:`UnrecordedNamespace` when the namespace could
+        not be recorded, OSError or :class:`KVTierError` when the keyring cannot be read or written."""
         with self._lock:
             tenant = self._by_ns.get(ns.id)
             if tenant is not None and self._tenants.get(tenant.id) is tenant:
@@ -400,12 +438,14 @@ class Sealer:
                 return tenant
         return self._attach(self.keyring.tenant_id(ns.cache_salt), ns.id, create)
 
-    def current(self, token: object | None) -> bool:
-        """Whether the tenant :meth:`register` returned ``token`` for is still held (not forgotten since)."""
+    def current(self, tenant: Tenant) -> bool:
+        """Whether ``tenant`` (from :meth:`register`) was not found forgotten since. Read under the lock the watch
+        marks it under, and the watch marks before it purges DRAM: what a caller commits and then checks here is
+        either refused here or purged by the watch."""
         with self._lock:
-            return isinstance(token, _Tenant) and self._tenants.get(token.id) is token
+            return tenant.key_id not in self._forgotten
 
-    def _attach(self, tid: str, namespace: str, create: bool, record: bool = True) -> _Tenant | None:
+    def _attach(self, tid: str, namespace: str, create: bool, record: bool = True) -> Tenant | None:
         with self._lock:
             tenant = self._tenants.get(tid)
         if tenant is None:
@@ -413,14 +453,17 @@ class Sealer:
             if secret is None:
                 return None
             keys = [tenant_key(m, secret, tid) for m in self._masters]
-            made = _Tenant(tid, secret, [(key_id(k), k) for k in keys])
+            made = Tenant(tid, secret, [(key_id(k), k) for k in keys])
             with self._lock:
                 tenant = self._tenants.setdefault(tid, made)
                 while len(self._tenants) > _KEPT_TENANTS:  # attached again on next use
                     self._tenants.popitem(last=False)
         if namespace not in tenant.namespaces:
             if record:
-                self.keyring.add_namespace(tid, namespace)
+                try:
+                    self.keyring.add_namespace(tid, namespace)
+                except OSError as exc:  # not in _by_ns, so nothing of it is sealed; tried again on next use
+                    raise UnrecordedNamespace(tenant, namespace) from exc
             with self._lock:
                 tenant.namespaces.add(namespace)
         with self._lock:
@@ -440,7 +483,7 @@ class Sealer:
                     count += 1
         return count
 
-    def _tenant(self, namespace: str) -> _Tenant | None:
+    def _tenant(self, namespace: str) -> Tenant | None:
         with self._lock:
             tenant = self._by_ns.get(namespace)
             return tenant if tenant is not None and self._tenants.get(tenant.id) is tenant else None
@@ -461,27 +504,38 @@ class Sealer:
                     log.exception("keyring %s: checking for forgotten tenants failed; retrying every %.1f s (further "
                                   "failures are not logged)", self.keyring.path, self.config.refresh_seconds)
 
-    def check_forgotten(self) -> set[str]:
-        """Drop the keys of forgotten tenants now; the namespaces they held (also given to ``on_forgotten``)."""
+    def check_forgotten(self) -> set[bytes]:
+        """Drop the keys of forgotten tenants now; their key ids (also given to ``on_forgotten``). A secret that
+        cannot be read (EIO, ESTALE) fails closed for its tenant alone: its keys are dropped from the cache, so
+        each read asks the keyring again (and serves nothing while it fails), and the check goes on."""
         with self._lock:
             tenants = list(self._tenants.values())
-        gone: set[str] = set()
+        gone: set[bytes] = set()
         for tenant in tenants:
             try:
                 secret = self.keyring.secret(tenant.id, create=False)
             except KVTierError:
                 secret = None  # not a secret any more: as good as gone
+            except OSError as exc:
+                with self._lock:
+                    self._uncache_locked(tenant)
+                if self._on_unreadable is not None:
+                    self._on_unreadable(exc)
+                continue
             if secret is not None and hmac.compare_digest(secret, tenant.secret):
                 continue
             with self._lock:
-                if self._tenants.get(tenant.id) is tenant:
-                    del self._tenants[tenant.id]
-                gone |= tenant.namespaces
-            log.info("keyring: tenant %s was forgotten; its keys and %d namespaces are dropped", tenant.id,
-                     len(tenant.namespaces))
+                self._forgotten.add(tenant.key_id)  # before the purge below: see current()
+                self._uncache_locked(tenant)
+            gone.add(tenant.key_id)
+            log.info("keyring: tenant %s was forgotten; its keys and DRAM entries are dropped", tenant.id)
         if gone and self._on_forgotten is not None:
             self._on_forgotten(gone)
         return gone
+
+    def _uncache_locked(self, tenant: Tenant) -> None:
+        if self._tenants.get(tenant.id) is tenant:
+            del self._tenants[tenant.id]
 
     # -- sealing -----------------------------------------------------------------------------------------------
     def seal(self, key: ShardKey, meta: frame.ShardMeta, payload: Sequence[memoryview],

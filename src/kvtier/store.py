@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from kvtier.metrics import StoreMetrics
 from kvtier.placement import Decision, Placement
 from kvtier.threads import DaemonPool
 from kvtier.tiers.base import TIERS, Tier
+
+if TYPE_CHECKING:
+    from kvtier.sealing import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +123,8 @@ class KVStore:
                 raise ConfigError(f"encryption: needs the cryptography package (pip install "
                                   f"'kvtier[encryption]'): {exc}") from exc
 
-            self._sealer = Sealer(config.encryption, self._forgotten)
+            self._sealer = Sealer(config.encryption, self._forgotten,
+                                  on_unreadable=lambda exc: self._keyring_failed(exc, "read a secret of"))
         # With encryption, object names are keyed too (kvtier.keys): what a tier shows confirms no guessed prompt.
         self._name_key = b"" if self._sealer is None else self._sealer.keyring.naming_key()
         try:
@@ -253,6 +257,9 @@ class KVStore:
         t = self.chunk_tokens
         ns = self.named(ns)
         tenant = self._register(ns, create=True)
+        if self._sealer is not None and tenant is None:
+            return offset  # no tenant key (counted): nothing a forget could not end is kept, in DRAM either
+        owner = None if tenant is None else tenant.key_id
         decision = self._placement.decide(ns)
         self._apply_share(ns, decision)
         self._remember_shape(ns.id, Shape.of(meta))  # the caller's own KV: it defines the shape
@@ -266,7 +273,8 @@ class KVStore:
         wanted = [(ShardKey(namespace, chunk, meta.heads), chunks[i - 1] if i else None)
                   for i, chunk in enumerate(chunks) if i >= first]
         try:  # phase 1: reserve every chunk, then copy them all (asynchronously from a CUDA tensor)
-            for i, entry in enumerate(self.dram.reserve_chunks(wanted, meta)):  # i: the chunk's index from offset's
+            # i: the chunk's index from offset's
+            for i, entry in enumerate(self.dram.reserve_chunks(wanted, meta, owner)):
                 if entry == "full":
                     # Chunks after a missing one could never be reached by a prefix lookup: not reserved.
                     self._dram_full.inc()
@@ -285,12 +293,14 @@ class KVStore:
             raise
         self._dram_written.inc(meta.nbytes * len(reserved))
         writers = self._writers_for(decision.allowed, self._writers, len(reserved))
+        expires = self._expiry(decision.allowed, time.time())
         for _, entry in reserved:  # phase 2: the bytes are in DRAM; make them visible and cascade them
+            entry.expires = expires
             self.dram.commit(entry, keep_refs=len(writers))
             for writer in writers:
                 writer.submit(entry)
         if tenant is not None and reserved and not self._sealer.current(tenant):  # type: ignore[union-attr]
-            self.dram.discard_namespaces({ns.id})  # forgotten while this put ran: what it committed goes too
+            self.dram.discard_owned({tenant.key_id})  # forgotten while this put ran: what it committed goes too
         self.metrics.put_seconds.observe(time.perf_counter() - start)
         return min(offset + held * t, len(tokens))
 
@@ -594,7 +604,7 @@ class KVStore:
         if kv_heads is not None:
             rank_heads(kv_heads, tp_rank, tp_size)  # the caller's own degree must fit its model: raises if not
         ns = self.named(ns)
-        self._register(ns, create=False)
+        tenant = self._register(ns, create=False)
         decision = self._placement.decide(ns)
         self._apply_share(ns, decision)  # what this read promotes into DRAM counts against the tenant's share
         shape = self._shapes.get(ns.id)
@@ -604,7 +614,7 @@ class KVStore:
             shape = wanted
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t, tail=tail)]
         read = Read(ns.id, tp_rank, tp_size, kv_heads, shape, self._readable(decision, local_only),
-                     allowed=decision.allowed)
+                     allowed=decision.allowed, tenant=tenant, owner=None if tenant is None else tenant.key_id)
         try:
             self._plan_reads(read, chunks, offset // t)
             plans = []
@@ -643,7 +653,7 @@ class KVStore:
         if missing:  # what this read fetches reserves DRAM, evicting idle entries: first pin the read's own
             for chunk, plan in in_dram.items():
                 for rng, _, _ in [] if plan is None else plan[1]:
-                    read.pinned.extend(self.dram.acquire(read.namespace, chunk, [rng]) or [])
+                    read.pinned.extend(self.dram.acquire(read.namespace, chunk, [rng], read.owner) or [])
         for tier in read.tiers:
             if not missing:
                 break
@@ -697,7 +707,7 @@ class KVStore:
                 continue
             readers = self._readers[tier.name]
             entry = None if read.shape is None else self.dram.reserve(
-                key, read.shape.meta(self.chunk_tokens, key.heads), parent)
+                key, read.shape.meta(self.chunk_tokens, key.heads), parent, read.owner)
             if not isinstance(entry, DramEntry):
                 # the shape not known yet, the shard being written by another read, or no room: its bytes
                 read.started[(tier.name, key)] = readers.submit(lambda tier=tier, key=key: self._get(tier, key))
@@ -721,7 +731,7 @@ class KVStore:
         batch: list[tuple[ShardKey, DramEntry, Future[float | None]]] = []
         try:
             for key, parent in keys:
-                entry = self.dram.reserve(key, read.shape.meta(self.chunk_tokens, key.heads), parent)
+                entry = self.dram.reserve(key, read.shape.meta(self.chunk_tokens, key.heads), parent, read.owner)
                 if not isinstance(entry, DramEntry):
                     read.started[(tier.name, key)] = readers.submit(lambda key=key: self._get(tier, key))
                     continue
@@ -840,7 +850,7 @@ class KVStore:
         """Pin the planned DRAM entries and fetch the rest; None if a piece went missing or does not fit."""
         pieces: list[Piece] = []
         for rng, a, b in plan:
-            entries = self.dram.acquire(read.namespace, chunk, [rng])
+            entries = self.dram.acquire(read.namespace, chunk, [rng], read.owner)
             source: DramEntry | torch.Tensor | None
             if entries is not None:
                 read.pinned.extend(entries)
@@ -922,15 +932,15 @@ class KVStore:
             if isinstance(filling, Filling):
                 del read.started[(tier.name, key)]
                 created = self._filled(tier, filling)
-                if created is not None:
-                    self._promote(read, tier, filling.entry, created)  # before reading on: nothing left in hand
+                # promoted before reading on: nothing left in hand
+                promoted = created is not None and self._promote(read, tier, filling.entry, created)
                 self._read_ahead(read)
-                if created is not None:
+                if promoted:
                     return filling.entry
                 continue
             if read.shape is not None and (not (self._reads_ahead(tier) or tier.batch_reads) or
                                            (tier.name, key) not in read.started):
-                entry = self.dram.reserve(key, read.shape.meta(self.chunk_tokens, key.heads), parent)
+                entry = self.dram.reserve(key, read.shape.meta(self.chunk_tokens, key.heads), parent, read.owner)
                 if isinstance(entry, DramEntry):
                     try:
                         created = self._read_into(tier, key, entry)
@@ -940,22 +950,26 @@ class KVStore:
                     if created is None:
                         self.dram.abort(entry)
                         continue
-                    self._promote(read, tier, entry, created)
-                    return entry
+                    if self._promote(read, tier, entry, created):
+                        return entry
+                    continue
                 # present (promoted by another read meanwhile) or no room: read the bytes as they are
             got = self._read_verified(tier, key, read)
             if got is None:
                 continue
             header, payload = got
-            entry = self.dram.reserve(key, header.meta, parent)
+            entry = self.dram.reserve(key, header.meta, parent, read.owner)
             if isinstance(entry, DramEntry):
                 try:
                     self.dram.write_bytes(entry, payload)
                 except BaseException:
                     self.dram.abort(entry)
                     raise
-                self._promote(read, tier, entry, header.created)
-                return entry
+                if self._promote(read, tier, entry, header.created):
+                    return entry
+                continue
+            if not self._servable(read):
+                continue  # forgotten since the read began (see _promote)
             return frame.payload_tensor(payload, header.meta)
         return None
 
@@ -980,16 +994,30 @@ class KVStore:
         filling.future.cancel()
         filling.future.add_done_callback(lambda _: self.dram.abort(filling.entry))
 
-    def _promote(self, read: Read, tier: Tier, entry: DramEntry, created: float) -> None:
+    def _promote(self, read: Read, tier: Tier, entry: DramEntry, created: float) -> bool:
         """Make a shard read from ``tier`` visible in DRAM, pinned for ``read``, and queue it for the tiers in
-        front of ``tier``."""
+        front of ``tier``. False, the entry discarded, when the read's tenant was found forgotten since the read
+        began: the shard was decrypted before this process noticed, and the keyring watch's DRAM purge may have
+        run before this commit (checked after it, the watch marking before it purges: one of the two drops it)."""
         front = self._writers_for(read.allowed, self._writers[:self.tiers.index(tier)], 1)
         entry.created = created  # copied into the front tiers, it keeps its age (and TTL)
+        entry.expires = self._expiry(read.allowed, created, tier.name)
         self.dram.commit(entry, keep_refs=1 + len(front))
         read.pinned.append(entry)
+        if not self._servable(read):
+            self.dram.discard(entry)
+            for _ in front:  # the references kept for the front tiers' writes, never queued
+                self.dram.release(entry)
+            return False
         self.metrics.promotions.labels(tier.name).inc()
         for writer in front:
             writer.submit(entry)
+        return True
+
+    def _servable(self, read: Read) -> bool:
+        """Whether what ``read`` decrypted may be handed out: no encryption, or its tenant not found forgotten
+        since it began."""
+        return self._sealer is None or (read.tenant is not None and self._sealer.current(read.tenant))
 
     def _read_into(self, tier: Tier, key: ShardKey, entry: DramEntry,
                    fetched: Callable[[], bytes | None] | None = None, start: float | None = None) -> float | None:
@@ -1145,28 +1173,46 @@ class KVStore:
         if ttl is not None and not -_FUTURE_SECONDS <= age <= ttl:  # (a NaN or infinite time is expired too)
             raise _Expired(f"written {age:.0f} s ago, ttl_seconds is {ttl:.0f}")
 
-    def _register(self, ns: Namespace, create: bool) -> object | None:
+    def _register(self, ns: Namespace, create: bool) -> Tenant | None:
         """With encryption: make ``ns``'s tenant key available (see :meth:`Sealer.register`). A keyring that cannot
-        be read or written costs this call its secondary tiers (its writes are dropped, its reads miss there),
-        counted and logged once; it never fails the caller."""
+        be read or written never fails the caller: counted and logged once, it costs the call its secondary tiers
+        (its writes are dropped, its reads miss there), and DRAM too unless the tenant's secret was read (a
+        namespace it failed to record: DRAM serves it under the tenant's key, which a forget ends)."""
         if self._sealer is None:
             return None
         try:
             return self._sealer.register(ns, create)
         except Exception as exc:
-            self.metrics.keyring_errors.inc()
-            if ("keyring", "register", type(exc).__name__) not in self._logged:
-                self._logged.add(("keyring", "register", type(exc).__name__))
-                log.warning("keyring %s: cannot %s a tenant key (%s: %s); its secondary tiers are skipped (further "
-                            "such failures are counted, not logged)", self._sealer.keyring.path,
-                            "make or read" if create else "read", type(exc).__name__, exc)
+            from kvtier.sealing import UnrecordedNamespace  # (imported with encryption on only: cryptography)
+
+            if isinstance(exc, UnrecordedNamespace):
+                self._keyring_failed(exc.__cause__ or exc, "record a namespace of")
+                return exc.tenant
+            self._keyring_failed(exc, "make or read" if create else "read")
             return None
 
-    def _forgotten(self, namespaces: set[str]) -> None:
-        """A tenant was forgotten (``kvtier tenant forget``): its KV leaves DRAM too (an entry being read goes when
-        its reader is done)."""
-        dropped = self.dram.discard_namespaces(namespaces)
-        log.info("dropped %d DRAM entries of a forgotten tenant's %d namespaces", dropped, len(namespaces))
+    def _keyring_failed(self, exc: BaseException, doing: str) -> None:
+        self.metrics.keyring_errors.inc()
+        kind = ("keyring", doing, type(exc).__name__)
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("keyring %s: cannot %s a tenant (%s: %s); its secondary tiers are skipped, and its DRAM "
+                        "entries while its secret cannot be read (further such failures are counted, not logged)",
+                        self._sealer.keyring.path, doing, type(exc).__name__, exc)  # type: ignore[union-attr]
+
+    def _forgotten(self, owners: set[bytes]) -> None:
+        """Tenants were forgotten (``kvtier tenant forget``; ``owners``: their key ids): their KV leaves DRAM too
+        (an entry being read goes when its reader is done)."""
+        dropped = self.dram.discard_owned(owners)
+        log.info("dropped %d DRAM entries of %d forgotten tenants", dropped, len(owners))
+
+    def _expiry(self, allowed: frozenset[str] | None, created: float, source: str | None = None) -> float | None:
+        """When a DRAM entry written at ``created`` stops being served: the shortest ``ttl_seconds`` of the tiers
+        its KV may reach (``allowed``, None: all) and of the one it came from (``source``), as they would; None
+        without one."""
+        ttls = [ttl for name, ttl in self._ttl.items()
+                if ttl is not None and (allowed is None or name in allowed or name == source)]
+        return created + min(ttls) if ttls else None
 
     def drop_dram(self) -> int:
         """Evict every DRAM entry not in use (later reads come from secondary tiers)."""
