@@ -6,7 +6,7 @@
     kvtier cache purge  --config FILE (--namespace NS | --older-than AGE | --all) [--tier NAME]
     kvtier cache retain --config FILE [--tier NAME]
     kvtier cache rekey  --config FILE [--tier NAME]
-    kvtier tenant forget --config FILE (SALT | -)
+    kvtier tenant forget --config FILE (SALT | - | --unsalted)
     kvtier keygen FILE
     kvtier bench [--quick] [--json PATH] [--shared-tier redis|redis-cluster|s3|mooncake] [--prefix-tokens N]
     kvtier router --config FILE

@@ -3,7 +3,7 @@ current key after a rotation, and forgetting a tenant.
 
     kvtier keygen FILE
     kvtier cache rekey     --config FILE [--tier NAME]
-    kvtier tenant forget   --config FILE (SALT | -)
+    kvtier tenant forget   --config FILE (SALT | - | --unsalted)
 
 Like the other cache commands they open the tiers only (no DRAM pool), so they run beside serving engines.
 """
@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from kvtier import frame
 from kvtier.errors import ConfigError, TierError
+from kvtier.store import open_tiers
 from kvtier.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def cmd_rekey(tiers: list[Tier], args: argparse.Namespace) -> int:
                   f"key, {counts['plain']} plain (never sealed: left to purge), {counts['no_tenant']} of namespaces "
                   f"no tenant in the keyring used, {counts['unknown_key']} "
                   f"under keys not configured, {counts['bad']} bad (left for `kvtier cache verify --repair`), "
-                  f"{counts['gone']} gone during the walk")
+                  f"{counts['gone']} gone or replaced during the walk (not written back)")
             failed_total += counts["unknown_key"] + counts["bad"]
     finally:
         sealer.close()
@@ -97,11 +98,20 @@ def _rekey_one(tier: Tier, key: frame.ShardKey, sealer: Sealer) -> str:
     except frame.FrameError as exc:
         print(f"bad: {tier.name} {key.name}: {exc}")
         return "bad"
-    tier.put(key, sealer.seal(key, header.meta, [payload], header.created))
+    sealed = sealer.seal(key, header.meta, [payload], header.created)
+    # Read again right before the write: an object deleted meanwhile (a purge, a forget, an eviction) is not written
+    # back, nor one replaced (its header holds a random nonce: another write's differs). A delete landing between
+    # this read and the write is still undone: tiers offer no conditional write.
+    now = tier.get(key)
+    if now is None or bytes(memoryview(now)[:frame.SEALED_HEADER_LEN]) != bytes(
+            memoryview(blob)[:frame.SEALED_HEADER_LEN]):
+        return "gone"
+    tier.put(key, sealed)
     return "resealed"
 
 
 def _salt(text: str) -> str:
+    """A salt given on the command line, or read from standard input for ``-``."""
     if text != "-":
         return text
     salt = sys.stdin.readline().rstrip("\n")
@@ -112,18 +122,22 @@ def _salt(text: str) -> str:
 
 def cmd_forget(tiers: list[Tier], args: argparse.Namespace) -> int:
     """Destroy the tenant's secret (its KV can no longer be opened anywhere, Mooncake included), wait for running
-    processes to drop the keys they derived, then remove its objects from every tier that can list them."""
+    processes to drop the keys they derived, then remove its objects from every tier that can list them, as
+    listed after the wait (a process that had not noticed yet may have written more meanwhile)."""
     from kvtier.cli import _audit
 
+    if (args.salt is None) == (not args.unsalted):
+        print("kvtier: tenant forget: give the tenant's SALT (or - to read it from standard input), or --unsalted "
+              "for the requests without a salt; not both", file=sys.stderr)
+        return 2
     sealer = sealer_for(args, "kvtier tenant forget")
     try:
         audit = _audit(args)
         keyring = sealer.keyring
-        tenant = keyring.tenant_id(args.salt)
+        tenant = keyring.tenant_id(None if args.unsalted else args.salt)
         namespaces = keyring.forget(tenant)
         if namespaces is None:
-            print(f"tenant {tenant}: not in the keyring (never seen, or forgotten already); nothing to do")
-            return 1
+            return _nothing_to_forget(keyring.forgotten_at(tenant), tenant)
         if audit is not None:
             audit.record("forget", tenant=tenant, namespaces=len(namespaces))
         print(f"tenant {tenant}: key destroyed; its KV in {len(namespaces)} namespaces cannot be opened any more")
@@ -131,13 +145,31 @@ def cmd_forget(tiers: list[Tier], args: argparse.Namespace) -> int:
         print(f"waiting {wait:.1f} s for running processes to drop its keys and DRAM entries")
         time.sleep(wait)
         unlisted = 0
-        for tier in tiers:
-            unlisted += _remove(tier, namespaces, tenant, audit)
+        fresh = open_tiers(args.store_config)  # listed anew: an index built before the wait misses later writes
+        try:
+            for tier in fresh:
+                if tier.name in {t.name for t in tiers}:
+                    unlisted += _remove(tier, namespaces, tenant, audit)
+        finally:
+            for tier in fresh:
+                tier.close()
         if not unlisted:
             keyring.forgotten(tenant)
         return 0
     finally:
         sealer.close()
+
+
+def _nothing_to_forget(forgotten_at: float | None, tenant: str) -> int:
+    """What a forget of a tenant with no secret says: forgotten already (0: done), or never seen (1: a salt
+    mistyped, most likely)."""
+    if forgotten_at is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(forgotten_at))
+        print(f"tenant {tenant}: forgotten already (its last forget ended {when}); nothing to do")
+        return 0
+    print(f"tenant {tenant}: never seen in this keyring (no secret, no forget); check the salt (--unsalted for "
+          "requests without one); nothing to do")
+    return 1
 
 
 def _remove(tier: Tier, namespaces: list[str], tenant: str, audit) -> int:  # noqa: ANN001
@@ -183,8 +215,11 @@ def add_commands(top: argparse._SubParsersAction, cache: argparse._SubParsersAct
     tenant_sub = tenant.add_subparsers(dest="command", required=True)
     forget = tenant_sub.add_parser("forget", help="destroy a tenant's key (its KV becomes unreadable on every "
                                                   "tier at once), then remove its objects where tiers can list")
-    forget.add_argument("salt", type=_salt, help="the tenant's cache_salt, or - to read it from standard input "
-                                                 "(keeps it out of the process list and shell history)")
+    forget.add_argument("salt", type=_salt, nargs="?", help="the tenant's cache_salt, or - to read it from standard "
+                                                            "input (keeps it out of the process list and shell "
+                                                            "history)")
+    forget.add_argument("--unsalted", action="store_true", help="forget the tenant of the requests without a "
+                                                                "cache_salt")
     forget.add_argument("--config", required=True, help="store config (YAML) with an encryption section")
     forget.set_defaults(func=cmd_forget, tier=None)
 
