@@ -170,3 +170,77 @@ def test_one_failed_request_leaves_anothers_reservation():
     assert index.match(keys, ["e0"])["e0"].engine == 6
     index.unreserve("e0", keys, token=2)
     assert index.match(keys, ["e0"])["e0"].engine == 0
+
+
+def lines_run(fn) -> int:
+    """How many lines of index.py ``fn`` runs: the index's work, counted rather than timed."""
+    import sys
+
+    import kvtier.router.index as module
+
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if frame.f_code.co_filename == module.__file__:
+            if event == "line":
+                count += 1
+            return tracer
+        return None
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def filled(n: int) -> PrefixIndex:
+    """An index crediting e0 with ``n`` blocks (hashes 0 to n-1, each a chain of its own)."""
+    index = PrefixIndex(BS)
+    index.stored("e0", Stored(hashes=tuple(range(n)), parent=None, token_ids=tuple(range(n * BS)), block_size=BS))
+    return index
+
+
+def test_an_event_costs_its_own_size_whatever_the_engine_holds():
+    """The attack: a batch reusing 40 held hashes for other tokens (and removing 40) scanned every held block per
+    hash; now the lines the index runs for it do not grow with what the engine holds."""
+    reuse = Stored(hashes=tuple(range(40)), parent=None, token_ids=tuple(range(7, 7 + 40 * BS)), block_size=BS)
+    removal = Removed(hashes=tuple(range(100, 140)), medium="GPU")
+    costs = []
+    for n in (200, 4000):
+        index = filled(n)
+        costs.append(lines_run(lambda: (index.stored("e0", reuse), index.removed("e0", removal))))
+        assert index.counts.skipped["hash_reused"] == 40 and index.blocks("e0") == n - 40
+    assert costs[0] == costs[1], costs
+
+
+def test_places_are_counted_without_walking_the_entries():
+    small, large = filled(10), filled(2000)
+    assert lines_run(lambda: small.places("e0")) == lines_run(lambda: large.places("e0"))
+    assert large.places("e0") == {"engine": 2000, "host": 0, "disk": 0, "shared": 0}
+
+
+def test_the_per_engine_cap_drops_the_least_recently_stored_blocks():
+    index = PrefixIndex(BS, max_engine_blocks=4)
+    for h in range(4):
+        index.stored("e0", Stored(hashes=(h,), parent=None, token_ids=(h,) * BS, block_size=BS))
+    index.stored("e0", Stored(hashes=(0,), parent=None, token_ids=(0,) * BS, block_size=BS))  # 0 used again
+    index.stored("e0", Stored(hashes=(9, 10), parent=None, token_ids=(9,) * BS + (10,) * BS, block_size=BS))
+    assert index.blocks("e0") == 4 and index.counts.skipped["engine_cap"] == 2
+    held = [h for h in range(4) if index.match(request_keys([h] * BS, BS), ["e0"])["e0"].engine]
+    assert held == [0, 3]  # 1 and 2 were the least recently stored
+    index.stored("e1", Stored(hashes=(1,), parent=None, token_ids=(1,) * BS, block_size=BS))
+    assert index.blocks("e1") == 1  # the cap is each engine's own
+    index.removed("e0", Removed(hashes=(1,), medium="GPU"))  # an evicted block's removal: unknown, no error
+    assert index.counts.unknown_removals == 1
+
+
+def test_clearing_in_slices_lets_other_work_run_between_them():
+    index = filled(10_000)
+    index.stored("e0", Stored(hashes=(5,), parent=None, token_ids=(), block_size=0, medium="STORAGE",
+                              locality="REMOTE"))  # block 5 also on a shared tier
+    seen = [index.blocks("e0") for _ in index.clearing("e0", [Place.ENGINE], slice_blocks=1000)]
+    assert seen[:3] == [9001, 8001, 7001] and len(seen) == 10  # 1000 a slice
+    assert index.blocks("e0") == 1 and index.places("e0")["shared"] == 1

@@ -11,6 +11,12 @@ Places, best first: the engine's own memory, then kvtier's host DRAM and local d
 a shared tier (``locality`` REMOTE) that every engine can load from. Blocks the router has just sent a request
 to compute are *reserved* on that engine for a few seconds, so a burst that shares a new prefix sees it before
 the engine's events arrive.
+
+Every event costs the router in proportion to its own size, never to what is held: an engine's entries are kept
+per place, so a reused or removed hash touches only its own (at most four) entries. Each engine is credited with
+at most ``max_engine_blocks`` distinct hashes; past that its least recently stored ones go (counted), so a
+forged or runaway stream costs bounded memory. Clearing an engine runs in slices (:meth:`PrefixIndex.clearing`)
+for the event feed to interleave with the router's other work.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import dataclasses
 import enum
 import hashlib
 import time
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Iterable, Iterator, Sequence
 
 import msgpack
 import numpy as np
@@ -92,9 +98,11 @@ class Match:
 
 class _Engine:
     def __init__(self) -> None:
-        self.keys: dict[BlockHash, bytes] = {}  # engine hash -> key
+        # engine hash -> key, least recently stored first: the per-engine cap evicts from the front (an OrderedDict:
+        # a plain dict's iteration from the front slows down as deleted slots pile up there)
+        self.keys: OrderedDict[BlockHash, bytes] = OrderedDict()
         self.refs: Counter[BlockHash] = Counter()  # references to a hash over every place
-        self.held: Counter[tuple[BlockHash, Place]] = Counter()
+        self.held: dict[Place, Counter[BlockHash]] = {place: Counter() for place in Place}
 
 
 @dataclasses.dataclass
@@ -103,14 +111,17 @@ class IndexCounts:
 
     orphans: int = 0  # stored blocks whose parent no engine announced
     unknown_removals: int = 0  # removals of blocks never announced (or already removed)
-    skipped: Counter[str] = dataclasses.field(default_factory=Counter)  # stored events not indexed, by reason
+    # stored events not indexed, by reason; "engine_cap": blocks an engine was no longer credited with, its
+    # least recently stored, to keep it within max_engine_blocks
+    skipped: Counter[str] = dataclasses.field(default_factory=Counter)
 
 
 class PrefixIndex:
     """The fleet's blocks by key, per engine and place, with reservations made at routing time."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, max_engine_blocks: int = 1_000_000) -> None:
         self.block_size = block_size
+        self.max_engine_blocks = max_engine_blocks
         self._engines: dict[str, _Engine] = defaultdict(_Engine)
         self._holders: dict[bytes, Counter[tuple[str, Place]]] = {}
         # key -> engine -> request token -> deadline (monotonic)
@@ -163,14 +174,16 @@ class PrefixIndex:
             # The engine names other tokens with a hash it used before (a collision of its 64-bit event hashes):
             # the old block's entries go, or a later removal would take them from the wrong key.
             self.counts.skipped["hash_reused"] += 1
-            for (held_hash, held_place), n in list(state.held.items()):
-                if held_hash == h:
-                    self.removed(engine, Removed(hashes=(h,) * n, medium=_MEDIUM[held_place],
-                                                 locality="REMOTE" if held_place is Place.SHARED else None))
+            self._forget(engine, state, h)
+        elif old is not None:
+            state.keys.move_to_end(h)  # stored again: the most recently stored, last to go at the cap
         state.keys[h] = key
         state.refs[h] += 1
-        state.held[h, place] += 1
+        state.held[place][h] += 1
         self._holders.setdefault(key, Counter())[engine, place] += 1
+        while len(state.keys) > self.max_engine_blocks:
+            self.counts.skipped["engine_cap"] += 1
+            self._forget(engine, state, next(iter(state.keys)))
         if place is Place.ENGINE:
             # The engine announced it: from now on its events say how long it keeps it (a reservation that
             # outlived an eviction would credit a block the engine no longer has).
@@ -184,36 +197,58 @@ class PrefixIndex:
         state = self._engines[engine]
         place = place_of(event.medium, event.locality)
         for h in event.hashes:
-            if not state.held.get((h, place)):
+            if not self._drop(engine, state, h, place, 1):
                 self.counts.unknown_removals += 1
-                continue
-            key = state.keys[h]
-            state.held[h, place] -= 1
-            if not state.held[h, place]:
-                del state.held[h, place]
-            state.refs[h] -= 1
-            if not state.refs[h]:
-                del state.refs[h], state.keys[h]
-            holders = self._holders[key]
-            holders[engine, place] -= 1
-            if not holders[engine, place]:
-                del holders[engine, place]
-                if not holders:
-                    del self._holders[key]
+
+    def _drop(self, engine: str, state: _Engine, h: BlockHash, place: Place, n: int) -> int:
+        """Take up to ``n`` references of ``h`` in ``place`` from ``engine``; how many it held."""
+        held = state.held[place]
+        n = min(n, held.get(h, 0))
+        if not n:
+            return 0
+        key = state.keys[h]
+        held[h] -= n
+        if not held[h]:
+            del held[h]
+        state.refs[h] -= n
+        if not state.refs[h]:
+            del state.refs[h], state.keys[h]
+        holders = self._holders[key]
+        holders[engine, place] -= n
+        if not holders[engine, place]:
+            del holders[engine, place]
+            if not holders:
+                del self._holders[key]
+        return n
+
+    def _forget(self, engine: str, state: _Engine, h: BlockHash) -> None:
+        """Drop every reference ``engine`` holds to ``h``, in every place."""
+        for place in Place:
+            self._drop(engine, state, h, place, state.held[place].get(h, 0))
 
     def clear(self, engine: str, places: Iterable[Place] = tuple(Place)) -> None:
         """Forget what ``engine`` holds in ``places`` (all of them: it restarted, died or cleared its cache)."""
-        wanted = set(places)
+        for _ in self.clearing(engine, places):
+            pass
+
+    def clearing(self, engine: str, places: Iterable[Place] = tuple(Place),
+                 slice_blocks: int = 4096) -> Iterator[None]:
+        """:meth:`clear` in slices: yields after each ``slice_blocks`` entries dropped, for the caller to let other
+        work run. What the engine stores in ``places`` meanwhile is not dropped (it came after the clear)."""
+        wanted = tuple(places)
         state = self._engines.get(engine)
         if state is None:
             return
-        for (h, place), n in list(state.held.items()):
-            if place in wanted:
-                self.removed(engine, Removed(hashes=(h,) * n, medium=_MEDIUM[place],
-                                             locality="REMOTE" if place is Place.SHARED else None))
         if Place.ENGINE in wanted:
             for holders in self._reserved.values():
                 holders.pop(engine, None)
+        for place in wanted:
+            # Over a snapshot (dropping changes the counter), each entry by the references it had then: one
+            # stored again between two slices keeps its new reference
+            for i, (h, n) in enumerate(list(state.held[place].items()), 1):
+                self._drop(engine, state, h, place, n)
+                if i % slice_blocks == 0:
+                    yield
 
     def blocks(self, engine: str) -> int:
         """Distinct blocks ``engine`` holds anywhere."""
@@ -222,11 +257,8 @@ class PrefixIndex:
 
     def places(self, engine: str) -> dict[str, int]:
         """Blocks ``engine`` announced, per place."""
-        counts = dict.fromkeys((p.name.lower() for p in Place), 0)
         state = self._engines.get(engine)
-        for _, place in (state.held if state else ()):
-            counts[place.name.lower()] += 1
-        return counts
+        return {place.name.lower(): len(state.held[place]) if state else 0 for place in Place}
 
     # --- routing --------------------------------------------------------------------------------------------
     def reserve(self, engine: str, keys: Sequence[bytes], seconds: float, token: int) -> None:
@@ -313,4 +345,3 @@ class PrefixIndex:
 
 LOCAL_PLACES = (Place.ENGINE, Place.HOST, Place.DISK)  # lost when an engine's process restarts (kvtier's
 # disk survives, but is not announced again); what it wrote to a shared tier stays there for every engine
-_MEDIUM = {Place.ENGINE: "GPU", Place.HOST: "CPU", Place.DISK: "STORAGE", Place.SHARED: "STORAGE"}
