@@ -1,12 +1,17 @@
 """Per-tenant quotas: a tenant past its share of DRAM or of a disk evicts its own least recently used chunks (an
-isolated LRU), never another tenant's; each tenant a rule matches has its own share; quotas on tiers that cannot
-keep them are refused naming the field."""
+isolated LRU), never another tenant's; a rule is one share, however many salts it matches; on disk a share is the
+directory's (every process and thread counts it together) and a reservation against the capacity; quotas on tiers
+that cannot keep them are refused naming the field."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -16,11 +21,13 @@ from hypothesis import strategies as st
 
 from kvtier import KVStore, Namespace, frame
 from kvtier.config import load_config
-from kvtier.errors import ConfigError, TierError
+from kvtier.errors import ConfigError, QuotaFull, TierError
 from kvtier.keys import HeadRange, ShardKey, chunk_keys
 from kvtier.store import open_tiers
-from kvtier.tiers import _redis_shares, _shares as tier_shares
 from kvtier.testing import synthetic_kv, synthetic_tokens
+from kvtier.testing.tiers import NS_A, NS_B, key as tier_key
+from kvtier.tiers import _redis_shares, _shares as tier_shares
+from kvtier.tiers._filesystem import FilesystemOptions, FilesystemTier
 
 T = 16
 PAGE = 16 * 2**10
@@ -60,7 +67,10 @@ def age(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
 def test_a_tenant_past_its_dram_share_evicts_its_own_chunks_only() -> None:
     prompts = {name: synthetic_tokens(i, 3 * T) for i, name in enumerate(("a1", "a2", "pub", "b1"))}
     kvs = {name: synthetic_kv(p) for name, p in prompts.items()}
-    with KVStore.from_config(config(None, {"dram": 3 * chunk_bytes()})) as store:
+    cfg = config(None, {"dram": 3 * chunk_bytes()})
+    cfg["placement"][:1] = [{"salt": salt, "tiers": [], "quota": {"dram": 3 * chunk_bytes()}}
+                            for salt in ("team-a", "team-b", "team-*")]  # a rule, and so a share, per tenant
+    with KVStore.from_config(cfg) as store:
         store.put(ns("public"), prompts["pub"], kvs["pub"])
         assert store.put(ns("team-a"), prompts["a1"], kvs["a1"]) == 3 * T
         assert store.put(ns("team-a"), prompts["a2"], kvs["a2"]) == 3 * T  # past its share: a1 goes
@@ -610,6 +620,9 @@ def test_a_purged_namespace_leaves_nothing_that_names_it(tier: str, tmp_path: Pa
     assert f"removed {1 if tier == 'redis' else 2} objects" in capsys.readouterr().out
     names = _raw_names(tier, cfg, request, tmp_path)
     assert not any(gone in n for n in names), names
+    if tier == "disk":  # nor does the share's ledger, which every process reads
+        ledgers = [p.read_text() for p in (tmp_path / "disk" / ".shares").iterdir()]
+        assert ledgers and not any(gone in text for text in ledgers) and all(kept in text for text in ledgers)
     assert all(any(r.format(kept) in n and kept in n for n in names) for r in records), names
     with KVStore.from_config(cfg) as store:  # the namespace is written and found again after its records went
         assert torch.equal(store.get(other, tokens), synthetic_kv(tokens))
@@ -647,3 +660,120 @@ def _raw_names(tier: str, cfg: dict, request, tmp_path: Path) -> list[str]:  # n
 
     with urllib.request.urlopen(f"{options['admin_url'].rstrip('/')}/get_all_keys", timeout=10) as resp:
         return [n for n in resp.read().decode().split() if n.startswith(options["key_prefix"])]
+
+
+# -- Filesystem: a share is the directory's, whichever processes and threads write it ----------------------------
+FS_SHARD = 1000  # bytes per shard in the tier-level tests: small, so they are quick
+
+
+def fs_tier(path: Path, **options: object) -> FilesystemTier:
+    return FilesystemTier("fs", FilesystemOptions(path=str(path), **options))
+
+
+def files_of(path: Path, namespace: str) -> int:
+    return sum(1 for _ in (path / namespace).rglob("*.kv"))
+
+
+def _fill_share(path: Path, first: int, shards: int, threads: int, slow: bool, start: Any = None) -> None:
+    """One process: ``threads`` writers, each putting its own ``shards`` shards of NS_A into a share of 12 (once
+    every process has opened the tier, when ``start`` is a barrier)."""
+    tier = fs_tier(path)
+    if slow:  # a fault: the write itself takes a while, so concurrent puts overlap between check and rename
+        create = tier._create_temp
+        tier._create_temp = lambda: (time.sleep(0.05), create())[1]  # type: ignore[method-assign]
+    tier.set_share(NS_A, "rule0", 12 * FS_SHARD)
+    if start is not None:
+        start.wait(30)
+
+    def write(t: int) -> None:
+        for i in range(shards):
+            with contextlib.suppress(QuotaFull):
+                tier.put(tier_key(first + 100 * t + i), [b"x" * FS_SHARD])
+
+    workers = [threading.Thread(target=write, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    tier.close()
+
+
+@pytest.mark.parametrize("recent", [tier_shares.RECENT_SECONDS, 0.0], ids=["refused", "evicted"])
+def test_three_processes_on_one_directory_hold_one_share_to_its_quota(tmp_path: Path, recent: float,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each process puts 12 shards into a share of 12: together they hold 12, not 36, whether the share refuses
+    (all recent) or evicts (nothing recent; then one process evicts the others' files)."""
+    monkeypatch.setattr(tier_shares, "RECENT_SECONDS", recent)
+    fs_tier(tmp_path / "fs").close()  # the root exists before the processes race to make it
+    fork = multiprocessing.get_context("fork")  # inherits the patched window; nothing to import again
+    start = fork.Barrier(3)  # all three indexed the empty directory before any writes
+    procs = [fork.Process(target=_fill_share, args=(tmp_path / "fs", 10_000 * p, 12, 1, False, start))
+             for p in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert files_of(tmp_path / "fs", NS_A) == 12
+    again = fs_tier(tmp_path / "fs")
+    again.set_share(NS_A, "rule0", 12 * FS_SHARD)
+    assert again.share_bytes("rule0") == 12 * FS_SHARD
+
+
+def test_four_writer_threads_hold_a_share_to_its_quota(tmp_path: Path) -> None:
+    """``workers: 4``: puts of one share check and commit one at a time, so slow writes that overlap still stop at
+    the quota (every shard recent: the rest are refused)."""
+    _fill_share(tmp_path / "fs", 0, 6, 4, True)
+    assert files_of(tmp_path / "fs", NS_A) == 12
+
+
+def test_capacity_evicts_outside_shares_before_a_share_within_its_quota(tmp_path: Path) -> None:
+    """A quota is a reservation: a client filling the disk under a namespace no rule (or a rule without a quota)
+    covers evicts its own files, never a share within its quota, also from a process that was never told of the
+    share (it reads it from the directory)."""
+    tenant = fs_tier(tmp_path / "fs")
+    tenant.set_share(NS_A, "rule0", 4 * FS_SHARD)
+    for i in range(4):
+        tenant.put(tier_key(i), [b"a" * FS_SHARD])
+    other = fs_tier(tmp_path / "fs", capacity_bytes=20 * FS_SHARD, high_watermark=1.0, low_watermark=0.5)
+    for i in range(60):
+        other.put(tier_key(100 + i, namespace=NS_B), [b"b" * FS_SHARD])
+    assert files_of(tmp_path / "fs", NS_A) == 4
+    assert 0 < files_of(tmp_path / "fs", NS_B) <= 20
+    assert other.counters()["evictions"] >= 40
+
+
+def test_a_salt_hopping_client_is_capped_by_its_rules_share(tmp_path: Path, age) -> None:  # noqa: ANN001
+    """Every salt a rule matches counts against the rule's one share: a client that sends each prompt under a new
+    salt holds no more than the quota, in DRAM and on disk."""
+    with KVStore.from_config(config(tmp_path, {"dram": 4 * chunk_bytes(), "disk": 4 * SHARD + 100},
+                                    ["disk"])) as store:
+        for i in range(5):
+            tokens = synthetic_tokens(80 + i, 2 * T)
+            put(store, f"team-hop{i}", tokens)
+            age()
+        assert sum(held(store, f"team-hop{i}") for i in range(5)) == 4
+        share = store._placement.decide(ns("team-hop0")).share
+        assert share == store._placement.decide(ns("team-hop4")).share
+        assert store.dram.share_bytes(share) <= 4 * chunk_bytes()
+
+
+def test_a_process_alone_on_its_share_counts_it_from_its_index(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The share is listed from the directory only when another process changed it: once at the first put (the
+    ledger's token is new to this process), then never, however many files the share evicts; once more after
+    another process's write."""
+    monkeypatch.setattr(tier_shares, "RECENT_SECONDS", 0.0)
+    tier, other = fs_tier(tmp_path / "fs"), fs_tier(tmp_path / "fs")
+    listings = []
+    recount = tier._recount_share
+    monkeypatch.setattr(tier, "_recount_share", lambda ledger: (listings.append(1), recount(ledger)))
+    tier.set_share(NS_A, "rule0", 4 * FS_SHARD)
+    for i in range(20):
+        tier.put(tier_key(i), [b"x" * FS_SHARD])
+    assert (len(listings), files_of(tmp_path / "fs", NS_A), tier.counters()["share_evictions"]) == (1, 4, 16)
+    other.set_share(NS_A, "rule0", 4 * FS_SHARD)
+    other.put(tier_key(100), [b"y" * FS_SHARD])  # evicts one of the first process's files
+    tier.put(tier_key(101), [b"x" * FS_SHARD])
+    assert len(listings) == 2 and files_of(tmp_path / "fs", NS_A) == 4
+    assert tier.share_bytes("rule0") == 4 * FS_SHARD

@@ -12,8 +12,8 @@ engine loads through it); a rule with ``tiers: []`` keeps that KV in DRAM only.
       - namespace: 0123456789abcdef0123456789abcdef   # one namespace id (kvtier cache ls shows them)
         tiers: [disk, redis]
 
-      - salt: "team-*"          # each tenant matching gets its own share of DRAM and of the disk: past it, its own
-        tiers: [disk]           # least recently used chunks are evicted first (an isolated LRU), never another's
+      - salt: "team-a"          # one share of DRAM and of the disk for all the KV this rule matches: past it, its
+        tiers: [disk]           # own least recently used chunks are evicted first (an isolated LRU), never another's
         quota: {dram: 2GiB, disk: 50GiB}
 
       - tiers: [disk]           # last, with neither: the default for all other KV (unsalted requests too)
@@ -26,17 +26,17 @@ tier, whatever the rules).
 
 Rules are tried in order; the first that matches decides. KV no rule matches may reach every tier. A salt comes
 from the client: a request without one (or with another) is placed by the default. Salts are matched as globs
-(``*``, ``?``, ``[...]``; write ``[[]`` for a literal ``[``). A ``quota`` is per tenant: each salt (or namespace)
-a rule matches has a share of that size in each tier named: DRAM, filesystem tiers (each keeps an index of its
-own), Redis tiers (counted in the server, over every engine's writes), S3 and Mooncake tiers (each engine counts
-from listings of the bucket or of the master's keys); requests without a salt are one tenant.
+(``*``, ``?``, ``[...]``; write ``[[]`` for a literal ``[``). A ``quota`` is per rule: every salt and namespace
+the rule matches counts against one share of that size in each tier named (a glob's salts together: a client
+picks its salts, so a share per salt would cap nothing; give each tenant a rule of its own): DRAM, filesystem
+tiers (counted from the directory, over every process's writes), Redis tiers (counted in the server, over every
+engine's writes), S3 and Mooncake tiers (each engine counts from listings of the bucket or of the master's keys).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import hashlib
 import re
 import threading
 from collections import OrderedDict
@@ -58,7 +58,7 @@ class PlacementRule:
     tiers: tuple[str, ...]  # the secondary tiers allowed
     salt: str | None = None  # a glob on the request's cache_salt (a request without a salt never matches)
     namespace: str | None = None  # a namespace id (32 hex digits)
-    quota: tuple[tuple[str, int], ...] = ()  # (tier, bytes) each tenant it matches may hold there
+    quota: tuple[tuple[str, int], ...] = ()  # (tier, bytes) all the KV it matches may hold there together
 
     def matches(self, ns: Namespace) -> bool:
         if self.namespace is not None and ns.id != self.namespace:
@@ -71,7 +71,7 @@ class PlacementRule:
         who = " and ".join(part for part in (f"salt {self.salt!r}" if self.salt is not None else "",
                                              f"namespace {self.namespace}" if self.namespace else "") if part)
         who = who or "all other KV"
-        quota = f"; per tenant at most {', '.join(f'{_human(n)} in {t}' for t, n in self.quota)}" if self.quota else ""
+        quota = f"; together at most {', '.join(f'{_human(n)} in {t}' for t, n in self.quota)}" if self.quota else ""
         return f"{who}: {', '.join(('dram',) + self.tiers)}{quota}"
 
 
@@ -173,11 +173,8 @@ class Placement:
             decision = _ANYWHERE
         elif not rule.quota:
             decision = Decision(frozenset(rule.tiers))
-        else:  # one share per tenant the rule matches: its salt (none is a tenant too), or its namespace
-            tenant = ns.id if rule.namespace is not None else hashlib.blake2b(
-                b"\x00" if ns.cache_salt is None else b"s" + ns.cache_salt.encode("utf-8", "surrogatepass"),
-                digest_size=8).hexdigest()
-            decision = Decision(frozenset(rule.tiers), f"rule{index}/{tenant}", rule.quota)
+        else:  # one share per rule, however many salts match it: clients choose salts, so a share per salt
+            decision = Decision(frozenset(rule.tiers), f"rule{index}", rule.quota)  # would be no cap at all
         with self._lock:
             self._decided[ns.id] = decision
             if len(self._decided) > _KEPT:

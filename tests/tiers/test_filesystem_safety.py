@@ -71,7 +71,7 @@ def test_root_writable_by_others_is_refused_not_chmodded(tmp_path: Path) -> None
     assert stat.S_IMODE(root.stat().st_mode) == 0o1777
 
 
-@pytest.mark.parametrize("inner", [".tmp", NS_A, f"{NS_A}/00"])
+@pytest.mark.parametrize("inner", [".tmp", ".shares", NS_A, f"{NS_A}/00"])
 @pytest.mark.parametrize("change", ["chown", "chmod"])
 def test_foreign_or_open_inner_directory_is_refused(tmp_path: Path, inner: str, change: str) -> None:
     root = tmp_path / "fs"
@@ -340,3 +340,26 @@ def test_a_key_that_is_not_hex_never_names_a_path(tmp_path: Path) -> None:
         assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("planted", ["link", "fifo"])
+def test_a_share_ledger_that_is_not_a_regular_file_is_replaced_never_followed(tmp_path: Path, planted: str) -> None:
+    """Whoever could plant a ledger could steer every process's count of a share: a link or a FIFO in its place
+    is removed (the link's target untouched) and a ledger of the tier's own made."""
+    from kvtier.tiers._shares import share_id
+
+    root = tmp_path / "fs"
+    open_tier(root).close()
+    ledger = root / ".shares" / share_id("rule0")
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    if planted == "link":
+        ledger.symlink_to(victim)
+    else:
+        os.mkfifo(ledger, 0o600)
+    tier = open_tier(root)
+    tier.set_share(NS_A, "rule0", 10)
+    tier.put(key(1), [b"kv"])
+    assert stat.S_ISREG(ledger.lstat().st_mode) and NS_A in ledger.read_text()
+    assert victim.read_text() == "keep me"
+    assert tier.share_bytes("rule0") == 2

@@ -13,11 +13,19 @@ and TTL hold for the directory: with either set, a put walks the directory again
 the cascade worker's thread), so what other processes wrote counts and may be evicted too. Files of the
 earlier layout, ``<chunk>.<heads>.<created ms>.kv``, migrate on start: the newest per key is renamed, the rest go.
 
+Tenant shares (``set_share``) are the directory's: each has a ledger in ``ROOT/.shares``
+(:mod:`kvtier.tiers._share_ledger`) naming its namespaces and quota, and a put into a share checks the quota,
+evicts the share's least recently used files and renames its own into place under the ledger's lock, after
+counting the share from the directory again if another process changed it. So processes and writer threads on
+one directory hold a share to its quota together. A quota is also a reservation against ``capacity_bytes``:
+capacity eviction takes files in no share, and shares' files past their quota, before any file of a share within
+its quota (those go only when the quotas add up to more than the capacity, counted as ``reserved_evictions``).
+
 Trust. The configured path is resolved once at start (links in it, e.g. ``/tmp`` on macOS, are followed then)
 and the root is held open; everything inside is reached from directory descriptors with ``O_NOFOLLOW``, so no
-link inside the root is ever followed: a link as ``.tmp`` refuses the start, one as a namespace or chunk
-directory is skipped, one with a shard's name is removed. The root and every directory in it must belong to
-this process's uid and not be writable by group or other, else :class:`TierError` names it; the tier never
+link inside the root is ever followed: a link as ``.tmp`` or ``.shares`` refuses the start, one as a namespace
+or chunk directory is skipped, one with a shard's or a ledger's name is removed. The root and every directory in
+it must belong to this process's uid and not be writable by group or other, else :class:`TierError` names it; the tier never
 chmods a directory it did not create, and those it creates (missing parents of the root too) are 0700 whatever
 the umask; files are 0600. Reads accept only regular files of at most ``min(8 GiB, capacity_bytes)``; anything
 else (a FIFO, a link, a sparse giant) is a miss, removed and counted as ``rejected_files``. A read takes at most
@@ -52,12 +60,14 @@ from kvtier import frame
 from kvtier.errors import ConfigError, ObjectError, QuotaFull, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers import _shares as tenant_shares
-from kvtier.tiers._shares import Shares
+from kvtier.tiers._share_ledger import Hold, Ledger, Ledgers
+from kvtier.tiers._shares import Shares, share_id
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 log = logging.getLogger(__name__)
 
 _TMP_DIR = ".tmp"
+_SHARES_DIR = ".shares"  # one ledger per tenant share (kvtier.tiers._share_ledger)
 _TMP_NAME = re.compile(r"\d+\.[0-9a-f]{32}\.part")
 # <chunk>.<heads>.kv, or the earlier <chunk>.<heads>.<created ms>.kv (group 3) that start-up migrates.
 _FILE_NAME = re.compile(r"((?:[0-9a-f]{2})+)\.(\d+-\d+of\d+)(?:\.(\d+))?\.kv")
@@ -202,30 +212,37 @@ class FilesystemTier(Tier):
         self.evictions = 0
         self.share_evictions = 0  # of those, inside a tenant's share
         self.share_refused = 0  # writes refused: the tenant's share held only recent files
+        self.reserved_evictions = 0  # capacity evictions inside a share within its quota (quotas past capacity)
         self.expired = 0
         self.rejected_files = 0
         self._uid = os.geteuid()
-        self._root_fd = self._tmp_fd = -1
+        self._root_fd = self._tmp_fd = self._shares_fd = -1
+        self._ledgers: Ledgers | None = None
         self._next_rescan = time.monotonic() + (options.rescan_seconds or 0.0)
         try:
             self._root_fd = self._open_root()
             self._tmp_fd = self._open_dir(self._root_fd, _TMP_DIR, f"{self.root}/{_TMP_DIR}", create=True)
+            self._shares_fd = self._open_dir(self._root_fd, _SHARES_DIR, f"{self.root}/{_SHARES_DIR}", create=True)
+            self._ledgers = Ledgers(self._shares_fd, self._uid, f"{self.root}/{_SHARES_DIR}")
             self.removed_temp_files = self._clean_temp()
             self._reindex()
+            with self._lock:
+                self._learn_shares_locked()
+                self._expire_locked(time.time())
+                self._enforce_capacity_locked()
         except BaseException as exc:
             self.close()
             if isinstance(exc, OSError):
                 raise TierError(f"{name}: cannot use directory {self.root}: {_reason(exc)}") from exc
             raise
-        with self._lock:
-            self._expire_locked(time.time())
-            self._enforce_capacity_locked()
 
     def close(self) -> None:
-        for fd in (self._root_fd, self._tmp_fd):
+        if self._ledgers is not None:
+            self._ledgers.close()
+        for fd in (self._root_fd, self._tmp_fd, self._shares_fd):
             if fd >= 0:
                 os.close(fd)
-        self._root_fd = self._tmp_fd = -1  # a stale number could name another directory later: never reuse
+        self._root_fd = self._tmp_fd = self._shares_fd = -1  # a stale number could name another directory later
 
     # -- directories -------------------------------------------------------------------------------------------
     def _open_root(self) -> int:
@@ -365,6 +382,8 @@ class FilesystemTier(Tier):
             self._next_rescan = now + every
         try:
             self._reindex()
+            with self._lock:
+                self._learn_shares_locked()
         except (OSError, TierError) as exc:  # the next put tries again; until then the index stays as it was
             log.warning("%s: cannot walk %s again: %s", self.name, self.root, exc)
 
@@ -504,34 +523,105 @@ class FilesystemTier(Tier):
 
     # -- tenant shares -----------------------------------------------------------------------------------------
     def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
-        """Count ``namespace``'s files against the tenant share ``share`` of ``quota_bytes`` (None: no share); a put
-        that takes a share past its quota evicts that share's own least recently used files (an isolated LRU)."""
+        """Count ``namespace``'s files against the tenant share ``share`` of ``quota_bytes`` (None: no share), in
+        every process sharing the directory (its ledger names the namespace); a put that would take the share past
+        its quota evicts the share's own least recently used files (an isolated LRU), whichever process wrote them."""
+        sid = None if share is None else share_id(share)
         with self._lock:
-            self._shares.set(namespace, share, quota_bytes, self._files)  # a walk of the index, once per namespace
+            self._shares.set(namespace, sid, quota_bytes, self._files)  # a walk of the index, once per namespace
+        if sid is not None:
+            assert self._ledgers is not None
+            self._ledgers.of(sid).join(namespace, quota_bytes)
 
     def share_bytes(self, share: str) -> int:
         with self._lock:
-            return self._shares.bytes(share)
+            return self._shares.bytes(share_id(share))
 
-    def _enforce_share_locked(self, namespace: str, now: float) -> None:
-        for key in self._shares.victims(namespace, lambda k: self._files[k].size, lambda k: self._files[k].last_used,
-                                        now - tenant_shares.RECENT_SECONDS):
-            self._remove_locked(key)
-            self.evictions += 1
-            self.share_evictions += 1
+    def _learn_shares_locked(self) -> None:
+        """Count the namespaces other processes' ledgers name against their shares (this process's own
+        ``set_share`` wins where both name one)."""
+        assert self._ledgers is not None
+        new: dict[str, tuple[str | None, int]] = {
+            ns: (ledger.sid, ledger.quota) for ledger in self._ledgers.refresh() for ns in ledger.namespaces
+            if self._shares.share_of(ns) is None}
+        if new:
+            self._shares.set_many(new, self._files)
+
+    def _recount_share(self, ledger: Ledger) -> None:
+        """Another process changed the share: index its namespaces' files from the directory again (files gone
+        leave the index, files new enter it), as the share is counted from the index."""
+        with self._lock:
+            self._learn_shares_locked()
+            counted = self._shares.keys(ledger.sid)
+        for namespace in ledger.namespaces:
+            self._recount_namespace(namespace, {k for k in counted if k.namespace == namespace})
+
+    def _recount_namespace(self, namespace: str, counted: set[ShardKey]) -> None:
+        where = f"{self.root}/{namespace}"
+        found: dict[ShardKey, _File | None] = {}  # None: indexed already
+        try:
+            ns_fd = self._open_dir(self._root_fd, namespace, where, create=False)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                raise
+            ns_fd = -1  # gone (purged), or not ours to follow: none of its files count
+        if ns_fd >= 0:
+            try:
+                for _, sub_fd in self._subdirs(ns_fd, where, _SUB):
+                    with os.scandir(sub_fd) as it:
+                        names = [e.name for e in it if e.is_file(follow_symlinks=False)]
+                    for name in names:
+                        key = self._parse_name(namespace, name)
+                        if key is not None and name == _file_name(key):
+                            found[key] = None if key in counted else self._stat(sub_fd, name)
+            finally:
+                os.close(ns_fd)
+        with self._lock:
+            for key in counted - found.keys():
+                self._drop_locked(key)
+            new = [(k, v) for k, v in found.items() if v is not None and k not in self._files]
+            for key, info in sorted(new, key=lambda kv: kv[1].last_used):  # the share's LRU order
+                self._add_locked(key, info)
 
     def _enforce_capacity_locked(self) -> None:
+        """Down to the low watermark, least recently used first. A quota is a reservation: files in no share, and
+        shares' files past their quota, go first; a share within its quota loses files only when those are not
+        enough (its quotas add up to more than the capacity: counted as ``reserved_evictions`` and logged)."""
         cap = self.options.capacity_bytes
         if cap is None or self._used <= cap * self.options.high_watermark:
             return
         target = cap * self.options.low_watermark
+        self._learn_shares_locked()  # shares other processes started since: reserved too
+        assert self._ledgers is not None
+        # A share another process changed since this one looked counts as within its quota: this index may still
+        # hold files that process removed.
+        excess = {sid: over if (ledger := self._ledgers.get(sid)) is None or not ledger.stale() else 0
+                  for sid, over in self._shares.excess().items()}
+        for key in list(self._files):
+            if self._used <= target:
+                return
+            found = self._shares.share_of(key.namespace)
+            if found is not None:
+                if excess.get(found[0], 0) <= 0:
+                    continue
+                excess[found[0]] -= self._files[key].size
+            self._remove_locked(key)
+            self.evictions += 1
+        if self._used > target and not self.reserved_evictions:
+            log.warning("%s: evicting inside tenant shares within their quotas: the quotas add up to more than "
+                        "%d bytes (capacity_bytes x low_watermark); counted as reserved_evictions", self.name,
+                        int(target))
         while self._used > target and self._files:
             self._remove_locked(next(iter(self._files)))
             self.evictions += 1
+            self.reserved_evictions += 1
 
     def _remove_locked(self, key: ShardKey) -> bool:
         if self._drop_locked(key) is None:
             return False
+        found = self._shares.share_of(key.namespace)
+        if found is not None and self._ledgers is not None and (ledger := self._ledgers.get(found[0])) is not None:
+            ledger.touch()  # the other processes counting the share count it from the directory again
         try:
             sub_fd = self._open_sub(key.namespace, key.chunk[:2], create=False)
             if sub_fd is not None:
@@ -548,40 +638,30 @@ class FilesystemTier(Tier):
     # -- the tier interface ------------------------------------------------------------------------------------
     def put(self, key: ShardKey, parts: Sequence[Buffer]) -> None:
         views = [_bytes_view(p) for p in parts]
-        now = time.time()
+        size, now = sum(len(v) for v in views), time.time()
         with self._lock:
-            if self._shares.refuses(key, sum(len(v) for v in views), lambda k: self._files[k].size,
-                                    lambda k: self._files[k].last_used, now - tenant_shares.RECENT_SECONDS):
-                self.share_refused += 1
-                raise QuotaFull(f"{self.name}: not writing {key.name}: its tenant's share is full of files used "
-                                f"in the last {tenant_shares.RECENT_SECONDS:g} s")
+            found = self._shares.share_of(key.namespace)
+            self._refuse_if_full_locked(key, size, now)  # spares the write; the check that counts is at the commit
+        assert self._ledgers is not None
+        ledger = None if found is None else self._ledgers.of(found[0])
         created = _header_created(views[0][:frame.MAX_HEADER_LEN], now) if views else None
         fd, tmp = -1, None
-        size = 0
         try:
             fd, tmp = self._create_temp()
             for view in views:
                 while view:
-                    n = os.write(fd, view)
-                    size += n
-                    view = view[n:]
+                    view = view[os.write(fd, view):]
             if self.options.durability == "fsync":
                 os.fsync(fd)
-            for attempt in range(2):  # again once, if a purge removed the directory (empty) under us
-                try:
-                    sub_fd = self._open_sub(key.namespace, key.chunk[:2], create=True)
-                    assert sub_fd is not None
-                    try:
-                        os.rename(tmp, _file_name(key), src_dir_fd=self._tmp_fd, dst_dir_fd=sub_fd)
-                        tmp = None
-                        if self.options.durability == "fsync":
-                            os.fsync(sub_fd)
-                    finally:
-                        os.close(sub_fd)
-                    break
-                except FileNotFoundError:
-                    if attempt:
-                        raise
+            if ledger is None:
+                self._rename_into_place(tmp, key)
+                tmp = None
+                with self._lock:
+                    self._add_locked(key, _File(size, now if created is None else created, now))
+            else:
+                with ledger.held() as hold:
+                    self._commit_into_share(key, tmp, size, created, ledger, hold)
+                    tmp = None
         except BaseException as exc:
             if tmp is not None:
                 _unlink_quietly(tmp, self._tmp_fd)
@@ -591,13 +671,62 @@ class FilesystemTier(Tier):
         finally:
             if fd >= 0:
                 os.close(fd)  # releases the writer's lock, after the rename
-        with self._lock:
-            self._add_locked(key, _File(size, now if created is None else created, now))
         self._rescan_if_due()
         with self._lock:
             self._expire_locked(now)
-            self._enforce_share_locked(key.namespace, now)
             self._enforce_capacity_locked()
+
+    def _rename_into_place(self, tmp: str, key: ShardKey) -> None:
+        for attempt in range(2):  # again once, if a purge removed the directory (empty) under us
+            try:
+                sub_fd = self._open_sub(key.namespace, key.chunk[:2], create=True)
+                assert sub_fd is not None
+                try:
+                    os.rename(tmp, _file_name(key), src_dir_fd=self._tmp_fd, dst_dir_fd=sub_fd)
+                    if self.options.durability == "fsync":
+                        os.fsync(sub_fd)
+                finally:
+                    os.close(sub_fd)
+                return
+            except FileNotFoundError:
+                if attempt:
+                    raise
+
+    def _commit_into_share(self, key: ShardKey, tmp: str, size: int, created: float | None, ledger: Ledger,
+                           hold: Hold) -> None:
+        """Holding the share's ledger (no other put of the share, in any process, between check and rename): count
+        the share from the directory if another process changed it, then refuse the file, or evict the share's
+        least recently used files to make room for it and rename it into place."""
+        if hold.stale:
+            self._recount_share(ledger)
+            hold.stale = False
+        now = time.time()
+        with self._lock:
+            self._refuse_if_full_locked(key, size, now)
+            for victim in self._shares.victims(key.namespace, self._size_of, self._used_at,
+                                               now - tenant_shares.RECENT_SECONDS, key, size):
+                self._remove_locked(victim)
+                self.evictions += 1
+                self.share_evictions += 1
+            found = self._shares.share_of(key.namespace)
+        if found is not None:
+            ledger.joined(hold, key.namespace, found[1])  # a purge may have taken it out of the ledger
+        hold.changed = True
+        self._rename_into_place(tmp, key)
+        with self._lock:
+            self._add_locked(key, _File(size, now if created is None else created, now))
+
+    def _refuse_if_full_locked(self, key: ShardKey, size: int, now: float) -> None:
+        if self._shares.refuses(key, size, self._size_of, self._used_at, now - tenant_shares.RECENT_SECONDS):
+            self.share_refused += 1
+            raise QuotaFull(f"{self.name}: not writing {key.name}: its tenant's share is full of files used "
+                            f"in the last {tenant_shares.RECENT_SECONDS:g} s")
+
+    def _size_of(self, key: ShardKey) -> int:
+        return self._files[key].size
+
+    def _used_at(self, key: ShardKey) -> float:
+        return self._files[key].last_used
 
     def _create_temp(self) -> tuple[int, str]:
         """A new temp file, locked for as long as it is being written."""
@@ -693,9 +822,10 @@ class FilesystemTier(Tier):
 
     def remove_records(self, namespaces: Collection[str]) -> int:
         """The namespaces' directories (their names are namespace ids), where empty: a file written into one
-        meanwhile keeps it, and a write whose directory went under it makes it again. Links and names that are
-        not kvtier's are left alone."""
-        removed = 0
+        meanwhile keeps it, and a write whose directory went under it makes it again; then the share ledgers'
+        lines naming them (a later put into the namespace writes its line again). Links and names that are not
+        kvtier's are left alone."""
+        removed = self._remove_ledger_lines(namespaces)
         for namespace in namespaces:
             if not _HEX.fullmatch(namespace):
                 continue
@@ -715,6 +845,16 @@ class FilesystemTier(Tier):
                 finally:
                     os.close(ns_fd)
                 removed += self._rmdir_if_empty(self._root_fd, namespace, where)
+        return removed
+
+    def _remove_ledger_lines(self, namespaces: Collection[str]) -> int:
+        assert self._ledgers is not None
+        removed = 0
+        with _raised_as_tier_error(self.name, f"{self.root}/{_SHARES_DIR}"):
+            for ledger in self._ledgers.refresh():
+                for namespace in set(namespaces) & ledger.namespaces:
+                    ledger.leave(namespace)
+                    removed += 1
         return removed
 
     def _rmdir_if_empty(self, parent_fd: int, name: str, where: str) -> int:
@@ -795,5 +935,6 @@ class FilesystemTier(Tier):
 
     def counters(self) -> dict[str, float]:
         return {"evictions": self.evictions, "share_evictions": self.share_evictions,
-                "share_refused_writes": self.share_refused, "expired": self.expired,
+                "share_refused_writes": self.share_refused, "reserved_evictions": self.reserved_evictions,
+                "expired": self.expired,
                 "removed_temp_files": self.removed_temp_files, "rejected_files": self.rejected_files}

@@ -60,7 +60,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from kvtier.errors import QuotaFull, TierError
 from kvtier.keys import ShardKey
 from kvtier.tiers import _shares as tenant_shares
-from kvtier.tiers._redis_shares import share_id
+from kvtier.tiers._shares import share_id
 from kvtier.tiers.base import StoredObject
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,6 @@ shards handed out whose deletion has not succeeded yet, and after those two loss
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import re
@@ -42,6 +41,7 @@ from typing import Any
 
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers import _shares as tenant_shares
+from kvtier.tiers._shares import share_id
 
 log = logging.getLogger(__name__)
 
@@ -158,11 +158,6 @@ class Counted:
     share: str
     victims: list[ShardKey]
     refused: bool = False
-
-
-def share_id(share: str) -> str:
-    """The name a share has in the server: a digest of the store's (which holds the tenant's salt)."""
-    return hashlib.sha256(b"kvtier share/" + share.encode()).hexdigest()[:32]
 
 
 class RedisShares:

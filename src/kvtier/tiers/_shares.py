@@ -10,6 +10,7 @@ so a prompt larger than its share keeps its leading chunks."""
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
@@ -17,6 +18,11 @@ from kvtier.keys import ShardKey
 
 _KEPT = 65536  # namespaces whose share is remembered (the store tells a tier again when it meets one anew)
 RECENT_SECONDS = 10.0  # objects used this recently are never evicted to make room (see above)
+
+
+def share_id(share: str) -> str:
+    """The name a share has where a tier keeps it (a server, a bucket, a directory): a digest of the store's."""
+    return hashlib.sha256(b"kvtier share/" + share.encode()).hexdigest()[:32]
 
 
 class Shares:
@@ -59,26 +65,31 @@ class Shares:
     # -- shares ------------------------------------------------------------------------------------------------
     def set(self, namespace: str, share: str | None, quota_bytes: int, keys: Iterable[ShardKey]) -> None:
         """Count ``namespace`` against ``share`` (None: none); ``keys`` are the index's, least recent first."""
-        order = list(keys)
-        self._unset(namespace, order)
-        if share is None:
-            return
-        self._share_of[namespace] = (share, quota_bytes)
-        self._members.setdefault(share, set()).add(namespace)
-        self._lru[share] = self._ordered(share, order)
-        while len(self._share_of) > _KEPT:
-            self._unset(next(iter(self._share_of)), order)
+        self.set_many({namespace: (share, quota_bytes)}, keys)
 
-    def _unset(self, namespace: str, order: list[ShardKey]) -> None:
-        old = self._share_of.pop(namespace, None)
-        if old is None:
-            return
-        members = self._members[old[0]]
-        members.discard(namespace)
-        if members:
-            self._lru[old[0]] = self._ordered(old[0], order)
-        else:
-            del self._members[old[0]], self._lru[old[0]]
+    def set_many(self, shares: dict[str, tuple[str | None, int]], keys: Iterable[ShardKey]) -> None:
+        """:meth:`set` for each namespace of ``shares`` (namespace -> share and quota), with one walk of ``keys``."""
+        order = list(keys)
+        touched = set()
+        for namespace, (share, quota_bytes) in shares.items():
+            old = self._share_of.pop(namespace, None)
+            if old is not None:
+                self._members[old[0]].discard(namespace)
+                touched.add(old[0])
+            if share is not None:
+                self._share_of[namespace] = (share, quota_bytes)
+                self._members.setdefault(share, set()).add(namespace)
+                touched.add(share)
+        while len(self._share_of) > _KEPT:
+            namespace, (share, _) = self._share_of.popitem(last=False)
+            self._members[share].discard(namespace)
+            touched.add(share)
+        for share in touched:
+            if self._members.get(share):
+                self._lru[share] = self._ordered(share, order)
+            else:
+                self._members.pop(share, None)
+                self._lru.pop(share, None)
 
     def _ordered(self, share: str, order: list[ShardKey]) -> OrderedDict[ShardKey, None]:
         members = self._members.get(share, set())
@@ -86,6 +97,19 @@ class Shares:
 
     def bytes(self, share: str) -> int:
         return sum(self._ns_bytes.get(ns, 0) for ns in self._members.get(share, ()))
+
+    def share_of(self, namespace: str) -> tuple[str, int] | None:
+        """``namespace``'s share and its quota in bytes (None: it counts against none)."""
+        return self._share_of.get(namespace)
+
+    def keys(self, share: str) -> list[ShardKey]:
+        """The share's objects, least recently used first."""
+        return list(self._lru.get(share, ()))
+
+    def excess(self) -> dict[str, int]:
+        """Each share's bytes past its quota (0 or less: within it)."""
+        quotas = {share: quota for share, quota in self._share_of.values()}
+        return {share: self.bytes(share) - quota for share, quota in quotas.items()}
 
     def refuses(self, key: ShardKey, size: int, size_of: Callable[[ShardKey], int],
                 used_at: Callable[[ShardKey], float], since: float) -> bool:
@@ -102,19 +126,24 @@ class Shares:
         return size + sum(size_of(other) for other in lru if used_at(other) >= since) > quota
 
     def victims(self, namespace: str, size_of: Callable[[ShardKey], int], used_at: Callable[[ShardKey], float],
-                since: float) -> list[ShardKey]:
-        """What to evict, least recently used first, to bring ``namespace``'s share back under its quota: never an
-        object used since ``since``."""
+                since: float, incoming: ShardKey | None = None, size: int = 0) -> list[ShardKey]:
+        """What to evict, least recently used first, to bring ``namespace``'s share back under its quota (with
+        ``incoming``, an object of ``size`` bytes about to be written, counted): never an object used since
+        ``since``, nor ``incoming`` itself."""
         found = self._share_of.get(namespace)
         if found is None:
             return []
         share, quota = found
+        lru = self._lru[share]
         over = self.bytes(share) - quota
+        if incoming is not None:
+            over += size - (size_of(incoming) if incoming in lru else 0)
         out = []
-        for key in self._lru[share]:
+        for key in lru:
             if over <= 0:
                 break
-            if used_at(key) < since:  # (a rescan's entries are out of order: every one is looked at)
+            # (a rescan's entries are out of order: every one is looked at)
+            if key != incoming and used_at(key) < since:
                 out.append(key)
                 over -= size_of(key)
         return out
