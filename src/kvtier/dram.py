@@ -423,15 +423,9 @@ class DramPool:
 
     # -- reads -------------------------------------------------------------------------------------------------
     def ranges(self, namespace: str, chunk: str) -> list[HeadRange]:
-        """The head ranges held of one chunk (expired entries are discarded, not counted)."""
-        now = time.time()
+        """The head ranges held of one chunk, servable or not (a lookup's answer: :meth:`acquire` decides)."""
         with self._lock:
-            slot = self._index.get((namespace, chunk))
-            if slot is None:
-                return []
-            for entry in [e for e in slot.values() if e.expires is not None and now >= e.expires]:
-                self._discard_locked(entry)
-            return list(slot)
+            return list(self._index.get((namespace, chunk), ()))
 
     def acquire(self, namespace: str, chunk: str, heads: list[HeadRange],
                 owner: bytes | None = None) -> list[DramEntry] | None:
