@@ -682,7 +682,11 @@ def _router(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"kvtier: the router needs its extras: pip install 'kvtier[router]' ({exc})", file=sys.stderr)
         return 2
-    serve(config)
+    try:
+        serve(config)
+    except KVTierError as exc:  # the engines' key cannot be read (engine_api_key)
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

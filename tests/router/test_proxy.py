@@ -37,7 +37,7 @@ class ScriptedEngine:
         self.broken = False  # answers every request with a 500
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 2**20)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
@@ -94,9 +94,12 @@ async def serve(app: web.Application, **kw) -> tuple[web.AppRunner, str]:
 
 
 def run(scenario: Callable[[str, list[ScriptedEngine], RouterApp], Awaitable[None]], n: int = 2,
+        engine_class: type[ScriptedEngine] | None = None, tokenizer: object = None, admin: bool = False,
         **overrides) -> None:
+    """``scenario(url, engines, app)`` against a router (listening as ``kvtier router`` does, with ``limits``)
+    in front of ``n`` scripted engines (of class ``engine_class``); ``admin``: with an admin listener."""
     async def main() -> None:
-        engines = [ScriptedEngine() for _ in range(n)]
+        engines = [(engine_class or ScriptedEngine)() for _ in range(n)]
         runners = []
         for engine in engines:
             runner, engine.url = await serve(engine.app(), handler_cancellation=True)
@@ -105,12 +108,13 @@ def run(scenario: Callable[[str, list[ScriptedEngine], RouterApp], Awaitable[Non
                                      "policy": "round_robin", "explain_headers": True,
                                      "engines": [{"name": f"e{i}", "url": e.url} for i, e in enumerate(engines)],
                                      "timeouts": {"idle_s": 1.0, "first_byte_s": 5.0}, **overrides})
-        app = RouterApp(config, tokenizer=WordTokenizer())
-        runner, url = await serve(app.web_app(), handler_cancellation=True)
+        app = RouterApp(config, tokenizer=tokenizer or WordTokenizer())
+        listeners = await app.listen("127.0.0.1", 0, ("127.0.0.1", 0) if admin else None)
         try:
-            await scenario(url, engines, app)
+            await scenario(f"http://127.0.0.1:{app.port()}", engines, app)
         finally:
-            await runner.cleanup()
+            for r in reversed(listeners):
+                await r.cleanup()
             for r in runners:
                 await r.cleanup()
     asyncio.run(main())

@@ -1,19 +1,22 @@
 """``kvtier router``: an OpenAI-compatible proxy in front of vLLM API servers (aiohttp, one event loop).
 
-Per request: read the body, tokenize the prompt as the engine will, ask the policy for engines in order, send
-the request to the first; one that fails before its first byte is retried on the next. After the first byte
-the answer passes through byte for byte; an engine that fails or goes quiet mid-stream ends the client's
-stream with an SSE ``error`` event. A client that leaves closes the upstream connection, which aborts the
-request in vLLM. Beside the proxy: a KV-event subscriber per engine, a health check, and a scrape of each
-engine's prefill counters for calibration.
+Per request: read the body (within ``limits``), tokenize the prompt as the engine will and key it on a worker
+thread (:mod:`kvtier.router.guards`), ask the policy for engines in order, send the request to the first; one
+that fails before its first byte (or redirects) is retried on the next. After the first byte the answer passes
+through byte for byte, a streamed one in whole SSE events; an engine that fails or goes quiet mid-stream ends
+the client's stream with an SSE ``error`` event (after the last whole event: a partial one is dropped). A client
+that leaves closes the upstream connection, which aborts the request in vLLM. Beside the proxy: a KV-event
+subscriber per engine, a health check, and a scrape of each engine's prefill counters for calibration, all sent
+with the engines' API key when one is configured. With ``admin_listen``, ``/metrics`` and ``/health``'s
+per-engine detail are served on that listener only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
+import signal
 import time
 import uuid
 from collections.abc import Mapping
@@ -21,6 +24,7 @@ from collections.abc import Mapping
 import aiohttp
 import zmq.asyncio
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -28,17 +32,20 @@ from kvtier import tracing
 from kvtier.metrics import sample_sum
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import Batch, Cleared, Feed, Removed, Stored, Subscriber
+from kvtier.router.guards import (BodyTooLarge, CappedSite, PoolFull, WorkerPool, descriptor_room, handler_args,
+                                  read_body, read_secret)
 from kvtier.router.index import LOCAL_PLACES, Place, PrefixIndex
-from kvtier.router.metrics import RouterMetrics
+from kvtier.router.metrics import LogOnce, RouterMetrics
 from kvtier.router.policy import Decision, Router
-from kvtier.router.prompts import Prompt, PromptError, Tokenizer, read_prompt, read_stream
+from kvtier.router.prompts import Tokenizer, read_stream
+from kvtier.router.reading import Reader, Unreadable
+from kvtier.router.wire import error_reply, forwarded, reply_headers, sse_error, whole_events
 
 log = logging.getLogger(__name__)
 
-_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
-        "proxy-authorization", "proxy-authenticate", "accept-encoding"}
 _USAGE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _LOST_AFTER = 3  # health checks failed in a row before an engine's entries are cleared
+_ADMIN_CONNECTIONS = 32
 
 
 class _Upstream(Exception):
@@ -48,6 +55,9 @@ class _Upstream(Exception):
 class RouterApp:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
+        # the router's own calls to the engines (health, models, metrics) carry the engines' --api-key
+        self._own_headers = ({"Authorization": "Bearer " + read_secret(config.engine_api_key, "engine_api_key")}
+                             if config.engine_api_key is not None else {})
         self.metrics = RouterMetrics()
         self.metrics.declare([e.name for e in config.engines], [e.name for e in config.engines if e.kv_events])
         self.index = PrefixIndex(config.block_size)
@@ -55,6 +65,11 @@ class RouterApp:
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(config.tokenizer)
         self.urls = {e.name: e.url.rstrip("/") for e in config.engines}
         self.base_models: set[str] = set()
+        self.max_model_len: int | None = None  # the engines' smallest, from their /v1/models
+        self.pool = WorkerPool(config.limits.workers, config.limits.queue)
+        self.reader = Reader(self.tokenizer, self.router,
+                             LogOnce(self.metrics.unpredicted, "kvtier_router_unpredicted_requests", log))
+        self._sites: dict[str, CappedSite] = {}
         self.subscribers: dict[str, Subscriber] = {}
         self._zmq: zmq.asyncio.Context | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -63,16 +78,51 @@ class RouterApp:
         self._failures: dict[str, int] = {}  # health checks failed in a row, per engine
 
     # --- lifecycle ------------------------------------------------------------------------------------------
-    def web_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+    def web_app(self, admin: bool = False) -> web.Application:
+        """The client listener's application; ``admin``: /metrics and /health's detail are the admin one's."""
+        app = web.Application(client_max_size=self.config.limits.max_body_bytes)
         app.router.add_post("/v1/completions", self._proxy)
         app.router.add_post("/v1/chat/completions", self._proxy)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+        # /health stays on the client listener (a load balancer's check), without the index's detail when an
+        # admin listener serves that: blocks per engine would tell a client whether its prompt was cached
+        app.router.add_get("/health", self._status if admin else self._health)
+        if not admin:
+            app.router.add_get("/metrics", self._metrics)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
+
+    def admin_app(self) -> web.Application:
+        app = web.Application(client_max_size=2**16)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def listen(self, host: str, port: int, admin: tuple[str, int] | None = None) -> list[web.AppRunner]:
+        """Start the client listener on ``host:port`` (and the admin one); the runners, to clean up in order."""
+        limits = self.config.limits
+        cap = descriptor_room(limits.max_connections)
+        if cap < limits.max_connections:
+            log.warning("limits.max_connections is %d, but the descriptor limit (ulimit -n) leaves room for %d "
+                        "client connections (each may hold one to an engine too): capped at %d",
+                        limits.max_connections, cap, cap)
+        listeners = [("client", host, port, cap, self.web_app(admin=admin is not None))]
+        if admin is not None:
+            listeners.append(("admin", *admin, _ADMIN_CONNECTIONS, self.admin_app()))
+        runners = []
+        for name, h, p, n, app in listeners:
+            runner = web.AppRunner(app, **handler_args(limits))
+            await runner.setup()
+            runners.append(runner)
+            site = CappedSite(runner, h, p, n, self.metrics.refused_connections.labels(name).inc)
+            await site.start()
+            self._sites[name] = site
+            log.info("router %s listener on %s", name, site.name)
+        return runners
+
+    def port(self, listener: str = "client") -> int:
+        return self._sites[listener].port
 
     async def _start(self, app: web.Application) -> None:
         # No Accept-Encoding of the client's own: engines answer uncompressed, which passes through as it is.
@@ -110,6 +160,7 @@ class RouterApp:
             await self._session.close()
         if self._zmq is not None:
             self._zmq.term()
+        self.pool.close()
 
     # --- KV events ------------------------------------------------------------------------------------------
     def _arrived(self, engine: str, batch: Batch) -> None:
@@ -148,7 +199,8 @@ class RouterApp:
         state = self.router.engines[name]
         timeout = aiohttp.ClientTimeout(total=min(5.0, self.config.health_interval_s * 2))
         try:
-            async with self._session.get(self.urls[name] + "/health", timeout=timeout) as reply:
+            async with self._session.get(self.urls[name] + "/health", timeout=timeout, headers=self._own_headers,
+                                         allow_redirects=False) as reply:
                 ok = reply.status == 200
         except Exception:  # refused, reset, timed out, malformed: not healthy this time
             ok = False
@@ -167,13 +219,22 @@ class RouterApp:
         self.metrics.healthy.labels(name).set(1 if ok else 0)
 
     async def _learn_models(self, name: str, timeout: aiohttp.ClientTimeout) -> None:
-        """The engines' base model names (a request for another model is a LoRA adapter's)."""
+        """The engines' base model names (a request for another model is a LoRA adapter's) and their
+        ``max_model_len`` (vLLM's /v1/models gives it): longer prompts are not keyed."""
         assert self._session is not None
         try:
-            async with self._session.get(self.urls[name] + "/v1/models", timeout=timeout) as reply:
+            async with self._session.get(self.urls[name] + "/v1/models", timeout=timeout, headers=self._own_headers,
+                                         allow_redirects=False) as reply:
+                if reply.status != 200:
+                    hint = " (engines started with --api-key need engine_api_key)" if reply.status == 401 else ""
+                    log.warning("engine %s: /v1/models answered HTTP %d%s", name, reply.status, hint)
+                    return
                 data = (await reply.json()).get("data")
-            self.base_models = {m["id"] for m in data if isinstance(m, Mapping) and isinstance(m.get("id"), str)
-                                and not m.get("parent")}
+            base = [m for m in data if isinstance(m, Mapping) and isinstance(m.get("id"), str) and not m.get("parent")]
+            self.base_models = {m["id"] for m in base}
+            lengths = [m["max_model_len"] for m in base if type(m.get("max_model_len")) is int
+                       and m["max_model_len"] > 0]
+            self.max_model_len = min(lengths) if lengths else None
         except Exception as exc:  # not fatal: requests are routed as base-model ones until it answers
             log.warning("engine %s: cannot read /v1/models (%s: %s)", name, type(exc).__name__, exc)
 
@@ -205,7 +266,8 @@ class RouterApp:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=5)
         try:
-            async with self._session.get(self.urls[name] + "/metrics", timeout=timeout) as reply:
+            async with self._session.get(self.urls[name] + "/metrics", timeout=timeout, headers=self._own_headers,
+                                         allow_redirects=False) as reply:
                 text = await reply.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return
@@ -226,11 +288,19 @@ class RouterApp:
         status = 200 if any(e["healthy"] for e in engines.values()) else 503
         return web.json_response({"engines": engines}, status=status)
 
+    async def _status(self, request: web.Request) -> web.Response:
+        """The client listener's /health with an admin listener: up or not, nothing about the index."""
+        up = bool(self.router.healthy())
+        return web.json_response({"status": "ok" if up else "no healthy engine"}, status=200 if up else 503)
+
     async def _metrics(self, request: web.Request) -> web.Response:
         for name, state in self.router.engines.items():
             self.metrics.in_flight.labels(name).set(len(state.flights))
             self.metrics.decode_wait.labels(name).set(state.decode_s)
             self.metrics.prefill_rate.labels(name).set(self.router.prefill_rate(state))
+        for name, site in self._sites.items():
+            self.metrics.connections.labels(name).set(site.open)
+        self.metrics.prompt_queue.set(self.pool.pending)
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
@@ -240,12 +310,14 @@ class RouterApp:
                 timeout = aiohttp.ClientTimeout(total=self.config.timeouts.first_byte_s,
                                                 connect=self.config.timeouts.connect_s)
                 async with self._session.get(self.urls[name] + "/v1/models", timeout=timeout,
-                                             headers=_forwarded(request.headers, "")) as reply:
+                                             headers=forwarded(request.headers, ""), allow_redirects=False) as reply:
+                    if 300 <= reply.status < 400:
+                        continue  # a redirect is not passed on: its Location is the engine's business
                     return web.Response(status=reply.status, body=await reply.read(),
                                         content_type=reply.content_type)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeEncodeError):
                 continue
-        return _error(503, "no engine is healthy", "no_healthy_engine")
+        return error_reply(503, "no engine is healthy", "no_healthy_engine")
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         """:meth:`_route` in a span continuing the client's trace (its ``traceparent``), when tracing is on."""
@@ -256,50 +328,63 @@ class RouterApp:
             return reply
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
-            return _error(400, "the request body is not JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "invalid_request_error")
-        xargs = body.get("vllm_xargs")
-        if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
-            # "full" makes the engine announce reused blocks again without removing them: the index counts
-            # references, and would credit evicted blocks for good. The router owns what engines announce.
-            body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
-            raw = json.dumps(body).encode()
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        prompt: Prompt | None
+            headers = forwarded(request.headers, request.headers.get("X-Request-Id") or uuid.uuid4().hex)
+        except UnicodeEncodeError as exc:  # aiohttp reads bytes that are not UTF-8 as surrogates: unsendable
+            return self._refuse(400, "a request header is not UTF-8", "bad_header", str(exc))
+        request_id = headers["X-Request-Id"]
         try:
-            prompt = read_prompt(self.tokenizer, request.path, body, self.base_models)
-        except (PromptError, RecursionError) as exc:
-            log.info("request %s routed without its cache: %s", request_id, exc)
-            prompt = None  # the engine will answer with its own validation error, or serve it
-        keys = self.router.keys(prompt) if prompt is not None else []
+            raw = await read_body(request, self.config.limits)
+        except BodyTooLarge:
+            return self._refuse(413, f"the request body is over {self.config.limits.max_body_bytes} bytes "
+                                "(limits.max_body_bytes, once inflated)", "body_too_large")
+        except TimeoutError:
+            return self._refuse(408, f"the request body took over {self.config.limits.body_s} s (limits.body_s)",
+                                "body_timeout")
+        except (web.RequestPayloadError, HttpProcessingError) as exc:
+            return self._refuse(400, "the request body cannot be read (its encoding is broken)", "bad_body",
+                                type(exc).__name__)
+        try:
+            read = await self.pool.run(self.reader, request.path, raw, self.base_models, self.max_model_len)
+        except PoolFull:
+            return self._refuse(429, "the router is busy reading other requests; retry", "busy", retry_after=True)
+        except Unreadable as exc:
+            return self._refuse(400, str(exc), "bad_body")
+        body, raw, prompt, keys = read.body, read.raw, read.prompt, read.keys
         with tracing.span("kvtier.router.decision", request_id=request_id,
                           prompt_tokens=None if prompt is None else len(prompt.tokens)) as span:
             decisions = self.router.decide(prompt, request.headers.get(self.config.session_header), keys)
             if span is not None:
                 _describe(span, decisions)
         if not decisions:
-            return _error(503, "no engine is healthy", "no_healthy_engine", retry_after=True)
+            return error_reply(503, "no engine is healthy", "no_healthy_engine", retry_after=True)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s: %s", request_id, "; ".join(
+            log.debug("request %r: %s", request_id, "; ".join(
                 f"{d.engine} {d.predicted_s:.3f}s (wait {d.wait_s:.3f}, load {d.load_s:.3f}, compute {d.uncached}, "
                 f"{d.match})" for d in decisions))
-        headers = _forwarded(request.headers, request_id)
         stream = read_stream(body)  # as vLLM reads it: "false" is false
         t0 = time.monotonic()
         for attempt, decision in enumerate(decisions[:1 + self.config.retries]):
             try:
                 return await self._send(request, raw, headers, decision, keys, stream, t0)
             except _Upstream as exc:
-                log.warning("request %s: engine %s failed before answering (%s)%s", request_id, decision.engine,
+                log.warning("request %r: engine %s failed before answering (%s)%s", request_id, decision.engine,
                             exc, "; trying the next" if attempt < self.config.retries else "")
                 self.metrics.retries.labels(decision.engine).inc()
                 self.metrics.requests.labels(decision.engine, decision.reason, "failed").inc()
-        return _error(502, "every engine tried failed before answering", "upstream_unavailable", retry_after=True)
+        return error_reply(502, "every engine tried failed before answering", "upstream_unavailable", retry_after=True)
+
+    def _refuse(self, status: int, message: str, reason: str, detail: str = "",
+                retry_after: bool = False) -> web.Response:
+        """The router's own answer to a request it will not route, counted by ``reason``. A body it stopped
+        reading (too large, too slow) is not drained: the connection closes after the answer."""
+        self.metrics.refused.labels(reason).inc()
+        if detail:
+            log.debug("request refused (%s): %r", reason, detail)
+        reply = error_reply(status, message, "invalid_request_error" if status < 429 else reason, retry_after)
+        if status in (408, 413):
+            reply.force_close()
+        return reply
 
     async def _send(self, request: web.Request, raw: bytes, headers: dict[str, str], decision: Decision,
                     keys: list[bytes], stream: bool, t0: float) -> web.StreamResponse:
@@ -330,8 +415,8 @@ class RouterApp:
                 body = await self._whole(upstream)
                 outcome = "ok"
                 reply = web.Response(status=upstream.status, body=body,
-                                     headers=_reply_headers(upstream.headers, decision, headers["X-Request-Id"],
-                                                             self.config.explain_headers))
+                                     headers=reply_headers(upstream.headers, decision, headers["X-Request-Id"],
+                                                           self.config.explain_headers))
                 self._compare(decision, body[-4096:])
                 return reply
             first = await self._first(upstream)
@@ -341,25 +426,31 @@ class RouterApp:
                 self.router.first_byte(name, flight, now - attempt)
                 self.metrics.ttft.labels(name).observe(now - t0)
             reply = web.StreamResponse(status=upstream.status,
-                                       headers=_reply_headers(upstream.headers, decision, headers["X-Request-Id"],
+                                       headers=reply_headers(upstream.headers, decision, headers["X-Request-Id"],
                                                              self.config.explain_headers))
             await reply.prepare(request)
-            await reply.write(first)
-            tail = first[-4096:]
-            while True:
+            # SSE is passed on in whole events: an engine that dies mid-event must not leave the client half of
+            # one (a corrupt event) before the error event
+            sse = upstream.content_type == "text/event-stream"
+            held = b""  # the start of an event whose end has not come
+            chunk, tail = first, b""
+            while chunk:
+                tail = (tail + chunk)[-4096:]
+                whole, held = whole_events(held + chunk) if sse else (chunk, b"")
+                if whole:
+                    await reply.write(whole)
                 try:
                     chunk = await asyncio.wait_for(upstream.content.readany(), self.config.timeouts.idle_s)
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     cause = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnected"
-                    log.warning("engine %s failed mid-stream (%s): the client gets an error event", name, cause)
+                    log.warning("engine %s failed mid-stream (%s): the client gets an error event%s", name, cause,
+                                f" ({len(held)} bytes of a partial event dropped)" if held else "")
                     self.metrics.stream_errors.labels(name, cause).inc()
                     outcome = "failed_mid_stream"
-                    await reply.write(_sse_error(f"engine {name} failed mid-stream ({cause})"))
+                    await reply.write(sse_error(f"engine {name} failed mid-stream ({cause})"))
                     return reply
-                if not chunk:
-                    break
-                tail = (tail + chunk)[-4096:]
-                await reply.write(chunk)
+            if held:
+                await reply.write(held)  # the stream ended cleanly: its last bytes as the engine sent them
             await reply.write_eof()
             outcome = "ok"
             self._compare(decision, tail)
@@ -387,9 +478,10 @@ class RouterApp:
         timeouts = self.config.timeouts
         try:
             # first_byte_s from the request on: an engine that accepts the connection and never answers (not
-            # even its headers) is given up on too
+            # even its headers) is given up on too. A redirect is not followed: a 307 would send the prompt to
+            # another origin.
             upstream = await asyncio.wait_for(self._session.post(
-                self.urls[name] + path, data=raw, headers=headers,
+                self.urls[name] + path, data=raw, headers=headers, allow_redirects=False,
                 timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=None)),
                 timeouts.first_byte_s)
         except aiohttp.ClientConnectionError as exc:
@@ -398,9 +490,10 @@ class RouterApp:
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
-        if upstream.status >= 500:
+        if upstream.status >= 500 or 300 <= upstream.status < 400:
             upstream.close()
-            raise _Upstream(f"HTTP {upstream.status}")
+            what = " (a redirect: not followed, nor passed on)" if upstream.status < 400 else ""
+            raise _Upstream(f"HTTP {upstream.status}{what}")
         return upstream
 
     async def _whole(self, upstream: aiohttp.ClientResponse) -> bytes:
@@ -444,44 +537,33 @@ def _describe(span: object, decisions: list[Decision]) -> None:
     })
 
 
-def _forwarded(incoming: Mapping[str, str], request_id: str) -> dict[str, str]:
-    headers = {k: v for k, v in incoming.items() if k.lower() not in _HOP}
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    return headers
-
-
-def _reply_headers(upstream: Mapping[str, str], decision: Decision, request_id: str,
-                   explain: bool) -> dict[str, str]:
-    headers = {k: v for k, v in upstream.items() if k.lower() not in _HOP | {"date", "server", "x-request-id"}}
-    headers["X-Request-Id"] = request_id
-    if not explain:
-        return headers
-    headers["X-KVTier-Engine"] = decision.engine
-    headers["X-KVTier-Route-Reason"] = decision.reason
-    headers["X-KVTier-Predicted-Cached-Tokens"] = str(decision.predicted_cached)
-    headers["X-KVTier-Predicted-TTFT"] = f"{decision.predicted_s:.4f}"
-    return headers
-
-
-def _sse_error(message: str) -> bytes:
-    error = {"error": {"message": message, "type": "upstream_error", "code": 502}}
-    return b"\n\ndata: " + json.dumps(error).encode() + b"\n\n"
-
-
-def _error(status: int, message: str, kind: str, retry_after: bool = False) -> web.Response:
-    headers = {"Retry-After": "1"} if retry_after else None
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
-                             headers=headers)
-
-
 def serve(config: RouterConfig) -> None:
-    """Run the router until interrupted (SIGINT/SIGTERM stop it cleanly)."""
+    """Run the router until interrupted (SIGINT/SIGTERM stop it cleanly). Raises ConfigError for an engine key
+    that cannot be read."""
     if config.otlp_traces_endpoint is not None:
         tracing.configure(config.otlp_traces_endpoint, "kvtier-router")
-    app = RouterApp(config)
     try:
-        web.run_app(app.web_app(), host=config.host, port=config.port, handler_cancellation=True,
-                    access_log=None, print=lambda text: log.info("%s", text))
+        asyncio.run(_serve(RouterApp(config)))
     finally:
         tracing.shutdown()  # the last spans are exported before the process ends
+
+
+async def _serve(app: RouterApp) -> None:
+    config = app.config
+    admin = None
+    if config.admin_listen is not None:
+        host, _, port = config.admin_listen.rpartition(":")
+        admin = (host.strip("[]"), int(port))
+    elif config.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("/metrics and /health's per-engine detail are served to clients on %s: set admin_listen to "
+                    "serve them elsewhere (they tell a client whether its prompts were cached)", config.host)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runners = await app.listen(config.host, config.port, admin)
+    try:
+        await stop.wait()
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()

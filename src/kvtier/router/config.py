@@ -80,6 +80,27 @@ class Timeouts:
 
 
 @dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one client can make the router hold or do (see ``router/guards.py``)."""
+
+    max_connections: int = 512  # client connections at once; one more is closed as it is accepted
+    header_s: float = 10.0  # from a connection's start (or its last answer) to a request's complete headers
+    body_s: float = 30.0  # to read a request's body
+    max_body_bytes: int = 16 * 2**20  # a request's body once inflated (gzip, deflate): larger ones get 413
+    workers: int = 2  # threads that parse, tokenize and key requests off the event loop
+    queue: int = 64  # requests waiting for a worker; one more is answered 429
+
+    def check(self, field: str) -> None:
+        for name, low, high in (("max_connections", 1, 1_000_000), ("max_body_bytes", 1024, 2**31),
+                                ("workers", 1, 64), ("queue", 0, 1_000_000)):
+            if not low <= getattr(self, name) <= high:
+                raise ConfigError(f"{field}.{name}: must be in [{low}, {high}], got {getattr(self, name)}")
+        for name in ("header_s", "body_s"):
+            if not 0.1 <= getattr(self, name) <= 3600:
+                raise ConfigError(f"{field}.{name}: must be in [0.1, 3600] seconds, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Costs:
     """Starting points of the cost model. Prefill speed is calibrated online per engine; load speeds are what
     kvtier moves per second from each place into an engine (``kvtier bench`` measures them on your hardware)."""
@@ -111,6 +132,12 @@ class RouterConfig:
     session_header: str = "X-Session-ID"
     timeouts: Timeouts = Timeouts()
     costs: Costs = Costs()
+    limits: Limits = Limits()
+    # host:port of a second listener serving /metrics and /health's per-engine detail (None: both on the
+    # client listener, as before); see the README's security section
+    admin_listen: str | None = None
+    # the engines' vLLM --api-key, sent on the router's own calls: "file:/absolute/path" or "env:VARIABLE"
+    engine_api_key: str | None = None
     retries: int = 1  # other engines tried when one fails before its first byte
     health_interval_s: float = 2.0
     metrics_interval_s: float = 5.0
@@ -141,6 +168,7 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
             raise ConfigError(f"engines[{i}].name: {name!r} is used twice; give each engine a distinct name")
     timeouts = build_dataclass(Timeouts, raw.pop("timeouts", {}) or {}, "timeouts")
     costs = build_dataclass(Costs, raw.pop("costs", {}) or {}, "costs")
+    limits = build_dataclass(Limits, raw.pop("limits", {}) or {}, "limits")
     raw.setdefault("tokenizer", None)
     if not isinstance(raw["tokenizer"], str) or not raw["tokenizer"]:
         raise ConfigError("tokenizer: required, the engines' model directory (its tokenizer and chat template)")
@@ -155,8 +183,21 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
     check_otlp_endpoint(config.otlp_traces_endpoint, "otlp_traces_endpoint")
     if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", config.session_header):
         raise ConfigError(f"session_header: an HTTP header name, got {config.session_header!r}")
+    _check_admin(config.admin_listen, config.engine_api_key)
     return RouterConfig(engines=engines, host=host.strip("[]"), port=int(port), timeouts=timeouts, costs=costs,
-                        **dataclasses.asdict(config))
+                        limits=limits, **dataclasses.asdict(config))
+
+
+def _check_admin(admin_listen: str | None, engine_api_key: str | None) -> None:
+    if admin_listen is not None:
+        host, sep, port = admin_listen.rpartition(":")
+        if not sep or not host or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"admin_listen: expected host:port with a port in 1-65535, got {admin_listen!r}")
+    if engine_api_key is not None and not re.fullmatch(r"file:/.+|env:[A-Za-z_][A-Za-z0-9_]*", engine_api_key):
+        raise ConfigError("engine_api_key: expected 'file:/absolute/path' or "
+                          "'env:VARIABLE' (the key itself never goes in the config)")
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,3 +212,5 @@ class _Scalars:
     metrics_interval_s: float = 5.0
     reserve_s: float = 10.0
     otlp_traces_endpoint: str | None = None
+    admin_listen: str | None = None
+    engine_api_key: str | None = None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
@@ -54,6 +57,17 @@ class RouterMetrics:
                                  "an engine adds to a new request's", ["engine"], registry=r)
         self.in_flight = Gauge("kvtier_router_in_flight", "Requests sent to an engine and not finished",
                                ["engine"], registry=r)
+        self.refused = Counter("kvtier_router_refused_requests", "Requests the router answered itself without an "
+                               "engine, by reason (body_too_large, body_timeout, busy, bad_body, bad_header)", ["reason"],
+                               registry=r)
+        self.refused_connections = Counter("kvtier_router_refused_connections", "Connections closed as they were "
+                                           "accepted, past limits.max_connections", ["listener"], registry=r)
+        self.connections = Gauge("kvtier_router_connections", "Open connections, by listener", ["listener"],
+                                 registry=r)
+        self.unpredicted = Counter("kvtier_router_unpredicted_requests", "Requests routed without a cache "
+                                   "prediction, by why (unreadable, too_long, failed)", ["kind"], registry=r)
+        self.prompt_queue = Gauge("kvtier_router_prompt_work", "Requests being parsed, tokenized and keyed or "
+                                  "waiting for a worker", registry=r)
 
     def declare(self, engines: list[str], evented: list[str]) -> None:
         """Create the per-engine series of fixed label sets at 0, so dashboards and alerts have a series (a rate of
@@ -71,3 +85,27 @@ class RouterMetrics:
                 self.event_resets.labels(name, cause)
             for kind in ("task", "decode", "frames", "apply", "replay_endpoint"):
                 self.event_errors.labels(name, kind)
+        for reason in ("body_too_large", "body_timeout", "busy", "bad_body", "bad_header"):
+            self.refused.labels(reason)
+        for kind in ("unreadable", "too_long", "failed"):
+            self.unpredicted.labels(kind)
+
+
+class LogOnce:
+    """Log the first occurrence of each kind, count every one in ``counter`` (labelled by kind): for what a
+    client or a peer can cause at will, so the log never grows with them. Kinds are the code's own few names;
+    anything a client sent goes into the message through ``%r`` (its newlines escaped: no forged log lines)."""
+
+    def __init__(self, counter: Counter, metric: str, logger: logging.Logger, level: int = logging.INFO) -> None:
+        self._counter, self._metric, self._log, self._level = counter, metric, logger, level
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()  # called from worker threads too
+
+    def __call__(self, kind: str, message: str, *args: object) -> None:
+        self._counter.labels(kind).inc()
+        with self._lock:
+            first = kind not in self._seen
+            self._seen.add(kind)
+        if first:
+            self._log.log(self._level, f"{message} (logged once: further ones of this kind are only counted, "
+                          f"{self._metric}{{kind={kind!r}}})", *args)

@@ -1,0 +1,188 @@
+"""What a client can make the router do or hold (``limits``): prompt work off the event loop on a bounded pool,
+the inflated body's cap, the engines' max_model_len, header and body deadlines, the connection cap. Against the
+scripted engines of test_proxy.py, with real sockets where the attack is on the connection itself."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import threading
+import time
+
+import aiohttp
+
+from tests.router.test_proxy import ScriptedEngine, WordTokenizer, post, run
+
+
+class GatedTokenizer(WordTokenizer):
+    """Holds each prompt until the test opens the gate (5 s at most): a prompt being tokenized, on demand."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.gate = threading.Event()
+        self.done = threading.Event()
+        self.calls = 0
+
+    def completion(self, body):
+        self.calls += 1
+        self.started.set()
+        self.gate.wait(5)
+        try:
+            return super().completion(body)
+        finally:
+            self.done.set()
+
+
+class CountingTokenizer(WordTokenizer):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def completion(self, body):
+        self.calls += 1
+        return super().completion(body)
+
+
+async def until(condition, what: str, bound_s: float = 5.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {bound_s} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized():
+    """An 8 MiB prompt is tokenized on a worker: the loop answers /health in the meantime (on the loop, the
+    tokenizer would hold it until the gate's 5 s ran out, and /health would answer after the prompt was done)."""
+    tokenizer = GatedTokenizer()
+
+    async def main(url, engines, app):
+        prompt = asyncio.create_task(post(url, "ok " + "x" * 8 * 2**20))
+        await until(tokenizer.started.is_set, "the prompt reached the tokenizer")
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as reply:
+                assert reply.status == 200
+        assert not tokenizer.done.is_set()  # answered while the prompt was being tokenized
+        tokenizer.gate.set()
+        status, _, _ = await prompt
+        assert status == 200 and len(engines[0].requests[0]["prompt"]) > 8 * 2**20
+    run(main, tokenizer=tokenizer)
+
+
+def test_a_full_pool_answers_429_with_retry_after():
+    tokenizer = GatedTokenizer()
+
+    async def main(url, engines, app):
+        first = asyncio.create_task(post(url, "ok a"))
+        await until(lambda: app.pool.pending == 1, "the first request on the worker")
+        second = asyncio.create_task(post(url, "ok b"))
+        await until(lambda: app.pool.pending == 2, "the second request queued")
+        status, headers, body = await post(url, "ok c")
+        assert status == 429 and headers["Retry-After"] == "1"
+        assert json.loads(body)["error"]["type"] == "busy"
+        tokenizer.gate.set()
+        assert [(await first)[0], (await second)[0]] == [200, 200]
+        assert sum(len(e.requests) for e in engines) == 2
+        assert app.metrics.refused.labels("busy")._value.get() == 1
+    run(main, tokenizer=tokenizer, limits={"workers": 1, "queue": 1})
+
+
+def test_a_gzip_bomb_is_refused_with_413_before_it_is_all_sent():
+    """32 MiB of JSON in 32 KiB of gzip: refused once 16 MiB (limits.max_body_bytes' default) are inflated, while
+    a quarter of it is still unsent, and the connection is closed (its rest is not read, not inflated)."""
+    bomb = gzip.compress(json.dumps({"model": "m", "prompt": "ok " + "x" * 32 * 2**20}).encode(), compresslevel=6)
+
+    async def main(url, engines, app):
+        reader, writer = await asyncio.open_connection("127.0.0.1", app.port())
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(bomb))
+        writer.write(bomb[:len(bomb) * 3 // 4])
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)  # the answer, then the end of the connection
+        assert answer.startswith(b"HTTP/1.1 413 ")
+        assert b"limits.max_body_bytes" in answer
+        writer.close()
+        assert not engines[0].requests and not engines[1].requests
+        assert app.metrics.refused.labels("body_too_large")._value.get() == 1
+    run(main)
+
+
+def test_a_body_over_the_cap_by_its_length_is_refused_unread():
+    async def main(url, engines, app):
+        status, headers, _ = await post(url, "ok " + "x" * 4096)
+        assert status == 413 and headers.get("Connection") == "close"
+        status, _, _ = await post(url, "ok small")
+        assert status == 200
+    run(main, limits={"max_body_bytes": 2048})
+
+
+class LongModelEngine(ScriptedEngine):
+    async def models(self, request):
+        from aiohttp import web
+        return web.json_response({"data": [{"id": "m", "max_model_len": 16}]})
+
+
+def test_prompts_longer_than_max_model_len_go_without_a_prediction():
+    """max_model_len from the engines' /v1/models: a prompt of more tokens is routed unindexed (the engine answers
+    it as it sees fit), and a body over 64 bytes a token of it is not even tokenized."""
+    tokenizer = CountingTokenizer()
+
+    async def main(url, engines, app):
+        assert app.max_model_len == 16
+        _, headers, _ = await post(url, "ok " + "w " * 8)
+        assert headers["X-KVTier-Route-Reason"] == "no_prefix" and tokenizer.calls == 1
+        status, headers, _ = await post(url, "ok " + "w " * 20)  # 21 tokens
+        assert status == 200 and headers["X-KVTier-Route-Reason"] == "unindexed" and tokenizer.calls == 2
+        status, headers, _ = await post(url, "ok " + "w" * 2000)  # 2 tokens, but 2 KB: not tokenized
+        assert status == 200 and headers["X-KVTier-Route-Reason"] == "unindexed" and tokenizer.calls == 2
+        assert app.metrics.unpredicted.labels("too_long")._value.get() == 2
+        assert len(engines[0].requests) + len(engines[1].requests) == 3
+    run(main, engine_class=LongModelEngine, tokenizer=tokenizer, policy="cache_aware")
+
+
+async def closed(reader: asyncio.StreamReader, bound_s: float) -> bytes:
+    """What the router sent before closing the connection (fails if still open after ``bound_s``)."""
+    try:
+        return await asyncio.wait_for(reader.read(), bound_s)
+    except ConnectionResetError:
+        return b""
+
+
+def test_half_sent_requests_are_closed_at_their_deadline_and_honest_ones_pass():
+    """Slowloris: 20 connections with headers half sent and 20 with bodies half sent are closed after
+    limits.header_s and limits.body_s (0.5 s here; generous bound 5 s), while a whole request is served."""
+    async def main(url, engines, app):
+        slow = []
+        for i in range(40):
+            reader, writer = await asyncio.open_connection("127.0.0.1", app.port())
+            if i % 2:
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Len")
+            else:
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+            slow.append((reader, writer))
+        status, _, _ = await post(url, "ok x")
+        assert status == 200
+        answers = await asyncio.gather(*(closed(reader, 5) for reader, _ in slow))
+        assert all(a == b"" for a in answers[1::2])  # headers never complete: closed without a word
+        assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers[0::2])
+        for _, writer in slow:
+            writer.close()
+        assert app.metrics.refused.labels("body_timeout")._value.get() == 20
+    run(main, limits={"header_s": 0.5, "body_s": 0.5})
+
+
+def test_connections_past_the_cap_are_closed_at_once():
+    """With 4 connections held (headers not sent, well within header_s), a 5th is closed as it is accepted, not
+    held until a deadline; once the 4 go, requests are served again."""
+    async def main(url, engines, app):
+        held = [await asyncio.open_connection("127.0.0.1", app.port()) for _ in range(4)]
+        await until(lambda: app._sites["client"].open == 4, "4 connections counted")
+        reader, writer = await asyncio.open_connection("127.0.0.1", app.port())
+        assert await closed(reader, 2) == b""  # well before the 30 s header deadline
+        writer.close()
+        assert app.metrics.refused_connections.labels("client")._value.get() == 1
+        for _, w in held:
+            w.close()
+        await until(lambda: app._sites["client"].open == 0, "the held connections gone")
+        status, _, _ = await post(url, "ok x")
+        assert status == 200
+    run(main, limits={"max_connections": 4, "header_s": 30})
