@@ -65,7 +65,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized():
         tokenizer.gate.set()
         status, _, _ = await prompt
         assert status == 200 and len(engines[0].requests[0]["prompt"]) > 8 * 2**20
-    run(main, tokenizer=tokenizer)
+    run(main, tokenizer=tokenizer, limits={"max_prompt_tokens": 2**20})  # tokenized, not refused by its size
 
 
 def test_a_full_pool_answers_429_with_retry_after():
@@ -119,6 +119,19 @@ class LongModelEngine(ScriptedEngine):
     async def models(self, request):
         from aiohttp import web
         return web.json_response({"data": [{"id": "m", "max_model_len": 16}]})
+
+
+def test_prompts_over_max_prompt_tokens_go_without_a_prediction_until_engines_say_more():
+    """Before (or without) a max_model_len from the engines, limits.max_prompt_tokens bounds what is keyed."""
+    tokenizer = CountingTokenizer()
+
+    async def main(url, engines, app):
+        assert app.max_model_len is None
+        _, headers, _ = await post(url, "ok " + "w " * 8)
+        assert headers["X-KVTier-Route-Reason"] == "no_prefix"
+        _, headers, _ = await post(url, "ok " + "w " * 20)
+        assert headers["X-KVTier-Route-Reason"] == "unindexed" and tokenizer.calls == 2
+    run(main, tokenizer=tokenizer, policy="cache_aware", limits={"max_prompt_tokens": 16})
 
 
 def test_prompts_longer_than_max_model_len_go_without_a_prediction():

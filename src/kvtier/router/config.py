@@ -89,10 +89,13 @@ class Limits:
     max_body_bytes: int = 16 * 2**20  # a request's body once inflated (gzip, deflate): larger ones get 413
     workers: int = 2  # threads that parse, tokenize and key requests off the event loop
     queue: int = 64  # requests waiting for a worker; one more is answered 429
+    # longer prompts (and those over the engines' max_model_len) are routed without a prediction: keying and
+    # reserving a prompt's blocks takes the event loop ~10 us a block
+    max_prompt_tokens: int = 131072
 
     def check(self, field: str) -> None:
         for name, low, high in (("max_connections", 1, 1_000_000), ("max_body_bytes", 1024, 2**31),
-                                ("workers", 1, 64), ("queue", 0, 1_000_000)):
+                                ("workers", 1, 64), ("queue", 0, 1_000_000), ("max_prompt_tokens", 1, 2**31)):
             if not low <= getattr(self, name) <= high:
                 raise ConfigError(f"{field}.{name}: must be in [{low}, {high}], got {getattr(self, name)}")
         for name in ("header_s", "body_s"):

@@ -11,9 +11,9 @@ from kvtier.router.metrics import LogOnce
 from kvtier.router.policy import Router
 from kvtier.router.prompts import Prompt, PromptError, Tokenizer, read_prompt
 
-# A body this many times max_model_len in bytes is not tokenized (routed without a prediction): no tokenizer
-# averages 64 bytes a token over a prompt (text is ~4, JSON-escaped CJK ~6), so its prompt is longer than the
-# engines take; tokenizing it would only hold a worker.
+# A body this many bytes a token of the longest prompt keyed is not tokenized (routed without a prediction): no
+# tokenizer averages 64 bytes a token over a prompt (text is ~4, JSON-escaped CJK ~6), so its prompt is longer
+# than that; tokenizing it would only hold a worker.
 BYTES_PER_TOKEN = 64
 
 
@@ -36,8 +36,9 @@ class Reader:
     def __init__(self, tokenizer: Tokenizer, router: Router, unpredicted: LogOnce) -> None:
         self._tokenizer, self._router, self._unpredicted = tokenizer, router, unpredicted
 
-    def __call__(self, path: str, raw: bytes, base_models: set[str], max_model_len: int | None) -> Read:
-        """Raises :class:`Unreadable` for a body that is not a JSON object."""
+    def __call__(self, path: str, raw: bytes, base_models: set[str], longest: int) -> Read:
+        """``longest``: the most prompt tokens keyed (limits.max_prompt_tokens, the engines' max_model_len).
+        Raises :class:`Unreadable` for a body that is not a JSON object."""
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError):
@@ -50,16 +51,16 @@ class Reader:
             # references, and would credit evicted blocks for good. The router owns what engines announce.
             body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
             raw = json.dumps(body).encode()
-        prompt = self._prompt(path, body, len(raw), base_models, max_model_len)
+        prompt = self._prompt(path, body, len(raw), base_models, longest)
         return Read(body=body, raw=raw, prompt=prompt, keys=self._router.keys(prompt) if prompt is not None else [])
 
-    def _prompt(self, path: str, body: dict, size: int, base_models: set[str],
-                longest: int | None) -> Prompt | None:
+    def _prompt(self, path: str, body: dict, size: int, base_models: set[str], longest: int) -> Prompt | None:
         """The request's prompt, or None: the engine answers it as it sees fit (a prompt longer than it takes,
         with its own validation error)."""
-        if longest is not None and size > longest * BYTES_PER_TOKEN:
-            self._unpredicted("too_long", "a request of %d bytes routed without a prediction: over %d x the "
-                              "engines' max_model_len (%d), it is not tokenized", size, BYTES_PER_TOKEN, longest)
+        if size > longest * BYTES_PER_TOKEN:
+            self._unpredicted("too_long", "a request of %d bytes routed without a prediction: over %d bytes for "
+                              "each of the %d prompt tokens keyed at most, it is not tokenized", size,
+                              BYTES_PER_TOKEN, longest)
             return None
         try:
             prompt = read_prompt(self._tokenizer, path, body, base_models)
@@ -71,8 +72,8 @@ class Reader:
             self._unpredicted("failed", "reading a request's prompt failed (%s: %r); routed without its cache",
                               type(exc).__name__, str(exc)[:500])
             return None
-        if longest is not None and len(prompt.tokens) > longest:
-            self._unpredicted("too_long", "a prompt of %d tokens routed without a prediction: over the engines' "
-                              "max_model_len (%d)", len(prompt.tokens), longest)
+        if len(prompt.tokens) > longest:
+            self._unpredicted("too_long", "a prompt of %d tokens routed without a prediction: over %d "
+                              "(limits.max_prompt_tokens, or the engines' max_model_len)", len(prompt.tokens), longest)
             return None
         return prompt
