@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import threading
 import time
 import uuid
@@ -776,3 +777,30 @@ def test_a_process_alone_on_its_share_counts_it_from_its_index(tmp_path: Path,
     tier.put(tier_key(101), [b"x" * FS_SHARD])
     assert len(listings) == 2 and files_of(tmp_path / "fs", NS_A) == 4
     assert tier.share_bytes("rule0") == 4 * FS_SHARD
+
+
+def test_a_share_counted_again_lists_only_the_chunk_directories_changed(tmp_path: Path) -> None:
+    """Counting a share again skips a chunk directory whose mtime is the one seen at its last listing (and was
+    old then), and lists one another process changed since: its removal and its new file are both seen."""
+    def shard_key(sub: int) -> ShardKey:
+        return ShardKey(NS_A, f"{sub:02x}" + "0" * 30, HeadRange(0, 4, 4))
+
+    a, b = fs_tier(tmp_path / "fs"), fs_tier(tmp_path / "fs")
+    for tier in (a, b):
+        tier.set_share(NS_A, "rule0", 20 * FS_SHARD)
+    for sub in range(4):
+        a.put(shard_key(sub), [b"a" * FS_SHARD])
+    old = time.time() - 60
+    for sub in range(4):
+        os.utime(tmp_path / "fs" / NS_A / f"{sub:02x}", (old, old))  # as if written a minute ago
+    b.put(shard_key(4), [b"b" * FS_SHARD])  # a must count the share again at its next put
+    a.put(shard_key(5), [b"a" * FS_SHARD])  # lists every directory; notes 00-03 as old
+    b.delete(shard_key(1))
+    b.put(shard_key(0x20), [b"b" * FS_SHARD])
+    seen: list[tuple[str, bool]] = []
+    listed = a._listed_sub
+    a._listed_sub = lambda ns, sub, fd: seen.append((sub, listed(ns, sub, fd))) or seen[-1][1]  # type: ignore
+    a.put(shard_key(6), [b"a" * FS_SHARD])
+    skipped = {sub for sub, unchanged in seen if unchanged}
+    assert skipped == {"00", "02", "03"}  # 01 lost a file, 04 and 05 are new, 20 is new
+    assert a.share_bytes("rule0") == files_of(tmp_path / "fs", NS_A) * FS_SHARD == 7 * FS_SHARD

@@ -16,18 +16,20 @@ earlier layout, ``<chunk>.<heads>.<created ms>.kv``, migrate on start: the newes
 Tenant shares (``set_share``) are the directory's: each has a ledger in ``ROOT/.shares``
 (:mod:`kvtier.tiers._share_ledger`) naming its namespaces and quota, and a put into a share checks the quota,
 evicts the share's least recently used files and renames its own into place under the ledger's lock, after
-counting the share from the directory again if another process changed it. So processes and writer threads on
-one directory hold a share to its quota together. A quota is also a reservation against ``capacity_bytes``:
-capacity eviction takes files in no share, and shares' files past their quota, before any file of a share within
-its quota (those go only when the quotas add up to more than the capacity, counted as ``reserved_evictions``).
+counting the share from the directory again if another process changed it (only the chunk directories whose
+mtime changed since this process last listed them: a timestamp step of at most 1 s is assumed). So processes
+and writer threads on one directory hold a share to its quota together. A quota is also a reservation against
+``capacity_bytes``: capacity eviction takes files in no share, and shares' files past their quota, before any
+file of a share within its quota (those go only when the quotas add up to more than the capacity, counted as
+``reserved_evictions``).
 
 Trust. The configured path is resolved once at start (links in it, e.g. ``/tmp`` on macOS, are followed then)
 and the root is held open; everything inside is reached from directory descriptors with ``O_NOFOLLOW``, so no
 link inside the root is ever followed: a link as ``.tmp`` or ``.shares`` refuses the start, one as a namespace
 or chunk directory is skipped, one with a shard's or a ledger's name is removed. The root and every directory in
-it must belong to this process's uid and not be writable by group or other, else :class:`TierError` names it; the tier never
-chmods a directory it did not create, and those it creates (missing parents of the root too) are 0700 whatever
-the umask; files are 0600. Reads accept only regular files of at most ``min(8 GiB, capacity_bytes)``; anything
+it must belong to this process's uid and not be writable by group or other, else :class:`TierError` names it;
+the tier never chmods a directory it did not create, and those it creates (missing parents of the root too)
+are 0700 whatever the umask; files are 0600. Reads accept only regular files of at most ``min(8 GiB, capacity_bytes)``; anything
 else (a FIFO, a link, a sparse giant) is a miss, removed and counted as ``rejected_files``. A read takes at most
 one byte past the indexed size: a key fixes its object's size, so a longer file is damaged, and the store's
 check only needs to see that. Not defended: the root's parents are trusted (whoever can rename them can
@@ -68,6 +70,7 @@ log = logging.getLogger(__name__)
 
 _TMP_DIR = ".tmp"
 _SHARES_DIR = ".shares"  # one ledger per tenant share (kvtier.tiers._share_ledger)
+_TIMESTAMP_STEP_NS = 10**9  # a directory's mtime step on any local filesystem we run on (ext3: 1 s)
 _TMP_NAME = re.compile(r"\d+\.[0-9a-f]{32}\.part")
 # <chunk>.<heads>.kv, or the earlier <chunk>.<heads>.<created ms>.kv (group 3) that start-up migrates.
 _FILE_NAME = re.compile(r"((?:[0-9a-f]{2})+)\.(\d+-\d+of\d+)(?:\.(\d+))?\.kv")
@@ -218,6 +221,7 @@ class FilesystemTier(Tier):
         self._uid = os.geteuid()
         self._root_fd = self._tmp_fd = self._shares_fd = -1
         self._ledgers: Ledgers | None = None
+        self._sub_mtimes: dict[tuple[str, str], int] = {}  # chunk directories of shares, as last listed
         self._next_rescan = time.monotonic() + (options.rescan_seconds or 0.0)
         try:
             self._root_fd = self._open_root()
@@ -557,8 +561,11 @@ class FilesystemTier(Tier):
             self._recount_namespace(namespace, {k for k in counted if k.namespace == namespace})
 
     def _recount_namespace(self, namespace: str, counted: set[ShardKey]) -> None:
+        """Index ``namespace``'s files (``counted``: those indexed) from the directory again, listing only the
+        chunk directories changed since their last listing here."""
         where = f"{self.root}/{namespace}"
         found: dict[ShardKey, _File | None] = {}  # None: indexed already
+        unchanged: set[str] = set()
         try:
             ns_fd = self._open_dir(self._root_fd, namespace, where, create=False)
         except OSError as exc:
@@ -567,7 +574,10 @@ class FilesystemTier(Tier):
             ns_fd = -1  # gone (purged), or not ours to follow: none of its files count
         if ns_fd >= 0:
             try:
-                for _, sub_fd in self._subdirs(ns_fd, where, _SUB):
+                for sub, sub_fd in self._subdirs(ns_fd, where, _SUB):
+                    if self._listed_sub(namespace, sub, sub_fd):
+                        unchanged.add(sub)
+                        continue
                     with os.scandir(sub_fd) as it:
                         names = [e.name for e in it if e.is_file(follow_symlinks=False)]
                     for name in names:
@@ -578,10 +588,24 @@ class FilesystemTier(Tier):
                 os.close(ns_fd)
         with self._lock:
             for key in counted - found.keys():
-                self._drop_locked(key)
+                if key.chunk[:2] not in unchanged:
+                    self._drop_locked(key)
             new = [(k, v) for k, v in found.items() if v is not None and k not in self._files]
             for key, info in sorted(new, key=lambda kv: kv[1].last_used):  # the share's LRU order
                 self._add_locked(key, info)
+
+    def _listed_sub(self, namespace: str, sub: str, sub_fd: int) -> bool:
+        """Whether a chunk directory is as this process last listed it: its mtime is the one seen then, and was
+        older than that listing by more than a filesystem's timestamp step, so no change since can share it (as
+        git tells a racily clean file). Else it is about to be listed: its mtime is kept when that is safe."""
+        mtime, now = os.fstat(sub_fd).st_mtime_ns, time.time_ns()
+        if self._sub_mtimes.get((namespace, sub)) == mtime:
+            return True
+        if now - mtime > _TIMESTAMP_STEP_NS:
+            self._sub_mtimes[(namespace, sub)] = mtime
+        else:
+            self._sub_mtimes.pop((namespace, sub), None)
+        return False
 
     def _enforce_capacity_locked(self) -> None:
         """Down to the low watermark, least recently used first. A quota is a reservation: files in no share, and

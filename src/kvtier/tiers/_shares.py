@@ -122,8 +122,16 @@ class Shares:
         lru = self._lru[share]
         if key in lru:
             return False  # written again: it counts already
+        if self.bytes(share) + size <= quota:
+            return False  # it fits without evicting anything
         # every entry, not the recent end only: a rescan adds another process's files there with their old times
-        return size + sum(size_of(other) for other in lru if used_at(other) >= since) > quota
+        recent = size
+        for other in lru:
+            if used_at(other) >= since:
+                recent += size_of(other)
+                if recent > quota:
+                    return True
+        return False
 
     def victims(self, namespace: str, size_of: Callable[[ShardKey], int], used_at: Callable[[ShardKey], float],
                 since: float, incoming: ShardKey | None = None, size: int = 0) -> list[ShardKey]:
