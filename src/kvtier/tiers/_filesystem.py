@@ -29,11 +29,11 @@ link inside the root is ever followed: a link as ``.tmp`` or ``.shares`` refuses
 or chunk directory is skipped, one with a shard's or a ledger's name is removed. The root and every directory in
 it must belong to this process's uid and not be writable by group or other, else :class:`TierError` names it;
 the tier never chmods a directory it did not create, and those it creates (missing parents of the root too)
-are 0700 whatever the umask; files are 0600. Reads accept only regular files of at most ``min(8 GiB, capacity_bytes)``; anything
-else (a FIFO, a link, a sparse giant) is a miss, removed and counted as ``rejected_files``. A read takes at most
-one byte past the indexed size: a key fixes its object's size, so a longer file is damaged, and the store's
-check only needs to see that. Not defended: the root's parents are trusted (whoever can rename them can
-redirect a later start), and so is every process of this uid.
+are 0700 whatever the umask; files are 0600. Reads accept only regular files of at most ``min(8 GiB,
+capacity_bytes)``; anything else (a FIFO, a link, a sparse giant) is a miss, removed and counted as
+``rejected_files``. A read takes at most one byte past the indexed size: a key fixes its object's size, so a
+longer file is damaged, and the store's check only needs to see that. Not defended: the root's parents are
+trusted (whoever can rename them can redirect a later start), and so is every process of this uid.
 """
 
 from __future__ import annotations
