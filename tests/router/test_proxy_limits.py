@@ -199,3 +199,35 @@ def test_connections_past_the_cap_are_closed_at_once():
         status, _, _ = await post(url, "ok x")
         assert status == 200
     run(main, limits={"max_connections": 4, "header_s": 30})
+
+
+class FloodingEngine(ScriptedEngine):
+    """Streams 64 MiB of events as fast as it may; records being aborted."""
+
+    async def completions(self, request):
+        from aiohttp import web
+        await request.read()
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        event = b"data: " + b"x" * 65530 + b"\n\n"
+        try:
+            for _ in range(1024):
+                await reply.write(event)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted += 1
+            raise
+        return reply
+
+
+def test_a_client_that_stops_reading_is_dropped_and_its_request_aborted():
+    """Slow read: a client that takes nothing for timeouts.idle_s (1 s here) is treated as gone; the engine's
+    request is aborted rather than held for the whole generation (bound 10 s)."""
+    async def main(url, engines, app):
+        body = json.dumps({"model": "m", "prompt": "ok x", "stream": True}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", app.port())
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)  # and never read the answer
+        await until(lambda: engines[0].aborted == 1, "the engine's request aborted", 10)
+        assert app.metrics.client_aborts.labels("e0")._value.get() == 1
+        writer.close()
+    run(main, n=1, engine_class=FloodingEngine)

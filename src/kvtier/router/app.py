@@ -443,7 +443,7 @@ class RouterApp:
                 tail = (tail + chunk)[-4096:]
                 whole, held = whole_events(held + chunk) if sse else (chunk, b"")
                 if whole:
-                    await reply.write(whole)
+                    await self._deliver(reply, whole)
                 try:
                     chunk = await asyncio.wait_for(upstream.content.readany(), self.config.timeouts.idle_s)
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -455,7 +455,7 @@ class RouterApp:
                     await reply.write(sse_error(f"engine {name} failed mid-stream ({cause})"))
                     return reply
             if held:
-                await reply.write(held)  # the stream ended cleanly: its last bytes as the engine sent them
+                await self._deliver(reply, held)  # a clean end: its last bytes as the engine sent them
             await reply.write_eof()
             outcome = "ok"
             self._compare(decision, tail)
@@ -477,6 +477,16 @@ class RouterApp:
             self.router.finished(name, flight, computed)
             if outcome != "failed":
                 self.metrics.requests.labels(name, decision.reason, outcome).inc()
+
+    async def _deliver(self, reply: web.StreamResponse, data: bytes) -> None:
+        """Write to a client that must take it within ``timeouts.idle_s``: one that stops reading (a slow-read
+        attack) would hold its engine's request for the whole generation. Raises ConnectionResetError then: the
+        client is treated as gone, the upstream request aborted."""
+        try:
+            async with asyncio.timeout(self.config.timeouts.idle_s):
+                await reply.write(data)
+        except TimeoutError:
+            raise ConnectionResetError(f"the client read nothing for {self.config.timeouts.idle_s} s") from None
 
     async def _open(self, name: str, path: str, raw: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
         assert self._session is not None
