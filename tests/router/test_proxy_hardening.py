@@ -195,6 +195,8 @@ def test_a_session_header_that_is_not_utf8_is_a_400_not_a_500():
         answer = await raw_request(app.port(), b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                                    b"X-Session-ID: s1\r\nContent-Type: application/json\r\n", body)
         assert answer.startswith(b"HTTP/1.1 200 ")
+        answer = await raw_request(app.port(), b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Foo: \xff\r\n")
+        assert answer.startswith(b"HTTP/1.1 400 ")  # not every engine skipped as if unhealthy (a 503)
     run(main, policy="session")
 
 

@@ -305,17 +305,21 @@ class RouterApp:
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
+        try:
+            headers = forwarded(request.headers, "")
+        except UnicodeEncodeError as exc:
+            return self._refuse(400, "a request header is not UTF-8", "bad_header", str(exc))
         for name in self.router.healthy():
             try:
                 timeout = aiohttp.ClientTimeout(total=self.config.timeouts.first_byte_s,
                                                 connect=self.config.timeouts.connect_s)
                 async with self._session.get(self.urls[name] + "/v1/models", timeout=timeout,
-                                             headers=forwarded(request.headers, ""), allow_redirects=False) as reply:
+                                             headers=headers, allow_redirects=False) as reply:
                     if 300 <= reply.status < 400:
                         continue  # a redirect is not passed on: its Location is the engine's business
                     return web.Response(status=reply.status, body=await reply.read(),
                                         content_type=reply.content_type)
-            except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeEncodeError):
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue
         return error_reply(503, "no engine is healthy", "no_healthy_engine")
 

@@ -58,8 +58,8 @@ class RouterMetrics:
         self.in_flight = Gauge("kvtier_router_in_flight", "Requests sent to an engine and not finished",
                                ["engine"], registry=r)
         self.refused = Counter("kvtier_router_refused_requests", "Requests the router answered itself without an "
-                               "engine, by reason (body_too_large, body_timeout, busy, bad_body, bad_header)", ["reason"],
-                               registry=r)
+                               "engine, by reason (body_too_large, body_timeout, busy, bad_body, bad_header)",
+                               ["reason"], registry=r)
         self.refused_connections = Counter("kvtier_router_refused_connections", "Connections closed as they were "
                                            "accepted, past limits.max_connections", ["listener"], registry=r)
         self.connections = Gauge("kvtier_router_connections", "Open connections, by listener", ["listener"],
