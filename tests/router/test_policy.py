@@ -277,7 +277,7 @@ def test_endpoints_the_router_cannot_connect_to_are_refused(endpoint, field):
     with pytest.raises(ConfigError, match="^" + re.escape(field)):
         load_router_config({"tokenizer": "/m", "engines": [{"name": "a", "url": "http://127.0.0.1:1", **endpoint}]})
     load_router_config({"tokenizer": "/m", "engines": [{"name": "a", "url": "http://127.0.0.1:1",
-                                                        "kv_events": "tcp://*:5557", "kv_events_bind": True}]})
+                                                        "kv_events": "tcp://127.0.0.1:5557", "kv_events_bind": True}]})
 
 
 def test_a_prompt_vllm_reads_nothing_of_from_its_cache_is_predicted_to_compute_every_token():

@@ -19,7 +19,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import aiohttp
 import zmq.asyncio
@@ -130,16 +130,18 @@ class RouterApp:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False,
             skip_auto_headers=("Accept-Encoding",))
         self._zmq = zmq.asyncio.Context()
+        self.index.max_engine_blocks = self.config.events.max_engine_blocks
         for engine in self.config.engines:
             if engine.kv_events is None:
                 continue
             name = engine.name
             feed = Feed(apply=lambda batch, name=name: self._apply(name, batch),
-                        clear=lambda name=name: self.index.clear(name, LOCAL_PLACES),
+                        clear=lambda name=name: self.index.clearing(name, LOCAL_PLACES),
                         on_gap=lambda missed, name=name: self.metrics.event_gaps.labels(name).inc(missed),
                         on_reset=lambda name=name: self.metrics.event_resets.labels(name, "sequence").inc())
             sub = Subscriber(self._zmq, name, engine.kv_events, engine.kv_events_replay, feed,
-                             bind=engine.kv_events_bind,
+                             bind=engine.kv_events_bind, limits=self.config.events,
+                             block_size=self.config.block_size,
                              on_batch=lambda batch, ignored, name=name: self._arrived(name, batch),
                              on_error=lambda kind, name=name: self.metrics.event_errors.labels(name, kind).inc(),
                              on_replay=lambda name=name: self.metrics.event_replays.labels(name).inc())
@@ -166,16 +168,19 @@ class RouterApp:
     def _arrived(self, engine: str, batch: Batch) -> None:
         self.metrics.event_lag.labels(engine).observe(max(0.0, time.time() - batch.ts))
 
-    def _apply(self, engine: str, batch: Batch) -> None:
+    def _apply(self, engine: str, batch: Batch) -> Iterator[None]:
+        """Apply a batch (or a piece of one: the feed splits large ones), yielding between slices of a clear."""
         for event in batch.events:
             if isinstance(event, Stored):
                 self.index.stored(engine, event)
             elif isinstance(event, Removed):
                 self.index.removed(engine, event)
             elif isinstance(event, Cleared):
-                self.index.clear(engine, (Place.ENGINE,))  # vLLM's own cache only: kvtier's places stay
+                # vLLM's own cache only: kvtier's places stay
+                yield from self.index.clearing(engine, (Place.ENGINE,))
                 self.metrics.event_resets.labels(engine, "all_blocks_cleared").inc()
-        self.metrics.event_batches.labels(engine).inc()
+        if not batch.part:
+            self.metrics.event_batches.labels(engine).inc()
         self.metrics.index_blocks.labels(engine).set(self.index.blocks(engine))
 
     # --- health and calibration -----------------------------------------------------------------------------

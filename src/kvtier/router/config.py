@@ -21,12 +21,14 @@ from collections.abc import Mapping
 from typing import Literal
 
 
-from kvtier.config import build_dataclass, check_otlp_endpoint, check_url_port, read_mapping
+from kvtier.config import build_dataclass, check_otlp_endpoint, check_url_port, read_mapping, shown
 from kvtier.errors import ConfigError
 
 Policy = Literal["cache_aware", "round_robin", "session"]
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _ZMQ = re.compile(r"(tcp|ipc|inproc)://.+")
+# What the router may bind an engine's events on: addresses only this host reaches (see EngineConfig.check)
+_LOCAL_BIND = re.compile(r"tcp://(127(\.\d{1,3}){3}|localhost|\[::1\]):\d{1,5}|(ipc|inproc)://.+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +58,20 @@ class EngineConfig:
         for name, binds in (("kv_events", self.kv_events_bind), ("kv_events_replay", False)):
             value = getattr(self, name)
             if value is not None and wildcard.match(value) and not binds:
-                hint = "" if name == "kv_events_replay" else ", or set kv_events_bind: true"
+                hint = "" if name == "kv_events_replay" else (", or for an engine on this host "
+                                                              "tcp://127.0.0.1:PORT with kv_events_bind: true")
                 raise ConfigError(f"{field}.{name}: {value!r} is an address to bind, not to connect to: give the "
                                   f"engine's host (tcp://HOST:PORT){hint}")
             if value is not None and value.startswith("tcp://") and not re.fullmatch(r"tcp://.+:\d{1,5}", value):
                 raise ConfigError(f"{field}.{name}: expected tcp://HOST:PORT, got {value!r}")
+        if self.kv_events_bind and self.kv_events is not None and not _LOCAL_BIND.fullmatch(self.kv_events):
+            # A bound socket takes events from whoever connects, and vLLM's publisher cannot authenticate (it has
+            # no CURVE keys): bound only where this host alone reaches it
+            raise ConfigError(f"{field}.kv_events: with kv_events_bind the router binds only a loopback address "
+                              f"(tcp://127.0.0.1:PORT, tcp://[::1]:PORT) or ipc://PATH, since anyone who reaches "
+                              f"a bound socket can publish on it; for an engine on another host let the engine "
+                              f"bind (its tcp://*:PORT) and give tcp://ENGINE_HOST:PORT here without "
+                              f"kv_events_bind, got {shown(field + '.kv_events', self.kv_events)}")
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ConfigError(f"{field}.kv_events_replay: set only with kv_events")
         if not 0 < self.weight <= 100:
@@ -104,6 +115,27 @@ class Limits:
 
 
 @dataclasses.dataclass(frozen=True)
+class EventLimits:
+    """What one engine's KV events (or whoever publishes in its place) can make the router hold or do (see
+    ``router/events.py`` and ``router/index.py``)."""
+
+    max_event_blocks: int = 16384  # block hashes in one BlockStored or BlockRemoved; a batch with more is refused
+    max_engine_blocks: int = 1_000_000  # distinct blocks credited to one engine (~0.7 KB each); past it the least
+    # recently stored go
+    max_message_bytes: int = 4 * 2**20  # one event message; a larger one is dropped (a gap, replayed)
+    queue: int = 512  # messages received and not yet read; more are dropped (a gap, replayed)
+    replay_s: float = 5.0  # a whole replay (all its rounds): live events wait meanwhile
+
+    def check(self, field: str) -> None:
+        for name, low, high in (("max_event_blocks", 1, 2**20), ("max_engine_blocks", 1, 10**9),
+                                ("max_message_bytes", 2**16, 2**31), ("queue", 1, 1_000_000)):
+            if not low <= getattr(self, name) <= high:
+                raise ConfigError(f"{field}.{name}: must be in [{low}, {high}], got {getattr(self, name)}")
+        if not 0.1 <= self.replay_s <= 60:
+            raise ConfigError(f"{field}.replay_s: must be in [0.1, 60] seconds, got {self.replay_s}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Costs:
     """Starting points of the cost model. Prefill speed is calibrated online per engine; load speeds are what
     kvtier moves per second from each place into an engine (``kvtier bench`` measures them on your hardware)."""
@@ -136,6 +168,7 @@ class RouterConfig:
     timeouts: Timeouts = Timeouts()
     costs: Costs = Costs()
     limits: Limits = Limits()
+    events: EventLimits = EventLimits()
     # host:port of a second listener serving /metrics and /health's per-engine detail (None: both on the
     # client listener, as before); see the README's security section
     admin_listen: str | None = None
@@ -172,6 +205,7 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
     timeouts = build_dataclass(Timeouts, raw.pop("timeouts", {}) or {}, "timeouts")
     costs = build_dataclass(Costs, raw.pop("costs", {}) or {}, "costs")
     limits = build_dataclass(Limits, raw.pop("limits", {}) or {}, "limits")
+    events = build_dataclass(EventLimits, raw.pop("events", {}) or {}, "events")
     raw.setdefault("tokenizer", None)
     if not isinstance(raw["tokenizer"], str) or not raw["tokenizer"]:
         raise ConfigError("tokenizer: required, the engines' model directory (its tokenizer and chat template)")
@@ -188,7 +222,7 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
         raise ConfigError(f"session_header: an HTTP header name, got {config.session_header!r}")
     _check_admin(config.admin_listen, config.engine_api_key)
     return RouterConfig(engines=engines, host=host.strip("[]"), port=int(port), timeouts=timeouts, costs=costs,
-                        limits=limits, **dataclasses.asdict(config))
+                        limits=limits, events=events, **dataclasses.asdict(config))
 
 
 def _check_admin(admin_listen: str | None, engine_api_key: str | None) -> None:
@@ -199,8 +233,6 @@ def _check_admin(admin_listen: str | None, engine_api_key: str | None) -> None:
     if engine_api_key is not None and not re.fullmatch(r"file:/.+|env:[A-Za-z_][A-Za-z0-9_]*", engine_api_key):
         raise ConfigError("engine_api_key: expected 'file:/absolute/path' or "
                           "'env:VARIABLE' (the key itself never goes in the config)")
-
-
 
 
 @dataclasses.dataclass(frozen=True)

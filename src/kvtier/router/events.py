@@ -9,20 +9,30 @@ item is the type. :func:`decode_batch` reads both into :class:`Stored`, :class:`
 replay socket (a ROUTER; the router talks to it with a DEALER, since a REQ socket takes one reply only) for what
 was missed, a sequence number that goes back means the engine restarted, and its entries are cleared.
 :class:`Subscriber` moves the frames between the sockets and the feed.
+
+Whoever can publish on an engine's sockets is trusted for what it says, not for how much: every message, event
+and replay is bounded (:class:`~kvtier.router.config.EventLimits`), and the feed applies what arrives in slices
+of at most ``slice_blocks`` blocks, the event loop serving requests between two slices.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
+
+from kvtier.router.config import EventLimits
+from kvtier.router.metrics import LogOnce
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +42,14 @@ END_SEQ = -1  # the replay socket's "no more batches" marker, as a signed 8-byte
 
 class EventError(ValueError):
     """A batch or event that does not have vLLM's KV-event shape."""
+
+    kind = "decode"  # how the subscriber counts it (kvtier_router_event_errors{kind})
+
+
+class EventTooLarge(EventError):
+    """A batch with an event or array past :class:`EventLimits` (refused before it is indexed)."""
+
+    kind = "too_large"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +92,7 @@ class Batch:
     ts: float
     events: tuple[Event, ...]
     dp_rank: int | None = None
+    part: int = 0  # a piece of a larger batch that the feed applies in pieces: 0 for its first (or the whole)
 
 
 # Field order of the array form (the struct's declaration order in vLLM); older engines send fewer trailing fields.
@@ -110,7 +129,15 @@ def _list(fields: dict, name: str) -> list:
     return list(value)
 
 
-def _event(raw: object) -> Event | None:
+def _hashes(fields: dict, max_blocks: int) -> tuple[BlockHash, ...]:
+    raw = _list(fields, "block_hashes")
+    if len(raw) > max_blocks:
+        raise EventTooLarge(f"{len(raw)} block hashes in one event, more than events.max_event_blocks "
+                            f"({max_blocks})")
+    return tuple(_hash(h) for h in raw)
+
+
+def _event(raw: object, max_blocks: int) -> Event | None:
     """One event, map or array form; None for a type this router does not use (counted by the caller)."""
     if isinstance(raw, dict):
         kind, fields = raw.get("type"), raw
@@ -123,7 +150,7 @@ def _event(raw: object) -> Event | None:
     else:
         raise EventError(f"an event must be a map with 'type' or an array starting with its type, got {raw!r:.80}")
     if kind == "BlockStored":
-        hashes = tuple(_hash(h) for h in _list(fields, "block_hashes"))
+        hashes = _hashes(fields, max_blocks)
         parent = fields.get("parent_block_hash")
         tokens = _list(fields, "token_ids")
         if not all(isinstance(t, int) and not isinstance(t, bool) and -2**63 <= t < 2**63 for t in tokens):
@@ -139,7 +166,7 @@ def _event(raw: object) -> Event | None:
                       group=_opt_int(fields, "group_idx"), locality=_opt_str(fields, "locality"),
                       ownership=_opt_str(fields, "ownership"))
     if kind == "BlockRemoved":
-        return Removed(hashes=tuple(_hash(h) for h in _list(fields, "block_hashes")),
+        return Removed(hashes=_hashes(fields, max_blocks),
                        medium=_opt_str(fields, "medium"), group=_opt_int(fields, "group_idx"),
                        locality=_opt_str(fields, "locality"), ownership=_opt_str(fields, "ownership"))
     if kind == "AllBlocksCleared":
@@ -147,13 +174,21 @@ def _event(raw: object) -> Event | None:
     return None
 
 
-def decode_batch(payload: bytes) -> tuple[Batch, int]:
+def decode_batch(payload: bytes, limits: EventLimits = EventLimits(), block_size: int = 16) -> tuple[Batch, int]:
     """A batch from its msgpack payload, and how many of its events were of a type the router ignores.
 
     Raises :class:`EventError` when the payload is not a batch; an event that is malformed fails the batch too,
-    since applying the rest out of context could credit blocks the engine does not hold."""
+    since applying the rest out of context could credit blocks the engine does not hold. An event (or any
+    array: token ids are ``block_size`` a block) larger than ``limits`` allows is :class:`EventTooLarge`, refused
+    by msgpack before it is built."""
+    longest = limits.max_event_blocks * max(1, block_size)
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, max_array_len=longest, max_map_len=4096)
+    except ValueError as exc:  # what msgpack raises for an array or map past the limits given
+        if "exceeds max_" in str(exc):
+            raise EventTooLarge(f"an array or map longer than {longest} ({limits.max_event_blocks} blocks of "
+                                f"{block_size} token ids, events.max_event_blocks)") from exc
+        raise EventError(f"not msgpack: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:  # msgpack raises several kinds (TypeError for an unhashable map key, ...)
         raise EventError(f"not msgpack: {type(exc).__name__}: {exc}") from exc
     if not isinstance(raw, (list, tuple)) or len(raw) not in (2, 3) or not isinstance(raw[1], (list, tuple)):
@@ -162,7 +197,7 @@ def decode_batch(payload: bytes) -> tuple[Batch, int]:
     if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         raise EventError(f"batch ts: expected a number, got {ts!r:.40}")
     try:
-        events = [_event(e) for e in raw[1]]
+        events = [_event(e, limits.max_event_blocks) for e in raw[1]]
     except EventError:
         raise
     except Exception as exc:  # e.g. an unhashable value where a hash belongs
@@ -173,31 +208,93 @@ def decode_batch(payload: bytes) -> tuple[Batch, int]:
         len(events) - len(kept)
 
 
+def _blocks(event: Event) -> int:
+    """What applying ``event`` costs, in blocks (a clear: one, its own slices aside)."""
+    return 1 if isinstance(event, Cleared) else max(1, len(event.hashes))
+
+
+def _split(event: Event, k: int) -> list[Event]:
+    """``event`` as events of at most ``k`` blocks, in order; each piece of a stored chain after the first names
+    the previous piece's last block as its parent, which the index has just learned."""
+    if isinstance(event, Cleared) or len(event.hashes) <= k:
+        return [event]
+    n = len(event.hashes)
+    if isinstance(event, Removed):
+        return [dataclasses.replace(event, hashes=event.hashes[i:i + k]) for i in range(0, n, k)]
+    if len(event.token_ids) % n:
+        return [event]  # not whole blocks: the index skips it whole, at no cost
+    bs = len(event.token_ids) // n
+    return [dataclasses.replace(event, hashes=event.hashes[i:i + k],
+                                parent=event.parent if i == 0 else event.hashes[i - 1],
+                                token_ids=event.token_ids[i * bs:(i + k) * bs],
+                                extra_keys=None if event.extra_keys is None else event.extra_keys[i:i + k])
+            for i in range(0, n, k)]
+
+
+def pieces(batch: Batch, k: int) -> list[Batch]:
+    """``batch`` as batches of at most ``k`` blocks each (``part`` 0, 1, ...), for the feed to apply one a slice."""
+    if sum(_blocks(e) for e in batch.events) <= k:
+        return [batch]
+    groups: list[list[Event]] = [[]]
+    size = 0
+    for event in batch.events:
+        for piece in _split(event, k):
+            if groups[-1] and size + _blocks(piece) > k:
+                groups.append([])
+                size = 0
+            groups[-1].append(piece)
+            size += _blocks(piece)
+    return [dataclasses.replace(batch, events=tuple(group), part=i) for i, group in enumerate(groups)]
+
+
+@dataclasses.dataclass
+class _Work:
+    """Work on the index, pending in order: a batch's piece to apply or a clear; ``steps`` once it began, its
+    remaining slices (a clear runs a slice at a time)."""
+
+    run: Callable[[], Iterable[None] | None]
+    blocks: int
+    steps: Iterator[None] | None = None
+
+
+SLICE_BLOCKS = 2048  # index work between two turns of the event loop (~20 ms at ~9 us a stored block)
+MAX_REPLAY = 16384  # batches one replay may bring (vLLM buffers 10,000 steps by default)
+
+
 class Feed:
     """One engine's batches, applied once each and in sequence order.
 
-    ``apply`` receives the batches in order; ``clear`` forgets what the engine was credited with. ``live`` returns
-    the sequence number to ask the replay socket for when batches are missing (None: go on), and the replay's
-    answer goes to ``replayed``. A hole that no replay can fill any more (the engine's buffer moved past it)
-    leaves the index unsure of what the engine holds: its entries are cleared and rebuilt from what follows.
+    ``apply`` receives the batches in order; ``clear`` forgets what the engine was credited with (either may
+    return an iterator of slices, run one per :meth:`drain`). ``live`` returns the sequence number to ask the
+    replay socket for when batches are missing (None: go on), and the replay's answer goes to ``replayed``. A
+    hole that no replay can fill any more (the engine's buffer moved past it) leaves the index unsure of what
+    the engine holds: its entries are cleared and rebuilt from what follows.
+
+    ``live`` and ``replayed`` only queue the work; :meth:`drain` does it, ``slice_blocks`` blocks at a time, so
+    that a large batch or replay never holds the event loop for long.
     """
 
-    def __init__(self, apply: Callable[[Batch], None], clear: Callable[[], None],
+    def __init__(self, apply: Callable[[Batch], Iterable[None] | None], clear: Callable[[], Iterable[None] | None],
                  on_gap: Callable[[int], None] = lambda missed: None,
-                 on_reset: Callable[[], None] = lambda: None) -> None:
+                 on_reset: Callable[[], None] = lambda: None, slice_blocks: int = SLICE_BLOCKS) -> None:
         self._apply = apply
         self._clear = clear
         self._on_gap = on_gap
         self._on_reset = on_reset
+        self.slice_blocks = slice_blocks
         self.next_seq: int | None = None  # the sequence number expected next; None: nothing applied yet
+        self.live_seq: int | None = None  # the last live batch's: no replay brings a batch past it
+        self._asked = 0  # where the replay out (or the last one) starts
         self._held: dict[int, Batch] = {}  # batches past a gap, waiting for the replay to fill it
         # What the last replay applied: the live socket may bring the same batches again. Kept by content, so a
         # restarted engine's new batch under an old number is not taken for a duplicate.
         self._recent: dict[int, Batch] = {}
+        self._pending: collections.deque[_Work] = collections.deque()
         self.replaying = False
         self.generation = 0  # bumped by reset: a replay asked before a reset answers a question no longer asked
 
     def live(self, seq: int, batch: Batch) -> int | None:
+        self.live_seq = seq
         if self.next_seq is None:
             # Joined a running engine (or it restarted): what came before is in its replay buffer.
             self._held[seq] = batch
@@ -205,7 +302,7 @@ class Feed:
         if seq >= self.next_seq:
             self._recent.clear()  # the live stream is past what the last replay brought
         if seq == self.next_seq and not self._held:
-            self._apply(batch)
+            self._queue(batch)
             self.next_seq += 1
             return None
         if seq >= self.next_seq:
@@ -216,50 +313,81 @@ class Feed:
         # The sequence went back with other content: a new engine process (numbers restart at 0).
         log.warning("engine's event sequence went back from %d to %d: it restarted; its entries are cleared",
                     self.next_seq, seq)
-        self.reset()
+        self._clear_later()
+        self._restart()
         self._held[seq] = batch
         return self.ask(0)
+
+    def arrived(self, seq: int) -> int:
+        """Note a live batch's number (decodable or not); how many numbers the live socket skipped before it."""
+        last, self.live_seq = self.live_seq, seq
+        return seq - last - 1 if last is not None and seq > last + 1 else 0
 
     def ask(self, start: int) -> int | None:
         """``start`` if no replay is out (the caller is to ask for one from there), else None."""
         if self.replaying:
             return None
         self.replaying = True
+        self._asked = start
         return start
 
-    def replay_start(self) -> int:
-        """Where a replay should start: the first batch not yet applied."""
-        return self.next_seq or 0
+    def wanted(self, seq: int) -> bool:
+        """Whether a replayed batch is one the replay was asked for: numbered from its start to the last live
+        batch (before any, at most :data:`MAX_REPLAY` on). Past it, a forged number would make every live batch
+        after it look like an engine's restart."""
+        high = self.live_seq if self.live_seq is not None else self._asked + MAX_REPLAY - 1
+        return self._asked <= seq <= high
 
     def replayed(self, batches: Sequence[tuple[int, Batch]]) -> None:
-        """The replay's answer, as complete as the engine could make it: applies it and the held batches that
-        follow on. A hole still left is lost for good: counted as a gap, and the engine's entries are rebuilt
-        from the batches after it."""
+        """The replay's answer, as complete as the engine could make it (batches it was not asked for are
+        ignored): queues it and the held batches that follow on. A hole still left is lost for good: counted as a
+        gap, and the engine's entries are rebuilt from the batches after it."""
         self.replaying = False
+        batches = [(seq, batch) for seq, batch in batches if self.wanted(seq)]
         for seq, batch in batches:
             self._held.setdefault(seq, batch)
         self._recent = dict(batches)
         if self.next_seq is None and self._held and min(self._held) > 0:
             # Joined late: the engine no longer holds its first batches, so it may hold blocks never announced.
             log.info("joined an engine's events at %d: what it announced before is unknown", min(self._held))
-        while self._held:
-            first = min(self._held)
-            if self.next_seq is not None and first < self.next_seq:
-                del self._held[first]  # already applied
-                continue
-            if self.next_seq is not None and first > self.next_seq:
+        held, self._held = self._held, {}
+        for seq in sorted(held):
+            if self.next_seq is not None and seq < self.next_seq:
+                continue  # already applied
+            if self.next_seq is not None and seq > self.next_seq:
                 log.warning("engine's events %d-%d are lost (no longer in its replay buffer): its entries are "
-                            "rebuilt from the events after them", self.next_seq, first - 1)
-                self._on_gap(first - self.next_seq)
-                self._clear()
+                            "rebuilt from the events after them", self.next_seq, seq - 1)
+                self._on_gap(seq - self.next_seq)
+                self._clear_later()
                 self._on_reset()
-            self._apply(self._held.pop(first))
-            self.next_seq = first + 1
+            self._queue(held[seq])
+            self.next_seq = seq + 1
 
-    def reset(self, counted: bool = True) -> None:
-        """Forget the engine's entries and where its stream was (engine restarted, died, or is unknown);
-        ``counted`` False when the caller counts the reset under a cause of its own."""
-        self._clear()
+    def drain(self) -> bool:
+        """Do one slice of the pending work: pieces of batches up to ``slice_blocks`` blocks, or one slice of a
+        clear. Whether work is left (the caller lets the event loop run, then calls again)."""
+        budget = self.slice_blocks
+        while self._pending and budget > 0:
+            work = self._pending[0]
+            if work.steps is None:
+                budget -= work.blocks
+                work.steps = iter(work.run() or ())
+            for _ in work.steps:
+                return True  # one slice of a clear done: the next call goes on with it
+            self._pending.popleft()
+        return bool(self._pending)
+
+    def _queue(self, batch: Batch) -> None:
+        for piece in pieces(batch, self.slice_blocks):
+            self._pending.append(_Work(functools.partial(self._apply, piece),
+                                       sum(_blocks(e) for e in piece.events)))
+
+    def _clear_later(self) -> None:
+        """Clear the engine's entries after the work queued so far (batches before a restart still come first:
+        what they put on a shared tier stays)."""
+        self._pending.append(_Work(self._clear, 1))
+
+    def _restart(self, counted: bool = True) -> None:
         if counted:
             self._on_reset()
         self.generation += 1
@@ -268,8 +396,37 @@ class Feed:
         self._recent.clear()
         self.replaying = False
 
+    def reset(self, counted: bool = True) -> None:
+        """Forget the engine's entries, at once, and where its stream was (engine restarted, died, or is
+        unknown); ``counted`` False when the caller counts the reset under a cause of its own."""
+        self._pending.clear()
+        for _ in self._clear() or ():
+            pass
+        self._restart(counted)
+
 
 _REPLAY_ROUNDS = 64  # an engine's replay socket drops what exceeds its send queue: ask again from the first hole
+
+
+def _first_hole(seqs: Iterable[int], low: int) -> int | None:
+    """The first number from ``low`` on missing before the largest of ``seqs`` (in the time of sorting them,
+    however far apart they are)."""
+    expected = low
+    for seq in sorted(s for s in seqs if s >= low):
+        if seq != expected:
+            return expected
+        expected += 1
+    return None
+
+
+class _Counts:
+    """The subscriber's ``on_error`` in the shape :class:`LogOnce` counts through (``labels(kind).inc()``)."""
+
+    def __init__(self, count: Callable[[str], None]) -> None:
+        self._count = count
+
+    def labels(self, kind: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(inc=functools.partial(self._count, kind))
 
 
 class Subscriber:
@@ -277,10 +434,15 @@ class Subscriber:
 
     Nothing an engine sends can stop it: a message that cannot be decoded or applied is counted and skipped
     (the sequence hole it leaves is replayed), and should the task fail anyway it starts again, rebuilding the
-    engine's entries from its replay buffer."""
+    engine's entries from its replay buffer. Each kind of fault is logged once and counted every time
+    (``on_error``). Nothing an engine sends can hold it long either: the live socket queues at most
+    ``limits.queue`` messages (ZMQ drops the rest; the gap is counted as ``dropped`` and replayed), a message
+    is at most ``limits.max_message_bytes``, a replay takes at most ``limits.replay_s`` and
+    :data:`MAX_REPLAY` batches, and the feed's work runs in slices.
+    """
 
     def __init__(self, ctx: zmq.asyncio.Context, name: str, endpoint: str, replay_endpoint: str | None,
-                 feed: Feed, *, bind: bool = False, replay_timeout_s: float = 2.0,
+                 feed: Feed, *, bind: bool = False, limits: EventLimits = EventLimits(), block_size: int = 16,
                  on_batch: Callable[[Batch, int], None] = lambda batch, ignored: None,
                  on_error: Callable[[str], None] = lambda reason: None,
                  on_replay: Callable[[], None] = lambda: None) -> None:
@@ -290,9 +452,10 @@ class Subscriber:
         self._replay_endpoint = replay_endpoint
         self.feed = feed
         self._bind = bind
-        self._replay_timeout_s = replay_timeout_s
+        self._limits = limits
+        self._block_size = block_size
         self._on_batch = on_batch
-        self._on_error = on_error
+        self._errors = LogOnce(_Counts(on_error), "kvtier_router_event_errors", log, logging.WARNING)
         self._on_replay = on_replay
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -307,7 +470,7 @@ class Subscriber:
             return
         log.error("engine %s: KV-event task failed (%r); restarting it in %.0f s, its entries rebuilt by replay",
                   self.name, task.exception(), self._restart_s)
-        self._on_error("task")
+        self._errors("task", "engine %s: KV-event task failed", self.name)
         self.feed.reset()
         asyncio.get_running_loop().call_later(self._restart_s, self._restart)
         self._restart_s = min(60.0, self._restart_s * 2)
@@ -327,21 +490,29 @@ class Subscriber:
 
     def _decode(self, payload: bytes) -> Batch | None:
         try:
-            batch, ignored = decode_batch(payload)
+            batch, ignored = decode_batch(payload, self._limits, self._block_size)
         except EventError as exc:
-            log.warning("engine %s: undecodable KV-event batch skipped: %s", self.name, exc)
-            self._on_error("decode")
+            self._errors(exc.kind, "engine %s: KV-event batch skipped: %s", self.name, str(exc))
             return None
         self._on_batch(batch, ignored)
         return batch
 
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        # ZMQ drops a larger message (and the connection that sent it): a gap, replayed
+        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
+        return sock
+
     async def _run(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
+        sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 0)  # queue what the loop has not read yet rather than drop it
+        # Bounded: while the loop is busy, ZMQ drops what exceeds the queue rather than let a publisher fill the
+        # router's memory; the sequence gap this leaves is counted and replayed.
+        sub.setsockopt(zmq.RCVHWM, self._limits.queue)
         try:
             (sub.bind if self._bind else sub.connect)(self._endpoint)
+            await self._settle()  # what a reset before a restart left
             # A router that starts beside running engines learns their caches from the replay buffers at once,
             # instead of waiting for their next batch.
             if self._replay_endpoint is not None:
@@ -350,40 +521,61 @@ class Subscriber:
                 frames = await sub.recv_multipart()
                 self._restart_s = 1.0  # reading again
                 if len(frames) != 3 or len(frames[1]) != 8:
-                    self._on_error("frames")
+                    self._errors("frames", "engine %s: a KV-event message of %d frames skipped (expected topic, "
+                                 "8-byte sequence number, payload)", self.name, len(frames))
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
+                missed = self.feed.arrived(seq)
+                if missed:
+                    self._errors("dropped", "engine %s: %d KV-event batches before %d never arrived (events.queue "
+                                 "full, or the engine's own queue): asking its replay socket", self.name, missed,
+                                 seq)
                 batch = self._decode(frames[2])
                 if batch is None:
                     continue  # its sequence number stays unapplied: the next batch shows a gap, and replay retries
-                try:
-                    start = self.feed.live(seq, batch)
-                except Exception:  # an index bug must not blind the router to this engine for good
-                    log.exception("engine %s: applying KV events failed; its entries are rebuilt", self.name)
-                    self._on_error("apply")
-                    self.feed.reset()
+                start = self.feed.live(seq, batch)
+                if not await self._settle():
                     start = self.feed.ask(0)
                 await self._replay(start)
         finally:
             sub.close(linger=0)
 
+    async def _settle(self) -> bool:
+        """Do the feed's pending work a slice at a time, the event loop serving requests in between; False if
+        it failed (the engine's entries are then cleared, to be rebuilt by a replay from 0)."""
+        try:
+            while self.feed.drain():
+                await asyncio.sleep(0)
+        except Exception as exc:  # an index bug must not blind the router to this engine for good
+            self._errors("apply", "engine %s: applying KV events failed (%r); its entries are rebuilt", self.name,
+                         exc)
+            self.feed.reset()
+            return False
+        return True
+
     async def _replay(self, start: int | None) -> None:
         """Fetch from ``start`` until the engine's answer is contiguous and ended (its socket drops what
-        exceeds its send queue), or stops bringing anything new; then hand it to the feed."""
+        exceeds its send queue), stops bringing anything new, or ``limits.replay_s`` is over; then hand it to
+        the feed and apply it."""
         if start is None:
             return
         got: dict[int, Batch] = {}
         ask = start
         generation = self.feed.generation
+        deadline = time.monotonic() + self._limits.replay_s
         for _ in range(_REPLAY_ROUNDS if self._replay_endpoint is not None else 0):
             self._on_replay()
-            batches, ended = await self._fetch(ask)
-            new = [seq for seq, _ in batches if seq not in got]
-            got.update((seq, b) for seq, b in batches if seq not in got)
-            if not new or (ask > start and ask not in got):
-                break  # nothing new, or the hole asked for is not coming (gone from the buffer, undecodable)
-            low = max(start, min(got))
-            hole = next((seq for seq in range(low, max(got) + 1) if seq not in got), None)
+            batches, ended = await self._fetch(ask, deadline)
+            wanted = [(seq, b) for seq, b in batches if self.feed.wanted(seq)]
+            if len(wanted) < len(batches):
+                self._errors("replay_range", "engine %s: %d replayed batches numbered outside %d-%s, the range "
+                             "asked for, were ignored", self.name, len(batches) - len(wanted), start,
+                             self.feed.live_seq)
+            new = [seq for seq, _ in wanted if seq not in got]
+            got.update((seq, b) for seq, b in wanted if seq not in got)
+            if not new or (ask > start and ask not in got) or len(got) >= MAX_REPLAY:
+                break  # nothing new, the hole asked for is not coming (gone, undecodable), or enough
+            hole = _first_hole(got, max(start, min(got)))
             if hole is None and ended:
                 break
             ask = hole if hole is not None else max(got) + 1
@@ -392,36 +584,37 @@ class Subscriber:
             return  # the feed was reset meanwhile: the next batch asks for everything again
         try:
             self.feed.replayed(sorted(got.items()))
-        except Exception:
-            log.exception("engine %s: applying replayed KV events failed; its entries are cleared", self.name)
-            self._on_error("apply")
+        except Exception as exc:
+            self._errors("apply", "engine %s: applying replayed KV events failed (%r); its entries are cleared",
+                         self.name, exc)
             self.feed.reset()
+            return
+        await self._settle()
 
-    async def _fetch(self, start: int) -> tuple[list[tuple[int, Batch]], bool]:
+    async def _fetch(self, start: int, deadline: float) -> tuple[list[tuple[int, Batch]], bool]:
         """The engine's buffered batches from ``start`` on, and whether its end marker came (else: what came
-        before the timeout)."""
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 0)
+        before the deadline, or the first :data:`MAX_REPLAY`)."""
+        dealer = self._socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVHWM, MAX_REPLAY + 1)
         got: list[tuple[int, Batch]] = []
         try:
             try:
                 dealer.connect(self._replay_endpoint)
             except zmq.ZMQError as exc:
-                log.warning("engine %s: cannot reach its replay socket %s: %s", self.name, self._replay_endpoint, exc)
-                self._on_error("replay_endpoint")
+                self._errors("replay_endpoint", "engine %s: cannot reach its replay socket %s: %s", self.name,
+                             self._replay_endpoint, exc)
                 return got, False
             await dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
-            deadline = time.monotonic() + self._replay_timeout_s
-            while True:
+            while len(got) < MAX_REPLAY:
                 left = deadline - time.monotonic()
                 if left <= 0 or not await dealer.poll(left * 1000):
-                    log.warning("engine %s: replay from %s: no end marker within %.1f s", self.name,
-                                self._replay_endpoint, self._replay_timeout_s)
+                    self._errors("replay_timeout", "engine %s: replay from %s: no end marker within events."
+                                 "replay_s (%.1f s)", self.name, self._replay_endpoint, self._limits.replay_s)
                     return got, False
                 frames = await dealer.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
-                    self._on_error("frames")
+                    self._errors("frames", "engine %s: a replay message of %d frames skipped (expected 4)",
+                                 self.name, len(frames))
                     return got, False
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_SEQ:
@@ -429,5 +622,6 @@ class Subscriber:
                 batch = self._decode(frames[3])
                 if batch is not None:
                     got.append((seq, batch))
+            return got, False
         finally:
             dealer.close(linger=0)
