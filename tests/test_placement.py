@@ -119,6 +119,37 @@ def test_a_default_rule_places_unsalted_requests_and_every_other_tenant(tmp_path
     assert files(tmp_path / "disk") == 3 and files(tmp_path / "shared") == 1
 
 
+def test_a_share_is_named_by_what_its_rule_matches_not_by_its_place(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule inserted above another (or a quota raised) keeps each tenant in its own share: the disk's share
+    ledgers outlive the config, and naming a share by its rule's position once made tenant B's puts evict tenant
+    A's files, A being within its own quota."""
+    from kvtier.tiers import _shares as tier_shares
+
+    monkeypatch.setattr(tier_shares, "RECENT_SECONDS", 0.0)  # any file of a share past its quota may go
+
+    def store(rules: list, quota: int) -> KVStore:
+        rules = [dict(rule, tiers=["disk"], quota={"disk": quota}) for rule in rules] + [{"tiers": ["disk"]}]
+        return KVStore.from_config(config(tmp_path, "disk", placement=rules))
+
+    with store([{"salt": "team-a"}], 2**30) as v1:
+        for i in range(4):
+            tokens = synthetic_tokens(60 + i, T)
+            v1.put(ns("team-a"), tokens, synthetic_kv(tokens))
+        v1.flush()
+        a_share = v1._placement.decide(ns("team-a")).share
+    size = next((tmp_path / "disk").rglob("*.kv")).stat().st_size
+    with store([{"salt": "team-b"}, {"salt": "team-a"}], 4 * size + size // 2) as v2:  # inserted above; quota cut
+        assert v2._placement.decide(ns("team-a")).share == a_share
+        assert v2._placement.decide(ns("team-b")).share != a_share
+        for i in range(4):
+            tokens = synthetic_tokens(70 + i, T)
+            v2.put(ns("team-b"), tokens, synthetic_kv(tokens))
+        v2.flush()
+        a_id, b_id = (v2.named(ns(s)).id for s in ("team-a", "team-b"))
+    assert files(tmp_path / "disk" / a_id) == 4 and files(tmp_path / "disk" / b_id) == 4
+
+
 class _Monitor:
     """Every command a Redis server receives while the block runs (MONITOR), read up to a marker sent at its end:
     nothing is missed and nothing is waited for by time."""

@@ -31,12 +31,16 @@ the rule matches counts against one share of that size in each tier named (a glo
 picks its salts, so a share per salt would cap nothing; give each tenant a rule of its own): DRAM, filesystem
 tiers (counted from the directory, over every process's writes), Redis tiers (counted in the server, over every
 engine's writes), S3 and Mooncake tiers (each engine counts from listings of the bucket or of the master's keys).
+A share is named by what its rule matches (a digest of the salt glob and namespace id: :attr:`PlacementRule.share`),
+not by the rule's position or quota: rules inserted above it, reordered or given another quota keep every share's
+KV in its own share (the tiers' ledgers outlive the config), and two rules that match alike are one share.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import hashlib
 import re
 import threading
 from collections import OrderedDict
@@ -67,11 +71,18 @@ class PlacementRule:
             return False
         return True
 
+    @property
+    def share(self) -> str:
+        """The name of the rule's share: a digest of what it matches (never its position or its quota)."""
+        selector = f"salt={self.salt!r} namespace={self.namespace!r}".encode("utf-8", "surrogatepass")
+        return "rule-" + hashlib.blake2b(selector, digest_size=8).hexdigest()
+
     def describe(self) -> str:
         who = " and ".join(part for part in (f"salt {self.salt!r}" if self.salt is not None else "",
                                              f"namespace {self.namespace}" if self.namespace else "") if part)
         who = who or "all other KV"
-        quota = f"; together at most {', '.join(f'{_human(n)} in {t}' for t, n in self.quota)}" if self.quota else ""
+        quota = (f"; together at most {', '.join(f'{_human(n)} in {t}' for t, n in self.quota)} (share "
+                 f"{self.share})") if self.quota else ""
         return f"{who}: {', '.join(('dram',) + self.tiers)}{quota}"
 
 
@@ -168,13 +179,13 @@ class Placement:
             if ns.id in self._decided:
                 self._decided.move_to_end(ns.id)
                 return self._decided[ns.id]
-        index, rule = next(((i, r) for i, r in enumerate(self.rules) if r.matches(ns)), (-1, None))
+        rule = next((r for r in self.rules if r.matches(ns)), None)
         if rule is None:
             decision = _ANYWHERE
         elif not rule.quota:
             decision = Decision(frozenset(rule.tiers))
         else:  # one share per rule, however many salts match it: clients choose salts, so a share per salt
-            decision = Decision(frozenset(rule.tiers), f"rule{index}", rule.quota)  # would be no cap at all
+            decision = Decision(frozenset(rule.tiers), rule.share, rule.quota)  # would be no cap at all
         with self._lock:
             self._decided[ns.id] = decision
             if len(self._decided) > _KEPT:
