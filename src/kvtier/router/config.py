@@ -18,7 +18,10 @@ import os
 import re
 import urllib.parse
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Literal
+
+import yaml
 
 
 from kvtier.config import build_dataclass, check_otlp_endpoint, check_url_port, read_mapping, shown
@@ -45,10 +48,15 @@ class EngineConfig:
     def check(self, field: str) -> None:
         if not _NAME.fullmatch(self.name):
             raise ConfigError(f"{field}.name: 1-64 letters, digits, '_', '.' or '-', got {self.name!r}")
-        parts = urllib.parse.urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"{field}.url: expected http://host:port or https://host:port, got {self.url!r}")
-        check_url_port(self.url, f"{field}.url")
+        try:
+            parts = urllib.parse.urlsplit(self.url)
+            hostname = parts.hostname
+        except ValueError:  # e.g. an unclosed [ of an IPv6 address: urllib's text would repeat the URL
+            parts, hostname = None, None
+        if parts is None or parts.scheme not in ("http", "https") or not hostname:
+            raise ConfigError(f"{field}.url: expected http://host:port or https://host:port, got "
+                              f"{shown(field + '.url', self.url)}")
+        check_url_port(self.url, f"{field}.url", shown(field + ".url", self.url).strip("'"))
         for name in ("kv_events", "kv_events_replay"):
             value = getattr(self, name)
             if value is not None and not _ZMQ.fullmatch(value):
@@ -86,8 +94,9 @@ class Timeouts:
 
     def check(self, field: str) -> None:
         for f in dataclasses.fields(self):
-            if not 0 < getattr(self, f.name) <= 86400:
-                raise ConfigError(f"{field}.{f.name}: must be in (0, 86400] seconds, got {getattr(self, f.name)}")
+            # below 0.1 s every engine times out (the timeouts are also the health check's)
+            if not 0.1 <= getattr(self, f.name) <= 86400:
+                raise ConfigError(f"{field}.{f.name}: must be in [0.1, 86400] seconds, got {getattr(self, f.name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,11 +198,12 @@ _TOP = {f.name for f in dataclasses.fields(RouterConfig)} - {"host", "port"} | {
 
 def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) -> RouterConfig:
     """Validate a mapping, or read a YAML file, into a :class:`RouterConfig`."""
-    raw = dict(read_mapping(source, "router config", sorted(_TOP)))
+    raw = dict(read_mapping(source if isinstance(source, Mapping) else read_yaml(source, "router config"),
+                            "router config", sorted(_TOP)))
     listen = raw.pop("listen", "127.0.0.1:8000")
     host, sep, port = str(listen).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"listen: expected host:port with a port in 1-65535, got {listen!r}")
+    if not sep or not host or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"listen: expected host:port with a port in 1-65535, got {shown('listen', listen)}")
     engines_raw = raw.pop("engines", None)
     if not isinstance(engines_raw, list) or not engines_raw:
         raise ConfigError("engines: required, a list of engines (name, url, kv_events, kv_events_replay)")
@@ -214,15 +224,48 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
         raise ConfigError(f"block_size: must be the engines' --block-size, in [1, 4096], got {config.block_size}")
     if not 0 <= config.retries <= 16:
         raise ConfigError(f"retries: must be in [0, 16], got {config.retries}")
-    for name in ("health_interval_s", "metrics_interval_s", "reserve_s"):
-        if not 0 < getattr(config, name) <= 3600:
-            raise ConfigError(f"{name}: must be in (0, 3600] seconds, got {getattr(config, name)}")
+    # Lower bounds a working fleet needs: a health check's timeout is twice its interval (an engine answering
+    # /health in under 1 s is healthy), and a reservation shorter than 10 ms covers no request
+    for name, low in (("health_interval_s", 0.5), ("metrics_interval_s", 0.5), ("reserve_s", 0.01)):
+        if not low <= getattr(config, name) <= 3600:
+            raise ConfigError(f"{name}: must be in [{low}, 3600] seconds, got {getattr(config, name)}")
     check_otlp_endpoint(config.otlp_traces_endpoint, "otlp_traces_endpoint")
     if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", config.session_header):
         raise ConfigError(f"session_header: an HTTP header name, got {config.session_header!r}")
     _check_admin(config.admin_listen, config.engine_api_key)
     return RouterConfig(engines=engines, host=host.strip("[]"), port=int(port), timeouts=timeouts, costs=costs,
                         limits=limits, events=events, **dataclasses.asdict(config))
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without aliases (``*name``): an alias stands for its anchor's whole value, so a few lines can stand for
+    billions of values (the "billion laughs"), and an error message quoting one would never end."""
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "YAML aliases (*name) are not accepted: write the "
+                                              "value out", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+def read_yaml(path: str | os.PathLike[str], what: str) -> object:
+    """A YAML file's document, without aliases; a syntax error says where (line, column), never the text
+    there, which may hold a secret (a URL's password, a token)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {what} file {path}: {exc}") from exc
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader) or {}
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        # PyYAML's own words, but what they quote of the text (a token, a tag) goes
+        problem = re.sub(r"'[^']{3,}'|\"[^\"]{3,}\"", "'...'", exc.problem or "")
+        raise ConfigError(f"{what} file {path} is not valid YAML{where}: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} file {path} is not valid YAML ({type(exc).__name__})") from None
 
 
 def _check_admin(admin_listen: str | None, engine_api_key: str | None) -> None:
