@@ -139,9 +139,9 @@ def test_a_redis_listing_gives_the_time_since_last_use(redis_server, unique_pref
 
 @pytest.mark.parametrize("how", ["promoted", "put"])
 def test_dram_serves_no_shard_past_its_tiers_ttl(how: str, tmp_path: Path) -> None:
-    """A DRAM entry expires with the object it came from (its write time plus the shortest ttl_seconds of its
-    tiers): a shard promoted a second before its tier's TTL, or put into a store whose tier keeps it a second,
-    is a miss from then on, in DRAM as on the tier."""
+    """A DRAM entry expires with the object it came from (its write time plus the ttl_seconds of its tier): a
+    shard promoted a second before its tier's TTL, or put into a store whose tier keeps it a second, is a miss
+    from then on, in DRAM as on the tier."""
     tokens = synthetic_tokens(7, T)
     kv = synthetic_kv(tokens)
     ttl = 3600.0 if how == "promoted" else 1.0
@@ -162,3 +162,43 @@ def test_dram_serves_no_shard_past_its_tiers_ttl(how: str, tmp_path: Path) -> No
         time.sleep(max(0.0, created + ttl - time.time()) + 0.05)
         assert store.get(NS, tokens) is None
         assert len(store.dram) == 0
+
+
+def two_tiers(tmp_path: Path, front_ttl: float | None, back_ttl: float | None) -> dict:
+    tiers = [{"type": "filesystem", "name": name, "path": str(tmp_path / name), "ttl_seconds": ttl}
+             for name, ttl in (("front", front_ttl), ("back", back_ttl))]
+    return {"chunk_tokens": T, "dram": {"capacity_bytes": "8MiB", "page_bytes": "16KiB"}, "tiers": tiers}
+
+
+def test_a_shard_promoted_from_a_tier_without_ttl_stays_in_dram_and_skips_a_front_tier_past_its_ttl(
+        tmp_path: Path) -> None:
+    """A promoted entry expires with its source tier (the back one keeps it for good here), not with the shortest
+    TTL of all tiers: it was once expired on arrival, so every get read the back tier again, promoted it again and
+    rewrote it to the front tier, which its age already put past that tier's TTL."""
+    tokens = synthetic_tokens(8, T)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(two_tiers(tmp_path, 5, None)) as store:
+        heads = rank_heads(kv.shape[2], 0, 1)
+        key = ShardKey(store.named(NS).id, chunk_keys(store.named(NS), tokens, T)[0].hex(), heads)
+        meta = frame.ShardMeta(kv.shape[0], T, kv.shape[4], kv.dtype, heads)
+        payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
+        store.tiers[1].put(key, [frame.encode_header(key, meta, [payload], created=time.time() - 10) + payload])
+        for _ in range(4):
+            assert torch.equal(store.get(NS, tokens), kv)
+            store.flush()
+        stats = store.stats()
+        assert stats["back"]["promotions_total"] == 1  # then DRAM hits
+        assert stats["front"].get("written_bytes_total", 0) == 0 and not store.tiers[0].exists(key)
+
+
+@pytest.mark.parametrize("front_ttl, back_ttl, lasts", [(1, None, None), (5, 3600, 3600)])
+def test_a_put_stays_in_dram_as_long_as_the_longest_ttl_of_its_tiers(tmp_path: Path, front_ttl: float,
+                                                                    back_ttl: float | None,
+                                                                    lasts: float | None) -> None:
+    """Its KV is lawfully kept on some tier until the longest TTL of those it reaches (for good if one has none)."""
+    tokens = synthetic_tokens(9, T)
+    with KVStore.from_config(two_tiers(tmp_path, front_ttl, back_ttl)) as store:
+        before = time.time()
+        store.put(NS, tokens, synthetic_kv(tokens))
+        (entry,) = store.dram._by_key.values()
+        assert entry.expires == lasts if lasts is None else before + lasts <= entry.expires <= time.time() + lasts

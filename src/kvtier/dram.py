@@ -7,7 +7,7 @@ lock, then :meth:`DramPool.commit` makes it visible (or :meth:`DramPool.abort` f
 (being written, read or cascaded) are never evicted.
 
 An entry may carry an owner (the key id of the tenant key it was stored under, :mod:`kvtier.sealing`) and an
-expiry (its tiers' ``ttl_seconds`` from when it was written): a read names the owner it may be served under, and
+expiry (from its tiers' ``ttl_seconds``: see :mod:`kvtier.store`): a read names the owner it may be served under, and
 an entry of another owner, or past its expiry, is never served: it is discarded when found.
 """
 

@@ -4,6 +4,12 @@ Runs in the caller's process. ``put`` copies whole chunks into the DRAM pool and
 (:mod:`kvtier.cascade`) carry them to every secondary tier. ``lookup`` and ``get`` see DRAM first, then each
 secondary tier in configured order; a shard read from a secondary tier is verified (:mod:`kvtier.frame`),
 promoted into DRAM and copied out. A missing, unreadable or corrupt shard is a miss, never wrong data.
+
+Retention in DRAM (``ttl_seconds`` of the tiers): a DRAM entry is served until its KV would expire where it is
+lawfully kept. A put's entry expires at its write time plus the longest TTL of the tiers the namespace may reach
+(never when one of them has none, or when it reaches none: DRAM only). A promoted entry expires at the shard's
+write time plus the TTL of the tier it was read from (never if that tier has none), and is cascaded only to the
+front tiers whose TTL its age is still within.
 """
 
 from __future__ import annotations
@@ -293,7 +299,7 @@ class KVStore:
             raise
         self._dram_written.inc(meta.nbytes * len(reserved))
         writers = self._writers_for(decision.allowed, self._writers, len(reserved))
-        expires = self._expiry(decision.allowed, time.time())
+        expires = self._put_expiry(decision.allowed, time.time())
         for _, entry in reserved:  # phase 2: the bytes are in DRAM; make them visible and cascade them
             entry.expires = expires
             self.dram.commit(entry, keep_refs=len(writers))
@@ -301,6 +307,7 @@ class KVStore:
                 writer.submit(entry)
         if tenant is not None and reserved and not self._sealer.current(tenant):  # type: ignore[union-attr]
             self.dram.discard_owned({tenant.key_id})  # forgotten while this put ran: what it committed goes too
+            held = 0  # and the caller is told nothing was stored
         self.metrics.put_seconds.observe(time.perf_counter() - start)
         return min(offset + held * t, len(tokens))
 
@@ -999,9 +1006,12 @@ class KVStore:
         front of ``tier``. False, the entry discarded, when the read's tenant was found forgotten since the read
         began: the shard was decrypted before this process noticed, and the keyring watch's DRAM purge may have
         run before this commit (checked after it, the watch marking before it purges: one of the two drops it)."""
-        front = self._writers_for(read.allowed, self._writers[:self.tiers.index(tier)], 1)
+        # Not to a front tier the shard's age already puts past its TTL: it would refuse it on the next read.
+        front = [w for w in self._writers_for(read.allowed, self._writers[:self.tiers.index(tier)], 1)
+                 if self._within_ttl(w.tier.name, created)]
         entry.created = created  # copied into the front tiers, it keeps its age (and TTL)
-        entry.expires = self._expiry(read.allowed, created, tier.name)
+        ttl = self._ttl[tier.name]  # served as long as the tier it came from would serve it
+        entry.expires = None if ttl is None else created + ttl
         self.dram.commit(entry, keep_refs=1 + len(front))
         read.pinned.append(entry)
         if not self._servable(read):
@@ -1206,13 +1216,17 @@ class KVStore:
         dropped = self.dram.discard_owned(owners)
         log.info("dropped %d DRAM entries of %d forgotten tenants", dropped, len(owners))
 
-    def _expiry(self, allowed: frozenset[str] | None, created: float, source: str | None = None) -> float | None:
-        """When a DRAM entry written at ``created`` stops being served: the shortest ``ttl_seconds`` of the tiers
-        its KV may reach (``allowed``, None: all) and of the one it came from (``source``), as they would; None
-        without one."""
-        ttls = [ttl for name, ttl in self._ttl.items()
-                if ttl is not None and (allowed is None or name in allowed or name == source)]
-        return created + min(ttls) if ttls else None
+    def _put_expiry(self, allowed: frozenset[str] | None, created: float) -> float | None:
+        """When a DRAM entry put at ``created`` stops being served: after the longest ``ttl_seconds`` of the tiers
+        its KV may reach (``allowed``, None: all), as its KV is lawfully kept on one of them until then; never
+        when one of them has no TTL, or when it reaches no secondary tier (DRAM only: nothing else keeps it)."""
+        ttls = [ttl for name, ttl in self._ttl.items() if allowed is None or name in allowed]
+        return None if not ttls or None in ttls else created + max(ttls)  # type: ignore[type-var]
+
+    def _within_ttl(self, tier: str, created: float) -> bool:
+        """Whether a shard written at ``created`` is still within ``tier``'s ``ttl_seconds`` (none: always)."""
+        ttl = self._ttl[tier]
+        return ttl is None or time.time() - created <= ttl
 
     def drop_dram(self) -> int:
         """Evict every DRAM entry not in use (later reads come from secondary tiers)."""
