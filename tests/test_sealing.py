@@ -19,7 +19,7 @@ import yaml
 from kvtier import KVStore, Namespace, frame
 from kvtier.cli import main
 from kvtier.config import load_config
-from kvtier.errors import ConfigError, TierError
+from kvtier.errors import ConfigError, KVTierError, TierError
 from kvtier.keys import ShardKey, chunk_keys
 from kvtier.sealing import KeyProvider, Keyring, Sealer, write_key_file
 from kvtier.testing import synthetic_kv, synthetic_tokens
@@ -447,8 +447,9 @@ def test_a_tenant_forgotten_while_a_put_runs_leaves_nothing_in_dram(tmp_path: Pa
             dst.copy_(kv[:, :, :, first * T:(first + dst.shape[0]) * T].unflatten(3, (dst.shape[0], T))
                       .permute(3, 0, 1, 2, 4, 5))
 
-        store.put_from(ns("r"), tokens, source, layers=kv.shape[0], head_dim=kv.shape[4], dtype=kv.dtype,
-                       kv_heads=kv.shape[2])
+        stored = store.put_from(ns("r"), tokens, source, layers=kv.shape[0], head_dim=kv.shape[4], dtype=kv.dtype,
+                                kv_heads=kv.shape[2])
+        assert stored == 0  # what it stored was dropped: it says so (the caller must not count it as stored)
         store.flush()
         assert store.get(ns("r"), tokens) is None
         assert not objects(tmp_path)  # and nothing was written under the destroyed key
@@ -679,3 +680,32 @@ def test_an_unreadable_secret_fails_closed_for_its_tenant_only(tmp_path: Path,
         monkeypatch.undo()
         store.put(ns("eio"), tokens, kv)  # (what the tiers hold is taken as absent for a while: unopened)
         assert torch.equal(store.get(ns("eio"), tokens), kv)
+
+
+@pytest.mark.parametrize("fault", ["secret missing", "short read", "keyring unmounted"])
+def test_a_secret_missing_at_one_tick_and_back_unchanged_serves_its_tenant_again(tmp_path: Path, fault: str,
+                                                                                 monkeypatch: pytest.MonkeyPatch
+                                                                                 ) -> None:
+    """One watch tick that finds no secret (a keyring remount, a short read) must not disable the tenant for good:
+    the secret read again, unchanged, is the same tenant (a real forget always makes a new secret), so its puts
+    and reads are served again, from DRAM and from the tier."""
+    tokens = synthetic_tokens(31, 2 * T)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(config(tmp_path, refresh=3600)) as store:  # no tick but ours
+        store.put(ns("acme"), tokens, kv)
+        store.flush()
+        if fault == "secret missing":
+            monkeypatch.setattr(Keyring, "secret", lambda self, tenant, create: None)
+        elif fault == "short read":
+            def short(self, tenant, create):  # noqa: ANN001, ANN202
+                raise KVTierError(f"keyring: {tenant} holds 7 bytes, not a 32-byte secret")
+            monkeypatch.setattr(Keyring, "secret", short)
+        else:
+            monkeypatch.setattr(Keyring, "_read", lambda self, name: None)  # every file gone, the pepper too
+        store._sealer.check_forgotten()
+        monkeypatch.undo()
+        assert store.put(ns("acme"), tokens, kv) == 2 * T
+        assert torch.equal(store.get(ns("acme"), tokens), kv)
+        assert torch.equal(cold(store).get(ns("acme"), tokens), kv)
+        if fault != "secret missing":  # the keyring could not say: counted, and no DRAM purge
+            assert store.stats()["_store"]["keyring_errors_total"] == 1

@@ -238,6 +238,12 @@ class Keyring:
         tenant state to read before a lookup can name its chunks."""
         return hashlib.blake2b(b"kvtier object names v1", key=self._pepper, digest_size=32).digest()
 
+    def intact(self) -> bool:
+        """Whether the pepper this keyring was opened with is still there (not: the directory being remounted, or
+        another keyring mounted in its place)."""
+        pepper = self._read("pepper")
+        return pepper is not None and hmac.compare_digest(pepper, self._pepper)
+
     def secret(self, tenant: str, create: bool) -> bytes | None:
         """The tenant's secret; created when missing and ``create``, else None."""
         return self._create_or_read(tenant) if create else self._read(tenant)
@@ -404,7 +410,7 @@ class Sealer:
     namespaces of the tenants it has seen. Thread-safe."""
 
     def __init__(self, config: EncryptionConfig, on_forgotten: Callable[[set[bytes]], None] | None = None,
-                 create: bool = True, on_unreadable: Callable[[OSError], None] | None = None) -> None:
+                 create: bool = True, on_unreadable: Callable[[Exception], None] | None = None) -> None:
         """``on_forgotten`` gets the key ids (:attr:`Tenant.key_id`) of the tenants the watch found forgotten;
         ``on_unreadable`` each error reading a secret there (to count). ``create=False``: for a command, which must
         not make a keyring (or a tenant) where none is."""
@@ -418,7 +424,10 @@ class Sealer:
         self._lock = threading.Lock()
         self._tenants: OrderedDict[str, Tenant] = OrderedDict()
         self._by_ns: OrderedDict[str, Tenant] = OrderedDict()
-        self._forgotten: set[bytes] = set()  # key ids the watch found forgotten (one per forget: few)
+        # Key ids the watch found forgotten (one per forget: few), each with the serial of its mark: a secret read
+        # again after the mark, unchanged, clears it (see _attach).
+        self._forgotten: dict[bytes, int] = {}
+        self._marks = 0
         self._scratch = threading.local()
         self._closed = threading.Event()
         self._watch_failed = False
@@ -448,6 +457,7 @@ class Sealer:
     def _attach(self, tid: str, namespace: str, create: bool, record: bool = True) -> Tenant | None:
         with self._lock:
             tenant = self._tenants.get(tid)
+            marks = self._marks
         if tenant is None:
             secret = self.keyring.secret(tid, create)
             if secret is None:
@@ -455,6 +465,12 @@ class Sealer:
             keys = [tenant_key(m, secret, tid) for m in self._masters]
             made = Tenant(tid, secret, [(key_id(k), k) for k in keys])
             with self._lock:
+                if self._forgotten.get(made.key_id, marks + 1) <= marks:
+                    # Marked before this read began, and the secret is there unchanged: the tick that marked it
+                    # saw it missing for a moment (a remount). A forget always makes a new secret, so a key id
+                    # forgotten for real never reads again; one read from before a mark is not cleared by it.
+                    del self._forgotten[made.key_id]
+                    log.info("keyring: tenant %s is back with its secret unchanged; served again", tid)
                 tenant = self._tenants.setdefault(tid, made)
                 while len(self._tenants) > _KEPT_TENANTS:  # attached again on next use
                     self._tenants.popitem(last=False)
@@ -506,17 +522,19 @@ class Sealer:
 
     def check_forgotten(self) -> set[bytes]:
         """Drop the keys of forgotten tenants now; their key ids (also given to ``on_forgotten``). A secret that
-        cannot be read (EIO, ESTALE) fails closed for its tenant alone: its keys are dropped from the cache, so
-        each read asks the keyring again (and serves nothing while it fails), and the check goes on."""
+        cannot be read (EIO, ESTALE, a short read), or missing from a keyring whose pepper is missing too (being
+        remounted), fails closed for its tenant alone: its keys are dropped from the cache, so each read asks the
+        keyring again (and serves nothing while it fails), and the check goes on. A secret missing from an intact
+        keyring is a forget; should it come back unchanged, :meth:`_attach` serves the tenant again."""
         with self._lock:
             tenants = list(self._tenants.values())
         gone: set[bytes] = set()
         for tenant in tenants:
             try:
                 secret = self.keyring.secret(tenant.id, create=False)
-            except KVTierError:
-                secret = None  # not a secret any more: as good as gone
-            except OSError as exc:
+                if secret is None and not self.keyring.intact():
+                    raise KVTierError(f"keyring {self.keyring.path}: its pepper is missing or changed (unmounted?)")
+            except (OSError, KVTierError) as exc:
                 with self._lock:
                     self._uncache_locked(tenant)
                 if self._on_unreadable is not None:
@@ -525,7 +543,8 @@ class Sealer:
             if secret is not None and hmac.compare_digest(secret, tenant.secret):
                 continue
             with self._lock:
-                self._forgotten.add(tenant.key_id)  # before the purge below: see current()
+                self._marks += 1
+                self._forgotten[tenant.key_id] = self._marks  # before the purge below: see current()
                 self._uncache_locked(tenant)
             gone.add(tenant.key_id)
             log.info("keyring: tenant %s was forgotten; its keys and DRAM entries are dropped", tenant.id)
