@@ -7,15 +7,19 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import socket
+import stat
 import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
+import kvtier.audit
 from kvtier import KVStore
 from kvtier.audit import AuditLog, Verdict, verify
 from kvtier.cli import main
+from kvtier.errors import ConfigError
 from kvtier.testing import synthetic_kv, synthetic_tokens
 from tests.conftest import NS, store_config
 
@@ -214,11 +218,21 @@ def test_a_fifo_or_link_in_place_of_the_log_or_head_fails_at_once(tmp_path: Path
     config = purged(tmp_path, audit)
     head = Path(f"{audit}.head")
     check = lambda: main(["cache", "audit", "--config", str(config)])  # noqa: E731
+    purge = lambda: main(["cache", "purge", "--config", str(config), "--all"])  # noqa: E731
+    saved = head.read_bytes()
+    stored = len(list((tmp_path / "fs").rglob("*.kv")))
     head.unlink()
     os.mkfifo(head, 0o600)
     assert _bounded(check, head, os.O_WRONLY) == 1
     assert f"{head} is not a regular file" in capsys.readouterr().out
-    assert main(["cache", "purge", "--config", str(config), "--all"]) == 0  # the FIFO is replaced, not opened
+    # not opened, and not replaced either: a head rebuilt over it would bless whatever the log's end now holds
+    assert _bounded(purge, head, os.O_WRONLY) == 2
+    assert "log and head disagree" in (err := capsys.readouterr().err) and "nothing was removed" in err
+    assert len(list((tmp_path / "fs").rglob("*.kv"))) == stored and stat.S_ISFIFO(head.lstat().st_mode)
+    head.unlink()
+    head.write_bytes(saved)
+    head.chmod(0o600)
+    assert purge() == 0
     assert check() == 0
     assert "5 records, chain intact" in capsys.readouterr().out
     head.unlink()
@@ -291,3 +305,99 @@ def test_a_head_past_the_log_is_tampering(tmp_path: Path, capsys: pytest.Capture
     head.unlink()  # both gone, in a directory only this user may write: nothing was ever recorded
     assert main(["cache", "audit", "--config", str(config)]) == 0
     assert "no records yet" in capsys.readouterr().out
+
+
+def _log_of(tmp_path: Path, records: int) -> tuple[AuditLog, Path]:
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    for i in range(records):
+        log.record("purge", tier="t", objects=i, bytes=0)
+    return log, path
+
+
+def test_no_record_rebuilds_the_head_over_a_cut_or_removed_end(tmp_path: Path) -> None:
+    log, path = _log_of(tmp_path, 3)
+    whole = path.read_bytes()
+    last = whole[:-1].rfind(b"\n") + 1
+    # the final newline cut: the last record looks like a crash's unfinished line, but the head counts it
+    for cut in (whole[:-1], whole[:last]):  # and the whole last record removed, at a line boundary
+        path.write_bytes(cut)
+        assert verify(path).broken is not None
+        with pytest.raises(ConfigError, match="log and head disagree.*kvtier cache audit"):
+            log.record("purge", tier="t", objects=9, bytes=0)
+        with pytest.raises(ConfigError, match="log and head disagree"):
+            AuditLog(path)  # a purge is refused before it removes anything
+        assert path.read_bytes() == cut
+        assert verify(path).broken is not None
+    # and no "the next record cuts it" when the unfinished line follows a record the head does not count
+    path.write_bytes(whole[:-1])
+    assert verify(path).notes == (f"an unfinished last line of {len(whole) - 1 - last} bytes after record 2",)
+    head = Path(f"{path}.head")
+    path.write_bytes(whole)
+    head.unlink()  # a missing head is no licence either
+    with pytest.raises(ConfigError, match="its head .* is missing"):
+        log.record("purge", tier="t", objects=9, bytes=0)
+
+
+def test_a_head_that_trails_by_one_is_counted_up_before_the_next_append(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    log, path = _log_of(tmp_path, 2)
+    head = Path(f"{path}.head")
+    behind = head.read_bytes()
+    log.record("purge", tier="t", objects=2, bytes=0)
+    head.write_bytes(behind)  # a crash between the append and the head's update
+    # and then the process killed in the middle of the next append: the head must already count record 3
+    real = kvtier.audit._write_all
+
+    def killed_mid_append(fd: int, data: bytes) -> None:
+        if os.path.samestat(os.fstat(fd), path.stat()):
+            real(fd, data[:len(data) // 2])
+            raise KeyboardInterrupt  # not an OSError: nothing takes the half line back
+        real(fd, data)
+
+    monkeypatch.setattr(kvtier.audit, "_write_all", killed_mid_append)
+    with pytest.raises(KeyboardInterrupt):
+        log.record("purge", tier="t", objects=3, bytes=0)
+    monkeypatch.undo()
+    verdict = verify(path)
+    assert (verdict.records, verdict.broken) == (3, None) and "the next record cuts it" in verdict.notes[0]
+    assert "torn_tail_cut" in log.record("purge", tier="t", objects=4, bytes=0)
+    assert verify(path) == Verdict(4)
+
+
+def test_a_record_that_fails_leaves_no_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log, path = _log_of(tmp_path, 1)
+    stale = tmp_path / "audit.jsonl.head.0123456789abcdef.tmp"
+    stale.mkdir()  # at a name the stale-temp cleanup matches: left, and in nobody's way
+    log.record("purge", tier="t", objects=1, bytes=0)
+    assert verify(path) == Verdict(2) and stale.is_dir()
+    before = path.read_bytes()
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("kvtier.audit._write_head", full)
+    with pytest.raises(ConfigError, match="No space left"):
+        log.record("purge", tier="t", objects=2, bytes=0)
+    assert path.read_bytes() == before
+    monkeypatch.undo()
+    log.record("purge", tier="t", objects=3, bytes=0)
+    assert verify(path) == Verdict(3)
+
+
+def test_a_socket_in_place_of_the_log_or_head_is_not_a_regular_file(tmp_path: Path) -> None:
+    log, path = _log_of(tmp_path, 1)
+    head = Path(f"{path}.head")
+    for where in (head, path):
+        saved = where.read_bytes()
+        where.unlink()
+        with socket.socket(socket.AF_UNIX) as bound:
+            bound.bind(str(where))  # opening it gives ENXIO, not ELOOP
+            assert verify(path).broken == f"{where} is not a regular file"
+            with pytest.raises(ConfigError, match="not a regular file"):
+                log.record("purge", tier="t", objects=1, bytes=0)
+            assert stat.S_ISSOCK(where.lstat().st_mode)  # not replaced
+        where.unlink()
+        where.write_bytes(saved)
+        where.chmod(0o600)
+    assert verify(path) == Verdict(1)

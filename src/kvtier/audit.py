@@ -10,10 +10,15 @@ appending at once keep the chain whole; each line is written whole and ``fsync``
 Who can write the log's directory can delete the log and its head or put a forged pair in their place, so a
 directory another user may write (group or other write, or another owner than this uid or root) is refused, by
 writers and by :func:`verify` alike, and so are a log or head another user owns or may write. Nothing that is
-not a regular file is opened for reading or writing (a FIFO would block, a link would lead elsewhere). A crash
-mid-append leaves an unfinished last line: :func:`verify` reports it, and the next record cuts it (saying how many
-bytes it cut) and keeps the chain. Whoever can rewrite both files can rebuild a consistent chain: ship the log
-off the host for that.
+not a regular file is opened for reading or writing (a FIFO would block, a link would lead elsewhere).
+
+A writer appends only when the head counts the log's whole records, or trails them by one (a crash between an
+append and the head's update); it brings the head up to them before it appends, so a crash mid-append leaves an
+unfinished last line after records the head counts: :func:`verify` reports it, and the next record cuts it
+(saying how many bytes it cut) and keeps the chain. Any other disagreement (a cut, an edited or a removed end, a
+missing or untrusted head) is refused, by writers as by :func:`verify`, so no record rebuilds the head over it. A
+record that fails leaves no line. Whoever can rewrite both files (this uid, root) can rebuild a consistent chain,
+or append one record as if a crash had left it: ship the log off the host for that.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import errno
 import fcntl
 import hashlib
 import json
@@ -56,6 +60,42 @@ def _digest(line: bytes) -> str:
     return hashlib.sha256(line.rstrip(b"\n")).hexdigest()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tail:
+    """The log's whole records as the head sees them: how many, the digests of the last and the one before, where
+    they end, and how many bytes of an unfinished line follow them."""
+
+    records: int
+    last: str
+    before: str
+    end: int
+    torn: int
+
+
+def _tail(data: bytes) -> _Tail:
+    end = data.rfind(b"\n") + 1
+    lines = data[:end].split(b"\n")[:-1]
+    digests = [GENESIS, GENESIS] + [_digest(line) for line in lines[-2:]]
+    return _Tail(len(lines), digests[-1], digests[-2], end, len(data) - end)
+
+
+def _disagreement(tail: _Tail, head: dict[str, Any] | None, head_problem: str | None, head_where: str) -> str | None:
+    """Why the head and the log's whole records disagree; None when it counts them all (or, with no head, there
+    are none) or trails them by one record with nothing after it (a crash between an append and the head's
+    update). A writer appends only when this is None: it never rebuilds a head over an end cut or removed."""
+    if head_problem is not None:
+        return head_problem
+    if head is None:
+        return None if tail.records == 0 else f"its head ({head_where}) is missing"
+    if head == {"records": tail.records, "last": tail.last}:
+        return None
+    if tail.records >= 1 and head == {"records": tail.records - 1, "last": tail.before}:
+        return None if not tail.torn else (f"an unfinished last line follows a record its head ({head_where}) "
+                                           "does not count: not what one crash leaves")
+    return (f"it ends after {tail.records} records, its head says {head['records']}: its end was edited, cut or "
+            "appended to outside kvtier")
+
+
 def _trusted() -> tuple[int, int]:
     return os.geteuid(), 0
 
@@ -87,7 +127,8 @@ def _open_log(dir_fd: int, path: Path) -> int:
     try:
         fd = os.open(path.name, flags, 0o600, dir_fd=dir_fd)
     except OSError as exc:
-        raise ConfigError(f"audit_log: cannot open {path}: {exc.strerror}") from None
+        kind = _not_regular(dir_fd, path.name, str(path))
+        raise ConfigError(f"audit_log: {kind or f'cannot open {path}: {exc.strerror}'}") from None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
         os.close(fd)
@@ -103,8 +144,9 @@ class AuditLog:
         self.path = Path(path)
         self.head = Path(f"{path}.head")
         self._temp = re.compile(re.escape(self.head.name) + r"\.[0-9a-f]{16}\.tmp")
-        with self._opened():  # refused now, before the caller removes anything
-            pass
+        with self._opened() as (dir_fd, fd):  # refused now, before the caller removes anything
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            self._agreed(dir_fd, fd)
 
     @contextlib.contextmanager
     def _opened(self) -> Iterator[tuple[int, int]]:
@@ -118,8 +160,19 @@ class AuditLog:
         finally:
             os.close(dir_fd)
 
+    def _agreed(self, dir_fd: int, fd: int) -> tuple[_Tail, dict[str, Any] | None]:
+        """The log's whole records and its head, read under the caller's lock; ConfigError when they disagree."""
+        tail = _tail(os.pread(fd, os.fstat(fd).st_size, 0))
+        head, problem = _read_head(dir_fd, self.head.name, str(self.head))
+        why = _disagreement(tail, head, problem, str(self.head))
+        if why is not None:
+            raise ConfigError(f"audit_log: {self.path}: log and head disagree ({why}); run `kvtier cache audit`. "
+                              "Nothing is appended to a log whose end cannot be checked")
+        return tail, head
+
     def record(self, action: str, **fields: Any) -> dict[str, Any]:
-        """Append one record; returns it. Raises ConfigError when the log cannot be written."""
+        """Append one record; returns it. Raises ConfigError when the log cannot be written, or when it and its
+        head disagree (see :func:`verify`); a record that fails leaves no line."""
         entry: dict[str, Any] = {
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
             "who": {"user": _user(), "uid": os.geteuid(), "host": socket.gethostname(), "pid": os.getpid()},
@@ -127,25 +180,40 @@ class AuditLog:
         with self._opened() as (dir_fd, fd):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                count, prev, torn = _tail(fd)
-                if torn:
-                    entry["torn_tail_cut"] = torn  # the chain says what a crash left and this append removed
-                entry["prev"] = prev
-                line = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode() + b"\n"
-                _write_all(fd, line)
-                os.fsync(fd)
+                tail, head = self._agreed(dir_fd, fd)
                 self._remove_stale_temps(dir_fd)
-                _write_head(dir_fd, self.head.name, count + 1, _digest(line))
+                if tail.torn:  # a crash mid-append, after records the head counts
+                    os.ftruncate(fd, tail.end)
+                    entry["torn_tail_cut"] = tail.torn  # the chain says what a crash left and this append removed
+                if head != {"records": tail.records, "last": tail.last}:
+                    # missing (a new log) or a record behind: counted up first, so that a crash during this
+                    # append leaves a head that counts every whole record (what lets the next record cut it)
+                    _write_head(dir_fd, self.head.name, tail.records, tail.last)
+                    os.fsync(dir_fd)
+                entry["prev"] = tail.last
+                line = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+                try:
+                    _write_all(fd, line)
+                    os.fsync(fd)
+                    _write_head(dir_fd, self.head.name, tail.records + 1, _digest(line))
+                except OSError:
+                    with contextlib.suppress(OSError):  # the head does not count it: take the line back
+                        os.ftruncate(fd, tail.end)
+                        os.fsync(fd)
+                    raise
+                os.fsync(dir_fd)  # after the head's rename: a failure here leaves a whole record, not a torn one
             except OSError as exc:
                 raise ConfigError(f"audit_log: cannot append to {self.path}: {exc.strerror}") from None
         return entry
 
     def _remove_stale_temps(self, dir_fd: int) -> None:
-        """Heads a crashed writer left half-written: under the log's lock no writer is writing one."""
+        """Heads a crashed writer left half-written: under the log's lock no writer is writing one. Only regular
+        files are removed, and one that cannot be is left: a temp name is fresh each time, so none is in the way."""
         for name in os.listdir(dir_fd):
             if self._temp.fullmatch(name):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=dir_fd)
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(os.lstat(name, dir_fd=dir_fd).st_mode):
+                        os.unlink(name, dir_fd=dir_fd)
 
 
 def _user() -> str:
@@ -161,20 +229,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _tail(fd: int) -> tuple[int, str, int]:
-    """How many whole lines the log holds, the last one's digest, and how many bytes of an unfinished line (a
-    crash mid-append) followed them: those are cut, so the next line follows the last whole record."""
-    size = os.fstat(fd).st_size
-    data = os.pread(fd, size, 0)
-    end = data.rfind(b"\n") + 1
-    if end < size:
-        os.ftruncate(fd, end)
-    lines = data[:end].split(b"\n")[:-1]
-    return len(lines), (_digest(lines[-1]) if lines else GENESIS), size - end
-
-
 def _write_head(dir_fd: int, name: str, count: int, digest: str) -> None:
-    """Replace the head through a temp file of a fresh name: nothing planted under a fixed name is opened."""
+    """Replace the head through a temp file of a fresh name: nothing planted under a fixed name is opened. The
+    caller fsyncs the directory."""
     tmp = f"{name}.{secrets.token_hex(8)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
@@ -188,7 +245,6 @@ def _write_head(dir_fd: int, name: str, count: int, digest: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
-    os.fsync(dir_fd)
 
 
 def _untrusted(info: os.stat_result, where: str) -> str | None:
@@ -202,6 +258,17 @@ def _untrusted(info: os.stat_result, where: str) -> str | None:
     return None
 
 
+def _not_regular(dir_fd: int, name: str, where: str) -> str | None:
+    """What ``name`` is when it is there and not a regular file (a link, a socket: ENXIO, ELOOP), else None."""
+    try:
+        mode = os.lstat(name, dir_fd=dir_fd).st_mode
+    except OSError:
+        return None
+    if stat.S_ISLNK(mode):
+        return f"{where} is a symbolic link"
+    return None if stat.S_ISREG(mode) else f"{where} is not a regular file"
+
+
 def _open_evidence(dir_fd: int, name: str, where: str) -> tuple[int | None, str | None]:
     """``name`` opened for reading, or why it is not evidence; (None, None) when it does not exist."""
     try:
@@ -209,8 +276,9 @@ def _open_evidence(dir_fd: int, name: str, where: str) -> tuple[int | None, str 
     except FileNotFoundError:
         return None, None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return None, f"{where} is a symbolic link"
+        kind = _not_regular(dir_fd, name, where)
+        if kind is not None:
+            return None, kind
         raise ConfigError(f"audit_log: cannot read {where}: {exc.strerror}") from None
     problem = _untrusted(os.fstat(fd), where)
     if problem is not None:
@@ -272,32 +340,28 @@ def _verify(path: str | os.PathLike[str]) -> Verdict:
 
 
 def _check(data: bytes, head: dict[str, Any] | None, head_problem: str | None, head_where: str) -> Verdict:
-    end = data.rfind(b"\n") + 1
-    notes = []
-    if end < len(data):
-        whole = data[:end].count(b"\n")
-        notes.append(f"an unfinished last line of {len(data) - end} bytes after record {whole} (a crash "
-                     "mid-append): the next record cuts it")
-    before = prev = GENESIS
+    whole = _tail(data)
+    prev = GENESIS
     count = 0
-    for number, line in enumerate(data[:end].split(b"\n")[:-1], start=1):
+    broken = None
+    for number, line in enumerate(data[:whole.end].split(b"\n")[:-1], start=1):
         try:
             entry = json.loads(line)
         except (ValueError, RecursionError):
-            return Verdict(count, f"line {number} is not a record", tuple(notes))
+            broken = f"line {number} is not a record"
+            break
         if not isinstance(entry, dict) or entry.get("prev") != prev:
-            return Verdict(count, f"line {number} does not follow line {number - 1} (edited, removed or inserted)",
-                           tuple(notes))
-        before, prev = prev, _digest(line)
+            broken = f"line {number} does not follow line {number - 1} (edited, removed or inserted)"
+            break
+        prev = _digest(line)
         count += 1
-    if head_problem is not None:
-        return Verdict(count, head_problem, tuple(notes))
-    if head is None:
-        return Verdict(count, None if count == 0 else f"its head ({head_where}) is missing", tuple(notes))
-    if head == {"records": count - 1, "last": before}:
+    if broken is None:
+        broken = _disagreement(whole, head, head_problem, head_where)
+    notes = []
+    if whole.torn:
+        notes.append(f"an unfinished last line of {whole.torn} bytes after record {whole.records}" + (
+            "" if broken else " (a crash mid-append): the next record cuts it"))
+    if broken is None and head is not None and head != {"records": count, "last": prev}:
         notes.append("its head trails by one record (a crash between an append and the head's update): the next "
                      "record updates it")
-    elif head != {"records": count, "last": prev}:
-        return Verdict(count, f"it ends after {count} records, its head says {head['records']}: its end was "
-                              "edited, cut or appended to outside kvtier", tuple(notes))
-    return Verdict(count, None, tuple(notes))
+    return Verdict(count, broken, tuple(notes))
