@@ -31,7 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvtier import tracing
 from kvtier.metrics import sample_sum
 from kvtier.router.config import RouterConfig
-from kvtier.router.events import Batch, Cleared, Feed, Removed, Stored, Subscriber
+from kvtier.router.events import Batch, Cleared, Feed, Removed, Stored
 from kvtier.router.guards import (BodyTooLarge, CappedSite, PoolFull, WorkerPool, descriptor_room, handler_args,
                                   read_body, read_secret)
 from kvtier.router.index import LOCAL_PLACES, Place, PrefixIndex
@@ -39,6 +39,7 @@ from kvtier.router.metrics import LogOnce, RouterMetrics
 from kvtier.router.policy import Decision, Router
 from kvtier.router.prompts import Tokenizer, read_stream
 from kvtier.router.reading import Reader, Unreadable
+from kvtier.router.subscriber import Subscriber
 from kvtier.router.wire import error_reply, forwarded, reply_headers, sse_error, whole_events
 
 log = logging.getLogger(__name__)
