@@ -709,3 +709,27 @@ def test_a_secret_missing_at_one_tick_and_back_unchanged_serves_its_tenant_again
         assert torch.equal(cold(store).get(ns("acme"), tokens), kv)
         if fault != "secret missing":  # the keyring could not say: counted, and no DRAM purge
             assert store.stats()["_store"]["keyring_errors_total"] == 1
+
+
+def test_a_secret_read_before_a_forget_was_noticed_does_not_unmark_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a read begun after the watch marked a key id forgotten clears the mark: a put that read the secret
+    just before the forget (and the watch's tick) ran stores nothing under the destroyed key."""
+    tokens = synthetic_tokens(32, 2 * T)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(config(tmp_path, refresh=3600)) as store:
+        sealer, real = store._sealer, Keyring.secret
+        armed = [True]
+
+        def racing(self, tenant, create):  # noqa: ANN001, ANN202
+            value = real(self, tenant, create)
+            if armed.pop() if armed else False:  # the put's read: then another thread's use, the forget, a tick
+                sealer.register(store.named(ns("late")), create=False)
+                self.forget(tenant)
+                assert sealer.check_forgotten()
+            return value
+
+        monkeypatch.setattr(Keyring, "secret", racing)
+        assert store.put(ns("late"), tokens, kv) == 0
+        store.flush()
+        assert store.get(ns("late"), tokens) is None and not objects(tmp_path)

@@ -500,9 +500,13 @@ class Sealer:
         return count
 
     def _tenant(self, namespace: str) -> Tenant | None:
+        """``namespace``'s tenant, to seal or open with: None when not cached, or found forgotten (a tenant whose
+        secret was read just before its forget was noticed is cached under a marked key id: see :meth:`_attach`)."""
         with self._lock:
             tenant = self._by_ns.get(namespace)
-            return tenant if tenant is not None and self._tenants.get(tenant.id) is tenant else None
+            if tenant is None or self._tenants.get(tenant.id) is not tenant or tenant.key_id in self._forgotten:
+                return None
+            return tenant
 
     def current_key_id(self, namespace: str) -> bytes | None:
         tenant = self._tenant(namespace)
