@@ -64,7 +64,7 @@ def test_text_lines_need_a_tokenizer_and_use_it(tmp_path: Path) -> None:
     ({"input_length": 4, "output_length": 1, "hash_ids": [1]}, r":2: timestamp: expected a number >= 0, got None"),
     ({"timestamp": -1, "input_length": 4, "output_length": 1, "hash_ids": [1]}, r":2: timestamp: expected a number"),
     ({"timestamp": 1, "input_length": 4, "hash_ids": [1]}, r":2: output_length: expected an integer >= 0"),
-    ({"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": []}, r":2: input_length: expected an integer >= 1"),
+    ({"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": []}, r":2: input_length: an empty prompt \(without --strict"),
     ({"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": ["x"]}, r":2: hash_ids: expected a list of integers"),
     ({"timestamp": 1, "input_length": 9, "output_length": 1, "hash_ids": [1, 2]}, r":2: hash_ids: 2 ids for input_length 9; blocks of 4 tokens need 3"),
     ({"timestamp": 1, "output_length": 1}, r":2: needs exactly one of hash_ids .*got none"),
@@ -96,7 +96,7 @@ def test_lines_with_an_empty_prompt_are_skipped_and_counted_unless_strict(tmp_pa
     ])
     trace = load_trace(path, block_tokens=4)
     assert (len(trace.requests), trace.skipped_empty, trace.accesses) == (2, 2, 4)
-    with pytest.raises(TraceError, match=r"agent.jsonl:2: input_length: expected an integer >= 1, got 0"):
+    with pytest.raises(TraceError, match=r"agent.jsonl:2: input_length: an empty prompt \(without --strict"):
         load_trace(path, block_tokens=4, strict=True)
     with pytest.raises(TraceError, match=r"input_length: expected an integer >= 0, got -1"):
         load_trace(write(tmp_path / "neg.jsonl", [{"timestamp": 0, "input_length": -1, "output_length": 1,
@@ -104,7 +104,7 @@ def test_lines_with_an_empty_prompt_are_skipped_and_counted_unless_strict(tmp_pa
     with pytest.raises(TraceError, match=r"hash_ids: 1 ids for input_length 0"):  # no prompt, yet blocks
         load_trace(write(tmp_path / "ids.jsonl", [{"timestamp": 0, "input_length": 0, "output_length": 1,
                                                    "hash_ids": [3]}]), block_tokens=4)
-    with pytest.raises(TraceError, match=r"the trace has no requests \(1 lines with an empty prompt skipped\)"):
+    with pytest.raises(TraceError, match=r"the trace has no requests \(1 line with an empty prompt skipped\)"):
         load_trace(write(tmp_path / "none.jsonl", [{"timestamp": 0, "token_ids": [], "output_length": 1}]))
     argv = ["simulate", "--trace", str(path), "--block-tokens", "4", "--capacities", "1,2", "--no-plot"]
     assert main([*argv, "--out", str(tmp_path / "out")]) == 0
@@ -115,6 +115,29 @@ def test_lines_with_an_empty_prompt_are_skipped_and_counted_unless_strict(tmp_pa
     assert report["trace"]["requests"] == 2 and report["trace"]["skipped_empty_prompts"] == 2
     assert main([*argv, "--out", str(tmp_path / "strict"), "--strict"]) == 2
     assert "agent.jsonl:2: input_length" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("line, message", [
+    ({"timestamp": 0.5, "output_length": 1, "token_ids": []}, r":2: timestamp: 0.5 is before the previous line's 1.0"),
+    ({"timestamp": 0.5, "input_length": 0, "output_length": 1, "hash_ids": []}, r":2: timestamp: 0.5 is before"),
+    ({"timestamp": 1, "output_length": 1, "token_ids": [], "cache_salt": 5}, r":2: cache_salt: expected a string"),
+    ({"timestamp": 1, "output_length": 1, "prompt": "", "lora": 3}, r":2: lora: expected a string"),
+])
+def test_a_line_with_an_empty_prompt_is_checked_before_it_is_skipped(tmp_path: Path, line, message: str,
+                                                                      strict: bool) -> None:
+    path = write(tmp_path / "bad.jsonl", [{"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": [0]},
+                                          line])
+    with pytest.raises(TraceError, match=r"bad.jsonl" + message):
+        load_trace(path, block_tokens=4, tokenizer=lambda text: list(text.encode()), strict=strict)
+
+
+def test_a_skipped_line_keeps_its_place_in_the_arrival_order(tmp_path: Path) -> None:
+    path = write(tmp_path / "order.jsonl", [{"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": [0]},
+                                            {"timestamp": 5, "output_length": 1, "token_ids": []},
+                                            {"timestamp": 3, "input_length": 4, "output_length": 1, "hash_ids": [1]}])
+    with pytest.raises(TraceError, match=r"order.jsonl:3: timestamp: 3.0 is before the previous line's 5.0"):
+        load_trace(path, block_tokens=4)
 
 
 def test_unreadable_empty_and_binary_files_are_clear_errors(tmp_path: Path) -> None:

@@ -90,18 +90,20 @@ def load_trace(path: str | Path, block_tokens: int = 512,
                 raise TraceError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(row, dict):
                 raise TraceError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            request = _request(row, where, block_tokens, ids, tokenizer, strict)
+            # before a line is skipped: a skipped line is still a line of the trace, in its order
+            timestamp = _number(row, "timestamp", where)
+            if timestamp < last_ts:
+                raise TraceError(f"{where}: timestamp: {timestamp} is before the previous line's {last_ts}; a "
+                                 "trace is in arrival order")
+            last_ts = timestamp
+            request = _request(row, timestamp, where, block_tokens, ids, tokenizer, strict)
             if request is None:
                 skipped += 1
-                continue
-            if request.timestamp_ms < last_ts:
-                raise TraceError(f"{where}: timestamp: {request.timestamp_ms} is before the previous line's "
-                                 f"{last_ts}; a trace is in arrival order")
-            last_ts = request.timestamp_ms
-            requests.append(request)
+            else:
+                requests.append(request)
     if not requests:
-        raise TraceError(f"{path}: the trace has no requests"
-                         + (f" ({skipped} lines with an empty prompt skipped)" if skipped else ""))
+        raise TraceError(f"{path}: the trace has no requests" + (
+            f" ({skipped} line{'' if skipped == 1 else 's'} with an empty prompt skipped)" if skipped else ""))
     return Trace(tuple(requests), block_tokens, str(path), skipped)
 
 
@@ -114,17 +116,17 @@ def _lines(handle, path: Path) -> Iterator[tuple[int, str]]:
         raise TraceError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
-def _request(row: dict, where: str, block_tokens: int, ids: dict[object, int],
+def _request(row: dict, timestamp: float, where: str, block_tokens: int, ids: dict[object, int],
              tokenizer: Callable[[str], Sequence[int]] | None, strict: bool) -> Request | None:
-    """The line's request; None for an empty prompt unless ``strict`` (then an error)."""
-    timestamp = _number(row, "timestamp", where)
+    """The line's request; None for an empty prompt unless ``strict`` (then an error). Every field is checked
+    first: a skipped line is skipped for its empty prompt, never for a fault."""
     output = _count(row, "output_length", where, minimum=0)
     kinds = [k for k in ("hash_ids", "token_ids", "prompt") if k in row]
     if len(kinds) != 1:
         raise TraceError(f"{where}: needs exactly one of hash_ids (with input_length), token_ids or prompt; "
                          f"got {kinds or 'none'}")
     if kinds[0] == "hash_ids":
-        length = _count(row, "input_length", where, minimum=1 if strict else 0)
+        length = _count(row, "input_length", where, minimum=0)
         raw = row["hash_ids"]
         if not isinstance(raw, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in raw):
             raise TraceError(f"{where}: hash_ids: expected a list of integers")
@@ -134,7 +136,7 @@ def _request(row: dict, where: str, block_tokens: int, ids: dict[object, int],
         if len(set(raw)) != len(raw):
             raise TraceError(f"{where}: hash_ids: an id repeats; prefix-chained ids never do")
         if length == 0:  # and no ids, checked above
-            return None
+            return _empty("input_length", where, strict)
         keys: list[object] = list(raw)
         whole = length // block_tokens
     else:
@@ -149,13 +151,11 @@ def _request(row: dict, where: str, block_tokens: int, ids: dict[object, int],
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                        and 0 <= t < 2**63 for t in tokens):
                 raise TraceError(f"{where}: token_ids: expected a list of integers in [0, 2**63)")
-        if not tokens:
-            if not strict:
-                return None
-            raise TraceError(f"{where}: {kinds[0]}: an empty prompt (without --strict such lines are skipped)")
         for field in ("cache_salt", "lora"):
             if row.get(field) is not None and not isinstance(row[field], str):
                 raise TraceError(f"{where}: {field}: expected a string")
+        if not tokens:
+            return _empty(kinds[0], where, strict)
         namespace = Namespace(TRACE_MODEL, "bfloat16", lora=row.get("lora"), cache_salt=row.get("cache_salt"))
         keys = list(chunk_keys(namespace, tokens, block_tokens))
         length = len(tokens)
@@ -164,6 +164,13 @@ def _request(row: dict, where: str, block_tokens: int, ids: dict[object, int],
             keys.append(("tail", where))
     blocks = tuple(ids.setdefault(k, len(ids)) for k in keys)
     return Request(timestamp, length, output, blocks, whole)
+
+
+def _empty(field: str, where: str, strict: bool) -> None:
+    """An empty prompt: skipped (None), or with ``strict`` refused, in the same words for every kind of line."""
+    if strict:
+        raise TraceError(f"{where}: {field}: an empty prompt (without --strict such lines are skipped)")
+    return None
 
 
 def _number(row: dict, field: str, where: str) -> float:
