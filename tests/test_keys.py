@@ -13,6 +13,7 @@ import yaml
 
 from kvtier import KVStore, Namespace, chunk_keys, fingerprint_model
 from kvtier.cli import main
+from kvtier.errors import ConfigError
 from kvtier.keys import HeadRange, InputSpan, ShardKey, cover, tail_keys
 from kvtier.sealing import write_key_file
 from kvtier.testing import synthetic_kv, synthetic_tokens
@@ -246,3 +247,34 @@ def test_without_encryption_names_stay_unkeyed(tmp_path: Path) -> None:
         store.put(NS, tokens, synthetic_kv(tokens))
         store.flush()
         assert {(k.namespace, k.chunk) for k in _names(store)} == {(NS.id, k.hex()) for k in chunk_keys(NS, tokens, 16)}
+
+
+@pytest.mark.parametrize("left", ["secret", "tombstone"])
+def test_a_keyring_that_lost_its_pepper_is_refused_and_engines_log_one_naming_fingerprint(
+        tmp_path: Path, left: str, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine that made a new pepper beside tenants' files would name every chunk, tenant and secret otherwise
+    than its peers (silent misses); it refuses to start, naming the field. Engines log a short fingerprint of
+    the naming key (never the key) for operators to compare."""
+    tenant = Namespace(model="m", dtype="bfloat16", cache_salt="tenant-a")
+    tokens = synthetic_tokens(3, 16)
+    fingerprints = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="kvtier.sealing"), KVStore.from_config(_sealed(tmp_path)) as store:
+            store.put(tenant, tokens, synthetic_kv(tokens))
+            key = store._name_key
+        (line,) = [r.getMessage() for r in caplog.records if "naming key fingerprint" in r.getMessage()]
+        assert key.hex() not in line and key.hex()[:8] not in line
+        fingerprints.append(line.rsplit(" ", 1)[-1])
+    assert fingerprints[0] == fingerprints[1] and len(fingerprints[0]) == 8
+    keyring = tmp_path / "keyring"
+    if left == "tombstone":  # a forgotten tenant's trace alone
+        for path in keyring.glob("t-*"):
+            if "." in path.name:
+                path.unlink()
+            else:
+                path.rename(keyring / f"{path.name}.forgotten")
+    (keyring / "pepper").unlink()
+    with pytest.raises(ConfigError, match=r"encryption\.keyring: .* holds tenants' files but no pepper"):
+        KVStore.from_config(_sealed(tmp_path))
+    assert not (keyring / "pepper").exists()

@@ -60,6 +60,7 @@ _KEY_ID_BYTES = 8
 _KEPT_NAMESPACES = 65536  # namespace -> tenant entries a process remembers (one per salt, model and settings)
 _KEPT_TENANTS = 16384  # tenants whose keys a process keeps derived
 _NAME = re.compile(r"t-[0-9a-f]{32}")
+_TENANT_FILE = re.compile(r"t-[0-9a-f]{32}(\.ns|\.ns\.forgetting|\.forgotten)?")  # a secret, its lists, a tombstone
 
 
 class KeyProvider:
@@ -202,7 +203,8 @@ class Keyring:
     name and linked into place: two processes creating one tenant at once agree on the first one linked, and a
     secret is never rewritten), ``t-<id>.ns`` (the namespaces the tenant used, one id per line, appended) and
     ``t-<id>.ns.forgetting`` (those of the forgets under way) and ``t-<id>.forgotten`` (a tombstone, empty: the
-    tenant's last forget ended at its mtime).
+    tenant's last forget ended at its mtime). A directory with tenants' files but no pepper is refused (a pepper
+    made anew would name every tenant and chunk otherwise); each engine logs :meth:`fingerprint` at start.
     """
 
     def __init__(self, path: str, field: str = "encryption.keyring", create: bool = True) -> None:
@@ -223,9 +225,22 @@ class Keyring:
         why = _owned_privately(st)
         if why is not None:
             raise ConfigError(f"{field}: keyring directory {path} refused: {why}")
-        self._pepper = self._create_or_read("pepper") if create else self._read("pepper")
-        if self._pepper is None:
+        pepper = self._read("pepper")
+        if pepper is None and create:
+            # A new keyring, unless tenants' files show it had a pepper (lost, or the wrong path): a new one would
+            # name every tenant and chunk otherwise than the other engines. (Read again: another engine starting
+            # beside this one may have made it, and a tenant, since.)
+            pepper = self._read("pepper") if self._holds_tenants() else self._create_or_read("pepper")
+        if pepper is None and self._holds_tenants():
+            raise ConfigError(f"{field}: {path} holds tenants' files but no pepper (the keyring's naming key): "
+                              f"restore it, or point {field} at the deployment's keyring")
+        if pepper is None:
             raise ConfigError(f"{field}: {path} holds no keyring (no pepper file)")
+        self._pepper = pepper
+
+    def _holds_tenants(self) -> bool:
+        """Whether the directory holds any tenant's secret, namespace list or tombstone (then it had a pepper)."""
+        return any(_TENANT_FILE.fullmatch(name) for name in os.listdir(self.path))
 
     def tenant_id(self, salt: str | None) -> str:
         """The keyring's name for the tenant of ``salt`` (None: requests without a salt)."""
@@ -243,6 +258,11 @@ class Keyring:
         another keyring mounted in its place)."""
         pepper = self._read("pepper")
         return pepper is not None and hmac.compare_digest(pepper, self._pepper)
+
+    def fingerprint(self) -> str:
+        """8 hex digits of a digest of :meth:`naming_key` (never the key): equal in every engine of a deployment,
+        so operators can compare them (logged at start)."""
+        return hashlib.blake2b(self.naming_key(), digest_size=4, person=b"kvtier-fp").hexdigest()
 
     def secret(self, tenant: str, create: bool) -> bytes | None:
         """The tenant's secret; created when missing and ``create``, else None."""
@@ -419,6 +439,7 @@ class Sealer:
         self._masters += [load_key(s, f"encryption.old_keys[{i}]", config.provider_options)
                           for i, s in enumerate(config.old_keys)]
         self.keyring = Keyring(config.keyring, create=create)
+        log.info("keyring %s: naming key fingerprint %s", config.keyring, self.keyring.fingerprint())
         self._on_forgotten = on_forgotten
         self._on_unreadable = on_unreadable
         self._lock = threading.Lock()
