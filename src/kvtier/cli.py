@@ -514,7 +514,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if fit["held_at_zero"]:
         print(f"prefill: {', '.join(fit['held_at_zero'])} held at 0 (the measurements, noisy or flat, made it "
               "negative; a cost never shrinks as work grows)")
-    if fit["max_rel_error"] > 0.5:
+    if not fit["max_rel_error"] <= 0.5:  # NaN too
         print("kvtier: warning: the prefill fit is off by more than 50% at some point: a noisy machine? the "
               "simulator's prefill times will be as far off; recalibrate when it is quiet", file=sys.stderr)
     floor, decode = result["hit_floor"]["fit"], result["decode"]["fit"]

@@ -123,8 +123,13 @@ def minimal(**changes) -> dict:
     ({"tiers__dram__latency_s": -1}, r"tiers.dram.latency_s: must be positive, got -1"),
     ({"fingerprint": None}, r"fingerprint: missing"),
     ({"prefill__fit__a": float("nan")}, r"prefill.fit.a: nan is not a usable value"),
-    ({"prefill__fit__c": -1e-5}, r"prefill.fit.c: -1e-05 is not a usable value \(must be >= 0.0\)"),
-    ({"decode__fit__intercept": -1}, r"decode.fit.intercept: a negative step time"),
+    ({"prefill__fit__c": -1e-5}, r"prefill.fit.c: -1e-05 is not a usable value \(must be >= 0\)"),
+    ({"decode__fit__intercept": -1}, r"decode.fit.intercept: -1 is not a usable value \(must be > 0\)"),
+    ({"decode__fit__intercept": 0}, r"decode.fit.intercept: 0 is not a usable value \(must be > 0\)"),
+    ({"decode__fit__slope": -1e-4}, r"decode.fit.slope: -0.0001 is not a usable value \(must be >= 0\)"),
+    ({"prefill__fit__a": -0.01}, r"prefill.fit.a: -0.01 is not a usable value \(must be >= 0\)"),
+    ({"prefill__fit__b": -3e-4}, r"prefill.fit.b: -0.0003 is not a usable value"),
+    ({"hit_floor__fit__intercept": -0.05}, r"hit_floor.fit.intercept: -0.05 is not a usable value"),
     ({"model": None}, r"model.kv_bytes_per_token: missing"),
 ])
 def test_a_malformed_calibration_names_the_field(tmp_path: Path, changes: dict, message: str) -> None:
@@ -132,6 +137,24 @@ def test_a_malformed_calibration_names_the_field(tmp_path: Path, changes: dict, 
     path.write_text(json.dumps(minimal(**changes)))
     with pytest.raises(CalibrationError, match=r"cal.json: " + message):
         load_calibration(path)
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), 0.0, -0.4])
+def test_a_broken_measurement_is_refused_naming_its_point(seconds: float) -> None:
+    points = [{"cached": c, "new": n, "seconds": 0.05 + n * 2e-4} for c, n in ((0, 128), (0, 512), (2048, 512))]
+    points[2]["seconds"] = seconds  # a NaN gave LinAlgError, inf a NaN error that no warning caught
+    with pytest.raises(CalibrationError, match=rf"prefill point new=512 cached=2048: {seconds!r} seconds is not a "
+                                               r"measurement"):
+        fit_prefill(points)
+    with pytest.raises(CalibrationError, match=rf"decode point x=8: {seconds!r} seconds"):  # 0/0 gave 0 s steps
+        fit_line([1, 8], [0.01, seconds], "decode point")
+    with pytest.raises(CalibrationError, match=r"point x=1: "):
+        fit_line([1], [seconds])
+
+
+@pytest.mark.parametrize("name", ["calibration-2026-12-01.json", "calibration-2026-12-01-xeon.json"])
+def test_the_shipped_calibrations_still_load(name: str) -> None:
+    load_calibration(Path(__file__).parents[2] / "benchmarks" / "results" / name)
 
 
 def test_unreadable_calibrations_and_a_foreign_machine(tmp_path: Path) -> None:

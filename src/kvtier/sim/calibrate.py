@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import platform
 import subprocess
@@ -117,12 +118,23 @@ def nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndar
     return best / norms
 
 
+def _measured(seconds: list[float], names: list[str]) -> np.ndarray:
+    """Measured times as an array; CalibrationError naming the first that is not finite and above 0 (a NaN, an
+    infinite or a zero time is a broken measurement: fitted, it gives a singular or NaN fit, or a free step)."""
+    for value, name in zip(seconds, names):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+            raise CalibrationError(f"{name}: {value!r} seconds is not a measurement (a time must be finite and "
+                                   "above 0); measure again")
+    return np.array(seconds, dtype=float)
+
+
 def fit_prefill(points: list[dict[str, float]]) -> dict[str, Any]:
     """Relative least squares of ``seconds = a + b*new + c*new*(new + 2*cached)`` with ``a, b, c >= 0``, with
     the worst and the root-mean-square relative error, and the terms the constraint held at 0."""
     new = np.array([p["new"] for p in points], dtype=float)
     cached = np.array([p["cached"] for p in points], dtype=float)
-    seconds = np.array([p["seconds"] for p in points], dtype=float)
+    seconds = _measured([p["seconds"] for p in points],
+                        [f"prefill point new={p['new']} cached={p['cached']}" for p in points])
     design = np.stack([np.ones_like(new), new, new * (new + 2 * cached)], axis=1)
     # Relative least squares: a 50 ms point matters as much as a 20 s one (plain least squares fits the long
     # prompts and leaves the short ones off by 200%).
@@ -137,13 +149,15 @@ def prefill_seconds(fit: dict[str, float], new: float, cached: float = 0.0) -> f
     return fit["a"] + fit["b"] * new + fit["c"] * new * (new + 2 * cached)
 
 
-def fit_line(xs: list[float], ys: list[float]) -> dict[str, float]:
-    """``y = intercept + slope * x`` by least squares with both ``>= 0`` (a step or a hit never costs less for
-    more work, nor less than nothing); a single point: slope 0."""
+def fit_line(xs: list[float], ys: list[float], what: str = "point") -> dict[str, float]:
+    """``y = intercept + slope * x`` (``ys`` measured seconds, each finite and above 0) by least squares with
+    both ``>= 0`` (a step or a hit never costs less for more work, nor less than nothing); a single point: slope
+    0. ``what`` names the points in an error (``decode point``: ``decode point x=8``)."""
+    y = _measured(list(ys), [f"{what} x={x}" for x in xs])
     if len(xs) == 1:
-        return {"intercept": float(ys[0]), "slope": 0.0}
+        return {"intercept": float(y[0]), "slope": 0.0}
     x = np.array(xs, dtype=float)
-    intercept, slope = nonnegative_least_squares(np.stack([np.ones_like(x), x], axis=1), np.array(ys, dtype=float))
+    intercept, slope = nonnegative_least_squares(np.stack([np.ones_like(x), x], axis=1), y)
     return {"intercept": float(intercept), "slope": float(slope)}
 
 
@@ -284,20 +298,19 @@ def load_calibration(path: str | Path) -> dict[str, Any]:
         raise CalibrationError(f"{path}: version: this kvtier reads version {VERSION}, the file is "
                                f"version {data['version']}")
     need(data, "fingerprint", dict)
-    def finite(dotted: str, minimum: float | None = None) -> None:
+    def finite(dotted: str, positive: bool = False) -> None:
+        """A fitted cost: never below 0 (what the constrained fit gives), and above 0 where 0 would make a
+        step free (``positive``)."""
         value = need(data, dotted, (int, float))
-        if not math.isfinite(value) or (minimum is not None and value < minimum):
-            raise CalibrationError(f"{path}: {dotted}: {value} is not a usable value"
-                                   + (f" (must be >= {minimum})" if minimum is not None else "")
-                                   + "; recalibrate")
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise CalibrationError(f"{path}: {dotted}: {value} is not a usable value (must be "
+                                   f"{'> 0' if positive else '>= 0'}); recalibrate")
 
     for field in ("a", "b", "c"):
-        finite(f"prefill.fit.{field}", 0.0 if field == "c" else None)
+        finite(f"prefill.fit.{field}")
     for field in ("intercept", "slope"):
-        finite(f"decode.fit.{field}")
+        finite(f"decode.fit.{field}", positive=field == "intercept")  # a decode step takes time
         finite(f"hit_floor.fit.{field}")
-    if need(data, "decode.fit.intercept", (int, float)) < 0:
-        raise CalibrationError(f"{path}: decode.fit.intercept: a negative step time; recalibrate")
     if need(data, "model.kv_bytes_per_token", int) < 1:
         raise CalibrationError(f"{path}: model.kv_bytes_per_token: must be positive")
     for name in need(data, "tiers", dict):
@@ -336,9 +349,10 @@ def calibrate(model_dir: Path, out: Path, quick: bool, tiers: list[tuple[str, di
         "fingerprint": {**fingerprint(model_dir), "vllm": engine["vllm"]},
         "model": {"path": str(model_dir), **shape, "chunk_tokens": chunk_tokens},
         "prefill": {"points": engine["prefill"], "fit": fit_prefill(engine["prefill"])},
-        "hit_floor": {"points": floor, "fit": fit_line([p["tokens"] for p in floor], [p["seconds"] for p in floor])},
+        "hit_floor": {"points": floor, "fit": fit_line([p["tokens"] for p in floor], [p["seconds"] for p in floor],
+                                                       "hit floor point")},
         "decode": {"points": decode, "fit": fit_line([p["batch"] for p in decode],
-                                                     [p["step_seconds"] for p in decode])},
+                                                     [p["step_seconds"] for p in decode], "decode point")},
         "tiers": tier_results,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
