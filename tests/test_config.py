@@ -116,3 +116,17 @@ tiers:
         load_config(tmp_path / "bad.yaml")
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_a_store_config_file_refuses_aliases_and_quotes_no_secret(tmp_path: Path) -> None:
+    """The store's and the fleet's YAML go through the router's reader: no alias bomb, no line text in errors."""
+    bomb = tmp_path / "bomb.yaml"
+    laughs = ["&a0 [x, x]"] + [f"&a{i} [*a{i - 1}, *a{i - 1}]" for i in range(1, 40)]
+    bomb.write_text("chunk_tokens: 32\nlaughs: [\n  " + ",\n  ".join(laughs) + "]\n")
+    with pytest.raises(ConfigError, match=r"line 4, column \d+: YAML aliases"):
+        load_config(bomb)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("tiers:\n  - type: redis\n    url: 'redis://:hunter2@127.0.0.1:6379\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(broken)
+    assert "hunter2" not in str(info.value) and "line" in str(info.value), info.value

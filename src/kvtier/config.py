@@ -289,20 +289,43 @@ def _parse_tier(raw: object, index: int, seen: set[str]) -> TierSpec:
                     queue_bytes=common.queue_bytes, workers=common.workers, retry_seconds=common.retry_seconds)
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without aliases (``*name``): an alias stands for its anchor's whole value, so a few lines can stand for
+    billions of values (the "billion laughs"), and an error message quoting one would never end."""
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "YAML aliases (*name) are not accepted: write the "
+                                              "value out", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+def read_yaml(path: str | os.PathLike[str], what: str) -> object:
+    """A YAML file's document, without aliases; a syntax error says where (line, column), never the text
+    there, which may hold a secret (a URL's password, a token)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {what} file {path}: {exc}") from exc
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader) or {}
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        # PyYAML's own words, but what they quote of the text (a token, a tag) goes
+        problem = re.sub(r"'[^']{3,}'|\"[^\"]{3,}\"", "'...'", exc.problem or "")
+        raise ConfigError(f"{what} file {path} is not valid YAML{where}: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} file {path} is not valid YAML ({type(exc).__name__})") from None
+
+
 def read_mapping(source: Mapping[str, object] | str | os.PathLike[str], what: str,
                  allowed: Sequence[str]) -> Mapping[str, object]:
     """A config mapping as given, or read from a YAML file; refused unless a mapping of ``allowed`` keys only.
     ``what`` names the config in errors ("config", "router config", ...)."""
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read {what} file {path}: {exc}") from exc
-        try:
-            source = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{what} file {path} is not valid YAML: {exc}") from exc
+        source = read_yaml(source, what)
     if not isinstance(source, Mapping):
         raise ConfigError(f"{what}: expected a mapping, got {type(source).__name__}")
     unknown = sorted(map(str, set(source) - set(allowed)))

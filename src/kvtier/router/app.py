@@ -61,7 +61,7 @@ class RouterApp:
                              if config.engine_api_key is not None else {})
         self.metrics = RouterMetrics()
         self.metrics.declare([e.name for e in config.engines], [e.name for e in config.engines if e.kv_events])
-        self.index = PrefixIndex(config.block_size)
+        self.index = PrefixIndex(config.block_size, config.events.max_engine_blocks)
         self.router = Router(config, self.index)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(config.tokenizer)
         self.urls = {e.name: e.url.rstrip("/") for e in config.engines}
@@ -131,7 +131,6 @@ class RouterApp:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), auto_decompress=False,
             skip_auto_headers=("Accept-Encoding",))
         self._zmq = zmq.asyncio.Context()
-        self.index.max_engine_blocks = self.config.events.max_engine_blocks
         for engine in self.config.engines:
             if engine.kv_events is None:
                 continue

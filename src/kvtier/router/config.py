@@ -18,10 +18,8 @@ import os
 import re
 import urllib.parse
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Literal
 
-import yaml
 
 
 from kvtier.config import build_dataclass, check_otlp_endpoint, check_url_port, read_mapping, shown
@@ -198,8 +196,7 @@ _TOP = {f.name for f in dataclasses.fields(RouterConfig)} - {"host", "port"} | {
 
 def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) -> RouterConfig:
     """Validate a mapping, or read a YAML file, into a :class:`RouterConfig`."""
-    raw = dict(read_mapping(source if isinstance(source, Mapping) else read_yaml(source, "router config"),
-                            "router config", sorted(_TOP)))
+    raw = dict(read_mapping(source, "router config", sorted(_TOP)))
     listen = raw.pop("listen", "127.0.0.1:8000")
     host, sep, port = str(listen).rpartition(":")
     if not sep or not host or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
@@ -235,37 +232,6 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
     _check_admin(config.admin_listen, config.engine_api_key)
     return RouterConfig(engines=engines, host=host.strip("[]"), port=int(port), timeouts=timeouts, costs=costs,
                         limits=limits, events=events, **dataclasses.asdict(config))
-
-
-class _NoAliasLoader(yaml.SafeLoader):
-    """YAML without aliases (``*name``): an alias stands for its anchor's whole value, so a few lines can stand for
-    billions of values (the "billion laughs"), and an error message quoting one would never end."""
-
-    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
-        if self.check_event(yaml.AliasEvent):
-            raise yaml.composer.ComposerError(None, None, "YAML aliases (*name) are not accepted: write the "
-                                              "value out", self.peek_event().start_mark)
-        return super().compose_node(parent, index)
-
-
-def read_yaml(path: str | os.PathLike[str], what: str) -> object:
-    """A YAML file's document, without aliases; a syntax error says where (line, column), never the text
-    there, which may hold a secret (a URL's password, a token)."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read {what} file {path}: {exc}") from exc
-    try:
-        return yaml.load(text, Loader=_NoAliasLoader) or {}
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        # PyYAML's own words, but what they quote of the text (a token, a tag) goes
-        problem = re.sub(r"'[^']{3,}'|\"[^\"]{3,}\"", "'...'", exc.problem or "")
-        raise ConfigError(f"{what} file {path} is not valid YAML{where}: {problem}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{what} file {path} is not valid YAML ({type(exc).__name__})") from None
 
 
 def _check_admin(admin_listen: str | None, engine_api_key: str | None) -> None:

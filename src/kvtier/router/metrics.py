@@ -45,10 +45,13 @@ class RouterMetrics:
                                      ["engine"], registry=r)
         self.event_resets = Counter("kvtier_router_event_resets", "Times an engine's entries were cleared (restart, "
                                     "death, AllBlocksCleared)", ["engine", "cause"], registry=r)
-        self.event_errors = Counter("kvtier_router_event_errors", "Malformed KV-event messages skipped",
+        self.event_errors = Counter("kvtier_router_event_errors", "KV-event messages skipped (malformed, too "
+                                    "large, dropped from a full queue, replayed out of range) and replays that "
+                                    "failed, by kind",
                                     ["engine", "kind"], registry=r)
         self.index_unusable = Gauge("kvtier_router_index_unusable", "Stored blocks the index could not place "
-                                    "(orphans, other block sizes), since start", ["reason"], registry=r)
+                                    "or keep (orphans, other block sizes, hashes reused, past an engine's cap), "
+                                    "since start", ["reason"], registry=r)
         self.healthy = Gauge("kvtier_router_engine_healthy", "1 if the engine answers /health", ["engine"],
                              registry=r)
         self.prefill_rate = Gauge("kvtier_router_prefill_seconds_per_token", "Calibrated prefill cost",
@@ -83,7 +86,8 @@ class RouterMetrics:
                 family.labels(name)
             for cause in ("sequence", "all_blocks_cleared"):
                 self.event_resets.labels(name, cause)
-            for kind in ("task", "decode", "frames", "apply", "replay_endpoint"):
+            for kind in ("task", "decode", "too_large", "frames", "dropped", "apply", "replay_endpoint",
+                         "replay_range", "replay_timeout"):
                 self.event_errors.labels(name, kind)
         for reason in ("body_too_large", "body_timeout", "busy", "bad_body", "bad_header"):
             self.refused.labels(reason)
