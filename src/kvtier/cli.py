@@ -427,8 +427,9 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 2
     if trace.skipped_empty:
-        print(f"kvtier: warning: skipped {trace.skipped_empty} lines of {args.trace} with an empty prompt (they look "
-              "up nothing; --strict refuses them)", file=sys.stderr)
+        lines = "line" if trace.skipped_empty == 1 else "lines"
+        print(f"kvtier: warning: skipped {trace.skipped_empty} {lines} of {args.trace} with an empty prompt (they "
+              "look up nothing; --strict refuses them)", file=sys.stderr)
     deployment = calibration = None
     if (args.deployment is None) != (args.calibration is None):
         print("kvtier: --deployment and --calibration go together (the timing layer needs both)", file=sys.stderr)

@@ -55,7 +55,8 @@ def cache_report(trace: Trace, capacities: Sequence[int] | None, policies: Seque
 
 
 def _print_table(trace: Trace, caps: Sequence[int], table: dict[str, dict[int, HitCount]], elapsed: float) -> None:
-    skipped = f" ({trace.skipped_empty:,} lines with an empty prompt skipped)" if trace.skipped_empty else ""
+    lines = "line" if trace.skipped_empty == 1 else "lines"
+    skipped = f" ({trace.skipped_empty:,} {lines} with an empty prompt skipped)" if trace.skipped_empty else ""
     print(f"{trace.source}: {len(trace.requests):,} requests{skipped}, {trace.accesses:,} block lookups, "
           f"{trace.distinct_blocks:,} distinct whole blocks of {trace.block_tokens} tokens ({elapsed:.1f} s)")
     widths = {n: max(10, len(n)) for n in table}
