@@ -622,7 +622,7 @@ def test_a_purged_namespace_leaves_nothing_that_names_it(tier: str, tmp_path: Pa
     names = _raw_names(tier, cfg, request, tmp_path)
     assert not any(gone in n for n in names), names
     if tier == "disk":  # nor does the share's ledger, which every process reads
-        ledgers = [p.read_text() for p in (tmp_path / "disk" / ".shares").iterdir()]
+        ledgers = [p.read_text() for p in (tmp_path / "disk" / ".shares").iterdir() if "." not in p.name]  # no .lock
         assert ledgers and not any(gone in text for text in ledgers) and all(kept in text for text in ledgers)
     assert all(any(r.format(kept) in n and kept in n for n in names) for r in records), names
     with KVStore.from_config(cfg) as store:  # the namespace is written and found again after its records went
@@ -804,3 +804,139 @@ def test_a_share_counted_again_lists_only_the_chunk_directories_changed(tmp_path
     skipped = {sub for sub, unchanged in seen if unchanged}
     assert skipped == {"00", "02", "03"}  # 01 lost a file, 04 and 05 are new, 20 is new
     assert a.share_bytes("rule0") == files_of(tmp_path / "fs", NS_A) * FS_SHARD == 7 * FS_SHARD
+
+
+def _ledger_path(path: Path) -> Path:
+    return path / ".shares" / tier_shares.share_id("rule0")
+
+
+def _grow_ledger(path: Path, namespaces: int) -> None:
+    """Lines as other processes' joins append them (one per namespace a salt-hopping client made), none with files."""
+    with _ledger_path(path).open("ab") as f:
+        f.write(b"".join(b"%032x\n" % (i + 1) for i in range(namespaces)))
+
+
+def test_a_ledger_past_its_size_limit_is_compacted_never_replaced_under_a_running_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ledger grown past 4 MiB (a namespace per salt) is not removed by the next process to open it, which would
+    leave the running one locking a file no one else locks: the share stays at its quota, and the ledger shrinks
+    to the namespaces that hold files."""
+    monkeypatch.setattr(tier_shares, "RECENT_SECONDS", 0.0)
+    a = fs_tier(tmp_path / "fs")
+    a.set_share(NS_A, "rule0", 12 * FS_SHARD)
+    a.put(tier_key(0), [b"a" * FS_SHARD])
+    _grow_ledger(tmp_path / "fs", 130_000)
+    assert _ledger_path(tmp_path / "fs").stat().st_size > 4 * 2**20
+    b = fs_tier(tmp_path / "fs")
+    b.set_share(NS_A, "rule0", 12 * FS_SHARD)
+    for first, tier in ((1, a), (1000, b), (2000, a), (3000, b)):
+        for i in range(12):
+            tier.put(tier_key(first + i), [b"x" * FS_SHARD])
+    assert files_of(tmp_path / "fs", NS_A) == 12
+    assert _ledger_path(tmp_path / "fs").stat().st_size < 4096
+
+
+def test_a_ledger_full_of_namespaces_with_files_refuses_a_new_namespace(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compacting cannot shrink a ledger whose namespaces all hold files: a put of a new namespace into the share
+    is refused (share_full) rather than the ledger growing past its limit; a namespace it names still writes."""
+    from kvtier.tiers import _share_ledger
+
+    monkeypatch.setattr(_share_ledger, "_MAX_BYTES", 38 + 3 * 33)  # the header and three namespaces
+    tier = fs_tier(tmp_path / "fs")
+    spaces = [f"{i:032x}" for i in range(1, 5)]
+    for namespace in spaces:
+        tier.set_share(namespace, "rule0", 100 * FS_SHARD)
+    for namespace in spaces[:3]:
+        tier.put(tier_key(1, namespace=namespace), [b"x" * FS_SHARD])
+    with pytest.raises(QuotaFull):
+        tier.put(tier_key(1, namespace=spaces[3]), [b"x" * FS_SHARD])
+    tier.put(tier_key(2, namespace=spaces[0]), [b"x" * FS_SHARD])
+    assert tier.counters()["share_refused_writes"] == 1 and files_of(tmp_path / "fs", spaces[3]) == 0
+    assert _ledger_path(tmp_path / "fs").stat().st_size <= 38 + 3 * 33
+
+
+def test_namespaces_learned_from_the_ledger_never_push_out_the_processs_own(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store tells a tier a namespace's share once: however many namespaces other processes' ledgers name,
+    the ones this process was told keep their quota (the learned ones are the bounded kind)."""
+    monkeypatch.setattr(tier_shares, "RECENT_SECONDS", 0.0)
+    monkeypatch.setattr(tier_shares, "_KEPT", 50)
+    tier = fs_tier(tmp_path / "fs")
+    tier.set_share(NS_A, "rule0", 12 * FS_SHARD)
+    tier.put(tier_key(0), [b"a" * FS_SHARD])
+    _grow_ledger(tmp_path / "fs", 200)
+    other = fs_tier(tmp_path / "fs")
+    other.set_share(NS_B, "rule0", 12 * FS_SHARD)
+    other.put(tier_key(0, namespace=NS_B), [b"b" * FS_SHARD])  # a new token: the first one learns the ledger again
+    for i in range(40):
+        tier.put(tier_key(i), [b"x" * FS_SHARD])
+    assert files_of(tmp_path / "fs", NS_A) + files_of(tmp_path / "fs", NS_B) == 12
+
+
+def test_a_put_into_an_unchanged_share_reads_no_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put reads the ledger's token only, unless another process changed the share: then it reads it once."""
+    tier, other = fs_tier(tmp_path / "fs"), fs_tier(tmp_path / "fs")
+    tier.set_share(NS_A, "rule0", 100 * FS_SHARD)
+    other.set_share(NS_A, "rule0", 100 * FS_SHARD)
+    tier.put(tier_key(0), [b"x" * FS_SHARD])
+    ledger = tier._ledgers.of(tier_shares.share_id("rule0"))
+    reads = []
+    pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: (reads.append(n) if fd == ledger._fd and n > 16 else None,
+                                                        pread(fd, n, at))[1])
+    for i in range(1, 10):
+        tier.put(tier_key(i), [b"x" * FS_SHARD])
+    assert reads == []
+    other.put(tier_key(100), [b"y" * FS_SHARD])
+    tier.put(tier_key(10), [b"x" * FS_SHARD])
+    assert len(reads) == 1 and tier.share_bytes("rule0") == 12 * FS_SHARD
+
+
+def test_telling_a_tier_of_a_share_takes_no_lock_another_process_holds(tmp_path: Path) -> None:
+    """``set_share`` runs on the store's request path: a new namespace must not wait for another process's put
+    into the same share (its ledger's lock); the namespace joins the ledger at its first put."""
+    import fcntl
+
+    tier = fs_tier(tmp_path / "fs")
+    tier.set_share(NS_A, "rule0", 100 * FS_SHARD)
+    tier.put(tier_key(0), [b"x" * FS_SHARD])
+    held = [os.open(p, os.O_RDONLY) for p in (tmp_path / "fs" / ".shares").iterdir()]
+    for fd in held:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another open file: as another process's put holds it
+    try:
+        told = threading.Thread(target=tier.set_share, args=(NS_B, "rule0", 100 * FS_SHARD), daemon=True)
+        told.start()
+        told.join(2)
+        assert not told.is_alive()
+    finally:
+        for fd in held:
+            os.close(fd)
+    told.join(10)
+    tier.put(tier_key(1, namespace=NS_B), [b"y" * FS_SHARD])
+    assert NS_B in _ledger_path(tmp_path / "fs").read_text() and tier.share_bytes("rule0") == 2 * FS_SHARD
+
+
+def test_a_process_killed_between_its_rename_and_its_token_leaves_the_share_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put draws a token no process saw before it evicts or renames: a process killed after its rename, before
+    its last token, still makes the others count the share again (they hold it to its quota, not above)."""
+    monkeypatch.setattr(tier_shares, "RECENT_SECONDS", 0.0)
+    survivor = fs_tier(tmp_path / "fs")
+    survivor.set_share(NS_A, "rule0", 12 * FS_SHARD)
+    for i in range(12):
+        survivor.put(tier_key(i), [b"b" * FS_SHARD])
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            killed = fs_tier(tmp_path / "fs")
+            killed.set_share(NS_A, "rule0", 12 * FS_SHARD)
+            rename = killed._rename_into_place
+            killed._rename_into_place = lambda tmp, key: (rename(tmp, key), os._exit(9))  # type: ignore
+            killed.put(tier_key(5000), [b"a" * FS_SHARD])
+        finally:
+            os._exit(1)
+    assert os.waitpid(pid, 0)[1] >> 8 == 9
+    for i in range(3):
+        survivor.put(tier_key(100 + i), [b"b" * FS_SHARD])
+    assert files_of(tmp_path / "fs", NS_A) == 12 == survivor.share_bytes("rule0") // FS_SHARD

@@ -528,14 +528,13 @@ class FilesystemTier(Tier):
     # -- tenant shares -----------------------------------------------------------------------------------------
     def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
         """Count ``namespace``'s files against the tenant share ``share`` of ``quota_bytes`` (None: no share), in
-        every process sharing the directory (its ledger names the namespace); a put that would take the share past
-        its quota evicts the share's own least recently used files (an isolated LRU), whichever process wrote them."""
+        every process sharing the directory (its ledger names the namespace from its first put into the share on:
+        this runs on the store's request path, and takes no lock another process may hold); a put that would take
+        the share past its quota evicts the share's own least recently used files (an isolated LRU), whichever
+        process wrote them."""
         sid = None if share is None else share_id(share)
         with self._lock:
             self._shares.set(namespace, sid, quota_bytes, self._files)  # a walk of the index, once per namespace
-        if sid is not None:
-            assert self._ledgers is not None
-            self._ledgers.of(sid).join(namespace, quota_bytes)
 
     def share_bytes(self, share: str) -> int:
         with self._lock:
@@ -549,16 +548,27 @@ class FilesystemTier(Tier):
             ns: (ledger.sid, ledger.quota) for ledger in self._ledgers.refresh() for ns in ledger.namespaces
             if self._shares.share_of(ns) is None}
         if new:
-            self._shares.set_many(new, self._files)
+            self._shares.set_many(new, self._files, learned=True)
 
     def _recount_share(self, ledger: Ledger) -> None:
         """Another process changed the share: index its namespaces' files from the directory again (files gone
         leave the index, files new enter it), as the share is counted from the index."""
         with self._lock:
             self._learn_shares_locked()
-            counted = self._shares.keys(ledger.sid)
-        for namespace in ledger.namespaces:
-            self._recount_namespace(namespace, {k for k in counted if k.namespace == namespace})
+            counted: dict[str, set[ShardKey]] = {}
+            for key in self._shares.keys(ledger.sid):
+                counted.setdefault(key.namespace, set()).add(key)
+        names = ledger.namespaces
+        if len(names) > len(counted) + 64:  # most named, none indexed: one listing of the root spares their opens
+            with os.scandir(self._root_fd) as it:
+                names = names & {e.name for e in it} | counted.keys()
+        for namespace in names:
+            self._recount_namespace(namespace, counted.get(namespace, set()))
+        with self._lock:  # a namespace forgotten from the bounded table of learned ones, now holding files
+            lost = {ns: (ledger.sid, ledger.quota) for ns in self._shares.with_files(names)
+                    if self._shares.share_of(ns) is None}
+            if lost:
+                self._shares.set_many(lost, self._files, learned=True)
 
     def _recount_namespace(self, namespace: str, counted: set[ShardKey]) -> None:
         """Index ``namespace``'s files (``counted``: those indexed) from the directory again, listing only the
@@ -724,21 +734,31 @@ class FilesystemTier(Tier):
         if hold.stale:
             self._recount_share(ledger)
             hold.stale = False
+        with self._lock:
+            found = self._shares.share_of(key.namespace)
+        # The namespace's first put into the share (or the first since a purge or a compaction took it out).
+        if found is not None and not ledger.joined(hold, key.namespace, found[1], self._with_files):
+            with self._lock:
+                self.share_refused += 1
+            raise QuotaFull(f"{self.name}: not writing {key.name}: its tenant's share names as many namespaces "
+                            "holding files as its ledger can hold")
         now = time.time()
         with self._lock:
             self._refuse_if_full_locked(key, size, now)
-            for victim in self._shares.victims(key.namespace, self._size_of, self._used_at,
-                                               now - tenant_shares.RECENT_SECONDS, key, size):
+            victims = self._shares.victims(key.namespace, self._size_of, self._used_at,
+                                           now - tenant_shares.RECENT_SECONDS, key, size)
+            ledger.changing(hold)  # before the evictions and the rename: a kill between them still tells the others
+            for victim in victims:
                 self._remove_locked(victim)
                 self.evictions += 1
                 self.share_evictions += 1
-            found = self._shares.share_of(key.namespace)
-        if found is not None:
-            ledger.joined(hold, key.namespace, found[1])  # a purge may have taken it out of the ledger
-        hold.changed = True
         self._rename_into_place(tmp, key)
         with self._lock:
             self._add_locked(key, _File(size, now if created is None else created, now))
+
+    def _with_files(self, namespaces: frozenset[str]) -> set[str]:
+        with self._lock:
+            return self._shares.with_files(namespaces)
 
     def _refuse_if_full_locked(self, key: ShardKey, size: int, now: float) -> None:
         if self._shares.refuses(key, size, self._size_of, self._used_at, now - tenant_shares.RECENT_SECONDS):

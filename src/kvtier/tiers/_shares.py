@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from kvtier.keys import ShardKey
 
-_KEPT = 65536  # namespaces whose share is remembered (the store tells a tier again when it meets one anew)
+_KEPT = 65536  # namespaces learned from other processes whose share is remembered (those the store set are kept)
 RECENT_SECONDS = 10.0  # objects used this recently are never evicted to make room (see above)
 
 
@@ -28,7 +28,11 @@ def share_id(share: str) -> str:
 class Shares:
     def __init__(self) -> None:
         self._ns_bytes: dict[str, int] = {}
-        self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()  # namespace -> (share, quota in bytes)
+        self._share_of: dict[str, tuple[str, int]] = {}  # namespace -> (share, quota in bytes)
+        # Namespaces learned from other processes, least recent first: only these are forgotten past _KEPT, as the
+        # store tells a tier each of its own namespaces' shares once (a flood of learned ones must not drop them).
+        self._learned: OrderedDict[str, None] = OrderedDict()
+        self._bytes: dict[str, int] = {}  # share -> the bytes its namespaces hold (kept, not summed per call)
         self._members: dict[str, set[str]] = {}  # share -> its namespaces
         self._lru: dict[str, OrderedDict[ShardKey, None]] = {}  # share -> its objects, least recently used first
 
@@ -37,6 +41,7 @@ class Shares:
         self._ns_bytes[key.namespace] = self._ns_bytes.get(key.namespace, 0) + size - replaced
         share = self._share_of.get(key.namespace)
         if share is not None:
+            self._bytes[share[0]] += size - replaced
             lru = self._lru[share[0]]
             lru[key] = None
             lru.move_to_end(key)
@@ -49,6 +54,7 @@ class Shares:
             del self._ns_bytes[key.namespace]
         share = self._share_of.get(key.namespace)
         if share is not None:
+            self._bytes[share[0]] -= size
             self._lru[share[0]].pop(key, None)
 
     def used(self, key: ShardKey) -> None:
@@ -61,42 +67,60 @@ class Shares:
         self._ns_bytes.clear()
         for lru in self._lru.values():
             lru.clear()
+        self._bytes = dict.fromkeys(self._bytes, 0)
 
     # -- shares ------------------------------------------------------------------------------------------------
     def set(self, namespace: str, share: str | None, quota_bytes: int, keys: Iterable[ShardKey]) -> None:
         """Count ``namespace`` against ``share`` (None: none); ``keys`` are the index's, least recent first."""
         self.set_many({namespace: (share, quota_bytes)}, keys)
 
-    def set_many(self, shares: dict[str, tuple[str | None, int]], keys: Iterable[ShardKey]) -> None:
-        """:meth:`set` for each namespace of ``shares`` (namespace -> share and quota), with one walk of ``keys``."""
+    def set_many(self, shares: dict[str, tuple[str | None, int]], keys: Iterable[ShardKey], *,
+                 learned: bool = False) -> None:
+        """:meth:`set` for each namespace of ``shares`` (namespace -> share and quota), with one walk of ``keys``;
+        ``learned``: from other processes (bounded: the least recently learned are forgotten past ``_KEPT``)."""
         order = list(keys)
         touched = set()
         for namespace, (share, quota_bytes) in shares.items():
-            old = self._share_of.pop(namespace, None)
-            if old is not None:
-                self._members[old[0]].discard(namespace)
-                touched.add(old[0])
+            self._leave(namespace, touched)
             if share is not None:
                 self._share_of[namespace] = (share, quota_bytes)
                 self._members.setdefault(share, set()).add(namespace)
+                self._bytes[share] = self._bytes.get(share, 0) + self._ns_bytes.get(namespace, 0)
                 touched.add(share)
-        while len(self._share_of) > _KEPT:
-            namespace, (share, _) = self._share_of.popitem(last=False)
-            self._members[share].discard(namespace)
-            touched.add(share)
+                if learned:
+                    self._learned[namespace] = None
+        # Never one holding objects: its share would stop counting them (the index bounds how many those are).
+        if len(self._learned) > _KEPT:
+            for namespace in [ns for ns in self._learned if not self._ns_bytes.get(ns)]:
+                if len(self._learned) <= _KEPT:
+                    break
+                self._leave(namespace, touched)
         for share in touched:
             if self._members.get(share):
                 self._lru[share] = self._ordered(share, order)
             else:
                 self._members.pop(share, None)
                 self._lru.pop(share, None)
+                self._bytes.pop(share, None)
+
+    def _leave(self, namespace: str, touched: set[str]) -> None:
+        self._learned.pop(namespace, None)
+        old = self._share_of.pop(namespace, None)
+        if old is not None:
+            self._members[old[0]].discard(namespace)
+            self._bytes[old[0]] -= self._ns_bytes.get(namespace, 0)
+            touched.add(old[0])
 
     def _ordered(self, share: str, order: list[ShardKey]) -> OrderedDict[ShardKey, None]:
         members = self._members.get(share, set())
         return OrderedDict((k, None) for k in order if k.namespace in members)
 
     def bytes(self, share: str) -> int:
-        return sum(self._ns_bytes.get(ns, 0) for ns in self._members.get(share, ()))
+        return self._bytes.get(share, 0)
+
+    def with_files(self, namespaces: Iterable[str]) -> set[str]:
+        """Those of ``namespaces`` that hold objects in the index."""
+        return {ns for ns in namespaces if self._ns_bytes.get(ns)}
 
     def share_of(self, namespace: str) -> tuple[str, int] | None:
         """``namespace``'s share and its quota in bytes (None: it counts against none)."""
