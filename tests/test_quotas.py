@@ -940,3 +940,31 @@ def test_a_process_killed_between_its_rename_and_its_token_leaves_the_share_coun
     for i in range(3):
         survivor.put(tier_key(100 + i), [b"b" * FS_SHARD])
     assert files_of(tmp_path / "fs", NS_A) == 12 == survivor.share_bytes("rule0") // FS_SHARD
+
+
+def test_a_ledger_rewrite_that_fails_leaves_the_ledger_as_it_was(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A purge's (or a compaction's) rewrite is written aside and renamed over the ledger: failing at the rename
+    (as a crash there would) leaves every line of the old one, and the tier goes on holding the share to its quota."""
+    tier = fs_tier(tmp_path / "fs")
+    for namespace in (NS_A, NS_B):
+        tier.set_share(namespace, "rule0", 3 * FS_SHARD)
+        tier.put(tier_key(0, namespace=namespace), [b"x" * FS_SHARD])
+    before = _ledger_path(tmp_path / "fs").read_text().split("\n")[1:]
+    rename = os.rename
+    def failing(src: str, dst: str, **kw: Any) -> None:  # noqa: ANN401
+        if str(src).endswith(".new"):
+            raise OSError(28, "No space left on device")
+        rename(src, dst, **kw)
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(TierError):
+        tier.remove_records([NS_B])
+    assert _ledger_path(tmp_path / "fs").read_text().split("\n")[1:] == before
+    assert [p.name for p in (tmp_path / "fs" / ".shares").iterdir() if p.name.endswith(".new")] == []
+    monkeypatch.setattr(os, "rename", rename)
+    tier.remove_records([NS_B])
+    assert NS_B not in _ledger_path(tmp_path / "fs").read_text()
+    for i in range(1, 5):
+        with contextlib.suppress(QuotaFull):
+            tier.put(tier_key(i), [b"x" * FS_SHARD])
+    assert tier.share_bytes("rule0") <= 3 * FS_SHARD

@@ -342,24 +342,27 @@ def test_a_key_that_is_not_hex_never_names_a_path(tmp_path: Path) -> None:
         tier.close()
 
 
+@pytest.mark.parametrize("suffix", ["", ".lock"], ids=["ledger", "lock"])
 @pytest.mark.parametrize("planted", ["link", "fifo"])
-def test_a_share_ledger_that_is_not_a_regular_file_is_replaced_never_followed(tmp_path: Path, planted: str) -> None:
-    """Whoever could plant a ledger could steer every process's count of a share: a link or a FIFO in its place
-    is removed (the link's target untouched) and a ledger of the tier's own made."""
+def test_a_share_ledger_that_is_not_a_regular_file_is_replaced_never_followed(tmp_path: Path, planted: str,
+                                                                              suffix: str) -> None:
+    """Whoever could plant a ledger (or its lock file) could steer every process's count of a share: a link or a
+    FIFO in its place is removed (the link's target untouched) and a file of the tier's own made."""
     from kvtier.tiers._shares import share_id
 
     root = tmp_path / "fs"
     open_tier(root).close()
+    planted_at = root / ".shares" / (share_id("rule0") + suffix)
     ledger = root / ".shares" / share_id("rule0")
     victim = tmp_path / "victim"
     victim.write_text("keep me")
     if planted == "link":
-        ledger.symlink_to(victim)
+        planted_at.symlink_to(victim)
     else:
-        os.mkfifo(ledger, 0o600)
+        os.mkfifo(planted_at, 0o600)
     tier = open_tier(root)
     tier.set_share(NS_A, "rule0", 10)
     tier.put(key(1), [b"kv"])
-    assert stat.S_ISREG(ledger.lstat().st_mode) and NS_A in ledger.read_text()
+    assert stat.S_ISREG(planted_at.lstat().st_mode) and NS_A in ledger.read_text()
     assert victim.read_text() == "keep me"
     assert tier.share_bytes("rule0") == 2
