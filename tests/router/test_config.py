@@ -111,3 +111,22 @@ def test_the_cli_prints_a_field_error_not_a_traceback(tmp_path, capsys):
     assert main(["router", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtier: engines[0].url") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("url", ["http://admin:S3CRET@10.0.0.1:8000", "https://S3CRET@e0:443", "http://:S3CRET@h:1"])
+def test_an_engine_url_with_credentials_is_refused_for_engine_api_key(url):
+    """aiohttp cannot send URL credentials with a client's own Authorization, nor with engine_api_key's: refused,
+    pointing to engine_api_key, without the password."""
+    message = refused(engine(url=url), "engines[0].url")
+    assert "engine_api_key" in message and "S3CRET" not in message
+
+
+def test_the_inflight_body_budget_holds_at_least_one_whole_body():
+    refused({**BASE, "limits": {"max_body_bytes": 2**20, "max_inflight_body_bytes": 2**20 - 1}},
+            "limits.max_inflight_body_bytes")
+    assert load_router_config(BASE).limits.max_inflight_body_bytes == 256 * 2**20
+
+
+def test_a_replay_budget_holds_at_least_one_whole_message():
+    refused({**BASE, "events": {"max_message_bytes": 2**20, "replay_bytes": 2**20 - 1}}, "events.replay_bytes")
+    assert load_router_config({**BASE, "events": {"replay_bytes": 2**30}}).events.replay_bytes == 2**30

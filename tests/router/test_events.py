@@ -236,3 +236,37 @@ def test_feed_ignores_replayed_batches_outside_what_it_asked_for():
     for s in range(6, 9):
         assert feed.live(s, b(s)) is None
     assert r.applied == [float(s) for s in range(9)] and r.clears == 0
+
+
+def test_restarts_a_forged_publisher_repeats_are_logged_once_a_minute_and_all_counted(caplog, monkeypatch):
+    """Each sequence that goes back is a restart, each jump a loss (cleared and counted each time), but each kind of
+    warning is logged at most once every 60 s: a publisher sending 5, 0, 5, 0 ... cannot flood the log. After the minute, the next is logged
+    again, with how many were not."""
+    import logging
+
+    import kvtier.router.metrics as metrics
+    from kvtier.router.metrics import LogOnce
+
+    now = [1000.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    resets = []
+    log = logging.getLogger("test.feed")
+    feed = SettledFeed(apply=lambda b: None, clear=lambda: None, on_reset=lambda: resets.append(1),
+                       warn=lambda kind, *a: LIMIT(kind, *a))
+    LIMIT = LogOnce(None, "kvtier_router_event_resets", log, logging.WARNING, every_s=60)
+    feed.live(0, b(0))
+    feed.replayed([])
+    with caplog.at_level(logging.WARNING, logger="test.feed"):
+        for i in range(50):
+            feed.live(5, b(1000 + 2 * i))
+            feed.replayed([])
+            feed.live(0, b(1001 + 2 * i))  # back to 0 with other content: a restart
+            feed.replayed([])
+        assert len(resets) == 100  # each cycle: 1-4 lost (a jump from 0 to 5), then a restart
+        assert [r.getMessage()[:20] for r in caplog.records] == ["events 1-4 are lost ", "event sequence went "]
+        now[0] += 61
+        feed.live(5, b(5000))
+        feed.replayed([])
+        feed.live(0, b(5001))
+    assert len(resets) == 102 and len(caplog.records) == 4
+    assert all("49 since the last one logged" in r.getMessage() for r in caplog.records[2:])

@@ -277,3 +277,114 @@ def test_headers_an_engine_names_in_connection_are_not_passed_to_the_client():
         status, headers, _ = await post(url, "ok x")
         assert status == 200 and headers["X-Public"] == "1" and "X-Internal" not in headers
     run(main, n=1, engine_class=Naming)
+
+
+class CountingPattern:
+    """wire.EVENT_END, counting the bytes it is made to scan."""
+
+    def __init__(self, pattern) -> None:
+        self.pattern, self.scanned, self.calls = pattern, 0, 0
+
+    def finditer(self, data, pos: int = 0, *args):
+        self.calls += 1
+        self.scanned += len(data) - pos
+        return self.pattern.finditer(data, pos, *args)
+
+
+def test_a_long_event_in_many_chunks_is_scanned_once_not_per_chunk(monkeypatch):
+    """An event of 256 KiB in 1 KiB writes: each byte is searched for an event's end about once (rescanning what
+    is held at every chunk is quadratic: ~128x the bytes here), and the event passes whole."""
+    import kvtier.router.wire as wire
+
+    counting = CountingPattern(wire.EVENT_END)
+    monkeypatch.setattr(wire, "EVENT_END", counting)
+    payload = b"data: " + b"x" * 256 * 1024
+
+    class Long(ScriptedEngine):
+        async def completions(self, request):
+            await request.read()
+            reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await reply.prepare(request)
+            for i in range(0, len(payload), 1024):
+                await reply.write(payload[i:i + 1024])
+                await asyncio.sleep(0.001)
+            await reply.write(b"\n\ndata: [DONE]\n\n")
+            return reply
+
+    async def main(url, engines, app):
+        status, _, body = await post(url, "ok x", stream=True)
+        assert status == 200 and body == payload + b"\n\ndata: [DONE]\n\n"
+        assert counting.calls >= 16  # the event came in many chunks: the bound below means something
+        assert counting.scanned <= len(body) + 4 * counting.calls
+    run(main, n=1, engine_class=Long)
+
+
+@pytest.mark.parametrize("pieces", [[b'data: {"a": 1}\n\r\ndata: {"te'],
+                                    [b'data: {"a": 1}\n\r', b'\ndata: {"te'],
+                                    [b'data: {"a": 1}\r', b'\n\r\ndata: {"te']])
+def test_an_event_ended_by_mixed_line_endings_is_whole(pieces):
+    """LF then CRLF is an event's end (a line end is CRLF, CR or LF): the event is passed on, then the error,
+    with the end split across chunks too."""
+    class Mixed(ScriptedEngine):
+        async def completions(self, request):
+            await request.read()
+            reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await reply.prepare(request)
+            for piece in pieces:
+                await reply.write(piece)
+                await asyncio.sleep(0.05)
+            request.transport.close()
+            return reply
+
+    async def main(url, engines, app):
+        status, _, body = await post(url, "ok x", stream=True)
+        assert status == 200
+        sent = b"".join(pieces)
+        assert body.startswith(sent[:sent.index(b'data: {"te')] + b'data: {"error"')
+    run(main, n=1, engine_class=Mixed)
+
+
+STREAM = (b"data: a\n\r\ndata: b\r\nid: 2\r\n\r\ndata: c\r\rdata: d\n\ndata: e\r\n\n: note\r\n\r"
+          b"data: f\n\rdata: g")
+ENDS = {10, 28, 37, 46, 56, 65, 74}  # where STREAM's events end
+
+
+def test_whole_events_are_cut_at_every_kind_of_end_wherever_the_chunks_split():
+    from kvtier.router.wire import EventCutter
+
+    assert {m.end() for m in __import__("re").finditer(rb"\n\r\n|\r\n\r\n|\r\r|\n\n|\r\n\n|\r\n\r(?!\n)|\n\r(?!\n)",
+                                                          STREAM)} == ENDS  # the test's own reckoning
+    for sizes in [(len(STREAM),), *((i, len(STREAM) - i) for i in range(1, len(STREAM))), (1,) * len(STREAM)]:
+        cutter, at, passed, cuts = EventCutter(), 0, 0, []
+        for size in sizes:
+            passed += len(cutter.feed(STREAM[at:at + size]))
+            at += size
+            cuts.append(passed)
+        assert set(cuts) - {0} <= ENDS, sizes  # cut at events' ends only
+        assert passed == max(ENDS) and cutter.held == STREAM[max(ENDS):], sizes
+
+
+def test_an_engine_url_with_credentials_fails_as_an_engine_not_as_a_500():
+    """Refused in the config (engine_api_key is the way to authenticate); an engine URL with credentials that gets
+    past it (built in code) is an upstream failure when a client sends its own Authorization: 502, not 500."""
+    async def main(url, engines, app):
+        status, _, body = await post(url, "ok x", headers={"Authorization": "Bearer client"})
+        assert status == 502 and b"S3CRET" not in body
+    import dataclasses
+
+    async def scenario():
+        engine = ScriptedEngine()
+        runner, engine.url = await serve(engine.app())
+        config = load_router_config({"tokenizer": "unused", "block_size": 4, "engines": [
+            {"name": "e0", "url": engine.url}], "timeouts": {"first_byte_s": 5.0}, "retries": 0})
+        secret = engine.url.replace("http://", "http://admin:S3CRET@")
+        config = dataclasses.replace(config, engines=(dataclasses.replace(config.engines[0], url=secret),))
+        app = RouterApp(config, tokenizer=WordTokenizer())
+        listeners = await app.listen("127.0.0.1", 0)
+        try:
+            await main(f"http://127.0.0.1:{app.port()}", [engine], app)
+        finally:
+            for r in listeners:
+                await r.cleanup()
+            await runner.cleanup()
+    asyncio.run(scenario())

@@ -12,6 +12,7 @@ import time
 
 import aiohttp
 
+from kvtier.router.app import BUSY_PARSE_BYTES
 from tests.router.test_proxy import ScriptedEngine, WordTokenizer, post, run
 
 
@@ -68,22 +69,66 @@ def test_health_answers_while_a_huge_prompt_is_tokenized():
     run(main, tokenizer=tokenizer, limits={"max_prompt_tokens": 2**20})  # tokenized, not refused by its size
 
 
-def test_a_full_pool_answers_429_with_retry_after():
+def test_a_full_pool_routes_small_bodies_without_a_prediction_and_refuses_large_ones():
+    """Prediction is an optimisation, availability is not: with every worker busy (a prompt held in the
+    tokenizer) a small request is routed at once without a prediction, untokenized, the report mode still dropped;
+    one too large to parse on the event loop gets 429."""
     tokenizer = GatedTokenizer()
 
     async def main(url, engines, app):
         first = asyncio.create_task(post(url, "ok a"))
         await until(lambda: app.pool.pending == 1, "the first request on the worker")
-        second = asyncio.create_task(post(url, "ok b"))
-        await until(lambda: app.pool.pending == 2, "the second request queued")
-        status, headers, body = await post(url, "ok c")
-        assert status == 429 and headers["Retry-After"] == "1"
-        assert json.loads(body)["error"]["type"] == "busy"
-        tokenizer.gate.set()
-        assert [(await first)[0], (await second)[0]] == [200, 200]
-        assert sum(len(e.requests) for e in engines) == 2
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json={
+                    "model": "m", "prompt": "ok b", "stream": True,
+                    "vllm_xargs": {"kv_cache_report_mode": "full", "other": 1}}) as reply:
+                assert reply.status == 200 and reply.headers["X-KVTier-Route-Reason"] == "unindexed"
+                assert (await reply.read()).endswith(b"data: [DONE]\n\n")  # read as a stream
+        assert tokenizer.calls == 1 and not tokenizer.done.is_set()  # routed while the first is still held
+        assert [r["vllm_xargs"] for e in engines for r in e.requests] == [{"other": 1}]
+        assert app.metrics.unpredicted.labels("busy")._value.get() == 1
+        assert app.metrics.refused.labels("busy")._value.get() == 0
+        # a body too large to parse on the event loop is refused instead, with Retry-After
+        status, headers, body = await post(url, "ok " + "x" * (BUSY_PARSE_BYTES + 1))
+        assert status == 429 and headers["Retry-After"] == "1" and json.loads(body)["error"]["type"] == "busy"
         assert app.metrics.refused.labels("busy")._value.get() == 1
-    run(main, tokenizer=tokenizer, limits={"workers": 1, "queue": 1})
+        tokenizer.gate.set()
+        assert (await first)[0] == 200
+        assert sum(len(e.requests) for e in engines) == 2
+    run(main, tokenizer=tokenizer, policy="cache_aware", limits={"workers": 1, "queue": 0})
+
+
+async def held_gzip(port: int, inflated: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that sends a gzip body inflating to about ``inflated`` bytes, all but its last bytes, and
+    holds: the router has inflated (and holds) nearly all of it, and waits for the rest."""
+    bomb = gzip.compress(json.dumps({"model": "m", "prompt": "ok " + "x" * inflated}).encode())
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(bomb) + bomb[:-16])
+    await writer.drain()
+    return reader, writer
+
+
+def test_bodies_being_read_share_one_budget_across_connections():
+    """A few hundred bytes of gzip each make the router hold 700 KiB: the second such body is refused (503,
+    Retry-After) once the router-wide budget (1 MiB here) is spent, while a small honest body still fits; what a
+    connection held is given back when it goes."""
+    async def main(url, engines, app):
+        first = await held_gzip(app.port(), 700 * 1024)
+        await until(lambda: app.bodies.held > 600 * 1024, "the first body inflated and held")
+        reader, writer = await held_gzip(app.port(), 700 * 1024)
+        answer = await asyncio.wait_for(reader.read(), 10)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in answer
+        assert b"limits.max_inflight_body_bytes" in answer
+        writer.close()
+        assert app.bodies.held <= 1024 * 1024
+        status, _, _ = await post(url, "ok x")
+        assert status == 200
+        assert app.metrics.refused.labels("body_budget")._value.get() == 1
+        first[1].close()
+        await until(lambda: app.bodies.held == 0, "the held body given back when its connection went")
+        assert not any(e.requests[1:] for e in engines) and sum(len(e.requests) for e in engines) == 1
+    run(main, limits={"max_body_bytes": 2**20, "max_inflight_body_bytes": 2**20})
 
 
 def test_a_gzip_bomb_is_refused_with_413_before_it_is_all_sent():
@@ -136,7 +181,7 @@ def test_prompts_over_max_prompt_tokens_go_without_a_prediction_until_engines_sa
 
 def test_prompts_longer_than_max_model_len_go_without_a_prediction():
     """max_model_len from the engines' /v1/models: a prompt of more tokens is routed unindexed (the engine answers
-    it as it sees fit), and a body over 64 bytes a token of it is not even tokenized."""
+    it as it sees fit), and a body over 16 bytes a token of it is not even tokenized."""
     tokenizer = CountingTokenizer()
 
     async def main(url, engines, app):
@@ -145,7 +190,7 @@ def test_prompts_longer_than_max_model_len_go_without_a_prediction():
         assert headers["X-KVTier-Route-Reason"] == "no_prefix" and tokenizer.calls == 1
         status, headers, _ = await post(url, "ok " + "w " * 20)  # 21 tokens
         assert status == 200 and headers["X-KVTier-Route-Reason"] == "unindexed" and tokenizer.calls == 2
-        status, headers, _ = await post(url, "ok " + "w" * 2000)  # 2 tokens, but 2 KB: not tokenized
+        status, headers, _ = await post(url, "ok " + "w" * 300)  # 2 tokens, but over 16 x 16 bytes: not tokenized
         assert status == 200 and headers["X-KVTier-Route-Reason"] == "unindexed" and tokenizer.calls == 2
         assert app.metrics.unpredicted.labels("too_long")._value.get() == 2
         assert len(engines[0].requests) + len(engines[1].requests) == 3
@@ -183,22 +228,43 @@ def test_half_sent_requests_are_closed_at_their_deadline_and_honest_ones_pass():
     run(main, limits={"header_s": 0.5, "body_s": 0.5})
 
 
-def test_connections_past_the_cap_are_closed_at_once():
-    """With 4 connections held (headers not sent, well within header_s), a 5th is closed as it is accepted, not
-    held until a deadline; once the 4 go, requests are served again."""
+def test_at_the_cap_the_oldest_idle_connection_makes_room():
+    """max_connections (4) half-sent requests (headers never finished, well within header_s) do not lock anyone
+    out: a new connection closes the oldest idle one, and an honest request is served."""
     async def main(url, engines, app):
-        held = [await asyncio.open_connection("127.0.0.1", app.port()) for _ in range(4)]
+        held = []
+        for _ in range(4):
+            reader, writer = await asyncio.open_connection("127.0.0.1", app.port())
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            held.append((reader, writer))
         await until(lambda: app._sites["client"].open == 4, "4 connections counted")
+        status, _, _ = await post(url, "ok x")
+        assert status == 200
+        assert await closed(held[0][0], 2) == b""  # the oldest went, without a word
+        assert app.metrics.evicted_connections.labels("client")._value.get() == 1
+        assert app.metrics.refused_connections.labels("client")._value.get() == 0
+        assert not any(reader.at_eof() for reader, _ in held[1:])
+        for _, w in held:
+            w.close()
+    run(main, limits={"max_connections": 4, "header_s": 30})
+
+
+def test_at_the_cap_with_every_connection_busy_a_new_one_is_closed_at_once():
+    """4 connections with requests in flight (held in the tokenizer): a 5th is closed as it is accepted, none of
+    the 4 is touched, and all 4 are answered."""
+    tokenizer = GatedTokenizer()
+
+    async def main(url, engines, app):
+        busy = [asyncio.create_task(post(url, f"ok {i}")) for i in range(4)]
+        await until(lambda: app.pool.pending == 4, "4 requests in flight")
         reader, writer = await asyncio.open_connection("127.0.0.1", app.port())
         assert await closed(reader, 2) == b""  # well before the 30 s header deadline
         writer.close()
         assert app.metrics.refused_connections.labels("client")._value.get() == 1
-        for _, w in held:
-            w.close()
-        await until(lambda: app._sites["client"].open == 0, "the held connections gone")
-        status, _, _ = await post(url, "ok x")
-        assert status == 200
-    run(main, limits={"max_connections": 4, "header_s": 30})
+        assert app.metrics.evicted_connections.labels("client")._value.get() == 0
+        tokenizer.gate.set()
+        assert [(await b)[0] for b in busy] == [200] * 4
+    run(main, tokenizer=tokenizer, limits={"max_connections": 4, "header_s": 30, "workers": 4, "queue": 0})
 
 
 class FloodingEngine(ScriptedEngine):

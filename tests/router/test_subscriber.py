@@ -190,9 +190,9 @@ class ReplaySocket:
                 await self.sock.send_multipart([ident, b"", b"", seq_bytes(-1), b""])
 
 
-def run_with_replay(tmp_path, answer, end, live, limits=EventLimits(replay_s=0.3), until=None):
+def run_with_replay(tmp_path, answer, end, live, limits=EventLimits(replay_s=0.3), until=None, errors=None):
     """A subscriber beside a publisher and a scripted replay socket; ``live`` seqs published 50 ms apart until
-    ``until(applied)``. Returns (applied ts, clears, replay starts asked)."""
+    ``until(applied)``; faults counted into ``errors``. Returns (applied ts, clears, replay starts asked)."""
     applied: list[float] = []
     clears: list[int] = []
     out = {}
@@ -204,7 +204,8 @@ def run_with_replay(tmp_path, answer, end, live, limits=EventLimits(replay_s=0.3
         replay = ReplaySocket(ctx, f"ipc://{tmp_path}/rep", answer, end)
         server = asyncio.get_running_loop().create_task(replay.serve())
         feed = Feed(apply=lambda b: applied.append(b.ts), clear=lambda: clears.append(1))
-        sub = Subscriber(ctx, "e0", f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/rep", feed, limits=limits)
+        sub = Subscriber(ctx, "e0", f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/rep", feed, limits=limits,
+                         on_error=(errors if errors is not None else []).append)
         sub.start()
         await asyncio.sleep(0.3)
         for seq in live:
@@ -248,6 +249,26 @@ def test_replayed_batches_numbered_outside_the_gap_are_ignored(tmp_path):
                                          until=lambda applied: 11.0 in applied)
     assert -1.0 not in applied and clears == []
     assert applied[:6] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and applied[-1] == 11.0
+
+
+def test_a_replay_stops_at_events_replay_bytes(tmp_path):
+    """A replay socket answering every ask with 1,000 batches of 60 KiB each (each under max_message_bytes): the
+    router held all it was sent, up to MAX_REPLAY batches a round (4 GiB with the default message limit); now a
+    replay holds at most replay_bytes, counts ``replay_bytes``, and live events are applied again after it."""
+    sent: list[int] = []
+
+    def answer(start):
+        sent.append(start)
+        return [(s, msgpack.packb([float(s), [], "x" * 60_000])) for s in range(start, start + 1000)]
+
+    errors: list[str] = []
+    limits = EventLimits(replay_s=2.0, max_message_bytes=2**16, replay_bytes=4 * 2**16)
+    applied, _, asked = run_with_replay(tmp_path, answer, True, live=range(2000, 2040), limits=limits,
+                                        until=lambda applied: 2039.0 in applied, errors=errors)
+    replayed = [ts for ts in applied if ts < 2000]
+    # one replay at the start, one for the gap before 2000: 4 x 60 KiB fit in 256 KiB each, the 5th does not
+    assert len(asked) <= 3 and len(replayed) <= 4 * len(asked), (replayed, asked)
+    assert "replay_bytes" in errors and 2039.0 in applied, (errors, asked)
 
 
 def test_each_kind_of_bad_message_is_logged_once_and_counted_every_time(tmp_path, caplog):

@@ -14,6 +14,7 @@ per-engine detail are served on that listener only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import signal
@@ -32,15 +33,15 @@ from kvtier import tracing
 from kvtier.metrics import sample_sum
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import Batch, Cleared, Feed, Removed, Stored
-from kvtier.router.guards import (BodyTooLarge, CappedSite, PoolFull, WorkerPool, descriptor_room, handler_args,
-                                  read_body, read_secret)
+from kvtier.router.guards import (BodyBudget, BodyTooLarge, BudgetSpent, CappedSite, Charge, PoolFull, WorkerPool,
+                                  descriptor_room, handler_args, read_body, read_secret)
 from kvtier.router.index import LOCAL_PLACES, Place, PrefixIndex
 from kvtier.router.metrics import LogOnce, RouterMetrics
 from kvtier.router.policy import Decision, Router
 from kvtier.router.prompts import Tokenizer, read_stream
-from kvtier.router.reading import Reader, Unreadable
+from kvtier.router.reading import Read, Reader, Unreadable
 from kvtier.router.subscriber import Subscriber
-from kvtier.router.wire import error_reply, forwarded, reply_headers, sse_error, whole_events
+from kvtier.router.wire import EventCutter, error_reply, forwarded, reply_headers, sse_error
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,13 @@ _ADMIN_CONNECTIONS = 32
 
 class _Upstream(Exception):
     """An engine failed before its first byte: try the next one."""
+
+
+# With every worker busy, a body up to this size is parsed on the event loop and routed without a prediction; a
+# larger one is refused (429) rather than parsed there (json.loads of 256 KiB takes 0.4-3 ms here)
+BUSY_PARSE_BYTES = 256 * 1024
+# An engine's restart and lost events are logged at most this often each (a forged publisher can repeat them)
+WARN_EVERY_S = 60.0
 
 
 class RouterApp:
@@ -68,6 +76,7 @@ class RouterApp:
         self.base_models: set[str] = set()
         self.max_model_len: int | None = None  # the engines' smallest, from their /v1/models
         self.pool = WorkerPool(config.limits.workers, config.limits.queue)
+        self.bodies = BodyBudget(config.limits.max_inflight_body_bytes)
         self.reader = Reader(self.tokenizer, self.router,
                              LogOnce(self.metrics.unpredicted, "kvtier_router_unpredicted_requests", log))
         self._sites: dict[str, CappedSite] = {}
@@ -116,7 +125,8 @@ class RouterApp:
             runner = web.AppRunner(app, **handler_args(limits))
             await runner.setup()
             runners.append(runner)
-            site = CappedSite(runner, h, p, n, self.metrics.refused_connections.labels(name).inc)
+            site = CappedSite(runner, h, p, n, self.metrics.refused_connections.labels(name).inc,
+                              self.metrics.evicted_connections.labels(name).inc)
             await site.start()
             self._sites[name] = site
             log.info("router %s listener on %s", name, site.name)
@@ -138,7 +148,9 @@ class RouterApp:
             feed = Feed(apply=lambda batch, name=name: self._apply(name, batch),
                         clear=lambda name=name: self.index.clearing(name, LOCAL_PLACES),
                         on_gap=lambda missed, name=name: self.metrics.event_gaps.labels(name).inc(missed),
-                        on_reset=lambda name=name: self.metrics.event_resets.labels(name, "sequence").inc())
+                        on_reset=lambda name=name: self.metrics.event_resets.labels(name, "sequence").inc(),
+                        warn=functools.partial(self._warn_feed, name, LogOnce(
+                            None, "kvtier_router_event_resets and _gaps", log, logging.WARNING, WARN_EVERY_S)))
             sub = Subscriber(self._zmq, name, engine.kv_events, engine.kv_events_replay, feed,
                              bind=engine.kv_events_bind, limits=self.config.events,
                              block_size=self.config.block_size,
@@ -151,6 +163,10 @@ class RouterApp:
         await asyncio.gather(*(self._check(name) for name in self.urls))
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._health_loop()), loop.create_task(self._scrape_loop())]
+
+    @staticmethod
+    def _warn_feed(name: str, limit: LogOnce, kind: str, message: str, *args: object) -> None:
+        limit(kind, "engine %s: " + message, name, *args)
 
     async def _stop(self, app: web.Application) -> None:
         for task in self._tasks:
@@ -342,23 +358,13 @@ class RouterApp:
         except UnicodeEncodeError as exc:  # aiohttp reads bytes that are not UTF-8 as surrogates: unsendable
             return self._refuse(400, "a request header is not UTF-8", "bad_header", str(exc))
         request_id = headers["X-Request-Id"]
+        charge = self.bodies.charge()
         try:
-            raw = await read_body(request, self.config.limits)
-        except BodyTooLarge:
-            return self._refuse(413, f"the request body is over {self.config.limits.max_body_bytes} bytes "
-                                "(limits.max_body_bytes, once inflated)", "body_too_large")
-        except TimeoutError:
-            return self._refuse(408, f"the request body took over {self.config.limits.body_s} s (limits.body_s)",
-                                "body_timeout")
-        except (web.RequestPayloadError, HttpProcessingError) as exc:
-            return self._refuse(400, "the request body cannot be read (its encoding is broken)", "bad_body",
-                                type(exc).__name__)
-        try:
-            read = await self.pool.run(self.reader, request.path, raw, self.base_models, self._longest_prompt())
-        except PoolFull:
-            return self._refuse(429, "the router is busy reading other requests; retry", "busy", retry_after=True)
-        except Unreadable as exc:
-            return self._refuse(400, str(exc), "bad_body")
+            read = await self._read(request, charge)
+        finally:
+            charge.release()  # the body is parsed and keyed, or dropped
+        if isinstance(read, web.Response):
+            return read
         body, raw, prompt, keys = read.body, read.raw, read.prompt, read.keys
         with tracing.span("kvtier.router.decision", request_id=request_id,
                           prompt_tokens=None if prompt is None else len(prompt.tokens)) as span:
@@ -383,20 +389,53 @@ class RouterApp:
                 self.metrics.requests.labels(decision.engine, decision.reason, "failed").inc()
         return error_reply(502, "every engine tried failed before answering", "upstream_unavailable", retry_after=True)
 
+    async def _read(self, request: web.Request, charge: Charge) -> Read | web.Response:
+        """The request's body read (within ``limits``, charged to ``charge``), parsed, its prompt tokenized and
+        keyed on a worker; or the router's own answer refusing it."""
+        limits = self.config.limits
+        try:
+            raw = await read_body(request, limits, charge)
+        except BodyTooLarge:
+            return self._refuse(413, f"the request body is over {limits.max_body_bytes} bytes "
+                                "(limits.max_body_bytes, once inflated)", "body_too_large", unread=True)
+        except BudgetSpent:
+            return self._refuse(503, "the router holds as many request bodies as it may "
+                                "(limits.max_inflight_body_bytes); retry", "body_budget", retry_after=True,
+                                unread=True)
+        except TimeoutError:
+            return self._refuse(408, f"the request body took over {limits.body_s} s (limits.body_s)",
+                                "body_timeout", unread=True)
+        except (web.RequestPayloadError, HttpProcessingError) as exc:
+            return self._refuse(400, "the request body cannot be read (its encoding is broken)", "bad_body",
+                                type(exc).__name__)
+        try:
+            try:
+                return await self.pool.run(self.reader, request.path, raw, self.base_models, self._longest_prompt())
+            except PoolFull:
+                if len(raw) > BUSY_PARSE_BYTES:
+                    return self._refuse(429, "the router is busy reading other requests; retry", "busy",
+                                        retry_after=True)
+                # A prediction is an optimisation, answering is not: a small body is parsed here (a few
+                # milliseconds on the loop at most) and routed unindexed, so a few slow prompts cannot turn every client away
+                return self.reader.unpredicted(raw, "busy")
+        except Unreadable as exc:
+            return self._refuse(400, str(exc), "bad_body")
+
     def _longest_prompt(self) -> int:
         """Prompt tokens the router keys: limits.max_prompt_tokens, and no more than the engines take."""
         cap = self.config.limits.max_prompt_tokens
         return cap if self.max_model_len is None else min(cap, self.max_model_len)
 
-    def _refuse(self, status: int, message: str, reason: str, detail: str = "",
-                retry_after: bool = False) -> web.Response:
+    def _refuse(self, status: int, message: str, reason: str, detail: str = "", retry_after: bool = False,
+                unread: bool = False) -> web.Response:
         """The router's own answer to a request it will not route, counted by ``reason``. A body it stopped
-        reading (too large, too slow) is not drained: the connection closes after the answer."""
+        reading (``unread``: too large, too slow, over the budget) is not drained: the connection closes after
+        the answer."""
         self.metrics.refused.labels(reason).inc()
         if detail:
             log.debug("request refused (%s): %r", reason, detail)
         reply = error_reply(status, message, "invalid_request_error" if status < 429 else reason, retry_after)
-        if status in (408, 413):
+        if unread:
             reply.force_close()
         return reply
 
@@ -446,11 +485,11 @@ class RouterApp:
             # SSE is passed on in whole events: an engine that dies mid-event must not leave the client half of
             # one (a corrupt event) before the error event
             sse = upstream.content_type == "text/event-stream"
-            held = b""  # the start of an event whose end has not come
+            events = EventCutter()  # holds the start of an event whose end has not come
             chunk, tail = first, b""
             while chunk:
                 tail = (tail + chunk)[-4096:]
-                whole, held = whole_events(held + chunk) if sse else (chunk, b"")
+                whole = events.feed(chunk) if sse else chunk
                 if whole:
                     await self._deliver(reply, whole)
                 try:
@@ -458,13 +497,13 @@ class RouterApp:
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     cause = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnected"
                     log.warning("engine %s failed mid-stream (%s): the client gets an error event%s", name, cause,
-                                f" ({len(held)} bytes of a partial event dropped)" if held else "")
+                                f" ({len(events.held)} bytes of a partial event dropped)" if events.held else "")
                     self.metrics.stream_errors.labels(name, cause).inc()
                     outcome = "failed_mid_stream"
                     await reply.write(sse_error(f"engine {name} failed mid-stream ({cause})"))
                     return reply
-            if held:
-                await self._deliver(reply, held)  # a clean end: its last bytes as the engine sent them
+            if events.held:
+                await self._deliver(reply, events.held)  # a clean end: its last bytes as the engine sent them
             await reply.write_eof()
             outcome = "ok"
             self._compare(decision, tail)
@@ -514,6 +553,8 @@ class RouterApp:
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
+        except ValueError as exc:  # aiohttp's refusal to send this request (e.g. URL credentials and Authorization)
+            raise _Upstream(f"the request cannot be sent: {type(exc).__name__}") from exc
         if upstream.status >= 500 or 300 <= upstream.status < 400:
             upstream.close()
             what = " (a redirect: not followed, nor passed on)" if upstream.status < 400 else ""

@@ -54,6 +54,11 @@ class EngineConfig:
         if parts is None or parts.scheme not in ("http", "https") or not hostname:
             raise ConfigError(f"{field}.url: expected http://host:port or https://host:port, got "
                               f"{shown(field + '.url', self.url)}")
+        if parts.username is not None or parts.password is not None:
+            # aiohttp cannot send URL credentials beside an Authorization header (a client's own, or
+            # engine_api_key's): every such request would fail. Nothing of the URL is echoed: it holds a password.
+            raise ConfigError(f"{field}.url: credentials in the URL (user:password@) are not supported; give the "
+                              f"engines' key as engine_api_key ('file:/path' or 'env:VARIABLE')")
         check_url_port(self.url, f"{field}.url", shown(field + ".url", self.url).strip("'"))
         for name in ("kv_events", "kv_events_replay"):
             value = getattr(self, name)
@@ -105,6 +110,10 @@ class Limits:
     header_s: float = 10.0  # from a connection's start (or its last answer) to a request's complete headers
     body_s: float = 30.0  # to read a request's body
     max_body_bytes: int = 16 * 2**20  # a request's body once inflated (gzip, deflate): larger ones get 413
+    # the bodies of all requests being read and not yet parsed and keyed, router-wide, once inflated: a body that
+    # would take more gets 503 (a few KiB of gzip each, held open, would otherwise make the router hold
+    # max_body_bytes per connection)
+    max_inflight_body_bytes: int = 256 * 2**20
     workers: int = 2  # threads that parse, tokenize and key requests off the event loop
     queue: int = 64  # requests waiting for a worker; one more is answered 429
     # longer prompts (and those over the engines' max_model_len) are routed without a prediction: keying and
@@ -116,6 +125,9 @@ class Limits:
                                 ("workers", 1, 64), ("queue", 0, 1_000_000), ("max_prompt_tokens", 1, 2**31)):
             if not low <= getattr(self, name) <= high:
                 raise ConfigError(f"{field}.{name}: must be in [{low}, {high}], got {getattr(self, name)}")
+        if not self.max_body_bytes <= self.max_inflight_body_bytes <= 2**40:
+            raise ConfigError(f"{field}.max_inflight_body_bytes: must be in [max_body_bytes ({self.max_body_bytes}), "
+                              f"2**40], so that one whole body fits, got {self.max_inflight_body_bytes}")
         for name in ("header_s", "body_s"):
             if not 0.1 <= getattr(self, name) <= 3600:
                 raise ConfigError(f"{field}.{name}: must be in [0.1, 3600] seconds, got {getattr(self, name)}")
@@ -132,12 +144,18 @@ class EventLimits:
     max_message_bytes: int = 4 * 2**20  # one event message; a larger one is dropped (a gap, replayed)
     queue: int = 512  # messages received and not yet read; more are dropped (a gap, replayed)
     replay_s: float = 5.0  # a whole replay (all its rounds): live events wait meanwhile
+    # the messages of a whole replay (what a forged replay socket can make the router hold); past it the replay
+    # stops, and what is missing is a gap
+    replay_bytes: int = 256 * 2**20
 
     def check(self, field: str) -> None:
         for name, low, high in (("max_event_blocks", 1, 2**20), ("max_engine_blocks", 1, 10**9),
                                 ("max_message_bytes", 2**16, 2**31), ("queue", 1, 1_000_000)):
             if not low <= getattr(self, name) <= high:
                 raise ConfigError(f"{field}.{name}: must be in [{low}, {high}], got {getattr(self, name)}")
+        if not self.max_message_bytes <= self.replay_bytes <= 2**40:
+            raise ConfigError(f"{field}.replay_bytes: must be in [max_message_bytes ({self.max_message_bytes}), "
+                              f"2**40], got {self.replay_bytes}")
         if not 0.1 <= self.replay_s <= 60:
             raise ConfigError(f"{field}.replay_s: must be in [0.1, 60] seconds, got {self.replay_s}")
 

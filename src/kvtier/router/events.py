@@ -269,8 +269,10 @@ class Feed:
 
     def __init__(self, apply: Callable[[Batch], Iterable[None] | None], clear: Callable[[], Iterable[None] | None],
                  on_gap: Callable[[int], None] = lambda missed: None,
-                 on_reset: Callable[[], None] = lambda: None, slice_blocks: int = SLICE_BLOCKS) -> None:
+                 on_reset: Callable[[], None] = lambda: None, slice_blocks: int = SLICE_BLOCKS,
+                 warn: Callable[..., None] = lambda kind, message, *args: log.warning(message, *args)) -> None:
         self._apply = apply
+        self._warn = warn  # (kind, message, *args): "restart" and "lost", which a forged publisher can repeat
         self._clear = clear
         self._on_gap = on_gap
         self._on_reset = on_reset
@@ -304,8 +306,8 @@ class Feed:
         if self._held.get(seq) == batch or self._recent.get(seq) == batch:
             return None  # a duplicate of what a replay brought, queued on the live socket meanwhile
         # The sequence went back with other content: a new engine process (numbers restart at 0).
-        log.warning("engine's event sequence went back from %d to %d: it restarted; its entries are cleared",
-                    self.next_seq, seq)
+        self._warn("restart", "event sequence went back from %d to %d: the engine restarted; its entries are "
+                   "cleared", self.next_seq, seq)
         self._clear_later()
         self._restart()
         self._held[seq] = batch
@@ -348,8 +350,8 @@ class Feed:
             if self.next_seq is not None and seq < self.next_seq:
                 continue  # already applied
             if self.next_seq is not None and seq > self.next_seq:
-                log.warning("engine's events %d-%d are lost (no longer in its replay buffer): its entries are "
-                            "rebuilt from the events after them", self.next_seq, seq - 1)
+                self._warn("lost", "events %d-%d are lost (no longer in the engine's replay buffer): its entries "
+                           "are rebuilt from the events after them", self.next_seq, seq - 1)
                 self._on_gap(seq - self.next_seq)
                 self._clear_later()
                 self._on_reset()

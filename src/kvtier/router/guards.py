@@ -1,12 +1,15 @@
 """What bounds a client's hold on the router (``limits`` in the config), in the router's one event loop.
 
 - :class:`WorkerPool`: a request's CPU work (parsing its body, tokenizing, keying) runs on a few threads, not on
-  the event loop; at most ``workers`` run and ``queue`` wait, and one more is refused at once
-  (:class:`PoolFull`, answered 429), never queued.
+  the event loop; at most ``workers`` run and ``queue`` wait, and one more is turned away at once
+  (:class:`PoolFull`: a small body is routed without a prediction, a larger one refused), never queued.
 - :func:`read_body`: the body within ``body_s`` and at most ``max_body_bytes`` once inflated (aiohttp inflates
-  gzip and deflate as it reads, a chunk at a time, so a bomb is stopped at the cap, not inflated whole).
-- :class:`CappedSite`: a TCP listener that closes a connection past ``max_connections`` as it is accepted (its
-  descriptor is not held). Header deadlines are aiohttp's own keep-alive timer (see :func:`handler_args`).
+  gzip and deflate as it reads, a chunk at a time, so a bomb is stopped at the cap, not inflated whole), each chunk
+  charged to a :class:`BodyBudget` shared by every connection (``max_inflight_body_bytes``).
+- :class:`CappedSite`: a TCP listener of at most ``max_connections``: at the cap, a new connection closes the oldest
+  idle one (headers not complete, or between requests), and is closed itself as it is accepted (its descriptor
+  not held) only when every one has a request in flight. Header deadlines are aiohttp's own keep-alive timer (see
+  :func:`handler_args`).
 - :func:`read_secret`: the engines' API key from a file or the environment, never from the config text.
 """
 
@@ -33,7 +36,8 @@ _SPARE_DESCRIPTORS = 64
 
 
 class PoolFull(Exception):
-    """Every worker is busy and the queue is full: the request is refused (429) rather than queued."""
+    """Every worker is busy and the queue is full: the request is not queued (a small one is routed without a
+    prediction, a larger one answered 429)."""
 
 
 class WorkerPool:
@@ -73,18 +77,55 @@ class BodyTooLarge(Exception):
     pass
 
 
-async def read_body(request: web.Request, limits: Limits) -> bytes:
-    """The request's body, inflated. Raises :class:`BodyTooLarge` past ``max_body_bytes`` (inflated) and
-    :class:`TimeoutError` when it takes longer than ``body_s``."""
+class BudgetSpent(Exception):
+    """The bodies being read router-wide hold ``max_inflight_body_bytes``: this one is refused (503)."""
+
+
+class BodyBudget:
+    """Bytes of request bodies held router-wide, from their first inflated chunk until their request's
+    :class:`Charge` is released. Used on the event loop only (no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def charge(self) -> Charge:
+        return Charge(self)
+
+
+class Charge:
+    """One request's share of a :class:`BodyBudget`; :meth:`release` (idempotent) gives it all back."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget, self.bytes = budget, 0
+
+    def add(self, n: int) -> None:
+        """Raises :class:`BudgetSpent` (charging nothing) when ``n`` more bytes would not fit."""
+        if self._budget.held + n > self._budget.limit:
+            raise BudgetSpent
+        self._budget.held += n
+        self.bytes += n
+
+    def release(self) -> None:
+        self._budget.held -= self.bytes
+        self.bytes = 0
+
+
+async def read_body(request: web.Request, limits: Limits, charge: Charge) -> bytes:
+    """The request's body, inflated, each chunk charged to ``charge`` as it comes (released by the caller, when
+    the body is done with or dropped). Raises :class:`BodyTooLarge` past ``max_body_bytes`` (inflated),
+    :class:`BudgetSpent` past the router-wide budget and :class:`TimeoutError` when it takes longer than
+    ``body_s``."""
     cap = limits.max_body_bytes
     if request.content_length is not None and request.content_length > cap:
         raise BodyTooLarge  # compressed or not, what is sent is at most what it inflates to
     body = bytearray()
     async with asyncio.timeout(limits.body_s):
         while chunk := await request.content.readany():
-            body += chunk
-            if len(body) > cap:
+            if len(body) + len(chunk) > cap:
                 raise BodyTooLarge
+            charge.add(len(chunk))
+            body += chunk
     return bytes(body)
 
 
@@ -98,16 +139,19 @@ def handler_args(limits: Limits) -> dict[str, object]:
 
 
 class CappedSite(web.BaseSite):
-    """A TCP listener for ``runner`` that closes each connection past ``cap`` as it is accepted (``on_refused`` is
-    called for each). Connections are counted from their accept to their close."""
+    """A TCP listener for ``runner`` of at most ``cap`` connections, counted from their accept to their close. At
+    the cap, a new connection takes the place of the oldest idle one (``on_evicted`` is called), else it is closed
+    as it is accepted (``on_refused``): half-sent headers cannot lock out honest clients, nor are requests in flight
+    cut for a newcomer."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, cap: int,
-                 on_refused: Callable[[], None]) -> None:
+                 on_refused: Callable[[], None], on_evicted: Callable[[], None]) -> None:
         super().__init__(runner)
         self._host, self._port = host, port
         self.cap = cap
         self.open = 0
-        self._on_refused = on_refused
+        self._on_refused, self._on_evicted = on_refused, on_evicted
+        self._live: dict[_Counted, None] = {}  # open and not evicted, oldest first
 
     @property
     def port(self) -> int:
@@ -127,13 +171,30 @@ class CappedSite(web.BaseSite):
             self._protocol, self._host, self._port, backlog=self._backlog, reuse_address=True)
 
     def _protocol(self) -> asyncio.Protocol:
-        if self.open >= self.cap:
+        if len(self._live) >= self.cap and not self._evict():
             self._on_refused()
             return _Refused()
-        self.open += 1
         server = self._runner.server
         assert server is not None
-        return _Counted(server(), self)
+        counted = _Counted(server(), self)
+        self.open += 1
+        self._live[counted] = None
+        return counted
+
+    def _evict(self) -> bool:
+        """Close the oldest idle connection; False when every one has a request in flight. Scans past busy ones,
+        at most ``cap`` of them, only when the listener is full."""
+        for counted in self._live:
+            if counted.idle():
+                del self._live[counted]
+                counted.close()
+                self._on_evicted()
+                return True
+        return False
+
+    def _lost(self, counted: _Counted) -> None:
+        self.open -= 1
+        self._live.pop(counted, None)
 
 
 class _Counted(asyncio.Protocol):
@@ -141,6 +202,17 @@ class _Counted(asyncio.Protocol):
 
     def __init__(self, inner: asyncio.Protocol, site: CappedSite) -> None:
         self._inner, self._site = inner, site
+
+    def idle(self) -> bool:
+        """No request is being handled or waits to be (its headers not complete yet, or between requests).
+        aiohttp's RequestHandler exposes this only through its own fields: a version without them counts as busy
+        (never evicted), which is the cap as it was."""
+        return (getattr(self._inner, "_request_in_progress", True) is False
+                and not getattr(self._inner, "_messages", True))
+
+    def close(self) -> None:
+        """As aiohttp's keep-alive timer closes an idle connection."""
+        self._inner.force_close()  # type: ignore[attr-defined]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._inner.connection_made(transport)
@@ -158,7 +230,7 @@ class _Counted(asyncio.Protocol):
         self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._site.open -= 1
+        self._site._lost(self)
         self._inner.connection_lost(exc)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -61,14 +62,19 @@ class RouterMetrics:
         self.in_flight = Gauge("kvtier_router_in_flight", "Requests sent to an engine and not finished",
                                ["engine"], registry=r)
         self.refused = Counter("kvtier_router_refused_requests", "Requests the router answered itself without an "
-                               "engine, by reason (body_too_large, body_timeout, busy, bad_body, bad_header)",
+                               "engine, by reason (body_too_large, body_budget, body_timeout, busy, bad_body, bad_header)",
                                ["reason"], registry=r)
         self.refused_connections = Counter("kvtier_router_refused_connections", "Connections closed as they were "
-                                           "accepted, past limits.max_connections", ["listener"], registry=r)
+                                           "accepted: limits.max_connections open, each with a request in flight",
+                                           ["listener"], registry=r)
+        self.evicted_connections = Counter("kvtier_router_evicted_connections", "Idle connections (headers not "
+                                           "complete, or between requests) closed to admit a new one at "
+                                           "limits.max_connections", ["listener"], registry=r)
         self.connections = Gauge("kvtier_router_connections", "Open connections, by listener", ["listener"],
                                  registry=r)
         self.unpredicted = Counter("kvtier_router_unpredicted_requests", "Requests routed without a cache "
-                                   "prediction, by why (unreadable, too_long, failed)", ["kind"], registry=r)
+                                   "prediction, by why (unreadable, too_long, failed, busy: every worker was busy)",
+                                   ["kind"], registry=r)
         self.prompt_queue = Gauge("kvtier_router_prompt_work", "Requests being parsed, tokenized and keyed or "
                                   "waiting for a worker", registry=r)
 
@@ -87,29 +93,42 @@ class RouterMetrics:
             for cause in ("sequence", "all_blocks_cleared"):
                 self.event_resets.labels(name, cause)
             for kind in ("task", "decode", "too_large", "frames", "dropped", "apply", "replay_endpoint",
-                         "replay_range", "replay_timeout"):
+                         "replay_range", "replay_timeout", "replay_bytes"):
                 self.event_errors.labels(name, kind)
-        for reason in ("body_too_large", "body_timeout", "busy", "bad_body", "bad_header"):
+        for reason in ("body_too_large", "body_budget", "body_timeout", "busy", "bad_body", "bad_header"):
             self.refused.labels(reason)
-        for kind in ("unreadable", "too_long", "failed"):
+        for kind in ("unreadable", "too_long", "failed", "busy"):
             self.unpredicted.labels(kind)
 
 
 class LogOnce:
-    """Log the first occurrence of each kind, count every one in ``counter`` (labelled by kind): for what a
-    client or a peer can cause at will, so the log never grows with them. Kinds are the code's own few names;
-    anything a client sent goes into the message through ``%r`` (its newlines escaped: no forged log lines)."""
+    """Log the first occurrence of each kind, count every one in ``counter`` (labelled by kind; None where the
+    caller counts them itself): for what a client or a peer can cause at will, so the log never grows with them.
+    With ``every_s``, a kind is logged again once that long has passed since it last was (for events an operator
+    must see each time they truly happen, such as an engine's restart, which a forged publisher could repeat at
+    will). Kinds are the code's own few names; anything a client sent goes into the message through ``%r`` (its
+    newlines escaped: no forged log lines)."""
 
-    def __init__(self, counter: Counter, metric: str, logger: logging.Logger, level: int = logging.INFO) -> None:
+    def __init__(self, counter: Counter | None, metric: str, logger: logging.Logger, level: int = logging.INFO,
+                 every_s: float | None = None) -> None:
         self._counter, self._metric, self._log, self._level = counter, metric, logger, level
-        self._seen: set[str] = set()
+        self._every_s = every_s
+        self._logged: dict[str, tuple[float, int]] = {}  # kind: (when last logged, how many since)
         self._lock = threading.Lock()  # called from worker threads too
 
     def __call__(self, kind: str, message: str, *args: object) -> None:
-        self._counter.labels(kind).inc()
+        if self._counter is not None:
+            self._counter.labels(kind).inc()
+        now = time.monotonic()
         with self._lock:
-            first = kind not in self._seen
-            self._seen.add(kind)
-        if first:
-            self._log.log(self._level, f"{message} (logged once: further ones of this kind are only counted, "
-                          f"{self._metric}{{kind={kind!r}}})", *args)
+            last = self._logged.get(kind)
+            due = last is None or (self._every_s is not None and now - last[0] >= self._every_s)
+            self._logged[kind] = (now, 0) if due else (last[0], last[1] + 1)  # type: ignore[index]
+        if not due:
+            return
+        if self._every_s is None:
+            note = f"logged once: further ones of this kind are only counted, {self._metric}{{kind={kind!r}}}"
+        else:
+            skipped = f"; {last[1]} since the last one logged" if last is not None else ""
+            note = f"logged at most once every {self._every_s:.0f} s, all counted in {self._metric}{skipped}"
+        self._log.log(self._level, f"{message} ({note})", *args)

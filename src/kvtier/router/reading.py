@@ -1,6 +1,7 @@
 """A request body's CPU work, on a worker thread of :class:`kvtier.router.guards.WorkerPool`: parse it, read its
-prompt as the engine will (:mod:`kvtier.router.prompts`) and key it. Nothing here touches the event loop's state
-but the policy's pure :meth:`Router.keys`."""
+prompt as the engine will (:mod:`kvtier.router.prompts`) and key it; or, with every worker busy, only parse it
+(:meth:`Reader.unpredicted`, on the loop). Nothing here touches the event loop's state but the policy's pure
+:meth:`Router.keys`."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from kvtier.router.metrics import LogOnce
 from kvtier.router.policy import Router
 from kvtier.router.prompts import Prompt, PromptError, Tokenizer, read_prompt
 
-# A body this many bytes a token of the longest prompt keyed is not tokenized (routed without a prediction): no
-# tokenizer averages 64 bytes a token over a prompt (text is ~4, JSON-escaped CJK ~6), so its prompt is longer
-# than that; tokenizing it would only hold a worker.
-BYTES_PER_TOKEN = 64
+# A body over this many bytes a token of the longest prompt keyed is not tokenized (routed without a prediction):
+# it bounds a request's tokenizing at 16 x max_prompt_tokens bytes (2 MiB at the default). What a token takes in a
+# body: ~4 bytes of English or code, up to 12 for CJK (each character "\uXXXX" in JSON, two characters a token);
+# only long runs of one character take more (64 bytes a token of "=" for SmolLM2, whose longest token is 81
+# bytes). So a body over the bound either has more tokens than are keyed (routed without a prediction anyway) or
+# is such a run, which loses only its prediction.
+BYTES_PER_TOKEN = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,20 +43,15 @@ class Reader:
     def __call__(self, path: str, raw: bytes, base_models: set[str], longest: int) -> Read:
         """``longest``: the most prompt tokens keyed (limits.max_prompt_tokens, the engines' max_model_len).
         Raises :class:`Unreadable` for a body that is not a JSON object."""
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise Unreadable("the request body is not JSON") from None
-        if not isinstance(body, dict):
-            raise Unreadable("the request body must be a JSON object")
-        xargs = body.get("vllm_xargs")
-        if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
-            # "full" makes the engine announce reused blocks again without removing them: the index counts
-            # references, and would credit evicted blocks for good. The router owns what engines announce.
-            body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
-            raw = json.dumps(body).encode()
+        body, raw = _parse(raw)
         prompt = self._prompt(path, body, len(raw), base_models, longest)
         return Read(body=body, raw=raw, prompt=prompt, keys=self._router.keys(prompt) if prompt is not None else [])
+
+    def unpredicted(self, raw: bytes, kind: str) -> Read:
+        """The body parsed, its prompt not read (routed without a prediction, counted under ``kind``)."""
+        body, raw = _parse(raw)
+        self._unpredicted(kind, "a request routed without a prediction (%s)", _WHY.get(kind, kind))
+        return Read(body=body, raw=raw, prompt=None, keys=[])
 
     def _prompt(self, path: str, body: dict, size: int, base_models: set[str], longest: int) -> Prompt | None:
         """The request's prompt, or None: the engine answers it as it sees fit (a prompt longer than it takes,
@@ -77,3 +76,23 @@ class Reader:
                               "(limits.max_prompt_tokens, or the engines' max_model_len)", len(prompt.tokens), longest)
             return None
         return prompt
+
+
+_WHY = {"busy": "every worker was busy (limits.workers, limits.queue)"}
+
+
+def _parse(raw: bytes) -> tuple[dict, bytes]:
+    """The body as a JSON object, and the bytes to send the engine. Raises :class:`Unreadable`."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise Unreadable("the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise Unreadable("the request body must be a JSON object")
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
+        # "full" makes the engine announce reused blocks again without removing them: the index counts
+        # references, and would credit evicted blocks for good. The router owns what engines announce.
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
+        raw = json.dumps(body).encode()
+    return body, raw

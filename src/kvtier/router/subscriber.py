@@ -55,8 +55,8 @@ class Subscriber:
     engine's entries from its replay buffer. Each kind of fault is logged once and counted every time
     (``on_error``). Nothing an engine sends can hold it long either: the live socket queues at most
     ``limits.queue`` messages (ZMQ drops the rest; the gap is counted as ``dropped`` and replayed), a message
-    is at most ``limits.max_message_bytes``, a replay takes at most ``limits.replay_s`` and
-    :data:`MAX_REPLAY` batches, and the feed's work runs in slices.
+    is at most ``limits.max_message_bytes``, a replay takes at most ``limits.replay_s``, ``limits.replay_bytes``
+    and :data:`MAX_REPLAY` batches, and the feed's work runs in slices.
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, name: str, endpoint: str, replay_endpoint: str | None,
@@ -78,6 +78,7 @@ class Subscriber:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._restart_s = 1.0  # doubles at each failure in a row, up to 60 s
+        self._replay_room = limits.replay_bytes  # what is left of it in the replay under way
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events-{self.name}")
@@ -181,6 +182,7 @@ class Subscriber:
         ask = start
         generation = self.feed.generation
         deadline = time.monotonic() + self._limits.replay_s
+        self._replay_room = self._limits.replay_bytes
         for _ in range(_REPLAY_ROUNDS if self._replay_endpoint is not None else 0):
             self._on_replay()
             batches, ended = await self._fetch(ask, deadline)
@@ -191,7 +193,7 @@ class Subscriber:
                              self.feed.live_seq)
             new = [seq for seq, _ in wanted if seq not in got]
             got.update((seq, b) for seq, b in wanted if seq not in got)
-            if not new or (ask > start and ask not in got) or len(got) >= MAX_REPLAY:
+            if not new or (ask > start and ask not in got) or len(got) >= MAX_REPLAY or self._replay_room <= 0:
                 break  # nothing new, the hole asked for is not coming (gone, undecodable), or enough
             hole = _first_hole(got, max(start, min(got)))
             if hole is None and ended:
@@ -211,8 +213,11 @@ class Subscriber:
 
     async def _fetch(self, start: int, deadline: float) -> tuple[list[tuple[int, Batch]], bool]:
         """The engine's buffered batches from ``start`` on, and whether its end marker came (else: what came
-        before the deadline, or the first :data:`MAX_REPLAY`)."""
+        before the deadline, the first :data:`MAX_REPLAY`, or what fits in what is left of ``replay_bytes``)."""
         dealer = self._socket(zmq.DEALER)
+        # ZMQ's own queue counts messages, not bytes: a smaller mark makes vLLM's replay socket drop more of a
+        # full buffer (many more rounds). What this replay keeps is bounded by replay_bytes below; what ZMQ
+        # queued past it goes when the socket closes.
         dealer.setsockopt(zmq.RCVHWM, MAX_REPLAY + 1)
         got: list[tuple[int, Batch]] = []
         try:
@@ -237,6 +242,12 @@ class Subscriber:
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_SEQ:
                     return got, True
+                self._replay_room -= len(frames[3])
+                if self._replay_room < 0:
+                    self._errors("replay_bytes", "engine %s: replay from %s: stopped past events.replay_bytes "
+                                 "(%d bytes); what did not fit is a gap", self.name, self._replay_endpoint,
+                                 self._limits.replay_bytes)
+                    return got, False
                 batch = self._decode(frames[3])
                 if batch is not None:
                     got.append((seq, batch))

@@ -16,7 +16,9 @@ HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"
 # Of a client's request, also: ``Expect`` (aiohttp answered its 100-continue already) and ``Content-Encoding``
 # (aiohttp inflated the body; the engine is sent it inflated)
 REQUEST_HOP = HOP | {"expect", "content-encoding"}
-EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # the blank line that ends an SSE event
+# The blank line that ends an SSE event: two line ends, each CRLF, LF or CR (a CR followed by LF is one CRLF)
+EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
+_LONGEST_END = 4
 MAX_EVENT = 4 * 2**20  # an SSE event held longer than this without its end is passed on as it is
 
 
@@ -53,15 +55,34 @@ def reply_headers(upstream: Mapping[str, str], decision: Decision, request_id: s
     return headers
 
 
-def whole_events(data: bytes) -> tuple[bytes, bytes]:
-    """(the whole SSE events ``data`` starts with, the start of the next one). An event held past
-    :data:`MAX_EVENT` bytes goes on as it is: the router does not hold an engine's answer without bound."""
-    end = 0
-    for match in EVENT_END.finditer(data):
-        end = match.end()
-    if len(data) - end > MAX_EVENT:
-        return data, b""
-    return data[:end], data[end:]
+class EventCutter:
+    """A stream's bytes, cut into whole SSE events: :meth:`feed` returns the events a chunk completes and keeps the
+    start of the next (:attr:`held`). Each byte is searched for an end about once, however many chunks an event
+    comes in. An event held past :data:`MAX_EVENT` bytes goes on as it is: the router does not hold an engine's
+    answer without bound."""
+
+    def __init__(self) -> None:
+        self._held = bytearray()
+        self._from = 0  # where in _held an end may still start
+
+    @property
+    def held(self) -> bytes:
+        return bytes(self._held)
+
+    def feed(self, chunk: bytes) -> bytes:
+        held = self._held
+        held += chunk
+        # a CR last may be the start of a CRLF: whether it ends a line is known with the next byte
+        stop = len(held) - 1 if held.endswith(b"\r") else len(held)
+        end = 0
+        for match in EVENT_END.finditer(held, self._from, stop):
+            end = match.end()
+        if len(held) - end > MAX_EVENT:
+            end = len(held)
+        self._from = max(0, stop - (_LONGEST_END - 1) - end)
+        whole = bytes(held[:end])
+        del held[:end]
+        return whole
 
 
 def sse_error(message: str) -> bytes:
