@@ -121,13 +121,29 @@ def test_bodies_being_read_share_one_budget_across_connections():
         assert answer.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in answer
         assert b"limits.max_inflight_body_bytes" in answer
         writer.close()
-        assert app.bodies.held <= 1024 * 1024
-        status, _, _ = await post(url, "ok x")
+        status, _, _ = await post(url, "ok x")  # its first 64 KiB are free of the budget
         assert status == 200
         assert app.metrics.refused.labels("body_budget")._value.get() == 1
         first[1].close()
         await until(lambda: app.bodies.held == 0, "the held body given back when its connection went")
         assert not any(e.requests[1:] for e in engines) and sum(len(e.requests) for e in engines) == 1
+    run(main, limits={"max_body_bytes": 2**20, "max_inflight_body_bytes": 2**20})
+
+
+def test_a_body_stays_charged_until_its_answer_is_sent():
+    """A 700 KiB body whose answer streams: the router keeps the body for a retry and, before, gave its charge
+    back once keyed, so bodies of answers in flight were held uncounted (one per connection); now the charge goes
+    when the answer ends (here: when its client leaves)."""
+    async def main(url, engines, app):
+        request = asyncio.create_task(post(url, "stall " + "x" * 700 * 1024, stream=True))
+        await until(lambda: sum(len(e.requests) for e in engines) == 1, "the engine answering")
+        assert app.bodies.held > 600 * 1024
+        reader, writer = await held_gzip(app.port(), 700 * 1024)
+        answer = await asyncio.wait_for(reader.read(), 10)
+        assert answer.startswith(b"HTTP/1.1 503 ")  # the budget holds the body being answered
+        writer.close()
+        request.cancel()
+        await until(lambda: app.bodies.held == 0, "the charge given back when the client went")
     run(main, limits={"max_body_bytes": 2**20, "max_inflight_body_bytes": 2**20})
 
 

@@ -271,6 +271,55 @@ def test_a_replay_stops_at_events_replay_bytes(tmp_path):
     assert "replay_bytes" in errors and 2039.0 in applied, (errors, asked)
 
 
+def resident_mib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 // 2**20
+
+
+def test_zmq_does_not_read_a_replay_ahead_past_events_replay_bytes(tmp_path):
+    """A replay socket sending 400 messages of 1 MiB while the router's loop is busy: ZMQ's own thread read them
+    all ahead into the router's memory (its queue took 16,385 messages, 400 MiB here and up to 64 GiB with 4 MiB
+    messages) whatever replay_bytes said; now it holds about replay_bytes (8 MiB)."""
+    endpoint = f"ipc://{tmp_path}/rep"
+    asked = threading.Event()
+
+    def engine(ctx):
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.bind(endpoint)
+        try:
+            ident = sock.recv_multipart()[0]
+            asked.set()
+            payload = zmq.Frame(msgpack.packb([0.0, [], "x" * 2**20]))  # one buffer, sent 400 times without copies
+            for seq in range(400):
+                sock.send_multipart([ident, b"", b"t", seq_bytes(seq), payload], copy=False)
+            time.sleep(4)
+        finally:
+            sock.close(0)
+
+    grown = {}
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        feed = Feed(apply=lambda b: None, clear=lambda: None)
+        sub = Subscriber(ctx, "e0", f"ipc://{tmp_path}/pub", endpoint, feed,
+                         limits=EventLimits(replay_s=30.0, max_message_bytes=2 * 2**20, replay_bytes=8 * 2**20))
+        thread = threading.Thread(target=engine, args=(zmq.Context.instance(),))
+        thread.start()
+        sub.start()
+        while not asked.is_set():
+            await asyncio.sleep(0.01)
+        before = resident_mib()
+        time.sleep(3)  # the loop is busy: only ZMQ's thread reads
+        grown["mib"] = resident_mib() - before
+        await sub.stop()
+        thread.join()
+        ctx.term()
+
+    asyncio.run(main())
+    assert grown["mib"] < 64, grown
+
+
 def test_each_kind_of_bad_message_is_logged_once_and_counted_every_time(tmp_path, caplog):
 
 

@@ -38,7 +38,7 @@ from kvtier.router.guards import (BodyBudget, BodyTooLarge, BudgetSpent, CappedS
 from kvtier.router.index import LOCAL_PLACES, Place, PrefixIndex
 from kvtier.router.metrics import LogOnce, RouterMetrics
 from kvtier.router.policy import Decision, Router
-from kvtier.router.prompts import Tokenizer, read_stream
+from kvtier.router.prompts import Tokenizer
 from kvtier.router.reading import Read, Reader, Unreadable
 from kvtier.router.subscriber import Subscriber
 from kvtier.router.wire import EventCutter, error_reply, forwarded, reply_headers, sse_error
@@ -55,8 +55,9 @@ class _Upstream(Exception):
 
 
 # With every worker busy, a body up to this size is parsed on the event loop and routed without a prediction; a
-# larger one is refused (429) rather than parsed there (json.loads of 256 KiB takes 0.4-3 ms here)
-BUSY_PARSE_BYTES = 256 * 1024
+# larger one is refused (429) rather than parsed there (json.loads of 32 KiB takes at most ~0.6 ms here, a
+# hostile body of deep or huge numbers included)
+BUSY_PARSE_BYTES = 32 * 1024
 # An engine's restart and lost events are logged at most this often each (a forged publisher can repeat them)
 WARN_EVERY_S = 60.0
 
@@ -357,15 +358,19 @@ class RouterApp:
             headers = forwarded(request.headers, request.headers.get("X-Request-Id") or uuid.uuid4().hex)
         except UnicodeEncodeError as exc:  # aiohttp reads bytes that are not UTF-8 as surrogates: unsendable
             return self._refuse(400, "a request header is not UTF-8", "bad_header", str(exc))
-        request_id = headers["X-Request-Id"]
         charge = self.bodies.charge()
         try:
-            read = await self._read(request, charge)
+            return await self._routed(request, headers, charge)
         finally:
-            charge.release()  # the body is parsed and keyed, or dropped
+            charge.release()  # answered, or the client gone: the body is no longer kept for a retry
+
+    async def _routed(self, request: web.Request, headers: dict[str, str], charge: Charge) -> web.StreamResponse:
+        request_id = headers["X-Request-Id"]
+        read = await self._read(request, charge)
         if isinstance(read, web.Response):
             return read
-        body, raw, prompt, keys = read.body, read.raw, read.prompt, read.keys
+        raw, prompt, keys, stream = read.raw, read.prompt, read.keys, read.stream
+        del read
         with tracing.span("kvtier.router.decision", request_id=request_id,
                           prompt_tokens=None if prompt is None else len(prompt.tokens)) as span:
             decisions = self.router.decide(prompt, request.headers.get(self.config.session_header), keys)
@@ -377,7 +382,6 @@ class RouterApp:
             log.debug("request %r: %s", request_id, "; ".join(
                 f"{d.engine} {d.predicted_s:.3f}s (wait {d.wait_s:.3f}, load {d.load_s:.3f}, compute {d.uncached}, "
                 f"{d.match})" for d in decisions))
-        stream = read_stream(body)  # as vLLM reads it: "false" is false
         t0 = time.monotonic()
         for attempt, decision in enumerate(decisions[:1 + self.config.retries]):
             try:

@@ -16,11 +16,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import os
 import resource
 import stat
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -42,35 +42,63 @@ class PoolFull(Exception):
 
 class WorkerPool:
     """Threads for a request's CPU work. The tokenizers release the GIL while they encode (measured: the event
-    loop's longest pause was 0.2 s while a thread tokenized 8 MiB for 11 s), so threads keep the loop answering."""
+    loop's longest pause was 0.2 s while a thread tokenized 8 MiB for 11 s), so threads keep the loop answering.
+
+    Work is handed to a thread only when one is free; up to ``queue`` requests wait for one here, on the loop, so
+    that a client who leaves while waiting takes its arguments (its body) with it: the executor's own queue would
+    keep a cancelled item, body and all, until a thread reached it. Used on the event loop only."""
 
     def __init__(self, workers: int, queue: int) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvtier-router-prompt")
-        self._limit = workers + queue
-        self._pending = 0  # submitted and not finished, work a client abandoned included
-        self._lock = threading.Lock()
+        self._workers, self._queue = workers, queue
+        self._running = 0  # on a thread, work a client abandoned included: it ends before its thread is free
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
     @property
     def pending(self) -> int:
-        return self._pending
+        return self._running + len(self._waiting)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on a worker; raises :class:`PoolFull` at once when ``workers + queue`` are pending."""
-        with self._lock:
-            if self._pending >= self._limit:
+        """``fn(*args)`` on a worker; raises :class:`PoolFull` at once when ``workers`` run and ``queue`` wait."""
+        loop = asyncio.get_running_loop()
+        if self._running < self._workers:
+            self._running += 1
+        else:
+            if len(self._waiting) >= self._queue:
                 raise PoolFull
-            self._pending += 1
+            turn = loop.create_future()
+            self._waiting.append(turn)
+            try:
+                await turn  # a thread handed over by _free (the count stays)
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():
+                    self._free()  # handed a thread, and gone before taking it: the next one gets it
+                else:
+                    self._waiting.remove(turn)
+                raise
         future = self._executor.submit(fn, *args)
-        # counted until the work ends, not until its caller stops waiting: a client that leaves frees no worker
-        future.add_done_callback(self._done)
+        future.add_done_callback(lambda ignored: _call_soon(loop, self._free))
         return await asyncio.wrap_future(future)
 
-    def _done(self, future: concurrent.futures.Future) -> None:
-        with self._lock:
-            self._pending -= 1
+    def _free(self) -> None:
+        """A thread is free: the first request waiting takes it, or it is counted free."""
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._running -= 1
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    """``fn`` on ``loop`` from a worker thread; nothing once the loop is closed (the router is stopping)."""
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:
+        pass
 
 
 class BodyTooLarge(Exception):
@@ -81,9 +109,15 @@ class BudgetSpent(Exception):
     """The bodies being read router-wide hold ``max_inflight_body_bytes``: this one is refused (503)."""
 
 
+# The first bytes of each body are not charged: a small request is never refused for the budget, however many
+# large ones hold it (max_connections of them at most: 32 MiB at the default 512).
+FREE_BODY_BYTES = 64 * 1024
+
+
 class BodyBudget:
     """Bytes of request bodies held router-wide, from their first inflated chunk until their request's
-    :class:`Charge` is released. Used on the event loop only (no lock)."""
+    :class:`Charge` is released (its answer is sent: a body is kept for retries on other engines), past the
+    first :data:`FREE_BODY_BYTES` of each. Used on the event loop only (no lock)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -97,14 +131,16 @@ class Charge:
     """One request's share of a :class:`BodyBudget`; :meth:`release` (idempotent) gives it all back."""
 
     def __init__(self, budget: BodyBudget) -> None:
-        self._budget, self.bytes = budget, 0
+        self._budget, self.bytes, self._seen = budget, 0, 0
 
     def add(self, n: int) -> None:
         """Raises :class:`BudgetSpent` (charging nothing) when ``n`` more bytes would not fit."""
-        if self._budget.held + n > self._budget.limit:
+        charged = max(0, self._seen + n - max(FREE_BODY_BYTES, self._seen))
+        if self._budget.held + charged > self._budget.limit:
             raise BudgetSpent
-        self._budget.held += n
-        self.bytes += n
+        self._seen += n
+        self._budget.held += charged
+        self.bytes += charged
 
     def release(self) -> None:
         self._budget.held -= self.bytes
@@ -202,19 +238,28 @@ class _Counted(asyncio.Protocol):
 
     def __init__(self, inner: asyncio.Protocol, site: CappedSite) -> None:
         self._inner, self._site = inner, site
+        self._transport: asyncio.BaseTransport | None = None
 
     def idle(self) -> bool:
-        """No request is being handled or waits to be (its headers not complete yet, or between requests).
-        aiohttp's RequestHandler exposes this only through its own fields: a version without them counts as busy
-        (never evicted), which is the cap as it was."""
-        return (getattr(self._inner, "_request_in_progress", True) is False
+        """No request is being handled or waits to be (its headers not complete yet, or between requests): the
+        test aiohttp's own keep-alive timer makes, its handler waiting for a message. Its waiter is done (or gone)
+        from the moment a request's headers are parsed, before the request's task sets
+        ``_request_in_progress``. aiohttp exposes this only through its own fields: a version without them counts
+        as busy (never evicted), which is the cap as it was."""
+        waiter = getattr(self._inner, "_waiter", None)
+        return (isinstance(waiter, asyncio.Future) and not waiter.done()
                 and not getattr(self._inner, "_messages", True))
 
     def close(self) -> None:
-        """As aiohttp's keep-alive timer closes an idle connection."""
-        self._inner.force_close()  # type: ignore[attr-defined]
+        """Reset now: a closed transport would wait to send what its client does not read, keeping the descriptor
+        (and the cap it no longer counts against)."""
+        if isinstance(self._transport, asyncio.WriteTransport):  # a TCP server's always is
+            self._transport.abort()
+        elif self._transport is not None:
+            self._transport.close()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:

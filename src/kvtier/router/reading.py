@@ -10,7 +10,7 @@ import json
 
 from kvtier.router.metrics import LogOnce
 from kvtier.router.policy import Router
-from kvtier.router.prompts import Prompt, PromptError, Tokenizer, read_prompt
+from kvtier.router.prompts import Prompt, PromptError, Tokenizer, read_prompt, read_stream
 
 # A body over this many bytes a token of the longest prompt keyed is not tokenized (routed without a prediction):
 # it bounds a request's tokenizing at 16 x max_prompt_tokens bytes (2 MiB at the default). What a token takes in a
@@ -26,7 +26,7 @@ class Read:
     """A request's body as a worker read it: parsed, its prompt tokenized and keyed (None and no keys: routed
     without a prediction)."""
 
-    body: dict
+    stream: bool  # as vLLM reads it ("false" is false); the parsed body itself is not kept
     raw: bytes  # what is sent to the engine
     prompt: Prompt | None
     keys: list[bytes]
@@ -45,13 +45,14 @@ class Reader:
         Raises :class:`Unreadable` for a body that is not a JSON object."""
         body, raw = _parse(raw)
         prompt = self._prompt(path, body, len(raw), base_models, longest)
-        return Read(body=body, raw=raw, prompt=prompt, keys=self._router.keys(prompt) if prompt is not None else [])
+        return Read(stream=read_stream(body), raw=raw, prompt=prompt,
+                    keys=self._router.keys(prompt) if prompt is not None else [])
 
     def unpredicted(self, raw: bytes, kind: str) -> Read:
         """The body parsed, its prompt not read (routed without a prediction, counted under ``kind``)."""
         body, raw = _parse(raw)
         self._unpredicted(kind, "a request routed without a prediction (%s)", _WHY.get(kind, kind))
-        return Read(body=body, raw=raw, prompt=None, keys=[])
+        return Read(stream=read_stream(body), raw=raw, prompt=None, keys=[])
 
     def _prompt(self, path: str, body: dict, size: int, base_models: set[str], longest: int) -> Prompt | None:
         """The request's prompt, or None: the engine answers it as it sees fit (a prompt longer than it takes,

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 import zmq
 import zmq.asyncio
@@ -24,6 +24,9 @@ from kvtier.router.metrics import LogOnce
 log = logging.getLogger(__name__)
 
 _REPLAY_ROUNDS = 64  # an engine's replay socket drops what exceeds its send queue: ask again from the first hole
+# A round that brought something and then nothing for this long is over: its end marker was dropped with the rest
+# of what exceeded the engine's send queue (or the router's receive queue), so the next round asks from the hole.
+_QUIET_S = 0.5
 
 
 def _first_hole(seqs: Iterable[int], low: int) -> int | None:
@@ -185,7 +188,7 @@ class Subscriber:
         self._replay_room = self._limits.replay_bytes
         for _ in range(_REPLAY_ROUNDS if self._replay_endpoint is not None else 0):
             self._on_replay()
-            batches, ended = await self._fetch(ask, deadline)
+            batches, ended = await self._fetch(ask, deadline, got)
             wanted = [(seq, b) for seq, b in batches if self.feed.wanted(seq)]
             if len(wanted) < len(batches):
                 self._errors("replay_range", "engine %s: %d replayed batches numbered outside %d-%s, the range "
@@ -211,14 +214,17 @@ class Subscriber:
             return
         await self._settle()
 
-    async def _fetch(self, start: int, deadline: float) -> tuple[list[tuple[int, Batch]], bool]:
+    async def _fetch(self, start: int, deadline: float,
+                     kept: Container[int]) -> tuple[list[tuple[int, Batch]], bool]:
         """The engine's buffered batches from ``start`` on, and whether its end marker came (else: what came
-        before the deadline, the first :data:`MAX_REPLAY`, or what fits in what is left of ``replay_bytes``)."""
+        before the deadline or a quiet :data:`_QUIET_S`, the first :data:`MAX_REPLAY`, or what fits in what is left
+        of ``replay_bytes``, where batches already ``kept`` by an earlier round are not charged again)."""
         dealer = self._socket(zmq.DEALER)
-        # ZMQ's own queue counts messages, not bytes: a smaller mark makes vLLM's replay socket drop more of a
-        # full buffer (many more rounds). What this replay keeps is bounded by replay_bytes below; what ZMQ
-        # queued past it goes when the socket closes.
-        dealer.setsockopt(zmq.RCVHWM, MAX_REPLAY + 1)
+        # ZMQ reads ahead of this loop into a queue counted in messages, not bytes: at most replay_bytes of
+        # max_message_bytes messages (64 at the defaults), so that what it holds is bounded like what is kept.
+        # What the engine sends past it is dropped by the engine's socket; the next round asks for it again.
+        dealer.setsockopt(zmq.RCVHWM, max(2, min(MAX_REPLAY + 1,
+                                                 self._limits.replay_bytes // self._limits.max_message_bytes)))
         got: list[tuple[int, Batch]] = []
         try:
             try:
@@ -230,6 +236,8 @@ class Subscriber:
             await dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
             while len(got) < MAX_REPLAY:
                 left = deadline - time.monotonic()
+                if got and left > 0 and not await dealer.poll(min(left, _QUIET_S) * 1000):
+                    return got, False  # the rest (and the end marker) dropped on the way: ask again
                 if left <= 0 or not await dealer.poll(left * 1000):
                     self._errors("replay_timeout", "engine %s: replay from %s: no end marker within events."
                                  "replay_s (%.1f s)", self.name, self._replay_endpoint, self._limits.replay_s)
@@ -242,7 +250,8 @@ class Subscriber:
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_SEQ:
                     return got, True
-                self._replay_room -= len(frames[3])
+                if seq not in kept:
+                    self._replay_room -= len(frames[3])
                 if self._replay_room < 0:
                     self._errors("replay_bytes", "engine %s: replay from %s: stopped past events.replay_bytes "
                                  "(%d bytes); what did not fit is a gap", self.name, self._replay_endpoint,
