@@ -41,7 +41,7 @@ def child(kind: str, tokens: int, root: Path, server: str | None) -> dict:
     from kvtier.integrations.layouts import scatter_chunks
     from kvtier.testing import synthetic_tokens
 
-    tiers = {"dram": lambda: [], "filesystem": lambda: [{"type": "filesystem", "path": str(root / "kv")}],
+    tiers = {"dram": list, "filesystem": lambda: [{"type": "filesystem", "path": str(root / "kv")}],
              "redis": lambda: [{"type": "redis", "url": server}],
              "s3": lambda: [{"type": "s3", **json.loads(server or "{}")}]}[kind]()
     chunk_bytes = LAYERS * 2 * HEADS * CHUNK * DIM * 2

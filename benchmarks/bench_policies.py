@@ -16,11 +16,11 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_store import machine  # noqa: E402
+from bench_store import machine
 
-from kvtier.sim.cache import default_capacities  # noqa: E402
-from kvtier.sim.report import cache_report  # noqa: E402
-from kvtier.sim.trace import load_trace  # noqa: E402
+from kvtier.sim.cache import default_capacities
+from kvtier.sim.report import cache_report
+from kvtier.sim.trace import load_trace
 
 TRACES = Path(__file__).parent / "traces"
 HEADLINE = (1000, 3000, 10000, 30000)

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_store import SHAPES, log, machine, paired  # noqa: E402
+from bench_store import SHAPES, log, machine, paired
 
-from kvtier import KVStore, Namespace  # noqa: E402
-from kvtier.sealing import write_key_file  # noqa: E402
+from kvtier import KVStore, Namespace
+from kvtier.sealing import write_key_file
 
 CHUNK = 256
 TARGET = 0.80
@@ -117,7 +117,7 @@ def primitives(mib: int = 64, repeats: int = 5) -> dict[str, float]:
         decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce, b"\0" * 16)).decryptor()
         decryptor.update_into(data, out)
 
-    def best(fn) -> float:  # noqa: ANN001
+    def best(fn) -> float:
         times = []
         for _ in range(repeats):
             start = time.perf_counter()

@@ -25,7 +25,7 @@ from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def percentile(values: list[float], q: float) -> float:

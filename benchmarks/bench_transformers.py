@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_store import machine  # noqa: E402
+from bench_store import machine
 
-from kvtier import KVStore  # noqa: E402
-from kvtier.bench.model import prepare_model  # noqa: E402
-from kvtier.bench.workload import documents  # noqa: E402
-from kvtier.integrations.transformers import generate  # noqa: E402
+from kvtier import KVStore
+from kvtier.bench.model import prepare_model
+from kvtier.bench.workload import documents
+from kvtier.integrations.transformers import generate
 
 TARGET = 10.0
 

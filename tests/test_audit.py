@@ -79,7 +79,7 @@ def test_a_purge_that_fails_part_way_records_what_it_removed(tmp_path: Path, mon
     real = FilesystemTier.delete
     calls = []
 
-    def failing(self, key):  # noqa: ANN001, ANN202
+    def failing(self, key):
         calls.append(key)
         if len(calls) == 3:
             raise TierError("disk gone")
@@ -107,7 +107,7 @@ def test_a_log_kvtier_cannot_trust_is_refused(tmp_path: Path, capsys: pytest.Cap
     assert len(list((tmp_path / "fs").rglob("*.kv"))) == 4
 
 
-def _append(path: str, n: int, start) -> None:  # noqa: ANN001
+def _append(path: str, n: int, start) -> None:
     log = AuditLog(path)
     start.wait()
     for i in range(n):
@@ -140,7 +140,7 @@ def test_an_unwritable_log_stops_the_purge_before_anything_is_removed(tmp_path: 
     assert "audit_log: an absolute path" in capsys.readouterr().err
 
 
-def _bounded(call, fifo: Path, release_flags: int) -> int:  # noqa: ANN001
+def _bounded(call, fifo: Path, release_flags: int) -> int:
     """``call()``'s result; fails (instead of hanging the suite) when it blocks on ``fifo``, opening the other
     end to let it go."""
     out: list[int] = []

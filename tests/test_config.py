@@ -86,7 +86,7 @@ def test_redact_hides_every_password_form(url: str) -> None:
     assert "Zq" not in redact(f"bad value {url!r} here")
     with pytest.raises(ConfigError) as info:
         load_config({"tiers": [url]})  # a URL where a tier mapping belongs: the error shows it, redacted
-    assert "Zq" not in str(info.value) and "host" in str(info.value) or "h/b" in str(info.value), str(info.value)
+    assert ("Zq" not in str(info.value) and "host" in str(info.value)) or "h/b" in str(info.value), str(info.value)
 
 
 def test_yaml_file_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,7 +66,7 @@ def test_rekey_never_writes_back_an_object_deleted_while_it_ran(tmp_path: Path, 
     (purger,) = open_tiers(load_config(cfg))  # its own index of the directory, as another process has
     real_seal, deleted = Sealer.seal, []
 
-    def purged_meanwhile(self, key, meta, payload, created=None):  # noqa: ANN001, ANN202
+    def purged_meanwhile(self, key, meta, payload, created=None):
         if not deleted:
             deleted.append(key)
             assert purger.delete(key)

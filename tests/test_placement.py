@@ -182,7 +182,7 @@ def _asked(tier: object, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     for name in ("heads", "get", "get_into"):
         real = getattr(tier, name)
 
-        def record(first, *args, real=real, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        def record(first, *args, real=real, **kw):
             asked.append(first if isinstance(first, str) else first.namespace)
             return real(first, *args, **kw)
 

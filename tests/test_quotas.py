@@ -58,7 +58,7 @@ def ns(salt: str | None) -> Namespace:
 
 
 @pytest.fixture
-def age(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+def age(monkeypatch: pytest.MonkeyPatch):
     """Tiers never evict a share's objects used in the last RECENT_SECONDS (a prompt's own chunks): shortened
     here, and ``age()`` lets everything stored so far grow older than that."""
     monkeypatch.setattr(tier_shares, "RECENT_SECONDS", 0.3)
@@ -84,7 +84,7 @@ def test_a_tenant_past_its_dram_share_evicts_its_own_chunks_only() -> None:
         assert store.put(ns("team-c"), big, synthetic_kv(big)) == 3 * T  # the leading chunks that fit its share
 
 
-def test_a_tenant_past_its_disk_share_evicts_its_own_files_only(tmp_path: Path, age) -> None:  # noqa: ANN001
+def test_a_tenant_past_its_disk_share_evicts_its_own_files_only(tmp_path: Path, age) -> None:
     prompts = [synthetic_tokens(10 + i, 2 * T) for i in range(3)]
     with KVStore.from_config(config(tmp_path, {"disk": 4 * (payload_bytes() + frame.HEADER_LEN) + 100}, ["disk"])) as store:
         store.put(ns("public"), prompts[0], synthetic_kv(prompts[0]))
@@ -161,12 +161,12 @@ def put(store: KVStore, tenant: str, tokens: list[int]) -> None:
 
 
 @pytest.fixture(params=["redis", "redis-cluster"])
-def shared_redis(request):  # noqa: ANN001, ANN201
+def shared_redis(request):
     return request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
 
 
 def test_a_tenant_past_its_redis_share_evicts_its_own_least_recent_shards_whichever_engine_wrote_them(
-        shared_redis, unique_prefix: str, age) -> None:  # noqa: ANN001
+        shared_redis, unique_prefix: str, age) -> None:
     """Two engines on one server (a cluster too: a share's keys share a slot): the share counts both engines'
     writes, a read moves a shard to the recent end, one engine evicts the other's shards, another tenant loses
     nothing, and the server never sees the salt."""
@@ -199,7 +199,7 @@ def test_a_tenant_past_its_redis_share_evicts_its_own_least_recent_shards_whiche
 
 @pytest.mark.parametrize("tier", ["disk", "redis", "s3", "mooncake"])
 def test_a_prompt_larger_than_a_tier_share_keeps_its_leading_chunks(tier: str, tmp_path: Path, request,
-                                                                    unique_prefix: str, age) -> None:  # noqa: ANN001
+                                                                    unique_prefix: str, age) -> None:
     """Its chunks are put together, first chunk first: past the share, an older prompt's chunks are evicted for
     them, then its later chunks are refused, never its first ones evicted (which would leave nothing loadable),
     and nothing is evicted for a chunk that is refused. Putting it again changes nothing."""
@@ -226,7 +226,7 @@ def test_a_prompt_larger_than_a_tier_share_keeps_its_leading_chunks(tier: str, t
 
 
 def test_redis_shards_removed_behind_the_share_stay_counted_until_it_evicts_them(redis_server, unique_prefix: str,
-                                                                                 age) -> None:  # noqa: ANN001
+                                                                                 age) -> None:
     """Shards the server dropped by itself (maxmemory, ttl) stay counted, as the least recently used: the next put
     past the quota takes those out first, and the share holds its real shards again. A delete by a process that
     was never told the share (a command) takes the shard out of the count."""
@@ -255,7 +255,7 @@ def test_redis_shards_removed_behind_the_share_stay_counted_until_it_evicts_them
         tier.close()
 
 
-def test_a_redis_eviction_that_fails_is_handed_out_again(redis_server, unique_prefix: str, age,  # noqa: ANN001
+def test_a_redis_eviction_that_fails_is_handed_out_again(redis_server, unique_prefix: str, age,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A shard handed out for deletion stays counted until its deletion is confirmed: one whose deletion failed
     (or whose engine died) is handed out again by a later put, so the share comes back under its quota."""
@@ -280,7 +280,7 @@ def test_a_redis_eviction_that_fails_is_handed_out_again(redis_server, unique_pr
 
 
 def test_a_redis_eviction_confirmed_after_another_engine_put_the_shard_back_leaves_it_counted(
-        redis_server, unique_prefix: str, age) -> None:  # noqa: ANN001
+        redis_server, unique_prefix: str, age) -> None:
     """Engine a's put hands out shard x and a deletes it; engine b puts x back before a confirms: x is stored
     again, so it stays counted (a confirmation takes out only what is still handed out)."""
     cfg = load_config(redis_config(redis_server, unique_prefix, 2))
@@ -307,7 +307,7 @@ def test_a_redis_eviction_confirmed_after_another_engine_put_the_shard_back_leav
 
 
 def test_a_redis_share_whose_own_keys_the_server_evicted_starts_anew(redis_server, unique_prefix: str,
-                                                                     age) -> None:  # noqa: ANN001
+                                                                     age) -> None:
     """maxmemory may evict one of the share's keys alone: the share then counts from scratch, and never takes
     that for a reason to delete the tenant's shards."""
     p = [synthetic_tokens(60 + i, 2 * T) for i in range(3)]
@@ -437,7 +437,7 @@ def test_reservations_count_against_the_share_before_they_commit() -> None:
         assert store.dram.share_bytes(store._placement.decide(ns_a).share) == 0
 
 
-def test_a_disk_share_is_counted_again_after_a_rescan(tmp_path: Path, age) -> None:  # noqa: ANN001
+def test_a_disk_share_is_counted_again_after_a_rescan(tmp_path: Path, age) -> None:
     """The tier walks its directory again now and then (other engines write there): the share is counted from
     what the walk finds, and still evicts inside itself."""
     prompts = [synthetic_tokens(30 + i, 2 * T) for i in range(3)]
@@ -458,7 +458,7 @@ def test_a_disk_share_is_counted_again_after_a_rescan(tmp_path: Path, age) -> No
 
 
 # -- S3: each engine counts a share from listings of the bucket ---------------------------------------------------
-def s3_config(server, prefix: str, quota_shards: int, **tier: object) -> dict:  # noqa: ANN001
+def s3_config(server, prefix: str, quota_shards: int, **tier: object) -> dict:
     return {"chunk_tokens": T, "dram": {"capacity_bytes": "16MiB", "page_bytes": PAGE},
             "tiers": [{"type": "s3", "name": "shared", **server.tier_options(), "prefix": prefix,
                        "queue_depth": 4096, "share_refresh_seconds": 0, **tier}],
@@ -472,7 +472,7 @@ def listed_age() -> None:
 
 
 def test_a_tenant_past_its_s3_share_evicts_its_own_least_recent_objects_whichever_engine_wrote_them(
-        s3_server, unique_prefix: str, age) -> None:  # noqa: ANN001
+        s3_server, unique_prefix: str, age) -> None:
     """Two engines on one bucket, the tenant's KV of two models: each engine lists the share before it writes
     (``share_refresh_seconds: 0``), finding the other's namespaces through the share's objects, so it counts the
     other's objects; a read moves an object to the recent end; one engine evicts the other's objects; another
@@ -507,7 +507,7 @@ def test_a_tenant_past_its_s3_share_evicts_its_own_least_recent_objects_whicheve
 
 
 def test_an_s3_share_sees_another_engines_writes_at_its_next_listing(s3_server, unique_prefix: str,
-                                                                     age) -> None:  # noqa: ANN001
+                                                                     age) -> None:
     """Between listings an engine counts only its own writes (the share can pass its quota by the others'); its
     first put once the view is ``share_refresh_seconds`` old (10 s by default) lists the share and brings it back
     under its quota, least recent first."""
@@ -549,7 +549,7 @@ def test_bad_s3_share_refresh_is_refused_naming_the_field(s3_server) -> None:
 
 
 # -- Mooncake: each engine counts a share from the master's key list ---------------------------------------------
-def mooncake_config(server, prefix: str, quota_shards: int, **tier: object) -> dict:  # noqa: ANN001
+def mooncake_config(server, prefix: str, quota_shards: int, **tier: object) -> dict:
     return {"chunk_tokens": T, "dram": {"capacity_bytes": "16MiB", "page_bytes": PAGE},
             "tiers": [{"type": "mooncake", "name": "shared", **server.tier_options(), "key_prefix": prefix,
                        "queue_depth": 4096, "share_refresh_seconds": 0, **tier}],
@@ -557,7 +557,7 @@ def mooncake_config(server, prefix: str, quota_shards: int, **tier: object) -> d
 
 
 def test_a_tenant_past_its_mooncake_share_evicts_its_own_least_recent_objects_whichever_engine_wrote_them(
-        mooncake_server, unique_prefix: str, age) -> None:  # noqa: ANN001
+        mooncake_server, unique_prefix: str, age) -> None:
     """As on S3, with no times from Mooncake: another engine's objects age from when this engine first listed
     them; one engine evicts the other's objects; another tenant loses nothing."""
     p = [synthetic_tokens(80 + i, 2 * T) for i in range(3)]
@@ -586,7 +586,7 @@ def test_a_tenant_past_its_mooncake_share_evicts_its_own_least_recent_objects_wh
 
 @pytest.mark.parametrize("tier", ["disk", "redis", "s3", "mooncake"])
 def test_a_purged_namespace_leaves_nothing_that_names_it(tier: str, tmp_path: Path, request,
-                                                         unique_prefix: str, capsys) -> None:  # noqa: ANN001
+                                                         unique_prefix: str, capsys) -> None:
     """``kvtier cache purge --namespace`` (and ``tenant forget``, which removes the same way) removes the
     namespace's objects, then its records beside them: its share records (Redis ``shareof``, S3 and Mooncake
     ``shares/``), its Mooncake marker, its directory on disk. Another namespace of the same share (the tenant's
@@ -607,7 +607,7 @@ def test_a_purged_namespace_leaves_nothing_that_names_it(tier: str, tmp_path: Pa
             store.put(namespace, tokens, synthetic_kv(tokens))
         store.flush()
     gone, kept = ns("team-a").id, other.id
-    records = {"disk": [f"disk/{{}}"], "redis": ["shareof:{}"], "s3": ["shares/"],
+    records = {"disk": ["disk/{}"], "redis": ["shareof:{}"], "s3": ["shares/"],
                "mooncake": ["shares/", "{}/heads"]}[tier]
     names = _raw_names(tier, cfg, request, tmp_path)
     for namespace in (gone, kept):  # its objects, and records beside them
@@ -632,7 +632,7 @@ def test_a_purged_namespace_leaves_nothing_that_names_it(tier: str, tmp_path: Pa
         assert torch.equal(store.get(ns("team-a"), tokens), synthetic_kv(tokens))
 
 
-def _raw_names(tier: str, cfg: dict, request, tmp_path: Path) -> list[str]:  # noqa: ANN001
+def _raw_names(tier: str, cfg: dict, request, tmp_path: Path) -> list[str]:
     """Every name the tier's server (or directory) holds under the test's prefix."""
     if tier == "disk":
         return [str(p.relative_to(tmp_path)) for p in (tmp_path / "disk").rglob("*")]
@@ -952,7 +952,7 @@ def test_a_ledger_rewrite_that_fails_leaves_the_ledger_as_it_was(tmp_path: Path,
         tier.put(tier_key(0, namespace=namespace), [b"x" * FS_SHARD])
     before = _ledger_path(tmp_path / "fs").read_text().split("\n")[1:]
     rename = os.rename
-    def failing(src: str, dst: str, **kw: Any) -> None:  # noqa: ANN401
+    def failing(src: str, dst: str, **kw: Any) -> None:
         if str(src).endswith(".new"):
             raise OSError(28, "No space left on device")
         rename(src, dst, **kw)

@@ -273,7 +273,7 @@ def test_a_forget_reaches_a_tier_that_cannot_list(tmp_path: Path, mooncake_serve
         assert [o.key.namespace for o in store.tiers[0].list()] == [store.named(ns("y")).id] * 2
 
 
-def _create_tenant(path: str, barrier, out) -> None:  # noqa: ANN001
+def _create_tenant(path: str, barrier, out) -> None:
     keyring = Keyring(path)
     barrier.wait()
     out.put(keyring.secret(keyring.tenant_id("shared"), create=True)[0])
@@ -417,7 +417,7 @@ def test_forget_is_taken_up_again_after_a_crash_at_any_step(tmp_path: Path, monk
             store.put(ns("c"), tokens, synthetic_kv(tokens))
         real_unlink = os.unlink
 
-        def crash(name, *args, **kw):  # noqa: ANN001, ANN002, ANN003
+        def crash(name, *args, **kw):
             if crash_at == "secret" and str(name).endswith(Keyring(str(tmp_path / "keyring")).tenant_id("c")):
                 raise KeyboardInterrupt("killed before the secret went")
             return real_unlink(name, *args, **kw)
@@ -479,7 +479,7 @@ def test_the_keyring_watch_survives_a_failed_check(tmp_path: Path, monkeypatch: 
         real = Keyring.secret
         fails = iter([True, True])
 
-        def flaky(self, tenant, create):  # noqa: ANN001
+        def flaky(self, tenant, create):
             if next(fails, False):
                 raise OSError(116, "Stale file handle")
             return real(self, tenant, create)
@@ -541,7 +541,7 @@ def test_a_fault_among_shards_read_ahead_and_decrypted_leaks_nothing(tmp_path: P
         held, release = keys[4 if fault == "altered" else 2], threading.Event()
         read_into = store._read_into
 
-        def slow(tier, key, entry, *args):  # noqa: ANN001, ANN202 - on the decrypting thread
+        def slow(tier, key, entry, *args):
             if key == held:
                 release.wait(10)
             return read_into(tier, key, entry, *args)
@@ -601,7 +601,7 @@ def test_a_forget_drops_dram_of_a_namespace_the_keyring_failed_to_record(tmp_pat
     cfg = config(tmp_path, refresh=0.05)
     real_open = os.open
 
-    def no_descriptors(path, flags, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def no_descriptors(path, flags, *args, **kwargs):
         if str(path).endswith(".ns") and flags & os.O_APPEND:
             raise OSError(24, "Too many open files")
         return real_open(path, flags, *args, **kwargs)
@@ -629,7 +629,7 @@ def test_a_forget_noticed_while_a_read_promotes_leaves_nothing_served(tmp_path: 
         decrypted, release = threading.Event(), threading.Event()
         read_into = store._read_into
 
-        def held(tier, key, entry, *args):  # noqa: ANN001, ANN002, ANN202 - the decrypting thread
+        def held(tier, key, entry, *args):
             created = read_into(tier, key, entry, *args)
             decrypted.set()
             release.wait(10)
@@ -666,7 +666,7 @@ def test_an_unreadable_secret_fails_closed_for_its_tenant_only(tmp_path: Path,
         keyring = Keyring(str(tmp_path / "keyring"))
         bad, real = keyring.tenant_id("eio"), Keyring.secret
 
-        def flaky(self, tenant, create):  # noqa: ANN001, ANN202
+        def flaky(self, tenant, create):
             if tenant == bad:
                 raise OSError(5, "Input/output error")
             return real(self, tenant, create)
@@ -697,7 +697,7 @@ def test_a_secret_missing_at_one_tick_and_back_unchanged_serves_its_tenant_again
         if fault == "secret missing":
             monkeypatch.setattr(Keyring, "secret", lambda self, tenant, create: None)
         elif fault == "short read":
-            def short(self, tenant, create):  # noqa: ANN001, ANN202
+            def short(self, tenant, create):
                 raise KVTierError(f"keyring: {tenant} holds 7 bytes, not a 32-byte secret")
             monkeypatch.setattr(Keyring, "secret", short)
         else:
@@ -721,7 +721,7 @@ def test_a_secret_read_before_a_forget_was_noticed_does_not_unmark_it(tmp_path: 
         sealer, real = store._sealer, Keyring.secret
         armed = [True]
 
-        def racing(self, tenant, create):  # noqa: ANN001, ANN202
+        def racing(self, tenant, create):
             value = real(self, tenant, create)
             if armed.pop() if armed else False:  # the put's read: then another thread's use, the forget, a tick
                 sealer.register(store.named(ns("late")), create=False)

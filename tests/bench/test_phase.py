@@ -49,7 +49,7 @@ class LLM:
         self.store.calls.append("reset")
         return True
 
-    def generate(self, prompts, params, use_tqdm: bool) -> None:  # noqa: ANN001
+    def generate(self, prompts, params, use_tqdm: bool) -> None:
         self.store.calls.append("generate")
         self.store.serve()
 

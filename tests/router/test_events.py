@@ -107,7 +107,7 @@ def test_feed_joins_by_replaying_from_zero_then_applies_in_order():
     feed = r.feed()
     assert feed.live(5, b(5)) == 0  # joined a running engine: ask for everything it buffered
     assert feed.live(6, b(6)) is None  # held while the replay is out
-    feed.replayed([(s, b(s)) for s in range(0, 7)])
+    feed.replayed([(s, b(s)) for s in range(7)])
     assert r.applied == [0, 1, 2, 3, 4, 5, 6] and r.gaps == []
     # the live socket then brings what the replay already applied: duplicates, not a restart
     assert feed.live(5, b(5)) is None and feed.live(6, b(6)) is None

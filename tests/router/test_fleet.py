@@ -6,7 +6,6 @@ the router restarted, in that order on one fleet (tests that break something com
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 import uuid

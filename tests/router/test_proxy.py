@@ -211,9 +211,8 @@ def test_no_healthy_engine_gives_503_and_health_says_so():
             state.healthy = False
         status, headers, _ = await post(url, "ok x")
         assert status == 503 and headers["Retry-After"] == "1"
-        async with aiohttp.ClientSession() as session:
-            async with session.get(url + "/health") as reply:
-                assert reply.status == 503
+        async with aiohttp.ClientSession() as session, session.get(url + "/health") as reply:
+            assert reply.status == 503
     run(main, health_interval_s=3600)
 
 

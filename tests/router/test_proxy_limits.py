@@ -78,12 +78,11 @@ def test_a_full_pool_routes_small_bodies_without_a_prediction_and_refuses_large_
     async def main(url, engines, app):
         first = asyncio.create_task(post(url, "ok a"))
         await until(lambda: app.pool.pending == 1, "the first request on the worker")
-        async with aiohttp.ClientSession() as session:
-            async with session.post(url + "/v1/completions", json={
-                    "model": "m", "prompt": "ok b", "stream": True,
-                    "vllm_xargs": {"kv_cache_report_mode": "full", "other": 1}}) as reply:
-                assert reply.status == 200 and reply.headers["X-KVTier-Route-Reason"] == "unindexed"
-                assert (await reply.read()).endswith(b"data: [DONE]\n\n")  # read as a stream
+        async with aiohttp.ClientSession() as session, session.post(url + "/v1/completions", json={
+                "model": "m", "prompt": "ok b", "stream": True,
+                "vllm_xargs": {"kv_cache_report_mode": "full", "other": 1}}) as reply:
+            assert reply.status == 200 and reply.headers["X-KVTier-Route-Reason"] == "unindexed"
+            assert (await reply.read()).endswith(b"data: [DONE]\n\n")  # read as a stream
         assert tokenizer.calls == 1 and not tokenizer.done.is_set()  # routed while the first is still held
         assert [r["vllm_xargs"] for e in engines for r in e.requests] == [{"other": 1}]
         assert app.metrics.unpredicted.labels("busy")._value.get() == 1

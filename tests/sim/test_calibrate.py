@@ -86,7 +86,7 @@ def test_the_constrained_fit_is_the_optimum_over_non_negative_coefficients() -> 
 def test_a_point_is_measured_again_while_its_measurements_disagree_and_no_more_than_allowed() -> None:
     from kvtier.sim._engine_sweep import repeated
 
-    def scripted(values: list[float]):  # noqa: ANN202
+    def scripted(values: list[float]):
         it = iter(values)
         return lambda: next(it)
 

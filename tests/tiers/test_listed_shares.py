@@ -84,7 +84,7 @@ def put(shares: ListedShares, bucket: Bucket, k: ShardKey, size: int, land: bool
     return finish(shares, bucket, k, counted, land)
 
 
-def finish(shares: ListedShares, bucket: Bucket, k: ShardKey, counted, written: bool) -> list[ShardKey]:  # noqa: ANN001
+def finish(shares: ListedShares, bucket: Bucket, k: ShardKey, counted, written: bool) -> list[ShardKey]:
     """The end of a put :meth:`ListedShares.account` counted: its victims deleted."""
     victims = shares.done(k, counted, written)
     for v in victims:
@@ -171,7 +171,7 @@ def test_puts_waiting_on_a_listing_share_the_next_one(recent: float) -> None:
     listings = []
     members = shares._members
 
-    def counted(sid: str):  # noqa: ANN202
+    def counted(sid: str):
         listings.append(sid)
         return members(sid)
 

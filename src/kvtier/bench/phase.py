@@ -68,7 +68,7 @@ def run_docs(llm, job: dict, label: str, before=None) -> list[float]:
     return times
 
 
-def disk_then_dram(llm, store, job: dict,  # noqa: ANN001
+def disk_then_dram(llm, store, job: dict,
                    rounds: list[int]) -> tuple[list[float], list[float], list[int]]:
     """Each request twice in a row, vLLM's own prefix cache emptied before each: from the disk (kvtier's DRAM
     emptied first), then from kvtier's DRAM, where the disk hit left its chunks. The second is the first
@@ -102,14 +102,14 @@ def disk_then_dram(llm, store, job: dict,  # noqa: ANN001
     return disk, dram, chunks
 
 
-def _served(store, tier: str) -> tuple[float, float, float]:  # noqa: ANN001
+def _served(store, tier: str) -> tuple[float, float, float]:
     """Chunks the store served so far from DRAM and from ``tier``, and chunks it found nowhere."""
     stats = store.stats()
     return (stats["dram"].get("hit_chunks_total", 0.0), stats[tier].get("hit_chunks_total", 0.0),
             stats["_store"].get("miss_chunks_total", 0.0))
 
 
-def _dropper(store):  # noqa: ANN001, ANN202
+def _dropper(store):
     """Before a disk hit: every queued write ended, then kvtier's DRAM emptied, so the chunks come from files."""
     def drop() -> None:
         store.flush()

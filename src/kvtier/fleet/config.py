@@ -101,7 +101,7 @@ class FleetConfig:
 
     def listening_ports(self) -> dict[str, int]:
         """Every port the fleet listens on, by the field that sets it."""
-        out = {f"ports.router (the router)": self.ports.router}
+        out = {"ports.router (the router)": self.ports.router}
         for i in range(self.engines):
             out[f"ports.engines (engine e{i})"] = self.engine_port(i)
             for port in self.events_ports(i):

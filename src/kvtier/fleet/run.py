@@ -271,7 +271,7 @@ def alert_rules() -> Path | None:
     return path if path.is_file() else None
 
 
-def _redis_ping(host: str, port: int):  # noqa: ANN202
+def _redis_ping(host: str, port: int):
     import socket
 
     def check() -> bool:

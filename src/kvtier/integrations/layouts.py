@@ -77,7 +77,7 @@ def _by_runs(device: torch.device) -> bool:
 
 def _checked_ids(block_ids: Sequence[int] | torch.Tensor, blocks: torch.Tensor) -> list[int]:
     ids = _block_list(block_ids)
-    if ids and not (0 <= min(ids) and max(ids) < blocks.shape[0]):
+    if ids and not (min(ids) >= 0 and max(ids) < blocks.shape[0]):
         raise ValueError(f"block ids must be in [0, {blocks.shape[0]}), got {min(ids)}..{max(ids)}")
     return ids
 

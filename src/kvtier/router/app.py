@@ -291,7 +291,7 @@ class RouterApp:
             async with self._session.get(self.urls[name] + "/metrics", timeout=timeout, headers=self._own_headers,
                                          allow_redirects=False) as reply:
                 text = await reply.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return
         seconds = sample_sum(text, "vllm:request_prefill_time_seconds_sum")
         count = sample_sum(text, "vllm:request_prefill_time_seconds_count")
@@ -341,7 +341,7 @@ class RouterApp:
                         continue  # a redirect is not passed on: its Location is the engine's business
                     return web.Response(status=reply.status, body=await reply.read(),
                                         content_type=reply.content_type)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 continue
         return error_reply(503, "no engine is healthy", "no_healthy_engine")
 
@@ -498,7 +498,7 @@ class RouterApp:
                     await self._deliver(reply, whole)
                 try:
                     chunk = await asyncio.wait_for(upstream.content.readany(), self.config.timeouts.idle_s)
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     cause = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnected"
                     log.warning("engine %s failed mid-stream (%s): the client gets an error event%s", name, cause,
                                 f" ({len(events.held)} bytes of a partial event dropped)" if events.held else "")
@@ -555,7 +555,7 @@ class RouterApp:
             # Not routed to until its next good health check; its entries stay unless it stays down.
             self.router.engines[name].healthy = False
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
         except ValueError as exc:  # aiohttp's refusal to send this request (e.g. URL credentials and Authorization)
             raise _Upstream(f"the request cannot be sent: {type(exc).__name__}") from exc
@@ -568,13 +568,13 @@ class RouterApp:
     async def _whole(self, upstream: aiohttp.ClientResponse) -> bytes:
         try:
             return await asyncio.wait_for(upstream.read(), self.config.timeouts.first_byte_s)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise _Upstream(f"no whole answer: {type(exc).__name__}") from exc
 
     async def _first(self, upstream: aiohttp.ClientResponse) -> bytes:
         try:
             first = await asyncio.wait_for(upstream.content.readany(), self.config.timeouts.first_byte_s)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise _Upstream(f"no first byte: {type(exc).__name__}") from exc
         if not first:
             raise _Upstream("the answer ended before its first byte")

@@ -103,11 +103,7 @@ def read_int(body: Mapping[str, object], name: str, low: int, high: int = _INT64
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, (bool, int)):
-        number = int(value)
-    elif isinstance(value, float) and value.is_integer():
-        number = int(value)
-    elif isinstance(value, str) and _DIGITS.fullmatch(value):
+    if isinstance(value, (bool, int)) or (isinstance(value, float) and value.is_integer()) or (isinstance(value, str) and _DIGITS.fullmatch(value)):
         number = int(value)
     else:
         raise FieldError(f"{name}: expected an integer from {low} to {high}; got a {type(value).__name__}")

@@ -15,7 +15,7 @@ from kvtier.sim.timing import Costs
 def lengths(chunk_tokens: int) -> list[float]:
     """Prompts of whole chunks from one chunk to 16K tokens, about four an octave: a prompt asked again, so
     each length pays the same recomputed last chunk and the curves compare like with like."""
-    grid = sorted({max(1, round(128 * 2**(k / 4) / chunk_tokens)) * chunk_tokens for k in range(0, 29)})
+    grid = sorted({max(1, round(128 * 2**(k / 4) / chunk_tokens)) * chunk_tokens for k in range(29)})
     return [float(n) for n in grid if n <= 16384]
 
 

@@ -263,5 +263,5 @@ def compare(trace: Trace, capacities: Sequence[int], policies: Sequence[str],
     out["oracle_admit"] = {c: oracle_admission(trace, c, progress) for c in capacities}
     out["belady"] = {c: belady(trace, c, progress) for c in capacities}
     top = infinite(trace)
-    out["infinite"] = {c: top for c in capacities}
+    out["infinite"] = dict.fromkeys(capacities, top)
     return out

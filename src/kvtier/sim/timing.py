@@ -210,7 +210,7 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | N
             preemptions += 1
             waiting.insert(0, victim)
 
-        for r in list(running):
+        for r in running:
             if r not in running or budget == 0:
                 continue
             n = min(r.target - r.computed, budget) if r.computed < r.target else 1

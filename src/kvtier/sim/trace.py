@@ -170,7 +170,7 @@ def _empty(field: str, where: str, strict: bool) -> None:
     """An empty prompt: skipped (None), or with ``strict`` refused, in the same words for every kind of line."""
     if strict:
         raise TraceError(f"{where}: {field}: an empty prompt (without --strict such lines are skipped)")
-    return None
+    return
 
 
 def _number(row: dict, field: str, where: str) -> float:

@@ -269,7 +269,7 @@ class MooncakeTier(Tier):
         return got
 
     def get_into_many(self, reads: Sequence[tuple[ShardKey, int, Sequence[memoryview]]]) \
-            -> list[bytes | None | Exception]:
+            -> list[bytes | Exception | None]:
         """Over TCP, one batch get for all of ``reads``, each object laid out over its header buffer and payload;
         a failed one is then asked about alone (see :meth:`_failed_read`). Over RDMA, :meth:`get` and a copy each."""
         if self.options.protocol != "tcp":
@@ -286,7 +286,7 @@ class MooncakeTier(Tier):
         codes = store.batch_get_into_multi_buffers(names, pointers, sizes)
         if len(codes) != len(reads):
             codes = [-1] * len(reads)
-        out: list[bytes | None | Exception] = []
+        out: list[bytes | Exception | None] = []
         down: TierError | None = None  # the master unreachable: not asked again for each failed read
         for (key, _, _), name, size, header, rc in zip(reads, names, sizes, headers, codes):
             want = sum(size)
@@ -317,7 +317,7 @@ class MooncakeTier(Tier):
         size = store.get_size(name) if present else -1
         if size >= 0 and size != want:
             raise ObjectError(f"{self.name}: {key.name} is {size} bytes, expected {want}")
-        return None
+        return
 
     def delete(self, key: ShardKey) -> bool:
         store = self._store()

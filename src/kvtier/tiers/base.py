@@ -85,10 +85,10 @@ class Tier(ABC):
         return None if blob is None else self._split(key, blob, header_len, payload)
 
     def get_into_many(self, reads: Sequence[tuple[ShardKey, int, Sequence[memoryview]]]) \
-            -> list[bytes | None | Exception]:
+            -> list[bytes | Exception | None]:
         """:meth:`get_into` of several ``(key, header_len, payload)`` at once; for each, what it would return, or
         the exception it would raise. The default calls it in turn; a tier with a batched read overrides it."""
-        out: list[bytes | None | Exception] = []
+        out: list[bytes | Exception | None] = []
         for key, header_len, payload in reads:
             try:
                 out.append(self.get_into(key, header_len, payload))
