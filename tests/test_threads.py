@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import threads
+from kvtier import _threadstart, threads
 from kvtier.threads import DaemonPool, spare_cpus
 
 ALL = set(range(8))
@@ -71,7 +71,7 @@ def two_cpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, int]]:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs two CPUs")
-    monkeypatch.setattr(threads, "_placement_failed", False)  # logged once per process
+    monkeypatch.setattr(_threadstart, "_placement_failed", False)  # logged once per process
     yield cpus[0], cpus[1]
     threads.run_on(None)
 

@@ -27,10 +27,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from kvtier import frame, keycmds
+from kvtier._cachecmds import human, open_audit, remove_objects, remove_records
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, KVTierError, TierError
 from kvtier.store import open_tiers
@@ -54,14 +56,6 @@ def namespace_id(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected a namespace id: 32 hex digits, as `kvtier cache ls` prints "
                                          f"them; got {text!r}")
     return text.lower()
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _age(seconds: float) -> str:
@@ -93,7 +87,7 @@ def cmd_stats(tiers: list[Tier], args: argparse.Namespace) -> int:
         cap = getattr(tier.options, "capacity_bytes", None)
         print(f"tier {tier.name} ({type(tier).__name__})")
         print(f"  objects:    {len(objs)}")
-        print(f"  bytes:      {_human(size)}" + (f" of {_human(cap)} ({100 * size / cap:.1f}%)" if cap else ""))
+        print(f"  bytes:      {human(size)}" + (f" of {human(cap)} ({100 * size / cap:.1f}%)" if cap else ""))
         print(f"  namespaces: {len(namespaces)}")
         if objs:
             print(f"  oldest:     {_age(now - min(o.created for o in objs))} ago")
@@ -114,13 +108,13 @@ def cmd_ls(tiers: list[Tier], args: argparse.Namespace) -> int:
     for tier in tiers:
         for o in sorted(_objects(tier, args.namespace), key=lambda o: o.created):
             print(f"{tier.name:<12} {o.key.namespace:<32} {o.key.chunk:<32} {o.key.heads!s:<10} "
-                  f"{_human(o.size):>10} {_age(now - o.created):>7} {_age(now - o.last_used):>7}")
+                  f"{human(o.size):>10} {_age(now - o.created):>7} {_age(now - o.last_used):>7}")
     return 0
 
 
 def cmd_verify(tiers: list[Tier], args: argparse.Namespace) -> int:
     bad_total = 0
-    audit = _audit(args) if args.repair else None
+    audit = open_audit(args) if args.repair else None
     sealer = None if args.store_config.encryption is None else keycmds.sealer_for(args, "kvtier cache verify")
     try:
         for tier in tiers:
@@ -167,16 +161,17 @@ def _verify(tier: Tier, args: argparse.Namespace, audit, sealer) -> int:
 
 def cmd_purge(tiers: list[Tier], args: argparse.Namespace) -> int:
     now = time.time()
-    audit = _audit(args)
-    selector = ({"namespace": args.namespace} if args.namespace else
-                {"older_than_s": args.older_than} if args.older_than is not None else {"all": True})
+    audit = open_audit(args)
+    selector: dict[str, object] = ({"namespace": args.namespace} if args.namespace else
+                                   {"older_than_s": args.older_than} if args.older_than is not None else
+                                   {"all": True})
     for tier in tiers:
         objs = _objects(tier, args.namespace)
         if args.older_than is not None:
             objs = [o for o in objs if now - o.created > args.older_than]
-        _remove_objects(tier, objs, audit, "purge", selector)
+        remove_objects(tier, objs, audit, "purge", selector)
         if args.namespace:
-            _remove_records(tier, [args.namespace], audit, "purge", selector)
+            remove_records(tier, [args.namespace], audit, "purge", selector)
     return 0
 
 
@@ -184,7 +179,7 @@ def cmd_retain(tiers: list[Tier], args: argparse.Namespace) -> int:
     """A retention run: each tier's ``ttl_seconds`` applied by listing it (for tiers that do not expire objects
     themselves, such as S3; on the others it removes what their own expiry has not reached yet)."""
     now = time.time()
-    audit = _audit(args)
+    audit = open_audit(args)
     for tier in tiers:
         ttl = getattr(tier.options, "ttl_seconds", None)
         if ttl is None:
@@ -193,46 +188,9 @@ def cmd_retain(tiers: list[Tier], args: argparse.Namespace) -> int:
             print(f"tier {tier.name}: its listing has no write times; objects past ttl_seconds are refused as they "
                   "are read, and left to the tier's own expiry and eviction")
         else:
-            _remove_objects(tier, [o for o in _objects(tier) if now - o.created > ttl], audit, "retain",
-                            {"ttl_seconds": ttl})
+            remove_objects(tier, [o for o in _objects(tier) if now - o.created > ttl], audit, "retain",
+                           {"ttl_seconds": ttl})
     return 0
-
-
-def _remove_objects(tier: Tier, objs: list[StoredObject], audit, action: str,
-                    selector: dict[str, object]) -> None:
-    """Remove ``objs`` from ``tier``, with progress; with an audit log, ``<action>-start`` before (a removal that
-    fails part-way is on record) and ``<action>`` after (what was removed, even when it stopped part-way)."""
-    if audit is not None:
-        audit.record(f"{action}-start", tier=tier.name, **selector, objects=len(objs), bytes=sum(o.size for o in objs))
-    removed = size = 0
-    failed = True
-    try:
-        for o in tqdm(objs, desc=f"{action} {tier.name}", unit="obj", file=sys.stderr, disable=None):
-            if tier.delete(o.key):
-                removed += 1
-                size += o.size
-        failed = False
-    finally:
-        if audit is not None:
-            audit.record(action, tier=tier.name, **selector, objects=removed, bytes=size, failed=failed)
-    print(f"tier {tier.name}: removed {removed} objects ({_human(size)})")
-
-
-def _remove_records(tier: Tier, namespaces: list[str], audit, action: str,
-                    selector: dict[str, object]) -> None:
-    """After their objects: what ``tier`` keeps about whole ``namespaces`` beside them (:meth:`Tier.remove_records`:
-    share records, a namespace's directory), so nothing names them any more; with an audit log, recorded as
-    ``<action>-records`` (failed, when it raised)."""
-    removed, failed = 0, True
-    try:
-        removed = tier.remove_records(namespaces)
-        failed = False
-    finally:
-        if audit is not None:
-            audit.record(f"{action}-records", tier=tier.name, **selector, records=removed, failed=failed)
-    if removed:
-        print(f"tier {tier.name}: removed {removed} records of the namespaces (tenant share records, directories, "
-              "markers)")
 
 
 def cmd_audit(tiers: list[Tier], args: argparse.Namespace) -> int:
@@ -250,19 +208,6 @@ def cmd_audit(tiers: list[Tier], args: argparse.Namespace) -> int:
     print(f"audit log {path}: " + (f"{verdict.records} records, chain intact" if verdict.records else
                                    "no records yet"))
     return 0
-
-
-def _audit(args: argparse.Namespace):
-    """The store config's audit log, checked writable before anything is removed (None when not configured)."""
-    from kvtier.audit import AuditLog
-
-    path = args.store_config.audit_log
-    if path is None:
-        return None
-    try:
-        return AuditLog(path)
-    except ConfigError as exc:
-        raise ConfigError(f"{exc}; nothing was removed") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -451,6 +396,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if deployment is not None:
         from kvtier.sim.report import timing_report
 
+        assert calibration is not None  # loaded with the deployment
         try:
             timing_report(trace, deployment, calibration, args.out, plot=not args.no_plot)
         except ValueError as exc:
@@ -489,7 +435,8 @@ def _scenario(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from kvtier.sim.calibrate import calibrate
 
-    chunk_tokens, tiers = 256, None
+    chunk_tokens = 256
+    tiers: list[tuple[str, dict[str, Any] | None]] | None = None
     try:
         if args.config:
             config = load_config(args.config)

@@ -19,56 +19,15 @@ from typing import Any, Literal
 
 import yaml
 
+from kvtier._config_values import parse_size, shown
+from kvtier._config_values import redact as redact, redact_url as redact_url  # re-exported: part of this API
 from kvtier.errors import ConfigError
+from kvtier.placement import PlacementRule, parse_placement
 
 if typing.TYPE_CHECKING:
-    from kvtier.placement import PlacementRule
     from kvtier.sealing import EncryptionConfig
 
 CONFIG_ENV = "KVTIER_CONFIG"
-
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-_SECRET_FIELDS = ("secret", "password", "passwd", "credential")
-_SECRET_PARTS = ("token", "key")  # whole parts of a name: auth_token, api_key; not chunk_tokens, key_prefix
-_URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]*")
-_SECRET_QUERY = re.compile(r"(?i)((?:password|passwd|secret|token|access_key|secret_key)=)[^&#\s'\"]*")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password (and any ``password=``-like query value) replaced by ``***``.
-
-    Everything up to the last ``@`` counts as user info, so a password with an unescaped ``@``, ``/`` or ``?``
-    (which URL parsers take for the host or path) is hidden too; a lone name before ``@`` may be a password
-    written without its colon, so it goes as well.
-    """
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        userinfo, _, host = rest.rpartition("@")
-        rest = (userinfo.partition(":")[0] + ":***@" if ":" in userinfo else "***@") + host
-    return scheme + sep + _SECRET_QUERY.sub(r"\1***", rest)
-
-
-def redact(text: str) -> str:
-    """``text`` with every URL in it passed through :func:`redact_url`."""
-    return _URL.sub(lambda m: redact_url(m[0]), text)
-
-
-def shown(field: str, value: object) -> str:
-    """How a config value appears in an error: secrets never, URLs without their password."""
-    name = field.rpartition(".")[2].lower()
-    parts = re.split(r"[_\-]", name)
-    if any(word in name for word in _SECRET_FIELDS) or (parts[-1] in _SECRET_PARTS and len(parts) > 1) \
-            or name in ("token", "apikey"):
-        return "<redacted>"
-    return redact(repr(value))
-
 
 def check_url_port(url: str, field: str, shown: str = "") -> None:
     """A :class:`ConfigError` naming ``field`` unless the URL's port, if it has one, is a number in 1-65535.
@@ -88,23 +47,6 @@ def check_ttl(value: float | None, field: str) -> None:
     """A tier's ``ttl_seconds``: None (no limit) or a positive, finite number of seconds."""
     if value is not None and not (value > 0 and math.isfinite(value)):
         raise ConfigError(f"{field}.ttl_seconds: must be a positive number of seconds, got {value}")
-
-
-def parse_size(value: object, field: str) -> int:
-    """Parse a byte size given as an int or a string such as ``"4GiB"``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{field}: expected a byte size (int or string like '4GiB'), got {value!r}")
-    if isinstance(value, int) and value < 0:
-        raise ConfigError(f"{field}: must not be negative, got {value}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match and match.group(2).lower() in _SIZE_UNITS:
-            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-    units = ", ".join(u for u in _SIZE_UNITS if u)
-    raise ConfigError(f"{field}: expected a byte size (int, or a number with one of {units}), got "
-                      f"{shown(field, value)}")
 
 
 def _describe(tp: Any) -> str:
@@ -265,7 +207,7 @@ def check_otlp_endpoint(value: object, field: str) -> str | None:
     if value is None:
         return None
     parts = urllib.parse.urlsplit(value) if isinstance(value, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+    if not isinstance(value, str) or parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{field}: expected an OTLP/HTTP URL such as http://collector:4318/v1/traces, got "
                           f"{shown(field, value)}")
     check_url_port(value, field)
@@ -324,14 +266,13 @@ def read_mapping(source: Mapping[str, object] | str | os.PathLike[str], what: st
                  allowed: Sequence[str]) -> Mapping[str, object]:
     """A config mapping as given, or read from a YAML file; refused unless a mapping of ``allowed`` keys only.
     ``what`` names the config in errors ("config", "router config", ...)."""
-    if isinstance(source, (str, os.PathLike)):
-        source = read_yaml(source, what)
-    if not isinstance(source, Mapping):
-        raise ConfigError(f"{what}: expected a mapping, got {type(source).__name__}")
-    unknown = sorted(map(str, set(source) - set(allowed)))
+    raw = read_yaml(source, what) if isinstance(source, (str, os.PathLike)) else source
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{what}: expected a mapping, got {type(raw).__name__}")
+    unknown = sorted(map(str, set(raw) - set(allowed)))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key; allowed: {', '.join(allowed)}")
-    return source
+    return raw
 
 
 def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> StoreConfig:
@@ -360,8 +301,6 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
         raise ConfigError(f"metrics_host: an address to serve metrics on (127.0.0.1, 0.0.0.0, a host name), got "
                           f"{shown('metrics_host', metrics_host)}")
     traces = check_otlp_endpoint(cfg.get("otlp_traces_endpoint"), "otlp_traces_endpoint")
-    from kvtier.placement import parse_placement  # placement imports keys (torch): only when a config is read
-
     placement = parse_placement(cfg.get("placement"), [t.name for t in tiers])
     audit_log = cfg.get("audit_log")
     if audit_log is not None and (not isinstance(audit_log, str) or not audit_log.startswith("/")):

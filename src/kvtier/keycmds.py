@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from kvtier import frame
+from kvtier._cachecmds import open_audit, remove_objects, remove_records
 from kvtier.errors import ConfigError, TierError
 from kvtier.store import open_tiers
 from kvtier.tiers.base import Tier
@@ -85,7 +86,7 @@ def _rekey_one(tier: Tier, key: frame.ShardKey, sealer: Sealer) -> str:
     if blob is None:
         return "gone"
     try:
-        header = frame.decode_header(blob)
+        header = frame.decode_header(memoryview(blob))
         if header.sealing is None:
             # Never sealed here: a plain object's checksum is unkeyed, so whoever can write the tier could have made
             # it, and sealing it would make forged KV trusted. Engines refuse it; purge it.
@@ -124,15 +125,13 @@ def cmd_forget(tiers: list[Tier], args: argparse.Namespace) -> int:
     """Destroy the tenant's secret (its KV can no longer be opened anywhere, Mooncake included), wait for running
     processes to drop the keys they derived, then remove its objects from every tier that can list them, as
     listed after the wait (a process that had not noticed yet may have written more meanwhile)."""
-    from kvtier.cli import _audit
-
     if (args.salt is None) == (not args.unsalted):
         print("kvtier: tenant forget: give the tenant's SALT (or - to read it from standard input), or --unsalted "
               "for the requests without a salt; not both", file=sys.stderr)
         return 2
     sealer = sealer_for(args, "kvtier tenant forget")
     try:
-        audit = _audit(args)
+        audit = open_audit(args)
         keyring = sealer.keyring
         tenant = keyring.tenant_id(None if args.unsalted else args.salt)
         namespaces = keyring.forget(tenant)
@@ -175,8 +174,6 @@ def _nothing_to_forget(forgotten_at: float | None, tenant: str) -> int:
 def _remove(tier: Tier, namespaces: list[str], tenant: str, audit) -> int:
     """Remove the tenant's objects from one tier (as a purge does, recorded as ``forget-remove``); 1 if the tier
     could not list or delete them (they stay, and no key opens them)."""
-    from kvtier.cli import _remove_objects, _remove_records
-
     try:
         objects = [o for namespace in namespaces for o in tier.list(namespace)]
     except TierError as exc:
@@ -184,11 +181,11 @@ def _remove(tier: Tier, namespaces: list[str], tenant: str, audit) -> int:
             audit.record("forget-remove", tier=tier.name, tenant=tenant, objects=0, bytes=0, failed=True)
         return _cannot(tier, exc)
     try:
-        _remove_objects(tier, objects, audit, "forget-remove", {"tenant": tenant})
+        remove_objects(tier, objects, audit, "forget-remove", {"tenant": tenant})
     except TierError as exc:  # recorded as failed part-way by _remove_objects
         return _cannot(tier, exc)
     try:
-        _remove_records(tier, namespaces, audit, "forget-remove", {"tenant": tenant})
+        remove_records(tier, namespaces, audit, "forget-remove", {"tenant": tenant})
     except TierError as exc:  # recorded as failed by _remove_records
         print(f"tier {tier.name}: removed the objects, but not every record naming the tenant's namespaces ({exc}); "
               "run the command again to retry")

@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 
 from typing import TYPE_CHECKING
 
-from kvtier.config import parse_size
+from kvtier._config_values import parse_size
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -67,9 +67,7 @@ class PlacementRule:
     def matches(self, ns: Namespace) -> bool:
         if self.namespace is not None and ns.id != self.namespace:
             return False
-        if self.salt is not None and (ns.cache_salt is None or not fnmatch.fnmatchcase(ns.cache_salt, self.salt)):
-            return False
-        return True
+        return self.salt is None or (ns.cache_salt is not None and fnmatch.fnmatchcase(ns.cache_salt, self.salt))
 
     @property
     def share(self) -> str:

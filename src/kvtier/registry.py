@@ -21,9 +21,10 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """Maps names to classes of one kind."""
 
-    def __init__(self, kind: str, base: type[T]) -> None:
+    def __init__(self, kind: str, base: type) -> None:
+        # ``type``, not ``type[T]``: a base is abstract (an ABC), which mypy refuses where ``type[T]`` is expected
         self._kind = kind
-        self._base = base
+        self._base: type[T] = base
         self._entries: dict[str, type[T]] = {}
 
     def register(self, name: str) -> Callable[[type[T]], type[T]]:

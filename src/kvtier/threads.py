@@ -15,83 +15,20 @@ decides what that means (an inline answer, counted).
 
 from __future__ import annotations
 
-import ctypes
 import glob
-import logging
-import os
 import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 from kvtier import tracing
+from kvtier._threadstart import call, cpu_list, entered, run_on, start
 
-log = logging.getLogger("kvtier")
-_T = TypeVar("_T")
-
-_cpus: frozenset[int] | None = None  # where kvtier's threads run (None: where the thread starting them may)
-_placement_failed = False  # logged once
-_PR_SET_NAME = 15  # prctl(2): the calling thread's name, 15 bytes at most
-_libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None  # this process's own C library
-
-
-def run_on(cpus: frozenset[int] | None) -> None:
-    """Have every kvtier thread started from now on run on ``cpus`` (None: wherever its starter may run)."""
-    global _cpus
-    _cpus = cpus
-
-
-def entered(name: str) -> None:
-    """First thing on every kvtier thread: its name in the OS, and its CPUs (:func:`run_on`). Never raises: a
-    thread that cannot move runs where it was started (logged once)."""
-    global _placement_failed
-    if _libc is not None:
-        try:
-            _libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-        except (AttributeError, OSError):  # not Linux: the name stays the process's
-            pass
-    cpus = _cpus
-    if cpus is not None and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, cpus)  # 0: the calling thread
-        except OSError as exc:  # e.g. the CPUs left the process's cpuset since
-            if not _placement_failed:
-                _placement_failed = True
-                log.warning("kvtier: cannot move thread %s to CPUs %s (%s); it runs where it was started",
-                            name, cpu_list(cpus), exc)
-
-
-def start(target: Callable[[], object], name: str) -> threading.Thread:
-    """Start a daemon thread running ``target`` that first calls :func:`entered`."""
-    def run() -> None:
-        entered(name)
-        target()
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    return thread
-
-
-def call(fn: Callable[[], _T], name: str) -> _T:
-    """``fn()`` run on a kvtier thread of its own (named ``name``), its result returned and what it raises
-    raised: the threads a library starts inside it (a metrics server's, a span exporter's) inherit its CPUs and
-    its name in the OS."""
-    box: list[Any] = []
-
-    def run() -> None:
-        try:
-            box.append((True, fn()))
-        except BaseException as exc:  # handed to the caller
-            box.append((False, exc))
-
-    start(run, name).join()
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]
+__all__ = ["IDLE_WAIT_SECONDS", "DaemonPool", "call", "cpu_list", "entered", "run_on", "spare_cpus", "start",
+           "topology"]
 
 
 def spare_cpus(environ: Mapping[str, str], allowed: set[int], current: set[int], *,
@@ -153,7 +90,7 @@ def _omp_cpus(environ: Mapping[str, str]) -> set[int] | None:
                 return None
             if not re.fullmatch(r"\{[^{}]*\}(,\{[^{}]*\})*", places):  # abstract names, replicated places
                 return None
-            cpus = set()
+            cpus: set[int] = set()
             for place in re.findall(r"\{([^}]*)\}", places):
                 for item in place.split(","):
                     start, _, rest = item.partition(":")
@@ -184,11 +121,6 @@ def _id_list(text: str) -> list[int]:
         first, _, last = part.strip().partition("-")
         cpus.extend(range(int(first), int(last or first) + 1))
     return cpus
-
-
-def cpu_list(cpus: Collection[int]) -> str:
-    """``{2, 0, 1}`` -> ``0,1,2`` (for messages)."""
-    return ",".join(str(c) for c in sorted(cpus))
 
 
 # In an engine step that runs no model, how long the connector waits for its background work (a lookup, an
@@ -228,7 +160,7 @@ class DaemonPool:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(job())
-                except BaseException as exc:  # handed to whoever holds the future
+                except BaseException as exc:  # noqa: BLE001 handed to whoever holds the future
                     future.set_exception(exc)
 
     def close(self, wait: float = 0.0) -> bool:

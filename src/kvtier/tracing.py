@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from kvtier import _threadstart
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -57,12 +58,10 @@ def configure(endpoint: str, service_name: str) -> None:
             raise ConfigError(f"otlp_traces_endpoint: traces need OpenTelemetry's SDK and OTLP exporter: pip "
                               f"install 'kvtier[tracing]' ({exc})") from exc
 
-        from kvtier import threads  # (it imports this module)
-
         provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         # its exporting thread where kvtier's threads run, named as kvtier's
-        provider.add_span_processor(threads.call(lambda: BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)),
-                                                 "kvtier-traces"))
+        provider.add_span_processor(_threadstart.call(lambda: BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)),
+                                                      "kvtier-traces"))
         _install(provider)
         _endpoint = endpoint
         atexit.register(provider.shutdown)  # the spans still queued are exported before the process ends

@@ -40,8 +40,8 @@ def vllm_config(model_dir: str, store: dict, extra: dict | None = None, **engine
     kv = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
                           kv_role="kv_both", kv_load_failure_policy="recompute",
                           kv_connector_extra_config={"config": store, **(extra or {})})
-    args = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=2048,
-                dtype="bfloat16", block_size=BLOCK, kv_transfer_config=kv)
+    args = {"model": model_dir, "skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 2048,
+            "dtype": "bfloat16", "block_size": BLOCK, "kv_transfer_config": kv}
     args.update(engine)
     return EngineArgs(**args).create_engine_config()  # type: ignore[arg-type]
 

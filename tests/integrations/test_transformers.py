@@ -104,11 +104,11 @@ def test_a_left_padded_batch_mixing_hits_and_misses_is_exact(models: dict, name:
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=pad)
     with KVStore.from_config(config(tmp_path)) as store:
         generate(model, doc, store=store, max_new_tokens=1, do_sample=False)  # the document, stored
-        cache, length = load_prefix(model, store, ids, mask)
+        _, length = load_prefix(model, store, ids, mask)
         assert length == width - 150  # the third row, a miss, holds the batch at its padding
         both = generate(model, ids, mask, store=store, max_new_tokens=6, do_sample=False, pad_token_id=pad)
         assert torch.equal(both, reference)
-        cache, length = load_prefix(model, store, ids, mask)  # the batch's own chunks are stored now
+        _, length = load_prefix(model, store, ids, mask)  # the batch's own chunks are stored now
         # every row's whole chunks before its last token, after its padding; the least of them: the first row's 256
         assert length == min(0 + 256, 13 + 256, width - 150 + 128) == 256
 

@@ -126,7 +126,7 @@ def test_a_new_process_hits_what_an_earlier_one_stored(model_dir: Path, tmp_path
 def test_preempted_requests_are_restored_from_the_store(model_dir: Path, tmp_path: Path) -> None:
     """Three 700-token prompts decoding 400 tokens each need 27 blocks; 16 force vLLM to preempt and resume."""
     names = ["long", "solo3", "solo4"]  # no shared prefix: only a resumed request can hit
-    small = dict(num_gpu_blocks_override=16, max_model_len=1200)
+    small = {"num_gpu_blocks_override": 16, "max_model_len": 1200}
     expected = engine(model_dir, None, [generate(*names, max_tokens=400)], **small)[0]
     out = engine(model_dir, store_config(tmp_path), [generate(*names, max_tokens=400), {"op": "stats"}], **small)
     tokens, stats = out

@@ -105,7 +105,7 @@ def test_waiting_for_background_lookups_is_bounded_and_ends_with_the_lookup() ->
     """What an idle step calls (with nothing to run, vLLM would plan the next step at once, holding the GIL the
     lookup threads need): a wait bounded by its timeout, and no longer than the lookup takes."""
     tier = StalledTier()
-    with lookups_over(tier) as (lookups, outcomes):
+    with lookups_over(tier) as (lookups, _):
         try:
             assert lookups.held("r", NS, synthetic_tokens(1, 2 * T)) is None
             start = time.monotonic()

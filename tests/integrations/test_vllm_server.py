@@ -55,7 +55,7 @@ def test_openai_server_reuses_stored_prefixes(tmp_path: Path, tiers: str) -> Non
     kv_config = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                  "kv_connector_extra_config": {"config": str(config)}}
-    log = open(tmp_path / "server.log", "w")
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 the server writes it until stopped; closed below
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
          "--port", str(port), "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "2048",

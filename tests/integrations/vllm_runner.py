@@ -24,9 +24,9 @@ from kvtier.integrations.vllm import shared_store
 def engine_args(model_dir: str, config: dict | None, **overrides: object) -> dict:
     """``overrides`` are the engine's arguments, but ``kvtier_extra``: more of the connector's extra config."""
     extra = dict(overrides.pop("kvtier_extra", None) or {})  # type: ignore[call-overload]
-    args = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
-                max_model_len=2048, num_gpu_blocks_override=64, dtype="bfloat16", block_size=128,
-                gpu_memory_utilization=0.3)  # on CPU: the share of host memory vLLM may claim
+    args = {"model": model_dir, "skip_tokenizer_init": True, "enforce_eager": True, "enable_prefix_caching": False,
+            "max_model_len": 2048, "num_gpu_blocks_override": 64, "dtype": "bfloat16", "block_size": 128,
+            "gpu_memory_utilization": 0.3}  # on CPU: the share of host memory vLLM may claim
     args.update(overrides)
     if config is not None:
         args["kv_transfer_config"] = {"kv_connector": "KVTierConnector",

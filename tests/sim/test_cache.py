@@ -73,8 +73,8 @@ def brute_min(trace: Trace, capacity: int) -> int:
             i += 1
             if b not in resident and len(resident) >= capacity:
                 def rank(x: int) -> tuple[int, int]:
-                    nxt = next((k for k in range(i, len(seq)) if seq[k][0] == x), len(seq))
-                    depth = next(d for (y, d) in reversed(seq[:i]) if y == x)
+                    nxt = next((k for k in range(i, len(seq)) if seq[k][0] == x), len(seq))  # noqa: B023 used now
+                    depth = next(d for (y, d) in reversed(seq[:i]) if y == x)  # noqa: B023 used now
                     return nxt, depth
                 resident.remove(max(resident, key=rank))
             resident.add(b)
@@ -122,7 +122,7 @@ def test_replay_counts_exactly_the_hits_of_the_real_dram_pool(policy: str, p, ca
     cfg = {"chunk_tokens": T, "dram": {"capacity_bytes": capacity * 4096, "page_bytes": 4096, "eviction": policy}}
     store_hits = 0
     with KVStore.from_config(cfg) as store:
-        for (symbols, tail), request in zip(p, trace.requests):
+        for (symbols, tail), _ in zip(p, trace.requests):
             tokens = [s for s in symbols for _ in range(T)] + ([7] * (T // 2) if tail else [])
             run = store.lookup(NS, tokens) // T
             if run:
@@ -155,7 +155,8 @@ def test_kvtier_simulate_writes_its_report_and_names_a_bad_line(tmp_path: Path) 
                           str(tmp_path / "out"), "--capacities", "2,4"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     report = json.loads((tmp_path / "out" / "cache.json").read_text())
-    assert report["hit_ratio"]["infinite"]["4"] == pytest.approx((29 + 27) / 60)  # block 0 after the first request, 1-3 after theirs
+    # block 0 after the first request, 1-3 after theirs
+    assert report["hit_ratio"]["infinite"]["4"] == pytest.approx((29 + 27) / 60)
     assert report["hit_ratio"]["lru"]["4"] == report["hit_ratio"]["infinite"]["4"]
     assert set(report["hit_ratio"]) == {"lru", "prefix_lru", "oracle_admit", "belady", "infinite"}
     assert (tmp_path / "out" / "hit_ratio.png").stat().st_size > 10_000

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -19,7 +20,8 @@ def card(**fields):
 
 
 def test_the_same_card_gives_the_same_trace_and_another_seed_another() -> None:
-    spec = {"requests": 50, "shared_prefix": {"tokens": 300, "fan_out": 3}, "prompt_tokens": {"median": 200, "p90": 500}}
+    spec = {"requests": 50, "shared_prefix": {"tokens": 300, "fan_out": 3},
+            "prompt_tokens": {"median": 200, "p90": 500}}
     one, two = generate(card(**spec), 128), generate(card(**spec), 128)
     assert one == two
     assert generate(card(**spec, seed=1), 128).trace != one.trace
@@ -76,7 +78,7 @@ def test_a_turn_extends_its_session_s_previous_prompt() -> None:
         by_session.setdefault(s, []).append(r)
     assert max(len(turns) for turns in by_session.values()) == 3
     for turns in by_session.values():
-        for before, after in zip(turns, turns[1:]):
+        for before, after in itertools.pairwise(turns):
             assert after.timestamp_ms - before.timestamp_ms == pytest.approx(5000)
             assert after.blocks[:before.whole] == before.blocks[:before.whole]
             assert after.input_length > before.input_length + 40
@@ -103,7 +105,7 @@ SEGMENTS = st.lists(st.tuples(st.sampled_from(["sys", "doc", "q1", "q2"]), st.in
        st.tuples(st.integers(0, 1), st.integers(-1, 1)), st.integers(1, 16))
 def test_blocks_are_shared_exactly_when_kvtier_keys_are(a, b, ns_a, ns_b, block) -> None:
     # Give each segment name fixed content and length per example; the same name is the same text.
-    size = {name: n for name, n in a + b}
+    size = dict(a + b)
     a = [(name, size[name]) for name, _ in a]
     b = [(name, size[name]) for name, _ in b]
     ids: dict[object, int] = {}

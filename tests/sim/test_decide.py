@@ -95,8 +95,8 @@ def trace(*requests: tuple[float, list[int]]) -> Trace:
 COSTS = Costs(a=0.1, b=0.01, c=0.0, d0=0.05, d1=0.0, kv_bytes_per_token=1000,
               load={"dram": (0.001, 1e6), "shared": (0.01, 1e6)}, dram_store_bytes_per_s=1e9,
               store={"shared": 2e6})
-SHARED = load_deployment({"engine": {"kv_tokens": 68, "block_size": 4}, "kvtier": {"dram_bytes": 1 << 20, "page_bytes": 4096,
-                                                                  "tiers": [{"name": "shared"}]}})
+SHARED = load_deployment({"engine": {"kv_tokens": 68, "block_size": 4},
+                          "kvtier": {"dram_bytes": 1 << 20, "page_bytes": 4096, "tiers": [{"name": "shared"}]}})
 
 
 def test_a_shared_tier_serves_what_another_engine_wrote_while_it_holds_it() -> None:

@@ -57,7 +57,7 @@ def hub_snapshot(repo: str, revision: str | None, cache_dirs: list[str | None], 
     for cache_dir in cache_dirs:
         try:
             path = try_to_load_from_cache(repo, marker, cache_dir=cache_dir, revision=revision)
-        except Exception:  # not a valid repo id (e.g. a missing local path): not in any cache
+        except Exception:  # noqa: BLE001 not a valid repo id (e.g. a missing local path): not in any cache
             return None
         if isinstance(path, str):
             return Path(path).parent

@@ -127,9 +127,10 @@ class SchedulerSide:
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """:meth:`_lookup` in a span of the request's trace, counted by outcome once answered."""
         trace = None
-        if tracing.enabled() and getattr(request, "trace_headers", None):
+        headers = getattr(request, "trace_headers", None) if tracing.enabled() else None
+        if headers:
             trace = self._traces[request.request_id] = {
-                k: v for k, v in request.trace_headers.items() if k.lower() in ("traceparent", "tracestate")}
+                k: v for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")}
         with tracing.span("kvtier.connector.lookup", tracing.context_of(trace), request_id=request.request_id,
                           prompt_tokens=request.num_prompt_tokens, engine_hit_tokens=num_computed_tokens) as span:
             found, asynchronous = self._lookup(request, num_computed_tokens)
@@ -232,7 +233,7 @@ class SchedulerSide:
                     continue  # skipped at lookup: neither load nor save
                 self._tracked[new.req_id] = _Tracked(ns, list(new.prompt_token_ids), list(new.block_ids[0]))
                 self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 contained per request: counted, logged once
                 self._tracked.pop(new.req_id, None)
                 self._metrics.error("build_connector_meta", exc, new.req_id)
         cached = scheduler_output.scheduled_cached_reqs
@@ -248,7 +249,7 @@ class SchedulerSide:
                 elif new_blocks:
                     tracked.block_ids.extend(new_blocks[0])
                 self._plan_save(meta, rid, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 contained per request: counted, logged once
                 self._tracked.pop(rid, None)
                 self._metrics.error("build_connector_meta", exc, rid)
 
@@ -275,7 +276,7 @@ class SchedulerSide:
             return
         try:
             self._events.register(request, namespace, tokens)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 contained per request: counted, logged once
             self._metrics.error("take_events", exc, request.request_id)
 
     def _over_unheard(self, blocks: list[int], step: int) -> bool:

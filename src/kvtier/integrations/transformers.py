@@ -181,7 +181,7 @@ def _load_prefix(model: Any, store: KVStore, input_ids: torch.Tensor, attention_
     rows = _rows(input_ids, attention_mask)
     width = input_ids.shape[1]
     loaded: list[torch.Tensor | None] = []
-    for pad, tokens in rows:
+    for _, tokens in rows:
         got = _load(store, ns, tokens[:-1], layers, kv_heads, head_dim, dtype)  # at least one token is computed
         loaded.append(got)
     length = min(pad + (0 if kv is None else kv.shape[3]) for (pad, _), kv in zip(rows, loaded))

@@ -169,7 +169,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
             return self._sched.lookup(request, num_computed_tokens)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 contained: counted, logged once
             self._metrics.error("get_num_new_matched_tokens", exc, request.request_id)
             self._sched.forget_lookup(request.request_id)
             return 0, False
@@ -177,13 +177,13 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         try:
             self._sched.after_alloc(request, blocks, num_external_tokens)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 contained: counted, logged once
             self._metrics.error("update_state_after_alloc", exc, request.request_id)
             if num_external_tokens <= 0:
                 return
             try:
                 self._sched.invalidate(request, blocks, num_external_tokens)
-            except Exception as again:
+            except Exception as again:  # noqa: BLE001 contained: logged (the blocks cannot be marked)
                 log.error("kvtier: request %s: cannot mark its blocks for recomputation (%s); the engine may "
                           "use KV that was never loaded", request.request_id, again)
 
@@ -194,14 +194,14 @@ class KVTierConnector(KVConnectorBase_V1):
             self._sched.plan_saves(meta, scheduler_output)
             if meta.idle:
                 self._sched.idle()
-        except Exception as exc:  # per-request failures are contained inside; this is anything else
+        except Exception as exc:  # noqa: BLE001 per-request failures are contained inside; this is anything else
             self._metrics.error("build_connector_meta", exc)
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         try:
             self._sched.connector_output(connector_output)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 contained: counted, logged once
             self._metrics.error("update_connector_output", exc)
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -209,14 +209,14 @@ class KVTierConnector(KVConnectorBase_V1):
         engine's when ``--kv-events-config`` enables them (:mod:`._vllm_events`)."""
         try:
             return self._sched.take_events()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 contained: counted, logged once
             self._metrics.error("take_events", exc)
             return []
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         try:
             self._sched.finished(request.request_id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 contained: counted, logged once
             self._metrics.error("request_finished", exc, request.request_id)
         return False, None  # saves finished in the step that computed them: free the blocks now
 
@@ -242,7 +242,7 @@ class KVTierConnector(KVConnectorBase_V1):
         try:
             meta = self._meta()
             self._worker.load(meta, self._tp)
-        except Exception as exc:  # per-load failures are contained inside; this is anything else
+        except Exception as exc:  # noqa: BLE001 per-load failures are contained inside; this is anything else
             if meta is None:
                 self._metrics.error("start_load_kv", exc)
             else:
@@ -258,14 +258,14 @@ class KVTierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         try:
             self._worker.save(self._meta(), self._tp)
-        except Exception as exc:  # per-save failures are contained inside; this is anything else
+        except Exception as exc:  # noqa: BLE001 per-save failures are contained inside; this is anything else
             self._metrics.error("wait_for_save", exc)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose asynchronous loads ended (their failed blocks are in this step's load errors)."""
         try:
             return None, self._worker.finished_loads(finished_req_ids) or None
-        except Exception as exc:  # a load never reported finished would hold its request forever: log loudly
+        except Exception as exc:  # noqa: BLE001 a load never reported finished would hold its request forever: log loudly
             self._metrics.error("get_finished", exc)
             return None, None
 
@@ -273,7 +273,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """What this rank's DRAM came to hold or lost this step, for the scheduler's lookups."""
         try:
             return self._worker.dram_report(self._tp)
-        except Exception as exc:  # the scheduler then under-counts this worker's DRAM: misses, never wrong KV
+        except Exception as exc:  # noqa: BLE001 the scheduler then under-counts this worker's DRAM: misses, never wrong KV
             self._metrics.error("build_connector_worker_meta", exc)
             return None
 

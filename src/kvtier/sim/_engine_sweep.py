@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -75,7 +76,7 @@ def main() -> int:
         return time.perf_counter() - start
 
     run([tokens(64)], 2)  # first-call costs (kernels, allocations) are nobody's prefill
-    out: dict[str, list] = {"prefill": [], "hit_floor": [], "decode": []}
+    out: dict[str, Any] = {"prefill": [], "hit_floor": [], "decode": []}  # and "vllm": its version
     repeats = job["repeats"]  # decode's
     least = max(1, job.get("min_repeats", repeats))
     bounds = (least, max(least, job.get("max_repeats", least)), job.get("spread", 0.25))

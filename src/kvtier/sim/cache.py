@@ -151,7 +151,7 @@ class BlockCache:
                 if victim is None:
                     break  # only this put's own reservations left: the pool answers "full"
                 self._order.remove(victim)
-                self.resident.discard(victim)  # type: ignore[arg-type]
+                self.resident.discard(victim)
             pending[block] = blocks[j - 1] if j else None
         for block, parent in pending.items():
             self._order.insert(block, block, parent)
@@ -176,7 +176,7 @@ def replay(trace: Trace, policy: str, capacity: int, progress: Progress | None =
         cache.touch(blocks[:run])
         hits += run
         i = count - 1
-        cache.put(blocks, None if admit is None else (lambda block: admit(block, i)))
+        cache.put(blocks, None if admit is None else (lambda block: admit(block, i)))  # noqa: B023 used within put only
         if progress is not None and count % 1000 == 0:
             progress(1000)
     if progress is not None:

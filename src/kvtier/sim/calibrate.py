@@ -34,14 +34,15 @@ import numpy as np
 from kvtier.errors import KVTierError
 
 VERSION = 1
-GRIDS = {
-    "quick": dict(prefill=[(0, 128), (0, 512), (0, 1024), (0, 2048), (2048, 128), (2048, 512), (2048, 1024)],
-                  hit_floor=[1024, 2048], decode_batches=[1, 8], decode_steps=16, decode_prompt=64, repeats=1,
-                  min_repeats=2, max_repeats=5, spread=0.25, chunks=8, streams=[1, 2, 4]),
-    "full": dict(prefill=[(0, 128), (0, 256), (0, 512), (0, 1024), (0, 2048), (0, 4096), (0, 8192), (1024, 256),
-                          (1024, 1024), (1024, 4096), (4096, 256), (4096, 1024), (4096, 4096)],
-                 hit_floor=[1024, 4096, 8192], decode_batches=[1, 4, 16, 32], decode_steps=32, decode_prompt=64,
-                 repeats=3, min_repeats=3, max_repeats=7, spread=0.25, chunks=16, streams=[1, 2, 4]),
+GRIDS: dict[str, dict[str, Any]] = {
+    "quick": {"prefill": [(0, 128), (0, 512), (0, 1024), (0, 2048), (2048, 128), (2048, 512), (2048, 1024)],
+              "hit_floor": [1024, 2048], "decode_batches": [1, 8], "decode_steps": 16, "decode_prompt": 64,
+              "repeats": 1, "min_repeats": 2, "max_repeats": 5, "spread": 0.25, "chunks": 8, "streams": [1, 2, 4]},
+    "full": {"prefill": [(0, 128), (0, 256), (0, 512), (0, 1024), (0, 2048), (0, 4096), (0, 8192), (1024, 256),
+                         (1024, 1024), (1024, 4096), (4096, 256), (4096, 1024), (4096, 4096)],
+             "hit_floor": [1024, 4096, 8192], "decode_batches": [1, 4, 16, 32], "decode_steps": 32,
+             "decode_prompt": 64, "repeats": 3, "min_repeats": 3, "max_repeats": 7, "spread": 0.25, "chunks": 16,
+             "streams": [1, 2, 4]},
 }
 
 
@@ -238,8 +239,8 @@ def sweep_tiers(tiers: list[tuple[str, dict[str, Any] | None]], shape: dict[str,
 
                 def load(i: int) -> None:
                     t0 = time.perf_counter()
-                    missed[i] = store.get(ns, prompts[i]) is None
-                    waits[i] = time.perf_counter() - t0
+                    missed[i] = store.get(ns, prompts[i]) is None  # noqa: B023 joined in this iteration
+                    waits[i] = time.perf_counter() - t0  # noqa: B023 (as above)
 
                 threads = [threading.Thread(target=load, args=(i,)) for i in range(s)]
                 start = time.perf_counter()

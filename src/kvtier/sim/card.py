@@ -138,8 +138,8 @@ def generate(card: Card, block_tokens: int) -> Workload:
     while True:
         if sessions * card.turns > _MAX_TURNS:
             raise CardError(f"sessions.think_time_s: sessions lasting {span:g} s at {card.rate_per_s:g} requests/s "
-                            f"need over {_MAX_TURNS:,} turns of sessions for {card.requests} requests; shorten the think "
-                            "time or lower the rate")
+                            f"need over {_MAX_TURNS:,} turns of sessions for {card.requests} requests; shorten the "
+                            "think time or lower the rate")
         rows = _sessions(card, sessions, span)
         if len(rows) >= card.requests:
             break
@@ -211,7 +211,7 @@ def _blocks(segments: list[tuple[object, int]], namespace: tuple[int, int], bloc
             filled += take
             if filled == block_tokens:
                 parent = ids.setdefault((parent, tuple(pieces)), len(ids))
-                blocks.append(parent)  # type: ignore[arg-type]
+                blocks.append(parent)
                 pieces, filled = [], 0
         length += size
     return blocks, length

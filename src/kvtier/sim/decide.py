@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +145,7 @@ def run_option(parts: list[Trace], deployment: Deployment, costs: Costs, shared:
     tier, then again seeing the other engines' blocks from then until the tier evicts them. The tier's capacity
     is one LRU over every engine's writes in the order they happen (reads do not refresh it); each engine's own
     writes, in the second pass, take its share of the capacity."""
-    elsewhere: list[dict[int, tuple[float, float]] | None] = [None] * len(parts)
+    elsewhere: Sequence[dict[int, tuple[float, float]] | None] = [None] * len(parts)
     if shared is not None and len(parts) > 1:
         assert deployment.kvtier is not None
         logs: list[dict[int, float]] = []
@@ -412,11 +412,17 @@ def _rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"
 
 
+def size_label(n: int) -> str:
+    """Bytes as the decision and the reports' axes print them (``1.5 GiB``)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
 def _size(n: int | None) -> str:
     if n is None:
         return "unbounded"
-    from kvtier.sim.report import size_label
-
     return size_label(n) if n else "none"
 
 

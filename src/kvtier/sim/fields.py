@@ -6,6 +6,7 @@ module raises.
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -78,7 +79,9 @@ class Fields:
             raise self.error(f"{field}.{key}: expected true or false, got {value!r}")
         return value
 
-    def size(self, section: Mapping[str, Any], key: str, field: str, required: bool) -> int | None:
+    # builtins.: in the class body ``int`` and ``bool`` name the getters above
+    def size(self, section: Mapping[str, Any], key: str, field: str, required: builtins.bool
+             ) -> builtins.int | None:
         """Bytes, as a number or a string such as ``4GiB``; None when absent or null and not required."""
         value = section.get(key)
         if value is None:

@@ -8,12 +8,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 import numpy as np
 
 from kvtier.sim.cache import HitCount, LRUCurve, compare, default_capacities, lru_curve
+from kvtier.sim.decide import size_grid, size_label
 from kvtier.sim.trace import Trace
 
 
@@ -74,9 +76,10 @@ def _plot(trace: Trace, caps: Sequence[int], table: dict[str, dict[int, HitCount
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, row in table.items():
-        style = {"belady": dict(color="black", linestyle="--"), "infinite": dict(color="grey", linestyle=":"),
-                 "oracle_admit": dict(color="tab:green", linestyle="-.")}
-        ax.plot(caps, [row[c].ratio for c in caps], label=name, **style.get(name, dict(marker=".")))
+        style: dict[str, dict[str, Any]] = {"belady": {"color": "black", "linestyle": "--"},
+                                            "infinite": {"color": "grey", "linestyle": ":"},
+                                            "oracle_admit": {"color": "tab:green", "linestyle": "-."}}
+        ax.plot(caps, [row[c].ratio for c in caps], label=name, **style.get(name, {"marker": "."}))
     dense = np.unique(np.round(np.geomspace(1, max(curve.saturation, 2), 400)).astype(int))
     ax.plot(dense, [curve.at(int(c)).ratio for c in dense], color="tab:blue", alpha=0.35, linewidth=3,
             label="lru, one pass (all capacities)")
@@ -110,8 +113,6 @@ def timing_report(trace: Trace, deployment, calibration: dict, out: Path, plot: 
     lengths = breakeven.table(costs, trace.block_tokens)
     grid = None
     if deployment.kvtier is not None:
-        from kvtier.sim.decide import size_grid
-
         tier = deployment.kvtier.tiers[0] if deployment.kvtier.tiers else None
         print("simulate: timing DRAM x disk sizes for the heatmap ...", file=sys.stderr, flush=True)
         grid = size_grid([trace], deployment, tier.name if tier else "filesystem",
@@ -201,10 +202,3 @@ def plot_heatmap(grid: dict, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def size_label(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} B"

@@ -7,14 +7,15 @@ A step-by-step copy of what matters in vLLM v1's scheduler, in blocks of the tra
   ``max_num_seqs`` running;
 - the engine's KV space is a pool of blocks; a finished prompt's whole blocks stay in it as its prefix cache
   (shared by reference; a finished request's blocks are released tail first, and the least recently
-  released is evicted first, so a prompt loses its tail before its head, as in vLLM); a request that finds no free block preempts the
-  latest running request, whose blocks are freed and which later computes its prompt and output again;
+  released is evicted first, so a prompt loses its tail before its head, as in vLLM); a request that finds no
+  free block preempts the latest running request, whose blocks are freed and which later computes its prompt
+  and output again;
 - with kvtier, a request admitted for the first time (or again after a preemption) loads the blocks after the
   engine's own hit that DRAM or a tier holds (in that order), in the step it is scheduled: serially, as on
   CPU; when its prefill completes its whole blocks are put in DRAM (a copy in that step) and cascaded to every
   tier in the background (the tiers' caches see them at once; on a GPU that takes no step time, but an engine
-  computing on the CPU loses the writes' time, as they run on its cores: the next step takes it). A block read from a tier is
-  promoted into DRAM. Neither the engine nor kvtier hits a prompt's last token.
+  computing on the CPU loses the writes' time, as they run on its cores: the next step takes it). A block read
+  from a tier is promoted into DRAM. Neither the engine nor kvtier hits a prompt's last token.
 
 A step lasts ``a + sum(b*n + c*n*(n + 2*m))`` over its prefill chunks (``n`` tokens after ``m`` computed ones)
 plus ``d1`` per decoding request, or ``d0 + d1*decoding`` without a prefill, plus its loads and DRAM copies,
@@ -157,7 +158,8 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | N
     if kv is not None:
         pages = -(-chunk_bytes // kv.page_bytes)  # the pool hands out whole pages
         dram = BlockCache(kv.policy, max(1, (kv.dram_bytes // kv.page_bytes) // pages))
-        tiers = [(t.name, BlockCache("lru", None if t.capacity_bytes is None else max(1, t.capacity_bytes // chunk_bytes)))
+        tiers = [(t.name, BlockCache("lru", None if t.capacity_bytes is None
+                                          else max(1, t.capacity_bytes // chunk_bytes)))
                  for t in kv.tiers]
         for name in ["dram", *(t.name for t in kv.tiers)]:
             if name not in costs.load:
@@ -298,9 +300,9 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | N
                         written = cache.put(new)
                         stored_bytes[name] = stored_bytes.get(name, 0) + len(written) * chunk_bytes
                         if name == shared and store_log is not None:
-                            done = now + step + len(written) * chunk_bytes / costs.store.get(name, float("inf"))
+                            written_at = now + step + len(written) * chunk_bytes / costs.store.get(name, float("inf"))
                             for block in written:
-                                store_log.setdefault(block, done)
+                                store_log.setdefault(block, written_at)
                         if costs.shared_cpu and name in costs.store:
                             background += len(written) * chunk_bytes / costs.store[name]
         now += step + owed  # the background writes queued before this step ran on the engine's cores during it
@@ -350,7 +352,8 @@ def _summary(reqs: list[_Request], end: float, preemptions: int, steps: int, sto
         "makespan_s": span, "requests_per_s": len(reqs) / span,
         "output_tokens_per_s": sum(r.output for r in reqs) / span,
         "engine_hit_tokens": sum(r.engine_hit for r in reqs),
-        "loaded_tokens": {k: sum(r.loaded.get(k, 0) for r in reqs) for k in sorted({k for r in reqs for k in r.loaded})},
+        "loaded_tokens": {k: sum(r.loaded.get(k, 0) for r in reqs)
+                          for k in sorted({k for r in reqs for k in r.loaded})},
         "avoided_prefill_s": avoided, "loaded_bytes": loaded, "stored_bytes": stored,
         "preemptions": preemptions, "steps": steps,
     }

@@ -136,7 +136,8 @@ def _request(row: dict, timestamp: float, where: str, block_tokens: int, ids: di
         if len(set(raw)) != len(raw):
             raise TraceError(f"{where}: hash_ids: an id repeats; prefix-chained ids never do")
         if length == 0:  # and no ids, checked above
-            return _empty("input_length", where, strict)
+            _empty("input_length", where, strict)
+            return None
         keys: list[object] = list(raw)
         whole = length // block_tokens
     else:
@@ -155,7 +156,8 @@ def _request(row: dict, timestamp: float, where: str, block_tokens: int, ids: di
             if row.get(field) is not None and not isinstance(row[field], str):
                 raise TraceError(f"{where}: {field}: expected a string")
         if not tokens:
-            return _empty(kinds[0], where, strict)
+            _empty(kinds[0], where, strict)
+            return None
         namespace = Namespace(TRACE_MODEL, "bfloat16", lora=row.get("lora"), cache_salt=row.get("cache_salt"))
         keys = list(chunk_keys(namespace, tokens, block_tokens))
         length = len(tokens)
@@ -167,10 +169,10 @@ def _request(row: dict, timestamp: float, where: str, block_tokens: int, ids: di
 
 
 def _empty(field: str, where: str, strict: bool) -> None:
-    """An empty prompt: skipped (None), or with ``strict`` refused, in the same words for every kind of line."""
+    """An empty prompt: with ``strict`` refused, in the same words for every kind of line; else the caller skips it
+    (returns None)."""
     if strict:
         raise TraceError(f"{where}: {field}: an empty prompt (without --strict such lines are skipped)")
-    return
 
 
 def _number(row: dict, field: str, where: str) -> float:

@@ -107,7 +107,7 @@ def engine_config(deployment: Deployment, trace: Trace, kv_dir: Path, metrics_po
 def _counter(port: int, name: str) -> float:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in body.splitlines()
-               if ln.startswith(name + "{") or ln.startswith(name + " "))
+               if ln.startswith((name + "{", name + " ")))
 
 
 async def _replay(port: int, model: str, trace: Trace, prompts: list[list[int]], scale: float,
@@ -244,7 +244,7 @@ def validate(trace: Trace, deployment: Deployment, calibration: dict[str, Any], 
     hit_pred = (predicted["engine_hit_tokens"] + sum(predicted["loaded_tokens"].values())) / prompts
     hit_meas = sum(r["cached_tokens"] for r in measured["requests"]) / prompts
     groups = compare(predicted["requests"], measured["requests"])
-    result = {
+    result: dict[str, Any] = {
         "trace": trace.source, "requests": len(trace.requests),
         "hit_ratio": {"predicted": hit_pred, "measured": hit_meas, "pass": abs(hit_pred - hit_meas) <= 0.01},
         "kvtier_hit_ratio": {"predicted": sum(predicted["loaded_tokens"].values()) / prompts,

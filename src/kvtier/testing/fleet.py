@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.fleet.process import Process
@@ -19,7 +20,7 @@ class Engine(Process):
     """One vLLM API server pinned to one core, publishing KV events on ipc:// sockets under ``work``."""
 
     def __init__(self, name: str, model: Path, work: Path, *, cpu: int, blocks: int = 48,
-                 max_model_len: int = 4096, kv_transfer: dict | None = None, extra: list[str] = ()) -> None:
+                 max_model_len: int = 4096, kv_transfer: dict | None = None, extra: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.events = f"ipc://{work}/{name}.pub"
