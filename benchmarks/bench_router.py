@@ -53,7 +53,7 @@ def counters(url: str, *names: str) -> dict[str, float]:
     out = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         for name in names:
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            if line.startswith((name + "{", name + " ")):
                 out[name] += float(line.rsplit(" ", 1)[1])
     return out
 
@@ -234,8 +234,9 @@ def report(rows: list[dict], over: dict, args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         shares = " / ".join(f"{v:.0%}" for v in r["engine_share"].values())
-        print(f"| {r['workload']} | {r['policy']} | {r['completed']} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms | "
-              f"{r['ttft_p99_ms']:.0f} ms | {r['throughput_req_s']:.2f} | {r['cached_share']:.0%} | {shares} |")
+        print(f"| {r['workload']} | {r['policy']} | {r['completed']} | {r['ttft_p50_ms']:.0f} ms | "
+              f"{r['ttft_p90_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | {r['throughput_req_s']:.2f} | "
+              f"{r['cached_share']:.0%} | {shares} |")
 
     def row(workload: str, policy: str) -> dict:
         return next(r for r in rows if r["workload"] == workload and r["policy"] == policy)

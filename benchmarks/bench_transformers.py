@@ -91,7 +91,8 @@ def main() -> int:
     for label, times in rows.items():
         mean = statistics.fmean(times)
         result[label] = {"mean": mean, "min": min(times), "times": times, "speedup": base / mean}
-        target = "-" if label.startswith("transformers") else f">= {TARGET:.0f}x ({'met' if base / mean >= TARGET else 'not met'})"
+        target = ("-" if label.startswith("transformers")
+                  else f">= {TARGET:.0f}x ({'met' if base / mean >= TARGET else 'not met'})")
         print(f"| {label} | {mean:.3f} s | {min(times):.3f} s | {base / mean:.1f}x | {target} |")
     print(f"\nFirst tokens equal to transformers' own in every row: {exact}")
     if args.json:

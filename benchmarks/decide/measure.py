@@ -40,7 +40,8 @@ def main() -> int:
                         default=HERE.parent / "results" / f"decide-{datetime.date.today().isoformat()}.json")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/kvtier-decide"))
     parser.add_argument("--rejudge", type=Path, metavar="RESULTS",
-                        help="recompute a stored run's measured answers (after a change to the rule), measuring nothing")
+                        help="recompute a stored run's measured answers (after a change to the rule), measuring "
+                             "nothing")
     args = parser.parse_args()
     if args.rejudge is not None:
         return rejudge(args.rejudge)

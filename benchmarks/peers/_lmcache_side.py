@@ -1,4 +1,5 @@
-"""The LMCache worker of the peer benchmark: one group of timed operations through ``LMCacheEngine``, in its own process.
+"""The LMCache worker of the peer benchmark: one group of timed operations through ``LMCacheEngine``, in its own
+process.
 
     python _lmcache_side.py --group {dram,disk,disk-restart,redis} --shape NAME --out FILE [--dir D]
                             [--url redis://... | resp://...]
@@ -176,7 +177,8 @@ def run(group: str, shape: Shape, args, result: Result) -> None:
         for batch in timed_batches():
             result.found("lookup", engine.lookup(batch_tokens(batch, shape)))
             out.zero_()
-            result.check("retrieve", out, kv, result.time("retrieve", lambda: retrieve(batch)), shape.tokens)
+            found = result.time("retrieve", lambda: retrieve(batch))  # noqa: B023 timed at once
+            result.check("retrieve", out, kv, found, shape.tokens)
         files = len(list(Path(args.dir).glob("*.pt")))
         result.notes.append(f"{files} chunk files from the earlier process lie in the directory; this process's "
                             f"LocalDiskBackend found {result.found_tokens['retrieve']} tokens of each batch")
@@ -197,9 +199,10 @@ def run(group: str, shape: Shape, args, result: Result) -> None:
     for batch in timed_batches():
         if group == "dram":
             engine.clear()  # free the chunks held, so the batch lands on pages already faulted in
-        result.time("store", lambda: store(batch))
+        result.time("store", lambda: store(batch))  # noqa: B023 timed at once
         out.zero_()
-        result.check("retrieve", out, kv, result.time("retrieve", lambda: retrieve(batch)), shape.tokens)
+        found = result.time("retrieve", lambda: retrieve(batch))  # noqa: B023 timed at once
+        result.check("retrieve", out, kv, found, shape.tokens)
 
 
 def close(result: Result) -> None:
@@ -226,7 +229,7 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         code = main()
-    except BaseException:  # reported, then the same hard exit: a failed run must not hang on LMCache's threads
+    except BaseException:  # noqa: BLE001 reported, then hard exit: a failed run must not hang on LMCache's threads
         traceback.print_exc()
         code = 1
     sys.stdout.flush()

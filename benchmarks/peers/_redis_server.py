@@ -35,10 +35,9 @@ class RedisServer:
         workdir.mkdir(parents=True, exist_ok=True)
         version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
         port = _free_port()
-        log = open(workdir / "redis.log", "wb")
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                 "no", "--dir", str(workdir)], stdout=log, stderr=subprocess.STDOUT)
-        log.close()  # the child holds its own descriptor
+        with open(workdir / "redis.log", "wb") as log:  # closed here: the child holds its own descriptor
+            proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                     "--appendonly", "no", "--dir", str(workdir)], stdout=log, stderr=subprocess.STDOUT)
         server = cls(proc, port, version)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

@@ -153,7 +153,8 @@ def summarize(records: list[dict], shapes: list[str]) -> list[dict]:
             row["failed_runs"] = failed
             kv_s = [r["seconds"][op] for r in kv if r["rc"] == 0]
             lm_s = [r["seconds"][op] for r in lm if r["rc"] == 0]
-            # A store finds nothing to count; a retrieve that found nothing (LMCache's disk after a restart) has no ratio.
+            # A store finds nothing to count; a retrieve that found nothing (LMCache's disk after a restart) has no
+            # ratio.
             lm_found = [r["found_tokens"].get(op, 0) if op == "retrieve" else SHAPES[shape].tokens
                         for r in lm if r["rc"] == 0]
             row["kvtier_seconds"], row["lmcache_seconds"] = kv_s, lm_s

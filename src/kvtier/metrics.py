@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -35,7 +36,8 @@ class StoreMetrics:
         self.process_labels: dict[str, str] = {}
         self.hits = Counter("kvtier_hit_chunks", "Chunks served by get, by tier that served them", ["tier"],
                             registry=r)
-        self.misses = Counter("kvtier_miss_chunks", "Chunks get found in no tier (a get stops at its first)", registry=r)
+        self.misses = Counter("kvtier_miss_chunks", "Chunks get found in no tier (a get stops at its first)",
+                              registry=r)
         self.lookup_tokens = Counter("kvtier_lookup_tokens", "Tokens asked about by lookup", registry=r)
         self.lookup_hit_tokens = Counter("kvtier_lookup_hit_tokens", "Tokens lookup found available", registry=r)
         self.bytes_written = Counter("kvtier_written_bytes", "Bytes written, by tier", ["tier"], registry=r)
@@ -105,8 +107,9 @@ class StoreMetrics:
         for candidate in range(port, port + tries):
             try:
                 # its threads (one per scrape) where kvtier's run, named as kvtier's
-                self._server = threads.call(lambda port=candidate: start_http_server(
-                    port, addr=addr, registry=_Labelled(self.registry, self.process_labels)), "kvtier-metrics")
+                self._server = threads.call(functools.partial(
+                    start_http_server, candidate, addr=addr, registry=_Labelled(self.registry, self.process_labels)),
+                    "kvtier-metrics")
             except OSError:
                 continue
             log.info("kvtier metrics on http://%s:%d/metrics", addr, candidate)
@@ -175,7 +178,7 @@ def sample_sum(text: str, name: str) -> float:
     """The sum of every sample of ``name`` (all label sets) in a Prometheus text exposition."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             try:
                 total += float(line.rsplit(" ", 1)[1])
             except ValueError:

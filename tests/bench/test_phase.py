@@ -5,6 +5,8 @@ are stand-ins here: what they serve follows what was emptied, as the real ones' 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from kvtier.bench import phase
@@ -23,7 +25,7 @@ class Store:
     class _Tier:
         name = "disk"
 
-    tiers = [_Tier()]
+    tiers: ClassVar[list[_Tier]] = [_Tier()]
 
     def flush(self) -> None:
         self.calls.append("flush")

@@ -240,8 +240,8 @@ def test_feed_ignores_replayed_batches_outside_what_it_asked_for():
 
 def test_restarts_a_forged_publisher_repeats_are_logged_once_a_minute_and_all_counted(caplog, monkeypatch):
     """Each sequence that goes back is a restart, each jump a loss (cleared and counted each time), but each kind of
-    warning is logged at most once every 60 s: a publisher sending 5, 0, 5, 0 ... cannot flood the log. After the minute, the next is logged
-    again, with how many were not."""
+    warning is logged at most once every 60 s: a publisher sending 5, 0, 5, 0 ... cannot flood the log. After the
+    minute, the next is logged again, with how many were not."""
     import logging
 
     import kvtier.router.metrics as metrics

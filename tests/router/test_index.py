@@ -211,7 +211,7 @@ def test_an_event_costs_its_own_size_whatever_the_engine_holds():
     costs = []
     for n in (200, 4000):
         index = filled(n)
-        costs.append(lines_run(lambda: (index.stored("e0", reuse), index.removed("e0", removal))))
+        costs.append(lines_run(lambda index=index: (index.stored("e0", reuse), index.removed("e0", removal))))
         assert index.counts.skipped["hash_reused"] == 40 and index.blocks("e0") == n - 40
     assert costs[0] == costs[1], costs
 

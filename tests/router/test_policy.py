@@ -183,10 +183,10 @@ def test_kvtier_hits_count_the_blocks_kvtier_announced_up_to_the_prompts_last_bl
     announced, to the last whole block before the prompt's last token."""
     router = make()  # block 16
     hold(router, "e1", DOC[:40 * BS], medium="CPU", locality="LOCAL")  # 2 chunks of 256 and a tail of 8 blocks
-    decision = [d for d in router.decide(Prompt(DOC + [1]))if d.engine == "e1"][0]
+    decision = next(d for d in router.decide(Prompt(DOC + [1])) if d.engine == "e1")
     assert decision.predicted_cached == 40 * BS
     assert decision.load_s == pytest.approx(640 / router.config.costs.host_tokens_per_s)
-    decision = [d for d in router.decide(Prompt(DOC[:600]))if d.engine == "e1"][0]
+    decision = next(d for d in router.decide(Prompt(DOC[:600])) if d.engine == "e1")
     assert decision.predicted_cached == 592  # the last whole block before the prompt's last token
 
 

@@ -121,10 +121,9 @@ def run(scenario: Callable[[str, list[ScriptedEngine], RouterApp], Awaitable[Non
 
 
 async def post(url: str, prompt: str, stream: bool = False, **kw) -> tuple[int, dict, bytes]:
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "stream": stream},
-                                **kw) as reply:
-            return reply.status, reply.headers.copy(), await reply.read()
+    async with aiohttp.ClientSession() as session, session.post(
+            url + "/v1/completions", json={"model": "m", "prompt": prompt, "stream": stream}, **kw) as reply:
+        return reply.status, reply.headers.copy(), await reply.read()
 
 
 def test_a_5xx_before_the_first_byte_is_retried_on_another_engine():
@@ -156,7 +155,7 @@ def test_all_engines_failing_gives_502_with_retry_after():
 @pytest.mark.parametrize("mode, cause", [("stall", "idle_timeout"), ("cut", "disconnected")])
 def test_a_failure_after_the_first_byte_ends_the_stream_with_an_sse_error(mode, cause):
     async def main(url, engines, app):
-        status, headers, body = await post(url, f"{mode} x", stream=True)
+        status, _headers, body = await post(url, f"{mode} x", stream=True)
         assert status == 200
         text = body.decode()
         assert text.startswith('data: {"choices": [{"text": "a"}]}')  # what came before passed through
@@ -169,8 +168,8 @@ def test_a_failure_after_the_first_byte_ends_the_stream_with_an_sse_error(mode, 
 
 def test_streams_pass_through_byte_for_byte_and_request_ids_are_forwarded():
     async def main(url, engines, app):
-        status, headers, body = await post(url, "ok x", stream=True, headers={"X-Request-Id": "req-7",
-                                                                              "Authorization": "Bearer k"})
+        _status, headers, body = await post(url, "ok x", stream=True, headers={"X-Request-Id": "req-7",
+                                                                               "Authorization": "Bearer k"})
         assert body == b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n'
         assert headers["X-Request-Id"] == "req-7"
         sent = engines[0].headers[0]
@@ -219,7 +218,7 @@ def test_no_healthy_engine_gives_503_and_health_says_so():
 def test_an_engine_that_never_sends_its_headers_is_given_up_after_first_byte_s():
     async def main(url, engines, app):
         engines[0].broken = True
-        status, headers, body = await post(url, "hang x")
+        status, headers, _body = await post(url, "hang x")
         assert status == 200 and headers["X-KVTier-Engine"] == "e1"
     run(main, timeouts={"first_byte_s": 0.5, "idle_s": 1.0})
 

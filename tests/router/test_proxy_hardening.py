@@ -130,7 +130,7 @@ def test_events_split_across_chunks_pass_whole_and_byte_for_byte():
             return reply
 
     async def main(url, engines, app):
-        status, _, body = await post(url, "ok x", stream=True)
+        _, _, body = await post(url, "ok x", stream=True)
         assert body == b'data: {"a": 1}\n\ndata: [DONE]\n\n'
     run(main, n=1, engine_class=Splitting)
 
@@ -157,10 +157,9 @@ def test_headers_named_in_connection_expect_and_content_encoding_are_not_forward
         sent = engines[0].headers[0]
         assert sent["X-Bar"] == "2" and "X-Foo" not in sent and "Content-Encoding" not in sent
         assert engines[0].requests[0]["prompt"] == "ok x"
-        async with aiohttp.ClientSession() as session:
-            async with session.post(url + "/v1/completions", json={"model": "m", "prompt": "ok y"},
-                                    expect100=True) as reply:
-                assert reply.status == 200
+        async with aiohttp.ClientSession() as session, session.post(
+                url + "/v1/completions", json={"model": "m", "prompt": "ok y"}, expect100=True) as reply:
+            assert reply.status == 200
         assert "Expect" not in engines[0].headers[-1]
     run(main, n=1)
 

@@ -59,9 +59,9 @@ def test_health_answers_while_a_huge_prompt_is_tokenized():
     async def main(url, engines, app):
         prompt = asyncio.create_task(post(url, "ok " + "x" * 8 * 2**20))
         await until(tokenizer.started.is_set, "the prompt reached the tokenizer")
-        async with aiohttp.ClientSession() as session:
-            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as reply:
-                assert reply.status == 200
+        async with aiohttp.ClientSession() as session, session.get(
+                url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as reply:
+            assert reply.status == 200
         assert not tokenizer.done.is_set()  # answered while the prompt was being tokenized
         tokenizer.gate.set()
         status, _, _ = await prompt
@@ -305,7 +305,7 @@ def test_a_client_that_stops_reading_is_dropped_and_its_request_aborted():
     request is aborted rather than held for the whole generation (bound 10 s)."""
     async def main(url, engines, app):
         body = json.dumps({"model": "m", "prompt": "ok x", "stream": True}).encode()
-        reader, writer = await asyncio.open_connection("127.0.0.1", app.port())
+        _reader, writer = await asyncio.open_connection("127.0.0.1", app.port())
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)  # and never read the answer
         await until(lambda: engines[0].aborted == 1, "the engine's request aborted", 10)

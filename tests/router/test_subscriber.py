@@ -190,7 +190,8 @@ class ReplaySocket:
                 await self.sock.send_multipart([ident, b"", b"", seq_bytes(-1), b""])
 
 
-def run_with_replay(tmp_path, answer, end, live, limits=EventLimits(replay_s=0.3), until=None, errors=None):
+def run_with_replay(tmp_path, answer, end, live, limits=EventLimits(replay_s=0.3),  # noqa: B008 frozen: safe to share
+                    until=None, errors=None):
     """A subscriber beside a publisher and a scripted replay socket; ``live`` seqs published 50 ms apart until
     ``until(applied)``; faults counted into ``errors``. Returns (applied ts, clears, replay starts asked)."""
     applied: list[float] = []

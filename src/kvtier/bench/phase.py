@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def log(msg: str) -> None:
@@ -20,9 +21,10 @@ def log(msg: str) -> None:
 def engine(job: dict, kvtier: bool, blocks: int):
     from vllm import LLM
 
-    args = dict(model=job["model"], enforce_eager=True, enable_prefix_caching=True, dtype="bfloat16",
-                max_model_len=job["max_model_len"], num_gpu_blocks_override=blocks, block_size=128,
-                gpu_memory_utilization=0.3, max_num_batched_tokens=job["max_model_len"])
+    args: dict[str, Any] = {"model": job["model"], "enforce_eager": True, "enable_prefix_caching": True,
+                            "dtype": "bfloat16", "max_model_len": job["max_model_len"],
+                            "num_gpu_blocks_override": blocks, "block_size": 128, "gpu_memory_utilization": 0.3,
+                            "max_num_batched_tokens": job["max_model_len"]}
     if kvtier:
         args["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
                                       "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -78,7 +80,9 @@ def disk_then_dram(llm, store, job: dict,
     from the disk only, then as many from DRAM only, none missing; RuntimeError if not); the third list is how
     many, by prompt (the orchestrator checks the plain and the sealed process loaded the same)."""
     drop, tier = _dropper(store), store.tiers[0].name
-    disk, dram, chunks = [], [], []
+    disk: list[float] = []
+    dram: list[float] = []
+    chunks: list[int] = []
     for req in job["requests"]:
         if req["round"] not in rounds:
             continue
@@ -162,10 +166,10 @@ def main() -> int:
         llm = engine(job, True, job["small_blocks"])
         store = shared_store(job["store"])
         assert store is not None
-        sealed = "encryption" in job["store"]
-        run_requests(llm, job, [0], f"reread{', encrypted' if sealed else ''}, warm-up", before=_dropper(store))
+        encrypted = "encryption" in job["store"]
+        run_requests(llm, job, [0], f"reread{', encrypted' if encrypted else ''}, warm-up", before=_dropper(store))
         result["disk"], result["dram"], result["chunks"] = disk_then_dram(llm, store, job, later)
-        result["sealed"] = sealed
+        result["sealed"] = encrypted
     elif phase == "restart":  # a new process: everything it hits was stored by the previous one
         from kvtier.integrations.vllm import shared_store
 

@@ -87,7 +87,7 @@ def _counter(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
         body = reply.read().decode()
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in body.splitlines()
-               if ln.startswith(name + "{") or ln.startswith(name + " "))
+               if ln.startswith((name + "{", name + " ")))
 
 
 def run(job: dict, work: Path, log: Callable[[str], None]) -> dict[str, object]:

@@ -22,8 +22,8 @@ from kvtier.bench.workload import documents, requests
 
 BLOCK = 128
 PROFILES = {  # documents, tokens per document, rounds (questions per document), unique prompts, output tokens
-    "quick": dict(docs=3, doc_tokens=2048, rounds=2, unique=4, noreuse_output=16, reread_pairs=1),
-    "full": dict(docs=4, doc_tokens=4096, rounds=3, unique=5, noreuse_output=32, reread_pairs=3),
+    "quick": {"docs": 3, "doc_tokens": 2048, "rounds": 2, "unique": 4, "noreuse_output": 16, "reread_pairs": 1},
+    "full": {"docs": 4, "doc_tokens": 4096, "rounds": 3, "unique": 5, "noreuse_output": 32, "reread_pairs": 3},
 }
 PHASES = ("baseline", "kvtier", "restart", "encrypted", "engine_hit", "api_server", "noreuse_plain",
           "noreuse_kvtier")
@@ -78,9 +78,9 @@ def _secondary_tier(kind: str | None, work: Path) -> Iterator[dict]:
 
 def run(quick: bool, json_path: Path | None, work_dir: Path | None, shared: str | None = None,
         prefix_tokens: int | None = None, chunk_tokens: int = 256, tails: bool = True) -> int:
-    profile = dict(PROFILES["quick" if quick else "full"], name="quick" if quick else "full",
-                   chunk_tokens=chunk_tokens, tails=tails)
-    phases = SHARED_PHASES if shared else PHASES
+    profile: dict[str, Any] = dict(PROFILES["quick" if quick else "full"], name="quick" if quick else "full",
+                                   chunk_tokens=chunk_tokens, tails=tails)
+    phases: tuple[str, ...] = SHARED_PHASES if shared else PHASES
     if prefix_tokens is not None:  # 3 documents asked twice: vLLM's memory of 1.5 documents still cannot keep them
         profile.update(doc_tokens=prefix_tokens, docs=3, rounds=2, unique=0, name=f"{prefix_tokens}-token prefixes")
         phases = tuple(p for p in phases if p in LONG_PHASES)

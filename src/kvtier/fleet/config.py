@@ -128,9 +128,10 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
     raw = read_mapping(path, "fleet config", sorted(_KEYS))
     here = path.resolve().parent
 
-    if not isinstance(raw.get("model"), str) or not raw["model"]:
+    model_path = raw.get("model")
+    if not isinstance(model_path, str) or not model_path:
         raise ConfigError("model: required, the model directory every engine serves")
-    model = (here / os.path.expanduser(raw["model"])).resolve()
+    model = (here / os.path.expanduser(model_path)).resolve()
     if not (model / "config.json").is_file():
         raise ConfigError(f"model: {model} is not a model directory (no config.json there)")
     name = raw.get("served_model_name", model.name)
@@ -212,7 +213,7 @@ def check_work_dir(path: Path) -> None:
 def preflight(config: FleetConfig) -> None:
     """What would stop the fleet part-way, found before anything starts: a port in use, a program missing."""
     check_work_dir(config.work_dir)
-    needed = [("engines", "vllm", None)]
+    needed: list[tuple[str, str, str | None]] = [("engines", "vllm", None)]  # field, program, install hint
     if config.redis is not None:
         needed.append(("redis", "redis-server", "sudo apt-get install redis-server"))
     if config.prometheus is not None:

@@ -28,8 +28,8 @@ STATE = "fleet.json"
 
 
 def vllm_command(model: Path, served_name: str, *, host: str, port: int, block_size: int, max_model_len: int,
-                 events: str, replay: str, topic: str, kv_transfer: dict | None, extra: tuple[str, ...] | list[str] = (),
-                 otlp_traces_endpoint: str | None = None) -> list[str]:
+                 events: str, replay: str, topic: str, kv_transfer: dict | None,
+                 extra: tuple[str, ...] | list[str] = (), otlp_traces_endpoint: str | None = None) -> list[str]:
     """The command line of one vLLM OpenAI API server publishing KV events (and with kvtier, if ``kv_transfer``)."""
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                      "replay_endpoint": replay, "topic": topic}
@@ -223,8 +223,7 @@ class Fleet:
                     ratio = f"{cached / prompt:.2f}" if prompt else "-"
             rows.append((proc.name, str(port), state, requests, ratio))
         others = [p for p in self.processes if p not in self.engines]
-        for proc in others:
-            rows.append((proc.name, _port_of(self.config, proc.name), _state(proc), "", ""))
+        rows.extend((proc.name, _port_of(self.config, proc.name), _state(proc), "", "") for proc in others)
         widths = [max(len(r[k]) for r in rows) for k in range(5)]
         stamp = time.strftime("%H:%M:%S")
         return "\n".join([f"-- {stamp}"] + ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()

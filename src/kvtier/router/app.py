@@ -31,7 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvtier import tracing
 from kvtier.metrics import sample_sum
-from kvtier.router.config import RouterConfig
+from kvtier.router.config import EngineConfig, RouterConfig
 from kvtier.router.events import Batch, Cleared, Feed, Removed, Stored
 from kvtier.router.guards import (BodyBudget, BodyTooLarge, BudgetSpent, CappedSite, Charge, PoolFull, WorkerPool,
                                   descriptor_room, handler_args, read_body, read_secret)
@@ -145,25 +145,29 @@ class RouterApp:
         for engine in self.config.engines:
             if engine.kv_events is None:
                 continue
-            name = engine.name
-            feed = Feed(apply=lambda batch, name=name: self._apply(name, batch),
-                        clear=lambda name=name: self.index.clearing(name, LOCAL_PLACES),
-                        on_gap=lambda missed, name=name: self.metrics.event_gaps.labels(name).inc(missed),
-                        on_reset=lambda name=name: self.metrics.event_resets.labels(name, "sequence").inc(),
-                        warn=functools.partial(self._warn_feed, name, LogOnce(
-                            None, "kvtier_router_event_resets and _gaps", log, logging.WARNING, WARN_EVERY_S)))
-            sub = Subscriber(self._zmq, name, engine.kv_events, engine.kv_events_replay, feed,
-                             bind=engine.kv_events_bind, limits=self.config.events,
-                             block_size=self.config.block_size,
-                             on_batch=lambda batch, ignored, name=name: self._arrived(name, batch),
-                             on_error=lambda kind, name=name: self.metrics.event_errors.labels(name, kind).inc(),
-                             on_replay=lambda name=name: self.metrics.event_replays.labels(name).inc())
-            self.subscribers[name] = sub
+            sub = self._subscriber(self._zmq, engine, engine.kv_events)
+            self.subscribers[engine.name] = sub
             sub.start()
         # Health first: nothing is routed to an engine before it answered once.
         await asyncio.gather(*(self._check(name) for name in self.urls))
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._health_loop()), loop.create_task(self._scrape_loop())]
+
+    def _subscriber(self, ctx: zmq.asyncio.Context, engine: EngineConfig, events: str) -> Subscriber:
+        """The subscriber to ``engine``'s KV events at ``events``, its callbacks bound to the engine's name."""
+        name = engine.name
+        feed = Feed(apply=lambda batch: self._apply(name, batch),
+                    clear=lambda: self.index.clearing(name, LOCAL_PLACES),
+                    on_gap=lambda missed: self.metrics.event_gaps.labels(name).inc(missed),
+                    on_reset=lambda: self.metrics.event_resets.labels(name, "sequence").inc(),
+                    warn=functools.partial(self._warn_feed, name, LogOnce(
+                        None, "kvtier_router_event_resets and _gaps", log, logging.WARNING, WARN_EVERY_S)))
+        return Subscriber(ctx, name, events, engine.kv_events_replay, feed,
+                          bind=engine.kv_events_bind, limits=self.config.events,
+                          block_size=self.config.block_size,
+                          on_batch=lambda batch, ignored: self._arrived(name, batch),
+                          on_error=lambda kind: self.metrics.event_errors.labels(name, kind).inc(),
+                          on_replay=lambda: self.metrics.event_replays.labels(name).inc())
 
     @staticmethod
     def _warn_feed(name: str, limit: LogOnce, kind: str, message: str, *args: object) -> None:
@@ -224,7 +228,7 @@ class RouterApp:
             async with self._session.get(self.urls[name] + "/health", timeout=timeout, headers=self._own_headers,
                                          allow_redirects=False) as reply:
                 ok = reply.status == 200
-        except Exception:  # refused, reset, timed out, malformed: not healthy this time
+        except Exception:  # noqa: BLE001 refused, reset, timed out, malformed: not healthy this time (counted)
             ok = False
         if ok:
             if not state.healthy:
@@ -257,7 +261,7 @@ class RouterApp:
             lengths = [m["max_model_len"] for m in base if type(m.get("max_model_len")) is int
                        and m["max_model_len"] > 0]
             self.max_model_len = min(lengths) if lengths else None
-        except Exception as exc:  # not fatal: requests are routed as base-model ones until it answers
+        except Exception as exc:  # noqa: BLE001 not fatal, logged: routed as base-model requests until it answers
             log.warning("engine %s: cannot read /v1/models (%s: %s)", name, type(exc).__name__, exc)
 
     def _lost(self, name: str, cause: str) -> None:
@@ -420,7 +424,8 @@ class RouterApp:
                     return self._refuse(429, "the router is busy reading other requests; retry", "busy",
                                         retry_after=True)
                 # A prediction is an optimisation, answering is not: a small body is parsed here (a few
-                # milliseconds on the loop at most) and routed unindexed, so a few slow prompts cannot turn every client away
+                # milliseconds on the loop at most) and routed unindexed, so a few slow prompts cannot turn every
+                # client away
                 return self.reader.unpredicted(raw, "busy")
         except Unreadable as exc:
             return self._refuse(400, str(exc), "bad_body")
@@ -471,11 +476,11 @@ class RouterApp:
             if not stream:
                 body = await self._whole(upstream)
                 outcome = "ok"
-                reply = web.Response(status=upstream.status, body=body,
-                                     headers=reply_headers(upstream.headers, decision, headers["X-Request-Id"],
-                                                           self.config.explain_headers))
+                answer = web.Response(status=upstream.status, body=body,
+                                      headers=reply_headers(upstream.headers, decision, headers["X-Request-Id"],
+                                                            self.config.explain_headers))
                 self._compare(decision, body[-4096:])
-                return reply
+                return answer
             first = await self._first(upstream)
             now = time.monotonic()
             if upstream.status < 300:  # an error answers fast and says nothing about prefill

@@ -167,7 +167,8 @@ def _event(raw: object, max_blocks: int) -> Event | None:
     return None
 
 
-def decode_batch(payload: bytes, limits: EventLimits = EventLimits(), block_size: int = 16) -> tuple[Batch, int]:
+def decode_batch(payload: bytes, limits: EventLimits = EventLimits(),  # noqa: B008 frozen: safe to share
+                 block_size: int = 16) -> tuple[Batch, int]:
     """A batch from its msgpack payload, and how many of its events were of a type the router ignores.
 
     Raises :class:`EventError` when the payload is not a batch; an event that is malformed fails the batch too,

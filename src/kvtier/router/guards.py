@@ -22,7 +22,7 @@ import os
 import resource
 import stat
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from aiohttp import web
 
@@ -165,7 +165,7 @@ async def read_body(request: web.Request, limits: Limits, charge: Charge) -> byt
     return bytes(body)
 
 
-def handler_args(limits: Limits) -> dict[str, object]:
+def handler_args(limits: Limits) -> dict[str, Any]:
     """aiohttp's per-connection options: its keep-alive timer runs from a connection's start and from each answer
     until the next request's headers are complete, and closes the connection when it fires: the header deadline.
     A body left unread after its answer (a refused one) closes the connection instead of being drained: aiohttp
@@ -281,7 +281,9 @@ class _Counted(asyncio.Protocol):
 
 class _Refused(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.abort()  # a reset at once: the descriptor is closed now, not after a lingering close
+        # a stream server's connections are Transports, which abort: a reset at once, the descriptor closed
+        # now, not after a lingering close
+        cast(asyncio.Transport, transport).abort()
 
 
 def descriptor_room(wanted: int) -> int:

@@ -271,7 +271,9 @@ class PrefixIndex:
     def unreserve(self, engine: str, keys: Sequence[bytes], token: int) -> None:
         for key in keys:
             holders = self._reserved.get(key)
-            tokens = holders.get(engine) if holders is not None else None
+            if holders is None:
+                continue
+            tokens = holders.get(engine)
             if tokens is None or tokens.pop(token, None) is None:
                 continue
             if not tokens:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -62,8 +63,8 @@ class RouterMetrics:
         self.in_flight = Gauge("kvtier_router_in_flight", "Requests sent to an engine and not finished",
                                ["engine"], registry=r)
         self.refused = Counter("kvtier_router_refused_requests", "Requests the router answered itself without an "
-                               "engine, by reason (body_too_large, body_budget, body_timeout, busy, bad_body, bad_header)",
-                               ["reason"], registry=r)
+                               "engine, by reason (body_too_large, body_budget, body_timeout, busy, bad_body, "
+                               "bad_header)", ["reason"], registry=r)
         self.refused_connections = Counter("kvtier_router_refused_connections", "Connections closed as they were "
                                            "accepted: limits.max_connections open, each with a request in flight",
                                            ["listener"], registry=r)
@@ -101,6 +102,17 @@ class RouterMetrics:
             self.unpredicted.labels(kind)
 
 
+class _Increment(Protocol):
+    def inc(self) -> None: ...
+
+
+class CountsByKind(Protocol):
+    """What :class:`LogOnce` counts through: a :class:`~prometheus_client.Counter` with one label, or a stand-in
+    with the same ``labels(kind).inc()``."""
+
+    def labels(self, kind: str) -> _Increment: ...
+
+
 class LogOnce:
     """Log the first occurrence of each kind, count every one in ``counter`` (labelled by kind; None where the
     caller counts them itself): for what a client or a peer can cause at will, so the log never grows with them.
@@ -109,7 +121,7 @@ class LogOnce:
     will). Kinds are the code's own few names; anything a client sent goes into the message through ``%r`` (its
     newlines escaped: no forged log lines)."""
 
-    def __init__(self, counter: Counter | None, metric: str, logger: logging.Logger, level: int = logging.INFO,
+    def __init__(self, counter: CountsByKind | None, metric: str, logger: logging.Logger, level: int = logging.INFO,
                  every_s: float | None = None) -> None:
         self._counter, self._metric, self._log, self._level = counter, metric, logger, level
         self._every_s = every_s

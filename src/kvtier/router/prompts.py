@@ -25,6 +25,7 @@ import enum
 import functools
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 _INT64_MAX = 2**63 - 1
 _EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})  # vLLM's reasoning_effort values
@@ -103,7 +104,8 @@ def read_int(body: Mapping[str, object], name: str, low: int, high: int = _INT64
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, (bool, int)) or (isinstance(value, float) and value.is_integer()) or (isinstance(value, str) and _DIGITS.fullmatch(value)):
+    if isinstance(value, (bool, int)) or (isinstance(value, float) and value.is_integer()) or (
+            isinstance(value, str) and _DIGITS.fullmatch(value)):
         number = int(value)
     else:
         raise FieldError(f"{name}: expected an integer from {low} to {high}; got a {type(value).__name__}")
@@ -128,7 +130,7 @@ def read_truncation(body: Mapping[str, object]) -> Truncation:
     side = body.get("truncation_side")
     if side not in (None, "left", "right"):
         raise FieldError("truncation_side: expected 'left' or 'right'")
-    return Truncation(keep, side)  # type: ignore[arg-type]
+    return Truncation(keep, side)
 
 
 class Tokenizer:
@@ -178,7 +180,8 @@ class Tokenizer:
         for name in _UNMODELLED:
             if name in kwargs:
                 raise FieldError(f"chat_template_kwargs.{name}: not rendered by the router")
-        fixed = {k: kwargs.pop(k, None) for k in ("tools", "documents")}
+        # passed to transformers as keywords it types one by one; their values were checked here
+        fixed: dict[str, Any] = {k: kwargs.pop(k, None) for k in ("tools", "documents")}
         fixed.update({k: kwargs.pop(k) for k in ("add_generation_prompt", "continue_final_message")})
         if fixed["tools"] is not None and not isinstance(fixed["tools"], list):
             raise FieldError("tools: expected a list")
@@ -187,16 +190,19 @@ class Tokenizer:
         except ValueError as exc:
             raise PromptError("the model directory has no chat template") from exc
         read = _template_variables(template)
-        passed = {k: v for k, v in kwargs.items() if k in read}  # what the template never reads changes nothing
+        # what the template never reads changes nothing
+        passed: dict[str, Any] = {k: v for k, v in kwargs.items() if k in read}
         if _size(passed, _KWARGS_BUDGET) > _KWARGS_BUDGET:
             raise FieldError(f"chat_template_kwargs: more than {_KWARGS_BUDGET} characters and items (or an "
                              f"integer over {_KWARGS_MAX_INT}) for the template; routed without a prediction")
         conversation = [{**m, "content": _text(m.get("content"))} for m in messages]
         try:
-            return self._tok.apply_chat_template(conversation, chat_template=template, tokenize=False,
+            text = self._tok.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                                  **fixed, **passed)
         except Exception as exc:  # a template's own error (jinja2 raises several kinds): not a routable prompt
             raise PromptError(f"the chat template failed: {str(exc)[:200]!r}") from exc
+        assert isinstance(text, str), "tokenize=False renders one conversation to one text"
+        return text
 
 
 def _template_kwargs(body: Mapping[str, object], client: Mapping[str, object]) -> dict[str, object]:
@@ -232,7 +238,7 @@ def _template_variables(template: str) -> frozenset[str]:
     import jinja2.sandbox
 
     class Generation(jinja2.ext.Extension):  # transformers' {% generation %} tag, parsed as vLLM parses it
-        tags = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 jinja2's Extension declares tags a set, not a ClassVar
 
         def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
             lineno = next(parser.stream).lineno

@@ -68,7 +68,7 @@ class Reader:
             # the message may quote the client's text: %r escapes its newlines
             self._unpredicted("unreadable", "a request routed without its cache: %r", str(exc)[:500])
             return None
-        except Exception as exc:  # a tokenizer's own failure: routed all the same, counted
+        except Exception as exc:  # noqa: BLE001 a tokenizer's own failure: routed all the same, counted and logged
             self._unpredicted("failed", "reading a request's prompt failed (%s: %r); routed without its cache",
                               type(exc).__name__, str(exc)[:500])
             return None

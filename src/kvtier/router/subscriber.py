@@ -63,7 +63,8 @@ class Subscriber:
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, name: str, endpoint: str, replay_endpoint: str | None,
-                 feed: Feed, *, bind: bool = False, limits: EventLimits = EventLimits(), block_size: int = 16,
+                 feed: Feed, *, bind: bool = False,
+                 limits: EventLimits = EventLimits(), block_size: int = 16,  # noqa: B008 frozen: safe to share
                  on_batch: Callable[[Batch, int], None] = lambda batch, ignored: None,
                  on_error: Callable[[str], None] = lambda reason: None,
                  on_replay: Callable[[], None] = lambda: None) -> None:
@@ -107,7 +108,7 @@ class Subscriber:
             self._task.cancel()
             try:
                 await self._task
-            except (asyncio.CancelledError, Exception):
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 stopping: how the task ended no longer matters
                 pass
 
     def _decode(self, payload: bytes) -> Batch | None:
@@ -168,7 +169,7 @@ class Subscriber:
         try:
             while self.feed.drain():
                 await asyncio.sleep(0)
-        except Exception as exc:  # an index bug must not blind the router to this engine for good
+        except Exception as exc:  # noqa: BLE001 an index bug must not blind the router to this engine for good
             self._errors("apply", "engine %s: applying KV events failed (%r); its entries are rebuilt", self.name,
                          exc)
             self.feed.reset()
@@ -207,7 +208,7 @@ class Subscriber:
             return  # the feed was reset meanwhile: the next batch asks for everything again
         try:
             self.feed.replayed(sorted(got.items()))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 contained like _settle's: counted, logged, entries rebuilt
             self._errors("apply", "engine %s: applying replayed KV events failed (%r); its entries are cleared",
                          self.name, exc)
             self.feed.reset()
@@ -219,6 +220,7 @@ class Subscriber:
         """The engine's buffered batches from ``start`` on, and whether its end marker came (else: what came
         before the deadline or a quiet :data:`_QUIET_S`, the first :data:`MAX_REPLAY`, or what fits in what is left
         of ``replay_bytes``, where batches already ``kept`` by an earlier round are not charged again)."""
+        assert self._replay_endpoint is not None, "_replay fetches only from an engine with a replay socket"
         dealer = self._socket(zmq.DEALER)
         # ZMQ reads ahead of this loop into a queue counted in messages, not bytes: at most replay_bytes of
         # max_message_bytes messages (64 at the defaults), so that what it holds is bounded like what is kept.

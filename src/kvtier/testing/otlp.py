@@ -67,14 +67,13 @@ class OtlpReceiver:
         self._server.server_close()
 
     def _add(self, request: ExportTraceServiceRequest) -> None:
-        got = []
+        got: list[Span] = []
         for resource in request.resource_spans:
             attrs = {a.key: _value(a.value) for a in resource.resource.attributes}
             service = str(attrs.get("service.name", ""))
             for scope in resource.scope_spans:
-                for s in scope.spans:
-                    got.append(Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                                    {a.key: _value(a.value) for a in s.attributes}))
+                got.extend(Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
+                                {a.key: _value(a.value) for a in s.attributes}) for s in scope.spans)
         with self._lock:
             self.spans.extend(got)
 
