@@ -34,7 +34,7 @@ def run_together(jobs: list[Callable[[], object]]) -> list[object]:
         barrier.wait()
         try:
             results[i] = jobs[i]()
-        except BaseException as exc:  # re-raised in the test's thread
+        except BaseException as exc:  # noqa: BLE001 re-raised in the test's thread
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]

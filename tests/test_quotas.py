@@ -86,7 +86,8 @@ def test_a_tenant_past_its_dram_share_evicts_its_own_chunks_only() -> None:
 
 def test_a_tenant_past_its_disk_share_evicts_its_own_files_only(tmp_path: Path, age) -> None:
     prompts = [synthetic_tokens(10 + i, 2 * T) for i in range(3)]
-    with KVStore.from_config(config(tmp_path, {"disk": 4 * (payload_bytes() + frame.HEADER_LEN) + 100}, ["disk"])) as store:
+    with KVStore.from_config(config(tmp_path, {"disk": 4 * (payload_bytes() + frame.HEADER_LEN) + 100},
+                                    ["disk"])) as store:
         store.put(ns("public"), prompts[0], synthetic_kv(prompts[0]))
         for p in prompts:
             store.put(ns("team-a"), p, synthetic_kv(p))

@@ -417,10 +417,11 @@ def test_forget_is_taken_up_again_after_a_crash_at_any_step(tmp_path: Path, monk
             store.put(ns("c"), tokens, synthetic_kv(tokens))
         real_unlink = os.unlink
 
-        def crash(name, *args, **kw):
-            if crash_at == "secret" and str(name).endswith(Keyring(str(tmp_path / "keyring")).tenant_id("c")):
+        def crash(name, *args, **kw):  # os.unlink during this iteration only (undone at its end)
+            if crash_at == "secret" and str(name).endswith(  # noqa: B023 used in this iteration only
+                    Keyring(str(tmp_path / "keyring")).tenant_id("c")):
                 raise KeyboardInterrupt("killed before the secret went")
-            return real_unlink(name, *args, **kw)
+            return real_unlink(name, *args, **kw)  # noqa: B023 used in this iteration only
 
         monkeypatch.setattr(os, "unlink", crash)
         if crash_at == "tiers":
@@ -497,7 +498,7 @@ def test_no_key_material_in_reprs(tmp_path: Path) -> None:
     with KVStore.from_config(config(tmp_path)) as store:
         tenant = store._sealer.register(ns("r"))
         text = repr(tenant) + repr(store._sealer.config)
-        for kid, key in tenant.keys:
+        for _kid, key in tenant.keys:
             assert key.hex() not in text and repr(key) not in text
         assert tenant.secret.hex() not in text and repr(tenant.secret) not in text
 

@@ -408,8 +408,8 @@ def test_load_hands_over_exactly_what_get_returns(make_store, write_tp: int, rea
 
         def sink(first: int, views: torch.Tensor) -> None:
             for j in range(views.shape[0]):
-                seen.append(first + j)
-                got[:, :, :, (first + j) * T:(first + j + 1) * T] = views[j]
+                seen.append(first + j)  # noqa: B023 the sink is used by this iteration's load only
+                got[:, :, :, (first + j) * T:(first + j + 1) * T] = views[j]  # noqa: B023 as above
 
         assert store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16, tp_rank=rank,
                           tp_size=read_tp, offset=T) == 4 * T

@@ -88,7 +88,7 @@ def test_a_header_claiming_fewer_tokens_is_a_counted_removed_miss(tier: DictTier
     with open_store(tier) as store:
         store.put(NS, tokens, kv)
         store.flush()
-    first, second = keys_of(tokens)
+    _, second = keys_of(tokens)
     # A 1-token shard under the second chunk's key: checksums valid, shape wrong. Broadcasting it over the
     # chunk would serve KV of one token for sixteen.
     tier.objects[second] = shard_bytes(second, kv[:, :, :, T:T + 1])

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 _STOP = None
 # What seals an object (kvtier.sealing.Sealer.seal): its key, shape, payload views and creation time in, the
 # object's parts (header, ciphertext) out.
-Seal = Callable[[ShardKey, frame.ShardMeta, list[memoryview], float], list[memoryview | bytes]]
+Seal = Callable[[ShardKey, frame.ShardMeta, list[memoryview], float | None], list[memoryview | bytes]]
 MAX_REST_SECONDS = 30.0
 
 
@@ -166,7 +166,8 @@ class CascadeWriter:
         asking fails, the write goes ahead (and reports any real outage itself)."""
         try:
             return self.tier.exists(entry.key) is True
-        except Exception as exc:  # e.g. one malformed object (ObjectError) that the write will replace
+        except Exception as exc:  # noqa: BLE001 only advice (the docstring), counted and logged once
+            # e.g. one malformed object (ObjectError) that the write will replace
             self._metrics.read_errors.labels(self.tier.name).inc()
             if not self._exists_failed:
                 self._exists_failed = True
@@ -188,6 +189,7 @@ class CascadeWriter:
             return "present"
         try:
             views = self._pool.views(entry)
+            parts: list[memoryview | bytes]
             if self._seal is None:
                 parts = [frame.encode_header(entry.key, entry.meta, views, created=entry.created), *views]
             else:

@@ -116,12 +116,10 @@ Reservation = DramEntry | Literal["present", "full"]
 
 def _available_memory() -> int | None:
     """Bytes this process could still allocate: the host's available memory, or less under a cgroup limit."""
-    found = []
+    found: list[int] = []
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
+            found.extend(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, ValueError, IndexError):
         pass
     try:
@@ -193,6 +191,11 @@ class DramPool:
     @property
     def allocated(self) -> bool:
         return self._arena is not None
+
+    def _allocated_arena(self) -> torch.Tensor:
+        """The pool's memory, for an entry's pages: an entry implies it (reserving one allocates it first)."""
+        assert self._arena is not None, "an entry while the pool is not allocated"
+        return self._arena
 
     # -- sizes -------------------------------------------------------------------------------------------------
     @property
@@ -383,7 +386,7 @@ class DramPool:
         meta = first.meta
         step = first.extents[0][1] * self.page_bytes
         start = first.extents[0][0] * self.page_bytes
-        region = self._arena[start:start + (count - 1) * step + meta.nbytes].view(meta.dtype)
+        region = self._allocated_arena()[start:start + (count - 1) * step + meta.nbytes].view(meta.dtype)
         inner = torch.empty(meta.shape, device="meta").stride()
         return region.as_strided((count, *meta.shape), (step // meta.dtype.itemsize, *inner))
 
@@ -489,7 +492,8 @@ class DramPool:
         """The entry's shard as a tensor: a view when its pages are contiguous, else a copy."""
         if len(entry.extents) == 1:
             start = entry.extents[0][0] * self.page_bytes
-            return self._arena[start:start + entry.meta.nbytes].view(entry.meta.dtype).view(entry.meta.shape)
+            arena = self._allocated_arena()
+            return arena[start:start + entry.meta.nbytes].view(entry.meta.dtype).view(entry.meta.shape)
         out = torch.empty(entry.meta.nbytes, dtype=torch.uint8)
         for (start, end), region in zip(self._spans(entry), self._regions(entry)):
             out[start:end].copy_(region)
@@ -497,14 +501,16 @@ class DramPool:
 
     def views(self, entry: DramEntry) -> list[memoryview]:
         """Zero-copy byte views of a pinned entry's payload, in order (for cascade writes)."""
-        return [memoryview(region.numpy()) for region in self._regions(entry)]
+        return [memoryview(region.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer (stubs say so on 3.12+)
+                for region in self._regions(entry)]
 
     def _regions(self, entry: DramEntry) -> list[torch.Tensor]:
+        arena = self._allocated_arena()
         regions = []
         left = entry.meta.nbytes
         for start, n in entry.extents:
             size = min(n * self.page_bytes, left)
-            regions.append(self._arena[start * self.page_bytes:start * self.page_bytes + size])
+            regions.append(arena[start * self.page_bytes:start * self.page_bytes + size])
             left -= size
         return regions
 

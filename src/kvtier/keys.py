@@ -225,7 +225,7 @@ class ShardKey:
                                                 self.heads.total)))
 
     def __hash__(self) -> int:
-        return self._hash  # type: ignore[attr-defined,no-any-return]
+        return self._hash  # type: ignore[attr-defined]  # set in __post_init__, not a dataclass field
 
     @property
     def name(self) -> str:

@@ -103,8 +103,7 @@ def parse_encryption(raw: object) -> EncryptionConfig | None:
     unknown = sorted(map(str, set(raw) - set(allowed)))
     if unknown:
         raise ConfigError(f"encryption.{unknown[0]}: unknown key; allowed: {', '.join(allowed)}")
-    key = raw.get("key")
-    _check_source(key, "encryption.key")
+    key = _check_source(raw.get("key"), "encryption.key")
     old = raw.get("old_keys", []) or []
     if not isinstance(old, list):
         raise ConfigError(f"encryption.old_keys: expected a list of key sources, got {type(old).__name__}")
@@ -123,11 +122,13 @@ def parse_encryption(raw: object) -> EncryptionConfig | None:
     return EncryptionConfig(key, keyring, tuple(old), dict(options), float(refresh))
 
 
-def _check_source(source: object, field: str) -> None:
+def _check_source(source: object, field: str) -> str:
+    """``source``, checked to be a key source (else a ConfigError naming ``field`` is raised)."""
     if not isinstance(source, str) or not re.fullmatch(r"(file:/.+|env:[A-Za-z_][A-Za-z0-9_]*|provider:.+:.+)",
                                                        source):
         raise ConfigError(f"{field}: a key source: 'file:/absolute/path', 'env:VARIABLE' or "
                           f"'provider:package.module:Class[#name]', got {source!r}")
+    return source
 
 
 def parse_key(text: bytes, where: str) -> bytes:

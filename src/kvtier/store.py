@@ -14,6 +14,7 @@ front tiers whose TTL its age is still within.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -515,7 +516,7 @@ class KVStore:
             self.metrics.read_errors.labels(tier.name).inc()
             outage.failed(exc)
             return [[] for _ in chunks]
-        except Exception as exc:  # a tier's bug or a malformed reply: nothing found, the tier stays in use
+        except Exception as exc:  # noqa: BLE001 a tier's bug or a malformed reply: nothing found, counted
             self._unexpected(tier, "lookup", exc)
             return [[] for _ in chunks]
         outage.succeeded()
@@ -717,13 +718,13 @@ class KVStore:
                 key, read.shape.meta(self.chunk_tokens, key.heads), parent, read.owner)
             if not isinstance(entry, DramEntry):
                 # the shape not known yet, the shard being written by another read, or no room: its bytes
-                read.started[(tier.name, key)] = readers.submit(lambda tier=tier, key=key: self._get(tier, key))
+                read.started[(tier.name, key)] = readers.submit(functools.partial(self._get, tier, key))
                 continue
             try:
                 if self._decrypting is not None and tier.local and not tier.read_ahead:
                     future = self._fill_sealed(tier, key, entry)
                 else:
-                    future = readers.submit(lambda tier=tier, key=key, entry=entry: self._read_into(tier, key, entry))
+                    future = readers.submit(functools.partial(self._read_into, tier, key, entry))
             except BaseException:
                 self.dram.abort(entry)  # e.g. the store closed meanwhile
                 raise
@@ -740,7 +741,7 @@ class KVStore:
             for key, parent in keys:
                 entry = self.dram.reserve(key, read.shape.meta(self.chunk_tokens, key.heads), parent, read.owner)
                 if not isinstance(entry, DramEntry):
-                    read.started[(tier.name, key)] = readers.submit(lambda key=key: self._get(tier, key))
+                    read.started[(tier.name, key)] = readers.submit(functools.partial(self._get, tier, key))
                     continue
                 future: Future[float | None] = Future()
                 future.set_running_or_notify_cancel()
@@ -765,7 +766,7 @@ class KVStore:
             if not isinstance(got, list) or len(got) != len(batch):
                 raise ValueError(f"get_into_many returned {len(got) if isinstance(got, list) else got!r:.100} "
                                  f"answers for {len(batch)} reads")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 each read's outcome, counted as its fault (_read_into)
             got = [exc] * len(batch)
         except BaseException as exc:  # e.g. an interrupt: the reads fail, the loads waiting on them go on
             for _, _, future in batch:
@@ -773,8 +774,8 @@ class KVStore:
             raise
         for (key, entry, future), head in zip(batch, got):
             try:
-                future.set_result(self._read_into(tier, key, entry, lambda head=head: _raised(head), start))
-            except BaseException as exc:
+                future.set_result(self._read_into(tier, key, entry, functools.partial(_raised, head), start))
+            except BaseException as exc:  # noqa: BLE001 handed to the load waiting on it
                 future.set_exception(exc)
 
     def _fill_sealed(self, tier: Tier, key: ShardKey, entry: DramEntry) -> Future[float | None]:
@@ -790,7 +791,7 @@ class KVStore:
         head: bytes | Exception | None
         try:
             head = tier.get_into(key, self._header_len, self.dram.views(entry))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 the read's outcome, counted as its fault (_read_into)
             head = exc
         if not isinstance(head, bytes):  # nothing to decrypt; an interrupt here reaches the caller
             future.set_result(self._read_into(tier, key, entry, lambda: _raised(head), start))
@@ -799,7 +800,7 @@ class KVStore:
         def verify() -> None:
             try:
                 future.set_result(self._read_into(tier, key, entry, lambda: head, start))
-            except BaseException as exc:  # handed to the load waiting on it
+            except BaseException as exc:  # noqa: BLE001 handed to the load waiting on it
                 future.set_exception(exc)
 
         assert self._decrypting is not None
@@ -817,7 +818,8 @@ class KVStore:
 
     def _plan_chunk(self, read: Read, chunk: str, parent: str | None) -> list[Piece] | None:
         """Where this rank's heads of one chunk come from: DRAM alone, else DRAM plus each tier in turn."""
-        for source in ["dram", *read.tiers]:
+        sources: list[str | Tier] = ["dram", *read.tiers]
+        for source in sources:
             # A failed piece (missing or corrupt) is removed from its tier, so each retry plans without it.
             for attempt in range(_REPLANS):
                 ranges = self.dram.ranges(read.namespace, chunk)
@@ -900,8 +902,8 @@ class KVStore:
         views: list[tuple[int, torch.Tensor]] = []
         whole = [(i, p[0].source) for i, p in enumerate(plans)
                  if len(p) == 1 and isinstance(p[0].source, DramEntry) and p[0].count == p[0].source.meta.heads.count]
-        done = set()
-        for run in self.dram.runs(whole, device):  # type: ignore[arg-type]
+        done: set[int] = set()
+        for run in self.dram.runs(whole, device):
             i0, entry = run[0]
             if len(entry.extents) == 1:
                 views.append((i0, self.dram.run_view(entry, len(run))))
@@ -1057,6 +1059,7 @@ class KVStore:
 
     def _read_verified(self, tier: Tier, key: ShardKey, read: Read) -> tuple[frame.Header, memoryview] | None:
         started = read.started.pop((tier.name, key), None)
+        assert not isinstance(started, Filling), "a read ahead into DRAM is taken by _fetch, never read here"
         if self._read_outage[tier.name].resting():  # failed since this read was started: do not wait on it
             if started is not None:
                 started.cancel()
@@ -1130,7 +1133,7 @@ class KVStore:
             self.metrics.read_errors.labels(tier.name).inc()
             outage.failed(exc)
             return "error", None
-        except Exception as exc:  # a tier's bug or an object no check foresaw: a miss, the tier stays in use
+        except Exception as exc:  # noqa: BLE001 a tier's bug or an object no check foresaw: a counted miss
             self._unexpected(tier, "get", exc)
             return "error", None
         outage.succeeded()
@@ -1139,7 +1142,7 @@ class KVStore:
     def _remove(self, tier: Tier, key: ShardKey) -> None:
         try:
             tier.delete(key)
-        except Exception as exc:  # removal is best effort: the object stays a miss either way
+        except Exception as exc:  # noqa: BLE001 removal is best effort (logged): the object stays a miss
             log.warning("tier %s: cannot remove corrupt %s: %s", tier.name, key.name, exc)
 
     # -- housekeeping ------------------------------------------------------------------------------------------
@@ -1192,7 +1195,7 @@ class KVStore:
             return None
         try:
             return self._sealer.register(ns, create)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 a keyring fault never fails the caller: counted and logged
             from kvtier.sealing import UnrecordedNamespace  # (imported with encryption on only: cryptography)
 
             if isinstance(exc, UnrecordedNamespace):
@@ -1221,7 +1224,8 @@ class KVStore:
         its KV may reach (``allowed``, None: all), as its KV is lawfully kept on one of them until then; never
         when one of them has no TTL, or when it reaches no secondary tier (DRAM only: nothing else keeps it)."""
         ttls = [ttl for name, ttl in self._ttl.items() if allowed is None or name in allowed]
-        return None if not ttls or None in ttls else created + max(ttls)  # type: ignore[type-var]
+        finite = [ttl for ttl in ttls if ttl is not None]
+        return None if not ttls or len(finite) < len(ttls) else created + max(finite)
 
     def _within_ttl(self, tier: str, created: float) -> bool:
         """Whether a shard written at ``created`` is still within ``tier``'s ``ttl_seconds`` (none: always)."""
@@ -1241,10 +1245,11 @@ class KVStore:
         """Gauges read at each scrape (and by :meth:`stats`): bytes held, and writes queued per tier."""
         self.metrics.used_bytes.labels("dram").set_function(lambda: self.dram.used_bytes)
         for writer in self._writers:
-            self.metrics.queue_depth.labels(writer.tier.name).set_function(lambda w=writer: w.depth)
+            self.metrics.queue_depth.labels(writer.tier.name).set_function(
+                lambda w=writer: w.depth)  # type: ignore[misc]  # mypy: a default-bound lambda
             if writer.tier.used_bytes() is not None:  # a tier that knows it cheaply
                 self.metrics.used_bytes.labels(writer.tier.name).set_function(
-                    lambda t=writer.tier: t.used_bytes() or 0)
+                    lambda t=writer.tier: t.used_bytes() or 0)  # type: ignore[misc]  # mypy: a default-bound lambda
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Metrics grouped by tier (``dram``, each secondary tier's name, ``_store`` for store-wide ones)."""

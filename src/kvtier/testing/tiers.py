@@ -14,13 +14,14 @@ import pytest
 
 from kvtier.errors import ObjectError
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import Buffer, Tier
 
 NS_A = "a" * 32
 NS_B = "b" * 32
+_ALL_HEADS = HeadRange(0, 4, 4)
 
 
-def key(chunk: int, heads: HeadRange = HeadRange(0, 4, 4), namespace: str = NS_A) -> ShardKey:
+def key(chunk: int, heads: HeadRange = _ALL_HEADS, namespace: str = NS_A) -> ShardKey:
     return ShardKey(namespace, f"{chunk:032x}", heads)
 
 
@@ -33,7 +34,7 @@ class TierConformance:
         return None
 
     def test_round_trip_concatenates_parts(self, tier: Tier) -> None:
-        parts = [b"header", os.urandom(100_000), memoryview(os.urandom(3))]
+        parts: list[Buffer] = [b"header", os.urandom(100_000), memoryview(os.urandom(3))]
         tier.put(key(1), parts)
         got = tier.get(key(1))
         assert got is not None and bytes(got) == b"".join(bytes(p) for p in parts)
@@ -117,7 +118,7 @@ class TierConformance:
         def write(i: int) -> None:
             try:
                 tier.put(key(100 + i), [i.to_bytes(4, "little") * 1000])
-            except BaseException as exc:  # collected and re-raised below
+            except BaseException as exc:  # noqa: BLE001 collected, and the test fails on them below
                 errors.append(exc)
 
         threads = [threading.Thread(target=write, args=(i,)) for i in range(16)]

@@ -11,8 +11,9 @@ engine writes the object for each namespace it counts (again when a listing miss
 store's own eviction may have removed it), so every engine's view finds every engine's namespaces.
 
 A view is listed again (the share's members, then each member namespace's objects: sizes, and on S3 write times,
-its namespaces listed in parallel) when it is older than the tier's ``share_refresh_seconds``; a listing that fails leaves the view as it was
-(counted as ``share_view_failures``) until the next one is due, as does a share object that cannot be written.
+its namespaces listed in parallel) when it is older than the tier's ``share_refresh_seconds``; a listing that
+fails leaves the view as it was (counted as ``share_view_failures``) until the next one is due, as does a share
+object that cannot be written.
 A put is counted in the view before it is written; a listing keeps it while it is under way and once it has
 landed, whatever the listing found, and never counts again an object chosen for deletion whose delete has not
 ended. The rules are :mod:`kvtier.tiers._shares`'s: a new object that the objects used in the last

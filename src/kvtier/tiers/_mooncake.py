@@ -20,6 +20,7 @@ an outage of the tier; the next put in that namespace rewrites it.
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import dataclasses
 import http.client
@@ -299,11 +300,12 @@ class MooncakeTier(Tier):
                 out.append(down)
             else:
                 try:
-                    out.append(self._failed_read(key, name, want))
+                    self._failed_read(key, name, want)
+                    out.append(None)
                 except TierError as exc:
                     down = exc
                     out.append(exc)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 this read's answer: what get_into would have raised
                     out.append(exc)
         return out
 
@@ -373,7 +375,7 @@ class MooncakeTier(Tier):
                 self._mark(store, namespace, total)  # written meanwhile: marked again
         return removed
 
-    def _share_members(self, sid: str) -> tuple[list[str], float | None]:
+    def _share_members(self, sid: str) -> tuple[builtins.list[str], float | None]:  # (`list`: the method)
         prefix = f"{self.options.key_prefix}shares/{sid}/"
         return [name[len(prefix):] for name in self._all_keys(fresh=True)[0] if name.startswith(prefix)], None
 
@@ -428,7 +430,7 @@ class MooncakeTier(Tier):
             # eviction.
             yield StoredObject(key, size, now, now)
 
-    def _all_keys(self, fresh: bool) -> tuple[list[str], dict[str, list[re.Match[str]]]]:
+    def _all_keys(self, fresh: bool) -> tuple[builtins.list[str], dict[str, builtins.list[re.Match[str]]]]:
         """Every key in the store, from the master's admin address, and kvtier's shard names in it by namespace
         (exactly ``<prefix><32 hex>/<32 hex>/<heads>``: markers, other deployments' longer prefixes and anything
         else in the store are never listed, so never purged). Unless ``fresh``, a list that came up to

@@ -17,6 +17,7 @@ ignored. Messages show the URL with its password replaced by ``***``.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import logging
 import math
@@ -323,7 +324,8 @@ class RedisTier(Tier):
         self._password: str | None = None
         if options.password_file is not None:
             try:  # read once, at start: a rotated Secret takes a restart, as a changed url does
-                self._password = open(options.password_file, encoding="utf-8").read().rstrip("\r\n")
+                with open(options.password_file, encoding="utf-8") as f:
+                    self._password = f.read().rstrip("\r\n")
             except (OSError, UnicodeDecodeError) as exc:
                 raise ConfigError(f"{name}.password_file: cannot read {options.password_file}: "
                                   f"{type(exc).__name__}") from None
@@ -337,8 +339,8 @@ class RedisTier(Tier):
         if client is not None:
             return client
         o = self.options
-        kwargs: dict[str, Any] = dict(socket_timeout=o.socket_timeout, socket_connect_timeout=o.connect_timeout,
-                                      socket_read_size=o.socket_read_bytes, max_connections=o.max_connections)
+        kwargs: dict[str, Any] = {"socket_timeout": o.socket_timeout, "socket_connect_timeout": o.connect_timeout,
+                                  "socket_read_size": o.socket_read_bytes, "max_connections": o.max_connections}
         if self._password is not None:
             kwargs["password"] = self._password
         if o.cluster:  # a cluster client passes on only the connection settings it knows, the class among them
@@ -653,7 +655,7 @@ class RedisTier(Tier):
         for start in range(0, len(names), 256):
             yield from self._describe(names[start:start + 256], now)
 
-    def _describe(self, batch: list[bytes], now: float) -> Iterator[StoredObject]:
+    def _describe(self, batch: builtins.list[bytes], now: float) -> Iterator[StoredObject]:  # (`list`: the method)
         def fields_and_idle(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for n in batch:

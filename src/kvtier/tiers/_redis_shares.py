@@ -221,7 +221,8 @@ class RedisShares:
         reply = self._call(f"share accounting of {key.name}", run)
         if not isinstance(reply, list) or not reply:
             return Counted(sid, [])  # not what the script returns: nothing to delete, the write goes ahead
-        victims, junk = [], []
+        victims: list[ShardKey] = []
+        junk: list[Any] = []  # (as the server replied)
         for raw in reply[1:]:
             parsed = _parse_member(raw)
             (junk if parsed is None else victims).append(raw if parsed is None else parsed)

@@ -105,7 +105,7 @@ def _check_endpoint(url: str, field: str) -> None:
 def _code(exc: Exception) -> str | None:
     """The S3 error code of a failed call. A ClientError has a response; a BotoCoreError such as
     ReadTimeoutError has none, or ``response=None``."""
-    return (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")  # type: ignore[no-any-return]
+    return (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")
 
 
 def _clock_offset(page: dict[str, Any]) -> float | None:

@@ -10,9 +10,10 @@ so a prompt larger than its share keeps its leading chunks."""
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from kvtier.keys import ShardKey
 
@@ -74,12 +75,12 @@ class Shares:
         """Count ``namespace`` against ``share`` (None: none); ``keys`` are the index's, least recent first."""
         self.set_many({namespace: (share, quota_bytes)}, keys)
 
-    def set_many(self, shares: dict[str, tuple[str | None, int]], keys: Iterable[ShardKey], *,
+    def set_many(self, shares: Mapping[str, tuple[str | None, int]], keys: Iterable[ShardKey], *,
                  learned: bool = False) -> None:
         """:meth:`set` for each namespace of ``shares`` (namespace -> share and quota), with one walk of ``keys``;
         ``learned``: from other processes (bounded: the least recently learned are forgotten past ``_KEPT``)."""
         order = list(keys)
-        touched = set()
+        touched: set[str] = set()
         for namespace, (share, quota_bytes) in shares.items():
             self._leave(namespace, touched)
             if share is not None:
@@ -103,7 +104,7 @@ class Shares:
                 self._lru.pop(share, None)
                 self._bytes.pop(share, None)
 
-    def _leave(self, namespace: str, touched: set[str]) -> None:
+    def _leave(self, namespace: str, touched: builtins.set[str]) -> None:  # (`set`: the method)
         self._learned.pop(namespace, None)
         old = self._share_of.pop(namespace, None)
         if old is not None:
@@ -118,7 +119,7 @@ class Shares:
     def bytes(self, share: str) -> int:
         return self._bytes.get(share, 0)
 
-    def with_files(self, namespaces: Iterable[str]) -> set[str]:
+    def with_files(self, namespaces: Iterable[str]) -> builtins.set[str]:
         """Those of ``namespaces`` that hold objects in the index."""
         return {ns for ns in namespaces if self._ns_bytes.get(ns)}
 
@@ -132,7 +133,7 @@ class Shares:
 
     def excess(self) -> dict[str, int]:
         """Each share's bytes past its quota (0 or less: within it)."""
-        quotas = {share: quota for share, quota in self._share_of.values()}
+        quotas = dict(self._share_of.values())
         return {share: self.bytes(share) - quota for share, quota in quotas.items()}
 
     def refuses(self, key: ShardKey, size: int, size_of: Callable[[ShardKey], int],
