@@ -7,5 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Lint, types and the import contract (pyproject.toml: [tool.ruff], [tool.mypy], [tool.importlinter]) first:
+# a minute or two, and a failure here fails the run like a failed test.
+echo "test: ruff, mypy, import-linter"
+.venv/bin/ruff check --quiet src tests benchmarks
+.venv/bin/mypy
+.venv/bin/lint-imports --no-cache | tail -1
 # pytest exits 5 when it collected no test: that fails this script like any other failure.
 exec .venv/bin/python -m pytest -q "$@"
