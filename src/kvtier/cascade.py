@@ -17,6 +17,7 @@ from kvtier import frame, threads, tracing
 from kvtier.config import TierSpec
 from kvtier.dram import DramEntry, DramPool
 from kvtier.errors import QuotaFull, SealError, TierError
+from kvtier.health import Outage
 from kvtier.keys import ShardKey
 from kvtier.metrics import StoreMetrics
 from kvtier.tiers.base import Tier
@@ -26,51 +27,6 @@ _STOP = None
 # What seals an object (kvtier.sealing.Sealer.seal): its key, shape, payload views and creation time in, the
 # object's parts (header, ciphertext) out.
 Seal = Callable[[ShardKey, frame.ShardMeta, list[memoryview], float | None], list[memoryview | bytes]]
-MAX_REST_SECONDS = 30.0
-
-
-class Outage:
-    """The health of one tier's reads, or of its writes (a read-only disk still serves reads).
-
-    The first failure of an outage is logged, the ones after it only counted, and the recovery logged again.
-    After a failure the tier rests: callers skip it (a read is a miss, a write is dropped and counted) instead
-    of each waiting for a dead server's timeout. The first call after the rest tries the tier again, so it
-    comes back by itself once the server answers. The rest starts at ``retry_seconds`` and doubles with each
-    failed retry, up to :data:`MAX_REST_SECONDS`, so a long outage costs one slow call now and then.
-    ``kvtier_tier_outage`` is 1 from a failure until the next success.
-    """
-
-    def __init__(self, tier: str, what: str, retry_seconds: float, metrics: StoreMetrics | None = None) -> None:
-        self._tier, self._what = tier, what
-        self._gauge = None if metrics is None else metrics.outage.labels(tier, what)
-        self._retry = retry_seconds
-        self._rest = retry_seconds
-        self._failing = False
-        self._until = 0.0  # monotonic time the rest ends
-        self._lock = threading.Lock()
-
-    def resting(self) -> bool:
-        return self._failing and time.monotonic() < self._until
-
-    def failed(self, exc: BaseException) -> None:
-        with self._lock:
-            first, self._failing = not self._failing, True
-            self._rest = self._retry if first else min(max(self._retry, self._rest * 2), MAX_REST_SECONDS)
-            self._until = time.monotonic() + self._rest
-            if self._gauge is not None:  # under the lock: a success racing this failure cannot leave it stale
-                self._gauge.set(1)
-        if first:
-            log.warning("tier %s: %s failing (further failures counted, not logged; retrying after %.1f s, "
-                        "then less often): %s", self._tier, self._what, self._retry, exc)
-
-    def succeeded(self) -> None:
-        if self._failing:
-            with self._lock:
-                was, self._failing = self._failing, False
-                if self._gauge is not None:
-                    self._gauge.set(0)
-            if was:
-                log.warning("tier %s: %s working again", self._tier, self._what)
 
 
 class CascadeWriter:

@@ -29,7 +29,8 @@ import torch
 
 from kvtier import frame, tracing
 from kvtier._reads import Fetched, Filling, Piece, Read, Shape, full_cover, valid_range
-from kvtier.cascade import CascadeWriter, Outage
+from kvtier.cascade import CascadeWriter
+from kvtier.health import Outage
 from kvtier.config import StoreConfig, TierSpec, load_config
 from kvtier.dram import DramEntry, DramPool
 from kvtier.errors import ConfigError, ObjectError, TierError
