@@ -136,6 +136,9 @@ class _Pool:
                 self.refs.move_to_end(b)  # evicted after the unreferenced blocks released before it
 
 
+_NEVER = (float("inf"), float("inf"))
+
+
 def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | None = None,
              elsewhere: Mapping[int, tuple[float, float]] | None = None, store_log: dict[int, float] | None = None
              ) -> dict[str, Any]:
@@ -146,195 +149,270 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | N
     ``store_log``, when given, gets the time each block this engine wrote to the shared tier was written
     (the end of the step that stored it, plus the write at the tier's calibrated store bandwidth).
     """
-    bt = trace.block_tokens
-    engine = deployment.engine
-    # vLLM's KV space less its null block, in the trace's blocks (rounded up: a trace block may be several of
-    # vLLM's, and a request vLLM fits must fit here)
-    pool = _Pool(-(-max(0, engine.kv_tokens - engine.block_size) // bt), engine.prefix_caching)
-    chunk_bytes = costs.kv_bytes_per_token * bt
+    return _Replay(trace, deployment, costs, shared, elsewhere, store_log).run()
+
+
+def _caches(deployment: Deployment, costs: Costs, chunk_bytes: int
+            ) -> tuple[BlockCache | None, list[tuple[str, BlockCache]] | None]:
+    """kvtier's DRAM and its secondary tiers' caches, in lookup order (None, None: no kvtier)."""
     kv = deployment.kvtier
-    never = (float("inf"), float("inf"))
-    dram = tiers = None
-    if kv is not None:
-        pages = -(-chunk_bytes // kv.page_bytes)  # the pool hands out whole pages
-        dram = BlockCache(kv.policy, max(1, (kv.dram_bytes // kv.page_bytes) // pages))
-        tiers = [(t.name, BlockCache("lru", None if t.capacity_bytes is None
-                                          else max(1, t.capacity_bytes // chunk_bytes)))
-                 for t in kv.tiers]
-        for name in ["dram", *(t.name for t in kv.tiers)]:
-            if name not in costs.load:
-                raise ValueError(f"kvtier.tiers: {name!r} is not a tier of the calibration "
-                                 f"(calibrated: {', '.join(costs.load)})")
-    # A request whose prompt and output the whole KV space cannot hold is refused, as vLLM refuses a prompt
-    # beyond max_model_len; it is counted, not timed.
-    fits = [(i, r) for i, r in enumerate(trace.requests)
-            if -(-(r.input_length + max(r.output_length, 1)) // bt) <= pool.total]
-    if not fits:
-        raise ValueError(f"engine.kv_tokens: {engine.kv_tokens} tokens hold no request of the trace whole")
-    reqs = [_Request(i, r.timestamp_ms / 1000 / deployment.time_scale, r.blocks[:r.whole], r.input_length,
-                     max(r.output_length, 1)) for i, r in fits]  # numbered by their place in the trace
-    arrivals = iter(reqs)
-    upcoming = next(arrivals, None)
-    waiting: list[_Request] = []
-    running: list[_Request] = []
-    now = 0.0
-    stored_bytes: dict[str, int] = {}
-    loaded_bytes: dict[str, int] = {}
-    preemptions = 0
-    steps = 0
-    prefilled = 0  # tokens computed by prefill chunks (recomputation after preemptions included)
-    owed = background = 0.0  # seconds of tier writes the engine's cores owe (CPU engine only)
-    while upcoming is not None or waiting or running:
-        while upcoming is not None and upcoming.arrival <= now:
-            waiting.append(upcoming)
-            upcoming = next(arrivals, None)
-        if not waiting and not running:
-            now = upcoming.arrival  # type: ignore[union-attr]
-            continue
-        budget = engine.max_num_batched_tokens
+    if kv is None:
+        return None, None
+    pages = -(-chunk_bytes // kv.page_bytes)  # the pool hands out whole pages
+    dram = BlockCache(kv.policy, max(1, (kv.dram_bytes // kv.page_bytes) // pages))
+    tiers = [(t.name, BlockCache("lru", None if t.capacity_bytes is None
+                                 else max(1, t.capacity_bytes // chunk_bytes)))
+             for t in kv.tiers]
+    for name in ["dram", *(t.name for t in kv.tiers)]:
+        if name not in costs.load:
+            raise ValueError(f"kvtier.tiers: {name!r} is not a tier of the calibration "
+                             f"(calibrated: {', '.join(costs.load)})")
+    return dram, tiers
+
+
+class _Replay:
+    """One replay: the engine's pool and queues, kvtier's caches, the clock and the counters. :meth:`run` steps
+    it: each step plans (:meth:`_plan`: the running requests, then the waiting ones it admits, with their
+    loads), is timed and stores what finished its prefill (:meth:`_step`), then advances every planned request."""
+
+    def __init__(self, trace: Trace, deployment: Deployment, costs: Costs, shared: str | None,
+                 elsewhere: Mapping[int, tuple[float, float]] | None, store_log: dict[int, float] | None) -> None:
+        self.costs, self.shared, self.elsewhere, self.store_log = costs, shared, elsewhere, store_log
+        self.bt = bt = trace.block_tokens
+        self.engine = engine = deployment.engine
+        # vLLM's KV space less its null block, in the trace's blocks (rounded up: a trace block may be several of
+        # vLLM's, and a request vLLM fits must fit here)
+        self.pool = _Pool(-(-max(0, engine.kv_tokens - engine.block_size) // bt), engine.prefix_caching)
+        self.chunk_bytes = costs.kv_bytes_per_token * bt
+        self.dram, self.tiers = _caches(deployment, costs, self.chunk_bytes)
+        # A request whose prompt and output the whole KV space cannot hold is refused, as vLLM refuses a prompt
+        # beyond max_model_len; it is counted, not timed.
+        fits = [(i, r) for i, r in enumerate(trace.requests)
+                if -(-(r.input_length + max(r.output_length, 1)) // bt) <= self.pool.total]
+        if not fits:
+            raise ValueError(f"engine.kv_tokens: {engine.kv_tokens} tokens hold no request of the trace whole")
+        self.refused = len(trace.requests) - len(fits)
+        self.reqs = [_Request(i, r.timestamp_ms / 1000 / deployment.time_scale, r.blocks[:r.whole], r.input_length,
+                              max(r.output_length, 1)) for i, r in fits]  # numbered by their place in the trace
+        self._arrivals = iter(self.reqs)
+        self.upcoming = next(self._arrivals, None)
+        self.waiting: list[_Request] = []
+        self.running: list[_Request] = []
+        self.now = 0.0
+        self.stored_bytes: dict[str, int] = {}
+        self.loaded_bytes: dict[str, int] = {}
+        self.preemptions = 0
+        self.steps = 0
+        self.prefilled = 0  # tokens computed by prefill chunks (recomputation after preemptions included)
+        self.owed = self.background = 0.0  # seconds of tier writes the engine's cores owe (CPU engine only)
+        self.load_s = 0.0  # this step's loads
+        self.preempted_now = False  # as vLLM: a step that preempted admits no waiting request
+
+    def run(self) -> dict[str, Any]:
+        while self.upcoming is not None or self.waiting or self.running:
+            while self.upcoming is not None and self.upcoming.arrival <= self.now:
+                self.waiting.append(self.upcoming)
+                self.upcoming = next(self._arrivals, None)
+            if not self.waiting and not self.running:
+                assert self.upcoming is not None  # the loop's condition
+                self.now = self.upcoming.arrival
+                continue
+            plan = self._plan()
+            if not plan:  # nothing running and the next waiting request does not fit yet: it never will by waiting
+                assert not self.running and self.upcoming is not None, \
+                    "a fitting request could not be scheduled on an idle engine"
+                self.now = self.upcoming.arrival
+                continue
+            self._step(plan)
+        out = _summary(self.reqs, self.now, self.preemptions, self.steps, self.stored_bytes, self.loaded_bytes,
+                       self.costs, self.bt)
+        out["refused"] = self.refused
+        out["prefilled_tokens"] = self.prefilled
+        return out
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.bt)
+
+    # -- planning a step ---------------------------------------------------------------------------------------
+    def _plan(self) -> list[tuple[_Request, int]]:
+        """This step's requests, each with its tokens: the running ones first, then the waiting ones it admits
+        (their loads add up in :attr:`load_s`)."""
+        self.load_s = 0.0
+        self.preempted_now = False
         plan: list[tuple[_Request, int]] = []
-        load_s = 0.0
+        budget = self._continue_running(plan, self.engine.max_num_batched_tokens)
+        while self.waiting and budget > 0 and len(self.running) < self.engine.max_num_seqs and not self.preempted_now:
+            r = self.waiting[0]
+            n = self._admit(r, budget)
+            if n is None:
+                break
+            plan.append((r, n))
+            budget -= n
+        return plan
 
-        def blocks_for(tokens: int) -> int:
-            return -(-tokens // bt)
-
-        preempted_now = False  # as vLLM: a step that preempted admits no waiting request
-
-        def preempt(victim: _Request) -> None:
-            nonlocal preemptions, preempted_now
-            preempted_now = True
-            running.remove(victim)
-            pool.release(victim.shared[::-1])
-            pool.private -= victim.private
-            victim.shared, victim.private, victim.computed, victim.registered = [], 0, 0, False
-            victim.admitted = False
-            victim.preemptions += 1
-            preemptions += 1
-            waiting.insert(0, victim)
-
-        for r in running:
-            if r not in running or budget == 0:
+    def _continue_running(self, plan: list[tuple[_Request, int]], budget: int) -> int:
+        """The running requests' next tokens into ``plan``, preempting the latest for blocks; the budget left."""
+        for r in self.running:  # (a preemption removes from the list iterated: as vLLM's loop over its queue)
+            if r not in self.running or budget == 0:
                 continue
             n = min(r.target - r.computed, budget) if r.computed < r.target else 1
-            need = blocks_for(r.computed + n) - len(r.shared) - r.private
-            while need > 0 and not pool.allocate(need):
-                victim = running[-1]
-                preempt(victim)
+            need = self._blocks(r.computed + n) - len(r.shared) - r.private
+            while need > 0 and not self.pool.allocate(need):
+                victim = self.running[-1]
+                self._preempt(victim)
                 if victim is r:
                     break
-            if r not in running:
+            if r not in self.running:
                 continue
             r.private += max(need, 0)
             plan.append((r, n))
             budget -= n
-        while waiting and budget > 0 and len(running) < engine.max_num_seqs and not preempted_now:
-            r = waiting[0]
-            limit = (r.target - 1) // bt  # the last token is always computed
-            hit = pool.hit(r.blocks, limit)
-            sources: list[tuple[str, int]] = []
-            if dram is not None and tiers is not None:
-                # kvtier's lookup counts the chunks it holds from the first one; it loads those past the
-                # engine's hit.
-                j = 0
-                while j < min(len(r.blocks), limit):
-                    block = r.blocks[j]
-                    where = "dram" if block in dram.resident else next(
-                        (name for name, cache in tiers if block in cache.resident
-                         or (name == shared and elsewhere is not None
-                             and elsewhere.get(block, never)[0] <= now < elsewhere.get(block, never)[1])),
-                        None)
-                    if where is None:
-                        break
-                    if j >= hit:
-                        sources.append((where, block))
-                    j += 1
-            done = (hit + len(sources)) * bt
-            n = min(r.target - done, budget)
-            need = blocks_for(done + n) - hit
-            pool.take(list(r.blocks[:hit]))  # the hit blocks are held first: allocating cannot evict them
-            if not pool.allocate(need):
-                pool.release(list(r.blocks[:hit])[::-1])
+        return budget
+
+    def _preempt(self, victim: _Request) -> None:
+        self.preempted_now = True
+        self.running.remove(victim)
+        self.pool.release(victim.shared[::-1])
+        self.pool.private -= victim.private
+        victim.shared, victim.private, victim.computed, victim.registered = [], 0, 0, False
+        victim.admitted = False
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.insert(0, victim)
+
+    def _admit(self, r: _Request, budget: int) -> int | None:
+        """Admit the first waiting request ``r`` with its engine hit and kvtier's loads; its tokens this step, or
+        None when its blocks do not fit (it stays waiting)."""
+        bt = self.bt
+        limit = (r.target - 1) // bt  # the last token is always computed
+        hit = self.pool.hit(r.blocks, limit)
+        sources = self._sources(r, hit, limit)
+        done = (hit + len(sources)) * bt
+        n = min(r.target - done, budget)
+        need = self._blocks(done + n) - hit
+        self.pool.take(list(r.blocks[:hit]))  # the hit blocks are held first: allocating cannot evict them
+        if not self.pool.allocate(need):
+            self.pool.release(list(r.blocks[:hit])[::-1])
+            return None
+        self.waiting.pop(0)
+        r.shared, r.private, r.computed = list(r.blocks[:hit]), need, done
+        if not r.admitted and r.preemptions == 0:
+            r.engine_hit = hit * bt
+        r.admitted = True
+        self._load(r, sources, hit)
+        self.running.append(r)
+        return n
+
+    def _sources(self, r: _Request, hit: int, limit: int) -> list[tuple[str, int]]:
+        """Where kvtier loads ``r``'s blocks from, past the engine's ``hit``: its lookup counts the chunks it holds
+        from the first one."""
+        sources: list[tuple[str, int]] = []
+        if self.dram is None or self.tiers is None:
+            return sources
+        for j in range(min(len(r.blocks), limit)):
+            block = r.blocks[j]
+            where = "dram" if block in self.dram.resident else next(
+                (name for name, cache in self.tiers if block in cache.resident or self._elsewhere(name, block)), None)
+            if where is None:
                 break
-            waiting.pop(0)
-            r.shared, r.private, r.computed = list(r.blocks[:hit]), need, done
-            if not r.admitted and r.preemptions == 0:
-                r.engine_hit = hit * bt
-            r.admitted = True
-            per_tier: dict[str, list[int]] = {}
-            for where, block in sources:
-                per_tier.setdefault(where, []).append(block)
-            for where, blocks in per_tier.items():
-                latency, bandwidth = costs.load[where]
-                size = len(blocks) * chunk_bytes
-                load_s += latency + size / bandwidth
-                loaded_bytes[where] = loaded_bytes.get(where, 0) + size
-                r.loaded[where] = r.loaded.get(where, 0) + len(blocks) * bt
-            if dram is not None and tiers is not None and sources:
-                dram.touch([b for w, b in sources if w == "dram"])
-                for name, cache in tiers:
-                    cache.touch([b for w, b in sources if w == name])
-                promoted = {b for w, b in sources if w != "dram"}  # into DRAM, each under its own parent
-                if promoted:
-                    dram.put(r.blocks, start=hit, only=promoted)
-            running.append(r)
-            plan.append((r, n))
-            budget -= n
-        if not plan:  # nothing running and the next waiting request does not fit yet: it never will by waiting
-            assert not running and upcoming is not None, "a fitting request could not be scheduled on an idle engine"
-            now = upcoming.arrival
-            continue
+            if j >= hit:
+                sources.append((where, block))
+        return sources
+
+    def _elsewhere(self, name: str, block: int) -> bool:
+        """Whether another engine's write of ``block`` is in the shared tier ``name`` now."""
+        if name != self.shared or self.elsewhere is None:
+            return False
+        held = self.elsewhere.get(block, _NEVER)
+        return held[0] <= self.now < held[1]
+
+    def _load(self, r: _Request, sources: list[tuple[str, int]], hit: int) -> None:
+        """Time and count ``r``'s loads, a tier's blocks at a time; the loaded blocks are touched, and those read
+        from a tier promoted into DRAM."""
+        per_tier: dict[str, list[int]] = {}
+        for where, block in sources:
+            per_tier.setdefault(where, []).append(block)
+        for where, blocks in per_tier.items():
+            latency, bandwidth = self.costs.load[where]
+            size = len(blocks) * self.chunk_bytes
+            self.load_s += latency + size / bandwidth
+            self.loaded_bytes[where] = self.loaded_bytes.get(where, 0) + size
+            r.loaded[where] = r.loaded.get(where, 0) + len(blocks) * self.bt
+        if self.dram is not None and self.tiers is not None and sources:
+            self.dram.touch([b for w, b in sources if w == "dram"])
+            for name, cache in self.tiers:
+                cache.touch([b for w, b in sources if w == name])
+            promoted = {b for w, b in sources if w != "dram"}  # into DRAM, each under its own parent
+            if promoted:
+                self.dram.put(r.blocks, start=hit, only=promoted)
+
+    # -- running a step ----------------------------------------------------------------------------------------
+    def _step(self, plan: list[tuple[_Request, int]]) -> None:
+        """Time the planned step (its chunks, decodes, loads and DRAM copies), then advance the clock and every
+        request in it."""
+        costs = self.costs
         prefills = [(r, n) for r, n in plan if r.computed < r.target]
-        prefilled += sum(n for _, n in prefills)
+        self.prefilled += sum(n for _, n in prefills)
         decodes = len(plan) - len(prefills)
         step = (costs.a + sum(costs.chunk(n, r.computed) for r, n in prefills) + costs.d1 * decodes
-                if prefills else costs.d0 + costs.d1 * decodes) + load_s
-        finished_prefill = [r for r, n in prefills if r.computed + n >= r.target]
-        if dram is not None and tiers is not None:
-            for r in finished_prefill:
-                if r.generated == 0:
-                    # The worker stores from the first chunk DRAM does not hold (its leading run untouched).
-                    new = dram.put(r.blocks, start=dram.run(r.blocks))
-                    stored_bytes["dram"] = stored_bytes.get("dram", 0) + len(new) * chunk_bytes
-                    step += len(new) * chunk_bytes / costs.dram_store_bytes_per_s
-                    for name, cache in tiers:
-                        written = cache.put(new)
-                        stored_bytes[name] = stored_bytes.get(name, 0) + len(written) * chunk_bytes
-                        if name == shared and store_log is not None:
-                            written_at = now + step + len(written) * chunk_bytes / costs.store.get(name, float("inf"))
-                            for block in written:
-                                store_log.setdefault(block, written_at)
-                        if costs.shared_cpu and name in costs.store:
-                            background += len(written) * chunk_bytes / costs.store[name]
-        now += step + owed  # the background writes queued before this step ran on the engine's cores during it
-        owed, background = background, 0.0
-        steps += 1
+                if prefills else costs.d0 + costs.d1 * decodes) + self.load_s
+        step = self._store([r for r, n in prefills if r.computed + n >= r.target], step)
+        # the background writes queued before this step ran on the engine's cores during it
+        self.now += step + self.owed
+        self.owed, self.background = self.background, 0.0
+        self.steps += 1
         for r, n in plan:
+            self._advance(r, n)
+
+    def _store(self, finished_prefill: list[_Request], step: float) -> float:
+        """Put the whole blocks of the requests whose first prefill ends in this step into DRAM (their copies
+        lengthen the step) and every tier; the step's seconds with the copies."""
+        if self.dram is None or self.tiers is None:
+            return step
+        costs, chunk_bytes = self.costs, self.chunk_bytes
+        for r in finished_prefill:
+            if r.generated != 0:
+                continue
+            # The worker stores from the first chunk DRAM does not hold (its leading run untouched).
+            new = self.dram.put(r.blocks, start=self.dram.run(r.blocks))
+            self.stored_bytes["dram"] = self.stored_bytes.get("dram", 0) + len(new) * chunk_bytes
+            step += len(new) * chunk_bytes / costs.dram_store_bytes_per_s
+            for name, cache in self.tiers:
+                written = cache.put(new)
+                self.stored_bytes[name] = self.stored_bytes.get(name, 0) + len(written) * chunk_bytes
+                if name == self.shared and self.store_log is not None:
+                    written_at = self.now + step + len(written) * chunk_bytes / costs.store.get(name, float("inf"))
+                    for block in written:
+                        self.store_log.setdefault(block, written_at)
+                if costs.shared_cpu and name in costs.store:
+                    self.background += len(written) * chunk_bytes / costs.store[name]
+        return step
+
+    def _advance(self, r: _Request, n: int) -> None:
+        """``r`` after the step: its ``n`` tokens computed, an output token when it reached its target, and
+        released when it finished."""
+        if r.computed < r.target:
+            r.computed += n
             if r.computed < r.target:
-                r.computed += n
-                if r.computed < r.target:
-                    continue
-                if not r.registered:  # its whole prompt blocks join the prefix cache (a copy another
-                    own = [b for b in r.blocks if b not in r.shared]  # request cached meanwhile is freed)
-                    pool.private -= len(own)
-                    r.private -= len(own)
-                    pool.take(own)
-                    r.shared += own
-                    r.registered = True
-            else:
-                r.computed += 1
-            r.generated += 1
-            if r.ttft is None:
-                r.ttft = now - r.arrival
-            if r.generated >= r.output:
-                r.finish = now
-                running.remove(r)
-                pool.release(r.shared[::-1])  # tail first, as vLLM frees: the tail is evicted before the head
-                pool.private -= r.private
-                r.shared, r.private = [], 0
-    out = _summary(reqs, now, preemptions, steps, stored_bytes, loaded_bytes, costs, bt)
-    out["refused"] = len(trace.requests) - len(fits)
-    out["prefilled_tokens"] = prefilled
-    return out
+                return
+            if not r.registered:  # its whole prompt blocks join the prefix cache (a copy another
+                own = [b for b in r.blocks if b not in r.shared]  # request cached meanwhile is freed)
+                self.pool.private -= len(own)
+                r.private -= len(own)
+                self.pool.take(own)
+                r.shared += own
+                r.registered = True
+        else:
+            r.computed += 1
+        r.generated += 1
+        if r.ttft is None:
+            r.ttft = self.now - r.arrival
+        if r.generated >= r.output:
+            r.finish = self.now
+            self.running.remove(r)
+            self.pool.release(r.shared[::-1])  # tail first, as vLLM frees: the tail is evicted before the head
+            self.pool.private -= r.private
+            r.shared, r.private = [], 0
 
 
 def _summary(reqs: list[_Request], end: float, preemptions: int, steps: int, stored: dict[str, int],
