@@ -262,7 +262,7 @@ def test_a_keyring_that_lost_its_pepper_is_refused_and_engines_log_one_naming_fi
         caplog.clear()
         with caplog.at_level("INFO", logger="kvtier.sealing"), KVStore.from_config(_sealed(tmp_path)) as store:
             store.put(tenant, tokens, synthetic_kv(tokens))
-            key = store._name_key
+            key = store._tenancy.name_key
         (line,) = [r.getMessage() for r in caplog.records if "naming key fingerprint" in r.getMessage()]
         assert key.hex() not in line and key.hex()[:8] not in line
         fingerprints.append(line.rsplit(" ", 1)[-1])

@@ -425,7 +425,7 @@ def test_forget_is_taken_up_again_after_a_crash_at_any_step(tmp_path: Path, monk
 
         monkeypatch.setattr(os, "unlink", crash)
         if crash_at == "tiers":
-            monkeypatch.setattr("kvtier.keycmds._remove", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+            monkeypatch.setattr("kvtier.cli.encryption._remove", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
         with pytest.raises(KeyboardInterrupt):
             main(["tenant", "forget", "c", "--config", str(path)])
         monkeypatch.undo()
@@ -444,7 +444,7 @@ def test_a_tenant_forgotten_while_a_put_runs_leaves_nothing_in_dram(tmp_path: Pa
 
         def source(first: int, dst: torch.Tensor) -> None:  # the forget lands while the put copies
             os.unlink(tmp_path / "keyring" / keyring.tenant_id("r"))
-            store._sealer.check_forgotten()
+            store._tenancy.sealer.check_forgotten()
             dst.copy_(kv[:, :, :, first * T:(first + dst.shape[0]) * T].unflatten(3, (dst.shape[0], T))
                       .permute(3, 0, 1, 2, 4, 5))
 
@@ -496,8 +496,8 @@ def test_the_keyring_watch_survives_a_failed_check(tmp_path: Path, monkeypatch: 
 
 def test_no_key_material_in_reprs(tmp_path: Path) -> None:
     with KVStore.from_config(config(tmp_path)) as store:
-        tenant = store._sealer.register(ns("r"))
-        text = repr(tenant) + repr(store._sealer.config)
+        tenant = store._tenancy.sealer.register(ns("r"))
+        text = repr(tenant) + repr(store._tenancy.sealer.config)
         for _kid, key in tenant.keys:
             assert key.hex() not in text and repr(key) not in text
         assert tenant.secret.hex() not in text and repr(tenant.secret) not in text
@@ -540,14 +540,14 @@ def test_a_fault_among_shards_read_ahead_and_decrypted_leaks_nothing(tmp_path: P
         # past the fault; unreadable: chunk 2, dropped as the disk rests): its entry must stay reserved until then
         # (pages given back while a thread writes into them would be reused).
         held, release = keys[4 if fault == "altered" else 2], threading.Event()
-        read_into = store._read_into
+        read_into = store._reads.shards.read_into
 
         def slow(tier, key, entry, *args):
             if key == held:
                 release.wait(10)
             return read_into(tier, key, entry, *args)
 
-        monkeypatch.setattr(store, "_read_into", slow)
+        monkeypatch.setattr(store._reads.shards, "read_into", slow)
         got = torch.zeros_like(kv)
 
         def sink(first: int, chunks: torch.Tensor) -> None:
@@ -628,7 +628,7 @@ def test_a_forget_noticed_while_a_read_promotes_leaves_nothing_served(tmp_path: 
         store.put(ns("p"), tokens, kv)
         cold(store)
         decrypted, release = threading.Event(), threading.Event()
-        read_into = store._read_into
+        read_into = store._reads.shards.read_into
 
         def held(tier, key, entry, *args):
             created = read_into(tier, key, entry, *args)
@@ -636,7 +636,7 @@ def test_a_forget_noticed_while_a_read_promotes_leaves_nothing_served(tmp_path: 
             release.wait(10)
             return created
 
-        monkeypatch.setattr(store, "_read_into", held)
+        monkeypatch.setattr(store._reads.shards, "read_into", held)
         got: list[torch.Tensor | None] = []
         reader = threading.Thread(target=lambda: got.append(store.get(ns("p"), tokens)))
         reader.start()
@@ -644,7 +644,7 @@ def test_a_forget_noticed_while_a_read_promotes_leaves_nothing_served(tmp_path: 
             assert decrypted.wait(10)
             keyring = Keyring(str(tmp_path / "keyring"))
             keyring.forget(keyring.tenant_id("p"))
-            store._sealer.check_forgotten()  # the watch's tick: its DRAM purge runs before the commit
+            store._tenancy.sealer.check_forgotten()  # the watch's tick: its DRAM purge runs before the commit
         finally:
             release.set()
             reader.join(10)
@@ -674,7 +674,7 @@ def test_an_unreadable_secret_fails_closed_for_its_tenant_only(tmp_path: Path,
 
         monkeypatch.setattr(Keyring, "secret", flaky)
         keyring.forget(keyring.tenant_id("gone"))
-        store._sealer.check_forgotten()
+        store._tenancy.sealer.check_forgotten()
         assert store.get(ns("gone"), tokens) is None  # the check went on past the unreadable secret
         assert store.get(ns("eio"), tokens) is None  # and did not keep serving the tenant it could not check
         assert store.stats()["_store"]["keyring_errors_total"] >= 1
@@ -703,7 +703,7 @@ def test_a_secret_missing_at_one_tick_and_back_unchanged_serves_its_tenant_again
             monkeypatch.setattr(Keyring, "secret", short)
         else:
             monkeypatch.setattr(Keyring, "_read", lambda self, name: None)  # every file gone, the pepper too
-        store._sealer.check_forgotten()
+        store._tenancy.sealer.check_forgotten()
         monkeypatch.undo()
         assert store.put(ns("acme"), tokens, kv) == 2 * T
         assert torch.equal(store.get(ns("acme"), tokens), kv)
@@ -719,7 +719,7 @@ def test_a_secret_read_before_a_forget_was_noticed_does_not_unmark_it(tmp_path: 
     tokens = synthetic_tokens(32, 2 * T)
     kv = synthetic_kv(tokens)
     with KVStore.from_config(config(tmp_path, refresh=3600)) as store:
-        sealer, real = store._sealer, Keyring.secret
+        sealer, real = store._tenancy.sealer, Keyring.secret
         armed = [True]
 
         def racing(self, tenant, create):

@@ -16,6 +16,8 @@ import torch
 from kvtier import KVStore, chunk_keys, frame, load_config
 from kvtier.errors import ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
+from kvtier.store import prefetch
+from kvtier.store.prefetch import Prefetch
 from kvtier.testing import synthetic_kv, synthetic_tokens
 from kvtier.tiers.base import Buffer, StoredObject, Tier
 from tests.conftest import NS
@@ -296,7 +298,7 @@ def test_queued_bytes_are_bounded_per_tier() -> None:
     tokens = synthetic_tokens(10, 8 * T)  # 8 chunks of 4 KiB
     with open_store(tier, queue_depth=64, queue_bytes="12KiB") as store:
         store.put(NS, tokens, synthetic_kv(tokens))
-        writer = store._writers[0]
+        writer = store._writes.writers[0]
         assert writer.queued_bytes <= 12 * 1024
         dropped = store.stats()["gated"]["dropped_writes_total{reason=queue_full}"]
         assert dropped >= 4  # one in the stalled put, at most three queued: the rest dropped, not pinned
@@ -538,14 +540,14 @@ def test_read_ahead_holds_at_most_its_bound_of_fetched_shards(monkeypatch: pytes
     tier = SlowTier(0.0)
     tokens, kv = stored(tier, 4, 16)
     held: list[int] = []
-    real = store_module.KVStore._read_ahead
+    real = Prefetch.read_ahead
 
-    def watched(self: KVStore, read: object) -> None:
+    def watched(self: Prefetch, read: object) -> None:
         real(self, read)
         time.sleep(0.002)  # the reads run ahead meanwhile
         held.append(len(read.started))  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(store_module.KVStore, "_read_ahead", watched)
+    monkeypatch.setattr(Prefetch, "read_ahead", watched)
     with open_store(tier, dram="16MiB") as fresh:
         assert torch.equal(fresh.get(NS, tokens), kv)
     assert held and max(held) == store_module.READ_AHEAD
@@ -584,7 +586,6 @@ def test_a_tier_that_batches_reads_gets_a_loads_shards_in_batches_straight_into_
     caller's), at most _BATCH a batch, the batches overlapping, the KV exact. A miss in a batch ends the load
     there; a corrupt answer is counted and removed; a batch that raises a tier error rests the tier. Nothing is
     left reserved."""
-    from kvtier import store as store_module
 
     tier = BatchTier(0.05)
     tokens, kv = stored(tier, 8, 20)
@@ -596,7 +597,7 @@ def test_a_tier_that_batches_reads_gets_a_loads_shards_in_batches_straight_into_
         assert fresh.load(NS, tokens, lambda first, got: loaded.append(got.clone()), **shape) == 20 * T
         took = time.monotonic() - start
         assert torch.equal(torch.cat(loaded).permute(1, 2, 3, 0, 4, 5).flatten(3, 4), kv)
-        assert sum(n for n, _ in tier.batches) == 20 and max(n for n, _ in tier.batches) == store_module._BATCH
+        assert sum(n for n, _ in tier.batches) == 20 and max(n for n, _ in tier.batches) == prefetch._BATCH
         assert all(name.startswith("kvtier-read") for _, name in tier.batches), tier.batches
         assert "get" not in tier.calls and tier.calls["heads"] == 1
         assert took < 5 * 0.05 * 0.8  # 5 batches one after another would take 0.25 s
@@ -641,9 +642,8 @@ def test_close_leaves_a_tier_open_while_a_batched_read_is_still_in_it(monkeypatc
     """A batch stuck in the tier (native code writing into DRAM pages, for Mooncake) when the store closes: close
     waits its bound, then leaves that tier open rather than closing it under the read; a tier with no read in
     it is closed."""
-    from kvtier import store as store_module
 
-    monkeypatch.setattr(store_module, "_CLOSE_WAIT", 0.2)
+    monkeypatch.setattr(prefetch, "CLOSE_WAIT", 0.2)
     tier = BatchTier(0.0)
     tokens, kv = stored(tier, 14, 8)
     tier.gate = threading.Event()

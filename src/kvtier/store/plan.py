@@ -1,6 +1,6 @@
-"""The records of one read from the store (:class:`~kvtier.store.KVStore`'s ``get`` and ``load``): what it
-expects, what each tier said it holds, the shard reads started ahead, and where each chunk's heads come from.
-Plain data, used by the store in the caller's process."""
+"""The plan of one read from the store (:class:`~kvtier.store.KVStore`'s ``get`` and ``load``): what it expects,
+what each tier said it holds, the shard reads started ahead, and where each chunk's heads come from. Plain named
+types and pure functions over them (no I/O), used by the store's parts in the caller's process."""
 
 from __future__ import annotations
 
@@ -12,15 +12,11 @@ import torch
 
 from kvtier import frame
 from kvtier.dram import DramEntry
-from kvtier.keys import HeadRange, ShardKey, cover
-from kvtier.tiers.base import Tier
+from kvtier.keys import HeadRange, ShardKey, cover, rank_heads
+from kvtier.store.guard import GuardedTier
 
 if TYPE_CHECKING:
     from kvtier.sealing import Tenant
-
-
-def valid_range(rng: object) -> bool:
-    return isinstance(rng, HeadRange) and 0 <= rng.start < rng.stop <= rng.total
 
 
 def full_cover(ranges: list[HeadRange], kv_heads: int | None = None) -> bool:
@@ -86,7 +82,7 @@ class Read:
     tp_size: int
     kv_heads: int | None
     shape: Shape | None  # None until the first shard read fixes it
-    tiers: list[Tier]  # the secondary tiers it may read (e.g. only the local ones)
+    tiers: list[GuardedTier]  # the secondary tiers it may read (e.g. only the local ones)
     allowed: frozenset[str] | None = None  # the tiers its namespace's KV may reach (placement); None: all
     tenant: Tenant | None = None  # encrypted stores: its tenant when it began (what it promotes after a forget goes)
     owner: bytes | None = None  # the owner its DRAM entries must have (kvtier.dram): that tenant's key id
@@ -94,7 +90,7 @@ class Read:
     # What each tier said it holds of the chunks DRAM lacks (one batched question per tier and read; a re-plan
     # after a failed piece asks again), and the shard reads planned from it, in order, started READ_AHEAD ahead.
     heads: dict[str, dict[str, list[HeadRange]]] = dataclasses.field(default_factory=dict)
-    ahead: list[tuple[Tier, ShardKey, str | None]] = dataclasses.field(default_factory=list)  # and its parent
+    ahead: list[tuple[GuardedTier, ShardKey, str | None]] = dataclasses.field(default_factory=list)  # + parent
     started: dict[tuple[str, ShardKey], Future[Fetched] | Filling] = dataclasses.field(default_factory=dict)
 
     def admit(self, meta: frame.ShardMeta, chunk_tokens: int) -> bool:
@@ -104,3 +100,21 @@ class Read:
         if self.shape is None:
             self.shape = Shape.of(meta)
         return Shape.of(meta) == self.shape
+
+
+HeadPlan = list[tuple[HeadRange, int, int]]  # each range used, and the heads [a, b) taken from it (keys.cover)
+
+
+def plan_heads(read: Read, ranges: list[HeadRange]) -> tuple[HeadRange, HeadPlan] | None:
+    """This rank's heads and the ranges that cover them. Without ``kv_heads``, each head count recorded for
+    the chunk is tried in turn (a tier may hold shards that claim another count)."""
+    totals = [read.kv_heads] if read.kv_heads is not None else sorted({r.total for r in ranges})
+    for total in totals:
+        try:
+            want = rank_heads(total, read.tp_rank, read.tp_size)
+        except ValueError:
+            continue
+        plan = cover([r for r in ranges if r.total == total], want.start, want.stop)
+        if plan is not None:
+            return want, plan
+    return None
