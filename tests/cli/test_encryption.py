@@ -1,6 +1,6 @@
-"""The key commands (:mod:`kvtier.keycmds`) against what runs beside them: a forget removes what an engine wrote
-during its wait, a rekey never writes back an object deleted while it ran, the tenant of requests without a salt
-can be forgotten, and a repeated forget is told apart from a mistyped salt."""
+"""The encryption key commands (:mod:`kvtier.cli.encryption`) against what runs beside them: a forget removes
+what an engine wrote during its wait, a rekey never writes back an object deleted while it ran, the tenant of
+requests without a salt can be forgotten, and a repeated forget is told apart from a mistyped salt."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
-from kvtier import KVStore, keycmds
-from kvtier.cli import main
+from kvtier import KVStore
+from kvtier.cli import encryption, main
 from kvtier.config import load_config
 from kvtier.sealing import Keyring, Sealer
 from kvtier.store import open_tiers
@@ -44,7 +44,7 @@ def test_a_forget_removes_what_an_engine_wrote_during_its_wait(tmp_path: Path, m
             engine.put(ns("w"), later, synthetic_kv(later))
             engine.flush()
 
-        monkeypatch.setattr(keycmds, "time", types.SimpleNamespace(sleep=during_the_wait))
+        monkeypatch.setattr(encryption, "time", types.SimpleNamespace(sleep=during_the_wait))
         assert main(["tenant", "forget", "w", "--config", path]) == 0
         assert "removed 4 objects" in capsys.readouterr().out
     assert len(objects(tmp_path)) == 2 and {namespace(p) for p in objects(tmp_path)} == kept

@@ -1,5 +1,5 @@
-"""The commands that handle keys (:mod:`kvtier.sealing`): a new master key, re-sealing every object under the
-current key after a rotation, and forgetting a tenant.
+"""The commands that handle encryption keys (:mod:`kvtier.sealing`): a new master key, re-sealing every object
+under the current key after a rotation, and forgetting a tenant.
 
     kvtier keygen FILE
     kvtier cache rekey     --config FILE [--tier NAME]
@@ -18,25 +18,15 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from kvtier import frame
-from kvtier._cachecmds import open_audit, remove_objects, remove_records
-from kvtier.errors import ConfigError, TierError
+from kvtier.cli._common import on_tiers, open_audit, refuse, remove_objects, remove_records, sealer_for
+from kvtier.errors import TierError
 from kvtier.store import open_tiers
 from kvtier.tiers.base import Tier
 
 if TYPE_CHECKING:
+    from kvtier.audit import AuditLog
+    from kvtier.cli._common import Subcommands
     from kvtier.sealing import Sealer
-
-
-def sealer_for(args: argparse.Namespace, command: str) -> Sealer:
-    """The config's sealer, with every tenant of its keyring attached (a command meets namespaces, not salts)."""
-    from kvtier.sealing import Sealer
-
-    config = args.store_config.encryption
-    if config is None:
-        raise ConfigError(f"encryption: not set in this config; `{command}` needs the master key and the keyring")
-    sealer = Sealer(config, create=False)
-    sealer.load_keyring()
-    return sealer
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -45,11 +35,9 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     try:
         write_key_file(args.file)
     except FileExistsError:
-        print(f"kvtier: {args.file} exists; a key file is never overwritten", file=sys.stderr)
-        return 2
+        return refuse(f"{args.file} exists; a key file is never overwritten")
     except OSError as exc:
-        print(f"kvtier: cannot write {args.file}: {exc.strerror}", file=sys.stderr)
-        return 2
+        return refuse(f"cannot write {args.file}: {exc.strerror}")
     print(f"wrote a new 256-bit key to {args.file} (mode 0600); name it in the config as "
           f"`encryption: {{key: file:{args.file}}}`")
     return 0
@@ -126,9 +114,8 @@ def cmd_forget(tiers: list[Tier], args: argparse.Namespace) -> int:
     processes to drop the keys they derived, then remove its objects from every tier that can list them, as
     listed after the wait (a process that had not noticed yet may have written more meanwhile)."""
     if (args.salt is None) == (not args.unsalted):
-        print("kvtier: tenant forget: give the tenant's SALT (or - to read it from standard input), or --unsalted "
-              "for the requests without a salt; not both", file=sys.stderr)
-        return 2
+        return refuse("tenant forget: give the tenant's SALT (or - to read it from standard input), or --unsalted for "
+                      "the requests without a salt; not both")
     sealer = sealer_for(args, "kvtier tenant forget")
     try:
         audit = open_audit(args)
@@ -171,7 +158,7 @@ def _nothing_to_forget(forgotten_at: float | None, tenant: str) -> int:
     return 1
 
 
-def _remove(tier: Tier, namespaces: list[str], tenant: str, audit) -> int:
+def _remove(tier: Tier, namespaces: list[str], tenant: str, audit: AuditLog | None) -> int:
     """Remove the tenant's objects from one tier (as a purge does, recorded as ``forget-remove``); 1 if the tier
     could not list or delete them (they stay, and no key opens them)."""
     try:
@@ -182,11 +169,11 @@ def _remove(tier: Tier, namespaces: list[str], tenant: str, audit) -> int:
         return _cannot(tier, exc)
     try:
         remove_objects(tier, objects, audit, "forget-remove", {"tenant": tenant})
-    except TierError as exc:  # recorded as failed part-way by _remove_objects
+    except TierError as exc:  # recorded as failed part-way by remove_objects
         return _cannot(tier, exc)
     try:
         remove_records(tier, namespaces, audit, "forget-remove", {"tenant": tenant})
-    except TierError as exc:  # recorded as failed by _remove_records
+    except TierError as exc:  # recorded as failed by remove_records
         print(f"tier {tier.name}: removed the objects, but not every record naming the tenant's namespaces ({exc}); "
               "run the command again to retry")
         return 1
@@ -199,16 +186,18 @@ def _cannot(tier: Tier, exc: TierError) -> int:
     return 1
 
 
-def add_commands(top: argparse._SubParsersAction, cache: argparse._SubParsersAction) -> None:
-    """``kvtier keygen``, ``kvtier cache rekey`` and ``kvtier tenant forget``."""
+def register(top: Subcommands, cache: Subcommands) -> None:
+    """``kvtier keygen`` and ``kvtier tenant forget`` on ``top``, ``kvtier cache rekey`` on ``cache``."""
     keygen = top.add_parser("keygen", help="write a new random 256-bit master key to a new file (mode 0600)")
     keygen.add_argument("file", help="the key file to create (never overwritten)")
+    keygen.set_defaults(run=cmd_keygen)
     rekey = cache.add_parser("rekey", help="seal every object under its tenant's current key (after a master key "
                                            "rotation); safe while engines serve")
     rekey.add_argument("--config", required=True, help="store config (YAML) with an encryption section")
     rekey.add_argument("--tier", help="only this tier (by name)")
     rekey.set_defaults(func=cmd_rekey)
     tenant = top.add_parser("tenant", help="per-tenant operations on stored KV")
+    tenant.set_defaults(run=on_tiers)
     tenant_sub = tenant.add_subparsers(dest="command", required=True)
     forget = tenant_sub.add_parser("forget", help="destroy a tenant's key (its KV becomes unreadable on every "
                                                   "tier at once), then remove its objects where tiers can list")
@@ -219,4 +208,3 @@ def add_commands(top: argparse._SubParsersAction, cache: argparse._SubParsersAct
                                                                 "cache_salt")
     forget.add_argument("--config", required=True, help="store config (YAML) with an encryption section")
     forget.set_defaults(func=cmd_forget, tier=None)
-
