@@ -579,7 +579,7 @@ def test_a_forget_drops_dram_of_a_tenant_pushed_out_of_the_key_cache(tmp_path: P
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A client sending requests under many salts pushes a tenant out of the process's bounded key cache (shrunk
     here): the keyring watch no longer checks it, yet once it is forgotten its DRAM entries are never served."""
-    monkeypatch.setattr("kvtier.sealing._KEPT_TENANTS", 2)
+    monkeypatch.setattr("kvtier.sealing._sealer._KEPT_TENANTS", 2)
     tokens = synthetic_tokens(20, 2 * T)
     kv = synthetic_kv(tokens)
     cfg = config(tmp_path, refresh=0.05)

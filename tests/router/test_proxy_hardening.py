@@ -59,8 +59,8 @@ def test_the_routers_own_calls_carry_the_engines_key(monkeypatch):
     monkeypatch.setenv("KVTIER_TEST_ENGINE_KEY", KEY)
 
     async def main(url, engines, app):
-        assert app.base_models == {"m"}
-        await app._scrape("e0")
+        assert app.engines.base_models == {"m"}
+        await app.engines.scrape("e0")
         assert {path for path, _ in engines[0].own_calls} == {"/health", "/v1/models", "/metrics"}
         assert all(keyed for _, keyed in engines[0].own_calls) and engines[0].refused == 0
         await post(url, "ok x")
@@ -70,8 +70,8 @@ def test_the_routers_own_calls_carry_the_engines_key(monkeypatch):
 
 def test_without_the_key_models_are_refused_and_the_log_says_why(caplog):
     async def main(url, engines, app):
-        assert engines[0].refused == 1 and app.base_models == set()
-    with caplog.at_level(logging.WARNING, logger="kvtier.router.app"):
+        assert engines[0].refused == 1 and app.engines.base_models == set()
+    with caplog.at_level(logging.WARNING, logger="kvtier.router.engines"):
         run(main, n=1, engine_class=KeyedEngine)
     assert "HTTP 401 (engines started with --api-key need engine_api_key)" in caplog.text
 
@@ -86,7 +86,7 @@ def test_the_key_file_must_be_private(tmp_path):
         RouterApp(load_router_config(config), tokenizer=WordTokenizer())
     path.chmod(0o600)
     app = RouterApp(load_router_config(config), tokenizer=WordTokenizer())
-    assert app._own_headers == {"Authorization": f"Bearer {KEY}"}
+    assert app.engines.own_headers == {"Authorization": f"Bearer {KEY}"}
     assert KEY not in repr(app.config)
     with pytest.raises(ConfigError, match="engine_api_key: expected 'file:") as err:
         load_router_config({**config, "engine_api_key": KEY})

@@ -12,7 +12,7 @@ import time
 
 import aiohttp
 
-from kvtier.router.app import BUSY_PARSE_BYTES
+from kvtier.router.proxy import BUSY_PARSE_BYTES
 from tests.router.test_proxy import ScriptedEngine, WordTokenizer, post, run
 
 
@@ -186,7 +186,7 @@ def test_prompts_over_max_prompt_tokens_go_without_a_prediction_until_engines_sa
     tokenizer = CountingTokenizer()
 
     async def main(url, engines, app):
-        assert app.max_model_len is None
+        assert app.engines.max_model_len is None
         _, headers, _ = await post(url, "ok " + "w " * 8)
         assert headers["X-KVTier-Route-Reason"] == "no_prefix"
         _, headers, _ = await post(url, "ok " + "w " * 20)
@@ -200,7 +200,7 @@ def test_prompts_longer_than_max_model_len_go_without_a_prediction():
     tokenizer = CountingTokenizer()
 
     async def main(url, engines, app):
-        assert app.max_model_len == 16
+        assert app.engines.max_model_len == 16
         _, headers, _ = await post(url, "ok " + "w " * 8)
         assert headers["X-KVTier-Route-Reason"] == "no_prefix" and tokenizer.calls == 1
         status, headers, _ = await post(url, "ok " + "w " * 20)  # 21 tokens
