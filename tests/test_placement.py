@@ -124,7 +124,7 @@ def test_a_share_is_named_by_what_its_rule_matches_not_by_its_place(tmp_path: Pa
     """A rule inserted above another (or a quota raised) keeps each tenant in its own share: the disk's share
     ledgers outlive the config, and naming a share by its rule's position once made tenant B's puts evict tenant
     A's files, A being within its own quota."""
-    from kvtier.tiers import _shares as tier_shares
+    from kvtier import quotas as tier_shares
 
     monkeypatch.setattr(tier_shares, "RECENT_SECONDS", 0.0)  # any file of a share past its quota may go
 
@@ -137,11 +137,11 @@ def test_a_share_is_named_by_what_its_rule_matches_not_by_its_place(tmp_path: Pa
             tokens = synthetic_tokens(60 + i, T)
             v1.put(ns("team-a"), tokens, synthetic_kv(tokens))
         v1.flush()
-        a_share = v1._placement.decide(ns("team-a")).share
+        a_share = v1._tenancy.placement.decide(ns("team-a")).share
     size = next((tmp_path / "disk").rglob("*.kv")).stat().st_size
     with store([{"salt": "team-b"}, {"salt": "team-a"}], 4 * size + size // 2) as v2:  # inserted above; quota cut
-        assert v2._placement.decide(ns("team-a")).share == a_share
-        assert v2._placement.decide(ns("team-b")).share != a_share
+        assert v2._tenancy.placement.decide(ns("team-a")).share == a_share
+        assert v2._tenancy.placement.decide(ns("team-b")).share != a_share
         for i in range(4):
             tokens = synthetic_tokens(70 + i, T)
             v2.put(ns("team-b"), tokens, synthetic_kv(tokens))

@@ -1,12 +1,10 @@
-"""The bounded map of recent keys and the change feed that the store, the DRAM pool and the integrations share."""
+"""The bounded map of recent keys that the store, the DRAM pool, placement and the integrations share."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtier.feed import ChangeFeed
 from kvtier.recent import RecentMap
-from kvtier.units import size_fixed, size_label
 
 
 def test_recent_map_keeps_the_newest_and_hands_the_oldest_to_on_drop() -> None:
@@ -25,26 +23,3 @@ def test_recent_map_keeps_the_newest_and_hands_the_oldest_to_on_drop() -> None:
     assert not recent
     with pytest.raises(ValueError, match="limit must be at least 1"):
         RecentMap(0)
-
-
-def test_change_feed_gives_each_reader_what_came_after_its_last_take() -> None:
-    feed: ChangeFeed[int] = ChangeFeed()
-    feed.publish(0)  # no reader yet: not recorded
-    first = feed.watch()
-    feed.publish(1)
-    second = feed.watch()
-    feed.publish(2)
-    assert feed.take(first) == [1, 2] and feed.take(first) == []
-    assert feed.take(second) == [2]
-
-
-@pytest.mark.parametrize(("n", "label", "exact", "fixed"), [
-    (0, "0 B", "0 B", "0 B"),
-    (812, "812 B", "812 B", "812 B"),
-    (1536, "1.5 KiB", "1.5 KiB", "1.5 KiB"),
-    (512 * 2**20, "512 MiB", "512 MiB", "512.0 MiB"),
-    (int(1.25 * 2**30), "1.25 GiB", "1.25 GiB", "1.2 GiB"),
-    (3 * 2**40, "3 TiB", "3 TiB", "3.0 TiB"),
-])
-def test_sizes_print_in_the_largest_binary_unit(n: int, label: str, exact: str, fixed: str) -> None:
-    assert (size_label(n), size_label(n, digits=None), size_fixed(n)) == (label, exact, fixed)

@@ -9,7 +9,7 @@ import torch
 
 from kvtier import KVStore, Namespace, TierError, chunk_keys, rank_heads
 from kvtier.testing import synthetic_kv, synthetic_tokens
-from kvtier.tiers._filesystem import FilesystemTier
+from kvtier.tiers.filesystem import FilesystemTier
 from tests.conftest import NS, store_config
 
 T = 16
@@ -298,7 +298,7 @@ class GatedTier(FilesystemTier):
 def gated_config(tmp_path: Path):
     GatedTier.GATE.clear()
     cfg = store_config(tmp_path / "fs")
-    cfg["tiers"][0].update(type="tests.test_store:GatedTier", name="filesystem")
+    cfg["tiers"][0].update(type="tests.store.test_kvstore:GatedTier", name="filesystem")
     yield cfg
     GatedTier.GATE.set()
 
