@@ -1,7 +1,8 @@
 """Configuration: a mapping or a YAML file, validated into frozen dataclasses.
 
-Every error is a :class:`ConfigError` that names the field (``tiers[0].capacity_bytes``) and what is allowed.
-Byte sizes accept integers or strings with a unit (``"512MiB"``, ``"4GB"``).
+Every error is a :class:`ConfigError` that names the field (``tiers[0].capacity_bytes``) and what is allowed: the
+fields are read by the one config field reader (:class:`FieldReader`, :func:`build_dataclass`, from
+:mod:`kvtier._config_values`). Byte sizes accept integers or strings with a unit (``"512MiB"``, ``"4GB"``).
 """
 
 from __future__ import annotations
@@ -10,17 +11,17 @@ import dataclasses
 import math
 import os
 import re
-import types
 import typing
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
 
 import yaml
 
-from kvtier._config_values import parse_size, shown
-from kvtier._config_values import redact as redact, redact_url as redact_url  # re-exported: part of this API
+from kvtier._config_values import CONFIG_FIELDS, shown, unknown_key
+from kvtier._config_values import (  # re-exported: part of this API
+    FieldReader as FieldReader, build_dataclass as build_dataclass, parse_size as parse_size, redact as redact,
+    redact_url as redact_url)
 from kvtier.errors import ConfigError
 from kvtier.placement import PlacementRule, parse_placement
 
@@ -47,84 +48,6 @@ def check_ttl(value: float | None, field: str) -> None:
     """A tier's ``ttl_seconds``: None (no limit) or a positive, finite number of seconds."""
     if value is not None and not (value > 0 and math.isfinite(value)):
         raise ConfigError(f"{field}.ttl_seconds: must be a positive number of seconds, got {value}")
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(tp: Any, value: object, field: str, size: bool) -> object:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, field, size)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{field}: expected {_describe(tp)}, got {shown(field, value)}")
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise ConfigError(f"{field}: expected {_describe(tp)}, got {shown(field, value)}")
-    if tp is int and size:
-        return parse_size(value, field)
-    if tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if tp is float and isinstance(value, str):
-        # YAML 1.1 reads 2e-5 (no dot) as a string: take it as the number it is meant to be
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"{field}: expected {_describe(tp)}, got {shown(field, value)}") from None
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):
-            raise ConfigError(f"{field}: must be a finite number, got {value!r}")
-        return float(value)
-    if tp in (str, bool) and isinstance(value, tp):
-        return value
-    raise ConfigError(f"{field}: expected {_describe(tp)}, got {shown(field, value)}")
-
-
-def build_dataclass(cls: type, data: object, field: str) -> Any:
-    """Validate ``data`` against the dataclass ``cls`` and return an instance.
-
-    Fields whose name ends in ``_bytes`` accept byte sizes with units. A dataclass may define
-    ``check(self, field)`` for cross-field rules; it raises :class:`ConfigError`.
-    """
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{field or 'config'}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(
-            f"{field + '.' if field else ''}{unknown[0]}: unknown key; allowed: {', '.join(sorted(fields))}"
-        )
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for name, f in fields.items():
-        path = f"{field}.{name}" if field else name
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{path}: required")
-            continue
-        kwargs[name] = _coerce(hints[name], data[name], path, size=name.endswith("_bytes"))
-    obj = cls(**kwargs)
-    check = getattr(obj, "check", None)
-    if check is not None:
-        check(field)
-    return obj
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +194,7 @@ def read_mapping(source: Mapping[str, object] | str | os.PathLike[str], what: st
         raise ConfigError(f"{what}: expected a mapping, got {type(raw).__name__}")
     unknown = sorted(map(str, set(raw) - set(allowed)))
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown key; allowed: {', '.join(allowed)}")
+        raise ConfigError(unknown_key("", unknown[0], allowed))
     return raw
 
 
@@ -283,7 +206,7 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
             raise ConfigError(f"no config given and ${CONFIG_ENV} is not set")
         cfg = env
     cfg = read_mapping(cfg, "config", _TOP_KEYS)
-    chunk_tokens = _coerce(int, cfg.get("chunk_tokens", 256), "chunk_tokens", size=False)
+    chunk_tokens = CONFIG_FIELDS.typed(int, cfg.get("chunk_tokens", 256), "chunk_tokens", size=False)
     assert isinstance(chunk_tokens, int)
     if not 1 <= chunk_tokens <= 2**20:
         raise ConfigError(f"chunk_tokens: must be an integer in [1, {2**20}], got {chunk_tokens}")
@@ -293,7 +216,7 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
         raise ConfigError(f"tiers: expected a list of tier mappings, got {type(raw_tiers).__name__}")
     seen: set[str] = set()
     tiers = tuple(_parse_tier(raw, i, seen) for i, raw in enumerate(raw_tiers))
-    metrics_port = _coerce(int | None, cfg.get("metrics_port"), "metrics_port", size=False)
+    metrics_port = CONFIG_FIELDS.typed(int | None, cfg.get("metrics_port"), "metrics_port", size=False)
     if metrics_port is not None and not 1 <= metrics_port <= 65535:  # type: ignore[operator]
         raise ConfigError(f"metrics_port: must be a TCP port in [1, 65535], got {metrics_port}")
     metrics_host = cfg.get("metrics_host", "127.0.0.1")

@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 
 from typing import TYPE_CHECKING
 
-from kvtier._config_values import parse_size
+from kvtier._config_values import parse_size, unknown_key
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def parse_placement(raw: object, tier_names: Sequence[str]) -> tuple[PlacementRu
             raise ConfigError(f"{field}: expected a mapping with 'tiers' and 'salt' or 'namespace'")
         unknown = sorted(map(str, set(item) - {"salt", "namespace", "tiers", "quota"}))
         if unknown:
-            raise ConfigError(f"{field}.{unknown[0]}: unknown key; allowed: namespace, quota, salt, tiers")
+            raise ConfigError(unknown_key(field, unknown[0], ("namespace", "quota", "salt", "tiers")))
         salt, namespace = item.get("salt"), item.get("namespace")
         if salt is None and namespace is None and i != len(raw) - 1:
             raise ConfigError(f"{field}: give 'salt' (a cache_salt glob) or 'namespace' (an id); only the last rule "

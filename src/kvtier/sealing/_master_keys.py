@@ -12,6 +12,7 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
+from kvtier._config_values import unknown_key
 from kvtier.errors import ConfigError
 from kvtier.registry import Registry
 
@@ -57,7 +58,7 @@ def parse_encryption(raw: object) -> EncryptionConfig | None:
     allowed = ("key", "keyring", "old_keys", "provider_options", "refresh_seconds")
     unknown = sorted(map(str, set(raw) - set(allowed)))
     if unknown:
-        raise ConfigError(f"encryption.{unknown[0]}: unknown key; allowed: {', '.join(allowed)}")
+        raise ConfigError(unknown_key("encryption", unknown[0], allowed))
     key = _check_source(raw.get("key"), "encryption.key")
     old = raw.get("old_keys", []) or []
     if not isinstance(old, list):

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.config import FieldReader
 from kvtier.errors import KVTierError
-from kvtier.sim.fields import Fields
 from kvtier.sim.trace import Request, Trace
 
 
@@ -48,7 +48,7 @@ class CardError(KVTierError, ValueError):
     """A workload card is malformed: the message names the field."""
 
 
-_F = Fields(CardError)
+_F = FieldReader(CardError)
 _TOP = ("requests", "seed", "arrival", "prompt_tokens", "output_tokens", "shared_prefix", "sessions", "tenants",
         "lora_adapters", "documents")
 _MAX_TOKENS = 1 << 20

@@ -37,13 +37,13 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.config import FieldReader
 from kvtier.errors import KVTierError
 from kvtier.eviction import POLICIES
 from kvtier.sim import breakeven
 from kvtier.sim.card import Card, Workload, generate
 from kvtier.sim.cache import infinite, lru_curve
 from kvtier.sim.deployment import ENGINE_KEYS, Deployment, EngineSpec, KVTierSpec, TierSpec, engine_spec, tier_specs
-from kvtier.sim.fields import Fields
 from kvtier.sim.timing import Costs, simulate
 from kvtier.sim.trace import Request, Trace
 
@@ -56,7 +56,7 @@ class FactsError(KVTierError, ValueError):
     """Deployment facts are malformed: the message names the field."""
 
 
-_F = Fields(FactsError)
+_F = FieldReader(FactsError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ def load_facts(source: str | Path | Mapping[str, Any]) -> Facts:
     if block is not None and block > engine.kv_tokens:
         raise FactsError(f"facts.block_tokens: {block} is more than the engine's KV space ({engine.kv_tokens} tokens)")
     return Facts(engine=engine, engines=_F.int(top, "engines", "facts", default=1, maximum=4096), routing=routing,
-                 dram_bytes=_F.size(top, "dram_bytes", "facts", required=True),  # type: ignore[arg-type]
+                 dram_bytes=_F.size(top, "dram_bytes", "facts", required=True),
                  disk_bytes=disk, disk_tier=disk_tier, shared=shared, policy=policy, block_tokens=block)
 
 

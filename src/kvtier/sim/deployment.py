@@ -25,9 +25,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvtier.config import FieldReader
 from kvtier.errors import KVTierError
 from kvtier.eviction import POLICIES
-from kvtier.sim.fields import Fields
 
 
 class DeploymentError(KVTierError, ValueError):
@@ -83,7 +83,7 @@ def load_deployment(source: str | Path | Mapping[str, Any]) -> Deployment:
         page = _FIELDS.size(section, "page_bytes", "kvtier", required=False) or 2**20
         if page < 4096:
             raise DeploymentError(f"kvtier.page_bytes: must be at least 4096, got {page}")
-        kv = KVTierSpec(_FIELDS.size(section, "dram_bytes", "kvtier", required=True), policy,  # type: ignore[arg-type]
+        kv = KVTierSpec(_FIELDS.size(section, "dram_bytes", "kvtier", required=True), policy,
                         specs, page)
     scale = _FIELDS.number(top, "time_scale", "deployment", default=1.0, positive=True)
     return Deployment(spec, kv, scale)
@@ -92,7 +92,7 @@ def load_deployment(source: str | Path | Mapping[str, Any]) -> Deployment:
 ENGINE_KEYS = ("kv_tokens", "max_num_batched_tokens", "max_num_seqs", "prefix_caching", "block_size")
 
 
-def engine_spec(engine: Mapping[str, Any], field: str, fields: Fields | None = None) -> EngineSpec:
+def engine_spec(engine: Mapping[str, Any], field: str, fields: FieldReader | None = None) -> EngineSpec:
     """An ``engine`` section (``field`` names it in errors, raised through ``fields``)."""
     f = fields or _FIELDS
     return EngineSpec(
@@ -103,7 +103,7 @@ def engine_spec(engine: Mapping[str, Any], field: str, fields: Fields | None = N
         block_size=f.int(engine, "block_size", field, default=128, maximum=4096))
 
 
-def tier_specs(tiers: Any, field: str, fields: Fields | None = None) -> tuple[TierSpec, ...]:
+def tier_specs(tiers: Any, field: str, fields: FieldReader | None = None) -> tuple[TierSpec, ...]:
     """A list of ``{name, capacity_bytes}``: tiers of the calibration, in lookup order."""
     f = fields or _FIELDS
     if not isinstance(tiers, list):
@@ -119,4 +119,4 @@ def tier_specs(tiers: Any, field: str, fields: Fields | None = None) -> tuple[Ti
     return tuple(specs)
 
 
-_FIELDS = Fields(DeploymentError)
+_FIELDS = FieldReader(DeploymentError)
