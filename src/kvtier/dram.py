@@ -9,6 +9,9 @@ lock, then :meth:`DramPool.commit` makes it visible (or :meth:`DramPool.abort` f
 An entry may carry an owner (the key id of the tenant key it was stored under, :mod:`kvtier.sealing`) and an
 expiry (from its tiers' ``ttl_seconds``: see :mod:`kvtier.store`): a read names the owner it may be served under, and
 an entry of another owner, or past its expiry, is never served: it is discarded when found.
+
+Tenant shares (quotas) are counted by :mod:`kvtier.quotas.pool`, under the pool's lock; what becomes visible or
+goes is published to readers through a :class:`~kvtier.feed.ChangeFeed` (:meth:`DramPool.watch`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import bisect
 import dataclasses
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Literal
 
@@ -26,10 +28,11 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.eviction import EvictionPolicy
 from kvtier import frame
+from kvtier.feed import ChangeFeed
 from kvtier.frame import ShardMeta
 from kvtier.keys import HeadRange, ShardKey
-
-_SHARES_KEPT = 65536  # namespaces whose tenant share the pool remembers (set again on each put and read)
+from kvtier.quotas import Share
+from kvtier.quotas.pool import PoolShares
 
 Extent = tuple[int, int]  # (first page, page count)
 
@@ -166,12 +169,8 @@ class DramPool:
         self._pending: set[ShardKey] = set()
         self._by_key: dict[ShardKey, DramEntry] = {}
         self._idle_pages = 0  # pages of committed entries with no reference: what eviction could free
-        # Tenant shares (quotas): namespace -> (share, pages allowed), set by the store from its placement rules;
-        # per share, its committed entries least recently used first, and their pages.
-        self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()
-        self._share_lru: dict[str, OrderedDict[ShardKey, None]] = {}
-        self._share_pages: dict[str, int] = {}  # committed and reserved: what counts against the quota
-        self._watchers: list[list[tuple[ShardKey, bool]]] = []  # one (key, now visible?) list per watcher
+        self._shares = PoolShares(page_bytes)  # tenant shares (quotas), set by the store from its placement rules
+        self._changes: ChangeFeed[tuple[ShardKey, bool]] = ChangeFeed(self._lock)  # (key, now visible?)
 
     def allocate(self) -> None:
         """Allocate and touch the pool (done at start unless deferred: a process that only looks up, such as
@@ -233,62 +232,37 @@ class DramPool:
         if self._held_locked(key, meta, owner) is not False:
             return "present"
         need = -(-meta.nbytes // self.page_bytes)
-        share = self._share_of.get(key.namespace)
+        share = self._shares.of(key.namespace)
         if self._free.count + self._idle_pages < need or (share is not None and not self._fit_share(share, need)):
             return "full"  # even evicting every idle entry would not make room: evict nothing
         self._evict_until(need)
         extents = self._free.take(need)
         assert extents is not None, "free pages were counted"
         self._pending.add(key)
-        return self._entry(key, meta, parent, extents, share, owner)
-
-    def _entry(self, key: ShardKey, meta: ShardMeta, parent: str | None, extents: list[Extent],
-               share: tuple[str, int] | None, owner: bytes | None) -> DramEntry:
-        """A reserved entry; its pages count against its tenant's share from now (given back by abort)."""
-        entry = DramEntry(key, meta, parent, extents, share=None if share is None else share[0], owner=owner)
-        if entry.share is not None:
-            self._share_pages[entry.share] = self._share_pages.get(entry.share, 0) + entry.pages
+        entry = DramEntry(key, meta, parent, extents, share=None if share is None else share.name, owner=owner)
+        self._shares.charge(entry.share, entry.pages)  # from now (given back by abort)
         return entry
 
     # -- tenant shares -----------------------------------------------------------------------------------------
     def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
         """Count ``namespace``'s entries against the tenant share ``share`` of ``quota_bytes`` (None: no share).
-        Entries already held keep what they counted against."""
+        Entries already held keep what they counted against (:mod:`kvtier.quotas.pool`)."""
         with self._lock:
-            if share is None:
-                self._share_of.pop(namespace, None)
-                return
-            self._share_of[namespace] = (share, quota_bytes // self.page_bytes)
-            self._share_of.move_to_end(namespace)
-            while len(self._share_of) > _SHARES_KEPT:
-                self._share_of.popitem(last=False)
+            self._shares.set(namespace, share, quota_bytes)
 
     def share_bytes(self, share: str) -> int:
         with self._lock:
-            return self._share_pages.get(share, 0) * self.page_bytes
+            return self._shares.bytes(share)
 
-    def _fit_share(self, share: tuple[str, int], need: int, keep: set[ShardKey] | frozenset[ShardKey] = frozenset()) \
-            -> bool:
-        """Make room for ``need`` more pages inside a tenant's share (its reservations count) by evicting its own
-        least recently used idle entries, never those in ``keep`` (the chunks the same put found held): an isolated
-        LRU, a tenant over its share never evicts another's. False, evicting nothing, if that cannot."""
-        name, allowed = share
-        over = self._share_pages.get(name, 0) + need - allowed
-        if over <= 0:
-            return True
-        victims: list[DramEntry] = []
-        for key in self._share_lru.get(name, ()):  # oldest first, only as far as needed
-            entry = self._by_key[key]
-            if entry.refs == 0 and key not in keep:
-                victims.append(entry)
-                over -= entry.pages
-                if over <= 0:
-                    break
-        if over > 0:
-            return False
-        for entry in victims:
-            self._evict(entry)
-        return True
+    def _fit_share(self, share: Share, need: int, keep: set[ShardKey] | frozenset[ShardKey] = frozenset()) -> bool:
+        """Make room for ``need`` more pages inside a tenant's share by evicting its own least recently used idle
+        entries, never those in ``keep`` (the chunks the same put found held). False, evicting nothing, if that
+        cannot."""
+        found = self._shares.fit(share, need, lambda k: self._by_key[k].pages,
+                                 lambda k: self._by_key[k].refs == 0 and k not in keep)
+        for key in found or ():
+            self._evict(self._by_key[key])
+        return found is not None
 
     def _evict_until(self, free: int) -> None:
         while self._free.count < free:
@@ -321,14 +295,13 @@ class DramPool:
                 # Free plus idle pages is what evicting can reach; the pages of the new chunks before this one are
                 # still counted free (taken below), so this makes room for all of them, as reserve in turn would.
                 wanted = (len(fresh) + 1) * need
-                share = self._share_of.get(key.namespace)
+                share = self._shares.of(key.namespace)
                 # (the share counts this call's fresh chunks already: they are reserved below as each is admitted)
                 if self._free.count + self._idle_pages < wanted or (
                         share is not None and not self._fit_share(share, need, held)):
                     out.append("full")
                     break
-                if share is not None:
-                    self._share_pages[share[0]] = self._share_pages.get(share[0], 0) + need
+                self._shares.charge(None if share is None else share.name, need)
                 self._evict_until(wanted)
                 fresh[key] = len(out)
                 out.append("present")  # replaced by its entry below
@@ -337,8 +310,8 @@ class DramPool:
                 extents = [(run[0] + n * need, need)] if run is not None else self._free.take(need)
                 assert extents is not None, "free pages were counted"
                 self._pending.add(key)
-                share = self._share_of.get(key.namespace)  # counted against it in the loop above
-                out[i] = DramEntry(key, meta, chunks[i][1], extents, share=None if share is None else share[0],
+                share = self._shares.of(key.namespace)  # counted against it in the loop above
+                out[i] = DramEntry(key, meta, chunks[i][1], extents, share=None if share is None else share.name,
                                    owner=owner)
         return out
 
@@ -406,23 +379,14 @@ class DramPool:
             self._by_key[entry.key] = entry
             self._index.setdefault((entry.key.namespace, entry.key.chunk), {})[entry.key.heads] = entry
             self._policy.insert(entry.key, entry.key.chunk, entry.parent)
-            if entry.share is not None:  # its pages count against the share since it was reserved
-                self._share_lru.setdefault(entry.share, OrderedDict())[entry.key] = None
-            for changes in self._watchers:
-                changes.append((entry.key, True))
+            self._shares.committed(entry.share, entry.key)  # (its pages count since it was reserved)
+            self._changes.publish_locked((entry.key, True))
 
     def abort(self, entry: DramEntry) -> None:
         with self._lock:
             self._pending.discard(entry.key)
             self._free.give(entry.extents)
-            self._unshare_locked(entry)
-
-    def _unshare_locked(self, entry: DramEntry) -> None:
-        if entry.share is None:
-            return
-        self._share_pages[entry.share] -= entry.pages
-        if not self._share_pages[entry.share]:
-            del self._share_pages[entry.share]
+            self._shares.charge(entry.share, -entry.pages)
 
     # -- reads -------------------------------------------------------------------------------------------------
     def ranges(self, namespace: str, chunk: str) -> list[HeadRange]:
@@ -452,8 +416,7 @@ class DramPool:
 
     def _touch_locked(self, entry: DramEntry) -> None:
         self._policy.touch(entry.key)
-        if entry.share is not None:
-            self._share_lru[entry.share].move_to_end(entry.key)
+        self._shares.touched(entry.share, entry.key)
 
     def _pin_locked(self, entry: DramEntry) -> None:
         if entry.refs == 0:
@@ -529,14 +492,10 @@ class DramPool:
             held = sum(e.pages for e in entries)
             idle = sum(e.pages for e in entries if e.refs == 0)
             pending = len(self._pending)
-            shares: dict[str, int] = {}
-            for e in entries:
-                if e.share is not None:
-                    shares[e.share] = shares.get(e.share, 0) + e.pages
+            shares_leaked = not pending and self._shares.mismatch((e.share, e.pages) for e in entries)
             return {"refs": sum(e.refs for e in entries), "pending": pending,
                     "lost_pages": self.pages - self._free.count - held if not pending else 0,
-                    "idle_mismatch": self._idle_pages - idle,
-                    "share_mismatch": int(shares != self._share_pages) if not pending else 0}
+                    "idle_mismatch": self._idle_pages - idle, "share_mismatch": int(shares_leaked)}
 
     # -- eviction ----------------------------------------------------------------------------------------------
     def _evictable(self, key: Hashable) -> bool:
@@ -544,32 +503,22 @@ class DramPool:
 
     def _unindex(self, entry: DramEntry) -> None:
         del self._by_key[entry.key]
-        if entry.share is not None:
-            lru = self._share_lru[entry.share]
-            del lru[entry.key]
-            if not lru:
-                del self._share_lru[entry.share]
-            self._unshare_locked(entry)
+        self._shares.removed(entry.share, entry.key, entry.pages)
         slot = self._index[(entry.key.namespace, entry.key.chunk)]
         del slot[entry.key.heads]
         if not slot:
             del self._index[(entry.key.namespace, entry.key.chunk)]
         self._policy.remove(entry.key)
-        for changes in self._watchers:
-            changes.append((entry.key, False))
+        self._changes.publish_locked((entry.key, False))
 
     def watch(self) -> int:
         """Start recording, for one reader, every entry that becomes visible or goes; returns the reader's
         handle for :meth:`take_changes`. (Nothing is recorded without a reader: a list nobody drains would grow.)"""
-        with self._lock:
-            self._watchers.append([])
-            return len(self._watchers) - 1
+        return self._changes.watch()
 
     def take_changes(self, watcher: int) -> list[tuple[ShardKey, bool]]:
         """The entries that became visible (True) or went (False) since this reader's last call, in order."""
-        with self._lock:
-            changes, self._watchers[watcher] = self._watchers[watcher], []
-        return changes
+        return self._changes.take(watcher)
 
     def _evict(self, entry: DramEntry) -> None:
         assert entry.refs == 0, f"eviction of pinned entry {entry.key.name}"

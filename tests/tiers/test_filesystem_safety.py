@@ -348,7 +348,7 @@ def test_a_share_ledger_that_is_not_a_regular_file_is_replaced_never_followed(tm
                                                                               suffix: str) -> None:
     """Whoever could plant a ledger (or its lock file) could steer every process's count of a share: a link or a
     FIFO in its place is removed (the link's target untouched) and a file of the tier's own made."""
-    from kvtier.tiers._shares import share_id
+    from kvtier.quotas import share_id
 
     root = tmp_path / "fs"
     open_tier(root).close()

@@ -14,7 +14,7 @@ the cascade worker's thread), so what other processes wrote counts and may be ev
 earlier layout, ``<chunk>.<heads>.<created ms>.kv``, migrate on start: the newest per key is renamed, the rest go.
 
 Tenant shares (``set_share``) are the directory's: each has a ledger in ``ROOT/.shares``
-(:mod:`kvtier.tiers._share_ledger`) naming its namespaces and quota, and a put into a share checks the quota,
+(:mod:`kvtier.quotas.ledger`) naming its namespaces and quota, and a put into a share checks the quota,
 evicts the share's least recently used files and renames its own into place under the ledger's lock, after
 counting the share from the directory again if another process changed it (only the chunk directories whose
 mtime changed since this process last listed them: a timestamp step of at most 1 s is assumed). So processes
@@ -61,15 +61,16 @@ import numpy as np
 from kvtier import frame
 from kvtier.errors import ConfigError, ObjectError, QuotaFull, TierError
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers import _shares as tenant_shares
-from kvtier.tiers._share_ledger import Hold, Ledger, Ledgers
-from kvtier.tiers._shares import Shares, share_id
+from kvtier import quotas
+from kvtier.quotas.ledger import Hold, Ledger, Ledgers
+from kvtier.quotas import share_id
+from kvtier.quotas.index import IndexShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 log = logging.getLogger(__name__)
 
 _TMP_DIR = ".tmp"
-_SHARES_DIR = ".shares"  # one ledger per tenant share (kvtier.tiers._share_ledger)
+_SHARES_DIR = ".shares"  # one ledger per tenant share (kvtier.quotas.ledger)
 _TIMESTAMP_STEP_NS = 10**9  # a directory's mtime step on any local filesystem we run on (ext3: 1 s)
 _TMP_NAME = re.compile(r"\d+\.[0-9a-f]{32}\.part")
 # <chunk>.<heads>.kv, or the earlier <chunk>.<heads>.<created ms>.kv (group 3) that start-up migrates.
@@ -210,7 +211,7 @@ class FilesystemTier(Tier):
         self._files: OrderedDict[ShardKey, _File] = OrderedDict()  # least recently used first
         self._by_chunk: dict[tuple[str, str], set[HeadRange]] = {}
         self._used = 0
-        self._shares = Shares()  # per-tenant quotas (set_share), under self._lock
+        self._shares = IndexShares()  # per-tenant quotas (set_share), under self._lock
         self._max_object = min(_MAX_OBJECT_BYTES, options.capacity_bytes or _MAX_OBJECT_BYTES)
         self.evictions = 0
         self.share_evictions = 0  # of those, inside a tenant's share
@@ -746,7 +747,7 @@ class FilesystemTier(Tier):
         with self._lock:
             self._refuse_if_full_locked(key, size, now)
             victims = self._shares.victims(key.namespace, self._size_of, self._used_at,
-                                           now - tenant_shares.RECENT_SECONDS, key, size)
+                                           now - quotas.RECENT_SECONDS, key, size)
             ledger.changing(hold)  # before the evictions and the rename: a kill between them still tells the others
             for victim in victims:
                 self._remove_locked(victim)
@@ -761,10 +762,10 @@ class FilesystemTier(Tier):
             return self._shares.with_files(namespaces)
 
     def _refuse_if_full_locked(self, key: ShardKey, size: int, now: float) -> None:
-        if self._shares.refuses(key, size, self._size_of, self._used_at, now - tenant_shares.RECENT_SECONDS):
+        if self._shares.refuses(key, size, self._size_of, self._used_at, now - quotas.RECENT_SECONDS):
             self.share_refused += 1
             raise QuotaFull(f"{self.name}: not writing {key.name}: its tenant's share is full of files used "
-                            f"in the last {tenant_shares.RECENT_SECONDS:g} s")
+                            f"in the last {quotas.RECENT_SECONDS:g} s")
 
     def _size_of(self, key: ShardKey) -> int:
         return self._files[key].size

@@ -11,7 +11,7 @@ process mounts none and uses the segments of dedicated clients (``mooncake_clien
 engine restarts. ``kvtier cache ls`` needs the master's admin address
 (``admin_url``) to list keys; it lists only names that are exactly ``<key_prefix><32 hex>/<32 hex>/<heads>``.
 
-Per-tenant quotas are kept from the master's key list (:mod:`kvtier.tiers._listed_shares`, which needs
+Per-tenant quotas are kept from the master's key list (:mod:`kvtier.quotas.listed`, which needs
 ``admin_url``), with one small object per namespace a share counts under ``<key_prefix>shares/``.
 
 A damaged marker (not a short list of head counts) is an :class:`ObjectError` for lookups in its namespace, not
@@ -38,7 +38,7 @@ from kvtier import threads
 from kvtier.config import check_ttl, check_url_port
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers._listed_shares import ListedShares
+from kvtier.quotas.listed import ListedShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 _MARKER = "heads"
@@ -69,7 +69,7 @@ class MooncakeOptions:
     # removed by `kvtier cache retain`. None: kept until evicted or purged.
     ttl_seconds: float | None = None
     # With per-tenant quotas: how old this engine's view of a share may get before a put lists it again (other
-    # engines' writes are seen at the next listing; 0: every put lists first). See kvtier.tiers._listed_shares.
+    # engines' writes are seen at the next listing; 0: every put lists first). See kvtier.quotas.listed.
     share_refresh_seconds: float = 10.0
 
     def check(self, field: str) -> None:
@@ -111,7 +111,7 @@ class MooncakeTier(Tier):
     persistent = True  # in the segments of other clients, not of this process
     batch_reads = True  # a get's shards read by batch gets, a few shards each
     listed_times = False  # Mooncake reports no times: every listed object counts as new
-    shares = True  # from the master's key list, per engine (_listed_shares); needs admin_url
+    shares = True  # from the master's key list, per engine (kvtier.quotas.listed); needs admin_url
 
     def __init__(self, name: str, options: MooncakeOptions) -> None:
         super().__init__(name, options)
@@ -343,7 +343,7 @@ class MooncakeTier(Tier):
 
     def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
         """Count ``namespace``'s objects against the tenant share ``share`` of ``quota_bytes`` (None: none), in
-        this engine's view of the store's keys (:mod:`kvtier.tiers._listed_shares`): a put that takes the share
+        this engine's view of the store's keys (:mod:`kvtier.quotas.listed`): a put that takes the share
         past its quota deletes the share's least recently used objects, whichever engine wrote them."""
         self._shares.set(namespace, share, quota_bytes)
 

@@ -31,8 +31,8 @@ from typing import Any, NoReturn
 from kvtier.config import check_url_port, redact_url
 from kvtier.errors import ConfigError, ObjectError, QuotaFull, TierError
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers import _shares as tenant_shares
-from kvtier.tiers._redis_shares import RedisShares
+from kvtier import quotas
+from kvtier.quotas.redis import RedisShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 log = logging.getLogger(__name__)
@@ -306,7 +306,7 @@ class RedisTier(Tier):
     Options = RedisOptions
     persistent = True  # the data lives in the server, not in this process
     listed_times = False  # Redis keeps no creation time: a listing gives the last access (and ttl_seconds expires)
-    shares = True  # counted in the server: every engine's writes count (_redis_shares)
+    shares = True  # counted in the server: every engine's writes count (kvtier.quotas.redis)
 
     def __init__(self, name: str, options: RedisOptions) -> None:
         super().__init__(name, options)
@@ -411,7 +411,7 @@ class RedisTier(Tier):
         try:
             if counted is not None and counted.refused:
                 raise QuotaFull(f"{self.name}: not writing {key.name}: its tenant's share is full of shards used in "
-                                f"the last {tenant_shares.RECENT_SECONDS:g} s")
+                                f"the last {quotas.RECENT_SECONDS:g} s")
             self._put(key, parts)
         finally:
             if counted is not None and counted.victims:  # handed out for deletion: deleted whatever the write did
@@ -585,7 +585,7 @@ class RedisTier(Tier):
     # -- tenant shares -----------------------------------------------------------------------------------------
     def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
         """Count ``namespace``'s shards against the tenant share ``share`` of ``quota_bytes`` (None: none), in the
-        server (:mod:`kvtier.tiers._redis_shares`): a put that takes the share past its quota deletes the
+        server (:mod:`kvtier.quotas.redis`): a put that takes the share past its quota deletes the
         share's least recently used shards, whichever engine wrote them."""
         self._shares.set(namespace, share, quota_bytes)
 

@@ -4,7 +4,7 @@ Object names: ``<prefix><namespace>/<chunk>/<heads>``. A PUT is atomic in S3, so
 or none. A lookup lists each chunk's prefix (in parallel, on a small thread pool). Credentials come from the
 usual places (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws``, instance roles) unless the config
 names a profile or gives keys. Retention is the bucket's own (lifecycle rules) or ``kvtier cache purge``.
-Per-tenant quotas are kept from listings of the bucket (:mod:`kvtier.tiers._listed_shares`), with one empty object
+Per-tenant quotas are kept from listings of the bucket (:mod:`kvtier.quotas.listed`), with one empty object
 per namespace a share counts under ``<prefix>shares/``.
 
 On start the tier asks for the bucket once (HEAD): a server that answers "access denied", "no such bucket" or
@@ -32,7 +32,7 @@ from kvtier import threads
 from kvtier.config import check_ttl, check_url_port
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers._listed_shares import ListedShares
+from kvtier.quotas.listed import ListedShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class S3Options:
     # removed by `kvtier cache retain`. None: kept until evicted or purged.
     ttl_seconds: float | None = None
     # With per-tenant quotas: how old this engine's view of a share may get before a put lists it again (other
-    # engines' writes are seen at the next listing; 0: every put lists first). See kvtier.tiers._listed_shares.
+    # engines' writes are seen at the next listing; 0: every put lists first). See kvtier.quotas.listed.
     share_refresh_seconds: float = 10.0
 
     def check(self, field: str) -> None:
@@ -129,7 +129,7 @@ class S3Tier(Tier):
     persistent = True
     heads_in_one_call = False  # a listing per chunk
     read_ahead = True  # GETs wait on the store's latency: 16 chunks of 5.9 MB read in 0.15 s instead of 0.17 s
-    shares = True  # from listings of the bucket, per engine (_listed_shares)
+    shares = True  # from listings of the bucket, per engine (kvtier.quotas.listed)
 
     def __init__(self, name: str, options: S3Options) -> None:
         super().__init__(name, options)
@@ -312,7 +312,7 @@ class S3Tier(Tier):
     # -- tenant shares -----------------------------------------------------------------------------------------
     def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
         """Count ``namespace``'s objects against the tenant share ``share`` of ``quota_bytes`` (None: none), in
-        this engine's view of the bucket (:mod:`kvtier.tiers._listed_shares`): a put that takes the share past its
+        this engine's view of the bucket (:mod:`kvtier.quotas.listed`): a put that takes the share past its
         quota deletes the share's least recently used objects, whichever engine wrote them."""
         self._shares.set(namespace, share, quota_bytes)
 

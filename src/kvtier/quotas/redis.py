@@ -12,7 +12,7 @@ A shard is named ``<namespace>:<chunk>:<heads>``; ``<id>`` is a digest of the st
 tenant's salt: a salt is never written to a shared server (the share does group a tenant's namespaces).
 
 A put is counted before it is written. A new shard is refused (:class:`~kvtier.errors.QuotaFull`, nothing
-evicted for it) when the shards used in the last ``RECENT_SECONDS`` (:mod:`kvtier.tiers._shares`) and it would
+evicted for it) when the shards used in the last ``RECENT_SECONDS`` (:mod:`kvtier.quotas`) and it would
 not fit the quota: a prompt's own chunks are put (and read) together, first chunk first, so evicting its first
 ones would leave its last ones unreachable; a prompt larger than its share keeps its leading chunks. Otherwise,
 while the share's live bytes are over its quota, its least recently used shards (none of those recent ones) are
@@ -35,13 +35,13 @@ import math
 import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
+from kvtier import quotas
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers import _shares as tenant_shares
-from kvtier.tiers._shares import share_id
+from kvtier.quotas import Share, share_id
+from kvtier.recent import RecentMap
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +168,9 @@ class RedisShares:
         self._prefix = prefix
         self._call = call
         self._lock = threading.Lock()
-        self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()  # namespace -> (share id, quota)
-        self._recorded: dict[str, float] = {}  # namespace -> when this process last wrote its shareof key
+        self._share_of: RecentMap[str, Share] = RecentMap(_KEPT)  # namespace -> its share (by id)
+        self._recorded: RecentMap[str, float] = RecentMap(_KEPT)  # namespace -> when this process last wrote its
+        # shareof key (one forgotten is written again at its next put: an idempotent SET)
         self.evictions = 0
         self.refused = 0
         self.touch_failures = 0
@@ -188,14 +189,11 @@ class RedisShares:
     def set(self, namespace: str, share: str | None, quota_bytes: int) -> None:
         with self._lock:
             if share is None:
-                self._share_of.pop(namespace, None)
-                return
-            self._share_of[namespace] = (share_id(share), quota_bytes)
-            self._share_of.move_to_end(namespace)
-            while len(self._share_of) > _KEPT:
-                self._share_of.popitem(last=False)
+                self._share_of.pop(namespace)
+            else:
+                self._share_of[namespace] = Share(share_id(share), quota_bytes)
 
-    def _of(self, namespace: str) -> tuple[str, int] | None:
+    def _of(self, namespace: str) -> Share | None:
         with self._lock:
             return self._share_of.get(namespace)
 
@@ -212,11 +210,9 @@ class RedisShares:
             if now - self._recorded.get(key.namespace, -math.inf) >= _RECORD_EVERY:
                 client.set(self._of_key(key.namespace), sid)
                 with self._lock:
-                    if len(self._recorded) >= _KEPT:
-                        self._recorded.clear()  # written again as they come: an idempotent SET
                     self._recorded[key.namespace] = now
             return client.eval(_ACCOUNT, 3, *self._keys(sid), self._member(key), size, quota,
-                               int(tenant_shares.RECENT_SECONDS * 1000), _STALE_MS, _MOST)
+                               int(quotas.RECENT_SECONDS * 1000), _STALE_MS, _MOST)
 
         reply = self._call(f"share accounting of {key.name}", run)
         if not isinstance(reply, list) or not reply:
@@ -248,7 +244,7 @@ class RedisShares:
             return
         try:
             self._call(f"share touch of {key.name}",
-                       lambda c: c.eval(_TOUCH, 1, self._keys(found[0])[0], self._member(key)))
+                       lambda c: c.eval(_TOUCH, 1, self._keys(found.name)[0], self._member(key)))
         except Exception as exc:  # noqa: BLE001 - the read itself succeeded
             with self._lock:
                 self.touch_failures += 1
@@ -260,7 +256,7 @@ class RedisShares:
         found = self._of(key.namespace)
 
         def run(client: Any) -> None:
-            sid = found[0] if found is not None else client.get(self._of_key(key.namespace))
+            sid = found.name if found is not None else client.get(self._of_key(key.namespace))
             if sid is None:
                 return
             sid = sid.decode() if isinstance(sid, bytes) else str(sid)

@@ -1,7 +1,7 @@
 """Share ledgers of a filesystem tier: how the processes sharing one directory count each tenant share together.
 
-:class:`~kvtier.tiers._shares.Shares` counts a share from the tier's index; this module tells the tier when another
-process changed the share's files, and which namespaces every process counts against which share. Two small
+:class:`~kvtier.quotas.index.IndexShares` counts a share from the tier's index; this module tells the tier when
+another process changed the share's files, and which namespaces every process counts against which share. Two small
 files per share in ``ROOT/.shares`` (0600, never followed if a link, refused unless a regular file of this uid):
 ``<digest of the share>.lock``, only ever locked, never replaced; and the ledger, ``<digest of the share>``::
 

@@ -1,51 +1,44 @@
-"""Per-tenant shares (quotas) inside one tier's own index: which namespaces count against which share, the bytes
-each namespace holds, and each share's objects least recently used first. Plain data, kept under the tier's lock;
-the tier asks :meth:`Shares.refuses` before a write and :meth:`Shares.victims` after it, and removes what those
-name.
+"""Per-tenant shares inside one tier's own index (a local disk: the filesystem tier): which namespaces
+count against which share, the bytes each namespace holds, and each share's objects least recently used first.
+Plain data, kept under the tier's lock; the tier asks :meth:`IndexShares.refuses` before a write and
+:meth:`IndexShares.victims` after it, and removes what those name. Shares are named here as the tier keeps them
+(:func:`kvtier.quotas.share_id`); how the processes sharing the directory agree on them is
+:mod:`kvtier.quotas.ledger`.
 
-Objects used in the last :data:`RECENT_SECONDS` are never evicted to make room: a prompt's own chunks are put
-(and read) together, first chunk first, so evicting the least recently used of them would cut the prompt's
-prefix and leave its later chunks unreachable. When only such objects are left, a new one is refused instead,
-so a prompt larger than its share keeps its leading chunks."""
+A namespace counts against its share with every object it holds, whenever it joined (its share's order is
+rebuilt from the index's). Objects used in the last :data:`kvtier.quotas.RECENT_SECONDS` are in use
+(:mod:`kvtier.quotas`): never evicted to make room; when only such objects are left, a new one is refused."""
 
 from __future__ import annotations
 
 import builtins
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 
 from kvtier.keys import ShardKey
+from kvtier.quotas import Share, Usage, refuses, victims
 
 _KEPT = 65536  # namespaces learned from other processes whose share is remembered (those the store set are kept)
-RECENT_SECONDS = 10.0  # objects used this recently are never evicted to make room (see above)
 
 
-def share_id(share: str) -> str:
-    """The name a share has where a tier keeps it (a server, a bucket, a directory): a digest of the store's."""
-    return hashlib.sha256(b"kvtier share/" + share.encode()).hexdigest()[:32]
-
-
-class Shares:
+class IndexShares:
     def __init__(self) -> None:
         self._ns_bytes: dict[str, int] = {}
-        self._share_of: dict[str, tuple[str, int]] = {}  # namespace -> (share, quota in bytes)
+        self._share_of: dict[str, Share] = {}  # namespace -> its share (quota in bytes)
         # Namespaces learned from other processes, least recent first: only these are forgotten past _KEPT, as the
         # store tells a tier each of its own namespaces' shares once (a flood of learned ones must not drop them).
+        # Not a RecentMap: past the bound, only those holding no objects go (see set_many).
         self._learned: OrderedDict[str, None] = OrderedDict()
-        self._bytes: dict[str, int] = {}  # share -> the bytes its namespaces hold (kept, not summed per call)
+        self._usage: Usage[ShardKey] = Usage()  # per share: the bytes its namespaces hold, its objects
         self._members: dict[str, set[str]] = {}  # share -> its namespaces
-        self._lru: dict[str, OrderedDict[ShardKey, None]] = {}  # share -> its objects, least recently used first
 
     # -- the index's events ------------------------------------------------------------------------------------
     def added(self, key: ShardKey, size: int, replaced: int = 0) -> None:
         self._ns_bytes[key.namespace] = self._ns_bytes.get(key.namespace, 0) + size - replaced
         share = self._share_of.get(key.namespace)
         if share is not None:
-            self._bytes[share[0]] += size - replaced
-            lru = self._lru[share[0]]
-            lru[key] = None
-            lru.move_to_end(key)
+            self._usage.charge(share.name, size - replaced)
+            self._usage.add(share.name, key)
 
     def dropped(self, key: ShardKey, size: int) -> None:
         left = self._ns_bytes[key.namespace] - size
@@ -55,20 +48,18 @@ class Shares:
             del self._ns_bytes[key.namespace]
         share = self._share_of.get(key.namespace)
         if share is not None:
-            self._bytes[share[0]] -= size
-            self._lru[share[0]].pop(key, None)
+            self._usage.charge(share.name, -size)
+            self._usage.discard(share.name, key)
 
     def used(self, key: ShardKey) -> None:
         share = self._share_of.get(key.namespace)
         if share is not None:
-            self._lru[share[0]].move_to_end(key)
+            self._usage.touch(share.name, key)
 
     def reset(self) -> None:
         """The index is being rebuilt (a rescan): every object is :meth:`added` again, least recent first."""
         self._ns_bytes.clear()
-        for lru in self._lru.values():
-            lru.clear()
-        self._bytes = dict.fromkeys(self._bytes, 0)
+        self._usage.clear()
 
     # -- shares ------------------------------------------------------------------------------------------------
     def set(self, namespace: str, share: str | None, quota_bytes: int, keys: Iterable[ShardKey]) -> None:
@@ -84,9 +75,9 @@ class Shares:
         for namespace, (share, quota_bytes) in shares.items():
             self._leave(namespace, touched)
             if share is not None:
-                self._share_of[namespace] = (share, quota_bytes)
+                self._share_of[namespace] = Share(share, quota_bytes)
                 self._members.setdefault(share, set()).add(namespace)
-                self._bytes[share] = self._bytes.get(share, 0) + self._ns_bytes.get(namespace, 0)
+                self._usage.charge(share, self._ns_bytes.get(namespace, 0))
                 touched.add(share)
                 if learned:
                     self._learned[namespace] = None
@@ -97,39 +88,35 @@ class Shares:
                     break
                 self._leave(namespace, touched)
         for share in touched:
-            if self._members.get(share):
-                self._lru[share] = self._ordered(share, order)
+            members = self._members.get(share)
+            if members:
+                self._usage.replace(share, (k for k in order if k.namespace in members))
             else:
                 self._members.pop(share, None)
-                self._lru.pop(share, None)
-                self._bytes.pop(share, None)
+                self._usage.drop(share)
 
     def _leave(self, namespace: str, touched: builtins.set[str]) -> None:  # (`set`: the method)
         self._learned.pop(namespace, None)
         old = self._share_of.pop(namespace, None)
         if old is not None:
-            self._members[old[0]].discard(namespace)
-            self._bytes[old[0]] -= self._ns_bytes.get(namespace, 0)
-            touched.add(old[0])
-
-    def _ordered(self, share: str, order: list[ShardKey]) -> OrderedDict[ShardKey, None]:
-        members = self._members.get(share, set())
-        return OrderedDict((k, None) for k in order if k.namespace in members)
+            self._members[old.name].discard(namespace)
+            self._usage.charge(old.name, -self._ns_bytes.get(namespace, 0))
+            touched.add(old.name)
 
     def bytes(self, share: str) -> int:
-        return self._bytes.get(share, 0)
+        return self._usage.units(share)
 
     def with_files(self, namespaces: Iterable[str]) -> builtins.set[str]:
         """Those of ``namespaces`` that hold objects in the index."""
         return {ns for ns in namespaces if self._ns_bytes.get(ns)}
 
-    def share_of(self, namespace: str) -> tuple[str, int] | None:
+    def share_of(self, namespace: str) -> Share | None:
         """``namespace``'s share and its quota in bytes (None: it counts against none)."""
         return self._share_of.get(namespace)
 
     def keys(self, share: str) -> list[ShardKey]:
         """The share's objects, least recently used first."""
-        return list(self._lru.get(share, ()))
+        return list(self._usage.oldest(share))
 
     def excess(self) -> dict[str, int]:
         """Each share's bytes past its quota (0 or less: within it)."""
@@ -140,43 +127,26 @@ class Shares:
                 used_at: Callable[[ShardKey], float], since: float) -> bool:
         """Whether a new object ``key`` of ``size`` bytes must not be written: its share would stay over its quota
         with every object not used since ``since`` evicted."""
-        found = self._share_of.get(key.namespace)
-        if found is None:
-            return False
-        share, quota = found
-        lru = self._lru[share]
-        if key in lru:
-            return False  # written again: it counts already
-        if self.bytes(share) + size <= quota:
+        share = self._share_of.get(key.namespace)
+        if share is None or self._usage.holds(share.name, key):
+            return False  # (written again: it counts already)
+        if self.bytes(share.name) + size <= share.quota:
             return False  # it fits without evicting anything
         # every entry, not the recent end only: a rescan adds another process's files there with their old times
-        recent = size
-        for other in lru:
-            if used_at(other) >= since:
-                recent += size_of(other)
-                if recent > quota:
-                    return True
-        return False
+        in_use = (size_of(k) for k in self._usage.oldest(share.name) if used_at(k) >= since)
+        return refuses(size, share.quota, in_use)
 
     def victims(self, namespace: str, size_of: Callable[[ShardKey], int], used_at: Callable[[ShardKey], float],
                 since: float, incoming: ShardKey | None = None, size: int = 0) -> list[ShardKey]:
         """What to evict, least recently used first, to bring ``namespace``'s share back under its quota (with
         ``incoming``, an object of ``size`` bytes about to be written, counted): never an object used since
         ``since``, nor ``incoming`` itself."""
-        found = self._share_of.get(namespace)
-        if found is None:
+        share = self._share_of.get(namespace)
+        if share is None:
             return []
-        share, quota = found
-        lru = self._lru[share]
-        over = self.bytes(share) - quota
+        over = self.bytes(share.name) - share.quota
         if incoming is not None:
-            over += size - (size_of(incoming) if incoming in lru else 0)
-        out = []
-        for key in lru:
-            if over <= 0:
-                break
-            # (a rescan's entries are out of order: every one is looked at)
-            if key != incoming and used_at(key) < since:
-                out.append(key)
-                over -= size_of(key)
-        return out
+            over += size - (size_of(incoming) if self._usage.holds(share.name, incoming) else 0)
+        # (a rescan's entries are out of order: every one is looked at)
+        return victims(self._usage.oldest(share.name), over, size_of,
+                       lambda k: k != incoming and used_at(k) < since)[0]

@@ -5,7 +5,7 @@ reads and deletes.
 
     <prefix>shares/<id>/<namespace>   a small object: <namespace> counts against the share <id>
 
-``<id>`` is a digest of the store's share name (as in Redis, :func:`kvtier.tiers._redis_shares.share_id`), which
+``<id>`` is a digest of the store's share name (:func:`kvtier.quotas.share_id`, as in Redis), which
 holds the tenant's salt: a salt is never written to the tier (the share does group a tenant's namespaces). An
 engine writes the object for each namespace it counts (again when a listing misses it: a lifecycle rule or the
 store's own eviction may have removed it), so every engine's view finds every engine's namespaces.
@@ -16,7 +16,7 @@ fails leaves the view as it was (counted as ``share_view_failures``) until the n
 object that cannot be written.
 A put is counted in the view before it is written; a listing keeps it while it is under way and once it has
 landed, whatever the listing found, and never counts again an object chosen for deletion whose delete has not
-ended. The rules are :mod:`kvtier.tiers._shares`'s: a new object that the objects used in the last
+ended. The rules are :mod:`kvtier.quotas`'s: a new object that the objects used in the last
 ``RECENT_SECONDS`` leave no room for is refused (:class:`~kvtier.errors.QuotaFull`); otherwise, while the share
 is over its quota, the writing engine deletes its least recently used objects (none of those recent ones, none
 being written) once its own write has succeeded, whichever engine wrote them. A view no put or read used for
@@ -55,14 +55,14 @@ import math
 import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import Protocol
 
+from kvtier import quotas
 from kvtier.errors import QuotaFull, TierError
 from kvtier.keys import ShardKey
-from kvtier.tiers import _shares as tenant_shares
-from kvtier.tiers._shares import share_id
-from kvtier.tiers.base import StoredObject
+from kvtier.quotas import Share, refuses, share_id, victims
+from kvtier.recent import RecentMap
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,17 @@ _IDLE_SECONDS = 600.0  # a view no put or read used this long is dropped (listed
 _SWEEP_EVERY = 60.0  # seconds between looks for such views
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _LISTED_SLACK = 1.0  # a listed write time (to the second) counts as the end of its second
+
+
+class Listed(Protocol):
+    """What a tier's listing tells of one object (a :class:`kvtier.tiers.base.StoredObject`)."""
+
+    @property
+    def key(self) -> ShardKey: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def created(self) -> float: ...
 
 
 @dataclasses.dataclass
@@ -114,10 +125,10 @@ class ListedShares:
     ``times``: whether listed objects carry their write times; ``record_every``: seconds after which this process
     writes a namespace's share object again (a store that evicts objects by itself evicts it too)."""
 
-    def __init__(self, members: Members, objects: Callable[[str], Iterable[StoredObject]],
+    def __init__(self, members: Members, objects: Callable[[str], Iterable[Listed]],
                  record: Callable[[str, str], None], refresh_seconds: float, *, times: bool = True,
                  record_every: float = math.inf,
-                 map_: Callable[[Callable[[str], list[StoredObject]], list[str]], Iterator[list[StoredObject]]] = map,
+                 map_: Callable[[Callable[[str], list[Listed]], list[str]], Iterator[list[Listed]]] = map,
                  ) -> None:
         self._members = members
         self._objects = objects
@@ -127,10 +138,12 @@ class ListedShares:
         self._record_every = record_every
         self._map = map_
         self._lock = threading.Lock()  # the maps below and the counters
-        self._share_of: OrderedDict[str, tuple[str, int]] = OrderedDict()  # namespace -> (share id, quota)
+        # namespace -> its share (by id); the least recently told are forgotten (the store tells them again)
+        self._share_of: RecentMap[str, Share] = RecentMap(_KEPT, lambda _, old: self._release_locked(old))
         self._count: dict[str, int] = {}  # share id -> its namespaces in _share_of; its view goes with the last
         self._views: dict[str, _View] = {}
-        self._recorded: dict[str, float] = {}  # namespace -> when this process last wrote its share object
+        self._recorded: RecentMap[str, float] = RecentMap(_KEPT)  # namespace -> when this process last wrote
+        # its share object (one forgotten is written again at its next put: the same small object)
         self._swept = time.monotonic()
         self._warned = False
         self.evictions = 0  # deletions of objects this engine chose (another engine may delete one too)
@@ -141,27 +154,25 @@ class ListedShares:
     def set(self, namespace: str, share: str | None, quota_bytes: int) -> None:
         sid = None if share is None else share_id(share)
         with self._lock:
-            if sid is not None and self._share_of.get(namespace) == (sid, quota_bytes):
-                self._share_of.move_to_end(namespace)  # told again: its view stays as it is
+            if sid is not None and self._share_of.get(namespace) == Share(sid, quota_bytes):
+                self._share_of.touch(namespace)  # told again: its view stays as it is
                 return
-            self._unset_locked(namespace)
+            old = self._share_of.pop(namespace)
+            if old is not None:
+                self._release_locked(old)
             if sid is None:
                 return
-            self._share_of[namespace] = (sid, quota_bytes)
-            self._count[sid] = self._count.get(sid, 0) + 1
-            while len(self._share_of) > _KEPT:
-                self._unset_locked(next(iter(self._share_of)))
+            self._count[sid] = self._count.get(sid, 0) + 1  # (first: a namespace forgotten next keeps the view)
+            self._share_of[namespace] = Share(sid, quota_bytes)
 
-    def _unset_locked(self, namespace: str) -> None:
-        old = self._share_of.pop(namespace, None)
-        if old is None:
-            return
-        left = self._count[old[0]] - 1
+    def _release_locked(self, old: Share) -> None:
+        """A namespace no longer counts against ``old`` here."""
+        left = self._count[old.name] - 1
         if left:
-            self._count[old[0]] = left
+            self._count[old.name] = left
         else:  # no namespace counts against it here any more: the view (all its objects) goes
-            del self._count[old[0]]
-            self._views.pop(old[0], None)
+            del self._count[old.name]
+            self._views.pop(old.name, None)
 
     def _found(self, namespace: str) -> tuple[str, int, _View] | None:
         with self._lock:
@@ -206,8 +217,6 @@ class ListedShares:
             self._failed("recording a namespace in its share", exc)
             return
         with self._lock:
-            if len(self._recorded) >= _KEPT:
-                self._recorded.clear()  # written again as they come: the same small object
             self._recorded[namespace] = time.monotonic()
 
     def _failed(self, what: str, exc: TierError) -> None:
@@ -223,7 +232,7 @@ class ListedShares:
         offset = offset or 0.0  # the server's clock minus ours
         listed_ns = {ns for ns in members if _HEX32.fullmatch(ns)}
         with self._lock:
-            mine = [ns for ns, (s, _) in self._share_of.items() if s == sid]
+            mine = [ns for ns, share in self._share_of.items() if share.name == sid]
         for ns in mine:
             if ns not in listed_ns and ns in self._recorded:
                 self._record_member(sid, ns)  # its share object is gone (a lifecycle rule, an eviction): again
@@ -255,7 +264,7 @@ class ListedShares:
             return
         if counted.refused:
             raise QuotaFull(f"{tier}: not writing {key.name}: its tenant's share is full of objects used in the "
-                            f"last {tenant_shares.RECENT_SECONDS:g} s")
+                            f"last {quotas.RECENT_SECONDS:g} s")
         written = False
         try:
             write()
@@ -292,28 +301,22 @@ class ListedShares:
             self._record_member(sid, key.namespace)
         self._refresh_if_due(sid, view)
         now = time.time()
-        since = now - tenant_shares.RECENT_SECONDS
+        since = now - quotas.RECENT_SECONDS
         with view.lock:
             objects = view.objects
             before = objects.get(key)
-            if before is None and size + sum(o.size for o in objects.values() if o.used >= since) > quota:
+            if before is None and refuses(size, quota, (o.size for o in objects.values() if o.used >= since)):
                 with self._lock:
                     self.refused += 1
                 return Counted(view, True)
             entry = objects[key] = _Object(size, now)
             view.writing[key] = view.writing.get(key, 0) + 1
-            over = sum(o.size for o in objects.values()) - quota
-            victims = {}
-            for other, obj in sorted(objects.items(), key=lambda item: item[1].used):
-                if over <= 0:
-                    break
-                if obj.used < since and other not in view.writing:
-                    victims[other] = obj
-                    over -= obj.size
-            for victim in victims:
-                del objects[victim]
-            view.evicting.update(victims)
-        return Counted(view, False, entry, before, victims)
+            chosen, _ = victims(sorted(objects, key=lambda k: objects[k].used),
+                                sum(o.size for o in objects.values()) - quota, lambda k: objects[k].size,
+                                lambda k: objects[k].used < since and k not in view.writing)
+            out = {victim: objects.pop(victim) for victim in chosen}
+            view.evicting.update(out)
+        return Counted(view, False, entry, before, out)
 
     def done(self, key: ShardKey, counted: Counted, written: bool) -> list[ShardKey]:
         """The write :meth:`account` counted has ended: the victims to delete now (none when it failed: they are

@@ -1,21 +1,28 @@
-"""The S3 tier's share views (kvtier.tiers._listed_shares) against a bucket kept in a dict: the faults and timings a
-real server does not produce on demand (a write still under way, or landing, while another put lists the share;
-a listing that fails; a share object a lifecycle rule removed; a server clock behind this engine's; a write that
-fails after its victims were chosen; two puts of one key; a victim listed again before its delete). The puts
-are interleaved by hand, as writer threads would. tests/test_quotas.py runs the same views against SeaweedFS."""
+"""The S3 and Mooncake tiers' share views (kvtier.quotas.listed) against a bucket kept in a dict: the faults and
+timings a real server does not produce on demand (a write still under way, or landing, while another put lists the
+share; a listing that fails; a share object a lifecycle rule removed; a server clock behind this engine's; a write
+that fails after its victims were chosen; two puts of one key; a victim listed again before its delete). The puts
+are interleaved by hand, as writer threads would. The same views against SeaweedFS and Mooncake, through the
+store, are at the end."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
-from kvtier.errors import TierError
+from kvtier import KVStore, Namespace, quotas
+from kvtier.errors import ConfigError, QuotaFull, TierError
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers import _listed_shares
-from kvtier.tiers._redis_shares import share_id
-from kvtier.tiers._listed_shares import ListedShares
+from kvtier.quotas import listed as listed_shares, share_id
+from kvtier.quotas.listed import ListedShares
+from kvtier.testing import synthetic_kv, synthetic_tokens
+from kvtier.testing.quotas import QuotaConformance, QuotaSubject
 from kvtier.tiers.base import StoredObject
+from tests.quotas.conftest import SHARD, T, held, listed_age, mooncake_config, ns, put as put_flushed, s3_config
+
 
 NS = "a" * 32
 SHARE = "rule0/tenant"
@@ -95,7 +102,7 @@ def finish(shares: ListedShares, bucket: Bucket, k: ShardKey, counted, written: 
 
 @pytest.fixture
 def recent(monkeypatch: pytest.MonkeyPatch) -> float:
-    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 10.0)
+    monkeypatch.setattr(quotas, "RECENT_SECONDS", 10.0)
     return 10.0
 
 
@@ -193,7 +200,7 @@ def test_puts_waiting_on_a_listing_share_the_next_one(recent: float) -> None:
 
 def test_a_victim_listed_again_before_its_delete_is_not_counted_or_chosen_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.0)
+    monkeypatch.setattr(quotas, "RECENT_SECONDS", 0.0)
     bucket = Bucket()
     bucket.members[share_id(SHARE)] = {NS}
     bucket.objects[key(1)] = (60, bucket.now() - 100)  # written long ago (by any engine)
@@ -247,7 +254,7 @@ def test_a_server_clock_behind_ours_does_not_make_fresh_objects_look_old(recent:
 
 def test_victims_are_deleted_only_after_the_write_succeeds(recent: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write that fails deletes nothing, and the view counts its victims again (and not the failed object)."""
-    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.0)
+    monkeypatch.setattr(quotas, "RECENT_SECONDS", 0.0)
     bucket = Bucket()
     shares = bucket.shares(refresh=3600.0)  # listed once: the view alone decides
     shares.set(NS, SHARE, 100)
@@ -259,7 +266,7 @@ def test_victims_are_deleted_only_after_the_write_succeeds(recent: float, monkey
 
 
 def test_a_shares_view_goes_when_no_namespace_counts_against_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_listed_shares, "_KEPT", 2)
+    monkeypatch.setattr(listed_shares, "_KEPT", 2)
     shares = Bucket().shares()
     for i in range(3):
         shares.set(f"{i:032x}", f"rule0/t{i}", 100)
@@ -275,8 +282,8 @@ def test_a_view_no_put_or_read_used_for_ten_minutes_is_dropped(monkeypatch: pyte
     shares.set(NS, SHARE, 100)
     put(shares, bucket, key(1), 10)
     assert len(shares._views) == 1
-    monkeypatch.setattr(_listed_shares, "_IDLE_SECONDS", 0.05)
-    monkeypatch.setattr(_listed_shares, "_SWEEP_EVERY", 0.0)
+    monkeypatch.setattr(listed_shares, "_IDLE_SECONDS", 0.05)
+    monkeypatch.setattr(listed_shares, "_SWEEP_EVERY", 0.0)
     time.sleep(0.1)
     other = "c" * 32
     shares.set(other, "rule0/other", 100)
@@ -290,7 +297,7 @@ def test_without_listed_times_another_engines_objects_age_from_their_first_listi
     """Mooncake lists no times: an object another engine wrote long ago counts as used when this engine first
     listed it, so it is not evicted for RECENT_SECONDS after that (a new object is refused), then it is, oldest
     first listed first."""
-    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.2)
+    monkeypatch.setattr(quotas, "RECENT_SECONDS", 0.2)
     bucket = Bucket(clock_offset=-3600.0)  # times the tier would not report anyway
     other = "b" * 32
     bucket.members[share_id(SHARE)] = {other}
@@ -303,7 +310,7 @@ def test_without_listed_times_another_engines_objects_age_from_their_first_listi
 
 
 def test_a_victim_whose_delete_failed_stays_counted_and_is_chosen_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.0)
+    monkeypatch.setattr(quotas, "RECENT_SECONDS", 0.0)
     bucket = Bucket()
     shares = bucket.shares(refresh=3600.0)  # the view alone decides
     shares.set(NS, SHARE, 100)
@@ -341,7 +348,7 @@ def test_a_delete_that_raises_leaves_the_put_written_and_the_victim_counted(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Through ListedShares.write, the flow the tiers use: an exception from a victim's delete never escapes the
     put (the tier's writes would be counted failing for every tenant), and the victim stays counted."""
-    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.0)
+    monkeypatch.setattr(quotas, "RECENT_SECONDS", 0.0)
     bucket = Bucket()
     shares = bucket.shares(refresh=3600.0)
     shares.set(NS, SHARE, 100)
@@ -355,7 +362,7 @@ def test_a_delete_that_raises_leaves_the_put_written_and_the_victim_counted(
 def test_a_victim_put_again_before_its_delete_is_not_deleted(monkeypatch: pytest.MonkeyPatch) -> None:
     """Put A chooses key(1); put B of key(1) counts it again before A's write ends: A must not delete B's new
     object."""
-    monkeypatch.setattr(_listed_shares.tenant_shares, "RECENT_SECONDS", 0.0)
+    monkeypatch.setattr(quotas, "RECENT_SECONDS", 0.0)
     bucket = Bucket()
     shares = bucket.shares(refresh=3600.0)
     shares.set(NS, SHARE, 100)
@@ -371,3 +378,156 @@ def test_a_victim_put_again_before_its_delete_is_not_deleted(monkeypatch: pytest
 
     shares.write("dict", key(2), 60, write_a, lambda v: deleted.append(v) or True)
     assert deleted == [] and key(1) in bucket.objects
+
+
+class BucketSubject:
+    """The conformance suite's subject: a share view over the dict bucket, as the tiers drive it."""
+
+    size = 60
+
+    def __init__(self) -> None:
+        self.bucket = Bucket()
+        self.shares = self.bucket.shares(refresh=3600.0)  # listed at the first put: the view alone decides then
+
+    def set_share(self, namespace: str, share: str | None, quota_bytes: int = 0) -> None:
+        self.shares.set(namespace, share, quota_bytes)
+
+    def share_bytes(self, share: str) -> int:
+        return self.shares.bytes(share)
+
+    def put(self, k: ShardKey) -> bool:
+        try:
+            self.bucket.put(self.shares, k, self.size)
+        except QuotaFull:
+            return False
+        return True
+
+    def read(self, k: ShardKey) -> bool:
+        if k not in self.bucket.objects:
+            return False
+        self.shares.used(k)
+        return True
+
+    def delete(self, k: ShardKey) -> None:
+        self.shares.removed(k)
+        self.bucket.objects.pop(k, None)
+
+    def held(self, namespace: str) -> set[ShardKey]:
+        return {k for k in self.bucket.objects if k.namespace == namespace}
+
+
+class TestListedSharesConformance(QuotaConformance):
+    @pytest.fixture
+    def subject(self, in_use: Callable[[bool], None]) -> Iterator[Callable[[bool], QuotaSubject]]:
+        def make(busy: bool) -> QuotaSubject:
+            in_use(busy)
+            return BucketSubject()
+
+        yield make
+
+
+# -- S3 and Mooncake, through the store: each engine counts a share from listings -------------------------------
+
+def test_a_tenant_past_its_s3_share_evicts_its_own_least_recent_objects_whichever_engine_wrote_them(
+        s3_server, unique_prefix: str, age) -> None:
+    """Two engines on one bucket, the tenant's KV of two models: each engine lists the share before it writes
+    (``share_refresh_seconds: 0``), finding the other's namespaces through the share's objects, so it counts the
+    other's objects; a read moves an object to the recent end; one engine evicts the other's objects; another
+    tenant loses nothing; no object name holds the salt."""
+    p = [synthetic_tokens(60 + i, 2 * T) for i in range(3)]
+    other = Namespace(model="m2", dtype="bfloat16", cache_salt="team-a")  # the same tenant: the same share
+    cfg = s3_config(s3_server, unique_prefix, 4)
+    with KVStore.from_config(cfg) as a, KVStore.from_config(cfg) as b:
+        put_flushed(a, "public", p[0])
+        put_flushed(a, "team-a", p[0])
+        listed_age()
+        b.put(other, p[1], synthetic_kv(p[1]))  # the share is full: 4 objects, two engines' writes
+        b.flush()
+        listed_age()
+        share = a._tenancy.placement.decide(ns("team-a")).share
+        assert b._tenancy.placement.decide(other).share == share
+        assert a.tiers[0].share_bytes(share) == b.tiers[0].share_bytes(share) == 4 * SHARD
+        a.drop_dram()
+        assert torch.equal(a.get(ns("team-a"), p[0]), synthetic_kv(p[0]))  # read back from S3: now recent
+        age()
+        put_flushed(a, "team-a", p[2])  # past the share: the least recently used, p[1] (engine b's), goes
+        assert (held(a, "team-a"), held(a, "public"), sum(1 for _ in a.tiers[0].list(other.id))) == (4, 2, 0)
+        assert a.tiers[0].share_bytes(share) == 4 * SHARD
+        assert a.tiers[0].counters()["share_evictions"] == 2
+        names = [obj["Key"] for obj in a.tiers[0]._list(unique_prefix)]
+        assert any(n.startswith(f"{unique_prefix}shares/") for n in names)
+        assert not any("team-a" in n for n in names)
+    with KVStore.from_config(cfg) as c:  # a third engine finds what the share kept
+        assert c.get(other, p[1]) is None
+        for tenant, tokens in (("team-a", p[0]), ("team-a", p[2]), ("public", p[0])):
+            assert torch.equal(c.get(ns(tenant), tokens), synthetic_kv(tokens))
+
+
+def test_an_s3_share_sees_another_engines_writes_at_its_next_listing(s3_server, unique_prefix: str,
+                                                                     age) -> None:
+    """Between listings an engine counts only its own writes (the share can pass its quota by the others'); its
+    first put once the view is ``share_refresh_seconds`` old (10 s by default) lists the share and brings it back
+    under its quota, least recent first."""
+    p = [synthetic_tokens(70 + i, 2 * T) for i in range(4)]
+    cfg = s3_config(s3_server, unique_prefix, 4, share_refresh_seconds=10.0)
+    with KVStore.from_config(cfg) as a, KVStore.from_config(cfg) as b:
+        put_flushed(a, "team-a", p[0])  # a lists the share: empty
+        listed = time.monotonic()
+        listed_age()
+        put_flushed(b, "team-a", p[1])  # b lists: a's two objects and its own two
+        listed_age()  # (b's objects are listed to the second)
+        put_flushed(a, "team-a", p[2])  # a's view is not due: its own four objects, no eviction
+        assert time.monotonic() - listed < 10.0, "the machine is too slow for this test's timing"
+        assert held(a, "team-a") == 6
+        time.sleep(max(0.0, listed + 10.0 - time.monotonic()))
+        listed_age()
+        put_flushed(a, "team-a", p[3])  # listed again: p[0] (a's), then p[1] (b's) go
+        assert held(a, "team-a") == 4
+        assert a.tiers[0].counters()["share_evictions"] == 4
+        a.drop_dram()
+        assert a.get(ns("team-a"), p[0]) is None and a.get(ns("team-a"), p[1]) is None
+        for tokens in p[2:]:
+            assert torch.equal(a.get(ns("team-a"), tokens), synthetic_kv(tokens))
+
+
+def test_an_s3_share_listing_reads_the_servers_clock(s3_server, unique_prefix: str) -> None:
+    """The offset between the server's clock and this engine's comes from the listing's Date (botocore's
+    headers, as the server sends them): on one host it is under the Date's second."""
+    with KVStore.from_config(s3_config(s3_server, unique_prefix, 4)) as store:
+        names, offset = store.tiers[0]._share_members(quotas.share_id("rule0/nobody"))
+        assert names == [] and offset is not None and -1.5 < offset < 0.5
+
+
+def test_bad_s3_share_refresh_is_refused_naming_the_field(s3_server) -> None:
+    cfg = {"tiers": [{"type": "s3", "name": "shared", **s3_server.tier_options(), "share_refresh_seconds": -1}]}
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.share_refresh_seconds: must be a number of seconds >= 0, "
+                                          r"got -1"):
+        KVStore.from_config(cfg)
+
+
+def test_a_tenant_past_its_mooncake_share_evicts_its_own_least_recent_objects_whichever_engine_wrote_them(
+        mooncake_server, unique_prefix: str, age) -> None:
+    """As on S3, with no times from Mooncake: another engine's objects age from when this engine first listed
+    them; one engine evicts the other's objects; another tenant loses nothing."""
+    p = [synthetic_tokens(80 + i, 2 * T) for i in range(3)]
+    other = Namespace(model="m2", dtype="bfloat16", cache_salt="team-a")
+    cfg = mooncake_config(mooncake_server, unique_prefix, 4)
+    with KVStore.from_config(cfg) as a, KVStore.from_config(cfg) as b:
+        put_flushed(a, "public", p[0])
+        put_flushed(a, "team-a", p[0])
+        age()
+        b.put(other, p[1], synthetic_kv(p[1]))  # the share is full: 4 objects, two engines' writes
+        b.flush()
+        share = a._tenancy.placement.decide(ns("team-a")).share
+        assert a.tiers[0].share_bytes(share) == b.tiers[0].share_bytes(share) == 4 * SHARD  # a first sees b's
+        age()
+        a.drop_dram()
+        assert torch.equal(a.get(ns("team-a"), p[0]), synthetic_kv(p[0]))  # read back: now recent
+        age()
+        put_flushed(a, "team-a", p[2])  # past the share: the least recently used, p[1] (engine b's), goes
+        assert (held(a, "team-a"), held(a, "public"), sum(1 for _ in a.tiers[0].list(other.id))) == (4, 2, 0)
+        assert a.tiers[0].counters()["share_evictions"] == 2
+    with KVStore.from_config(cfg) as c:
+        assert c.get(other, p[1]) is None
+        for tenant, tokens in (("team-a", p[0]), ("team-a", p[2]), ("public", p[0])):
+            assert torch.equal(c.get(ns(tenant), tokens), synthetic_kv(tokens))
