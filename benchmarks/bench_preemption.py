@@ -21,7 +21,7 @@ from pathlib import Path
 from kvtier.bench.model import prepare_model
 from kvtier.sim.calibrate import load_calibration
 from kvtier.sim.scenario import Preemption, preemption, report
-from kvtier.sim.timing import Costs
+from kvtier.sim.timing import StepCosts
 from kvtier.sim.validate import measure
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -35,7 +35,7 @@ def main() -> int:
     args = parser.parse_args()
     calibration = load_calibration(args.calibration)
     scenario = Preemption(concurrency=tuple(int(n) for n in args.concurrency.split(",")))
-    predicted = preemption(Costs.from_calibration(calibration), scenario)
+    predicted = preemption(StepCosts.from_calibration(calibration), scenario)
     model = prepare_model()
     vocab = int(calibration["model"]["vocab_size"])
     rows = []

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import xxhash
 
-KEY_BYTES = 16
+DIGEST_BYTES = 16  # a namespace id, a chunk key, a tail key: blake2b digests of 128 bits
 LAYOUT_VERSION = 1
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -102,7 +102,7 @@ class Namespace:
         """A 128-bit hash of every field but ``inputs`` (keyed by ``name_key``); the root of this namespace's key
         chains."""
         blob = json.dumps(self._root_fields(), sort_keys=True).encode()
-        return hashlib.blake2b(blob, digest_size=KEY_BYTES, person=b"kvtier-ns", key=self.name_key).digest()
+        return hashlib.blake2b(blob, digest_size=DIGEST_BYTES, person=b"kvtier-ns", key=self.name_key).digest()
 
     @functools.cached_property
     def id(self) -> str:
@@ -148,7 +148,7 @@ def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.
     keys = []
     prev = namespace.digest
     for i in range(len(ids) // chunk_tokens):
-        h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=b"kvtier-chunk", key=namespace.name_key)
+        h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES, person=b"kvtier-chunk", key=namespace.name_key)
         h.update(ids[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes())
         if namespace.inputs:
             # After the fixed-length token bytes, so a chunk with inputs never hashes like one without.
@@ -177,7 +177,7 @@ def tail_keys(namespace: Namespace, parent: bytes, tokens: Sequence[int] | np.nd
         raise ValueError(f"tail lengths must be in [1, {len(ids)}], got {list(lengths)}")
     keys = []
     for n in lengths:
-        h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvtier-tail", key=namespace.name_key)
+        h = hashlib.blake2b(parent, digest_size=DIGEST_BYTES, person=b"kvtier-tail", key=namespace.name_key)
         h.update(struct.pack("<q", n))
         h.update(ids[:n].tobytes())
         if namespace.inputs:

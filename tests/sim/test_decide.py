@@ -15,7 +15,7 @@ from kvtier.sim.calibrate import load_calibration
 from kvtier.sim.card import generate, load_card
 from kvtier.sim.decide import FactsError, choose, crossing_share, decide, load_facts, print_decision, unique
 from kvtier.sim.deployment import load_deployment
-from kvtier.sim.timing import Costs, simulate
+from kvtier.sim.timing import StepCosts, simulate
 from kvtier.sim.trace import Request, Trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def trace(*requests: tuple[float, list[int]]) -> Trace:
     return Trace(tuple(Request(t * 1000, 4 * len(b), 1, tuple(b), len(b)) for t, b in requests), 4, "t")
 
 
-COSTS = Costs(a=0.1, b=0.01, c=0.0, d0=0.05, d1=0.0, kv_bytes_per_token=1000,
+COSTS = StepCosts(a=0.1, b=0.01, c=0.0, d0=0.05, d1=0.0, kv_bytes_per_token=1000,
               load={"dram": (0.001, 1e6), "shared": (0.01, 1e6)}, dram_store_bytes_per_s=1e9,
               store={"shared": 2e6})
 SHARED = load_deployment({"engine": {"kv_tokens": 68, "block_size": 4},

@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 from kvtier.sim.scenario import Preemption, preemption
-from kvtier.sim.timing import Costs
+from kvtier.sim.timing import StepCosts
 
 ROOT = Path(__file__).resolve().parents[2]
 CALIBRATION = ROOT / "benchmarks" / "results" / "calibration-2026-12-01.json"
 # Prefill dominated by attention, so recomputing a long prompt after a preemption is expensive.
-COSTS = Costs(a=0.01, b=1e-4, c=1e-6, d0=0.01, d1=1e-4, kv_bytes_per_token=1000, load={"dram": (0.0, 1e9)},
+COSTS = StepCosts(a=0.01, b=1e-4, c=1e-6, d0=0.01, d1=1e-4, kv_bytes_per_token=1000, load={"dram": (0.0, 1e9)},
               dram_store_bytes_per_s=1e9)
 
 

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from kvtier.sim.deployment import DeploymentError, load_deployment
-from kvtier.sim.timing import Costs, simulate
+from kvtier.sim.timing import StepCosts, simulate
 from kvtier.sim.trace import Request, Trace
 
 B = 4  # tokens per block
 # A step with a prefill: 0.1 s + 0.01 s a new token + 0.001 s a new token per token of context (n*(n + 2m));
 # a decode step: 0.05 s + 0.002 s per decoding request. Loads: DRAM 0.001 s + 1 MB/s, disk 0.01 s + 0.5 MB/s.
-COSTS = Costs(a=0.1, b=0.01, c=0.001, d0=0.05, d1=0.002, kv_bytes_per_token=1000,
+COSTS = StepCosts(a=0.1, b=0.01, c=0.001, d0=0.05, d1=0.002, kv_bytes_per_token=1000,
               load={"dram": (0.001, 1e6), "disk": (0.01, 5e5)}, dram_store_bytes_per_s=4e6)
 CHUNK = 1000 * B  # bytes per block
 

@@ -187,7 +187,7 @@ def _warn_mismatches(path: Path, calibration: dict, model: Path | None = None) -
 def _scenario(args: argparse.Namespace) -> int:
     from kvtier.sim import scenario
     from kvtier.sim.calibrate import load_calibration
-    from kvtier.sim.timing import Costs
+    from kvtier.sim.timing import StepCosts as Costs  # (renamed: router.config.Costs is the other)
 
     if args.calibration is None or args.deployment is not None:
         return refuse("--scenario takes --calibration (and no --deployment: the scenario has its own)")

@@ -58,7 +58,10 @@ class Flight:
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
+class RouteDecision:
+    """One engine the policy would send a request to, with why and what it predicts there (named apart from
+    :class:`kvtier.placement.Decision`, which says where a namespace's KV may be stored)."""
+
     engine: str
     reason: str  # prefix | load | no_prefix | round_robin | session | unindexed
     match: Match
@@ -135,7 +138,7 @@ class Router:
                             cache_salt=prompt.cache_salt)
 
     def decide(self, prompt: Prompt | None, session: str | None = None,
-               keys: Sequence[bytes] | None = None) -> list[Decision]:
+               keys: Sequence[bytes] | None = None) -> list[RouteDecision]:
         """Healthy engines in the order to try them; empty when none is healthy. ``keys``: the prompt's block
         keys, when the caller has them already."""
         names = self.healthy()
@@ -180,7 +183,7 @@ class Router:
                       else "prefix" if first == best_blocks else "load")
         return [dataclasses.replace(costed[n], reason=reason if i == 0 else "retry") for i, n in enumerate(order)]
 
-    def _cost(self, name: str, match: Match, n_tokens: int, now: float) -> Decision:
+    def _cost(self, name: str, match: Match, n_tokens: int, now: float) -> RouteDecision:
         """The engine's predicted TTFT for a prompt of ``n_tokens`` of which ``match`` is cached (reason unset)."""
         engine = self.engines[name]
         bs = self.config.block_size
@@ -203,7 +206,7 @@ class Router:
         queued, decoding = engine.load(now)
         wait = queued + decoding * engine.decode_s
         seconds = wait + engine.base_s + uncached * self.prefill_rate(engine) + load_s
-        return Decision(engine=name, reason="", match=match, predicted_cached=cached, predicted_s=seconds,
+        return RouteDecision(engine=name, reason="", match=match, predicted_cached=cached, predicted_s=seconds,
                         uncached=uncached, load_s=load_s, wait_s=wait, queued_s=queued, decoding=decoding)
 
     def prefill_rate(self, engine: EngineState) -> float:
@@ -215,7 +218,7 @@ class Router:
         return sum(known) / len(known) / engine.weight if known else engine.prefill_s_per_token
 
     # --- the request's life ---------------------------------------------------------------------------------
-    def started(self, decision: Decision, keys: Sequence[bytes]) -> int:
+    def started(self, decision: RouteDecision, keys: Sequence[bytes]) -> int:
         """Account the request on its engine at once; returns its flight id."""
         engine = self.engines[decision.engine]
         flight_id = next(self._ids)

@@ -26,7 +26,7 @@ from kvtier.router.config import RouterConfig
 from kvtier.router.engines import Engines
 from kvtier.router.guards import BodyBudget, BodyTooLarge, BudgetSpent, Charge, PoolFull, WorkerPool, read_body
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.policy import Decision, Router
+from kvtier.router.policy import RouteDecision, Router
 from kvtier.router.reading import Read, Reader, Unreadable
 from kvtier.router.wire import EventCutter, error_reply, forwarded, reply_headers, sse_error
 
@@ -181,7 +181,7 @@ class Proxy:
         return cap if longest is None else min(cap, longest)
 
     # --- sending ----------------------------------------------------------------------------------------------
-    async def _send(self, request: web.Request, raw: bytes, headers: dict[str, str], decision: Decision,
+    async def _send(self, request: web.Request, raw: bytes, headers: dict[str, str], decision: RouteDecision,
                     keys: list[bytes], stream: bool, t0: float) -> web.StreamResponse:
         """One attempt on one engine. Raises :class:`_Upstream` when the engine fails before the client got a
         byte (a whole answer, when not streaming): the caller tries the next engine."""
@@ -196,7 +196,7 @@ class Proxy:
                 span.set_attribute("http.status_code", reply.status)
             return reply
 
-    async def _attempt(self, request: web.Request, raw: bytes, headers: dict[str, str], decision: Decision,
+    async def _attempt(self, request: web.Request, raw: bytes, headers: dict[str, str], decision: RouteDecision,
                        keys: list[bytes], stream: bool, t0: float) -> web.StreamResponse:
         name = decision.engine
         attempt = time.monotonic()
@@ -319,7 +319,7 @@ class Proxy:
             raise _Upstream("the answer ended before its first byte")
         return first
 
-    def _compare(self, decision: Decision, tail: bytes) -> None:
+    def _compare(self, decision: RouteDecision, tail: bytes) -> None:
         """Predicted cached tokens against the engine's own count, when its answer reports one."""
         found = _USAGE.findall(tail)
         if not found:
@@ -333,7 +333,7 @@ class Proxy:
         self.metrics.predictions.labels(name, outcome).inc()
 
 
-def _describe(span: object, decisions: list[Decision]) -> None:
+def _describe(span: object, decisions: list[RouteDecision]) -> None:
     """A decision span's attributes: the engines in the order tried, each one's predicted cost, and the reason."""
     span.set_attributes({  # type: ignore[attr-defined]
         "candidates": [d.engine for d in decisions],

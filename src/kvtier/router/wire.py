@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from kvtier.router.policy import Decision
+from kvtier.router.policy import RouteDecision
 
 HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
        "proxy-authorization", "proxy-authenticate", "accept-encoding"}
@@ -41,7 +41,7 @@ def forwarded(incoming: Mapping[str, str], request_id: str) -> dict[str, str]:
     return headers
 
 
-def reply_headers(upstream: Mapping[str, str], decision: Decision, request_id: str,
+def reply_headers(upstream: Mapping[str, str], decision: RouteDecision, request_id: str,
                   explain: bool) -> dict[str, str]:
     hop = hop_by_hop(upstream, HOP | {"date", "server", "x-request-id"})
     headers = {k: v for k, v in upstream.items() if k.lower() not in hop}

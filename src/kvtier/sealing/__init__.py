@@ -28,10 +28,10 @@ on disk), ``_sealer`` (tenant keys, sealing and opening, the watch for forgotten
 """
 
 from kvtier.sealing._keyring import Keyring
-from kvtier.sealing._master_keys import (KEY_BYTES, PROVIDERS, EncryptionConfig, KeyProvider, load_key,
+from kvtier.sealing._master_keys import (PROVIDERS, SECRET_BYTES, EncryptionConfig, KeyProvider, load_key,
                                          parse_encryption, parse_key, write_key_file)
 from kvtier.sealing._sealer import Sealer, Tenant, UnrecordedNamespace, key_id, object_key, tenant_key
 
-__all__ = ["KEY_BYTES", "PROVIDERS", "EncryptionConfig", "KeyProvider", "Keyring", "Sealer", "Tenant",
+__all__ = ["PROVIDERS", "SECRET_BYTES", "EncryptionConfig", "KeyProvider", "Keyring", "Sealer", "Tenant",
            "UnrecordedNamespace", "key_id", "load_key", "object_key", "parse_encryption", "parse_key", "tenant_key",
            "write_key_file"]

@@ -10,7 +10,7 @@ import stat
 from collections.abc import Iterator
 
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.sealing._master_keys import KEY_BYTES, owned_privately
+from kvtier.sealing._master_keys import SECRET_BYTES, owned_privately
 
 _NAME = re.compile(r"t-[0-9a-f]{32}")
 _TENANT_FILE = re.compile(r"t-[0-9a-f]{32}(\.ns|\.ns\.forgetting|\.forgotten)?")  # a secret, its lists, a tombstone
@@ -94,11 +94,11 @@ class Keyring:
         except FileNotFoundError:
             return None
         try:
-            value = os.read(fd, KEY_BYTES + 1)
+            value = os.read(fd, SECRET_BYTES + 1)
         finally:
             os.close(fd)
-        if len(value) != KEY_BYTES:
-            raise KVTierError(f"keyring {self.path}: {name} holds {len(value)} bytes, not a {KEY_BYTES}-byte secret")
+        if len(value) != SECRET_BYTES:
+            raise KVTierError(f"keyring {self.path}: {name} holds {len(value)} bytes, not a {SECRET_BYTES}-byte secret")
         return value
 
     def _create_or_read(self, name: str) -> bytes:
@@ -109,7 +109,7 @@ class Keyring:
             tmp = os.path.join(self.path, f".tmp-{os.getpid()}-{os.urandom(6).hex()}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
-                os.write(fd, os.urandom(KEY_BYTES))
+                os.write(fd, os.urandom(SECRET_BYTES))
                 os.fsync(fd)
                 try:
                     os.link(tmp, os.path.join(self.path, name))

@@ -16,7 +16,7 @@ from kvtier._config_values import unknown_key
 from kvtier.errors import ConfigError
 from kvtier.registry import Registry
 
-KEY_BYTES = 32
+SECRET_BYTES = 32  # a master key, a tenant secret, a tenant key: 256 bits each
 
 
 class KeyProvider:
@@ -95,7 +95,7 @@ def parse_key(text: bytes, where: str) -> bytes:
             key = decode(value.decode("ascii"))
         except (ValueError, binascii.Error, UnicodeDecodeError):
             continue
-        if len(key) == KEY_BYTES:
+        if len(key) == SECRET_BYTES:
             return key
     raise ConfigError(f"{where}: not a 256-bit key (64 hex digits or base64 of 32 bytes; `kvtier keygen FILE` "
                       "writes one)")
@@ -138,7 +138,7 @@ def load_key(source: str, field: str, options: Mapping[str, Any]) -> bytes:
         # Its message is not shown: a client's error may quote its credentials. It is chained for a traceback.
         raise ConfigError(f"{field}: key provider {path} failed: {type(exc).__name__} (message withheld: it may "
                           f"hold credentials)") from exc
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+    if not isinstance(key, bytes) or len(key) != SECRET_BYTES:
         raise ConfigError(f"{field}: key provider {path} returned {type(key).__name__}, not 32 bytes")
     return key
 
@@ -147,7 +147,7 @@ def write_key_file(path: str) -> None:
     """A new random master key in a new file (mode 0600, never overwriting one), as 64 hex digits."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, os.urandom(KEY_BYTES).hex().encode() + b"\n")
+        os.write(fd, os.urandom(SECRET_BYTES).hex().encode() + b"\n")
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from kvtier import frame, threads
 from kvtier.errors import KVTierError, SealError
 from kvtier.sealing._keyring import Keyring
-from kvtier.sealing._master_keys import KEY_BYTES, EncryptionConfig, load_key
+from kvtier.sealing._master_keys import SECRET_BYTES, EncryptionConfig, load_key
 
 if TYPE_CHECKING:
     from kvtier.keys import Namespace, ShardKey
@@ -39,7 +39,7 @@ def key_id(tenant_key: bytes) -> bytes:
 
 
 def tenant_key(master: bytes, secret: bytes, tenant: str) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=secret,
+    return HKDF(algorithm=hashes.SHA256(), length=SECRET_BYTES, salt=secret,
                 info=b"kvtier tenant key v1/" + tenant.encode()).derive(master)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.sim.timing import Costs
+from kvtier.sim.timing import StepCosts
 
 def lengths(chunk_tokens: int) -> list[float]:
     """Prompts of whole chunks from one chunk to 16K tokens, about four an octave: a prompt asked again, so
@@ -19,11 +19,11 @@ def lengths(chunk_tokens: int) -> list[float]:
     return [float(n) for n in grid if n <= 16384]
 
 
-def recompute_s(costs: Costs, n: float) -> float:
+def recompute_s(costs: StepCosts, n: float) -> float:
     return costs.a + costs.chunk(int(n), 0)
 
 
-def served_s(costs: Costs, tier: str | None, n: float, chunk_tokens: int) -> float:
+def served_s(costs: StepCosts, tier: str | None, n: float, chunk_tokens: int) -> float:
     """TTFT with the prompt's whole chunks (the last token never) from ``tier`` (None: the engine's own cache)."""
     hit = int((n - 1) // chunk_tokens) * chunk_tokens
     rest = int(n) - hit
@@ -34,7 +34,7 @@ def served_s(costs: Costs, tier: str | None, n: float, chunk_tokens: int) -> flo
     return load + costs.a + costs.chunk(rest, hit)
 
 
-def break_even(costs: Costs, tier: str, chunk_tokens: int, grid: list[float] | None = None) -> int | None:
+def break_even(costs: StepCosts, tier: str, chunk_tokens: int, grid: list[float] | None = None) -> int | None:
     """The shortest prompt (of ``grid``) from which the tier's TTFT stays below recompute's; None if never."""
     found = None
     for n in reversed(grid if grid is not None else lengths(chunk_tokens)):
@@ -45,12 +45,12 @@ def break_even(costs: Costs, tier: str, chunk_tokens: int, grid: list[float] | N
     return found
 
 
-def needed_bandwidth(costs: Costs, n: float) -> float:
+def needed_bandwidth(costs: StepCosts, n: float) -> float:
     """Bytes per second a tier must deliver to load a prompt of ``n`` tokens faster than it is computed."""
     return n * costs.kv_bytes_per_token / max(costs.chunk(int(n), 0), 1e-12)
 
 
-def table(costs: Costs, chunk_tokens: int) -> dict[str, Any]:
+def table(costs: StepCosts, chunk_tokens: int) -> dict[str, Any]:
     tiers = list(costs.load)
     grid = lengths(chunk_tokens)
     return {

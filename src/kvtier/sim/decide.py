@@ -43,8 +43,8 @@ from kvtier.eviction import POLICIES
 from kvtier.sim import breakeven
 from kvtier.sim.card import Card, Workload, generate
 from kvtier.sim.cache import infinite, lru_curve
-from kvtier.sim.deployment import ENGINE_KEYS, Deployment, EngineSpec, KVTierSpec, TierSpec, engine_spec, tier_specs
-from kvtier.sim.timing import Costs, simulate
+from kvtier.sim.deployment import ENGINE_KEYS, Deployment, EngineSpec, KVTierSpec, TierCapacity, engine_spec, tier_specs
+from kvtier.sim.timing import StepCosts, simulate
 from kvtier.sim.trace import Request, Trace
 
 PAYS = 0.05
@@ -67,7 +67,7 @@ class Facts:
     routing: str = "session"
     disk_bytes: int | None = None
     disk_tier: str = "filesystem"
-    shared: tuple[TierSpec, ...] = ()
+    shared: tuple[TierCapacity, ...] = ()
     policy: str = "prefix_lru"
     block_tokens: int | None = None
 
@@ -138,7 +138,8 @@ def unique(parts: list[Trace]) -> list[Trace]:
     return out
 
 
-def run_option(parts: list[Trace], deployment: Deployment, costs: Costs, shared: str | None = None) -> dict[str, Any]:
+def run_option(parts: list[Trace], deployment: Deployment, costs: StepCosts, shared: str | None = None
+               ) -> dict[str, Any]:
     """Time every engine's share of the requests, and put the results together.
 
     With a shared tier and several engines, each engine is timed once to learn when it writes each block to the
@@ -206,7 +207,7 @@ def _windows(logs: list[dict[int, float]], capacity: int | None) -> list[dict[in
 
 def deployments(facts: Facts) -> dict[str, tuple[Deployment, str | None]]:
     """The options: each one's deployment of every engine, and the tier it shares (if any)."""
-    local = (TierSpec(facts.disk_tier, facts.disk_bytes),) if facts.disk_bytes else ()
+    local = (TierCapacity(facts.disk_tier, facts.disk_bytes),) if facts.disk_bytes else ()
     out: dict[str, tuple[Deployment, str | None]] = {
         "none": (Deployment(facts.engine), None),
         "local": (Deployment(facts.engine, KVTierSpec(facts.dram_bytes, facts.policy, local)), None)}
@@ -280,7 +281,7 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
         if log is not None:
             log(msg)
 
-    costs = Costs.from_calibration(calibration)
+    costs = StepCosts.from_calibration(calibration)
     bt = facts.block_tokens or int(calibration["model"].get("chunk_tokens") or 256)
     for name in [*(t.name for t in facts.shared), *([facts.disk_tier] if facts.disk_bytes else [])]:
         if name not in costs.load:
@@ -338,7 +339,7 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
     return result
 
 
-def size_grid(parts: list[Trace], local: Deployment, disk_tier: str, disk_bytes: int | None, costs: Costs
+def size_grid(parts: list[Trace], local: Deployment, disk_tier: str, disk_bytes: int | None, costs: StepCosts
               ) -> dict[str, Any]:
     """Engine-local offloading's TTFT p90 over DRAM sizes (an eighth to four times ``local``'s) by sizes of the
     disk tier (none, and a sixteenth to all of ``disk_bytes``, or of the trace's footprint when it is None)."""
@@ -352,7 +353,7 @@ def size_grid(parts: list[Trace], local: Deployment, disk_tier: str, disk_bytes:
         disks += sorted({max(chunk_bytes, int(top * f)) for f in (0.0625, 0.25, 1)})
     p90 = []
     for disk in disks:
-        tiers = (TierSpec(disk_tier, disk),) if disk else ()
+        tiers = (TierCapacity(disk_tier, disk),) if disk else ()
         row = []
         for dram in drams:
             kv = dataclasses.replace(local.kvtier, dram_bytes=dram, tiers=tiers)

@@ -44,7 +44,9 @@ class EngineSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class TierSpec:
+class TierCapacity:
+    """A calibrated tier, by name, and the bytes it holds (None: unbounded)."""
+
     name: str
     capacity_bytes: int | None = None
 
@@ -53,7 +55,7 @@ class TierSpec:
 class KVTierSpec:
     dram_bytes: int
     policy: str = "prefix_lru"
-    tiers: tuple[TierSpec, ...] = ()
+    tiers: tuple[TierCapacity, ...] = ()
     page_bytes: int = 2**20
 
 
@@ -103,7 +105,7 @@ def engine_spec(engine: Mapping[str, Any], field: str, fields: FieldReader | Non
         block_size=f.int(engine, "block_size", field, default=128, maximum=4096))
 
 
-def tier_specs(tiers: Any, field: str, fields: FieldReader | None = None) -> tuple[TierSpec, ...]:
+def tier_specs(tiers: Any, field: str, fields: FieldReader | None = None) -> tuple[TierCapacity, ...]:
     """A list of ``{name, capacity_bytes}``: tiers of the calibration, in lookup order."""
     f = fields or _FIELDS
     if not isinstance(tiers, list):
@@ -113,7 +115,7 @@ def tier_specs(tiers: Any, field: str, fields: FieldReader | None = None) -> tup
         entry = f.mapping(tier, f"{field}[{i}]", ("name", "capacity_bytes"))
         if not isinstance(entry.get("name"), str) or not entry["name"]:
             raise f.error(f"{field}[{i}].name: expected the name of a calibrated tier")
-        specs.append(TierSpec(entry["name"], f.size(entry, "capacity_bytes", f"{field}[{i}]", required=False)))
+        specs.append(TierCapacity(entry["name"], f.size(entry, "capacity_bytes", f"{field}[{i}]", required=False)))
     if len({t.name for t in specs}) != len(specs):
         raise f.error(f"{field}: names must differ")
     return tuple(specs)

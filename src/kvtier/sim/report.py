@@ -97,9 +97,9 @@ def _plot(trace: Trace, caps: Sequence[int], table: dict[str, dict[int, HitCount
 def timing_report(trace: Trace, deployment, calibration: dict, out: Path, plot: bool = True) -> dict:
     """Run the timing layer with the deployment as described and, when it has kvtier, without; write
     ``timing.json``, ``requests.csv`` and ``ttft_cdf.png`` under ``out``; print a summary."""
-    from kvtier.sim.timing import Costs, simulate
+    from kvtier.sim.timing import StepCosts, simulate
 
-    costs = Costs.from_calibration(calibration)
+    costs = StepCosts.from_calibration(calibration)
     runs = {"kvtier": deployment} if deployment.kvtier is not None else {}
     runs["engine_alone"] = deployment.without_kvtier()
     results = {}

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.sim.deployment import Deployment, EngineSpec, KVTierSpec
-from kvtier.sim.timing import Costs, simulate
+from kvtier.sim.timing import StepCosts, simulate
 from kvtier.sim.trace import Request, Trace
 
 PAYS = 0.05
@@ -48,7 +48,7 @@ class Preemption:
         return Deployment(engine, KVTierSpec(self.dram_bytes) if kvtier else None)
 
 
-def preemption(costs: Costs, scenario: Preemption | None = None) -> dict[str, Any]:
+def preemption(costs: StepCosts, scenario: Preemption | None = None) -> dict[str, Any]:
     s = scenario or Preemption()
     rows = []
     for n in s.concurrency:

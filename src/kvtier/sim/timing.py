@@ -37,8 +37,9 @@ from kvtier.sim.trace import Trace
 
 
 @dataclasses.dataclass(frozen=True)
-class Costs:
-    """The calibration's fits, as the timing layer uses them."""
+class StepCosts:
+    """The calibration's fits, as the timing layer uses them: what a step's prefill chunks and decodes cost, and
+    its loads and copies per tier (not :class:`kvtier.router.config.Costs`, the router's cost model)."""
 
     a: float
     b: float
@@ -52,7 +53,7 @@ class Costs:
     shared_cpu: bool = False  # the engine computes on the CPU: background tier writes take its cores' time
 
     @classmethod
-    def from_calibration(cls, cal: dict[str, Any]) -> Costs:
+    def from_calibration(cls, cal: dict[str, Any]) -> StepCosts:
         tiers = cal["tiers"]
         dram = tiers.get("dram", {})
         store = (dram.get("streams") or [{}])[0].get("store_bytes_per_s") or dram.get("bandwidth_bytes_per_s", 1e10)
@@ -139,7 +140,7 @@ class _Pool:
 _NEVER = (float("inf"), float("inf"))
 
 
-def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | None = None,
+def simulate(trace: Trace, deployment: Deployment, costs: StepCosts, shared: str | None = None,
              elsewhere: Mapping[int, tuple[float, float]] | None = None, store_log: dict[int, float] | None = None
              ) -> dict[str, Any]:
     """Replay ``trace``; returns per-request rows and aggregates.
@@ -152,7 +153,7 @@ def simulate(trace: Trace, deployment: Deployment, costs: Costs, shared: str | N
     return _Replay(trace, deployment, costs, shared, elsewhere, store_log).run()
 
 
-def _caches(deployment: Deployment, costs: Costs, chunk_bytes: int
+def _caches(deployment: Deployment, costs: StepCosts, chunk_bytes: int
             ) -> tuple[BlockCache | None, list[tuple[str, BlockCache]] | None]:
     """kvtier's DRAM and its secondary tiers' caches, in lookup order (None, None: no kvtier)."""
     kv = deployment.kvtier
@@ -175,7 +176,7 @@ class _Replay:
     it: each step plans (:meth:`_plan`: the running requests, then the waiting ones it admits, with their
     loads), is timed and stores what finished its prefill (:meth:`_step`), then advances every planned request."""
 
-    def __init__(self, trace: Trace, deployment: Deployment, costs: Costs, shared: str | None,
+    def __init__(self, trace: Trace, deployment: Deployment, costs: StepCosts, shared: str | None,
                  elsewhere: Mapping[int, tuple[float, float]] | None, store_log: dict[int, float] | None) -> None:
         self.costs, self.shared, self.elsewhere, self.store_log = costs, shared, elsewhere, store_log
         self.bt = bt = trace.block_tokens
@@ -416,7 +417,7 @@ class _Replay:
 
 
 def _summary(reqs: list[_Request], end: float, preemptions: int, steps: int, stored: dict[str, int],
-             loaded: dict[str, int], costs: Costs, bt: int) -> dict[str, Any]:
+             loaded: dict[str, int], costs: StepCosts, bt: int) -> dict[str, Any]:
     ttft = np.array([r.ttft for r in reqs], dtype=float)
     span = max(end - reqs[0].arrival, 1e-9)
     avoided = sum(costs.chunk(sum(r.loaded.values()), r.engine_hit) for r in reqs)

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvtier.errors import KVTierError
 from kvtier.sim.deployment import Deployment
-from kvtier.sim.timing import Costs, simulate
+from kvtier.sim.timing import StepCosts, simulate
 from kvtier.sim.trace import Trace
 
 BUCKETS = ((0, 1024, "<1K"), (1024, 4096, "1-4K"), (4096, 8192, "4-8K"), (8192, 10**12, ">=8K"))
@@ -234,7 +234,7 @@ def validate(trace: Trace, deployment: Deployment, calibration: dict[str, Any], 
     def log(msg: str) -> None:
         print(f"validate: {msg}", file=sys.stderr, flush=True)
 
-    predicted = simulate(trace, deployment, Costs.from_calibration(calibration))
+    predicted = simulate(trace, deployment, StepCosts.from_calibration(calibration))
     if predicted["refused"]:
         raise KVTierError(f"engine.kv_tokens: {predicted['refused']} requests do not fit the engine's KV space; "
                           "validate needs every request served")
