@@ -55,8 +55,8 @@ def test_the_skip_reasons_declared_at_zero_are_those_the_connector_raises() -> N
     import re
     from pathlib import Path
 
-    from kvtier.integrations import _vllm_namespace
-    from kvtier.integrations._vllm_shared import SKIP_REASONS
+    from kvtier.integrations.vllm import _namespace as _vllm_namespace
+    from kvtier.integrations.vllm._shared import SKIP_REASONS
 
     raised = set(re.findall(r'Skip\("(\w+)"', Path(_vllm_namespace.__file__).read_text()))
     assert raised == set(SKIP_REASONS)

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvtier import KVStore
-from kvtier.integrations._vllm_shared import ConnectorMetrics
+from kvtier.integrations.vllm._shared import ConnectorMetrics
 from kvtier.metrics import StoreMetrics
 from kvtier.router.metrics import RouterMetrics
 

@@ -65,7 +65,7 @@ def test_cpu_and_flash_hold_the_same_kv() -> None:
 
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="unknown KV layout 'paged'; known: cpu, flash"):
-        gather(make_caches("cpu"), [0], "paged")  # type: ignore[arg-type]
+        gather(make_caches("cpu"), [0], "paged")  # type: ignore[arg-type] # an unknown layout, on purpose
     with pytest.raises(ValueError, match="1 chunks after skipping 0 tokens fill 1 blocks; got 2 block ids"):
         scatter_chunks(torch.zeros(1, LAYERS, 2, HEADS, 16, DIM), make_caches("cpu"), [0, 1], "cpu")
     with pytest.raises(ValueError, match="whole 16-token blocks"):

@@ -149,12 +149,12 @@ def _pieces(ids: list[int], per: int, first: int) -> list[_Piece]:
 
 def _chunk_blocks(kv: torch.Tensor, layer: int, per: int, bs: int) -> torch.Tensor:
     """One layer of ``[count, layers, 2, H, chunk, D]`` chunks as ``[count, per, 2, H, bs, D]`` blocks (a view)."""
-    return kv[:, layer].unflatten(3, (per, bs)).permute(0, 3, 1, 2, 4, 5)
+    return torch.unflatten(kv[:, layer], 3, (per, bs)).permute(0, 3, 1, 2, 4, 5)
 
 
 def _cache_span(blocks: torch.Tensor, piece: _Piece, per: int) -> torch.Tensor:
     span = blocks[piece.dest:piece.dest + piece.blocks]
-    return span.unflatten(0, (piece.chunks, per)) if piece.chunks else span
+    return torch.unflatten(span, 0, (piece.chunks, per)) if piece.chunks else span
 
 
 def _chunk_span(chunks: torch.Tensor, piece: _Piece) -> torch.Tensor:
@@ -192,7 +192,7 @@ def gather_chunks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | tor
         blocks = _as_canonical_blocks(cache, layout)  # [blocks, 2, H, bs, D]
         dst = _chunk_blocks(out, layer, per, bs)  # [count, per, 2, H, bs, D]
         if idx is not None:
-            dst[:whole].copy_(blocks.index_select(0, idx[:whole * per]).unflatten(0, (whole, per)))
+            dst[:whole].copy_(torch.unflatten(blocks.index_select(0, idx[:whole * per]), 0, (whole, per)))
             if rest:
                 dst[whole, :rest].copy_(blocks.index_select(0, idx[whole * per:]))
         for piece in pieces:

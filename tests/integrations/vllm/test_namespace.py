@@ -21,10 +21,10 @@ from vllm.lora.request import LoRARequest
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm import KVTierConnector, shared_store
-from tests.integrations.mini_engine import MiniEngine, kv_cache_config, request, vllm_config
+from tests.integrations.vllm.mini_engine import MiniEngine, kv_cache_config, request, vllm_config
 
 Engines = Callable[..., MiniEngine]
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
 TOKENS = np.random.default_rng(1).integers(0, 512, 600).tolist()  # 2 whole chunks, no tail
 
@@ -66,7 +66,7 @@ def test_lora_adapters_are_named_by_their_files_not_their_name_or_path(engines: 
     assert mini.prefill(request("changed", TOKENS, lora=LoRARequest("adapter-a", 3, str(a)))).hit == 0
     missing = mini.prefill(request("missing", TOKENS, lora=LoRARequest("gone", 4, str(tmp_path / "gone"))))
     assert missing.hit == 0 and not missing.meta.saves
-    stats = shared_store(store_cfg).stats()["_store"]  # type: ignore[union-attr]
+    stats = shared_store(store_cfg).stats()["_store"]  # type: ignore[union-attr] # the engine opened it
     assert stats["connector_skipped_requests_total{reason=lora_unresolved}"] == 1
 
 
@@ -113,8 +113,8 @@ def test_a_hub_model_is_named_by_its_cached_snapshot_or_refused(engines: Engines
 _OTHER_PROCESS = """
 import sys
 sys.path.insert(0, {root!r})
-from tests.integrations.mini_engine import MiniEngine, request, vllm_config
-from tests.integrations.test_vllm_namespace import LINEAR_ROPE, TOKENS
+from tests.integrations.vllm.mini_engine import MiniEngine, request, vllm_config
+from tests.integrations.vllm.test_namespace import LINEAR_ROPE, TOKENS
 mini = MiniEngine(vllm_config({model!r}, {store!r}, hf_overrides=LINEAR_ROPE, kv_cache_dtype="fp8"))
 assert mini.prefill(request("writer", TOKENS, salt="t", images=[(300, 100, "img")])).meta.saves
 mini.shutdown()

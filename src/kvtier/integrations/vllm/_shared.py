@@ -18,6 +18,7 @@ from pathlib import Path
 from prometheus_client import Counter, Histogram
 
 from kvtier.config import load_config
+from kvtier.health import FirstOfKind
 from kvtier.store import KVStore
 
 log = logging.getLogger("kvtier.integrations.vllm")
@@ -26,7 +27,7 @@ _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
          "update_connector_output", "request_finished", "start_load_kv", "wait_for_save",
          "build_connector_worker_meta")
-# Why a request may be neither looked up nor saved (kvtier.integrations._vllm_namespace.Skip's reasons).
+# Why a request may be neither looked up nor saved (kvtier.integrations.vllm._namespace.Skip's reasons).
 SKIP_REASONS = ("prompt_embeds", "multimodal_unhashed", "lora_unresolved")
 # What a contained failure of each hook costs: said once in the log, so an operator knows what happened.
 _CONSEQUENCE = {
@@ -73,20 +74,12 @@ class ConnectorMetrics:
             self.async_lookups.labels(outcome)
         for reason in SKIP_REASONS:
             self.skipped.labels(reason)
-        self._logged: set[tuple[str, ...]] = set()
-        self._lock = threading.Lock()
-
-    def _first(self, kind: tuple[str, ...]) -> bool:
-        with self._lock:
-            if kind in self._logged:
-                return False
-            self._logged.add(kind)
-            return True
+        self._logged = FirstOfKind()
 
     def error(self, hook: str, exc: BaseException, request_id: str | None = None) -> None:
         """Count a contained exception; log the first of its kind (hook and exception type) with its traceback."""
         self.errors.labels(hook).inc()
-        if self._first((hook, type(exc).__name__)):
+        if self._logged.first(hook, type(exc).__name__):
             log.warning("kvtier: %s failed%s (%s: %s); contained: %s. Further %s failures in %s are counted "
                         "(kvtier_connector_errors_total), not logged", hook,
                         f" for request {request_id}" if request_id else "", type(exc).__name__, exc,
@@ -95,7 +88,7 @@ class ConnectorMetrics:
     def skip(self, reason: str, detail: str, request_id: str) -> None:
         """Count a request left alone; log the first one of each reason."""
         self.skipped.labels(reason).inc()
-        if self._first(("skip", reason)):
+        if self._logged.first("skip", reason):
             log.warning("kvtier: request %s is neither looked up nor saved: %s (further such requests are "
                         "counted in kvtier_connector_skipped_requests_total{reason=%r}, not logged)",
                         request_id, detail, reason)

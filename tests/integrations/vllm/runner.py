@@ -1,7 +1,7 @@
-"""Runs one vLLM engine (in-process, CPU) through a list of steps; used by test_vllm.py in a subprocess.
+"""Runs one vLLM engine (in-process, CPU) through a list of steps; test_connector_engine.py runs it in a subprocess.
 
 vLLM keeps one KV connector per process, so every engine under test gets a process of its own.
-Usage: python vllm_runner.py MODEL_DIR CONFIG_JSON_OR_null STEPS_JSON [ENGINE_OVERRIDES_JSON]; prints one
+Usage: python runner.py MODEL_DIR CONFIG_JSON_OR_null STEPS_JSON [ENGINE_OVERRIDES_JSON]; prints one
 ``RESULT <json>`` line.
 """
 
@@ -23,7 +23,7 @@ from kvtier.integrations.vllm import shared_store
 
 def engine_args(model_dir: str, config: dict | None, **overrides: object) -> dict:
     """``overrides`` are the engine's arguments, but ``kvtier_extra``: more of the connector's extra config."""
-    extra = dict(overrides.pop("kvtier_extra", None) or {})  # type: ignore[call-overload]
+    extra = dict(overrides.pop("kvtier_extra", None) or {})  # type: ignore[call-overload] # a dict from JSON
     args = {"model": model_dir, "skip_tokenizer_init": True, "enforce_eager": True, "enable_prefix_caching": False,
             "max_model_len": 2048, "num_gpu_blocks_override": 64, "dtype": "bfloat16", "block_size": 128,
             "gpu_memory_utilization": 0.3}  # on CPU: the share of host memory vLLM may claim
@@ -73,7 +73,8 @@ def run(model_dir: str, config: dict | None, steps: list[dict], overrides: dict)
             patch_store(store, step["failures"])
             results.append(sorted(step["failures"]))
         elif op == "corrupt_first_file":  # flip one payload byte of the first chunk file on disk
-            victim = sorted(Path(config["tiers"][0]["path"]).rglob("*.kv"))[0]  # type: ignore[index]
+            tier = config["tiers"][0]  # type: ignore[index] # a corrupting step runs with a config
+            victim = sorted(Path(tier["path"]).rglob("*.kv"))[0]
             blob = bytearray(victim.read_bytes())
             blob[-7] ^= 0x40
             victim.write_bytes(blob)

@@ -3,10 +3,10 @@
 Per request it looks up the whole chunks beyond vLLM's own prefix-cache hit (and a tail: the prompt's whole
 blocks after its last whole chunk, see :func:`kvtier.keys.tail_keys`), plans a load into the blocks vLLM
 allocated for them, and plans one save of the prompt's whole chunks and tail once the step that computes the
-last of them runs. The plans reach the workers as :class:`KVTierMetadata`; what a worker reports back (blocks whose
-load failed) re-plans a save. Which chunks a save really writes is the worker's call (``store.held``), since
-only it sees the DRAM its loads filled. Lookups also count the chunks the workers report their DRAM holds
-(:mod:`kvtier.integrations._vllm_dram_index`): in vLLM's API server that DRAM is in other processes.
+last of them runs. The plans reach the workers as :class:`KVTierMetadata` (:mod:`._wire`); what a worker reports
+back (blocks whose load failed) re-plans a save. Which chunks a save really writes is the worker's call
+(``store.held``), since only it sees the DRAM its loads filled. Lookups also count the chunks the workers report
+their DRAM holds (:mod:`._dram_index`): in vLLM's API server that DRAM is in other processes.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
 from kvtier import tracing
-from kvtier.integrations._vllm_dram_index import KVTierWorkerMetadata, WorkerDram
-from kvtier.integrations._vllm_events import KVEvents
-from kvtier.integrations._vllm_lookups import Lookups
-from kvtier.integrations._vllm_namespace import Namespaces, Skip
-from kvtier.integrations._vllm_shared import ConnectorMetrics
+from kvtier.integrations.vllm._dram_index import WorkerDram
+from kvtier.integrations.vllm._events import KVEvents
+from kvtier.integrations.vllm._lookups import Lookups
+from kvtier.integrations.vllm._namespace import Namespaces, Skip
+from kvtier.integrations.vllm._shared import ConnectorMetrics
+from kvtier.integrations.vllm._wire import KVTierMetadata, KVTierWorkerMetadata, Transfer
 from kvtier.keys import Namespace
 from kvtier.store import KVStore
 from kvtier.threads import IDLE_WAIT_SECONDS
@@ -32,38 +31,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-
-@dataclasses.dataclass
-class Transfer:
-    """Move ``tokens[offset:]`` (whole chunks, then perhaps a tail) between the store and ``block_ids``, the
-    blocks of the tokens from the start: a load fills ``block_ids[offset // block_size:]``, which may end inside
-    the last chunk."""
-
-    request_id: str
-    namespace: Namespace
-    tokens: list[int]
-    block_ids: list[int]
-    offset: int
-    # A load that may wait on a server (some chunk is held only across a network): the worker runs it on a
-    # thread of its own and reports it finished later (vLLM's asynchronous load), so the step does not wait.
-    asynchronous: bool = False
-    trace: dict[str, str] | None = None  # the request's W3C trace headers: the worker's span joins its trace
-
-
-@dataclasses.dataclass
-class KVTierMetadata(KVConnectorMetadata):
-    """One step's plan. ``invalid``: blocks promised to vLLM as loaded that no load fills (the scheduler side
-    failed while planning them); workers report them as load errors, so vLLM recomputes them."""
-
-    loads: list[Transfer] = dataclasses.field(default_factory=list)
-    saves: list[Transfer] = dataclasses.field(default_factory=list)
-    invalid: list[int] = dataclasses.field(default_factory=list)
-    # Asynchronous loads promised to vLLM that no load fills (planning failed): request -> its blocks. Workers
-    # report each finished at once, its blocks failed (vLLM waits for the finish, else forever).
-    abandoned: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    step: int = 0  # this metadata's number: workers report the last they ran (KVTierWorkerMetadata.steps)
-    idle: bool = False  # the step runs no model (e.g. every request waits for an asynchronous load)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,21 +1,11 @@
-"""vLLM integration: ``KVTierConnector``, a KV connector (``KVConnectorBase_V1``) backed by a :class:`KVStore`.
-
-Load it with::
-
-    kv_transfer_config={"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                        "kv_connector_extra_config": {"config": <mapping or YAML path>}}
-
-vLLM makes one instance per role. The scheduler instance decides (lookups, what to load and save:
-:mod:`._vllm_scheduler`), sending its plan to the workers as :class:`KVTierMetadata`; worker instances move
-bytes between the engine's paged KV cache and the store (:mod:`._vllm_worker`) and report what their DRAM
-holds back to the scheduler (:mod:`._vllm_dram_index`). Lookups never wait on a network (:mod:`._vllm_lookups`).
-Namespaces hold everything that changes the KV of the same token ids (:mod:`._vllm_namespace`).
+"""``KVTierConnector``: the object vLLM drives, one per role; it checks the configuration at start and contains
+every hook's failure, and hands the work to its scheduler side (:mod:`._scheduler`) or its worker side
+(:mod:`._worker`).
 
 A configuration kvtier cannot serve is refused at start (:class:`ConfigError`). After that no exception reaches
 the engine from a hook: a failed lookup is a miss, a failed load becomes load errors (vLLM recomputes those
 blocks), a failed save is dropped. Each is counted in ``kvtier_connector_errors_total{hook}`` and its first kind
-logged (:mod:`._vllm_shared`).
+logged (:mod:`._shared`).
 """
 
 from __future__ import annotations
@@ -34,11 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier import threads
 from kvtier.errors import ConfigError
-from kvtier.integrations import _vllm_shared
-from kvtier.integrations._vllm_namespace import Namespaces
-from kvtier.integrations._vllm_scheduler import KVTierMetadata, SchedulerSide, Transfer
-from kvtier.integrations._vllm_shared import log, shared_store
-from kvtier.integrations._vllm_worker import WorkerSide
+from kvtier.integrations.vllm._namespace import Namespaces
+from kvtier.integrations.vllm._scheduler import SchedulerSide
+from kvtier.integrations.vllm._shared import Shared, acquire, log, release
+from kvtier.integrations.vllm._wire import KVTierMetadata
+from kvtier.integrations.vllm._worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,8 +39,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-__all__ = ["KVTierConnector", "KVTierMetadata", "Transfer", "shared_store"]
 
 _EXTRA_KEYS = ("config", "model_fingerprint", "lookup_timeout_seconds", "store_tails")
 
@@ -134,10 +122,10 @@ class KVTierConnector(KVConnectorBase_V1):
             else None
         if role != KVConnectorRole.SCHEDULER:  # before the store starts its threads
             _keep_off_compute_cores()
-        self._shared = _vllm_shared.acquire(extra.get("config"), moves_bytes=role != KVConnectorRole.SCHEDULER)
-        store, metrics = self._shared.store, self._shared.metrics
+        shared = acquire(extra.get("config"), moves_bytes=role != KVConnectorRole.SCHEDULER)
+        store, metrics = shared.store, shared.metrics
         if store.chunk_tokens % block_size:
-            _vllm_shared.release(self._shared)
+            release(shared)
             raise ConfigError(f"chunk_tokens: {store.chunk_tokens} is not a multiple of vLLM's block size "
                               f"{block_size}")
         if role == KVConnectorRole.SCHEDULER and \
@@ -145,6 +133,7 @@ class KVTierConnector(KVConnectorBase_V1):
             log.warning("kvtier: kv_load_failure_policy is %r: a chunk that fails verification on load fails its "
                         "request; set \"kv_load_failure_policy\": \"recompute\" in kv_transfer_config to "
                         "recompute it instead", self._kv_transfer_config.kv_load_failure_policy)
+        self._shared: Shared | None = shared  # None once shut down
         self._metrics = metrics
         self._scheduler = None if names is None else SchedulerSide(
             store, names, metrics, block_size=block_size, kv_heads=kv_heads,
@@ -206,7 +195,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def take_events(self) -> list[KVCacheEvent]:
         """kvtier's own KV events (what its DRAM and tiers came to hold or lost), published by vLLM with the
-        engine's when ``--kv-events-config`` enables them (:mod:`._vllm_events`)."""
+        engine's when ``--kv-events-config`` enables them (:mod:`._events`)."""
         try:
             return self._sched.take_events()
         except Exception as exc:  # noqa: BLE001 contained: counted, logged once
@@ -283,6 +272,6 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
-        shared, self._shared = self._shared, None  # type: ignore[assignment]
+        shared, self._shared = self._shared, None
         if shared is not None:
-            _vllm_shared.release(shared)
+            release(shared)

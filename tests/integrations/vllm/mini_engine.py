@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 
 import torch
 from vllm.config import KVTransferConfig, VllmConfig
@@ -43,7 +44,7 @@ def vllm_config(model_dir: str, store: dict, extra: dict | None = None, **engine
     args = {"model": model_dir, "skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 2048,
             "dtype": "bfloat16", "block_size": BLOCK, "kv_transfer_config": kv}
     args.update(engine)
-    return EngineArgs(**args).create_engine_config()  # type: ignore[arg-type]
+    return EngineArgs(**args).create_engine_config()  # type: ignore[arg-type] # args typed as a plain dict
 
 
 def kv_cache_config(groups: int = 1) -> KVCacheConfig:
@@ -53,7 +54,7 @@ def kv_cache_config(groups: int = 1) -> KVCacheConfig:
                          kv_cache_groups=[KVCacheGroupSpec(layers, spec) for _ in range(groups)])
 
 
-def request(rid: str, tokens: list[int], *, images: list[tuple[int, int, str]] = (),  # type: ignore[assignment]
+def request(rid: str, tokens: list[int], *, images: Sequence[tuple[int, int, str]] = (),
             salt: str | None = None, lora: LoRARequest | None = None, prompt_embeds: torch.Tensor | None = None,
             prompt_is_token_ids: list[bool] | None = None) -> Request:
     """A vLLM request; ``images`` are (offset, length, hash) of multimodal inputs over placeholder tokens."""
@@ -98,7 +99,7 @@ class MiniEngine:
         self.caches: list[list[torch.Tensor]] = []
         for rank in range(tp_size):
             worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_cache_config())
-            worker._tp = lambda rank=rank: (rank, tp_size)  # type: ignore[method-assign]
+            worker._tp = lambda rank=rank: (rank, tp_size)  # type: ignore[method-assign] # a rank without vLLM's groups
             heads = rank_heads(KV_HEADS, rank, tp_size).count
             caches = [torch.zeros(num_blocks, heads, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
                       for _ in range(LAYERS)]
@@ -145,7 +146,7 @@ class MiniEngine:
         ``request_id`` finished; returns the blocks they reported failed."""
         for worker in self.workers:
             worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)  # type: ignore[arg-type]
+            worker.start_load_kv(None)  # type: ignore[arg-type] # kvtier reads no forward context
             worker.wait_for_save()
             worker.clear_connector_metadata()
         errors: set[int] = set()
@@ -192,7 +193,7 @@ class MiniEngine:
         ref = reference_kv(list(req.all_token_ids))
         for rank, worker in enumerate(self.workers):
             worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)  # type: ignore[arg-type]
+            worker.start_load_kv(None)  # type: ignore[arg-type] # kvtier reads no forward context
             first = loaded_upto // BLOCK
             if first < len(blocks):
                 self._compute(rank, ref[:, :, :, first * BLOCK:], blocks[first:])

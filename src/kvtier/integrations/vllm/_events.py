@@ -7,7 +7,7 @@ shared tier (every engine can load it), ``ownership`` ``kvtier:<tier>``. The blo
 them (vLLM's block hashes of the same tokens, with their token ids and extra keys), at the engine's block size.
 
 The scheduler side registers the blocks of each chunk it saves or loads; the workers report what their DRAM came
-to hold or lost and what the cascade wrote into each tier (:mod:`._vllm_dram_index`); a chunk counts once every
+to hold or lost and what the cascade wrote into each tier (:mod:`._dram_index`); a chunk counts once every
 tensor-parallel rank reports it. A tier's own evictions are not seen, so a shared tier is never announced as
 having lost a chunk: a consumer that routes there on a stale entry gets a miss, which the engine recomputes.
 """
@@ -15,7 +15,6 @@ having lost a chunk: a consumer that routes there on a stale entry gets a miss, 
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +22,10 @@ import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvtier.integrations._vllm_dram_index import DRAM, KVTierWorkerMetadata
+from kvtier.integrations.vllm._dram_index import DramChange
+from kvtier.integrations.vllm._wire import DRAM, KVTierWorkerMetadata
 from kvtier.keys import Namespace, chunk_keys
+from kvtier.recent import RecentMap
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -54,13 +55,13 @@ class KVEvents:
         self._tp = tp_size
         self._bs = block_size
         self._chunk = chunk_tokens
-        self._blocks: OrderedDict[tuple[str, str], _Blocks] = OrderedDict()  # recently saved or loaded
+        self._blocks: RecentMap[tuple[str, str], _Blocks] = RecentMap(_CHUNKS_KEPT)  # recently saved or loaded
         # Announced as held in DRAM: kept until announced removed (the DRAM's capacity bounds it), or consumers
         # would credit a chunk the DRAM dropped for good.
         self._in_dram: dict[tuple[str, str], list[Any]] = {}
         # (namespace, chunk, tier) -> ranks that reported the write; bounded like _blocks (a rank that never
         # reports its shard leaves an entry behind)
-        self._landed: OrderedDict[tuple[str, str, str], set[int]] = OrderedDict()
+        self._landed: RecentMap[tuple[str, str, str], set[int]] = RecentMap(_CHUNKS_KEPT)
         self._events: list[KVCacheEvent] = []
         self.unnamed = 0  # reports of chunks whose blocks were no longer remembered (no event)
 
@@ -82,8 +83,7 @@ class KVEvents:
         namespace = self._names(namespace)
         for i, key in enumerate(chunk_keys(namespace, ids, self._chunk, tail=True)):
             name = (namespace.id, key.hex())
-            if name in self._blocks:
-                self._blocks.move_to_end(name)
+            if self._blocks.touch(name):
                 continue
             first = i * per_chunk
             count = min(per_chunk, n_blocks - first)  # fewer in a tail
@@ -96,10 +96,8 @@ class KVEvents:
                 parent=maybe_convert_block_hash(hashes[first - 1]) if first else None,
                 tokens=ids[i * self._chunk:i * self._chunk + count * self._bs].astype(np.int32), lora_name=lora,
                 lora_id=lora_id, extra_keys=extra)
-            if len(self._blocks) > _CHUNKS_KEPT:
-                self._blocks.popitem(last=False)
 
-    def apply(self, dram: Sequence[tuple[str, str, bool]], report: object) -> None:
+    def apply(self, dram: Sequence[DramChange], report: object) -> None:
         """Events for a step's reports: ``dram`` as :meth:`WorkerDram.apply` returned it (chunks every rank now
         holds, or no longer all hold), and the tier writes in ``report``."""
         for namespace, chunk, held in dram:
@@ -118,13 +116,14 @@ class KVEvents:
         for namespace, chunk, rank, place, _ in report.events:
             if place == DRAM or place not in self._locality:
                 continue
-            ranks = self._landed.setdefault((namespace, chunk, place), set())
+            landed = (namespace, chunk, place)
+            ranks = self._landed.get(landed)
+            if ranks is None:
+                ranks = self._landed[landed] = set()
             ranks.add(rank)
             if len(ranks) < self._tp:
-                if len(self._landed) > _CHUNKS_KEPT:
-                    self._landed.popitem(last=False)
                 continue
-            del self._landed[(namespace, chunk, place)]
+            del self._landed[landed]
             blocks = self._named(namespace, chunk)
             if blocks is not None:
                 self._events.append(self._stored(blocks, "STORAGE", self._locality[place], place))

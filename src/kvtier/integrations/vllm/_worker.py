@@ -22,10 +22,10 @@ import torch
 
 from kvtier import tracing
 from kvtier.errors import ConfigError
-from kvtier.integrations._vllm_dram_index import DramReport, KVTierWorkerMetadata
-from kvtier.integrations._vllm_scheduler import KVTierMetadata, Transfer
-from kvtier.integrations._vllm_shared import ConnectorMetrics
 from kvtier.integrations.layouts import Layout, gather_chunks, kv_shape, scatter_chunks
+from kvtier.integrations.vllm._dram_index import DramReport
+from kvtier.integrations.vllm._shared import ConnectorMetrics
+from kvtier.integrations.vllm._wire import KVTierMetadata, KVTierWorkerMetadata, Transfer
 from kvtier.keys import rank_heads
 from kvtier.store import KVStore
 from kvtier.threads import IDLE_WAIT_SECONDS, DaemonPool

@@ -16,13 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 from kvtier.errors import ConfigError
 from kvtier.keys import InputSpan, Namespace, fingerprint_model, hash_files
+from kvtier.recent import RecentMap
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -32,7 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.integrations.vllm")
 
 _ADAPTER_FILES = ("adapter_config.json", ".safetensors", ".bin", ".pt", ".pth")
-_LORAS_KEPT = 1024
+_LORAS_KEPT = 1024  # adapters whose fingerprints are remembered (a new one is hashed from its files)
 # Keys of a Hugging Face config that say where it came from, not what the model computes.
 _PROVENANCE = ("_name_or_path", "transformers_version", "_commit_hash")
 
@@ -159,7 +158,7 @@ class Namespaces:
         self.model = model_fingerprint(vllm_config, model_override)
         self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         self.settings = engine_settings(vllm_config)
-        self._loras: OrderedDict[tuple[int, str], str] = OrderedDict()
+        self._loras: RecentMap[tuple[int, str], str] = RecentMap(_LORAS_KEPT)
 
     def for_request(self, request: Request) -> Namespace:
         """The request's namespace; raises :class:`Skip` for a request whose KV it cannot name."""
@@ -179,8 +178,7 @@ class Namespaces:
         # vLLM keeps a loaded adapter by its int id (reloading only with load_inplace), so the files read
         # then are the ones hashed here.
         key = (lora.lora_int_id, lora.lora_path)
-        if key in self._loras and not lora.load_inplace:
-            self._loras.move_to_end(key)
+        if not lora.load_inplace and self._loras.touch(key):
             return self._loras[key]
         local = Path(lora.lora_path)
         root = local if local.is_dir() else hub_snapshot(lora.lora_path, None, [None], "adapter_config.json")
@@ -192,6 +190,4 @@ class Namespaces:
             raise Skip("lora_unresolved", f"its LoRA adapter {lora.lora_name!r} at {lora.lora_path!r} cannot be "
                                           f"fingerprinted: {exc}") from exc
         self._loras[key] = fingerprint
-        if len(self._loras) > _LORAS_KEPT:
-            self._loras.popitem(last=False)
         return fingerprint

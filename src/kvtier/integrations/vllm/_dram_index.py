@@ -3,38 +3,29 @@ with a store of its own, so the scheduler's store never sees the chunks their DR
 
 Worker side, :class:`DramReport`: after each step, which chunks this rank's DRAM came to hold whole for the rank's
 heads, and which it no longer holds (evicted, discarded), and which shards of this rank's heads the cascade wrote
-into a secondary tier (for the KV events kvtier publishes), as :class:`KVTierWorkerMetadata`. vLLM aggregates the
-reports of every rank and hands them to the scheduler side with the step's output, where :class:`WorkerDram`
-counts a chunk as held only while every tensor-parallel rank holds it. A chunk the index wrongly believes held
-(evicted after the report) costs a failed load, which vLLM recomputes; never wrong KV.
+into a secondary tier (for the KV events kvtier publishes), as :class:`KVTierWorkerMetadata` (:mod:`._wire`).
+vLLM aggregates the reports of every rank and hands them to the scheduler side with the step's output, where
+:class:`WorkerDram` counts a chunk as held only while every tensor-parallel rank holds it. A chunk the index
+wrongly believes held (evicted after the report) costs a failed load, which vLLM recomputes; never wrong KV.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from kvtier.integrations.vllm._wire import DRAM, Event, KVTierWorkerMetadata
 from kvtier.keys import rank_heads
 from kvtier.store import KVStore
 
-# (namespace id, chunk key, tensor-parallel rank, place, held now?); place is "dram" or a secondary tier's name,
-# whose shards are reported once, when written (a tier's own evictions are not seen here)
-Event = tuple[str, str, int, str, bool]
-DRAM = "dram"
 
+class DramChange(NamedTuple):
+    """A chunk that every rank's DRAM now holds (``held``), or no longer all do."""
 
-@dataclasses.dataclass
-class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """One step's changes to the workers' DRAM, in order per rank, and the step each rank ran (its loads done,
-    their failures reported with this output)."""
-
-    events: list[Event] = dataclasses.field(default_factory=list)
-    steps: dict[int, int] = dataclasses.field(default_factory=dict)  # tensor-parallel rank -> step
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, KVTierWorkerMetadata), f"cannot aggregate {type(other).__name__}"
-        return KVTierWorkerMetadata(self.events + other.events, {**self.steps, **other.steps})
+    namespace: str
+    chunk: str
+    held: bool
 
 
 class DramReport:
@@ -56,7 +47,7 @@ class DramReport:
         heads = rank_heads(self._kv_heads, rank, size)
         events: list[Event] = []
         if self._tier_watcher is not None:
-            events += [(key.namespace, key.chunk, rank, tier, True)
+            events += [Event(key.namespace, key.chunk, rank, tier, True)
                        for key, tier in self._store.take_tier_writes(self._tier_watcher) if key.heads == heads]
         if not self._changed:
             return KVTierWorkerMetadata(events, {rank: step})
@@ -64,10 +55,10 @@ class DramReport:
         for namespace, chunk in self._changed:
             now = self._store.in_dram(namespace, chunk, heads)
             if now != ((namespace, chunk) in self._held):
-                dram.append((namespace, chunk, rank, DRAM, now))
+                dram.append(Event(namespace, chunk, rank, DRAM, now))
         # Only now, nothing having failed: what this rank says it holds changes with what it reports.
-        for namespace, chunk, _, _, now in dram:
-            (self._held.add if now else self._held.discard)((namespace, chunk))
+        for event in dram:
+            (self._held.add if event.held else self._held.discard)((event.namespace, event.chunk))
         self._changed.clear()
         return KVTierWorkerMetadata(dram + events, {rank: step})
 
@@ -79,11 +70,11 @@ class WorkerDram:
         self._tp = tp_size
         self._ranks: dict[tuple[str, str], set[int]] = {}
 
-    def apply(self, meta: KVConnectorWorkerMetadata | None) -> list[tuple[str, str, bool]]:
-        """Take a step's reports; returns the chunks every rank now holds (True) or no longer all hold (False)."""
+    def apply(self, meta: KVConnectorWorkerMetadata | None) -> list[DramChange]:
+        """Take a step's reports; returns the chunks every rank now holds, or no longer all hold."""
         if not isinstance(meta, KVTierWorkerMetadata):
             return []
-        changed: list[tuple[str, str, bool]] = []
+        changed: list[DramChange] = []
         for namespace, chunk, rank, place, held in meta.events:
             if place != DRAM:
                 continue
@@ -91,7 +82,7 @@ class WorkerDram:
             was = len(ranks) == self._tp
             (ranks.add if held else ranks.discard)(rank)
             if (len(ranks) == self._tp) != was:
-                changed.append((namespace, chunk, not was))
+                changed.append(DramChange(namespace, chunk, not was))
             if not ranks:
                 del self._ranks[(namespace, chunk)]
         return changed

@@ -23,7 +23,7 @@ from kvtier.router.events import decode_batch
 from kvtier.router.index import Match, PrefixIndex, request_keys
 import torch
 
-from tests.integrations.mini_engine import BLOCK, MiniEngine, reference_kv, vllm_config
+from tests.integrations.vllm.mini_engine import BLOCK, MiniEngine, reference_kv, vllm_config
 
 
 def hashed_request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
@@ -115,7 +115,7 @@ def test_no_events_unless_vllm_publishes_them(model_dir: Path, store_cfg: dict) 
 
 def test_a_failure_naming_blocks_for_events_costs_neither_the_save_nor_the_load(model_dir: Path, store_cfg: dict,
                                                                                monkeypatch) -> None:
-    from kvtier.integrations._vllm_events import KVEvents
+    from kvtier.integrations.vllm._events import KVEvents
 
     def broken(self, request, namespace, tokens):
         raise RuntimeError("naming failed")

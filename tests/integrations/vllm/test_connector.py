@@ -23,10 +23,10 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier import chunk_keys
 from kvtier.errors import ConfigError
-from kvtier.integrations._vllm_scheduler import SchedulerSide
+from kvtier.integrations.vllm._scheduler import SchedulerSide
 from kvtier.integrations.vllm import KVTierConnector, shared_store
-from tests.integrations.faulty import Injected, patch_store
-from tests.integrations.mini_engine import (
+from tests.integrations.vllm.faulty import Injected, patch_store
+from tests.integrations.vllm.mini_engine import (
     MiniEngine,
     kv_cache_config,
     reference_kv,
@@ -67,7 +67,7 @@ def test_prompt_embeds_requests_are_neither_looked_up_nor_saved(engines: Engines
     zeros = [0] * 700  # what vLLM puts in all_token_ids for a prompt given as embeddings
     assert mini.prefill(request("ids", zeros)).meta.saves  # KV of token id 0 is stored
     embeds = torch.randn(700, 256)
-    only_embeds = mini.prefill(request("pe", None, prompt_embeds=embeds))  # type: ignore[arg-type]
+    only_embeds = mini.prefill(request("pe", None, prompt_embeds=embeds))  # type: ignore[arg-type] # no token ids
     mixed = mini.prefill(request("mixed", prompt(2, 700), prompt_embeds=embeds,
                                  prompt_is_token_ids=[i >= 350 for i in range(700)]))
     for step in (only_embeds, mixed):
@@ -422,7 +422,7 @@ def test_lookups_in_a_stalled_redis_delay_only_their_requests(engines: Engines, 
         redis_server.cli("ping")
     impatient_store = shared_store(impatient.scheduler._kv_transfer_config.kv_connector_extra_config["config"])
     time.sleep(0.5)  # the late background lookup has ended by now
-    stats = impatient_store.stats()["_store"]  # type: ignore[union-attr]
+    stats = impatient_store.stats()["_store"]  # type: ignore[union-attr] # the engine opened it
     assert stats["connector_async_lookups_total{outcome=timed_out}"] == 1
     assert stats["lookup_tokens_total"] == 512  # one lookup, counted once
 
@@ -461,7 +461,7 @@ def test_loads_from_a_stalled_redis_run_beside_the_steps(engines: Engines, model
     try:
         paused = time.monotonic()
         worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)  # type: ignore[arg-type]
+        worker.start_load_kv(None)  # type: ignore[arg-type] # kvtier reads no forward context
         worker.wait_for_save()
         worker.clear_connector_metadata()
         assert time.monotonic() - paused < 0.3  # handed to a load thread: the step did not wait
@@ -519,7 +519,7 @@ def test_an_asynchronous_load_reports_what_vanished_and_an_aborted_one_finishes_
     worker = reader.workers[0]
     try:
         worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)  # type: ignore[arg-type]
+        worker.start_load_kv(None)  # type: ignore[arg-type] # kvtier reads no forward context
         worker.clear_connector_metadata()
         # Two load threads wait on Redis; the third load has not started: its request is aborted.
         assert worker.get_finished({"r72"}) == (None, {"r72"})
@@ -550,7 +550,7 @@ def test_an_asynchronous_load_that_cannot_be_planned_is_reported_finished_and_fa
     assert not meta.loads and meta.abandoned == {"r73": blocks[:4]}
     worker = reader.workers[0]
     worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)  # type: ignore[arg-type]
+    worker.start_load_kv(None)  # type: ignore[arg-type] # kvtier reads no forward context
     worker.clear_connector_metadata()
     assert worker.get_finished(set()) == (None, {"r73"})
     assert worker.get_block_ids_with_load_errors() == set(blocks[:4])
@@ -603,7 +603,7 @@ def test_layer_or_token_parallelism_is_refused(model_dir: Any, store_cfg: dict, 
 
 def test_a_cache_with_other_heads_than_the_model_gives_the_rank_is_refused(model_dir: Any, store_cfg: dict) -> None:
     worker = KVTierConnector(vllm_config(str(model_dir), store_cfg), KVConnectorRole.WORKER, kv_cache_config())
-    worker._tp = lambda: (0, 2)  # type: ignore[method-assign]
+    worker._tp = lambda: (0, 2)  # type: ignore[method-assign] # rank 0 of 2, without vLLM's groups
     try:
         with pytest.raises(ConfigError, match="rank 0 of 2 holds 2 KV heads.*gives each rank 1"):
             worker.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(4, 2, 128, 128)})
@@ -668,7 +668,7 @@ def test_scheduler_side_failures_never_leave_a_promised_block_unloaded(engines: 
         m.setattr(SchedulerSide, "connector_output", boom)
         assert mini.scheduler.request_finished(request("meta", tokens), []) == (False, None)
         mini.step(step.meta, request("meta", tokens), step.blocks, 512)  # calls update_connector_output
-    mini.workers[0]._tp = boom  # type: ignore[method-assign]
+    mini.workers[0]._tp = boom  # type: ignore[method-assign] # a failing rank query
     step = mini.prefill(request("tp", tokens))
     assert set(step.blocks[:4]) <= step.load_errors
     stats = counters(store_cfg)
