@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import enum
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import Literal
 
 import torch
 
@@ -114,7 +114,14 @@ class DramEntry:
         return sum(n for _, n in self.extents)
 
 
-Reservation = DramEntry | Literal["present", "full"]
+class Refused(enum.StrEnum):
+    """Why a shard was not reserved (equal to its name as a string)."""
+
+    PRESENT = "present"  # DRAM holds it, or another reservation is writing it
+    FULL = "full"  # no room, even evicting every idle entry
+
+
+Reservation = DramEntry | Refused
 
 
 def _available_memory() -> int | None:
@@ -230,11 +237,11 @@ class DramPool:
 
     def _reserve_locked(self, key: ShardKey, meta: ShardMeta, parent: str | None, owner: bytes | None) -> Reservation:
         if self._held_locked(key, meta, owner) is not False:
-            return "present"
+            return Refused.PRESENT
         need = -(-meta.nbytes // self.page_bytes)
         share = self._shares.of(key.namespace)
         if self._free.count + self._idle_pages < need or (share is not None and not self._fit_share(share, need)):
-            return "full"  # even evicting every idle entry would not make room: evict nothing
+            return Refused.FULL  # even evicting every idle entry would not make room: evict nothing
         self._evict_until(need)
         extents = self._free.take(need)
         assert extents is not None, "free pages were counted"
@@ -273,7 +280,7 @@ class DramPool:
     def reserve_chunks(self, chunks: list[tuple[ShardKey, str | None]], meta: ShardMeta,
                        owner: bytes | None = None) -> list[Reservation]:
         """:meth:`reserve` for consecutive chunks of one shape (key, parent) and owner, in order, under one lock;
-        the list ends at the first ``"full"``. Each chunk is touched or makes room exactly as :meth:`reserve`
+        the list ends at the first :attr:`Refused.FULL`. Each chunk is touched or makes room exactly as :meth:`reserve`
         would in turn (the same victims: the simulator's model, kvtier.sim.cache, is this order), but the pages
         are taken only after the last chunk, as one run where the free pages allow, so their copy is one
         (:meth:`fill_chunks`): evicting an old prefix leaf frees its pages back to front, and taking pages chunk
@@ -289,7 +296,7 @@ class DramPool:
         with self._lock:
             for key, _ in chunks:
                 if key in fresh or self._held_locked(key, meta, owner) is not False:
-                    out.append("present")
+                    out.append(Refused.PRESENT)
                     held.add(key)
                     continue
                 # Free plus idle pages is what evicting can reach; the pages of the new chunks before this one are
@@ -299,12 +306,12 @@ class DramPool:
                 # (the share counts this call's fresh chunks already: they are reserved below as each is admitted)
                 if self._free.count + self._idle_pages < wanted or (
                         share is not None and not self._fit_share(share, need, held)):
-                    out.append("full")
+                    out.append(Refused.FULL)
                     break
                 self._shares.charge(None if share is None else share.name, need)
                 self._evict_until(wanted)
                 fresh[key] = len(out)
-                out.append("present")  # replaced by its entry below
+                out.append(Refused.PRESENT)  # replaced by its entry below
             run = self._free.take_run(len(fresh) * need) if len(fresh) > 1 else None
             for n, (key, i) in enumerate(fresh.items()):
                 extents = [(run[0] + n * need, need)] if run is not None else self._free.take(need)

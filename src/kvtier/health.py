@@ -14,13 +14,10 @@ import logging
 import threading
 import time
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtier import frame
 from kvtier.errors import ObjectError, QuotaFull, SealError, TierError
-
-if TYPE_CHECKING:
-    from kvtier.metrics import StoreMetrics
 
 log = logging.getLogger(__name__)
 MAX_REST_SECONDS = 30.0
@@ -71,6 +68,12 @@ class FirstOfKind:
             return True
 
 
+class Gauge(Protocol):
+    """Where an outage shows: 1 while failing, 0 once working (``kvtier_tier_outage{tier, op}``)."""
+
+    def set(self, value: float) -> None: ...
+
+
 class Outage:
     """The health of one tier's reads, or of its writes (a read-only disk still serves reads).
 
@@ -82,9 +85,9 @@ class Outage:
     ``kvtier_tier_outage`` is 1 from a failure until the next success.
     """
 
-    def __init__(self, tier: str, what: str, retry_seconds: float, metrics: StoreMetrics | None = None) -> None:
+    def __init__(self, tier: str, what: str, retry_seconds: float, gauge: Gauge | None = None) -> None:
         self._tier, self._what = tier, what
-        self._gauge = None if metrics is None else metrics.outage.labels(tier, what)
+        self._gauge = gauge
         self._retry = retry_seconds
         self._rest = retry_seconds
         self._failing = False

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvtier import KVStore, chunk_keys, frame, load_config
+from kvtier.dram import Refused
 from kvtier.errors import ObjectError, TierError
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.store import prefetch
@@ -244,7 +245,7 @@ def test_a_put_stops_at_the_first_chunk_that_does_not_fit(tier: DictTier, monkey
 
         def third_is_full(chunks, meta, owner=None):  # e.g. every page pinned at that moment, freed just after
             assert len(chunks) == 4
-            return [*reserve(chunks[:2], meta, owner), "full"]  # the fourth is not reserved (tests/test_dram.py)
+            return [*reserve(chunks[:2], meta, owner), Refused.FULL]  # the fourth is not reserved (tests/test_dram.py)
 
         monkeypatch.setattr(store.dram, "reserve_chunks", third_is_full)
         assert store.put(NS, tokens, synthetic_kv(tokens)) == 2 * T

@@ -60,6 +60,7 @@ from typing import Protocol
 
 from kvtier import quotas
 from kvtier.errors import QuotaFull, TierError
+from kvtier.health import FirstOfKind
 from kvtier.keys import ShardKey
 from kvtier.quotas import Share, refuses, share_id, victims
 from kvtier.recent import RecentMap
@@ -145,7 +146,7 @@ class ListedShares:
         self._recorded: RecentMap[str, float] = RecentMap(_KEPT)  # namespace -> when this process last wrote
         # its share object (one forgotten is written again at its next put: the same small object)
         self._swept = time.monotonic()
-        self._warned = False
+        self._logged = FirstOfKind()  # the first failed view is a warning, the rest debug lines
         self.evictions = 0  # deletions of objects this engine chose (another engine may delete one too)
         self.refused = 0
         self.view_failures = 0  # listings and share records that failed
@@ -222,7 +223,7 @@ class ListedShares:
     def _failed(self, what: str, exc: TierError) -> None:
         with self._lock:
             self.view_failures += 1
-            first, self._warned = not self._warned, True
+        first = self._logged.first("view")
         log.log(logging.WARNING if first else logging.DEBUG, "%s failed (the share is counted from this engine's "
                 "view as it is; further failures are counted as share_view_failures): %s", what, exc)
 

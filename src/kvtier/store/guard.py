@@ -40,8 +40,8 @@ class GuardedTier:
     def __init__(self, tier: Tier, retry_seconds: float, metrics: StoreMetrics, logged: FirstOfKind) -> None:
         self.tier = tier
         self.name = tier.name
-        self.reads = Outage(tier.name, "reads", retry_seconds, metrics)
-        self.writes = Outage(tier.name, "writes", retry_seconds, metrics)
+        self.reads = Outage(tier.name, "reads", retry_seconds, metrics.outage.labels(tier.name, "reads"))
+        self.writes = Outage(tier.name, "writes", retry_seconds, metrics.outage.labels(tier.name, "writes"))
         self.ttl: float | None = getattr(tier.options, "ttl_seconds", None)
         self._metrics = metrics
         self._logged = logged

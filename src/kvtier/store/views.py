@@ -21,7 +21,8 @@ def copy_out(dram: DramPool, chunk_tokens: int, plans: list[list[Piece]], shape:
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the stored KV is {full} {shape.dtype}")
     for first, kv in chunk_views(dram, chunk_tokens, plans, shape, out.device):
         count = kv.shape[0]
-        dst = out[:, :, :, first * t:(first + count) * t].unflatten(3, (count, t))  # type: ignore[no-untyped-call]  # torch leaves unflatten untyped
+        dst = out[:, :, :, first * t:(first + count) * t]
+        dst = dst.unflatten(3, (count, t))  # type: ignore[no-untyped-call]  # torch: unflatten untyped
         dst.permute(3, 0, 1, 2, 4, 5).copy_(kv, non_blocking=out.is_cuda and kv.is_pinned())
     return out
 

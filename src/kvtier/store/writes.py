@@ -13,7 +13,7 @@ import torch
 
 from kvtier import frame
 from kvtier.config import TierSpec
-from kvtier.dram import DramEntry, DramPool
+from kvtier.dram import DramEntry, DramPool, Refused
 from kvtier.feed import ChangeFeed
 from kvtier.keys import Namespace, ShardKey, chunk_keys, rank_heads
 from kvtier.metrics import StoreMetrics
@@ -137,7 +137,7 @@ class Writes:
         reserved: list[tuple[int, DramEntry]] = []  # (the chunk's index from the first wanted, its entry)
         try:
             for i, entry in enumerate(self._dram.reserve_chunks(wanted, meta, owner)):
-                if entry == "full":
+                if entry == Refused.FULL:
                     # Chunks after a missing one could never be reached by a prefix lookup: not reserved.
                     self._dram_full.inc()
                     break
