@@ -3,7 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.frame import HEADER_LEN, FrameError, ShardMeta, decode, encode_header, payload_tensor
+from kvtier.errors import KVTierError, ObjectError, TierError
+from kvtier.frame import HEADER_LEN, FrameError, ShardMeta, UnknownKey, decode, encode_header, payload_tensor
+from kvtier.health import Fault, classify
 from kvtier.keys import HeadRange, ShardKey
 
 KEY = ShardKey("1" * 32, "2" * 32, HeadRange(2, 4, 8))
@@ -42,3 +44,14 @@ def test_wrong_key_and_bad_lengths() -> None:
             decode(bad, expected=KEY)
     with pytest.raises(ValueError, match="needs"):
         encode_header(KEY, meta, [payload[:-2]])
+
+
+def test_a_bad_shard_is_an_object_error_and_still_a_value_error() -> None:
+    """FrameError sits in errors.py's tree (one bad object, not an outage of the tier) and stays a ValueError for
+    callers that caught it as one; an unknown key stays apart from corruption."""
+    with pytest.raises(FrameError) as err:
+        decode(b"", expected=KEY)
+    assert isinstance(err.value, ObjectError) and isinstance(err.value, TierError)
+    assert isinstance(err.value, KVTierError) and isinstance(err.value, ValueError)
+    assert issubclass(UnknownKey, FrameError)
+    assert classify(err.value) is Fault.CORRUPT and classify(UnknownKey("k")) is Fault.UNKNOWN_KEY

@@ -6,7 +6,11 @@
     ├── QuotaFull     a tier refused a write: the tenant's share is full of shards it may not evict yet
     └── TierError     a secondary tier's I/O failed (the cause is chained with ``from``)
         └── ObjectError   the tier answered, but one stored object is malformed (wrong type, bad fields):
-                          a miss for that object, counted as corrupt and removed; not an outage of the tier
+            │             a miss for that object, counted as corrupt and removed; not an outage of the tier
+            └── FrameError    the bytes are not a valid shard for its key (truncated, corrupt, misplaced,
+                │             forged): the same (:mod:`kvtier.frame`; also a ValueError)
+                └── UnknownKey    sealed under a key this process does not hold: a miss, left in place and
+                                  counted apart from corruption
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 import xxhash
 
+from kvtier.errors import ObjectError
 from kvtier.keys import HeadRange, ShardKey
 
 MAGIC = b"KVTR"
@@ -52,8 +53,10 @@ _DTYPES: tuple[torch.dtype, ...] = (
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
-class FrameError(ValueError):
-    """The bytes are not a valid shard for the expected key (corrupt, truncated or misplaced)."""
+class FrameError(ObjectError, ValueError):
+    """The bytes are not a valid shard for the expected key (corrupt, truncated or misplaced): an
+    :class:`~kvtier.errors.ObjectError` (one stored object is bad, not the tier), and a ValueError as it always
+    was."""
 
 
 class UnknownKey(FrameError):
