@@ -275,7 +275,7 @@ class DramPool:
         while self._free.count < free:
             victim = self._policy.victim(self._evictable)
             assert victim is not None, "idle pages were counted but no entry is evictable"
-            self._evict(self._by_key[victim])  # type: ignore[index]
+            self._evict(self._by_key[victim])  # type: ignore[index]  # the policy hands back the ShardKeys it was given
 
     def reserve_chunks(self, chunks: list[tuple[ShardKey, str | None]], meta: ShardMeta,
                        owner: bytes | None = None) -> list[Reservation]:
@@ -408,18 +408,18 @@ class DramPool:
         now = time.time()
         with self._lock:
             found = self._index.get((namespace, chunk), {})
-            entries = [found.get(h) for h in heads]
-            if any(e is None for e in entries):
+            if any(h not in found for h in heads):
                 return None
-            stale = [e for e in entries if not e.servable(owner, now)]  # type: ignore[union-attr]
+            entries = [found[h] for h in heads]
+            stale = [e for e in entries if not e.servable(owner, now)]
             for entry in stale:
-                self._discard_locked(entry)  # type: ignore[arg-type]
+                self._discard_locked(entry)
             if stale:
                 return None
             for entry in entries:
-                self._pin_locked(entry)  # type: ignore[arg-type]
-                self._touch_locked(entry)  # type: ignore[arg-type]
-            return entries  # type: ignore[return-value]
+                self._pin_locked(entry)
+                self._touch_locked(entry)
+            return entries
 
     def _touch_locked(self, entry: DramEntry) -> None:
         self._policy.touch(entry.key)
@@ -506,7 +506,7 @@ class DramPool:
 
     # -- eviction ----------------------------------------------------------------------------------------------
     def _evictable(self, key: Hashable) -> bool:
-        return self._by_key[key].refs == 0  # type: ignore[index]
+        return self._by_key[key].refs == 0  # type: ignore[index]  # the policy asks of the ShardKeys it was given
 
     def _unindex(self, entry: DramEntry) -> None:
         del self._by_key[entry.key]

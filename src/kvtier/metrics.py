@@ -164,7 +164,7 @@ class _Labelled:
 
     def restricted_registry(self, names: Sequence[str]) -> _Labelled:
         """The same, for the families asked for (``/metrics?name[]=...``)."""
-        return _Labelled(self._registry.restricted_registry(names), self._labels)  # type: ignore[arg-type]
+        return _Labelled(self._registry.restricted_registry(names), self._labels)  # type: ignore[arg-type]  # prometheus_client types it a CollectorRegistry
 
     def collect(self) -> Iterator[Metric]:
         extra = dict(self._labels)

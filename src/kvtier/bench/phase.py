@@ -177,7 +177,9 @@ def main() -> int:
         where = job.get("secondary", "disk")
         label = "kvtier, after restart" if where == "disk" else f"kvtier, {where} hit in a new process"
         result[label] = run_requests(llm, job, [0], "restart")
-        result["stats"] = shared_store(job["store"]).stats()  # type: ignore[union-attr]
+        store = shared_store(job["store"])
+        assert store is not None, "the engine's connector opened the store"
+        result["stats"] = store.stats()
     elif phase in ("noreuse_plain", "noreuse_kvtier"):  # every prompt unique: the connector's overhead
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

@@ -24,9 +24,9 @@ class Span:
 
 
 def _value(v: object) -> object:
-    kind = v.WhichOneof("value")  # type: ignore[attr-defined]
+    kind = v.WhichOneof("value")  # type: ignore[attr-defined]  # a protobuf AnyValue, untyped
     if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]  # type: ignore[attr-defined]
+        return [_value(x) for x in v.array_value.values]  # type: ignore[attr-defined]  # (the same)
     return getattr(v, kind) if kind else None
 
 
