@@ -43,13 +43,13 @@ import fnmatch
 import hashlib
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-
 from typing import TYPE_CHECKING
 
 from kvtier._config_values import parse_size, unknown_key
 from kvtier.errors import ConfigError
+from kvtier.recent import RecentMap
+from kvtier.units import size_label
 
 if TYPE_CHECKING:
     from kvtier.keys import Namespace
@@ -79,16 +79,9 @@ class PlacementRule:
         who = " and ".join(part for part in (f"salt {self.salt!r}" if self.salt is not None else "",
                                              f"namespace {self.namespace}" if self.namespace else "") if part)
         who = who or "all other KV"
-        quota = (f"; together at most {', '.join(f'{_human(n)} in {t}' for t, n in self.quota)} (share "
-                 f"{self.share})") if self.quota else ""
+        shares = ", ".join(f"{size_label(n, digits=None)} in {t}" for t, n in self.quota)
+        quota = f"; together at most {shares} (share {self.share})" if self.quota else ""
         return f"{who}: {', '.join(('dram',) + self.tiers)}{quota}"
-
-
-def _human(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +156,7 @@ class Placement:
 
     def __init__(self, rules: Sequence[PlacementRule]) -> None:
         self.rules = tuple(rules)
-        self._decided: OrderedDict[str, Decision] = OrderedDict()
+        self._decided: RecentMap[str, Decision] = RecentMap(_KEPT)
         self._lock = threading.Lock()
 
     def tiers_for(self, ns: Namespace) -> frozenset[str] | None:
@@ -174,9 +167,10 @@ class Placement:
         if not self.rules:
             return _ANYWHERE
         with self._lock:
-            if ns.id in self._decided:
-                self._decided.move_to_end(ns.id)
-                return self._decided[ns.id]
+            known = self._decided.get(ns.id)
+            if known is not None:
+                self._decided.touch(ns.id)
+                return known
         rule = next((r for r in self.rules if r.matches(ns)), None)
         if rule is None:
             decision = _ANYWHERE
@@ -186,8 +180,6 @@ class Placement:
             decision = Decision(frozenset(rule.tiers), rule.share, rule.quota)  # would be no cap at all
         with self._lock:
             self._decided[ns.id] = decision
-            if len(self._decided) > _KEPT:
-                self._decided.popitem(last=False)
         return decision
 
 

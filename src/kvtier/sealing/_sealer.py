@@ -9,7 +9,6 @@ import hmac
 import logging
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -20,6 +19,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvtier import frame, threads
 from kvtier.errors import KVTierError, SealError
+from kvtier.recent import RecentMap
 from kvtier.sealing._keyring import Keyring
 from kvtier.sealing._master_keys import SECRET_BYTES, EncryptionConfig, load_key
 
@@ -96,8 +96,8 @@ class Sealer:
         self._on_forgotten = on_forgotten
         self._on_unreadable = on_unreadable
         self._lock = threading.Lock()
-        self._tenants: OrderedDict[str, Tenant] = OrderedDict()
-        self._by_ns: OrderedDict[str, Tenant] = OrderedDict()
+        self._tenants: RecentMap[str, Tenant] = RecentMap(_KEPT_TENANTS)  # pushed out: attached again on next use
+        self._by_ns: RecentMap[str, Tenant] = RecentMap(_KEPT_NAMESPACES)
         # Key ids the watch found forgotten (one per forget: few), each with the serial of its mark: a secret read
         # again after the mark, unchanged, clears it (see _attach).
         self._forgotten: dict[bytes, int] = {}
@@ -116,8 +116,8 @@ class Sealer:
         with self._lock:
             tenant = self._by_ns.get(ns.id)
             if tenant is not None and self._tenants.get(tenant.id) is tenant:
-                self._by_ns.move_to_end(ns.id)
-                self._tenants.move_to_end(tenant.id)
+                self._by_ns.touch(ns.id)
+                self._tenants.touch(tenant.id)
                 return tenant
         return self._attach(self.keyring.tenant_id(ns.cache_salt), ns.id, create)
 
@@ -145,9 +145,10 @@ class Sealer:
                     # forgotten for real never reads again; one read from before a mark is not cleared by it.
                     del self._forgotten[made.key_id]
                     log.info("keyring: tenant %s is back with its secret unchanged; served again", tid)
-                tenant = self._tenants.setdefault(tid, made)
-                while len(self._tenants) > _KEPT_TENANTS:  # attached again on next use
-                    self._tenants.popitem(last=False)
+                tenant = self._tenants.get(tid)
+                if tenant is None:  # (else attached by another thread meanwhile: theirs it is)
+                    tenant = made
+                    self._tenants[tid] = made
         if namespace not in tenant.namespaces:
             if record:
                 try:
@@ -158,9 +159,6 @@ class Sealer:
                 tenant.namespaces.add(namespace)
         with self._lock:
             self._by_ns[namespace] = tenant
-            self._by_ns.move_to_end(namespace)
-            while len(self._by_ns) > _KEPT_NAMESPACES:
-                self._by_ns.popitem(last=False)
         return tenant
 
     def load_keyring(self) -> int:
@@ -205,7 +203,7 @@ class Sealer:
         keyring again (and serves nothing while it fails), and the check goes on. A secret missing from an intact
         keyring is a forget; should it come back unchanged, :meth:`_attach` serves the tenant again."""
         with self._lock:
-            tenants = list(self._tenants.values())
+            tenants = self._tenants.values()
         gone: set[bytes] = set()
         for tenant in tenants:
             try:

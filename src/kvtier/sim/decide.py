@@ -46,6 +46,7 @@ from kvtier.sim.cache import infinite, lru_curve
 from kvtier.sim.deployment import ENGINE_KEYS, Deployment, EngineSpec, KVTierSpec, TierCapacity, engine_spec, tier_specs
 from kvtier.sim.timing import StepCosts, simulate
 from kvtier.sim.trace import Request, Trace
+from kvtier.units import size_label
 
 PAYS = 0.05
 CLOSE = 0.10
@@ -413,15 +414,8 @@ def _rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"
 
 
-def size_label(n: int) -> str:
-    """Bytes as the decision and the reports' axes print them (``1.5 GiB``)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} B"
-
-
 def _size(n: int | None) -> str:
+    """A size as the decision prints it (``1.5 GiB``), or what its absence means."""
     if n is None:
         return "unbounded"
     return size_label(n) if n else "none"

@@ -15,8 +15,9 @@ from tqdm import tqdm
 import numpy as np
 
 from kvtier.sim.cache import HitCount, LRUCurve, compare, default_capacities, lru_curve
-from kvtier.sim.decide import size_grid, size_label
+from kvtier.sim.decide import size_grid
 from kvtier.sim.trace import Trace
+from kvtier.units import size_label
 
 
 def cache_report(trace: Trace, capacities: Sequence[int] | None, policies: Sequence[str], out: Path,
