@@ -32,7 +32,7 @@ import torch
 from kvtier import KVStore, Namespace, TIERS
 from kvtier.frame import ShardMeta, decode, encode_header
 from kvtier.keys import HeadRange, ShardKey
-from kvtier.tiers._filesystem import FilesystemTier
+from kvtier.tiers.filesystem import FilesystemTier
 
 SHAPES = {  # name: (layers, kv_heads, head_dim)
     "SmolLM2-135M": (30, 3, 64),

@@ -72,7 +72,7 @@ def test_a_purge_is_recorded_and_the_chain_finds_tampering(tmp_path: Path, capsy
 def test_a_purge_that_fails_part_way_records_what_it_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture) -> None:
     from kvtier.errors import TierError
-    from kvtier.tiers._filesystem import FilesystemTier
+    from kvtier.tiers.filesystem import FilesystemTier
 
     audit = tmp_path / "audit.jsonl"
     config = setup_store(tmp_path, audit)

@@ -10,7 +10,7 @@ import pytest
 from kvtier import ConfigError, FilesystemTier
 from kvtier.keys import HeadRange
 from kvtier.testing.tiers import NS_A, TierConformance, key
-from kvtier.tiers._filesystem import FilesystemOptions
+from kvtier.tiers.filesystem import FilesystemOptions
 
 
 def open_tier(path: Path, **options: object) -> FilesystemTier:

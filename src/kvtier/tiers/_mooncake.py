@@ -252,7 +252,7 @@ class MooncakeTier(Tier):
         self._check(present, f"get {key.name}")
         if not present:
             return None
-        blob = store.get(name)
+        blob: bytes | None = store.get(name)
         if not blob:
             return None  # evicted between the two calls: a miss
         self._shares.used(key)

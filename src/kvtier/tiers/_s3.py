@@ -105,7 +105,8 @@ def _check_endpoint(url: str, field: str) -> None:
 def _code(exc: Exception) -> str | None:
     """The S3 error code of a failed call. A ClientError has a response; a BotoCoreError such as
     ReadTimeoutError has none, or ``response=None``."""
-    return (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")
+    code = (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")
+    return code if isinstance(code, str) else None
 
 
 def _clock_offset(page: dict[str, Any]) -> float | None:
@@ -252,7 +253,7 @@ class S3Tier(Tier):
     def get(self, key: ShardKey) -> Buffer | None:
         try:
             resp = self._s3.get_object(Bucket=self.options.bucket, Key=self._object(key))
-            data = resp["Body"].read()
+            data: bytes = resp["Body"].read()
         except self._errors as exc:
             if self._missing(exc):
                 return None

@@ -1,0 +1,85 @@
+"""Reads of a shard's file: at most one byte past the indexed size, straight into the caller's buffers.
+
+A key fixes its object's size, so a longer file is damaged, and the store's check (the checksum in
+:mod:`kvtier.frame`) only needs to see that. A file that is not one we read is a miss, removed and counted
+(:meth:`Layout.reject`); reading records the use in the file's mtime, so LRU order survives a restart.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from kvtier.errors import ObjectError
+from kvtier.keys import ShardKey
+from kvtier.tiers.filesystem.layout import Layout, Rejected, file_name
+
+_T = TypeVar("_T")
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+Reader = Callable[[int, os.stat_result, int], _T]  # read(fd, its status, the size indexed)
+
+
+def read_fully(fd: int, buffers: list[memoryview]) -> int:
+    """Fill ``buffers`` in order from ``fd`` (``readv`` until they are full or the file ends); bytes read."""
+    total, left = 0, [b for b in buffers if len(b)]
+    while left:
+        n = os.readv(fd, left[:_IOV_MAX])  # a DRAM entry of many extents: more buffers than one call takes
+        if n == 0:
+            break
+        total += n
+        while left and n >= len(left[0]):
+            n -= len(left[0])
+            left.pop(0)
+        if n:
+            left[0] = left[0][n:]
+    return total
+
+
+def whole(fd: int, st: os.stat_result, indexed: int) -> memoryview:
+    """The file in a new buffer (not zero-filled first), at most one byte past ``indexed``."""
+    buf = np.empty(min(st.st_size, indexed + 1), dtype=np.uint8)
+    view = buf.data
+    return view[:read_fully(fd, [view])]
+
+
+def into(tier: str, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> Reader[bytes]:
+    """A reader of one ``readv`` into a small header buffer and the caller's payload buffers (e.g. DRAM pages):
+    no read buffer, no copy after it. It returns the header."""
+    want = header_len + sum(len(part) for part in payload)
+
+    def parts(fd: int, st: os.stat_result, indexed: int) -> bytes:
+        header = bytearray(header_len)
+        if st.st_size != want or read_fully(fd, [memoryview(header), *payload]) != want:
+            raise ObjectError(f"{tier}: {key.name} is {st.st_size} bytes, expected {want}")
+        return bytes(header)
+
+    return parts
+
+
+def read_shard(disk: Layout, key: ShardKey, indexed: int, read: Reader[_T]) -> _T | None:
+    """``read`` on ``key``'s file; None when it is not there, or not a file we read (then removed)."""
+    sub_fd = disk.open_sub(key.namespace, key.chunk[:2], create=False)
+    if sub_fd is None:
+        return None
+    name = file_name(key)
+    try:
+        fd, st = disk.open_shard(sub_fd, name)
+        try:
+            data = read(fd, st, indexed)
+            try:
+                os.utime(fd)  # record the use: LRU order survives a restart
+            except OSError:
+                pass  # e.g. a read-only filesystem: still a good read, only the order is not saved
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        return None
+    except Rejected as exc:
+        disk.reject(sub_fd, name, str(exc))
+        return None
+    finally:
+        os.close(sub_fd)
+    return data
