@@ -217,7 +217,8 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
     seen: set[str] = set()
     tiers = tuple(_parse_tier(raw, i, seen) for i, raw in enumerate(raw_tiers))
     metrics_port = CONFIG_FIELDS.typed(int | None, cfg.get("metrics_port"), "metrics_port", size=False)
-    if metrics_port is not None and not 1 <= metrics_port <= 65535:  # type: ignore[operator]
+    assert metrics_port is None or isinstance(metrics_port, int), "typed as int | None"
+    if metrics_port is not None and not 1 <= metrics_port <= 65535:
         raise ConfigError(f"metrics_port: must be a TCP port in [1, 65535], got {metrics_port}")
     metrics_host = cfg.get("metrics_host", "127.0.0.1")
     if not isinstance(metrics_host, str) or not re.fullmatch(r"[A-Za-z0-9.:-]{1,253}", metrics_host):
@@ -231,6 +232,6 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
     from kvtier.sealing import parse_encryption
 
     encryption = parse_encryption(cfg.get("encryption"))
-    return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port,  # type: ignore[arg-type]
+    return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port,
                        metrics_host=metrics_host, otlp_traces_endpoint=traces, placement=placement,
                        audit_log=audit_log, encryption=encryption)

@@ -38,7 +38,7 @@ def classify(exc: BaseException) -> Fault:
     """What ``exc``, raised by a tier call (or by checking what it returned), means for the caller."""
     if isinstance(exc, frame.UnknownKey):
         return Fault.UNKNOWN_KEY
-    if isinstance(exc, frame.FrameError | ObjectError):
+    if isinstance(exc, ObjectError):  # (a frame.FrameError is one)
         return Fault.CORRUPT
     if isinstance(exc, QuotaFull):
         return Fault.SHARE_FULL

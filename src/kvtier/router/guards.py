@@ -192,8 +192,9 @@ class CappedSite(web.BaseSite):
     @property
     def port(self) -> int:
         """The bound port (the one asked for before :meth:`start`)."""
-        if self._server is not None and self._server.sockets:  # type: ignore[attr-defined]
-            return int(self._server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+        server = self._server
+        if server is not None and server.sockets:  # type: ignore[attr-defined]  # a Server, typed as its ABC
+            return int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]  # (the same)
         return self._port
 
     @property

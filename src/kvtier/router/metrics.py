@@ -135,7 +135,11 @@ class LogOnce:
         with self._lock:
             last = self._logged.get(kind)
             due = last is None or (self._every_s is not None and now - last[0] >= self._every_s)
-            self._logged[kind] = (now, 0) if due else (last[0], last[1] + 1)  # type: ignore[index]
+            if due:
+                self._logged[kind] = (now, 0)
+            else:
+                assert last is not None
+                self._logged[kind] = (last[0], last[1] + 1)
         if not due:
             return
         if self._every_s is None:

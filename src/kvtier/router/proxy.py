@@ -335,7 +335,7 @@ class Proxy:
 
 def _describe(span: object, decisions: list[RouteDecision]) -> None:
     """A decision span's attributes: the engines in the order tried, each one's predicted cost, and the reason."""
-    span.set_attributes({  # type: ignore[attr-defined]
+    span.set_attributes({  # type: ignore[attr-defined]  # an OpenTelemetry span (an optional package)
         "candidates": [d.engine for d in decisions],
         "predicted_ttft_s": [round(d.predicted_s, 6) for d in decisions],
         "predicted_cached_tokens": [d.predicted_cached for d in decisions],

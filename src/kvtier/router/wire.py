@@ -24,8 +24,8 @@ MAX_EVENT = 4 * 2**20  # an SSE event held longer than this without its end is p
 
 def hop_by_hop(headers: Mapping[str, str], hop: set[str]) -> set[str]:
     """``hop`` and the headers the message's ``Connection`` names (RFC 9110 7.6.1: hop-by-hop too)."""
-    named = {token.strip().lower() for value in headers.getall("Connection", ())  # type: ignore[attr-defined]
-             for token in value.split(",")} if "Connection" in headers else set()
+    values = headers.getall("Connection", ()) if "Connection" in headers else ()  # type: ignore[attr-defined]  # aiohttp
+    named = {token.strip().lower() for value in values for token in value.split(",")}
     return hop | named
 
 

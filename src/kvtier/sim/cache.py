@@ -88,7 +88,7 @@ def lru_curve(trace: Trace, progress: Progress | None = None) -> LRUCurve:
         for block in request.blocks[:request.whole]:
             prev = last.get(block)
             if prev is None:
-                worst = math.inf  # type: ignore[assignment]
+                worst = math.inf  # type: ignore[assignment]  # never seen: farther than any distance
             else:
                 distance = before(now) - before(prev + 1)
                 worst = max(worst, distance)

@@ -311,8 +311,10 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
     tier_facts = {t: {"bandwidth_bytes_per_s": costs.load[t][1], "latency_s": costs.load[t][0],
                       "needed_bytes_per_s_at_median_prompt": needed,
                       "break_even_tokens": breakeven.break_even(costs, t, bt, grid)} for t in tiers}
-    pages = -(-chunk_bytes // plans["local"][0].kvtier.page_bytes)  # type: ignore[union-attr]
-    local_need = max(size_for_reuse(part) for part in parts) * pages * plans["local"][0].kvtier.page_bytes  # type: ignore[union-attr]
+    local = plans["local"][0].kvtier
+    assert local is not None, "the local plan runs kvtier"
+    pages = -(-chunk_bytes // local.page_bytes)
+    local_need = max(size_for_reuse(part) for part in parts) * pages * local.page_bytes
     shared_need = size_for_reuse(trace) * chunk_bytes
     answer, rival, close = choose(options)
     result = {

@@ -258,7 +258,7 @@ class RedisTier(Tier):
             out: list[list[HeadRange]] = []
             for chunk, reply in zip(chunks, pipe.execute(raise_on_error=False)):
                 if wrong_type(reply):  # someone's key of another type: no shards of this chunk, the rest stand
-                    self._metwrong_type(namespace, chunk)
+                    self._met_wrong_type(namespace, chunk)
                     out.append([])
                 elif isinstance(reply, Exception):
                     raise reply
@@ -268,7 +268,7 @@ class RedisTier(Tier):
 
         return self._call(f"lookup of {len(chunks)} chunks", query)
 
-    def _metwrong_type(self, namespace: str, chunk: str) -> None:
+    def _met_wrong_type(self, namespace: str, chunk: str) -> None:
         with self._lock:
             self._wrong_type_keys += 1
             first = self._wrong_type_keys == 1
