@@ -28,3 +28,13 @@ def test_the_transformers_example_runs_and_hits(tmp_path: Path) -> None:
     assert lines[0].startswith("computed and stored") and lines[1].startswith("loaded from DRAM")
     assert computed == loaded  # the same answers either way
     assert float(lines[2].rsplit(" ", 1)[1]) > 0
+
+
+def test_every_file_the_readme_and_docs_name_exists() -> None:
+    """A module or test moved or renamed is renamed where the README and ``docs/`` point at it too."""
+    root = README.parent
+    pages = [README, *sorted((root / "docs").glob("*.md"))]
+    named = re.compile(r"`((?:tests|src|benchmarks|deploy|scripts|kvtier|docs)/[A-Za-z0-9_./-]+?)\.?`")
+    missing = [f"{page.name}: {path}" for page in pages for path in sorted(set(named.findall(page.read_text())))
+               if not (root / ("src/" + path if path.startswith("kvtier/") else path)).exists()]
+    assert len(pages) > 1 and not missing, "\n".join(missing)

@@ -85,7 +85,9 @@ class Outage:
     ``kvtier_tier_outage`` is 1 from a failure until the next success.
     """
 
-    def __init__(self, tier: str, what: str, retry_seconds: float, gauge: Gauge | None = None) -> None:
+    def __init__(self, tier: str, what: str, retry_seconds: float, gauge: Gauge | None = None,
+                 logger: logging.Logger = log) -> None:
+        self._log = logger
         self._tier, self._what = tier, what
         self._gauge = gauge
         self._retry = retry_seconds
@@ -105,7 +107,7 @@ class Outage:
             if self._gauge is not None:  # under the lock: a success racing this failure cannot leave it stale
                 self._gauge.set(1)
         if first:
-            log.warning("tier %s: %s failing (further failures counted, not logged; retrying after %.1f s, "
+            self._log.warning("tier %s: %s failing (further failures counted, not logged; retrying after %.1f s, "
                         "then less often): %s", self._tier, self._what, self._retry, exc)
 
     def succeeded(self) -> None:
@@ -115,4 +117,4 @@ class Outage:
                 if self._gauge is not None:
                     self._gauge.set(0)
             if was:
-                log.warning("tier %s: %s working again", self._tier, self._what)
+                self._log.warning("tier %s: %s working again", self._tier, self._what)

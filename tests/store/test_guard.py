@@ -4,6 +4,7 @@ counted, with the tier left in use or resting as the fault says."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -105,7 +106,7 @@ def test_a_write_fault_is_one_outcome(exc: Exception, outcome: str, dropped: str
     tier = DictTier()
     tier.raise_on["put"] = exc
     guard, metrics = guard_of(tier)
-    assert guard.write(KEY, lambda: [b"header", b"payload"], 7) == outcome
+    assert guard.write(KEY, lambda: [b"header", b"payload"], 7, time.perf_counter()) == outcome
     if dropped is not None:
         assert count(metrics, "dropped", "mem", dropped) == 1
     assert count(metrics, "write_errors", "mem") == errors
@@ -115,7 +116,7 @@ def test_a_write_fault_is_one_outcome(exc: Exception, outcome: str, dropped: str
 def test_a_written_object_is_counted_with_its_header() -> None:
     tier = DictTier()
     guard, metrics = guard_of(tier)
-    assert guard.write(KEY, lambda: [b"header", b"payload"], 7) == "written"
+    assert guard.write(KEY, lambda: [b"header", b"payload"], 7, time.perf_counter()) == "written"
     assert tier.objects[KEY] == b"headerpayload"
     assert count(metrics, "bytes_written", "mem") == len(b"header") + 7
 
@@ -126,3 +127,34 @@ def test_asking_whether_an_object_is_held_is_only_advice() -> None:
     guard, metrics = guard_of(tier)
     assert guard.holds(KEY) is False  # the write goes ahead
     assert count(metrics, "read_errors", "mem") == 1 and not guard.reads.resting()
+
+
+def test_a_cascade_write_is_timed_from_before_asking_whether_the_tier_holds_it(tmp_path: object) -> None:
+    """``kvtier_tier_write_seconds`` covers the whole write, the ``exists`` round trip included."""
+    from kvtier import KVStore, load_config
+    from kvtier.testing import synthetic_kv, synthetic_tokens
+    from tests.conftest import NS
+
+    class SlowToAnswer(DictTier):
+        def exists(self, key: ShardKey) -> bool:
+            time.sleep(0.05)
+            return False
+
+    cfg = load_config({"chunk_tokens": 16, "dram": {"capacity_bytes": "8MiB", "page_bytes": "4KiB"},
+                       "tiers": [{"type": "filesystem", "name": "mem", "path": "/unused"}]})
+    with KVStore(cfg, tiers=[SlowToAnswer()]) as store:
+        tokens = synthetic_tokens(0, 16)
+        store.put(NS, tokens, synthetic_kv(tokens))
+        store.flush()
+        written = store.stats()["mem"]
+    assert written["tier_write_seconds_count"] == 1 and written["tier_write_seconds_sum"] >= 0.05
+
+
+def test_outage_and_write_lines_keep_the_cascade_logger(caplog: pytest.LogCaptureFixture) -> None:
+    tier = DictTier()
+    tier.raise_on["put"] = TierError("disk full")
+    guard, _ = guard_of(tier)
+    with caplog.at_level(logging.INFO, logger="kvtier.cascade"):
+        guard.write(KEY, lambda: [b"h"], 0, time.perf_counter())
+        guard.reads.failed(TierError("timeout"))
+    assert {r.name for r in caplog.records} == {"kvtier.cascade"} and len(caplog.records) == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from kvtier import frame, threads, tracing
@@ -116,13 +117,14 @@ class CascadeWriter:
         if self.guard.writes.resting():
             self._metrics.dropped.labels(self.tier.name, "tier_unavailable").inc()
             return "dropped"
+        start = time.perf_counter()
         # A chunk computed again (evicted from DRAM, recomputed after a failed load) often is in the tier already,
         # and asking costs one small call where writing costs an upload.
         if self.guard.holds(entry.key):
             self._present.inc()
             outcome = "present"
         else:
-            outcome = self.guard.write(entry.key, lambda: self._parts(entry), entry.meta.nbytes)
+            outcome = self.guard.write(entry.key, lambda: self._parts(entry), entry.meta.nbytes, start)
         if outcome != "dropped" and outcome != "error" and self._on_stored is not None:
             self._on_stored(entry.key)
         return outcome

@@ -18,6 +18,8 @@ from kvtier.recent import RecentMap
 from kvtier.tiers.base import Tier
 
 log = logging.getLogger("kvtier.store")
+# The cascade's lines (writes, and both outages) keep the logger they have always had: filters name it.
+cascade_log = logging.getLogger("kvtier.cascade")
 _R = TypeVar("_R")
 _UNOPENED_SECONDS = 60.0  # how long a shard under a key this process lacks is taken as absent (then read again)
 _UNOPENED_KEPT = 65536  # per tier
@@ -40,8 +42,9 @@ class GuardedTier:
     def __init__(self, tier: Tier, retry_seconds: float, metrics: StoreMetrics, logged: FirstOfKind) -> None:
         self.tier = tier
         self.name = tier.name
-        self.reads = Outage(tier.name, "reads", retry_seconds, metrics.outage.labels(tier.name, "reads"))
-        self.writes = Outage(tier.name, "writes", retry_seconds, metrics.outage.labels(tier.name, "writes"))
+        self.reads = Outage(tier.name, "reads", retry_seconds, metrics.outage.labels(tier.name, "reads"), cascade_log)
+        self.writes = Outage(tier.name, "writes", retry_seconds, metrics.outage.labels(tier.name, "writes"),
+                             cascade_log)
         self.ttl: float | None = getattr(tier.options, "ttl_seconds", None)
         self._metrics = metrics
         self._logged = logged
@@ -183,14 +186,14 @@ class GuardedTier:
             # e.g. one malformed object (ObjectError) that the write will replace
             self._metrics.read_errors.labels(self.name).inc()
             if self._logged.first(self.name, "exists", "any"):
-                log.warning("tier %s: asking whether %s is stored failed (%s: %s); writing it anyway (further "
+                cascade_log.warning("tier %s: asking whether %s is stored failed (%s: %s); writing it anyway (further "
                             "such failures are counted, not logged)", self.name, key.name, type(exc).__name__, exc)
             return False
 
-    def write(self, key: ShardKey, parts: Callable[[], Parts], payload_bytes: int) -> str:
+    def write(self, key: ShardKey, parts: Callable[[], Parts], payload_bytes: int, start: float) -> str:
         """Write one object, made by ``parts()`` (sealing it may fail: its tenant forgotten); what became of it
-        (``written``, ``dropped``, ``error``)."""
-        start = time.perf_counter()
+        (``written``, ``dropped``, ``error``). ``start``: when the write began (``time.perf_counter()``, before
+        :meth:`holds` asked), for ``kvtier_tier_write_seconds``."""
         try:
             made = parts()
             self.tier.put(key, made)
@@ -205,14 +208,15 @@ class GuardedTier:
         fault = classify(exc)
         if fault is Fault.NO_TENANT_KEY:  # its tenant was forgotten since the put: nothing may be written under it
             self._metrics.dropped.labels(self.name, "no_tenant_key").inc()
-            log.info("tier %s: not writing %s: %s", self.name, key.name, exc)
+            cascade_log.info("tier %s: not writing %s: %s", self.name, key.name, exc)
             return "dropped"
         if fault is Fault.SHARE_FULL:  # the tenant's share holds only its recent shards (its prompt's first chunks)
             self._metrics.dropped.labels(self.name, "share_full").inc()
             self.writes.succeeded()  # the tier answered
             return "dropped"
         self._metrics.write_errors.labels(self.name).inc()
-        if fault is Fault.UNEXPECTED:  # a bug in a plugin tier must not kill the worker silently
-            log.exception("tier %s: unexpected error writing %s", self.name, key.name)
+        # A bug in a plugin tier (or a frame that cannot be made) must not kill the worker silently.
+        if fault is Fault.UNEXPECTED or isinstance(exc, frame.FrameError):
+            cascade_log.exception("tier %s: unexpected error writing %s", self.name, key.name)
         self.writes.failed(exc)
         return "error"

@@ -1,7 +1,7 @@
 """KVStore: the tiered store users and integrations call, a facade over the store's parts.
 
 Runs in the caller's process. ``put`` copies whole chunks into the DRAM pool and returns; cascade workers
-(:mod:`kvtier.cascade`) carry them to every secondary tier. ``lookup`` and ``get`` see DRAM first, then each
+(:mod:`kvtier.store.cascade`) carry them to every secondary tier. ``lookup`` and ``get`` see DRAM first, then each
 secondary tier in configured order; a shard read from a secondary tier is verified (:mod:`kvtier.frame`),
 promoted into DRAM and copied out. A missing, unreadable or corrupt shard is a miss, never wrong data.
 

@@ -127,8 +127,8 @@ class Tenancy:
 
     def _keyring_failed(self, exc: BaseException, doing: str) -> None:
         self._metrics.keyring_errors.inc()
+        assert self.sealer is not None, "only a sealer's keyring fails"
         if self._logged.first("keyring", doing, type(exc).__name__):
-            assert self.sealer is not None
             log.warning("keyring %s: cannot %s a tenant (%s: %s); its secondary tiers are skipped, and its DRAM "
                         "entries while its secret cannot be read (further such failures are counted, not logged)",
                         self.sealer.keyring.path, doing, type(exc).__name__, exc)
