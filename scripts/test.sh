@@ -13,5 +13,8 @@ echo "test: ruff, mypy, import-linter"
 .venv/bin/ruff check --quiet src tests benchmarks
 .venv/bin/mypy
 .venv/bin/lint-imports --no-cache | tail -1
+# Two workers (pytest-xdist), a test file to each at a time: many tests wait on servers, timeouts and vLLM's
+# subprocesses, so two at once take ~10.5 min where one takes ~16 on 2 cores. Each worker starts its own servers
+# (kvtier.testing.servers picks free ports). `-n 0` (or any later -n) overrides it.
 # pytest exits 5 when it collected no test: that fails this script like any other failure.
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"

@@ -106,7 +106,8 @@ def test_a_bad_ttl_is_refused_naming_the_field(kind: str, ttl: float) -> None:
         open_tiers(load_config({"tiers": [{"type": kind, **options, "ttl_seconds": ttl}]}))
 
 
-@pytest.mark.parametrize("created", [time.time() + 10 * 365 * 86400, float("inf"), float("nan")])
+@pytest.mark.parametrize("created", [time.time() + 10 * 365 * 86400, float("inf"), float("nan")],
+                         ids=["in-ten-years", "inf", "nan"])  # (ids fixed: every xdist worker collects the same)
 def test_a_shard_from_the_future_or_of_no_time_is_expired(created: float, tmp_path: Path) -> None:
     """A forged or broken clock cannot keep a shard alive forever (the filesystem tier's own expiry takes such a
     time as now, so only the store's check catches it)."""
