@@ -1,4 +1,4 @@
-"""The README's runnable examples run as written."""
+"""The runnable examples of the README and the docs (``docs/*.md``) run as written."""
 
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).parent.parent / "README.md"
+PAGES = [README, *sorted((README.parent / "docs").glob("*.md"))]
 
 
 def example(marker: str) -> str:
-    match = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```", README.read_text(), re.S)
-    assert match, f"README has no example marked {marker}"
+    """The ```python block after ``<!-- marker -->`` in the README or a docs page (the transformers example is on
+    ``docs/getting-started.md``)."""
+    text = "\n".join(page.read_text() for page in PAGES)
+    match = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```", text, re.S)
+    assert match, f"neither the README nor docs/ has an example marked {marker}"
     return match.group(1)
 
 
