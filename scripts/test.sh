@@ -9,10 +9,15 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Lint, types and the import contract (pyproject.toml: [tool.ruff], [tool.mypy], [tool.importlinter]) first:
 # a minute or two, and a failure here fails the run like a failed test.
-echo "test: ruff, mypy, import-linter"
+echo "test: ruff, mypy, import-linter, mkdocs"
 .venv/bin/ruff check --quiet src tests benchmarks
 .venv/bin/mypy
 .venv/bin/lint-imports --no-cache | tail -1
+# The docs site, every warning an error (a broken link, a page outside the nav); its reference pages are generated
+# (python -m kvtier.docs) and tests/test_docs.py checks they are current.
+if [ -f mkdocs.yml ]; then
+  .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+fi
 # Two workers (pytest-xdist), a test file to each at a time: many tests wait on servers, timeouts and vLLM's
 # subprocesses, so two at once take ~10.5 min where one takes ~16 on 2 cores. Each worker starts its own servers
 # (kvtier.testing.servers picks free ports). `-n 0` (or any later -n) overrides it.

@@ -54,10 +54,15 @@ def check_ttl(value: float | None, field: str) -> None:
 class DramConfig:
     """The primary tier: a preallocated pool of host memory."""
 
-    capacity_bytes: int = 4 * 2**30
-    eviction: str = "prefix_lru"  # never below LRU on the traces `kvtier simulate` replays (README)
-    page_bytes: int = 2**20
-    pin_memory: bool | None = None  # None: pin when CUDA is available
+    capacity_bytes: int = dataclasses.field(default=4 * 2**30, metadata={
+        "help": "the pool, allocated and touched at start; more than the memory available is refused"})
+    # prefix_lru: never below LRU on the traces `kvtier simulate` replays (README)
+    eviction: str = dataclasses.field(default="prefix_lru", metadata={
+        "help": "the eviction policy, by name or as package.module:Class (a subclass of kvtier.EvictionPolicy)"})
+    page_bytes: int = dataclasses.field(default=2**20, metadata={
+        "help": "allocation unit inside the pool (at least 4096)"})
+    pin_memory: bool | None = dataclasses.field(default=None, metadata={
+        "help": "pin the pool's pages for faster copies to the GPU; null: pin when CUDA is available"})
 
     def check(self, field: str) -> None:
         if self.page_bytes < 4096:
@@ -76,7 +81,8 @@ _MAX_QUEUE_DEPTH = 1_000_000
 class TierSpec:
     """One secondary tier as configured; ``options`` are checked by the tier class itself."""
 
-    type: str
+    type: str = dataclasses.field(metadata={
+        "help": "the tier type, by name or as package.module:Class (an out-of-tree subclass of kvtier.Tier)"})
     name: str
     options: Mapping[str, object]
     queue_depth: int = 64
@@ -87,11 +93,18 @@ class TierSpec:
 
 @dataclasses.dataclass(frozen=True)
 class _TierCommon:
-    queue_depth: int = 64
-    queue_bytes: int = 512 * 2**20
-    workers: int = 1
-    retry_seconds: float = 1.0
-    name: str | None = None
+    """The keys every tier type takes, beside its own options."""
+
+    queue_depth: int = dataclasses.field(default=64, metadata={
+        "help": "cascade writes waiting for this tier; beyond it writes are dropped and counted"})
+    queue_bytes: int = dataclasses.field(default=512 * 2**20, metadata={
+        "help": "the DRAM bytes the waiting writes may pin (one write always fits)"})
+    workers: int = dataclasses.field(default=1, metadata={"help": "threads writing to this tier (1-64)"})
+    retry_seconds: float = dataclasses.field(default=1.0, metadata={
+        "help": "after a failed call the tier rests this long (reads miss, writes drop), doubling up to 30 s"})
+    name: str | None = dataclasses.field(default=None, metadata={
+        "help": "the tier's name in metrics, placement rules and --tier (1-64 letters, digits, _ . -); "
+                "null: the type; names must differ"})
 
     def check(self, field: str) -> None:
         if not 1 <= self.queue_depth <= _MAX_QUEUE_DEPTH:
@@ -110,15 +123,23 @@ class _TierCommon:
 class StoreConfig:
     """The whole store: chunking, the DRAM tier and the ordered secondary tiers."""
 
-    chunk_tokens: int = 256
-    dram: DramConfig = DramConfig()
-    tiers: tuple[TierSpec, ...] = ()
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"  # the address metrics_port listens on (0.0.0.0: every interface, e.g. a pod's)
-    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL for kvtier's spans (None: no traces)
-    placement: tuple[PlacementRule, ...] = ()  # which tiers a tenant's KV may reach (kvtier.placement)
-    audit_log: str | None = None  # append-only log of removals by kvtier's commands (kvtier.audit)
-    encryption: EncryptionConfig | None = None  # seal what the secondary tiers hold (kvtier.sealing)
+    chunk_tokens: int = dataclasses.field(default=256, metadata={
+        "help": "tokens per chunk, 1 to 2**20 (a multiple of the engine's block size)"})
+    dram: DramConfig = dataclasses.field(default=DramConfig(), metadata={"help": "the primary tier, in host memory"})
+    tiers: tuple[TierSpec, ...] = dataclasses.field(default=(), metadata={
+        "help": "secondary tiers, in lookup order; every chunk is cascaded to each"})
+    metrics_port: int | None = dataclasses.field(default=None, metadata={
+        "help": "serve Prometheus metrics on metrics_host:PORT (taken: the next free of 8); null: not served"})
+    metrics_host: str = dataclasses.field(default="127.0.0.1", metadata={
+        "help": "the address metrics_port listens on (0.0.0.0: every interface, e.g. in a pod)"})
+    otlp_traces_endpoint: str | None = dataclasses.field(default=None, metadata={
+        "help": "OTLP/HTTP collector URL for kvtier's spans (needs kvtier[tracing]); null: no traces"})
+    placement: tuple[PlacementRule, ...] = dataclasses.field(default=(), metadata={
+        "help": "which secondary tiers a tenant's KV may reach; the first matching rule decides (kvtier.placement)"})
+    audit_log: str | None = dataclasses.field(default=None, metadata={
+        "help": "absolute path of an append-only log: kvtier's commands record who removed what (kvtier.audit)"})
+    encryption: EncryptionConfig | None = dataclasses.field(default=None, metadata={
+        "help": "seal every object the secondary tiers hold (needs kvtier[encryption]; kvtier.sealing)"})
 
 
 _TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port", "metrics_host", "otlp_traces_endpoint", "placement",

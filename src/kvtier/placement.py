@@ -59,10 +59,17 @@ _KEPT = 4096  # namespaces whose decision is remembered (one per tenant salt, mo
 
 @dataclasses.dataclass(frozen=True)
 class PlacementRule:
-    tiers: tuple[str, ...]  # the secondary tiers allowed
-    salt: str | None = None  # a glob on the request's cache_salt (a request without a salt never matches)
-    namespace: str | None = None  # a namespace id (32 hex digits)
-    quota: tuple[tuple[str, int], ...] = ()  # (tier, bytes) all the KV it matches may hold there together
+    tiers: tuple[str, ...] = dataclasses.field(metadata={
+        "help": "the secondary tiers the rule's KV may reach, by name (empty: DRAM only)"})
+    salt: str | None = dataclasses.field(default=None, metadata={
+        "help": "a glob on the request's cache_salt (a request without a salt never matches)"})
+    namespace: str | None = dataclasses.field(default=None, metadata={
+        "help": "a namespace id (32 hex digits); only the last rule may give neither salt nor namespace"})
+    # (tier, bytes) all the KV it matches may hold there together
+    quota: tuple[tuple[str, int], ...] = dataclasses.field(default=(), metadata={
+        "yaml": "mapping of tier name to byte size",
+        "help": "one share for all the rule matches, per tier ({dram: 2GiB, disk: 50GiB}): past it, its own least "
+                "recently used chunks go first"})
 
     def matches(self, ns: Namespace) -> bool:
         if self.namespace is not None and ns.id != self.namespace:

@@ -38,11 +38,18 @@ PROVIDERS: Registry[KeyProvider] = Registry("key provider", KeyProvider)
 class EncryptionConfig:
     """The ``encryption`` section of a store config."""
 
-    key: str  # the current master key's source: it seals every new shard
-    keyring: str  # absolute path of the keyring directory
-    old_keys: tuple[str, ...] = ()  # sources of earlier master keys: they still open shards, never seal
-    provider_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    refresh_seconds: float = 1.0  # how soon a process notices a forgotten tenant
+    key: str = dataclasses.field(metadata={
+        "help": "the current master key, which seals every new shard: file:/path (owner-only, 64 hex digits; "
+                "`kvtier keygen` writes one), env:VARIABLE, or provider:package.module:Class[#name] (e.g. a KMS)"})
+    keyring: str = dataclasses.field(metadata={
+        "help": "absolute path of the keyring directory (per-tenant secrets, owner-only), shared by every engine "
+                "of the deployment"})
+    old_keys: tuple[str, ...] = dataclasses.field(default=(), metadata={
+        "help": "earlier master keys, in the same forms: they still open shards, never seal new ones"})
+    provider_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, metadata={
+        "help": "given to a provider class"})
+    refresh_seconds: float = dataclasses.field(default=1.0, metadata={
+        "help": "how soon a running process notices a forgotten tenant"})
 
     def __repr__(self) -> str:  # sources may name an environment variable, never a key; still, keep it short
         return f"EncryptionConfig(key={self.key!r}, keyring={self.keyring!r}, old_keys={len(self.old_keys)})"

@@ -55,22 +55,33 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class MooncakeOptions:
-    master: str
-    metadata_server: str
-    local_hostname: str = "127.0.0.1"
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    device_name: str = ""
-    global_segment_bytes: int = 0
-    local_buffer_bytes: int = 256 * 2**20
-    key_prefix: str = "kvtier/"
-    admin_url: str | None = None
-    connect_timeout: float = 10.0
+    """The keys of a ``type: mooncake`` tier: Mooncake Store, over TCP or RDMA."""
+
+    master: str = dataclasses.field(metadata={"help": "host:port of the Mooncake master"})
+    metadata_server: str = dataclasses.field(metadata={
+        "help": "the metadata server: http://host:port/metadata, etcd://..., or P2PHANDSHAKE"})
+    local_hostname: str = dataclasses.field(default="127.0.0.1", metadata={
+        "help": "this host's address as the other Mooncake nodes reach it"})
+    protocol: Literal["tcp", "rdma"] = dataclasses.field(default="tcp", metadata={"help": "the transport"})
+    device_name: str = dataclasses.field(default="", metadata={"help": "RDMA devices, for protocol rdma"})
+    global_segment_bytes: int = dataclasses.field(default=0, metadata={
+        "help": "memory this process lends to the pool (0: objects live in dedicated clients)"})
+    local_buffer_bytes: int = dataclasses.field(default=256 * 2**20, metadata={
+        "help": "the transfer buffer; an object larger than this is refused (TierError)"})
+    key_prefix: str = dataclasses.field(default="kvtier/", metadata={"help": "the prefix of every key"})
+    admin_url: str | None = dataclasses.field(default=None, metadata={
+        "help": "the master's admin address (http://master:9003), needed by `kvtier cache ls` and tenant quotas"})
+    connect_timeout: float = dataclasses.field(default=10.0, metadata={
+        "help": "wait this long at start for joining the master; after that, join in the background"})
     # Served no longer than this after it was written (the store checks each object's age as it reads it);
     # removed by `kvtier cache retain`. None: kept until evicted or purged.
-    ttl_seconds: float | None = None
+    ttl_seconds: float | None = dataclasses.field(default=None, metadata={
+        "help": "never served older than this (removal is left to Mooncake's eviction: it keeps no times); "
+                "null: no limit"})
     # With per-tenant quotas: how old this engine's view of a share may get before a put lists it again (other
     # engines' writes are seen at the next listing; 0: every put lists first). See kvtier.quotas.listed.
-    share_refresh_seconds: float = 10.0
+    share_refresh_seconds: float = dataclasses.field(default=10.0, metadata={
+        "help": "with tenant quotas (which need admin_url): list a share again when this engine's view is older"})
 
     def check(self, field: str) -> None:
         check_ttl(self.ttl_seconds, field)

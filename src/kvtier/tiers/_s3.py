@@ -47,25 +47,38 @@ _DENIED = {"403": "access denied", "AccessDenied": "access denied", "InvalidAcce
 
 @dataclasses.dataclass(frozen=True)
 class S3Options:
-    bucket: str
-    prefix: str = "kvtier/"
-    endpoint_url: str | None = None
-    region: str | None = None
-    profile: str | None = None
-    access_key_id: str | None = None
-    secret_access_key: str | None = None
-    addressing_style: Literal["auto", "path", "virtual"] = "auto"
-    connect_timeout: float = 2.0
-    read_timeout: float = 30.0
-    max_attempts: int = 2
-    max_connections: int = 16
-    create_bucket: bool = False
+    """The keys of a ``type: s3`` tier: any S3-compatible store (AWS S3, MinIO, Ceph RGW, SeaweedFS, ...)."""
+
+    bucket: str = dataclasses.field(metadata={"help": "the bucket that holds the tier's objects"})
+    prefix: str = dataclasses.field(default="kvtier/", metadata={
+        "help": "objects are <prefix><namespace id>/<chunk key>/<heads> (ends with '/')"})
+    endpoint_url: str | None = dataclasses.field(default=None, metadata={
+        "help": "http(s)://host[:port] of the store, e.g. http://minio:9000; null: AWS"})
+    region: str | None = dataclasses.field(default=None, metadata={"help": "the bucket's region; null: boto3's"})
+    profile: str | None = dataclasses.field(default=None, metadata={
+        "help": "an AWS profile for the credentials; null: the usual chain (env, ~/.aws, instance role)"})
+    access_key_id: str | None = dataclasses.field(default=None, metadata={
+        "help": "credentials given here (with secret_access_key: both or neither)"})
+    secret_access_key: str | None = dataclasses.field(default=None, metadata={
+        "help": "the secret of access_key_id"})
+    addressing_style: Literal["auto", "path", "virtual"] = dataclasses.field(default="auto", metadata={
+        "help": "how the bucket appears in URLs: in the path or in the host name"})
+    connect_timeout: float = dataclasses.field(default=2.0, metadata={"help": "seconds to open a connection"})
+    read_timeout: float = dataclasses.field(default=30.0, metadata={"help": "seconds to wait for an answer"})
+    max_attempts: int = dataclasses.field(default=2, metadata={
+        "help": "attempts per call, the first included (1-10)"})
+    max_connections: int = dataclasses.field(default=16, metadata={
+        "help": "the connection pool, also the parallelism of a lookup's listings"})
+    create_bucket: bool = dataclasses.field(default=False, metadata={
+        "help": "create the bucket if it is missing (else a missing bucket is an error at start)"})
     # Served no longer than this after it was written (the store checks each object's age as it reads it);
     # removed by `kvtier cache retain`. None: kept until evicted or purged.
-    ttl_seconds: float | None = None
+    ttl_seconds: float | None = dataclasses.field(default=None, metadata={
+        "help": "never served older than this; removed by `kvtier cache retain` (run it from cron); null: no limit"})
     # With per-tenant quotas: how old this engine's view of a share may get before a put lists it again (other
     # engines' writes are seen at the next listing; 0: every put lists first). See kvtier.quotas.listed.
-    share_refresh_seconds: float = 10.0
+    share_refresh_seconds: float = dataclasses.field(default=10.0, metadata={
+        "help": "with tenant quotas: list a share again when this engine's view of it is older than this"})
 
     def check(self, field: str) -> None:
         check_ttl(self.ttl_seconds, field)

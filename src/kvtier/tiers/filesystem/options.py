@@ -10,13 +10,22 @@ from kvtier.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class FilesystemOptions:
-    path: str
-    capacity_bytes: int | None = None
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    ttl_seconds: float | None = None
-    durability: Literal["none", "fsync"] = "none"
-    rescan_seconds: float | None = 60.0
+    """The keys of a ``type: filesystem`` tier: a directory on a local disk."""
+
+    path: str = dataclasses.field(metadata={"help": "the directory that holds the tier's files"})
+    capacity_bytes: int | None = dataclasses.field(default=None, metadata={
+        "help": "the bytes the tier may hold; null: unlimited"})
+    high_watermark: float = dataclasses.field(default=0.95, metadata={
+        "help": "evict when usage passes high_watermark x capacity_bytes ..."})
+    low_watermark: float = dataclasses.field(default=0.85, metadata={
+        "help": "... down to low_watermark x capacity_bytes, least recently used first"})
+    ttl_seconds: float | None = dataclasses.field(default=None, metadata={
+        "help": "remove chunks written longer ago than this (never served older); null: no limit"})
+    durability: Literal["none", "fsync"] = dataclasses.field(default="none", metadata={
+        "help": "fsync: fsync the file and its directory before a write counts"})
+    rescan_seconds: float | None = dataclasses.field(default=60.0, metadata={
+        "help": "with a capacity or TTL: walk the directory this often, so files other processes (TP workers, "
+                "other engines) wrote count against the limits too; null: never"})
 
     def check(self, field: str) -> None:
         if self.rescan_seconds is not None and self.rescan_seconds <= 0:

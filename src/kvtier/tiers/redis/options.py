@@ -16,17 +16,27 @@ _MAX_CONNECTIONS = 1024  # per process; more is a typo, and each one is a socket
 
 @dataclasses.dataclass(frozen=True)
 class RedisOptions:
-    url: str = "redis://127.0.0.1:6379/0"
-    cluster: bool = False
-    key_prefix: str = "kvtier:"
-    ttl_seconds: float | None = None
-    segment_bytes: int = 256 * 2**20
-    socket_timeout: float = 5.0
-    connect_timeout: float = 1.0
-    socket_read_bytes: int = 65536
-    max_connections: int = 32
+    """The keys of a ``type: redis`` tier: Redis 7 or Valkey, one server or a Redis Cluster."""
+
+    url: str = dataclasses.field(default="redis://127.0.0.1:6379/0", metadata={
+        "help": "redis://, rediss:// (TLS) or unix:// URL of the server (of any node, in a cluster)"})
+    cluster: bool = dataclasses.field(default=False, metadata={
+        "help": "true: a Redis Cluster (url names any node; MOVED/ASK are followed)"})
+    key_prefix: str = dataclasses.field(default="kvtier:", metadata={
+        "help": "keys are <prefix><namespace id>:<chunk key>, one hash per chunk"})
+    ttl_seconds: float | None = dataclasses.field(default=None, metadata={
+        "help": "expire a chunk this long after its last write (never served older); null: no limit"})
+    segment_bytes: int = dataclasses.field(default=256 * 2**20, metadata={
+        "help": "an object is stored in fields of at most this size (the server's limit: 512 MiB)"})
+    socket_timeout: float = dataclasses.field(default=5.0, metadata={
+        "help": "seconds per command (a timed-out command is not retried)"})
+    connect_timeout: float = dataclasses.field(default=1.0, metadata={"help": "seconds to open a connection"})
+    socket_read_bytes: int = dataclasses.field(default=65536, metadata={
+        "help": "read size of the reply parser (at least 4096; larger measured no faster)"})
+    max_connections: int = dataclasses.field(default=32, metadata={"help": "connections per node (1-1024)"})
     # A file holding the password (e.g. a mounted Kubernetes Secret): the config itself then holds no secret.
-    password_file: str | None = None
+    password_file: str | None = dataclasses.field(default=None, metadata={
+        "help": "absolute path of a file holding the password (a mounted Secret), read at start"})
 
     def check(self, field: str) -> None:
         shown = redact_url(self.url)

@@ -1,0 +1,241 @@
+"""docs/reference/benchmarks.md: the latest result file of each benchmark kind under ``benchmarks/results/``, as
+tables: its date, machine and commit (where recorded), and each ratio, with its spread where the file holds the
+runs it came from.
+
+A file's kind is its name before the date (``ttft-2026-12-02.json``: ``ttft``; ``ab-store-2026-12-04.json``:
+``ab-store``). The latest of a kind is the one with the latest date, and of those the plain ``KIND-DATE.json``,
+else the last by name; the others are counted, not shown. Each kind's numbers are read by its reader in
+:data:`READERS`; a kind without one shows every ``ratio`` its rows record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvtier.docs import _markdown as md
+
+_NAME = re.compile(r"^(?P<kind>.+?)-(?P<date>\d{4}-\d{2}-\d{2})(?P<variant>-.+)?\.json$")
+Row = list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+
+Reader = Callable[[Mapping[str, Any]], Table]
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """The latest result file of one kind."""
+
+    kind: str
+    path: Path
+    date: str
+    others: int  # files of the same kind not shown (older runs, variants)
+
+    def data(self) -> Mapping[str, Any]:
+        loaded = json.loads(self.path.read_text())
+        assert isinstance(loaded, Mapping), f"{self.path}: not a JSON object"
+        return loaded
+
+
+def latest(results: Path) -> list[Result]:
+    """The latest file of each kind under ``results``, by kind."""
+    kinds: dict[str, list[tuple[str, bool, str, Path]]] = {}
+    for path in sorted(results.glob("*.json")):
+        match = _NAME.match(path.name)
+        if match:
+            kinds.setdefault(match["kind"], []).append((match["date"], match["variant"] is None, path.name, path))
+    return [Result(kind, max(files)[3], max(files)[0], len(files) - 1) for kind, files in sorted(kinds.items())]
+
+
+def ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.3g}"
+
+
+def spread(values: Iterable[float]) -> str:
+    """The range of a ratio over the runs it came from, and how many."""
+    runs = sorted(v for v in values if v is not None)
+    return f"{runs[0]:.3g} to {runs[-1]:.3g} (n={len(runs)})" if len(runs) > 1 else ""
+
+
+def bounds(pair: Sequence[float]) -> str:
+    """A spread the file records as its ends (``[low, high]``)."""
+    return f"{pair[0]:.3g} to {pair[-1]:.3g}" if len(pair) == 2 else ""
+
+
+def paired(top: Sequence[float], bottom: Sequence[float]) -> list[float]:
+    """Run-by-run ratios of two sides measured in the same rounds (none when their runs do not pair up)."""
+    return [t / b for t, b in zip(top, bottom) if b] if len(top) == len(bottom) else []
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> Table:
+    return Table(tuple(headers), tuple(tuple(row) for row in rows))
+
+
+def _label(row: Mapping[str, Any], keys: Sequence[str]) -> str:
+    return ", ".join(str(row[k]) for k in keys if k in row)
+
+
+# --- each kind's reader ---------------------------------------------------------------------------------------
+def _ttft(d: Mapping[str, Any]) -> Table:
+    runs = {name: v for group in d.get("raw", {}).values() if isinstance(group, Mapping)
+            for name, v in group.items() if isinstance(v, list) and all(isinstance(x, float) for x in v)}
+    recompute = runs.get("vLLM, recompute", [])
+    rows = []
+    for name, over_hit in d.get("vs_engine_hit", {}).items():
+        engine = "vLLM prefix-cache hit" + (", exact repeat" if "exact repeat" in name else "") + (
+            ", API server" if "API server" in name else "")
+        mine = runs.get(name, [])
+        speedup = statistics.mean(recompute) / statistics.mean(mine) if recompute and mine else None
+        rows.append([name, f"{d['ttft'][name]['mean']:.3g}", ratio(over_hit),
+                     spread(paired(mine, runs.get(engine, []))), ratio(speedup), spread(paired(recompute, mine))])
+    return _table(["Measure", "TTFT mean (s)", "TTFT / vLLM's own hit's (lower: better)", "spread",
+                   "speed-up over recompute", "spread"], rows)
+
+
+def _rows_with_ratio(keys: Sequence[str], extra: Sequence[str] = ()) -> Reader:
+    def read(d: Mapping[str, Any]) -> Table:
+        rows = [[_label(r, keys), ratio(r["ratio"]), *(ratio(r.get(k)) for k in extra)]
+                for r in d.get("rows", []) if "ratio" in r]
+        return _table(["Measure", "ratio", *extra], rows)
+    return read
+
+
+def _peers(d: Mapping[str, Any]) -> Table:
+    rows = [[_label(r, ("row", "shape")), ratio(r.get("ratio")), spread(r.get("ratio_per_rep", []))]
+            for r in d.get("rows", [])]
+    return _table([f"Measure ({d.get('ratio_definition', 'ratio')})", "ratio", "spread"], rows)
+
+
+def _noreuse(d: Mapping[str, Any]) -> Table:
+    return _table(["Measure", "ratio (median)", "spread"],
+                  [["kvtier / plain vLLM throughput, no reuse", ratio(d.get("median")), spread(d.get("ratios", []))]])
+
+
+def _router(d: Mapping[str, Any]) -> Table:
+    rows = [[name, ratio(value), ""] for name, value in d.get("ratios", {}).items()]
+    if "overhead" in d:
+        rows.append(["added p50 latency of the router (ms)", ratio(d["overhead"].get("added_p50_ms")), ""])
+    return _table(["Measure", "value", "spread"], rows)
+
+
+def _transformers(d: Mapping[str, Any]) -> Table:
+    rows_in = d.get("rows", {})
+    base = next((r.get("times", []) for name, r in rows_in.items() if "recompute" in name), [])
+    rows = [[name, ratio(r.get("speedup")), spread(paired(base, r.get("times", [])))] for name, r in rows_in.items()
+            if "recompute" not in name]
+    return _table(["Measure", "speed-up over recompute", "spread"], rows)
+
+
+def _stall(d: Mapping[str, Any]) -> Table:
+    runs = d.get("runs", [])
+    answering = [r["p99"] for r in runs if r.get("kind") == "answering"]
+    stalled = [r["p99"] for r in runs if r.get("kind") == "stalled"]
+    return _table(["Measure", "ratio", "spread"], [["engine step p99, Redis stalled / answering",
+                                                    ratio(d.get("p99_ratio")), spread(paired(stalled, answering))]])
+
+
+def _validate(d: Mapping[str, Any]) -> Table:
+    rows = [[f"{group} TTFT, predicted / measured p50", ratio(g.get("p50_ratio")), ratio(g.get("p90_ratio")),
+             "pass" if g.get("pass") else "fail"] for group, g in d.get("groups", {}).items()]
+    hit = d.get("hit_ratio", {})
+    rows.append(["hit ratio, predicted / measured", ratio(hit["predicted"] / hit["measured"])
+                 if hit.get("measured") else "", "", "pass" if hit.get("pass") else "fail"])
+    return _table(["Measure", "p50 ratio", "p90 ratio", "verdict"], rows)
+
+
+def _preemption(d: Mapping[str, Any]) -> Table:
+    rows = [[f"{r['requests']} requests (utilization {r['utilization']:.3g})",
+             ratio(1 + r["predicted"]["throughput_gain"]), ratio(1 + r["measured"]["throughput_gain"])]
+            for r in d.get("rows", [])]
+    return _table(["Measure: kvtier / engine alone, output tokens per s", "predicted", "measured"], rows)
+
+
+def _decide(d: Mapping[str, Any]) -> Table:
+    rows = [[card, str(c.get("predicted_answer")), str(c.get("measured_answer")), str(c.get("agree")),
+             ratio(c.get("kvtier_served_share"))] for card, c in d.get("cards", {}).items()]
+    return _table(["Workload card", "predicted answer", "measured answer", "agree", "kvtier's share of hits"], rows)
+
+
+def _policies(d: Mapping[str, Any]) -> Table:
+    rows = [[f"{name}: prefix_lru / lru hit ratio, worst capacity", ratio(t.get("prefix_lru_over_lru_worst"))]
+            for name, t in d.get("traces", {}).items()]
+    return _table(["Measure", "ratio"], rows)
+
+
+def _calibration(d: Mapping[str, Any]) -> Table:
+    rows = [[f"{part} fit, largest relative error", ratio(d[part]["fit"].get("max_rel_error"))]
+            for part in ("prefill", "hit_floor", "decode") if "max_rel_error" in d.get(part, {}).get("fit", {})]
+    return _table(["Measure", "value"], rows)
+
+
+def _load_memory(d: Mapping[str, Any]) -> Table:
+    return _table(["Measure: peak memory beyond the prompt's KV, in chunks", "ratio"],
+                  [[f"{r['tier']}, {r['tokens']} tokens", ratio(r.get("chunks_of_extra"))] for r in d.get("rows", [])])
+
+
+def _ab(d: Mapping[str, Any]) -> Table:
+    rows = [[r["name"], ratio(r.get("base")), bounds(r.get("base_spread", [])), ratio(r.get("head")),
+             bounds(r.get("head_spread", [])), f"{r.get('change', 0):+.1%}"] for r in d.get("rows", [])]
+    return _table(["Measure", "base", "spread", "head", "spread", "change"], rows)
+
+
+READERS: dict[str, Reader] = {
+    "ttft": _ttft, "store": _rows_with_ratio(("bench", "shape", "op"), ("target",)),
+    "shared": _rows_with_ratio(("tier", "shape", "op")),
+    "sealing": _rows_with_ratio(("tier", "shape", "op"), ("target",)),
+    "peers": _peers, "noreuse": _noreuse, "router": _router, "transformers": _transformers, "stall": _stall,
+    "validate": _validate, "preemption": _preemption, "decide": _decide, "policies": _policies,
+    "calibration": _calibration, "load-memory": _load_memory, "ab-store": _ab, "ab-ttft": _ab,
+}
+
+
+def _machine(d: Mapping[str, Any]) -> str:
+    machine = d.get("machine")
+    if isinstance(machine, Mapping):
+        machine = machine.get("summary")
+    if not machine and "fingerprint" in d:
+        machine = f"{d['fingerprint'].get('cpu')}, {d['fingerprint'].get('cores')} cores"
+    return str(machine) if machine else "not recorded"
+
+
+def _commit(d: Mapping[str, Any]) -> str:
+    commit = (d.get("git") or {}).get("commit") or d.get("commit")
+    if commit:
+        return md.code(str(commit)[:12])
+    if "base" in d and "head" in d:
+        return f"base {md.code(d['base'])}, head {md.code(d['head'])}"
+    return "not recorded"
+
+
+def section(result: Result) -> str:
+    d = result.data()
+    table = READERS.get(result.kind, _rows_with_ratio(("name", "tier", "shape", "op", "bench")))(d)
+    date = str(d.get("date") or d.get("created") or d.get("started") or result.date)[:10]
+    facts = (f"File `benchmarks/results/{result.path.name}` · date {date} · machine {md.text(_machine(d))} · "
+             f"commit {_commit(d)}")
+    if result.others:
+        facts += f" · {result.others} other file{'s' if result.others > 1 else ''} of this kind not shown"
+    body = md.table(table.headers, [[md.text(c) for c in row] for row in table.rows]) if table.rows else \
+        "No ratio recorded in this file.\n"
+    return f"## `{result.kind}`\n\n{facts}\n\n{body}"
+
+
+def render(results: Path) -> str:
+    intro = """
+The latest result of each benchmark, read from its JSON under `benchmarks/results/`; each table says what its
+ratios divide. A spread is the range of a ratio over the runs the file holds (n runs, paired round by round; an
+`ab-*` file records its ends itself), left empty where the file keeps no runs. The benchmarks page says how each
+is run and what each number needs to be read with.
+"""
+    return md.page("Benchmark results", intro, [section(r) for r in latest(results)])

@@ -1,0 +1,126 @@
+"""The generated reference pages (kvtier.docs): the committed docs/reference/*.md are what the generator makes of
+the code and benchmarks/results/ now, every config key has a help line, every metric a help text, and the pages
+name every field, command, option and metric."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from kvtier import docs
+from kvtier.docs import _markdown as md
+from kvtier.docs import benchmarks, cli, configuration, metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "docs" / "reference"
+
+
+@pytest.fixture(scope="module")
+def pages() -> dict[str, str]:
+    return docs.render(ROOT)
+
+
+@pytest.mark.parametrize("name", docs.PAGES)
+def test_each_committed_page_is_what_the_generator_makes(pages: dict[str, str], name: str) -> None:
+    path = REFERENCE / name
+    assert path.is_file(), f"docs/reference/{name} is missing: run `{docs.REGENERATE}` and commit it"
+    assert path.read_text(encoding="utf-8") == pages[name], (
+        f"docs/reference/{name} is out of date (a config field, command, option, metric or benchmark result "
+        f"changed): run `{docs.REGENERATE}` and commit docs/reference/")
+
+
+def test_the_generator_is_deterministic(pages: dict[str, str]) -> None:
+    assert docs.render(ROOT) == pages
+
+
+def test_every_config_field_has_a_one_line_help() -> None:
+    missing = [f"{section.cls.__qualname__}.{f.name}" for section in configuration.sections()
+               for f in section.fields() if not str(f.metadata.get("help", "")).strip()]
+    assert not missing, "config fields without metadata={'help': ...}: " + ", ".join(missing)
+    multiline = [k.path for s in configuration.sections() for k in configuration.keys(s) if "\n" in k.help]
+    assert not multiline
+
+
+def test_the_configuration_page_names_every_field_of_every_tier_type(pages: dict[str, str]) -> None:
+    from kvtier.tiers import TIERS
+
+    for name in TIERS.names():
+        options = TIERS.resolve(name, "tiers[].type").Options
+        for f in dataclasses.fields(options):
+            assert f"`tiers[].{f.name}`" in pages["configuration.md"], (name, f.name)
+        assert f"`type: {name}`" in pages["configuration.md"]
+
+
+def test_the_configuration_page_shows_types_defaults_and_allowed_values(pages: dict[str, str]) -> None:
+    text = pages["configuration.md"]
+    assert "| `dram.capacity_bytes` | byte size | `4GiB` |" in text
+    assert "| `tiers[].durability` | string | `none` | `none`, `fsync` |" in text
+    assert "`lru`, `prefix_lru`, `package.module:Class`" in text  # dram.eviction, from the policies' registry
+    assert "| `tiers[].bucket` | string | required |" in text
+
+
+def test_every_metric_has_a_help_and_is_on_the_page(pages: dict[str, str]) -> None:
+    found = [m for group in metrics.groups() for m in group.metrics]
+    assert len(found) > 40
+    assert not [m.name for m in found if not m.help.strip()]
+    for m in found:
+        assert f"| `{m.name}` | {m.type} |" in pages["metrics.md"], m.name
+    names = {m.name for m in found}
+    assert {"kvtier_hit_chunks_total", "kvtier_tier_events_total", "kvtier_connector_errors_total",
+            "kvtier_router_requests_total", "kvtier_put_seconds"} <= names
+    assert len(names) == len(found), "a metric listed twice"
+
+
+def test_every_command_and_option_is_on_the_page(pages: dict[str, str]) -> None:
+    text = pages["cli.md"]
+    progs = [command.prog for command in cli.commands()]
+    assert {"kvtier", "kvtier cache ls", "kvtier fleet up", "kvtier decide"} <= set(progs)
+    for command in cli.commands():
+        assert f" `{command.prog}`\n" in text, command.prog
+        for action in command.arguments():
+            assert f"| `{cli.option_name(action)}` |" in text, (command.prog, action.dest)
+            assert action.help, f"{command.prog} {cli.option_name(action)} has no help"
+
+
+def test_every_benchmark_kind_has_its_latest_file(pages: dict[str, str]) -> None:
+    results = benchmarks.latest(ROOT / "benchmarks" / "results")
+    assert {"ttft", "store", "peers", "router"} <= {r.kind for r in results}
+    for result in results:
+        assert f"`benchmarks/results/{result.path.name}`" in pages["benchmarks.md"]
+    ttft = next(r for r in results if r.kind == "ttft")
+    assert ttft.path.name >= "ttft-2026-12-02.json"
+
+
+def test_a_kind_reads_its_latest_plain_file(tmp_path: Path) -> None:
+    for name in ("x-2026-01-01.json", "x-2026-01-02-run1.json", "x-2026-01-02.json", "x-2026-01-02-s3.json"):
+        (tmp_path / name).write_text('{"rows": [{"name": "a", "ratio": 1.5}]}')
+    [result] = benchmarks.latest(tmp_path)
+    assert (result.kind, result.path.name, result.others) == ("x", "x-2026-01-02.json", 3)
+    assert "| a | 1.5 |" in benchmarks.section(result)  # a kind without a reader: its rows' ratios
+
+
+def test_spreads_come_from_paired_runs() -> None:
+    assert benchmarks.paired([2.0, 4.0], [1.0, 2.0]) == [2.0, 2.0]
+    assert benchmarks.paired([2.0, 4.0], [1.0]) == []  # runs that do not pair up give no spread
+    assert benchmarks.spread([1.5, 0.9, 1.2]) == "0.9 to 1.5 (n=3)"
+    assert benchmarks.spread([1.0]) == ""
+
+
+def test_markdown_text_is_escaped_outside_code() -> None:
+    assert md.text("keys are <prefix>:<key>, 2**20, `a*b`") == r"keys are \<prefix\>:\<key\>, 2\*\*20, `a*b`"
+    assert configuration.yaml_value(64 * 2**10, size=True) == "64KiB"
+    assert configuration.yaml_value("kvtier:") == '"kvtier:"'
+    assert configuration.yaml_value(None) == "null"
+
+
+def test_check_names_a_stale_page_and_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    assert docs.main(["--root", str(tmp_path)]) == 0
+    assert docs.main(["--root", str(tmp_path), "--check"]) == 0
+    (tmp_path / "docs" / "reference" / "cli.md").write_text("old\n")
+    capsys.readouterr()
+    assert docs.main(["--root", str(tmp_path), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "docs/reference/cli.md is out of date" in err and docs.REGENERATE in err
