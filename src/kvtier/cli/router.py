@@ -19,7 +19,8 @@ def register(top: Subcommands) -> None:
     router = top.add_parser("router", help="a cache-aware OpenAI-compatible router in front of vLLM API servers")
     router.set_defaults(run=_router)
     router.add_argument("--config", required=True, help="router config (YAML; see the README's 'Running a fleet')")
-    router.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    router.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="the least severe log lines printed")
 
 
 def _router(args: argparse.Namespace) -> int:
