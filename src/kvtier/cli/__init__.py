@@ -15,13 +15,16 @@
     kvtier simulate --trace FILE [--block-tokens N] [--capacities N,N,...] [--policies P,P] [--out DIR]
     kvtier simulate --scenario preemption --calibration FILE [--out DIR]
     kvtier decide --card FILE --facts FILE --calibration FILE [--out DIR]
+    kvtier serve MODEL [--dram SIZE] [--disk PATH] [--redis URL] [--config FILE] [--dry-run] [vLLM options...]
+    kvtier doctor [--config FILE]
 
 The cache commands open the tiers only (no DRAM pool), so they are safe to run beside a serving process.
 
 One module per command group, each adding its own parsers (``register``) with the function that runs them as
 the ``run`` default: :mod:`~kvtier.cli.cache`, :mod:`~kvtier.cli.encryption` (keygen, cache rekey, tenant
-forget), :mod:`~kvtier.cli.bench`, :mod:`~kvtier.cli.fleet`, :mod:`~kvtier.cli.router` and :mod:`~kvtier.cli.sim`
-(calibrate, validate, simulate, decide); what they share is in :mod:`kvtier.cli._common`.
+forget), :mod:`~kvtier.cli.bench`, :mod:`~kvtier.cli.fleet`, :mod:`~kvtier.cli.router`, :mod:`~kvtier.cli.sim`
+(calibrate, validate, simulate, decide), :mod:`~kvtier.cli.serve` and :mod:`~kvtier.cli.doctor`; what they share is
+in :mod:`kvtier.cli._common`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from kvtier.cli import bench, cache, encryption, fleet, router, sim
+from kvtier.cli import bench, cache, doctor, encryption, fleet, router, serve, sim
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.register(top)
     router.register(top)
     sim.register(top)
+    serve.register(top)
+    doctor.register(top)
     return parser
 
 
