@@ -32,12 +32,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+import kvtier
 from kvtier.cli import bench, cache, doctor, encryption, fleet, router, serve, sim
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Every command, in the order ``kvtier --help`` lists them."""
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvtier.__version__}")
     top = parser.add_subparsers(dest="group", required=True)
     encryption.register(top, cache.register(top))
     bench.register(top)

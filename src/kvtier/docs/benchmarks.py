@@ -131,7 +131,7 @@ def _router(d: Mapping[str, Any]) -> Table:
 
 def _transformers(d: Mapping[str, Any]) -> Table:
     rows_in = d.get("rows", {})
-    base = next((r.get("times", []) for name, r in rows_in.items() if "recompute" in name), [])
+    base: list[float] = next((r.get("times", []) for name, r in rows_in.items() if "recompute" in name), [])
     rows = [[name, ratio(r.get("speedup")), spread(paired(base, r.get("times", [])))] for name, r in rows_in.items()
             if "recompute" not in name]
     return _table(["Measure", "speed-up over recompute", "spread"], rows)
