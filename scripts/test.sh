@@ -21,6 +21,7 @@ if [ -f mkdocs.yml ]; then
   NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
   rm -rf "$site"
 fi
+bash scripts/wheel_check.sh  # the sdist and wheel built, the wheel installed in a fresh venv and run (~35 s)
 # Two workers (pytest-xdist), a test file to each at a time: many tests wait on servers, timeouts and vLLM's
 # subprocesses, so two at once take ~10.5 min where one takes ~16 on 2 cores. Each worker starts its own servers
 # (kvtier.testing.servers picks free ports). `-n 0` (or any later -n) overrides it.

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.dram import DramEntry, DramPool, _FreePages
+from kvtier.dram import DramEntry, DramPool, Refused, _FreePages
 from kvtier.eviction import LRUPolicy, PrefixLRUPolicy
 from kvtier.frame import ShardMeta
 from kvtier.keys import HeadRange, ShardKey
@@ -78,6 +78,13 @@ def test_pinned_entries_are_never_evicted() -> None:
     pool.release(pinned[0])
     put(pool, 3)
     assert resident(pool) == {2, 3}
+
+
+def test_a_refusal_is_its_name_as_a_string() -> None:
+    # a str mixin (StrEnum is 3.11's): equal to, printed and formatted as the old sentinels, on every Python
+    assert Refused.FULL == "full" and Refused.PRESENT == "present"
+    assert str(Refused.FULL) == f"{Refused.FULL}" == "full"
+    assert isinstance(Refused.PRESENT, str)
 
 
 def test_reserved_entries_are_invisible_until_commit_and_abort_frees() -> None:

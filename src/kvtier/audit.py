@@ -174,7 +174,7 @@ class AuditLog:
         """Append one record; returns it. Raises ConfigError when the log cannot be written, or when it and its
         head disagree (see :func:`verify`); a record that fails leaves no line."""
         entry: dict[str, Any] = {
-            "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
             "who": {"user": _user(), "uid": os.geteuid(), "host": socket.gethostname(), "pid": os.getpid()},
             "action": action, **fields}
         with self._opened() as (dir_fd, fd):

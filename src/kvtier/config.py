@@ -250,9 +250,14 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
     audit_log = cfg.get("audit_log")
     if audit_log is not None and (not isinstance(audit_log, str) or not audit_log.startswith("/")):
         raise ConfigError(f"audit_log: an absolute path to an append-only log file, got {audit_log!r}")
-    from kvtier.sealing import parse_encryption
-
-    encryption = parse_encryption(cfg.get("encryption"))
+    encryption = None
+    if cfg.get("encryption") is not None:  # kvtier.sealing needs the encryption extra: a plain install loads too
+        try:
+            from kvtier.sealing import parse_encryption
+        except ImportError as exc:
+            raise ConfigError(f"encryption: needs the cryptography package (pip install 'kvtier[encryption]'): "
+                              f"{exc}") from exc
+        encryption = parse_encryption(cfg["encryption"])
     return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port,
                        metrics_host=metrics_host, otlp_traces_endpoint=traces, placement=placement,
                        audit_log=audit_log, encryption=encryption)

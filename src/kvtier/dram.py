@@ -114,11 +114,15 @@ class DramEntry:
         return sum(n for _, n in self.extents)
 
 
-class Refused(enum.StrEnum):
-    """Why a shard was not reserved (equal to its name as a string)."""
+class Refused(str, enum.Enum):
+    """Why a shard was not reserved (equal to its name as a string). A ``str`` mixin, not ``enum.StrEnum``: that
+    is Python 3.11's, and kvtier runs on 3.10."""
 
     PRESENT = "present"  # DRAM holds it, or another reservation is writing it
     FULL = "full"  # no room, even evicting every idle entry
+
+    def __str__(self) -> str:  # as StrEnum's: the value, in str() and f-strings alike, on every Python
+        return str.__str__(self)
 
 
 Reservation = DramEntry | Refused

@@ -39,9 +39,9 @@ def ttft(llm, tokens: list[int]) -> float:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    prompt = TokensPrompt(prompt_token_ids=tokens)  # type: ignore[typeddict-item]  # vLLM's NotRequired (3.11)
     start = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=tokens)], SamplingParams(max_tokens=1, temperature=0.0),
-                 use_tqdm=False)
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     return time.perf_counter() - start
 
 
@@ -185,7 +185,7 @@ def main() -> int:
         from vllm.inputs import TokensPrompt
 
         llm = engine(job, phase == "noreuse_kvtier", job["small_blocks"])
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["unique"]]
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["unique"]]  # type: ignore[typeddict-item]  # vLLM's NotRequired (3.11)
         llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up, not counted
         start = time.perf_counter()
         outs = llm.generate(prompts[1:], SamplingParams(max_tokens=job["noreuse_output"], temperature=0.0,

@@ -218,7 +218,7 @@ class Engines:
             async with self.session.get(self.urls[name] + "/metrics", timeout=timeout, headers=self.own_headers,
                                         allow_redirects=False) as reply:
                 text = await reply.text()
-        except (TimeoutError, aiohttp.ClientError):
+        except (asyncio.TimeoutError, aiohttp.ClientError):
             return
         seconds = sample_sum(text, "vllm:request_prefill_time_seconds_sum")
         count = sample_sum(text, "vllm:request_prefill_time_seconds_count")

@@ -21,6 +21,7 @@ import concurrent.futures
 import os
 import resource
 import stat
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -28,6 +29,11 @@ from aiohttp import web
 
 from kvtier.errors import ConfigError
 from kvtier.router.config import Limits
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # its backport, which aiohttp (and so the router extra) installs below 3.11
+    from async_timeout import timeout
 
 T = TypeVar("T")
 # Descriptors a router needs beside its client connections: one upstream connection per client request being
@@ -150,13 +156,13 @@ class Charge:
 async def read_body(request: web.Request, limits: Limits, charge: Charge) -> bytes:
     """The request's body, inflated, each chunk charged to ``charge`` as it comes (released by the caller, when
     the body is done with or dropped). Raises :class:`BodyTooLarge` past ``max_body_bytes`` (inflated),
-    :class:`BudgetSpent` past the router-wide budget and :class:`TimeoutError` when it takes longer than
+    :class:`BudgetSpent` past the router-wide budget and :class:`asyncio.TimeoutError` when it takes longer than
     ``body_s``."""
     cap = limits.max_body_bytes
     if request.content_length is not None and request.content_length > cap:
         raise BodyTooLarge  # compressed or not, what is sent is at most what it inflates to
     body = bytearray()
-    async with asyncio.timeout(limits.body_s):
+    async with timeout(limits.body_s):
         while chunk := await request.content.readany():
             if len(body) + len(chunk) > cap:
                 raise BodyTooLarge

@@ -24,7 +24,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from kvtier import tracing
 from kvtier.router.config import RouterConfig
 from kvtier.router.engines import Engines
-from kvtier.router.guards import BodyBudget, BodyTooLarge, BudgetSpent, Charge, PoolFull, WorkerPool, read_body
+from kvtier.router.guards import (BodyBudget, BodyTooLarge, BudgetSpent, Charge, PoolFull, WorkerPool, read_body,
+                                  timeout)
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import RouteDecision, Router
 from kvtier.router.reading import Read, Reader, Unreadable
@@ -82,7 +83,7 @@ class Proxy:
                         continue  # a redirect is not passed on: its Location is the engine's business
                     return web.Response(status=reply.status, body=await reply.read(),
                                         content_type=reply.content_type)
-            except (TimeoutError, aiohttp.ClientError):
+            except (asyncio.TimeoutError, aiohttp.ClientError):
                 continue
         return error_reply(503, "no engine is healthy", "no_healthy_engine")
 
@@ -153,7 +154,7 @@ class Proxy:
             return self.refuse(503, "the router holds as many request bodies as it may "
                                "(limits.max_inflight_body_bytes); retry", "body_budget", retry_after=True,
                                unread=True)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             return self.refuse(408, f"the request body took over {limits.body_s} s (limits.body_s)",
                                "body_timeout", unread=True)
         except (web.RequestPayloadError, HttpProcessingError) as exc:
@@ -236,7 +237,7 @@ class Proxy:
                     await self._deliver(reply, whole)
                 try:
                     chunk = await asyncio.wait_for(upstream.content.readany(), self.config.timeouts.idle_s)
-                except (TimeoutError, aiohttp.ClientError) as exc:
+                except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
                     cause = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnected"
                     log.warning("engine %s failed mid-stream (%s): the client gets an error event%s", name, cause,
                                 f" ({len(events.held)} bytes of a partial event dropped)" if events.held else "")
@@ -273,9 +274,9 @@ class Proxy:
         attack) would hold its engine's request for the whole generation. Raises ConnectionResetError then: the
         client is treated as gone, the upstream request aborted."""
         try:
-            async with asyncio.timeout(self.config.timeouts.idle_s):
+            async with timeout(self.config.timeouts.idle_s):
                 await reply.write(data)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise ConnectionResetError(f"the client read nothing for {self.config.timeouts.idle_s} s") from None
 
     async def _open(self, name: str, path: str, raw: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
@@ -294,7 +295,7 @@ class Proxy:
             # Not routed to until its next good health check; its entries stay unless it stays down.
             self.router.engines[name].healthy = False
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
         except ValueError as exc:  # aiohttp's refusal to send this request (e.g. URL credentials and Authorization)
             raise _Upstream(f"the request cannot be sent: {type(exc).__name__}") from exc
@@ -307,13 +308,13 @@ class Proxy:
     async def _whole(self, upstream: aiohttp.ClientResponse) -> bytes:
         try:
             return await asyncio.wait_for(upstream.read(), self.config.timeouts.first_byte_s)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise _Upstream(f"no whole answer: {type(exc).__name__}") from exc
 
     async def _first(self, upstream: aiohttp.ClientResponse) -> bytes:
         try:
             first = await asyncio.wait_for(upstream.content.readany(), self.config.timeouts.first_byte_s)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise _Upstream(f"no first byte: {type(exc).__name__}") from exc
         if not first:
             raise _Upstream("the answer ended before its first byte")
