@@ -7,6 +7,8 @@
 # Usage: bash scripts/wheel_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Nothing of the caller's path either: with a source tree on PYTHONPATH, pip would take kvtier as installed already.
+unset PYTHONPATH
 py=${PYTHON:-.venv/bin/python}
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvtier-wheel.XXXXXX")
 trap 'rm -rf "$work"' EXIT
