@@ -128,7 +128,7 @@ class Refused(str, enum.Enum):
 Reservation = DramEntry | Refused
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
     """Bytes this process could still allocate: the host's available memory, or less under a cgroup limit."""
     found: list[int] = []
     try:
@@ -150,7 +150,7 @@ def _available_memory() -> int | None:
 
 def _check_memory(capacity: int) -> None:
     """Refuse a budget the machine cannot hold now: touching it all would end in the OOM killer."""
-    available = _available_memory()
+    available = available_memory()
     if available is not None and capacity > available:
         raise ConfigError(f"dram.capacity_bytes: {capacity} bytes ({capacity / 2**30:.1f} GiB) is more than the "
                           f"memory available now ({available / 2**30:.1f} GiB); lower it")

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kvtier.cli import main
-from kvtier.cli._host import available_memory
+from kvtier.dram import available_memory
 from kvtier.cli.doctor import PROBE_NAMESPACE
 from kvtier.sealing import write_key_file
 from kvtier.testing.servers import RedisServer, free_port

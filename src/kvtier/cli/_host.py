@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kvtier.config import redact_url
-from kvtier.dram import _available_memory  # the DRAM pool's own measure: MemAvailable, or less under a cgroup
 
 
 def existing_base(path: Path) -> Path:
@@ -39,9 +38,6 @@ def unwritable(path: Path) -> str | None:
     return None
 
 
-def available_memory() -> int | None:
-    """Bytes this process could still allocate (None where the host does not say)."""
-    return _available_memory()
 
 
 def tier_location(options: Mapping[str, object]) -> str:

@@ -199,7 +199,7 @@ def _space(name: str, field: str, path: Path, options: Any, tier: Tier) -> Check
 
 
 def _dram(config: StoreConfig) -> Check:
-    from kvtier.cli._host import available_memory
+    from kvtier.dram import available_memory
     from kvtier.units import size_label
 
     budget = config.dram.capacity_bytes

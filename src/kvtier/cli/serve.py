@@ -98,7 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"{_PREFIX} --dry-run: vLLM not started, {plan.store_file} not written")
         return 0
     plan.store_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    from kvtier.fleet.run import _private as write_private  # fleet's 0600 writer, never through a link
+    from kvtier.fleet.run import write_private  # fleet's 0600 writer, never through a link
 
     write_private(plan.store_file, yaml.safe_dump(plan.store, sort_keys=False))
     print(f"{_PREFIX} starting vLLM as this process (pid {os.getpid()}; SIGTERM or Ctrl-C stops it)", flush=True)
@@ -229,7 +229,7 @@ def _set_tier(store: dict[str, Any], kind: str, option: str, value: str) -> str:
 def _check_fits(config: StoreConfig, block_size: int | None, dram_field: str) -> None:
     """What would stop vLLM only after it loaded the model: chunks that are not whole blocks, a DRAM budget above
     the memory available (the pool refuses it)."""
-    from kvtier.cli._host import available_memory
+    from kvtier.dram import available_memory
     from kvtier.units import size_label
 
     if block_size is not None and config.chunk_tokens % block_size:

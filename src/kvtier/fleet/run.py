@@ -129,10 +129,10 @@ class Fleet:
             store = {**c.kvtier, "metrics_port": c.metrics_ports(i)[0]}
             if c.otlp_traces_endpoint:
                 store["otlp_traces_endpoint"] = c.otlp_traces_endpoint
-            _private(self._store_file(i), yaml.safe_dump(store, sort_keys=False))
-        _private(c.work_dir / "router.yaml", yaml.safe_dump(self.router_config, sort_keys=False))
+            write_private(self._store_file(i), yaml.safe_dump(store, sort_keys=False))
+        write_private(c.work_dir / "router.yaml", yaml.safe_dump(self.router_config, sort_keys=False))
         if c.prometheus is not None:
-            _private(c.work_dir / "prometheus.yml", yaml.safe_dump(self.prometheus_config(), sort_keys=False))
+            write_private(c.work_dir / "prometheus.yml", yaml.safe_dump(self.prometheus_config(), sort_keys=False))
 
     def prometheus_config(self) -> dict:
         """Scrape jobs the dashboards and alerts read: ``vllm`` (each engine's own metrics), ``kvtier`` (each
@@ -258,7 +258,7 @@ def down(config: FleetConfig, out: TextIO) -> int:
     return 0
 
 
-def _private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
