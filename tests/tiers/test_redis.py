@@ -6,14 +6,14 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from kvtier import ConfigError, RedisTier, TierError
 from kvtier.keys import HeadRange
-from kvtier.testing.servers import RedisServer, free_port
+from kvtier.testing.servers import RedisCluster, RedisServer, free_port
 from kvtier.testing.tiers import NS_A, TierConformance, key
 
 
@@ -61,6 +61,45 @@ def test_cluster_spreads_chunks_over_every_node(redis_cluster, unique_prefix: st
     assert all(c > 0 for c in counts) and sum(counts) >= 60
     assert all(bytes(tier.get(key(i)) or b"") == bytes([i]) * 100 for i in range(60))
     tier.close()
+
+
+def _move_slot(cluster: RedisCluster, name: str, between: Callable[[], None]) -> None:
+    """Reshard ``name``'s slot to another node as redis-cli --cluster reshard does; ``between`` runs after the
+    key moved and before the nodes are told (the source then answers ASK)."""
+    slot = cluster.nodes[0].cli("cluster", "keyslot", name).strip()
+    owner = next(n for n in cluster.nodes if n.cli("cluster", "countkeysinslot", slot).strip() == "1")
+    target = next(n for n in cluster.nodes if n is not owner)
+    owner_id, target_id = owner.cli("cluster", "myid").strip(), target.cli("cluster", "myid").strip()
+    assert target.cli("cluster", "setslot", slot, "importing", owner_id).strip() == "OK"
+    assert owner.cli("cluster", "setslot", slot, "migrating", target_id).strip() == "OK"
+    assert owner.cli("migrate", "127.0.0.1", str(target.port), "", "0", "5000", "keys", name).strip() == "OK"
+    between()
+    for node in (target, owner, *(n for n in cluster.nodes if n not in (owner, target))):
+        assert node.cli("cluster", "setslot", slot, "node", target_id).strip() == "OK"
+
+
+def test_a_resharded_cluster_is_followed_by_a_client_that_knew_the_old_slots(tmp_path: Path) -> None:
+    """kvtier sends each command to its node itself; a node's MOVED or ASK (a resharding) sends the call through
+    the cluster client, which follows it: no call fails, and the client learns the new owner."""
+    cluster = RedisCluster(tmp_path).start()
+    try:
+        tier = open_tier(cluster.url, cluster=True)
+        tier.put(key(1), [b"a" * 300])
+        name = f"kvtier:{NS_A}:{key(1).chunk}"
+        assert bytes(tier.get(key(1)) or b"") == b"a" * 300  # the slot map is learnt: the old owner
+        asked = []
+        _move_slot(cluster, name, lambda: asked.append(bytes(tier.get(key(1)) or b"")))  # ASK: still migrating
+        assert asked == [b"a" * 300]
+        payload = bytearray(300)
+        assert tier.get_into(key(1), 0, [memoryview(payload)]) == b"" and payload == b"a" * 300  # MOVED
+        assert tier.heads(NS_A, [key(1).chunk]) == [[key(1).heads]]
+        other = key(1, heads=HeadRange(0, 4, 8))
+        tier.put(other, [b"b" * 200])  # a write the new owner takes
+        assert bytes(tier.get(other) or b"") == b"b" * 200
+        assert tier.delete(key(1)) and tier.get(key(1)) is None
+        tier.close()
+    finally:
+        cluster.stop()
 
 
 def test_large_objects_are_cut_into_segments(redis_server: RedisServer, unique_prefix: str) -> None:

@@ -3,7 +3,9 @@ becomes a :class:`TierError` (or, for one key of another type, an :class:`Object
 
 Calls run on the caller's thread with the configured socket timeouts; the client reconnects by itself on the
 next call once the server answers again. A call to a stalled server fails after ``socket_timeout`` (a timeout
-is not retried). Messages show the URL with its password replaced by ``***``.
+is not retried); in a cluster, kvtier sends each command to its key's node itself (:mod:`.routing`), so a call
+fails after ``socket_timeout`` at the first stalled node it reaches, and the other nodes' keys are served
+meanwhile. Messages show the URL with its password replaced by ``***``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from kvtier.config import redact_url
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.tiers.redis.fields import wrong_type
 from kvtier.tiers.redis.options import RedisOptions
+from kvtier.tiers.redis.routing import Routed
 
 _T = TypeVar("_T")
 
@@ -96,11 +99,9 @@ class Client:
             if o.cluster:
                 from redis.cluster import RedisCluster
 
-                # The cluster client retries timeouts too, each time after asking every node for the slots again
-                # (socket_timeout per stalled node): no retry keeps a stalled node's cost to one such round
-                # (measured: 5 x socket_timeout with one of three nodes paused, 9 x with one retry). The client
-                # is rebuilt after any error (see call).
-                return RedisCluster.from_url(o.url, retry=Retry(NoBackoff(), 0), **kwargs)
+                # Commands bypass the cluster client's retries (see .routing) except for redirections, which
+                # it follows without waiting.
+                return Routed(RedisCluster.from_url(o.url, retry=Retry(NoBackoff(), 0), **kwargs))
             # One immediate retry replaces a pooled connection that the server closed (a restart). Not after a
             # timeout: the server is stalled, and a second wait would double the time a caller waits for it (a
             # call fails after socket_timeout, not twice that).
@@ -122,7 +123,10 @@ class Client:
             self.failed(what, exc)
 
     def failed(self, what: str, exc: BaseException) -> NoReturn:
-        if self._options.cluster:
+        if self._options.cluster and not isinstance(exc, self.redis.TimeoutError):
+            # A node that closed its connections, or slots no node serves: the slots may have moved (a
+            # failover), so the next call builds a client that asks for them. A timeout is a stalled node,
+            # whose slots stand; the client keeps serving the other nodes' keys.
             self.drop()
         raise TierError(f"{self._tier}: {what} failed: {exc}") from exc
 
@@ -131,13 +135,15 @@ class Client:
         client = self.get()
         if not self._options.cluster:
             return client.connection_pool
-        return client.get_redis_connection(client.get_node_from_key(name)).connection_pool
+        return client.node_client(name).connection_pool
 
     def drop(self) -> None:
         # Also after a cluster error: a cluster client that lost every node keeps a stale slot map, so the next
         # call builds a new one.
         with self._lock:
             client, self._client_obj = self._client_obj, None
+        if isinstance(client, Routed):
+            client = client.cluster
         if client is not None:
             try:
                 client.close()
