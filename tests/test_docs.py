@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import docs
+from kvtier import ConfigError, docs
 from kvtier.docs import _markdown as md
 from kvtier.docs import benchmarks, cli, configuration, metrics
 
@@ -36,11 +36,57 @@ def test_the_generator_is_deterministic(pages: dict[str, str]) -> None:
 
 
 def test_every_config_field_has_a_one_line_help() -> None:
-    missing = [f"{section.cls.__qualname__}.{f.name}" for section in configuration.sections()
+    missing = [f"{section.cls.__qualname__}.{f.name}" for section in configuration.all_sections()
                for f in section.fields() if not str(f.metadata.get("help", "")).strip()]
     assert not missing, "config fields without metadata={'help': ...}: " + ", ".join(missing)
-    multiline = [k.path for s in configuration.sections() for k in configuration.keys(s) if "\n" in k.help]
+    multiline = [k.path for s in configuration.all_sections() for k in configuration.keys(s) if "\n" in k.help]
     assert not multiline
+
+
+def test_the_router_and_fleet_pages_name_every_key_a_loader_takes(pages: dict[str, str]) -> None:
+    """Every key the router's and the fleet's loaders accept, nested ones included, has a row (a key added to a
+    loader and not to its dataclass is refused by the loader, so it cannot be missed)."""
+    import kvtier.fleet.config as fleet
+    import kvtier.router.config as router
+
+    router_page, fleet_page = pages["router-configuration.md"], pages["fleet-configuration.md"]
+    for name in router._TOP:
+        assert f"| `{name}` |" in router_page, name
+    for prefix, cls in (("engines[].", router.EngineConfig), ("timeouts.", router.Timeouts),
+                        ("costs.", router.Costs), ("limits.", router.Limits), ("events.", router.EventLimits)):
+        for f in dataclasses.fields(cls):
+            assert f"| `{prefix}{f.name}` |" in router_page, (prefix, f.name)
+    for name in fleet._KEYS:
+        assert f"| `{name}` |" in fleet_page, name
+    for prefix, cls in (("ports.", fleet.Ports), ("redis.", fleet.RedisConfig),
+                        ("prometheus.", fleet.PrometheusConfig)):
+        for f in dataclasses.fields(cls):
+            assert f"| `{prefix}{f.name}` |" in fleet_page, (prefix, f.name)
+    assert "| `listen` | host:port | `127.0.0.1:8000` |" in router_page
+    assert "| `policy` | string | `cache_aware` | `cache_aware`, `round_robin`, `session` |" in router_page
+    assert "| `limits.max_body_bytes` | byte size | `16MiB` |" in router_page
+    assert "| `redis.maxmemory_bytes` | byte size | `1GiB` |" in fleet_page
+    assert "| `model` | string | required |" in fleet_page
+
+
+def test_a_fleet_file_of_only_a_model_gets_the_documented_defaults(tmp_path: Path) -> None:
+    from kvtier.fleet.config import FleetFile, load_fleet_config
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "fleet.yaml").write_text("model: m\n")
+    loaded = load_fleet_config(tmp_path / "fleet.yaml")
+    for f in dataclasses.fields(FleetFile):
+        if f.name in ("engines", "block_size", "max_model_len", "host", "ports", "health_timeout_s"):
+            assert getattr(loaded, f.name) == f.default, f.name
+    assert loaded.served_model_name == "m" and loaded.work_dir == tmp_path / "kvtier-fleet"
+    assert loaded.redis is not None and loaded.prometheus is not None and len(loaded.cpus) == loaded.engines
+    for part, keys in (("redis", "maxmemory_bytes"), ("prometheus", "scrape_interval_s, retention")):
+        (tmp_path / "fleet.yaml").write_text(f"model: m\n{part}: 7\n")
+        with pytest.raises(ConfigError, match=rf"^{part}: expected true, false or a mapping \({keys}\), got 7$"):
+            load_fleet_config(tmp_path / "fleet.yaml")
+        (tmp_path / "fleet.yaml").write_text(f"model: m\n{part}: false\n")
+        assert getattr(load_fleet_config(tmp_path / "fleet.yaml"), part) is None
 
 
 def test_the_configuration_page_names_every_field_of_every_tier_type(pages: dict[str, str]) -> None:

@@ -4,7 +4,8 @@ cannot drift from either.
     python -m kvtier.docs            # (re)write docs/reference/ under the current directory (the repository)
     python -m kvtier.docs --check    # exit 1, naming the pages, if a committed page differs from what it would be
 
-One module per page: :mod:`.configuration` (the config dataclasses and their fields' help), :mod:`.cli` (the
+One module per kind of page: :mod:`.configuration` (the store's, router's and fleet's config dataclasses and their
+fields' help), :mod:`.cli` (the
 argparse parsers), :mod:`.metrics` (the Prometheus registries) and :mod:`.benchmarks` (``benchmarks/results/``).
 Each renders text only; writing and checking are here. The output depends on nothing but the code and the files:
 no time, no terminal width, no ordering of a set.
@@ -18,15 +19,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 REGENERATE = "python -m kvtier.docs"
-PAGES = ("configuration.md", "cli.md", "metrics.md", "benchmarks.md")
+PAGES = ("configuration.md", "router-configuration.md", "fleet-configuration.md", "cli.md", "metrics.md",
+         "benchmarks.md")
 
 
 def render(root: Path) -> dict[str, str]:
     """Each page's text, by file name under ``docs/reference/``."""
     from kvtier.docs import benchmarks, cli, configuration, metrics
 
-    return {"configuration.md": configuration.render(), "cli.md": cli.render(), "metrics.md": metrics.render(),
-            "benchmarks.md": benchmarks.render(root / "benchmarks" / "results")}
+    return {"configuration.md": configuration.render(), "router-configuration.md": configuration.render_router(),
+            "fleet-configuration.md": configuration.render_fleet(), "cli.md": cli.render(),
+            "metrics.md": metrics.render(), "benchmarks.md": benchmarks.render(root / "benchmarks" / "results")}
 
 
 def stale(root: Path) -> list[str]:

@@ -1,5 +1,7 @@
-"""docs/reference/configuration.md: every key of a store config, read from the dataclasses the config is validated
-into (:mod:`kvtier.config`, each tier type's ``Options``, :mod:`kvtier.placement`, :mod:`kvtier.sealing`).
+"""docs/reference/configuration.md, router-configuration.md and fleet-configuration.md: every key of a store config,
+a router config and a fleet file, read from the dataclasses each is validated into (:mod:`kvtier.config`, each
+tier type's ``Options``, :mod:`kvtier.placement`, :mod:`kvtier.sealing`; :mod:`kvtier.router.config`;
+:mod:`kvtier.fleet.config`).
 
 A key's YAML path, type and default come from its dataclass field; its description is the field's one-line
 ``metadata["help"]``; its allowed values from a ``Literal`` type or, for names, from the registry that resolves
@@ -18,8 +20,10 @@ from typing import Any, Literal
 from kvtier import config
 from kvtier.docs import _markdown as md
 from kvtier.eviction import POLICIES
+from kvtier.fleet.config import FleetFile, Ports, PrometheusConfig, RedisConfig
 from kvtier.placement import PlacementRule
 from kvtier.registry import Registry
+from kvtier.router.config import DEFAULT_LISTEN, Costs, EngineConfig, EventLimits, Limits, RouterConfig, Timeouts
 from kvtier.sealing import EncryptionConfig
 from kvtier.tiers import TIERS
 
@@ -50,9 +54,12 @@ class Section:
     cls: type[Any]  # a dataclass
     intro: str = ""
     only: tuple[str, ...] = ()
+    skip: tuple[str, ...] = ()  # fields written otherwise in YAML (see ``extra``)
+    extra: tuple[Key, ...] = ()  # keys that are no field of ``cls``, listed first
 
     def fields(self) -> list[dataclasses.Field[Any]]:
-        return [f for f in dataclasses.fields(self.cls) if f.init and (not self.only or f.name in self.only)]
+        return [f for f in dataclasses.fields(self.cls)
+                if f.init and (not self.only or f.name in self.only) and f.name not in self.skip]
 
 
 def sections() -> list[Section]:
@@ -76,7 +83,37 @@ def sections() -> list[Section]:
     return found
 
 
+def router_sections() -> list[Section]:
+    """Every mapping of a router config (``kvtier router --config``)."""
+    listen = Key(path="listen", type="host:port", default=md.code(DEFAULT_LISTEN), allowed="",
+                 help="where the router answers clients (0.0.0.0:PORT: every interface)")
+    return [
+        Section("Top level", "", RouterConfig, skip=("host", "port"), extra=(listen,)),
+        Section("`engines[]`", "engines[].", EngineConfig, _first_line(EngineConfig)),
+        Section("`timeouts`", "timeouts.", Timeouts, "The router's calls to the engines."),
+        Section("`costs`", "costs.", Costs, _first_line(Costs)),
+        Section("`limits`", "limits.", Limits, _first_line(Limits)),
+        Section("`events`", "events.", EventLimits, _first_line(EventLimits)),
+    ]
+
+
+def fleet_sections() -> list[Section]:
+    """Every mapping of a fleet file (``kvtier fleet up``)."""
+    return [
+        Section("Top level", "", FleetFile),
+        Section("`ports`", "ports.", Ports, "The first port of each kind; engine i adds i (or 2i) to it."),
+        Section("`redis`", "redis.", RedisConfig, "The Redis the fleet starts (`redis: false`: none)."),
+        Section("`prometheus`", "prometheus.", PrometheusConfig,
+                "The Prometheus the fleet starts (`prometheus: false`: none)."),
+    ]
+
+
+def all_sections() -> list[Section]:
+    return sections() + router_sections() + fleet_sections()
+
+
 def keys(section: Section) -> Iterator[Key]:
+    yield from section.extra
     hints = typing.get_type_hints(section.cls, localns=_HINT_NAMES)
     for f in section.fields():
         path = section.prefix + f.name
@@ -85,13 +122,42 @@ def keys(section: Section) -> Iterator[Key]:
                   allowed=_allowed(hints[f.name], registry), help=f.metadata.get("help", ""))
 
 
-def render() -> str:
+def _tables(found: list[Section]) -> list[str]:
     parts = []
-    for section in sections():
+    for section in found:
         rows = [[md.code(k.path), md.text(k.type), k.default, k.allowed, md.text(k.help)] for k in keys(section)]
         intro = f"{md.text(section.intro)}\n\n" if section.intro else ""
         parts.append(f"## {section.title}\n\n{intro}"
                      + md.table(["Key", "Type", "Default", "Allowed values", "Description"], rows))
+    return parts
+
+
+def render_router() -> str:
+    intro = """
+The YAML file of `kvtier router --config FILE` (and the `router:` mapping of a fleet file, less the keys the fleet
+sets). Unknown keys and values out of range are a `ConfigError` naming the key (`engines[1].url`). A minimal one:
+
+```yaml
+listen: 127.0.0.1:8000
+tokenizer: /models/llama-3-8b
+engines:
+  - {name: e0, url: "http://10.0.0.1:8000", kv_events: "tcp://10.0.0.1:5557"}
+```
+"""
+    return md.page("Router configuration reference", intro, _tables(router_sections()))
+
+
+def render_fleet() -> str:
+    intro = """
+The YAML file of `kvtier fleet up FILE`: a whole fleet on one host (engines, router, Redis, Prometheus). Paths are
+relative to the file. Unknown keys and values out of range are a `ConfigError` naming the key, found before
+anything starts. Only `model` is required.
+"""
+    return md.page("Fleet configuration reference", intro, _tables(fleet_sections()))
+
+
+def render() -> str:
+    parts = _tables(sections())
     intro = """
 A store config is a mapping or a YAML file: `kvtier ... --config FILE`, `$KVTIER_CONFIG`, or the vLLM connector's
 `kv_connector_extra_config: {"config": ...}`. Unknown keys, wrong types and unknown names are a `ConfigError` naming

@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-
 from kvtier.config import build_dataclass, check_otlp_endpoint, load_config, read_mapping
 from kvtier.errors import ConfigError
 from kvtier.router.config import load_router_config
@@ -39,18 +38,23 @@ FLEET_REDIS = "fleet"  # a tier url naming the Redis the fleet starts
 
 @dataclasses.dataclass(frozen=True)
 class Ports:
-    router: int = 8000
-    engines: int = 8100
-    kv_events: int = 5557
-    kvtier_metrics: int = 9400
-    redis: int = 6379
-    prometheus: int = 9090
+    router: int = dataclasses.field(default=8000, metadata={"help": "the router's client port"})
+    engines: int = dataclasses.field(default=8100, metadata={"help": "engine i's OpenAI API on this port + i"})
+    kv_events: int = dataclasses.field(default=5557, metadata={
+        "help": "engine i's KV events on this port + 2i, their replay on the next port"})
+    kvtier_metrics: int = dataclasses.field(default=9400, metadata={
+        "help": "engine i's kvtier metrics on this port + 2i and the next (vLLM's scheduler and worker "
+                "processes each have a store)"})
+    redis: int = dataclasses.field(default=6379, metadata={"help": "the fleet's Redis, on loopback"})
+    prometheus: int = dataclasses.field(default=9090, metadata={"help": "the fleet's Prometheus"})
 
 
 @dataclasses.dataclass(frozen=True)
 class PrometheusConfig:
-    scrape_interval_s: float = 5.0
-    retention: str = "1d"
+    scrape_interval_s: float = dataclasses.field(default=5.0, metadata={
+        "help": "seconds between scrapes of the router and every engine"})
+    retention: str = dataclasses.field(default="1d", metadata={
+        "help": "how long Prometheus keeps samples: 12h, 7d, 4w"})
 
     def check(self, field: str) -> None:
         if not 0.1 <= self.scrape_interval_s <= 300:
@@ -61,9 +65,9 @@ class PrometheusConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RedisConfig:
-    # The fleet's Redis evicts the least recently used chunks beyond this, as a cache should (it is a cache's
-    # only copy of nothing: a chunk evicted is recomputed).
-    maxmemory_bytes: int = 2**30
+    # A cache's only copy of nothing: a chunk evicted is recomputed.
+    maxmemory_bytes: int = dataclasses.field(default=2**30, metadata={
+        "help": "the fleet's Redis evicts the least recently used chunks beyond this"})
 
     def check(self, field: str) -> None:
         if self.maxmemory_bytes < 2**20:
@@ -115,9 +119,57 @@ class FleetConfig:
         return out
 
 
-_KEYS = {"model", "served_model_name", "engines", "block_size", "max_model_len", "host", "ports", "kvtier", "redis",
-         "prometheus", "router", "engine_args", "engine_env", "cpus", "otlp_traces_endpoint", "work_dir",
-         "health_timeout_s"}
+_DEFAULT_STORE = {"chunk_tokens": 256, "dram": {"capacity_bytes": "1GiB"},
+                  "tiers": [{"type": "redis", "url": FLEET_REDIS}]}
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetFile:
+    """The keys of a fleet YAML file as written, with the defaults :func:`load_fleet_config` gives those left out
+    (the reference page is made from these fields)."""
+
+    model: str = dataclasses.field(metadata={
+        "help": "the model directory every engine serves (relative to this file)"})
+    served_model_name: str | None = dataclasses.field(default=None, metadata={
+        "help": "the model's name in the API (null: the directory's name)"})
+    engines: int = dataclasses.field(default=2, metadata={
+        "help": "vLLM API servers, each with the kvtier connector and KV events (1 to 64)"})
+    # 128: vLLM-CPU's own default; its attention takes multiples of 32 only (16, the GPU default, fails at start)
+    block_size: int = dataclasses.field(default=128, metadata={
+        "help": "the engines' --block-size, a multiple of 32 on CPU; the router hashes blocks of this size"})
+    max_model_len: int = dataclasses.field(default=4096, metadata={"help": "the engines' --max-model-len"})
+    host: str = dataclasses.field(default="127.0.0.1", metadata={
+        "help": "where the router, the engines' APIs and Prometheus listen (0.0.0.0: every interface)"})
+    ports: Ports = dataclasses.field(default=Ports(), metadata={"help": "the first port of each kind (below)"})
+    kvtier: dict[str, Any] | None = dataclasses.field(default=None, metadata={
+        "help": "the store config of every engine's connector (null: 256-token chunks, 1GiB of DRAM and the "
+                "fleet's Redis); a tier's url: fleet names the Redis this command starts",
+        "yaml": "mapping or null"})
+    redis: bool | RedisConfig = dataclasses.field(default=True, metadata={
+        "help": "start a redis-server on ports.redis (true: with the defaults below; false: none)",
+        "yaml": "boolean or mapping"})
+    prometheus: bool | PrometheusConfig = dataclasses.field(default=True, metadata={
+        "help": "start a Prometheus that scrapes the fleet (true: with the defaults below; false: none)",
+        "yaml": "boolean or mapping"})
+    router: dict[str, Any] = dataclasses.field(default_factory=dict, metadata={
+        "help": "more router settings: a router config's keys, less those the fleet sets (listen, engines, "
+                "tokenizer, block_size, otlp_traces_endpoint)", "yaml": "mapping"})
+    engine_args: tuple[str, ...] = dataclasses.field(default=(), metadata={
+        "help": "more arguments for every engine's vLLM"})
+    engine_env: dict[str, str] = dataclasses.field(default_factory=dict, metadata={
+        "help": "more environment variables for every engine", "yaml": "mapping"})
+    cpus: tuple[str, ...] | None = dataclasses.field(default=None, metadata={
+        "help": "each engine's VLLM_CPU_OMP_THREADS_BIND (0-3 or 0,2; null: one core each, in turn)"})
+    otlp_traces_endpoint: str | None = dataclasses.field(default=None, metadata={
+        "help": "OTLP/HTTP collector URL for the router's and the engines' spans (null: no traces)"})
+    work_dir: str = dataclasses.field(default="kvtier-fleet", metadata={
+        "help": "logs, PIDs and the configs written for each part (relative to this file; yours alone)"})
+    health_timeout_s: float = dataclasses.field(default=600.0, metadata={
+        "help": "seconds each part has to answer its health check at start"})
+
+
+_KEYS = {f.name for f in dataclasses.fields(FleetFile)}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(FleetFile) if f.default is not dataclasses.MISSING}
 # Router settings the fleet sets itself.
 _ROUTER_OWN = {"listen", "engines", "tokenizer", "block_size", "otlp_traces_endpoint"}
 
@@ -134,16 +186,17 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
     model = (here / os.path.expanduser(model_path)).resolve()
     if not (model / "config.json").is_file():
         raise ConfigError(f"model: {model} is not a model directory (no config.json there)")
-    name = raw.get("served_model_name", model.name)
+    name = raw.get("served_model_name")
+    if name is None:
+        name = model.name
     if not isinstance(name, str) or not re.fullmatch(r"[^\s]{1,128}", name):
         raise ConfigError(f"served_model_name: 1-128 characters without spaces, got {name!r}")
-    engines = _int(raw.get("engines", 2), "engines", 1, 64)
-    # 128: vLLM-CPU's own default; its attention takes multiples of 32 only (16, the GPU default, fails at start)
-    block_size = _int(raw.get("block_size", 128), "block_size", 32, 4096)
+    engines = _int(raw.get("engines", _DEFAULTS["engines"]), "engines", 1, 64)
+    block_size = _int(raw.get("block_size", _DEFAULTS["block_size"]), "block_size", 32, 4096)
     if block_size % 32:
         raise ConfigError(f"block_size: vLLM on CPU takes a multiple of 32 (e.g. 128), got {block_size}")
-    max_model_len = _int(raw.get("max_model_len", 4096), "max_model_len", 16, 2**22)
-    host = raw.get("host", "127.0.0.1")
+    max_model_len = _int(raw.get("max_model_len", _DEFAULTS["max_model_len"]), "max_model_len", 16, 2**22)
+    host = raw.get("host", _DEFAULTS["host"])
     if not isinstance(host, str) or not re.fullmatch(r"[A-Za-z0-9.-]{1,253}", host):
         raise ConfigError(f"host: an IPv4 address or host name for the router, the engines' APIs and Prometheus "
                           f"to listen on (0.0.0.0: every interface), got {host!r}")
@@ -152,16 +205,9 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
         if not 1 <= getattr(ports, f.name) <= 65535:
             raise ConfigError(f"ports.{f.name}: must be a TCP port in [1, 65535], got {getattr(ports, f.name)}")
 
-    redis_raw = raw.get("redis", True)
-    if redis_raw is False:
-        redis = None
-    elif redis_raw is True or isinstance(redis_raw, Mapping):
-        redis = build_dataclass(RedisConfig, {} if redis_raw is True else redis_raw, "redis")
-    else:
-        raise ConfigError(f"redis: expected true, false or a mapping (maxmemory_bytes), got {redis_raw!r}")
+    redis = _part(raw, "redis", RedisConfig)
     kvtier = _kvtier(raw.get("kvtier"), redis is not None, ports.redis, block_size)
-    prom_raw = raw.get("prometheus", {})
-    prometheus = None if prom_raw is False else build_dataclass(PrometheusConfig, prom_raw or {}, "prometheus")
+    prometheus = _part(raw, "prometheus", PrometheusConfig)
     router = raw.get("router", {}) or {}
     if not isinstance(router, Mapping):
         raise ConfigError("router: expected a mapping of router settings (see kvtier router's config)")
@@ -179,7 +225,10 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
         raise ConfigError("engine_env: expected a mapping of environment variables")
     engine_env = {k: str(v) for k, v in env_raw.items()}
     cores = os.sched_getaffinity(0)
-    cpus = _strings(raw.get("cpus", [str(sorted(cores)[i % len(cores)]) for i in range(engines)]), "cpus")
+    cpus_raw = raw.get("cpus")
+    if cpus_raw is None:  # one core each, in turn
+        cpus_raw = [str(sorted(cores)[i % len(cores)]) for i in range(engines)]
+    cpus = _strings(cpus_raw, "cpus")
     for i, cpu in enumerate(cpus):
         if not re.fullmatch(r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*", cpu):
             raise ConfigError(f"cpus[{i}]: cores as vLLM's VLLM_CPU_OMP_THREADS_BIND takes them (0-3 or 0,2), "
@@ -188,8 +237,8 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
         raise ConfigError(f"cpus: one entry per engine (VLLM_CPU_OMP_THREADS_BIND, e.g. '0-3'), got {len(cpus)} "
                           f"for {engines} engines")
     traces = check_otlp_endpoint(raw.get("otlp_traces_endpoint"), "otlp_traces_endpoint")
-    work_dir = (here / os.path.expanduser(str(raw.get("work_dir", "kvtier-fleet")))).resolve()
-    timeout = raw.get("health_timeout_s", 600)
+    work_dir = (here / os.path.expanduser(str(raw.get("work_dir", _DEFAULTS["work_dir"])))).resolve()
+    timeout = raw.get("health_timeout_s", _DEFAULTS["health_timeout_s"])
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 3600:
         raise ConfigError(f"health_timeout_s: must be in [1, 3600] seconds, got {timeout!r}")
     return FleetConfig(model=model, served_model_name=str(name), engines=engines, block_size=block_size,
@@ -249,8 +298,7 @@ def port_free(host: str, port: int) -> bool:
 
 def _kvtier(raw: object, redis: bool, redis_port: int, block_size: int) -> dict[str, Any]:
     if raw is None:
-        raw = {"chunk_tokens": 256, "dram": {"capacity_bytes": "1GiB"},
-               "tiers": [{"type": "redis", "url": FLEET_REDIS}] if redis else []}
+        raw = {**_DEFAULT_STORE, "tiers": _DEFAULT_STORE["tiers"] if redis else []}
     if not isinstance(raw, Mapping):
         raise ConfigError("kvtier: expected a kvtier store config (chunk_tokens, dram, tiers)")
     for own in ("metrics_port", "metrics_host", "otlp_traces_endpoint"):
@@ -277,6 +325,18 @@ def _kvtier(raw: object, redis: bool, redis_port: int, block_size: int) -> dict[
         raise ConfigError(f"kvtier.chunk_tokens: must be a multiple of block_size ({block_size}), got "
                           f"{store.chunk_tokens}")
     return config
+
+
+def _part(raw: Mapping[str, object], name: str, cls: type) -> Any:
+    """A part the fleet starts (``redis``, ``prometheus``): true or empty (its defaults), false (None) or its
+    settings."""
+    value = raw.get(name, _DEFAULTS[name])
+    if value is False:
+        return None
+    if value is True or value is None or isinstance(value, Mapping):
+        return build_dataclass(cls, value if isinstance(value, Mapping) else {}, name)
+    keys = ", ".join(f.name for f in dataclasses.fields(cls))
+    raise ConfigError(f"{name}: expected true, false or a mapping ({keys}), got {value!r}")
 
 
 def _int(value: object, field: str, low: int, high: int) -> int:

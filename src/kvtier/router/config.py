@@ -16,13 +16,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import typing
 import urllib.parse
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
-
-
-from kvtier.config import build_dataclass, check_otlp_endpoint, check_url_port, read_mapping, shown
+from kvtier.config import FieldReader, build_dataclass, check_otlp_endpoint, check_url_port, read_mapping, shown
 from kvtier.errors import ConfigError
 
 Policy = Literal["cache_aware", "round_robin", "session"]
@@ -36,12 +35,17 @@ _LOCAL_BIND = re.compile(r"tcp://(127(\.\d{1,3}){3}|localhost|\[::1\]):\d{1,5}|(
 class EngineConfig:
     """One vLLM OpenAI API server of the fleet."""
 
-    name: str
-    url: str
-    kv_events: str | None = None  # ZMQ endpoint of the engine's KV events (None: routed without its cache)
-    kv_events_replay: str | None = None  # the engine's replay endpoint: gaps and a router restart are refilled
-    kv_events_bind: bool = False  # the router binds the endpoint (engines configured to connect to it)
-    weight: float = 1.0  # > 1: a faster engine; until calibrated, its prefill is taken as this much faster
+    name: str = dataclasses.field(metadata={"help": "the engine's name in metrics, logs and X-KVTier-Engine"})
+    url: str = dataclasses.field(metadata={"help": "the engine's OpenAI API server, http://host:port or https://"})
+    kv_events: str | None = dataclasses.field(default=None, metadata={
+        "help": "ZMQ endpoint of the engine's KV events (its --kv-events-config endpoint, as the router reaches "
+                "it; null: routed without knowing its cache)"})
+    kv_events_replay: str | None = dataclasses.field(default=None, metadata={
+        "help": "the engine's replay endpoint: gaps and a router restart are refilled from it"})
+    kv_events_bind: bool = dataclasses.field(default=False, metadata={
+        "help": "the router binds kv_events (loopback or ipc only) and the engine connects to it"})
+    weight: float = dataclasses.field(default=1.0, metadata={
+        "help": "over 1: a faster engine; until calibrated, its prefill is taken as this much faster"})
 
     def check(self, field: str) -> None:
         if not _NAME.fullmatch(self.name):
@@ -91,9 +95,11 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Timeouts:
-    connect_s: float = 5.0  # opening a connection to an engine
-    first_byte_s: float = 600.0  # until the engine's first byte (a whole answer, when not streaming)
-    idle_s: float = 120.0  # between two chunks of a stream
+    connect_s: float = dataclasses.field(default=5.0, metadata={
+        "help": "seconds to open a connection to an engine (also the health check's)"})
+    first_byte_s: float = dataclasses.field(default=600.0, metadata={
+        "help": "seconds until the engine's first byte (a whole answer, when not streaming)"})
+    idle_s: float = dataclasses.field(default=120.0, metadata={"help": "seconds between two chunks of a stream"})
 
     def check(self, field: str) -> None:
         for f in dataclasses.fields(self):
@@ -106,19 +112,26 @@ class Timeouts:
 class Limits:
     """What one client can make the router hold or do (see ``router/guards.py``)."""
 
-    max_connections: int = 512  # client connections at once; one more is closed as it is accepted
-    header_s: float = 10.0  # from a connection's start (or its last answer) to a request's complete headers
-    body_s: float = 30.0  # to read a request's body
-    max_body_bytes: int = 16 * 2**20  # a request's body once inflated (gzip, deflate): larger ones get 413
-    # the bodies of all requests being read and not yet parsed and keyed, router-wide, once inflated: a body that
-    # would take more gets 503 (a few KiB of gzip each, held open, would otherwise make the router hold
-    # max_body_bytes per connection)
-    max_inflight_body_bytes: int = 256 * 2**20
-    workers: int = 2  # threads that parse, tokenize and key requests off the event loop
-    queue: int = 64  # requests waiting for a worker; one more is answered 429
-    # longer prompts (and those over the engines' max_model_len) are routed without a prediction: keying and
-    # reserving a prompt's blocks takes the event loop ~10 us a block
-    max_prompt_tokens: int = 131072
+    max_connections: int = dataclasses.field(default=512, metadata={
+        "help": "client connections at once; one more takes the place of the oldest idle one (closed when none "
+                "is idle)"})
+    header_s: float = dataclasses.field(default=10.0, metadata={
+        "help": "seconds from a connection's start (or its last answer) to a request's complete headers"})
+    body_s: float = dataclasses.field(default=30.0, metadata={"help": "seconds to read a request's body"})
+    max_body_bytes: int = dataclasses.field(default=16 * 2**20, metadata={
+        "help": "a request's body once inflated (gzip, deflate): larger ones get 413"})
+    # A few KiB of gzip each, held open, would otherwise make the router hold max_body_bytes per connection.
+    max_inflight_body_bytes: int = dataclasses.field(default=256 * 2**20, metadata={
+        "help": "the bodies of all requests being read and not yet keyed, router-wide, once inflated: a body "
+                "that would take more gets 503"})
+    workers: int = dataclasses.field(default=2, metadata={
+        "help": "threads that parse, tokenize and key requests off the event loop"})
+    queue: int = dataclasses.field(default=64, metadata={
+        "help": "requests waiting for a worker; past it a body up to 32 KiB is routed without a prediction, a "
+                "larger one answered 429"})
+    # Keying and reserving a prompt's blocks takes the event loop ~10 us a block.
+    max_prompt_tokens: int = dataclasses.field(default=131072, metadata={
+        "help": "longer prompts (and those over the engines' max_model_len) are routed without a prediction"})
 
     def check(self, field: str) -> None:
         for name, low, high in (("max_connections", 1, 1_000_000), ("max_body_bytes", 1024, 2**31),
@@ -138,15 +151,19 @@ class EventLimits:
     """What one engine's KV events (or whoever publishes in its place) can make the router hold or do (see
     ``router/events.py`` and ``router/index.py``)."""
 
-    max_event_blocks: int = 16384  # block hashes in one BlockStored or BlockRemoved; a batch with more is refused
-    max_engine_blocks: int = 1_000_000  # distinct blocks credited to one engine (~0.7 KB each); past it the least
-    # recently stored go
-    max_message_bytes: int = 4 * 2**20  # one event message; a larger one is dropped (a gap, replayed)
-    queue: int = 512  # messages received and not yet read; more are dropped (a gap, replayed)
-    replay_s: float = 5.0  # a whole replay (all its rounds): live events wait meanwhile
-    # the messages of a whole replay (what a forged replay socket can make the router hold); past it the replay
-    # stops, and what is missing is a gap
-    replay_bytes: int = 256 * 2**20
+    max_event_blocks: int = dataclasses.field(default=16384, metadata={
+        "help": "block hashes in one BlockStored or BlockRemoved; a batch with more is refused"})
+    max_engine_blocks: int = dataclasses.field(default=1_000_000, metadata={
+        "help": "distinct blocks credited to one engine (~0.7 KB each); past it the least recently stored go"})
+    max_message_bytes: int = dataclasses.field(default=4 * 2**20, metadata={
+        "help": "one event message; a larger one is dropped (a gap, replayed)"})
+    queue: int = dataclasses.field(default=512, metadata={
+        "help": "messages received and not yet read; more are dropped (a gap, replayed)"})
+    replay_s: float = dataclasses.field(default=5.0, metadata={
+        "help": "seconds a whole replay (all its rounds) may take: live events wait meanwhile"})
+    replay_bytes: int = dataclasses.field(default=256 * 2**20, metadata={
+        "help": "the messages of a whole replay (what a forged replay socket can make the router hold); past it "
+                "the replay stops, and what is missing is a gap"})
 
     def check(self, field: str) -> None:
         for name, low, high in (("max_event_blocks", 1, 2**20), ("max_engine_blocks", 1, 10**9),
@@ -165,11 +182,16 @@ class Costs:
     """Starting points of the cost model. Prefill speed is calibrated online per engine; load speeds are what
     kvtier moves per second from each place into an engine (``kvtier bench`` measures them on your hardware)."""
 
-    prefill_tokens_per_s: float = 1000.0
-    host_tokens_per_s: float = 50_000.0  # kvtier DRAM on the engine's host
-    disk_tokens_per_s: float = 25_000.0  # an engine-local kvtier tier on storage
-    shared_tokens_per_s: float = 10_000.0  # a shared kvtier tier (Redis, S3, Mooncake)
-    decode_s_per_request: float = 0.01  # what each request decoding on an engine adds to a new request's wait
+    prefill_tokens_per_s: float = dataclasses.field(default=1000.0, metadata={
+        "help": "an engine's prefill speed until calibrated online from its answers"})
+    host_tokens_per_s: float = dataclasses.field(default=50_000.0, metadata={
+        "help": "loading from kvtier DRAM on the engine's host"})
+    disk_tokens_per_s: float = dataclasses.field(default=25_000.0, metadata={
+        "help": "loading from an engine-local kvtier tier on storage"})
+    shared_tokens_per_s: float = dataclasses.field(default=10_000.0, metadata={
+        "help": "loading from a shared kvtier tier (Redis, S3, Mooncake)"})
+    decode_s_per_request: float = dataclasses.field(default=0.01, metadata={
+        "help": "seconds each request decoding on an engine adds to a new request's wait"})
 
     def check(self, field: str) -> None:
         for f in dataclasses.fields(self):
@@ -183,39 +205,55 @@ class Costs:
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
-    engines: tuple[EngineConfig, ...]
-    tokenizer: str
-    block_size: int = 16
-    host: str = "127.0.0.1"
-    port: int = 8000
-    policy: Policy = "cache_aware"
-    session_header: str = "X-Session-ID"
-    timeouts: Timeouts = Timeouts()
-    costs: Costs = Costs()
-    limits: Limits = Limits()
-    events: EventLimits = EventLimits()
-    # host:port of a second listener serving /metrics and /health's per-engine detail (None: both on the
-    # client listener, as before); see the README's security section
-    admin_listen: str | None = None
-    # the engines' vLLM --api-key, sent on the router's own calls: "file:/absolute/path" or "env:VARIABLE"
-    engine_api_key: str | None = None
-    retries: int = 1  # other engines tried when one fails before its first byte
-    health_interval_s: float = 2.0
-    metrics_interval_s: float = 5.0
-    reserve_s: float = 10.0  # how long blocks a routed request will compute count before the engine's events
-    # Answers carry X-KVTier-Engine, -Route-Reason, -Predicted-Cached-Tokens, -Predicted-TTFT: they tell a client
-    # whether a prefix is cached somewhere, so only for trusted clients (tests, benchmarks, debugging)
-    explain_headers: bool = False
-    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL for the router's spans (None: no traces)
+    engines: tuple[EngineConfig, ...] = dataclasses.field(metadata={
+        "help": "the fleet's vLLM API servers, each a mapping (below)", "yaml": "list of mappings"})
+    tokenizer: str = dataclasses.field(metadata={
+        "help": "the engines' model directory: its tokenizer and chat template key the prompts"})
+    block_size: int = dataclasses.field(default=16, metadata={
+        "help": "the engines' --block-size (every engine the same)"})
+    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "written as listen: HOST:PORT"})
+    port: int = dataclasses.field(default=8000, metadata={"help": "written as listen: HOST:PORT"})
+    policy: Policy = dataclasses.field(default="cache_aware", metadata={
+        "help": "cache_aware: the engine with the lowest predicted time to first token; round_robin; session: "
+                "a session keeps its engine (by the session header; round robin without one)"})
+    session_header: str = dataclasses.field(default="X-Session-ID", metadata={
+        "help": "the header that names a session (policy: session)"})
+    timeouts: Timeouts = dataclasses.field(default=Timeouts(), metadata={"help": "the router's calls to engines"})
+    costs: Costs = dataclasses.field(default=Costs(), metadata={"help": "the cost model's starting points"})
+    limits: Limits = dataclasses.field(default=Limits(), metadata={"help": "what one client can make it hold"})
+    events: EventLimits = dataclasses.field(default=EventLimits(), metadata={
+        "help": "what one engine's KV events can make it hold"})
+    admin_listen: str | None = dataclasses.field(default=None, metadata={
+        "help": "host:port of a second listener for /metrics and /health's per-engine detail (null: both on the "
+                "client listener)"})
+    engine_api_key: str | None = dataclasses.field(default=None, metadata={
+        "help": "the engines' vLLM --api-key, sent on the router's own calls: 'file:/absolute/path' or "
+                "'env:VARIABLE'"})
+    retries: int = dataclasses.field(default=1, metadata={
+        "help": "other engines tried when one fails before its first byte"})
+    health_interval_s: float = dataclasses.field(default=2.0, metadata={
+        "help": "seconds between health checks of each engine"})
+    metrics_interval_s: float = dataclasses.field(default=5.0, metadata={
+        "help": "seconds between reads of each engine's /metrics (its queue, for the cost model)"})
+    reserve_s: float = dataclasses.field(default=10.0, metadata={
+        "help": "seconds the blocks a routed request will compute count before the engine's events confirm them"})
+    # They tell a client whether a prefix is cached somewhere: only for trusted clients.
+    explain_headers: bool = dataclasses.field(default=False, metadata={
+        "help": "answers carry X-KVTier-Engine, -Route-Reason, -Predicted-Cached-Tokens and -Predicted-TTFT "
+                "(tests, benchmarks, debugging)"})
+    otlp_traces_endpoint: str | None = dataclasses.field(default=None, metadata={
+        "help": "OTLP/HTTP collector URL for the router's spans (null: no traces)"})
 
 
 _TOP = {f.name for f in dataclasses.fields(RouterConfig)} - {"host", "port"} | {"listen"}
+# host and port are written as one key, listen
+DEFAULT_LISTEN = "{}:{}".format(*(f.default for f in dataclasses.fields(RouterConfig) if f.name in ("host", "port")))
 
 
 def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) -> RouterConfig:
     """Validate a mapping, or read a YAML file, into a :class:`RouterConfig`."""
     raw = dict(read_mapping(source, "router config", sorted(_TOP)))
-    listen = raw.pop("listen", "127.0.0.1:8000")
+    listen = raw.pop("listen", DEFAULT_LISTEN)
     host, sep, port = str(listen).rpartition(":")
     if not sep or not host or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ConfigError(f"listen: expected host:port with a port in 1-65535, got {shown('listen', listen)}")
@@ -234,7 +272,10 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
     raw.setdefault("tokenizer", None)
     if not isinstance(raw["tokenizer"], str) or not raw["tokenizer"]:
         raise ConfigError("tokenizer: required, the engines' model directory (its tokenizer and chat template)")
-    config = build_dataclass(_Scalars, raw, "")
+    hints, reader = typing.get_type_hints(RouterConfig), FieldReader()
+    scalars: dict[str, Any] = {name: reader.typed(hints[name], value, name, size=False) for name, value in raw.items()}
+    config = RouterConfig(engines=engines, host=host.strip("[]"), port=int(port), timeouts=timeouts, costs=costs,
+                          limits=limits, events=events, **scalars)
     if not 1 <= config.block_size <= 4096:
         raise ConfigError(f"block_size: must be the engines' --block-size, in [1, 4096], got {config.block_size}")
     if not 0 <= config.retries <= 16:
@@ -248,8 +289,7 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
     if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", config.session_header):
         raise ConfigError(f"session_header: an HTTP header name, got {config.session_header!r}")
     _check_admin(config.admin_listen, config.engine_api_key)
-    return RouterConfig(engines=engines, host=host.strip("[]"), port=int(port), timeouts=timeouts, costs=costs,
-                        limits=limits, events=events, **dataclasses.asdict(config))
+    return config
 
 
 def _check_admin(admin_listen: str | None, engine_api_key: str | None) -> None:
@@ -260,19 +300,3 @@ def _check_admin(admin_listen: str | None, engine_api_key: str | None) -> None:
     if engine_api_key is not None and not re.fullmatch(r"file:/.+|env:[A-Za-z_][A-Za-z0-9_]*", engine_api_key):
         raise ConfigError("engine_api_key: expected 'file:/absolute/path' or "
                           "'env:VARIABLE' (the key itself never goes in the config)")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Scalars:
-    tokenizer: str
-    block_size: int = 16
-    explain_headers: bool = False
-    policy: Policy = "cache_aware"
-    session_header: str = "X-Session-ID"
-    retries: int = 1
-    health_interval_s: float = 2.0
-    metrics_interval_s: float = 5.0
-    reserve_s: float = 10.0
-    otlp_traces_endpoint: str | None = None
-    admin_listen: str | None = None
-    engine_api_key: str | None = None
