@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier.dram import DramEntry, DramPool, Refused, _FreePages
@@ -211,6 +212,31 @@ def test_a_held_child_does_not_keep_its_missing_parent_out() -> None:
     got = pool.reserve_chunks([(skey(0), None), (skey(1), skey(0).chunk)], META)
     assert isinstance(got[0], DramEntry) and got[1:] == ["full"]
     pool.abort(got[0])  # type: ignore[arg-type]
+    pool.release(busy)
+    assert pool.audit()["lost_pages"] == 0
+
+
+@pytest.mark.parametrize("given", ["held", "prefix"])
+def test_a_put_never_evicts_its_own_prefix(given: str) -> None:
+    """Chunks 0 and 1 are the prompt's prefix (found held by this put, or named as the ``prefix`` of a put from an
+    offset, as the vLLM connector stores); chunk 7 is being read. Room for chunk 3 could come only from evicting
+    0 (the least recently used): that would leave 2 and 3 stored and never found, so the put stops there."""
+    pool = DramPool(8 * PAGE, PAGE, LRUPolicy())  # four 2-page shards
+    put(pool, 0)
+    put(pool, 1, parent=0)
+    busy = put(pool, 7)
+    put(pool, 8)
+    pool.acquire(busy.key.namespace, busy.key.chunk, [busy.key.heads])
+    chain = [(skey(i), skey(i - 1).chunk if i else None) for i in range(4)]
+    if given == "held":
+        got = pool.reserve_chunks(chain, META)
+        assert got[:2] == ["present", "present"]
+    else:
+        got = [Refused.PRESENT, Refused.PRESENT,
+               *pool.reserve_chunks(chain[2:], META, prefix=[skey(0), skey(1)])]
+    assert isinstance(got[2], DramEntry) and got[3:] == ["full"]  # 2 took 8's pages; 3 found no room
+    assert resident(pool) == {0, 1, 7}
+    pool.abort(got[2])  # type: ignore[arg-type]
     pool.release(busy)
     assert pool.audit()["lost_pages"] == 0
 

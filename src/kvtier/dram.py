@@ -21,7 +21,7 @@ import dataclasses
 import enum
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 
 import torch
 
@@ -275,20 +275,28 @@ class DramPool:
             self._evict(self._by_key[key])
         return found is not None
 
-    def _evict_until(self, free: int) -> None:
+    def _evict_until(self, free: int, keep: Collection[ShardKey] = ()) -> None:
+        """Evict until ``free`` pages are free, never one of ``keep`` (the caller counted what that leaves)."""
+        evictable = (lambda k: k not in keep and self._evictable(k)) if keep else self._evictable
         while self._free.count < free:
-            victim = self._policy.victim(self._evictable)
+            victim = self._policy.victim(evictable)
             assert victim is not None, "idle pages were counted but no entry is evictable"
             self._evict(self._by_key[victim])  # type: ignore[index]  # the policy hands back the ShardKeys it was given
 
+    def _idle_pages_of(self, keys: Collection[ShardKey]) -> int:
+        return sum(e.pages for k in keys if (e := self._by_key.get(k)) is not None and e.refs == 0)
+
     def reserve_chunks(self, chunks: list[tuple[ShardKey, str | None]], meta: ShardMeta,
-                       owner: bytes | None = None) -> list[Reservation]:
+                       owner: bytes | None = None, prefix: Collection[ShardKey] = ()) -> list[Reservation]:
         """:meth:`reserve` for consecutive chunks of one shape (key, parent) and owner, in order, under one lock;
         the list ends at the first :attr:`Refused.FULL`. Each chunk is touched or makes room exactly as :meth:`reserve`
         would in turn (the same victims: the simulator's model, kvtier.sim.cache, is this order), but the pages
         are taken only after the last chunk, as one run where the free pages allow, so their copy is one
         (:meth:`fill_chunks`): evicting an old prefix leaf frees its pages back to front, and taking pages chunk
-        by chunk would give each chunk a run of its own."""
+        by chunk would give each chunk a run of its own.
+
+        Room for a chunk never comes from the chunks before it (held ones, or ``prefix``, the prompt's chunks
+        before these): the chunks after a gap are never found, so the put stops there (docs/benchmarks.md)."""
         if not chunks:
             return []
         if self._arena is None:
@@ -297,23 +305,25 @@ class DramPool:
         out: list[Reservation] = []
         fresh: dict[ShardKey, int] = {}  # new key -> its place in `out`
         held: set[ShardKey] = set()  # found held: the prefix this put reports stored, never evicted for a share
+        own = set(prefix)  # the chunks before the one being reserved: never evicted for it (see above)
         with self._lock:
             for key, _ in chunks:
                 if key in fresh or self._held_locked(key, meta, owner) is not False:
                     out.append(Refused.PRESENT)
                     held.add(key)
+                    own.add(key)
                     continue
                 # Free plus idle pages is what evicting can reach; the pages of the new chunks before this one are
                 # still counted free (taken below), so this makes room for all of them, as reserve in turn would.
                 wanted = (len(fresh) + 1) * need
                 share = self._shares.of(key.namespace)
                 # (the share counts this call's fresh chunks already: they are reserved below as each is admitted)
-                if self._free.count + self._idle_pages < wanted or (
+                if self._free.count + self._idle_pages - self._idle_pages_of(own) < wanted or (
                         share is not None and not self._fit_share(share, need, held)):
                     out.append(Refused.FULL)
                     break
                 self._shares.charge(None if share is None else share.name, need)
-                self._evict_until(wanted)
+                self._evict_until(wanted, own)
                 fresh[key] = len(out)
                 out.append(Refused.PRESENT)  # replaced by its entry below
             run = self._free.take_run(len(fresh) * need) if len(fresh) > 1 else None
@@ -344,8 +354,8 @@ class DramPool:
             buf = torch.empty((1, *first.meta.shape), dtype=first.meta.dtype)
             fill(i0, buf)
             flat = buf.view(-1).view(torch.uint8)
-            for (start, end), region in zip(self._spans(first), self._regions(first)):
-                region.copy_(flat[start:end])
+            for start, region in self._regions(first):
+                region.copy_(flat[start:start + region.numel()])
 
     def runs(self, chunks: list[tuple[int, DramEntry]], device: torch.device) -> list[list[tuple[int, DramEntry]]]:
         """Group consecutive chunks whose single-extent entries follow each other at a fixed page stride.
@@ -377,8 +387,8 @@ class DramPool:
     def write_bytes(self, entry: DramEntry, payload: memoryview) -> None:
         """Copy a verified payload into a reserved entry."""
         src = frame.byte_tensor(payload)
-        for (start, end), region in zip(self._spans(entry), self._regions(entry)):
-            region.copy_(src[start:end])
+        for start, region in self._regions(entry):
+            region.copy_(src[start:start + region.numel()])
 
     def commit(self, entry: DramEntry, keep_refs: int = 0) -> None:
         """Make a reserved entry visible; it keeps ``keep_refs`` references (e.g. for queued cascade writes)."""
@@ -469,31 +479,18 @@ class DramPool:
             arena = self._allocated_arena()
             return arena[start:start + entry.meta.nbytes].view(entry.meta.dtype).view(entry.meta.shape)
         out = torch.empty(entry.meta.nbytes, dtype=torch.uint8)
-        for (start, end), region in zip(self._spans(entry), self._regions(entry)):
-            out[start:end].copy_(region)
+        for start, region in self._regions(entry):
+            out[start:start + region.numel()].copy_(region)
         return out.view(entry.meta.dtype).view(entry.meta.shape)
 
     def views(self, entry: DramEntry) -> list[memoryview]:
         """Zero-copy byte views of a pinned entry's payload, in order (for cascade writes)."""
         return [memoryview(region.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer (stubs say so on 3.12+)
-                for region in self._regions(entry)]
+                for _, region in self._regions(entry)]
 
-    def _regions(self, entry: DramEntry) -> list[torch.Tensor]:
-        arena = self._allocated_arena()
-        regions = []
-        left = entry.meta.nbytes
-        for start, n in entry.extents:
-            size = min(n * self.page_bytes, left)
-            regions.append(arena[start * self.page_bytes:start * self.page_bytes + size])
-            left -= size
-        return regions
-
-    def _spans(self, entry: DramEntry) -> list[tuple[int, int]]:
-        spans, pos = [], 0
-        for region in self._regions(entry):
-            spans.append((pos, pos + region.numel()))
-            pos += region.numel()
-        return spans
+    def _regions(self, entry: DramEntry) -> list[tuple[int, torch.Tensor]]:
+        """The entry's payload in the arena: (its offset in the payload, the bytes there), one per extent."""
+        return _regions(self._allocated_arena(), entry, self.page_bytes)
 
     def audit(self) -> dict[str, int]:
         """Accounting as tests check it: references held, pending reservations, and page counts that must agree
@@ -555,3 +552,12 @@ class DramPool:
             for entry in victims:
                 self._discard_locked(entry)
             return len(victims)
+
+
+def _regions(arena: torch.Tensor, entry: DramEntry, page_bytes: int) -> list[tuple[int, torch.Tensor]]:
+    regions, offset = [], 0
+    for start, n in entry.extents:
+        size = min(n * page_bytes, entry.meta.nbytes - offset)
+        regions.append((offset, arena[start * page_bytes:start * page_bytes + size]))
+        offset += size
+    return regions

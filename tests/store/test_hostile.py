@@ -243,8 +243,8 @@ def test_a_put_stops_at_the_first_chunk_that_does_not_fit(tier: DictTier, monkey
     with open_store(tier) as store:
         reserve = store.dram.reserve_chunks
 
-        def third_is_full(chunks, meta, owner=None):  # e.g. every page pinned at that moment, freed just after
-            assert len(chunks) == 4
+        def third_is_full(chunks, meta, owner=None, prefix=()):  # e.g. every page pinned then, freed just after
+            assert len(chunks) == 4 and not prefix
             return [*reserve(chunks[:2], meta, owner), Refused.FULL]  # the fourth is not reserved (tests/test_dram.py)
 
         monkeypatch.setattr(store.dram, "reserve_chunks", third_is_full)

@@ -170,6 +170,9 @@ def _decide(d: Mapping[str, Any]) -> Table:
 def _policies(d: Mapping[str, Any]) -> Table:
     rows = [[f"{name}: prefix_lru / lru hit ratio, worst capacity", ratio(t.get("prefix_lru_over_lru_worst"))]
             for name, t in d.get("traces", {}).items()]
+    rows += [[f"agent trace, {a['name']}: prefix_lru / textbook leaf-first LRU hit ratio, "
+              f"{a['capacity_blocks']} blocks", ratio(a.get("prefix_lru_over_leaf_first"))]
+             for a in d.get("agents", [])]
     return _table(["Measure", "ratio"], rows)
 
 

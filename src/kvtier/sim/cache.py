@@ -12,6 +12,9 @@ A partial trailing block is never stored. The hit ratio divides hit blocks by ev
   as touched one by one in order, so it can differ slightly from the two-phase replay (by 0.0001 on the
   Mooncake traces): the curve is for the shape over all capacities, the replay for exact numbers.
 - :func:`oracle_admission` is LRU storing only blocks used again later, a reference for admission policies.
+- :func:`leaf_first_lru` is textbook leaf-first LRU (blocks inserted one by one), the reference ``prefix_lru``
+  is held to: replayed with the pool's puts, which never evict the prompt's own prefix, it never loses to it
+  (a property test; it lost on multi-tenant agent traces when puts could evict their own prefix).
 - :func:`belady` is Belady's MIN (evict the block used farthest in the future; never-used-again and deepest
   first on ties), a reference line: it maximizes block hits, which bounds but does not equal prefix hits.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -110,8 +113,9 @@ def lru_curve(trace: Trace, progress: Progress | None = None) -> LRUCurve:
 class BlockCache:
     """One cache of ``capacity`` blocks (None: unbounded) evicting by a named policy, with the DRAM pool's
     two-phase puts: :meth:`put` touches the blocks already resident and reserves the rest, evicting only what was
-    committed before (never the same put's blocks); those are committed together, in order. When nothing
-    committed is left to evict, the rest of the put is dropped, as the pool answers "full"."""
+    committed before and is not one of the prompt's blocks before the one being stored (its prefix: evicting it
+    would strand the blocks after it); those are committed together, in order. When nothing else is left to
+    evict, the rest of the put is dropped, as the pool answers "full"."""
 
     def __init__(self, policy: str, capacity: int | None) -> None:
         if capacity is not None and capacity < 1:
@@ -137,7 +141,14 @@ class BlockCache:
         """Store ``blocks[start:]`` (a prompt's whole blocks, in order; the earlier ones name parents), or of
         those only the ones in ``only``; returns those newly stored."""
         pending: dict[int, int | None] = {}  # reserved block -> parent, in order
+        own = set(blocks[:start])  # the prompt's blocks before the one being stored: never evicted for it
+
+        def evictable(block: Hashable) -> bool:
+            return block not in own
+
         for j in range(start, len(blocks)):
+            if j > start:
+                own.add(blocks[j - 1])
             block = blocks[j]
             if only is not None and block not in only:
                 continue
@@ -147,7 +158,7 @@ class BlockCache:
             if block in pending or (admit is not None and not admit(block)):
                 continue
             if self.capacity is not None and len(self.resident) + len(pending) >= self.capacity:
-                victim = self._order.victim(_always)
+                victim = self._order.victim(evictable)
                 if victim is None:
                     break  # only this put's own reservations left: the pool answers "full"
                 self._order.remove(victim)
@@ -157,10 +168,6 @@ class BlockCache:
             self._order.insert(block, block, parent)
             self.resident.add(block)
         return list(pending)
-
-
-def _always(_key: object) -> bool:
-    return True
 
 
 def replay(trace: Trace, policy: str, capacity: int, progress: Progress | None = None,
@@ -182,6 +189,40 @@ def replay(trace: Trace, policy: str, capacity: int, progress: Progress | None =
     if progress is not None:
         progress(len(trace.requests) % 1000)
     return HitCount(hits, trace.accesses)
+
+
+def leaf_first_lru(trace: Trace, capacity: int) -> HitCount:
+    """Textbook leaf-first LRU, a reference line: a request's whole blocks are used one by one in order, each
+    absent one inserted at once, evicting the least recently used block with no resident child (the policy
+    ``prefix_lru``, without the pool's two-phase puts or their rule of never evicting the prompt's own
+    prefix)."""
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1 block, got {capacity}")
+    order = POLICIES.resolve("prefix_lru", "policy")()
+    resident: set[int] = set()
+    hits = 0
+    for request in trace.requests:
+        blocks = request.blocks[:request.whole]
+        run = 0
+        while run < len(blocks) and blocks[run] in resident:
+            run += 1
+        hits += run
+        for j, block in enumerate(blocks):
+            if block in resident:
+                order.touch(block)
+                continue
+            if len(resident) >= capacity:
+                victim = order.victim(_any)
+                assert victim is not None, "a full cache has a resident block"
+                order.remove(victim)
+                resident.discard(victim)
+            order.insert(block, block, blocks[j - 1] if j else None)
+            resident.add(block)
+    return HitCount(hits, trace.accesses)
+
+
+def _any(_block: Hashable) -> bool:
+    return True
 
 
 def belady(trace: Trace, capacity: int, progress: Progress | None = None) -> HitCount:

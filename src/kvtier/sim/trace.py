@@ -20,8 +20,10 @@ refusing the whole trace; ``strict=True`` refuses it instead.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
+import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -105,6 +107,35 @@ def load_trace(path: str | Path, block_tokens: int = 512,
         raise TraceError(f"{path}: the trace has no requests" + (
             f" ({skipped} line{'' if skipped == 1 else 's'} with an empty prompt skipped)" if skipped else ""))
     return Trace(tuple(requests), block_tokens, str(path), skipped)
+
+
+def agent_trace(requests: int = 1500, tenants: int = 4, sessions: int = 4, block_tokens: int = 256,
+                system_blocks: int = 8, added_tokens: tuple[int, int] = (100, 1500), longest_blocks: int = 80,
+                seed: int = 0) -> Trace:
+    """A synthetic multi-tenant agent trace: ``sessions`` sessions run at once, each call of one (chosen at
+    random) extending that session's previous prompt by ``added_tokens`` (uniform) of new input; a session
+    starts from its tenant's system prompt (2 to ``system_blocks`` blocks, shared by the tenant's sessions)
+    and, once past ``longest_blocks`` whole blocks, ends and a new one starts. Seeded: the same arguments give
+    the same trace."""
+    rng = random.Random(seed)
+    ids = itertools.count()
+    systems = [[next(ids) for _ in range(rng.randint(2, max(2, system_blocks)))] for _ in range(tenants)]
+
+    def start() -> tuple[list[int], int]:  # (whole blocks, tokens after them)
+        return list(rng.choice(systems)), rng.randrange(block_tokens)
+
+    live = [start() for _ in range(sessions)]
+    out = []
+    for i in range(requests):
+        s = rng.randrange(sessions)
+        whole, tail = live[s]
+        tokens = tail + rng.randint(*added_tokens)
+        whole = whole + [next(ids) for _ in range(tokens // block_tokens)]
+        tail = tokens % block_tokens
+        blocks = tuple(whole) + ((next(ids),) if tail else ())
+        out.append(Request(float(i), len(whole) * block_tokens + tail, 1, blocks, len(whole)))
+        live[s] = start() if len(whole) > longest_blocks else (whole, tail)
+    return Trace(tuple(out), block_tokens, f"agent_trace(seed={seed})")
 
 
 def _lines(handle, path: Path) -> Iterator[tuple[int, str]]:

@@ -113,7 +113,8 @@ class Writes:
             source = padded(source, len(chunks) - 1 - first, len(tokens) % t)
         wanted = [(ShardKey(ns.id, chunk, meta.heads), chunks[i - 1] if i else None)
                   for i, chunk in enumerate(chunks) if i >= first]
-        held, reserved = self._fill(wanted, meta, owner, source, device)
+        prefix = [ShardKey(ns.id, chunk, meta.heads) for chunk in chunks[:first]]
+        held, reserved = self._fill(wanted, prefix, meta, owner, source, device)
         self._dram_written.inc(meta.nbytes * len(reserved))
         writers = self.writers_for(decision.allowed, self.writers, len(reserved))
         expires = self._expiry(decision.allowed, time.time())
@@ -128,15 +129,15 @@ class Writes:
         self._metrics.put_seconds.observe(time.perf_counter() - start)
         return min(offset + held * t, len(tokens))
 
-    def _fill(self, wanted: list[tuple[ShardKey, str | None]], meta: frame.ShardMeta, owner: bytes | None,
-              source: Source, device: torch.device) -> tuple[int, list[DramEntry]]:
-        """Phase 1: reserve every chunk, then copy them all (asynchronously from a CUDA tensor). The leading
-        chunks now in DRAM (reserved here or held already), and the entries reserved (all aborted if the copy
-        fails)."""
+    def _fill(self, wanted: list[tuple[ShardKey, str | None]], prefix: list[ShardKey], meta: frame.ShardMeta,
+              owner: bytes | None, source: Source, device: torch.device) -> tuple[int, list[DramEntry]]:
+        """Phase 1: reserve every chunk (evicting none of ``prefix``, the chunks before them, nor of them), then
+        copy them all (asynchronously from a CUDA tensor). The leading chunks now in DRAM (reserved here or held
+        already), and the entries reserved (all aborted if the copy fails)."""
         held = 0
         reserved: list[tuple[int, DramEntry]] = []  # (the chunk's index from the first wanted, its entry)
         try:
-            for i, entry in enumerate(self._dram.reserve_chunks(wanted, meta, owner)):
+            for i, entry in enumerate(self._dram.reserve_chunks(wanted, meta, owner, prefix)):
                 if entry == Refused.FULL:
                     # Chunks after a missing one could never be reached by a prefix lookup: not reserved.
                     self._dram_full.inc()
