@@ -5,6 +5,7 @@ name every field, command, option and metric."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,18 @@ def test_a_kind_reads_its_latest_plain_file(tmp_path: Path) -> None:
     [result] = benchmarks.latest(tmp_path)
     assert (result.kind, result.path.name, result.others) == ("x", "x-2026-01-02.json", 3)
     assert "| a | 1.5 |" in benchmarks.section(result)  # a kind without a reader: its rows' ratios
+
+
+def test_paired_ttft_runs_show_each_hit_beside_vllms_own_and_their_agreement(tmp_path: Path) -> None:
+    hit = {"ratio": 1.2, "interval": [1.1, 1.3], "pairs": 6, "kvtier_mean": 0.09, "engine_mean": 0.075,
+           "floor": 1.05, "target": 1.15}
+    (tmp_path / "ttft-2026-01-02-run1.json").write_text(json.dumps({"hits": {"kvtier, DRAM hit": hit}}))
+    (tmp_path / "ttft-runs-2026-01-02.json").write_text(json.dumps({"limit": 0.05, "rows": [
+        {"name": "kvtier, DRAM hit", "median": 1.2, "runs": [1.2, 1.26, 1.18], "max_deviation": 0.05,
+         "within": True}]}))
+    pairs, runs = (benchmarks.section(r) for r in benchmarks.latest(tmp_path))
+    assert "| kvtier, DRAM hit | 6 | 0.09 | 0.075 | 1.2 | 1.1 to 1.3 | 1.05 | \\<= 1.15: not met |" in pairs
+    assert "| kvtier, DRAM hit | 1.2 | 1.2, 1.26, 1.18 | +5.0% | yes |" in runs
 
 
 def test_spreads_come_from_paired_runs() -> None:

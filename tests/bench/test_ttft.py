@@ -62,3 +62,35 @@ def test_a_read_is_the_mean_over_prompts_and_a_costly_one_is_not_met(tmp_path: P
 
 def _run(disk: list[float], dram: list[float]) -> dict[str, list[float]]:
     return {"disk": disk, "dram": dram}
+
+
+def test_hits_are_reported_from_their_pairs_with_interval_floor_and_target(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    dram = {"kvtier": [0.11, 0.11, 0.11, 0.11], "engine": [0.10, 0.10, 0.10, 0.10], "chunks": [8] * 4}
+    disk = {"kvtier": [0.14, 0.15, 0.14, 0.15], "engine": [0.10, 0.10, 0.10, 0.10], "chunks": [8] * 4}
+    # 1e8 bytes at 10 GB/s copy (10 ms), 20 GB/s read (5 ms), 40 GB/s checksum (2.5 ms)
+    bandwidth = {"bytes": 10**8, "copy": 10e9, "read": 20e9, "checksum": 40e9}
+    results = {
+        "baseline": {"vLLM, recompute": [10.0, 10.0]},
+        "kvtier": {"pairs": {"kvtier, DRAM hit": dram, "kvtier, disk hit": disk},
+                   "kvtier, DRAM hit": dram["kvtier"], "kvtier, disk hit": disk["kvtier"], "bandwidth": bandwidth},
+        "restart": {"pairs": {"kvtier, after restart": disk}, "kvtier, after restart": disk["kvtier"]},
+        # vLLM alone in its own process computed slower: the cross-process ratio is not the verdict
+        "engine_hit": {"vLLM prefix-cache hit": [0.2], "vLLM prefix-cache hit, exact repeat": [0.4]},
+    }
+    out = tmp_path / "ttft.json"
+    assert report(results, {"name": "quick", "docs": 3, "doc_tokens": 2048}, out) == 0
+    written = json.loads(out.read_text())
+    assert written["vs_engine_hit"] == {"kvtier, DRAM hit": pytest.approx(1.1), "kvtier, disk hit": pytest.approx(1.45),
+                                       "kvtier, after restart": pytest.approx(1.45)}
+    assert written["vs_vllm_alone"]["kvtier, DRAM hit"] == pytest.approx(0.55)
+    hits = written["hits"]
+    assert hits["kvtier, DRAM hit"]["floor"] == pytest.approx(1.1)
+    assert hits["kvtier, disk hit"]["floor"] == pytest.approx(1.175)
+    low, high = hits["kvtier, disk hit"]["interval"]
+    assert 1.4 <= low < 1.45 < high <= 1.5
+    printed = capsys.readouterr().out
+    assert "| kvtier, DRAM hit | 4 | 0.110 s | 0.100 s | 1.10 | 1.10 to 1.10 | 1.10 | <= 1.15: met |" in printed
+    assert "| kvtier, disk hit | 4 | 0.145 s | 0.100 s | 1.45 |" in printed
+    assert "| 1.18 | <= 1.30: not met |" in printed
+    assert "copy 10.0 GB/s, page-cache read 20.0 GB/s, checksum 40.0 GB/s" in printed

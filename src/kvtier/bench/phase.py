@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import pairs
+
 
 def log(msg: str) -> None:
     print(f"bench: {msg}", file=sys.stderr, flush=True)
@@ -113,12 +115,68 @@ def _served(store, tier: str) -> tuple[float, float, float]:
             stats["_store"].get("miss_chunks_total", 0.0))
 
 
+def _ask(llm, store) -> pairs.Ask:
+    """The pairs' view of an in-process engine with kvtier's connector and its store."""
+    tier = store.tiers[0].name
+
+    def reset() -> None:
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not empty its prefix cache")
+
+    def served() -> tuple[float, float]:
+        dram, from_tier, _ = _served(store, tier)
+        return dram, from_tier
+
+    return pairs.Ask(ttft=lambda tokens: ttft(llm, tokens), served=served, reset=reset, drop=_dropper(store))
+
+
 def _dropper(store):
     """Before a disk hit: every queued write ended, then kvtier's DRAM emptied, so the chunks come from files."""
     def drop() -> None:
         store.flush()
         store.drop_dram()
     return drop
+
+
+def _hits(job: dict, sealed: bool, work: Path) -> dict[str, object]:
+    """Every document computed and stored, then the pairs of each kind of hit; in the plain phase, the bandwidths
+    the floor is computed from."""
+    from kvtier.integrations.vllm import shared_store
+
+    llm = engine(job, True, job["small_blocks"])
+    store = shared_store(job["store"])
+    assert store is not None
+    run_requests(llm, job, [0], "store")  # computes and stores every document
+    store.flush()
+    where = job.get("secondary", "disk")
+    suffix = ", encrypted" if sealed else ""
+    measured = pairs.measure(_ask(llm, store), job["docs"], job["suffixes"]["kvtier"], job["pair_rounds"], log=log)
+    result: dict[str, object] = {"pairs": {f"kvtier, {kind.replace('disk', where)}{suffix}": times
+                                           for kind, times in measured.items()}}
+    for label, times in measured.items():  # the TTFT table's rows
+        result[f"kvtier, {label.replace('disk', where)}{suffix}"] = times["kvtier"]
+    if not sealed:
+        nbytes = job["kv_bytes_per_token"] * len(job["docs"][0])
+        result["bandwidth"] = {"bytes": nbytes, **pairs.bandwidths(nbytes, work=work)}
+    store.flush()
+    result["stats"] = store.stats()
+    return result
+
+
+def _restart(job: dict) -> dict[str, object]:
+    """A new process on the tier the kvtier phase filled: one pair a document, kvtier's hit first (the document's
+    first use here), then vLLM's own."""
+    from kvtier.integrations.vllm import shared_store
+
+    llm = engine(job, True, job["small_blocks"])
+    store = shared_store(job["store"])
+    assert store is not None, "the engine's connector opened the store"
+    ttft(llm, job["unique"][0][:256])  # vLLM's first request's own costs, on a prompt kvtier never held
+    where = job.get("secondary", "disk")
+    label = "kvtier, after restart" if where == "disk" else f"kvtier, {where} hit in a new process"
+    measured = pairs.measure(_ask(llm, store), job["docs"], job["suffixes"]["restart"], 1, kinds=("disk hit",),
+                             log=log, warm=False)
+    return {"pairs": {label: measured["disk hit"]}, label: measured["disk hit"]["kvtier"], "stats": store.stats()}
 
 
 def main() -> int:
@@ -141,25 +199,7 @@ def main() -> int:
 
         result.update(server.run(job, out_path.parent, log))
     elif phase in ("kvtier", "encrypted"):  # encrypted: the same, every object in the tier sealed
-        from kvtier.integrations.vllm import shared_store
-
-        llm = engine(job, True, job["small_blocks"])
-        store = shared_store(job["store"])
-        assert store is not None
-        run_requests(llm, job, [0], "store")  # computes and stores every document
-        store.flush()
-        drop = _dropper(store)
-        where = job.get("secondary", "disk")
-        sealed = ", encrypted" if phase == "encrypted" else ""
-        # The same requests in the same order in both phases, so each disk hit follows the same warm-up.
-        result[f"kvtier, DRAM hit{sealed}"] = run_requests(llm, job, later, f"kvtier DRAM{sealed}")
-        if not sealed:
-            result["kvtier, DRAM hit, exact repeat"] = run_docs(llm, job, "kvtier DRAM, exact")
-        result[f"kvtier, {where} hit{sealed}"] = run_requests(llm, job, later, f"kvtier {where}{sealed}", before=drop)
-        if not sealed:
-            result[f"kvtier, {where} hit, exact repeat"] = run_docs(llm, job, f"kvtier {where}, exact", before=drop)
-        store.flush()
-        result["stats"] = store.stats()
+        result.update(_hits(job, phase == "encrypted", out_path.parent))
     elif phase == "reread":  # a new process re-reading a disk an earlier phase wrote: disk hits only
         from kvtier.integrations.vllm import shared_store
 
@@ -170,16 +210,8 @@ def main() -> int:
         run_requests(llm, job, [0], f"reread{', encrypted' if encrypted else ''}, warm-up", before=_dropper(store))
         result["disk"], result["dram"], result["chunks"] = disk_then_dram(llm, store, job, later)
         result["sealed"] = encrypted
-    elif phase == "restart":  # a new process: everything it hits was stored by the previous one
-        from kvtier.integrations.vllm import shared_store
-
-        llm = engine(job, True, job["small_blocks"])
-        where = job.get("secondary", "disk")
-        label = "kvtier, after restart" if where == "disk" else f"kvtier, {where} hit in a new process"
-        result[label] = run_requests(llm, job, [0], "restart")
-        store = shared_store(job["store"])
-        assert store is not None, "the engine's connector opened the store"
-        result["stats"] = store.stats()
+    elif phase == "restart":  # a new process: every document's first hit comes from what the last one stored
+        result.update(_restart(job))
     elif phase in ("noreuse_plain", "noreuse_kvtier"):  # every prompt unique: the connector's overhead
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

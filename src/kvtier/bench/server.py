@@ -3,8 +3,8 @@
 There the scheduler and the worker are separate processes, each with a store of its own; the store config is
 DRAM-only, so every kvtier hit is a chunk the scheduler learned of from the worker's reports. TTFT is the time of
 a one-token completion request; vLLM's own counters (``vllm:external_prefix_cache_*``) give the share of the
-tokens it asked the connector about that the connector served. vLLM alone, in a server with room for every
-document, gives its own prefix-cache hits over the same HTTP path, for the ratio.
+tokens it asked the connector about that the connector served. vLLM's own hit, the figure to compare with, is
+measured in the same server beside each kvtier hit (:mod:`kvtier.bench.pairs`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.bench import pairs
 from kvtier.testing.servers import free_port
 
 
@@ -91,71 +92,79 @@ def _counter(port: int, name: str) -> float:
 
 
 def run(job: dict, work: Path, log: Callable[[str], None]) -> dict[str, object]:
-    """kvtier with a DRAM-only config and vLLM's KV memory of 1.5 documents; then vLLM alone with room for every
-    document (its own prefix-cache hits, the figure to compare with), each in a server of its own."""
-    result = _serve(job, work, log, kvtier=True)
-    result.update(_serve(job, work, log, kvtier=False))
-    return result
-
-
-def _serve(job: dict, work: Path, log: Callable[[str], None], *, kvtier: bool) -> dict[str, object]:
+    """kvtier with a DRAM-only config and vLLM's KV memory of 1.5 documents, in one server: every document
+    computed and stored once, then pairs of hits (:mod:`kvtier.bench.pairs`), kvtier's from its DRAM beside vLLM's
+    own of the same prompt shape, over the same HTTP path. vLLM's prefix cache is emptied through its
+    ``/reset_prefix_cache`` (a development route: ``VLLM_SERVER_DEV_MODE=1`` in this server only); which requests
+    kvtier served comes from vLLM's own counter of the tokens its connector served."""
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", job["model"],
             "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "bfloat16",
             "--max-model-len", str(job["max_model_len"]), "--max-num-batched-tokens", str(job["max_model_len"]),
-            "--num-gpu-blocks-override", str(job["small_blocks" if kvtier else "large_blocks"]),
-            "--block-size", "128", "--gpu-memory-utilization", "0.3"]
-    if kvtier:
-        store = {**job["store"], "tiers": [], "metrics_port": free_port()}  # DRAM only
-        argv += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"config": store, "store_tails": job.get("store_tails", True)}})]
-    env = server_env()
-    name = "api_server_kvtier" if kvtier else "api_server_vllm"
-    with open(work / f"{name}.log", "w") as server_log:
+            "--num-gpu-blocks-override", str(job["small_blocks"]), "--block-size", "128",
+            "--gpu-memory-utilization", "0.3"]
+    store = {**job["store"], "tiers": [], "metrics_port": free_port()}  # DRAM only
+    argv += ["--kv-transfer-config", json.dumps({
+        "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"config": store, "store_tails": job.get("store_tails", True)}})]
+    env = {**server_env(), "VLLM_SERVER_DEV_MODE": "1"}
+    with open(work / "api_server_kvtier.log", "w") as server_log:
         server = subprocess.Popen(argv, stdout=server_log, stderr=subprocess.STDOUT, env=env,
                                   start_new_session=True)
         try:
-            deadline = time.monotonic() + 600
-            while True:
-                if server.poll() is not None:
-                    raise RuntimeError(f"vLLM's API server exited ({server.returncode}); see {work / f'{name}.log'}")
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("vLLM's API server did not answer /health within 600 s") from None
-                    time.sleep(1)
-            log(f"API server up ({'kvtier, DRAM only' if kvtier else 'vLLM alone'})")
-
-            def ttft(tokens: list[int]) -> float:
-                start = time.perf_counter()
-                post_completion(port, {"model": job["model"], "prompt": tokens, "max_tokens": 1, "temperature": 0})
-                return time.perf_counter() - start
-
-            def counters() -> tuple[float, float]:
-                if not kvtier:
-                    return 0.0, 0.0
-                return (_counter(port, "vllm:external_prefix_cache_queries_total"),
-                        _counter(port, "vllm:external_prefix_cache_hits_total"))
-
-            times: list[float] = []
-            before = (0.0, 0.0)
+            _wait_healthy(server, port, work / "api_server_kvtier.log")
+            log("API server up (kvtier, DRAM only)")
+            ask = _ask(port, job["model"])
             for req in job["requests"]:
-                if req["round"] == 1 and not times:
-                    before = counters()  # round 0 computed and stored every document: count the repeats only
-                seconds = ttft(req["tokens"])
-                if req["round"] > 0:
-                    times.append(seconds)
-                log(f"API server ({'kvtier' if kvtier else 'vLLM'}): round {req['round']} doc {req['doc']}: "
-                    f"TTFT {seconds:.3f} s")
-            after = counters()
-            queries, hits = after[0] - before[0], after[1] - before[1]
+                if req["round"] == 0:  # computes and stores every document
+                    log(f"API server: store, doc {req['doc']}: TTFT {ask.ttft(req['tokens']):.3f} s")
+            before = _hit_counters(port)
+            measured = pairs.measure(ask, job["docs"], job["suffixes"]["api_server"], job["pair_rounds"],
+                                     kinds=("DRAM hit",), log=lambda m: log(f"API server: {m}"))
+            after = _hit_counters(port)
         finally:
             stop(server)
-    if not kvtier:
-        return {"vLLM prefix-cache hit, API server": times}
-    return {"kvtier, API server, DRAM hit (DRAM-only config)": times,
-            "external_hits": {"query_tokens": queries, "hit_tokens": hits}}
+    label = "kvtier, API server, DRAM hit (DRAM-only config)"
+    return {"pairs": {label: measured["DRAM hit"]}, label: measured["DRAM hit"]["kvtier"],
+            "external_hits": {"query_tokens": after[0] - before[0], "hit_tokens": after[1] - before[1]}}
+
+
+def _wait_healthy(server: subprocess.Popen, port: int, log_path: Path) -> None:
+    deadline = time.monotonic() + 600
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"vLLM's API server exited ({server.returncode}); see {log_path}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM's API server did not answer /health within 600 s") from None
+            time.sleep(1)
+
+
+def _hit_counters(port: int) -> tuple[float, float]:
+    """Tokens vLLM asked its connector about so far, and tokens the connector served."""
+    return (_counter(port, "vllm:external_prefix_cache_queries_total"),
+            _counter(port, "vllm:external_prefix_cache_hits_total"))
+
+
+def _ask(port: int, model: str) -> pairs.Ask:
+    """The pairs' view of an API server: a one-token completion's TTFT; tokens served by kvtier (from DRAM: the
+    config has no other tier); vLLM's prefix cache emptied over HTTP."""
+    def ttft(tokens: list[int]) -> float:
+        start = time.perf_counter()
+        post_completion(port, {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0})
+        return time.perf_counter() - start
+
+    def reset() -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as reply:
+            if not json.loads(reply.read() or b"{}").get("success", True):
+                raise RuntimeError("vLLM's API server did not empty its prefix cache")
+
+    def drop() -> None:
+        raise RuntimeError("the API server's kvtier config is DRAM-only: it has no disk hits to measure")
+
+    return pairs.Ask(ttft=ttft, served=lambda: (_hit_counters(port)[1], 0.0), reset=reset, drop=drop)

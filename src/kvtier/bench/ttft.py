@@ -16,14 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import pairs
 from kvtier.bench.model import prepare_model
 from kvtier.bench.server import inprocess_env, server_env
-from kvtier.bench.workload import documents, requests
+from kvtier.bench.workload import documents, requests, suffixes
 
 BLOCK = 128
-PROFILES = {  # documents, tokens per document, rounds (questions per document), unique prompts, output tokens
-    "quick": {"docs": 3, "doc_tokens": 2048, "rounds": 2, "unique": 4, "noreuse_output": 16, "reread_pairs": 1},
-    "full": {"docs": 4, "doc_tokens": 4096, "rounds": 3, "unique": 5, "noreuse_output": 32, "reread_pairs": 3},
+# documents, tokens per document, rounds (questions per document), unique prompts, output tokens, the encryption's
+# re-reading process pairs, and the rounds of hit pairs (kvtier.bench.pairs) per document and kind
+PROFILES = {
+    "quick": {"docs": 3, "doc_tokens": 2048, "rounds": 2, "unique": 4, "noreuse_output": 16, "reread_pairs": 1,
+              "pair_rounds": 2},
+    "full": {"docs": 4, "doc_tokens": 4096, "rounds": 3, "unique": 5, "noreuse_output": 32, "reread_pairs": 3,
+             "pair_rounds": 4},
 }
 PHASES = ("baseline", "kvtier", "restart", "encrypted", "engine_hit", "api_server", "noreuse_plain",
           "noreuse_kvtier")
@@ -82,7 +87,8 @@ def run(quick: bool, json_path: Path | None, work_dir: Path | None, shared: str 
                                    chunk_tokens=chunk_tokens, tails=tails)
     phases: tuple[str, ...] = SHARED_PHASES if shared else PHASES
     if prefix_tokens is not None:  # 3 documents asked twice: vLLM's memory of 1.5 documents still cannot keep them
-        profile.update(doc_tokens=prefix_tokens, docs=3, rounds=2, unique=0, name=f"{prefix_tokens}-token prefixes")
+        profile.update(doc_tokens=prefix_tokens, docs=3, rounds=2, unique=0, pair_rounds=2,
+                       name=f"{prefix_tokens}-token prefixes")
         phases = tuple(p for p in phases if p in LONG_PHASES)
     model = prepare_model()
     from transformers import AutoTokenizer
@@ -97,7 +103,21 @@ def run(quick: bool, json_path: Path | None, work_dir: Path | None, shared: str 
     work.mkdir(parents=True)
     with _secondary_tier(shared, work) as tier:
         job = _job(model, profile, reqs, docs, max_len, per_doc, tier, shared)
+        job.update(pair_rounds=profile["pair_rounds"], kv_bytes_per_token=pairs.kv_bytes_per_token(model),
+                   suffixes=_suffixes(tokenizer, profile["docs"], profile["pair_rounds"],
+                                      len(reqs[0].tokens) - profile["doc_tokens"]))
         return _run_phases(job, work, profile, json_path, phases)
+
+
+def _suffixes(tokenizer, docs: int, rounds: int, length: int) -> dict[str, list[list[int]]]:
+    """Fresh suffixes of ``length`` tokens (the questions' length) for each phase's pairs, none shared between
+    phases that see the same store: the kvtier phase stores its prompts' tails, which a later process on its disk
+    would otherwise find (the encrypted phase has a disk of its own, and the API server's config is DRAM-only)."""
+    needs = {"kvtier": pairs.suffixes_needed(docs, rounds), "restart": pairs.suffixes_needed(docs, 1, ("disk hit",)),
+             "api_server": pairs.suffixes_needed(docs, rounds, ("DRAM hit",))}
+    every = suffixes(tokenizer, needs["kvtier"] + needs["restart"], length)
+    return {"kvtier": every[:needs["kvtier"]], "restart": every[needs["kvtier"]:],
+            "api_server": every[:needs["api_server"]]}
 
 
 def _job(model: Path, profile: dict, reqs: list, docs: list, max_len: int, per_doc: int, tier: dict,
@@ -219,6 +239,36 @@ def _reread(pairs: dict[str, list[dict[str, list[float]]]]) -> dict[str, Any]:
             "read_seconds": costs, "read_ratios": read, "ratio": ratio}
 
 
+# What each kind of hit must cost at most, over vLLM's own hit (issue 29); rows without one show none.
+TARGETS = {"DRAM hit": 1.15, "disk hit": 1.30, "after restart": 1.30, "API server, DRAM hit": 1.15,
+           "redis hit": 1.6, "redis-cluster hit": 1.6, "s3 hit": 3.0}
+
+
+def hit_rows(results: dict) -> dict[str, dict[str, Any]]:
+    """Every phase's pairs as rows (:func:`kvtier.bench.pairs.summary`), with the floor where the bytes moved are
+    known (a local tier: DRAM, the disk) and the target of its kind."""
+    bw = results.get("kvtier", {}).get("bandwidth")
+    out: dict[str, dict[str, Any]] = {}
+    for phase in ("kvtier", "restart", "encrypted", "api_server"):
+        for label, times in results.get(phase, {}).get("pairs", {}).items():
+            kind = "disk hit" if "disk hit" in label or "after restart" in label else "DRAM hit"
+            local = "DRAM hit" in label or "disk hit" in label or "after restart" in label
+            row = pairs.summary(times, kind, bw["bytes"] if bw and local else None, bw)
+            target = next((t for name, t in TARGETS.items() if name in label), None)
+            if target is not None and "encrypted" not in label:  # encryption's target is its own (below)
+                row["target"] = target
+            out[label] = row
+    return out
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def report(results: dict, profile: dict, json_path: Path | None, secondary: str = "disk") -> int:
     rows: dict[str, dict[str, float]] = {}
     for phase in ("baseline", "kvtier", "restart", "encrypted", "engine_hit", "api_server"):
@@ -236,16 +286,29 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
     for label, s in rows.items():
         print(f"| {label} | {s['mean']:.3f} s | {s['p50']:.3f} s | {s['p90']:.3f} s | {base / s['mean']:.1f}x |")
     engine, exact = rows["vLLM prefix-cache hit"]["mean"], rows["vLLM prefix-cache hit, exact repeat"]["mean"]
-    server = rows.get("vLLM prefix-cache hit, API server", {}).get("mean")
-
-    def against(label: str) -> float:
-        return exact if label.endswith("exact repeat") else server if "API server" in label and server else engine
-
-    ratios = {label: s["mean"] / against(label) for label, s in rows.items() if label.startswith("kvtier")}
-    print("\nAgainst vLLM's own prefix-cache hit on the same prompts, served the same way (TTFT mean / its mean; "
-          "1.0 is as fast):")
-    for label, ratio in ratios.items():
-        print(f"- {label}: {ratio:.2f}")
+    alone = {label: s["mean"] / (exact if "exact repeat" in label else engine) for label, s in rows.items()
+             if label.startswith("kvtier") and "API server" not in label}
+    hits = hit_rows(results)
+    print("\nEach kvtier hit against vLLM's own hit of the same prompt shape in the same process, moments apart, in "
+          "alternating order (TTFT mean / its mean, 1.0 is as fast; 90% bootstrap interval over the pairs; the "
+          "floor is vLLM's own hit plus moving the prefix's KV at this machine's measured bandwidth):")
+    print("| row | pairs | kvtier | vLLM's own hit | ratio | 90% interval | floor | target |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, h in hits.items():
+        floor = f"{h['floor']:.2f}" if "floor" in h else "not known"
+        target = (f"<= {h['target']:.2f}: {'met' if h['ratio'] <= h['target'] else 'not met'}"
+                  if "target" in h else "")
+        print(f"| {label} | {h['pairs']} | {h['kvtier_mean']:.3f} s | {h['engine_mean']:.3f} s | {h['ratio']:.2f} "
+              f"| {h['interval'][0]:.2f} to {h['interval'][1]:.2f} | {floor} | {target} |")
+    if "bandwidth" in results.get("kvtier", {}):
+        bw = results["kvtier"]["bandwidth"]
+        print(f"\nMeasured here for the floor ({bw['bytes'] / 1e6:.0f} MB, a document's KV): copy "
+              f"{bw['copy'] / 1e9:.1f} GB/s, page-cache read {bw['read'] / 1e9:.1f} GB/s, checksum "
+              f"{bw['checksum'] / 1e9:.1f} GB/s (one thread each)")
+    print("\nAgainst vLLM alone in a process of its own (the engine_hit phase; processes differ in how fast they "
+          "compute, so this moves between runs more than the pairs):")
+    for label, value in alone.items():
+        print(f"- {label}: {value:.2f}")
     sealed = rows.get("kvtier, disk hit, encrypted")
     encryption: dict[str, Any] | None = None
     if sealed is not None:
@@ -256,10 +319,10 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
     if "reread" in results and encryption is not None:
         encryption["reread"] = _reread(results["reread"])
     if "api_server" in results:
-        hits = results["api_server"]["external_hits"]
-        share = hits["hit_tokens"] / hits["query_tokens"] if hits["query_tokens"] else 0.0
+        external = results["api_server"]["external_hits"]
+        share = external["hit_tokens"] / external["query_tokens"] if external["query_tokens"] else 0.0
         print(f"\nAPI server, DRAM-only config: vLLM's external prefix-cache hit rate on the repeats "
-              f"{100 * share:.1f}% ({hits['hit_tokens']:.0f} of {hits['query_tokens']:.0f} tokens asked)")
+              f"{100 * share:.1f}% ({external['hit_tokens']:.0f} of {external['query_tokens']:.0f} tokens asked)")
     noreuse = None
     if "noreuse_plain" in results:
         plain, with_kv = results["noreuse_plain"]["throughput"], results["noreuse_kvtier"]["throughput"]
@@ -271,7 +334,9 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
         json_path.write_text(json.dumps({"machine": machine(), "profile": profile, "secondary": secondary,
                                          "vllm_cpu_reserved": server_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"],
                                          "inprocess_omp_threads": inprocess_env()["OMP_NUM_THREADS"],
-                                         "ttft": rows, "vs_engine_hit": ratios, "noreuse_tokens_per_s": noreuse,
+                                         "date": time.strftime("%Y-%m-%d"), "commit": _commit(),
+                                         "ttft": rows, "vs_engine_hit": {k: h["ratio"] for k, h in hits.items()},
+                                         "hits": hits, "vs_vllm_alone": alone, "noreuse_tokens_per_s": noreuse,
                                          "encryption": encryption,
                                          "raw": results}, indent=2))
     return 0

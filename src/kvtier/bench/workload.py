@@ -56,3 +56,21 @@ def requests(tokenizer, docs: list[list[int]], rounds: int) -> list[Request]:
         for d, doc in enumerate(docs):
             out.append(Request(d, r, doc + q))
     return out
+
+
+def suffixes(tokenizer, count: int, length: int = 16) -> list[list[int]]:
+    """``count`` questions of ``length`` tokens each (the length of :func:`requests`' questions, so a hit's cost is
+    measured on the same prompt shape), all different: each asks about its own window of real text from the
+    corpus's end (the documents come from its start)."""
+    ids = tokenizer(corpus(), add_special_tokens=False)["input_ids"]
+    head = tokenizer("\n\nQuestion: What does it say of", add_special_tokens=False)["input_ids"]
+    tail = tokenizer("?\nAnswer:", add_special_tokens=False)["input_ids"]
+    window = length - len(head) - len(tail)
+    if window < 1:
+        raise ValueError(f"suffixes: length {length} leaves no room for text; at least {len(head) + len(tail) + 1}")
+    if len(ids) < count * window:
+        raise RuntimeError(f"corpus has {len(ids)} tokens, the suffixes need {count * window}")
+    out = [[*head, *ids[len(ids) - (i + 1) * window:len(ids) - i * window], *tail] for i in range(count)]
+    if len({tuple(s) for s in out}) < count:
+        raise RuntimeError("suffixes: the corpus's windows repeat; the pairs need every suffix different")
+    return out

@@ -88,6 +88,8 @@ def _label(row: Mapping[str, Any], keys: Sequence[str]) -> str:
 
 # --- each kind's reader ---------------------------------------------------------------------------------------
 def _ttft(d: Mapping[str, Any]) -> Table:
+    if "hits" in d:
+        return _ttft_pairs(d)
     runs = {name: v for group in d.get("raw", {}).values() if isinstance(group, Mapping)
             for name, v in group.items() if isinstance(v, list) and all(isinstance(x, float) for x in v)}
     recompute = runs.get("vLLM, recompute", [])
@@ -101,6 +103,27 @@ def _ttft(d: Mapping[str, Any]) -> Table:
                      spread(paired(mine, runs.get(engine, []))), ratio(speedup), spread(paired(recompute, mine))])
     return _table(["Measure", "TTFT mean (s)", "TTFT / vLLM's own hit's (lower: better)", "spread",
                    "speed-up over recompute", "spread"], rows)
+
+
+def _ttft_pairs(d: Mapping[str, Any]) -> Table:
+    """A run whose hits were measured in pairs (``kvtier.bench.pairs``): each beside vLLM's own in one process."""
+    rows = []
+    for name, h in d["hits"].items():
+        target = h.get("target")
+        rows.append([name, str(h["pairs"]), f"{h['kvtier_mean']:.3g}", f"{h['engine_mean']:.3g}", ratio(h["ratio"]),
+                     bounds(h["interval"]), ratio(h.get("floor")),
+                     "" if target is None else f"<= {target:.3g}: {'met' if h['ratio'] <= target else 'not met'}"])
+    return _table(["Measure", "pairs", "kvtier TTFT mean (s)", "vLLM's own hit, same process (s)",
+                   "ratio (lower: better)", "90% interval", "floor", "target"], rows)
+
+
+def _ttft_runs(d: Mapping[str, Any]) -> Table:
+    """Full runs of ``kvtier bench`` on one machine: each ratio's median and how far a run was from it."""
+    rows = [[r["name"], ratio(r["median"]), ", ".join(f"{v:.3g}" for v in r["runs"]), f"{r['max_deviation']:+.1%}",
+             "yes" if r["within"] else "no"] for r in d.get("rows", [])]
+    limit = d.get("limit", 0.05)
+    return _table(["Measure (TTFT / vLLM's own hit)", "median", "each run", "largest deviation",
+                   f"within {limit:.0%} of the median"], rows)
 
 
 def _rows_with_ratio(keys: Sequence[str], extra: Sequence[str] = ()) -> Reader:
@@ -194,7 +217,7 @@ def _ab(d: Mapping[str, Any]) -> Table:
 
 
 READERS: dict[str, Reader] = {
-    "ttft": _ttft, "store": _rows_with_ratio(("bench", "shape", "op"), ("target",)),
+    "ttft": _ttft, "ttft-runs": _ttft_runs, "store": _rows_with_ratio(("bench", "shape", "op"), ("target",)),
     "shared": _rows_with_ratio(("tier", "shape", "op")),
     "sealing": _rows_with_ratio(("tier", "shape", "op"), ("target",)),
     "peers": _peers, "noreuse": _noreuse, "router": _router, "transformers": _transformers, "stall": _stall,

@@ -1,0 +1,230 @@
+"""Hits measured in pairs: each kvtier hit next to vLLM's own hit of the same prompt shape, in the same process
+moments apart, in alternating order, so that neither how fast a process computes nor how the machine drifts
+over a run can move their ratio.
+
+A pair is one document asked twice, each time with a suffix of its own (a window of real text of one fixed
+length, never asked before, so neither kvtier nor vLLM holds it): kvtier's hit (vLLM's prefix cache emptied,
+for a disk hit kvtier's DRAM too; kvtier loads the document's chunks, vLLM computes the suffix) and vLLM's own
+hit (the document's blocks left in vLLM's cache by the other request of the pair; vLLM computes the suffix). An
+exact-repeat pair asks the document alone, twice. Each pair is checked to be what it stands for: kvtier's
+request served from the intended tier and nowhere else, vLLM's own served nothing from kvtier.
+
+The ratio of a row is the mean of kvtier's times over the mean of vLLM's (TTFTs are compared by their means);
+its interval is a percentile bootstrap over the pairs (seeded, so a result file reproduces its interval). The
+floor of a row is what it cannot go under on this machine: vLLM's own hit plus the bytes of the prefix's KV over
+this process's measured copy bandwidth (one copy into vLLM's blocks), and for a disk hit over its page-cache read
+and checksum bandwidth too.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+KINDS = ("DRAM hit", "disk hit", "DRAM hit, exact repeat", "disk hit, exact repeat")
+
+
+class Engine(Protocol):
+    def reset_prefix_cache(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a pair needs of its process: ``ttft(tokens)`` times one request; ``served()`` the chunks kvtier
+    served so far from DRAM and from the secondary tier; ``reset()`` empties vLLM's prefix cache; ``drop()``
+    ends kvtier's queued writes and empties its DRAM."""
+
+    ttft: Callable[[list[int]], float]
+    served: Callable[[], tuple[float, float]]
+    reset: Callable[[], None]
+    drop: Callable[[], None]
+
+
+def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], rounds: int,
+            kinds: Sequence[str] = KINDS, log: Callable[[str], None] = lambda _: None,
+            warm: bool = True) -> dict[str, dict[str, list]]:
+    """``rounds`` pairs of each kind for each document: ``{kind: {"kvtier": [s], "engine": [s], "chunks": [n]}}``.
+    The kinds take turns within each document's round, their order rotated by round; which of a pair's two
+    requests comes first alternates. Each document's round starts with an untimed request of it (``warm``; a
+    process's first use of what another stored is measured without). RuntimeError when a pair was not what it
+    stands for, or when the suffixes run out (``suffixes_needed``)."""
+    out: dict[str, dict[str, list]] = {k: {"kvtier": [], "engine": [], "chunks": []} for k in kinds}
+    fresh = iter(suffixes)
+    turn = 0
+    for r in range(rounds):
+        for d, doc in enumerate(docs):
+            # The document into kvtier's DRAM (an earlier document's disk hit emptied it), untimed; then out of
+            # vLLM's cache, so every document's first pair starts with kvtier's request: vLLM holds none of it.
+            if warm:
+                ask.ttft(doc)
+            ask.reset()
+            first = True
+            for kind in [*kinds[r % len(kinds):], *kinds[:r % len(kinds)]]:
+                kv_first = first or turn % 2 == 0
+                first = False
+                turn += 1
+                kv, engine, chunks = _pair(ask, doc, kind, fresh, kv_first)
+                for key, value in (("kvtier", kv), ("engine", engine), ("chunks", chunks)):
+                    out[kind][key].append(value)
+                log(f"pair {kind}: round {r} doc {d}: kvtier {kv:.3f} s, vLLM's own hit {engine:.3f} s "
+                    f"({chunks} chunks{', kvtier first' if kv_first else ', vLLM first'})")
+    return out
+
+
+def suffixes_needed(docs: int, rounds: int, kinds: Sequence[str] = KINDS) -> int:
+    return docs * rounds * sum(0 if "exact" in k else 2 for k in kinds)
+
+
+def _pair(ask: Ask, doc: list[int], kind: str, fresh, kv_first: bool) -> tuple[float, float, int]:
+    exact, disk = "exact" in kind, kind.startswith("disk")
+
+    def prompt() -> list[int]:
+        if exact:
+            return doc
+        try:
+            return doc + next(fresh)
+        except StopIteration:
+            raise RuntimeError("the pairs ran out of fresh suffixes") from None
+
+    def kvtier() -> tuple[float, tuple[float, float]]:
+        if disk:
+            ask.drop()
+        ask.reset()
+        return _timed(ask, prompt())
+
+    def engine() -> tuple[float, tuple[float, float]]:
+        return _timed(ask, prompt())
+
+    if kv_first:
+        (kv, kv_got), (own, own_got) = kvtier(), engine()
+    else:
+        (own, own_got), (kv, kv_got) = engine(), kvtier()
+    from_dram, from_tier = kv_got
+    if own_got != (0.0, 0.0):
+        raise RuntimeError(f"pair {kind}: vLLM's own hit was served {own_got} chunks (DRAM, secondary tier) by "
+                           "kvtier; it must be vLLM's cache alone")
+    if not (from_tier if disk else from_dram) or (from_dram if disk else from_tier):
+        raise RuntimeError(f"pair {kind}: kvtier's request served {kv_got} chunks (DRAM, secondary tier); expected "
+                           f"only {'the secondary tier' if disk else 'DRAM'}")
+    return kv, own, int(from_tier if disk else from_dram)
+
+
+def _timed(ask: Ask, tokens: list[int]) -> tuple[float, tuple[float, float]]:
+    before = ask.served()
+    seconds = ask.ttft(tokens)
+    after = ask.served()
+    return seconds, (after[0] - before[0], after[1] - before[1])
+
+
+def ratio(kvtier: Sequence[float], engine: Sequence[float]) -> float:
+    return statistics.fmean(kvtier) / statistics.fmean(engine)
+
+
+def interval(kvtier: Sequence[float], engine: Sequence[float], level: float = 0.90, resamples: int = 2000,
+             seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of :func:`ratio` over the pairs (resampled whole, so each kvtier time
+    stays with the vLLM time it was measured beside)."""
+    if len(kvtier) != len(engine) or not kvtier:
+        raise ValueError(f"pairs: {len(kvtier)} kvtier times against {len(engine)} of vLLM's own hit")
+    rng = random.Random(seed)
+    n = len(kvtier)
+    draws = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        draws.append(sum(kvtier[i] for i in picks) / sum(engine[i] for i in picks))
+    draws.sort()
+    tail = (1.0 - level) / 2
+    return draws[int(tail * (resamples - 1))], draws[int((1.0 - tail) * (resamples - 1))]
+
+
+def bandwidths(nbytes: int, repeats: int = 5, work: Path | None = None) -> dict[str, float]:
+    """This process's bytes per second, the median of ``repeats``: ``copy``, one copy of ``nbytes`` between two
+    buffers in memory (torch, this thread); ``read``, reading a file of that size from the page cache into a
+    buffer; ``checksum``, xxh3-128 over it (the frame's payload check)."""
+    import torch
+    import xxhash
+
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copies = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - start)
+    view = src.numpy().data
+    sums = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        xxhash.xxh3_128_digest(view)
+        sums.append(time.perf_counter() - start)
+    reads = []
+    buffer = dst.numpy().data
+    with tempfile.NamedTemporaryFile(dir=work) as f:
+        f.write(view)
+        f.flush()
+        with open(f.name, "rb", buffering=0) as g:
+            for _ in range(repeats + 1):  # the first fills the page cache
+                g.seek(0)
+                start = time.perf_counter()
+                done = 0
+                while done < nbytes:
+                    got = g.readinto(buffer[done:])
+                    if not got:
+                        raise RuntimeError(f"{f.name}: ended at {done} of {nbytes} bytes")
+                    done += got
+                reads.append(time.perf_counter() - start)
+        os.sync()
+    return {"copy": nbytes / statistics.median(copies), "read": nbytes / statistics.median(reads[1:]),
+            "checksum": nbytes / statistics.median(sums)}
+
+
+def floor(kind: str, engine_hit: float, nbytes: int, bw: dict[str, float]) -> float:
+    """The least TTFT a hit of ``kind`` can have here: vLLM's own hit plus moving the prefix's KV."""
+    moved = nbytes / bw["copy"]
+    if kind.startswith("disk") or "restart" in kind:
+        moved += nbytes / bw["read"] + nbytes / bw["checksum"]
+    return engine_hit + moved
+
+
+def summary(times: dict[str, list], kind: str, nbytes: int | None, bw: dict[str, float] | None) -> dict[str, Any]:
+    """One row: the ratio, its interval, the pairs' count, the means, and the floor where it is known."""
+    kv, own = times["kvtier"], times["engine"]
+    row: dict[str, Any] = {"ratio": ratio(kv, own), "interval": list(interval(kv, own)), "pairs": len(kv),
+                           "kvtier_mean": statistics.fmean(kv), "engine_mean": statistics.fmean(own)}
+    if nbytes and bw:
+        row["floor"] = floor(kind, row["engine_mean"], nbytes, bw) / row["engine_mean"]
+    return row
+
+
+def across_runs(runs: Sequence[dict[str, Any]], limit: float = 0.05) -> list[dict[str, Any]]:
+    """Whether several runs (``kvtier bench --json`` files) agree: a row per hit every run measured, with each
+    run's ratio, their median, the run farthest from it (its deviation, signed) and whether that is within
+    ``limit``."""
+    if not runs:
+        raise ValueError("across_runs: no runs")
+    rows = []
+    for name in [n for n in runs[0]["hits"] if all(n in r["hits"] for r in runs)]:
+        values = [r["hits"][name]["ratio"] for r in runs]
+        median = statistics.median(values)
+        deviation = max((v / median - 1 for v in values), key=abs)
+        rows.append({"name": name, "runs": values, "median": median, "max_deviation": deviation,
+                     "within": abs(deviation) <= limit, "intervals": [r["hits"][name]["interval"] for r in runs]})
+    return rows
+
+
+def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int:
+    """Bytes of KV one token takes in vLLM's cache for the model in ``model_dir`` (keys and values, every
+    layer)."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * heads * head_dim * dtype_bytes
