@@ -68,9 +68,16 @@ def suffixes(tokenizer, count: int, length: int = 16) -> list[list[int]]:
     window = length - len(head) - len(tail)
     if window < 1:
         raise ValueError(f"suffixes: length {length} leaves no room for text; at least {len(head) + len(tail) + 1}")
-    if len(ids) < count * window:
-        raise RuntimeError(f"corpus has {len(ids)} tokens, the suffixes need {count * window}")
-    out = [[*head, *ids[len(ids) - (i + 1) * window:len(ids) - i * window], *tail] for i in range(count)]
-    if len({tuple(s) for s in out}) < count:
-        raise RuntimeError("suffixes: the corpus's windows repeat; the pairs need every suffix different")
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    end = len(ids)
+    while len(out) < count:  # windows back from the corpus's end, each one not taken before
+        if end - window < 0:
+            raise RuntimeError(f"corpus has {len(seen)} different windows of {window} tokens, the suffixes need "
+                               f"{count}")
+        text = tuple(ids[end - window:end])
+        end -= window
+        if text not in seen:
+            seen.add(text)
+            out.append([*head, *text, *tail])
     return out
