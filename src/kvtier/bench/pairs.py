@@ -18,7 +18,6 @@ and checksum bandwidth too.
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import tempfile
@@ -180,7 +179,6 @@ def bandwidths(nbytes: int, repeats: int = 5, work: Path | None = None) -> dict[
                         raise RuntimeError(f"{f.name}: ended at {done} of {nbytes} bytes")
                     done += got
                 reads.append(time.perf_counter() - start)
-        os.sync()
     return {"copy": nbytes / statistics.median(copies), "read": nbytes / statistics.median(reads[1:]),
             "checksum": nbytes / statistics.median(sums)}
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.bench import pairs
+from kvtier.errors import KVTierError
 from kvtier.testing.servers import free_port
 
 
@@ -113,7 +114,7 @@ def run(job: dict, work: Path, log: Callable[[str], None]) -> dict[str, object]:
         server = subprocess.Popen(argv, stdout=server_log, stderr=subprocess.STDOUT, env=env,
                                   start_new_session=True)
         try:
-            _wait_healthy(server, port, work / "api_server_kvtier.log")
+            wait_healthy(server, port, work / "api_server_kvtier.log")
             log("API server up (kvtier, DRAM only)")
             ask = _ask(port, job["model"])
             for req in job["requests"]:
@@ -130,17 +131,18 @@ def run(job: dict, work: Path, log: Callable[[str], None]) -> dict[str, object]:
             "external_hits": {"query_tokens": after[0] - before[0], "hit_tokens": after[1] - before[1]}}
 
 
-def _wait_healthy(server: subprocess.Popen, port: int, log_path: Path) -> None:
+def wait_healthy(server: subprocess.Popen, port: int, log_path: Path) -> None:
+    """Until vLLM's API server on ``port`` answers /health (KVTierError if it exits first or takes 600 s)."""
     deadline = time.monotonic() + 600
     while True:
         if server.poll() is not None:
-            raise RuntimeError(f"vLLM's API server exited ({server.returncode}); see {log_path}")
+            raise KVTierError(f"vLLM's API server exited ({server.returncode}); see {log_path}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
             return
         except OSError:
             if time.monotonic() > deadline:
-                raise RuntimeError("vLLM's API server did not answer /health within 600 s") from None
+                raise KVTierError("vLLM's API server did not answer /health within 600 s") from None
             time.sleep(1)
 
 

@@ -254,7 +254,8 @@ def hit_rows(results: dict) -> dict[str, dict[str, Any]]:
             kind = "disk hit" if "disk hit" in label or "after restart" in label else "DRAM hit"
             local = "DRAM hit" in label or "disk hit" in label or "after restart" in label
             row = pairs.summary(times, kind, bw["bytes"] if bw and local else None, bw)
-            target = next((t for name, t in TARGETS.items() if name in label), None)
+            named = [name for name in TARGETS if name in label]  # the most specific name the label holds
+            target = TARGETS[max(named, key=len)] if named else None
             if target is not None and "encrypted" not in label:  # encryption's target is its own (below)
                 row["target"] = target
             out[label] = row
@@ -304,7 +305,7 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
         bw = results["kvtier"]["bandwidth"]
         print(f"\nMeasured here for the floor ({bw['bytes'] / 1e6:.0f} MB, a document's KV): copy "
               f"{bw['copy'] / 1e9:.1f} GB/s, page-cache read {bw['read'] / 1e9:.1f} GB/s, checksum "
-              f"{bw['checksum'] / 1e9:.1f} GB/s (one thread each)")
+              f"{bw['checksum'] / 1e9:.1f} GB/s (torch's {inprocess_env()['OMP_NUM_THREADS']} thread(s) for the copy)")
     print("\nAgainst vLLM alone in a process of its own (the engine_hit phase; processes differ in how fast they "
           "compute, so this moves between runs more than the pairs):")
     for label, value in alone.items():

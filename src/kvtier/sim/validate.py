@@ -170,7 +170,7 @@ def _warm_up(port: int, model: str, vocab_size: int, longest: int) -> None:
 def measure(trace: Trace, deployment: Deployment, model: Path, vocab_size: int, work: Path, log) -> dict[str, Any]:
     """Run the trace against vLLM's OpenAI server with kvtier; per-request TTFT and cached tokens, and the
     engine's and kvtier's hit counters."""
-    from kvtier.bench.server import server_env, stop
+    from kvtier.bench.server import server_env, stop, wait_healthy
     from kvtier.testing.servers import free_port
 
     work.mkdir(parents=True, exist_ok=True)
@@ -199,17 +199,7 @@ def measure(trace: Trace, deployment: Deployment, model: Path, vocab_size: int, 
     with open(work / "server.log", "w") as server_log:
         server = subprocess.Popen(argv, stdout=server_log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            deadline = time.monotonic() + 600
-            while True:
-                if server.poll() is not None:
-                    raise KVTierError(f"vLLM's API server exited ({server.returncode}); see {work / 'server.log'}")
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise KVTierError("vLLM's API server did not answer /health within 600 s") from None
-                    time.sleep(1)
+            wait_healthy(server, port, work / "server.log")
             _warm_up(port, str(model), vocab_size, max(r.input_length for r in trace.requests))
             log(f"engine up; replaying {len(prompts)} requests over "
                 f"{trace.requests[-1].timestamp_ms / 1000 / deployment.time_scale:.0f} s")
