@@ -133,11 +133,11 @@ def interval(kvtier: Sequence[float], engine: Sequence[float], level: float = 0.
     if len(kvtier) != len(engine) or not kvtier:
         raise ValueError(f"pairs: {len(kvtier)} kvtier times against {len(engine)} of vLLM's own hit")
     rng = random.Random(seed)
-    n = len(kvtier)
+    pairs = list(zip(kvtier, engine, strict=True))
     draws = []
     for _ in range(resamples):
-        picks = [rng.randrange(n) for _ in range(n)]
-        draws.append(sum(kvtier[i] for i in picks) / sum(engine[i] for i in picks))
+        drawn = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        draws.append(sum(ours for ours, _ in drawn) / sum(theirs for _, theirs in drawn))
     draws.sort()
     tail = (1.0 - level) / 2
     return draws[int(tail * (resamples - 1))], draws[int((1.0 - tail) * (resamples - 1))]
