@@ -154,10 +154,11 @@ def test_paired_ttft_runs_show_each_hit_beside_vllms_own_and_their_agreement(tmp
     (tmp_path / "ttft-2026-01-02-run1.json").write_text(json.dumps({"hits": {"kvtier, DRAM hit": hit}}))
     (tmp_path / "ttft-runs-2026-01-02.json").write_text(json.dumps({"limit": 0.05, "rows": [
         {"name": "kvtier, DRAM hit", "median": 1.2, "runs": [1.2, 1.26, 1.18], "max_deviation": 0.05,
-         "within": True}]}))
+         "within": True}], "missing": {"kvtier, s3 hit": [2]}}))
     pairs, runs = (benchmarks.section(r) for r in benchmarks.latest(tmp_path))
     assert "| kvtier, DRAM hit | 6 | 0.09 | 0.075 | 1.2 | 1.1 to 1.3 | 1.05 | \\<= 1.15: not met |" in pairs
     assert "| kvtier, DRAM hit | 1.2 | 1.2, 1.26, 1.18 | +5.0% | yes |" in runs
+    assert "| kvtier, s3 hit |   | missing from 1 run(s) |   | not compared |" in runs
 
 
 def test_spreads_come_from_paired_runs() -> None:

@@ -5,36 +5,62 @@ they serve follows what was emptied, as the real ones' does (the real pairs run 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from kvtier.bench import pairs
 
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [[1, 2, 3, 4], [5, 6, 7, 8]]
 
 
 class Engine:
     """vLLM's prefix cache and kvtier's DRAM and disk, by document: a prompt is served by vLLM's cache if it holds
-    the document, else by kvtier's DRAM, else by its disk (which keeps it in DRAM). ``kvtier_s``/``engine_s``: the
-    TTFT either takes. ``leaky``: vLLM's own hit is helped by kvtier too (a chunk past vLLM's blocks)."""
+    the document, else by kvtier's DRAM, else by its disk (which keeps it in DRAM); either spares computing the
+    document's blocks of two tokens up to the prompt's last token. ``kvtier_s``/``engine_s``: the TTFT either
+    takes. ``leaky``: vLLM's own hit is helped by kvtier too (a chunk past vLLM's blocks). ``partial``: kvtier's
+    hit loads a block short. ``evicts``: neither vLLM's cache nor kvtier keeps what a hit loaded (the next
+    request of the document recomputes it)."""
+
+    BLOCK = 2
 
     def __init__(self, kvtier_s: float = 0.11, engine_s: float = 0.10, leaky: bool = False,
-                 forgets_drop: bool = False) -> None:
+                 forgets_drop: bool = False, partial: bool = False, evicts: bool = False) -> None:
         self.vllm: set[int] = set()
         self.dram = {d[0] for d in DOCS}
         self.hits = [0.0, 0.0]
+        self.cached = 0
         self.calls: list[tuple[str, int]] = []
         self.kvtier_s, self.engine_s, self.leaky, self.forgets_drop = kvtier_s, engine_s, leaky, forgets_drop
+        self.partial, self.evicts = partial, evicts
+        self.gone: set[int] = set()
 
     def ttft(self, tokens: list[int]) -> float:
         doc = tokens[0]
+        spared = min(len(DOCS[0]), (len(tokens) - 1) // self.BLOCK * self.BLOCK)
         if doc in self.vllm:
             self.calls.append(("engine", doc))
             self.hits[0] += self.leaky
+            self.cached += spared
+            return self.engine_s
+        if self.evicts and doc in self.gone:
+            self.calls.append(("recompute", doc))
             return self.engine_s
         self.hits[0 if doc in self.dram else 1] += 4
+        self.cached += spared - self.BLOCK * self.partial
         self.calls.append(("kvtier" if doc in self.dram else "kvtier disk", doc))
-        self.dram.add(doc)
-        self.vllm.add(doc)
+        if self.evicts:
+            self.gone.add(doc)
+            self.dram.discard(doc)
+        else:
+            self.dram.add(doc)
+            self.vllm.add(doc)
         return self.kvtier_s
 
     def reset(self) -> None:
@@ -44,9 +70,10 @@ class Engine:
         if not self.forgets_drop:
             self.dram.clear()
 
-    def ask(self) -> pairs.Ask:
-        return pairs.Ask(ttft=self.ttft, served=lambda: (self.hits[0], self.hits[1]), reset=self.reset,
-                         drop=self.drop)
+    def ask(self, ttft=None) -> pairs.Ask:
+        return pairs.Ask(ttft=ttft or self.ttft, served=lambda: (self.hits[0], self.hits[1]),
+                         cached=lambda: self.cached, reset=self.reset, drop=self.drop, block_tokens=self.BLOCK,
+                         unit_tokens=self.BLOCK)
 
 
 def suffixes(n: int) -> list[list[int]]:
@@ -62,19 +89,34 @@ def test_each_kind_gets_its_pairs_with_kvtier_and_vllm_in_alternating_order() ->
         assert times["kvtier"] == [0.11] * rounds * len(DOCS), kind
         assert times["engine"] == [0.10] * rounds * len(DOCS), kind
         assert times["chunks"] == [4] * rounds * len(DOCS), kind
+        # each kind's own pairs alternate which request runs first, the first of them kvtier's
+        assert times["kvtier_first"] == [i % 2 == 0 for i in range(rounds * len(DOCS))], kind
     per_doc = len(pairs.KINDS)
-    # each document's round starts with an untimed request that brings it into kvtier's DRAM, then its pairs
+    # each document's round starts with an untimed request that brings it into kvtier's DRAM and vLLM's cache,
+    # so a document's first pair may start with vLLM's own hit
     rounds_calls = [engine.calls[i:i + 1 + 2 * per_doc] for i in range(0, len(engine.calls), 1 + 2 * per_doc)]
-    assert all(c[0][0] != "engine" for c in rounds_calls), "vLLM's cache is emptied before each document's round"
+    assert all(c[0][0] != "engine" for c in rounds_calls[:len(DOCS)]), "the first round's warm-up loads from kvtier"
     calls = [call for c in rounds_calls for call in c[1:]]
-    sides = [who for who, _ in calls]
-    firsts = [sides[i].startswith("kvtier") for i in range(0, len(sides), 2)]
-    assert all(firsts[i] for i in range(0, len(firsts), per_doc)), "each document's first pair starts with kvtier"
-    later = [f for i, f in enumerate(firsts) if i % per_doc]
-    assert True in later and False in later, "within a document the order alternates"
-    disk_first = [calls[2 * i][0] == "kvtier disk" or calls[2 * i + 1][0] == "kvtier disk"
-                  for i in range(0, len(firsts), per_doc)]
-    assert disk_first[:len(DOCS)] == [False] * len(DOCS) and True in disk_first, "the kinds' order rotates by round"
+    firsts = [calls[i][0].startswith("kvtier") for i in range(0, len(calls), 2)]
+    assert not all(firsts[i] for i in range(0, len(firsts), per_doc)), "a document's first pair may be vLLM's first"
+
+
+def test_one_kind_alone_alternates_its_order() -> None:
+    """The API server's phase measures DRAM hits alone: half its pairs must run vLLM's own hit first."""
+    got = pairs.measure(Engine().ask(), DOCS, suffixes(100), 3, kinds=("DRAM hit",))
+    assert got["DRAM hit"]["kvtier_first"] == [True, False] * 3
+
+
+def test_the_kinds_take_each_place_as_often_even_in_one_round() -> None:
+    docs = [[d, 2, 3, 4] for d in range(1, 5)]  # as many documents as kinds, one round (the quick profile's case)
+    engine = Engine()
+    engine.dram |= {d[0] for d in docs}
+    places: dict[str, list[int]] = {kind: [] for kind in pairs.KINDS}
+    order: list[str] = []
+    pairs.measure(engine.ask(), docs, suffixes(100), 1, log=lambda m: order.append(m.split(":")[0][5:]))
+    for i, kind in enumerate(order):
+        places[kind].append(i % len(pairs.KINDS))
+    assert all(sorted(p) == [0, 1, 2, 3] for p in places.values()), places
 
 
 def test_every_suffix_is_used_once_and_running_out_is_an_error() -> None:
@@ -82,8 +124,7 @@ def test_every_suffix_is_used_once_and_running_out_is_an_error() -> None:
     fresh = suffixes(pairs.suffixes_needed(len(DOCS), 1))
     seen: list[list[int]] = []
     ttft = engine.ttft
-    ask = pairs.Ask(ttft=lambda t: (seen.append(t), ttft(t))[1], served=lambda: (engine.hits[0], engine.hits[1]),
-                    reset=engine.reset, drop=engine.drop)
+    ask = engine.ask(ttft=lambda t: (seen.append(t), ttft(t))[1])
     pairs.measure(ask, DOCS, fresh, 1)
     tails = [t[4:] for t in seen if len(t) > 4]
     assert sorted(tails) == sorted(fresh), "each fresh suffix asked exactly once"
@@ -96,6 +137,29 @@ def test_every_suffix_is_used_once_and_running_out_is_an_error() -> None:
 def test_a_vllm_hit_helped_by_kvtier_is_refused() -> None:
     with pytest.raises(RuntimeError, match="vLLM's own hit"):
         pairs.measure(Engine(leaky=True).ask(), DOCS, suffixes(100), 1, kinds=("DRAM hit",))
+
+
+def test_a_partial_kvtier_hit_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="spared 2 of the document's 4 tokens"):
+        pairs.measure(Engine(partial=True).ask(), DOCS, suffixes(100), 1, kinds=("DRAM hit",))
+
+
+def test_a_vllm_hit_that_recomputes_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="vLLM's own hit found 0 of the document's 4 tokens"):
+        pairs.measure(Engine(evicts=True).ask(), DOCS, suffixes(100), 1, kinds=("DRAM hit",), warm=False)
+
+
+def test_a_whole_hit_stops_before_the_prompts_last_token_and_at_what_kvtier_stores() -> None:
+    ask = Engine().ask()
+    doc = list(range(10))
+    assert ask.whole_hit(doc, doc + [99], kvtier=False) == 10
+    assert ask.whole_hit(doc, doc, kvtier=False) == 8  # vLLM computes the last token (block 2: up to 8)
+    chunked = dataclasses.replace(ask, unit_tokens=4)  # no tails: kvtier stores chunks of 4 tokens only
+    assert chunked.whole_hit(doc, doc + [99], kvtier=True) == 8
+    assert chunked.whole_hit(doc, doc + [99], kvtier=False) == 10
+    assert pairs.units({"block_tokens": 16, "store_tails": False, "store": {"chunk_tokens": 256}}) == {
+        "block_tokens": 16, "unit_tokens": 256}
+    assert pairs.units({"block_tokens": 16, "store": {"chunk_tokens": 256}})["unit_tokens"] == 16
 
 
 def test_a_disk_hit_served_from_dram_is_refused() -> None:
@@ -112,6 +176,11 @@ def test_the_interval_is_seeded_and_holds_the_ratio() -> None:
     assert pairs.interval(kvtier, engine, seed=1) != (low, high)
     same = pairs.interval([0.2] * 5, [0.1] * 5)
     assert same == pytest.approx((2.0, 2.0))
+    # pairs resampled whole: however much the times vary, kvtier at 1.1x of each vLLM time beside it is 1.1 exactly
+    varied = [0.05, 0.30, 0.08, 0.50, 0.12, 0.09]
+    assert pairs.interval([1.1 * t for t in varied], varied) == pytest.approx((1.1, 1.1))
+    # and the interval is of the ratio, not of one side: the same kvtier times over slower vLLM times sit lower
+    assert pairs.interval(kvtier, [2 * t for t in engine])[1] < low
     with pytest.raises(ValueError, match="2 kvtier times against 1"):
         pairs.interval([0.1, 0.1], [0.1])
 
@@ -137,6 +206,7 @@ def test_without_warming_a_documents_first_request_is_kvtiers_timed_one() -> Non
     got = pairs.measure(engine.ask(), DOCS, suffixes(4), 1, kinds=("disk hit",), warm=False)
     assert engine.calls == [("kvtier disk", 1), ("engine", 1), ("kvtier disk", 5), ("engine", 5)]
     assert got["disk hit"]["chunks"] == [4, 4]
+    assert got["disk hit"]["kvtier_first"] == [True, True]
 
 
 def test_runs_agree_when_every_ratio_is_within_the_limit_of_their_median() -> None:
@@ -147,10 +217,43 @@ def test_runs_agree_when_every_ratio_is_within_the_limit_of_their_median() -> No
             hits["API server"] = {"ratio": 9.0, "interval": [9.0, 9.0]}
         return {"hits": hits}
 
-    rows = {r["name"]: r for r in pairs.across_runs([run(1.00, 1.20, True), run(1.04, 1.30), run(1.02, 1.21)])}
-    assert set(rows) == {"DRAM hit", "disk hit"}  # a hit one run lacks is no row
+    agreed = pairs.across_runs([run(1.00, 1.20, True), run(1.04, 1.30), run(1.02, 1.21)])
+    rows = {r["name"]: r for r in agreed["rows"]}
+    assert set(rows) == {"DRAM hit", "disk hit"}
+    assert agreed["missing"] == {"API server": [1, 2]}, "a hit some runs lack is named, with the runs lacking it"
     assert rows["DRAM hit"]["median"] == 1.02 and rows["DRAM hit"]["within"]
     assert rows["disk hit"]["max_deviation"] == pytest.approx(1.30 / 1.21 - 1)  # the farthest run, signed
     assert not rows["disk hit"]["within"]
     with pytest.raises(ValueError, match="no runs"):
         pairs.across_runs([])
+
+
+def _ttft_runs(tmp_path: Path, runs: list[dict], *extra: str) -> subprocess.CompletedProcess[str]:
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ttft_runs.py"), *map(str, paths), *extra],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+
+def test_ttft_runs_compares_three_runs_of_one_profile_on_one_machine(tmp_path: Path) -> None:
+    def run(dram: float, **over: object) -> dict:
+        return {"profile": {"name": "full", "docs": 4}, "secondary": "disk", "machine": "AMD EPYC, 2 cores",
+                "hits": {"DRAM hit": {"ratio": dram, "interval": [dram, dram]}}, **over}
+
+    two = _ttft_runs(tmp_path, [run(1.1), run(1.1)])
+    assert two.returncode == 2 and "at least three runs" in two.stderr
+    other = _ttft_runs(tmp_path, [run(1.1), run(1.1), run(1.1, profile={"name": "full", "docs": 8})])
+    assert other.returncode == 2 and "its profile is" in other.stderr
+    moved = _ttft_runs(tmp_path, [run(1.1), run(1.1), run(1.1, secondary="redis")])
+    assert moved.returncode == 2 and "its secondary is 'redis'" in moved.stderr
+    lacking = run(1.1)
+    lacking["hits"]["disk hit"] = {"ratio": 1.2, "interval": [1.2, 1.2]}
+    out = tmp_path / "agreed.json"
+    partial = _ttft_runs(tmp_path, [lacking, run(1.1), run(1.12)], "--json", str(out))
+    assert partial.returncode == 1, "a hit some run lacks is not agreement"
+    assert "disk hit: NOT compared, missing from" in partial.stdout
+    assert json.loads(out.read_text())["missing"] == {"disk hit": [1, 2]}
+    agreed = _ttft_runs(tmp_path, [run(1.1), run(1.1), run(1.12)])
+    assert agreed.returncode == 0 and "DRAM hit: median 1.100" in agreed.stdout

@@ -66,7 +66,8 @@ def _run(disk: list[float], dram: list[float]) -> dict[str, list[float]]:
 
 def test_hits_are_reported_from_their_pairs_with_interval_floor_and_target(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    dram = {"kvtier": [0.11, 0.11, 0.11, 0.11], "engine": [0.10, 0.10, 0.10, 0.10], "chunks": [8] * 4}
+    dram = {"kvtier": [0.11, 0.11, 0.11, 0.11], "engine": [0.10, 0.10, 0.10, 0.10], "chunks": [8] * 4,
+            "kvtier_first": [True, False, True, False]}
     disk = {"kvtier": [0.14, 0.15, 0.14, 0.15], "engine": [0.10, 0.10, 0.10, 0.10], "chunks": [8] * 4}
     # 1e8 bytes at 10 GB/s copy (10 ms), 20 GB/s read (5 ms), 40 GB/s checksum (2.5 ms)
     bandwidth = {"bytes": 10**8, "copy": 10e9, "read": 20e9, "checksum": 40e9}
@@ -90,7 +91,8 @@ def test_hits_are_reported_from_their_pairs_with_interval_floor_and_target(tmp_p
     low, high = hits["kvtier, disk hit"]["interval"]
     assert 1.4 <= low < 1.45 < high <= 1.5
     printed = capsys.readouterr().out
-    assert "| kvtier, DRAM hit | 4 | 0.110 s | 0.100 s | 1.10 | 1.10 to 1.10 | 1.10 | <= 1.15: met |" in printed
-    assert "| kvtier, disk hit | 4 | 0.145 s | 0.100 s | 1.45 |" in printed
+    assert "| kvtier, DRAM hit | 4 | 2 | 0.110 s | 0.100 s | 1.10 | 1.10 to 1.10 | 1.10 | <= 1.15: met |" in printed
+    assert "| kvtier, disk hit | 4 |  | 0.145 s | 0.100 s | 1.45 |" in printed
+    assert hits["kvtier, DRAM hit"]["kvtier_first"] == 2
     assert "| 1.18 | <= 1.30: not met |" in printed
     assert "copy 10.0 GB/s, page-cache read 20.0 GB/s, checksum 40.0 GB/s" in printed

@@ -7,7 +7,8 @@ length, never asked before, so neither kvtier nor vLLM holds it): kvtier's hit (
 for a disk hit kvtier's DRAM too; kvtier loads the document's chunks, vLLM computes the suffix) and vLLM's own
 hit (the document's blocks left in vLLM's cache by the other request of the pair; vLLM computes the suffix). An
 exact-repeat pair asks the document alone, twice. Each pair is checked to be what it stands for: kvtier's
-request served from the intended tier and nowhere else, vLLM's own served nothing from kvtier.
+request served from the intended tier and nowhere else, and spared computing the whole document (no partial hit);
+vLLM's own served nothing from kvtier and found the whole document in its own prefix cache.
 
 The ratio of a row is the mean of kvtier's times over the mean of vLLM's (TTFTs are compared by their means);
 its interval is a percentile bootstrap over the pairs (seeded, so a result file reproduces its interval). The
@@ -37,40 +38,64 @@ class Engine(Protocol):
 @dataclass(frozen=True)
 class Ask:
     """What a pair needs of its process: ``ttft(tokens)`` times one request; ``served()`` the chunks kvtier
-    served so far from DRAM and from the secondary tier; ``reset()`` empties vLLM's prefix cache; ``drop()``
-    ends kvtier's queued writes and empties its DRAM."""
+    served so far from DRAM and from the secondary tier; ``cached()`` the prompt tokens vLLM did not compute so
+    far (found in its own prefix cache or loaded through its connector); ``reset()`` empties vLLM's prefix cache;
+    ``drop()`` ends kvtier's queued writes and empties its DRAM. ``block_tokens`` is vLLM's block size,
+    ``unit_tokens`` what kvtier stores a prompt by (a block with tails, else a chunk)."""
 
     ttft: Callable[[list[int]], float]
     served: Callable[[], tuple[float, float]]
+    cached: Callable[[], float]
     reset: Callable[[], None]
     drop: Callable[[], None]
+    block_tokens: int
+    unit_tokens: int
+
+    def whole_hit(self, doc: list[int], prompt: list[int], kvtier: bool) -> int:
+        """The tokens a hit of ``doc`` must spare vLLM computing of ``prompt``: the document's blocks up to the
+        block before the prompt's last token (which vLLM computes to sample from), and for kvtier's hit no
+        more than the whole units it stores."""
+        upto = min(len(doc), (len(prompt) - 1) // self.block_tokens * self.block_tokens)
+        own = upto // self.block_tokens * self.block_tokens
+        return min(own, len(doc) // self.unit_tokens * self.unit_tokens) if kvtier else own
+
+
+def units(job: dict) -> dict[str, int]:
+    """A bench job's ``block_tokens`` and ``unit_tokens`` (:class:`Ask`): vLLM's block, and what kvtier stores a
+    prompt by, a block with tails, else a chunk."""
+    block = job["block_tokens"]
+    return {"block_tokens": block,
+            "unit_tokens": block if job.get("store_tails", True) else job["store"]["chunk_tokens"]}
 
 
 def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], rounds: int,
             kinds: Sequence[str] = KINDS, log: Callable[[str], None] = lambda _: None,
             warm: bool = True) -> dict[str, dict[str, list]]:
-    """``rounds`` pairs of each kind for each document: ``{kind: {"kvtier": [s], "engine": [s], "chunks": [n]}}``.
-    The kinds take turns within each document's round, their order rotated by round; which of a pair's two
-    requests comes first alternates. Each document's round starts with an untimed request of it (``warm``; a
-    process's first use of what another stored is measured without). RuntimeError when a pair was not what it
-    stands for, or when the suffixes run out (``suffixes_needed``)."""
-    out: dict[str, dict[str, list]] = {k: {"kvtier": [], "engine": [], "chunks": []} for k in kinds}
+    """``rounds`` pairs of each kind for each document: ``{kind: {"kvtier": [s], "engine": [s], "chunks": [n],
+    "kvtier_first": [bool]}}``. The kinds take turns within each document's round, their order rotated by
+    document and round (a Latin square: each kind takes each place as often, also in a single round); which of a
+    kind's pairs' two requests comes first alternates. Each document's round starts with an untimed request of
+    it (``warm``; a process's first use of what another stored is measured without), which leaves it in kvtier's
+    DRAM (an earlier document's disk hit emptied it) and in vLLM's cache; without it, a document's first pair
+    starts with kvtier's request, as vLLM holds none of it. RuntimeError when a pair was not what it stands for,
+    or when the suffixes run out (``suffixes_needed``)."""
+    out: dict[str, dict[str, list]] = {k: {"kvtier": [], "engine": [], "chunks": [], "kvtier_first": []}
+                                       for k in kinds}
     fresh = iter(suffixes)
-    turn = 0
+    turns = dict.fromkeys(kinds, 0)
     for r in range(rounds):
         for d, doc in enumerate(docs):
-            # The document into kvtier's DRAM (an earlier document's disk hit emptied it), untimed; then out of
-            # vLLM's cache, so every document's first pair starts with kvtier's request: vLLM holds none of it.
             if warm:
                 ask.ttft(doc)
-            ask.reset()
-            first = True
-            for kind in [*kinds[r % len(kinds):], *kinds[:r % len(kinds)]]:
-                kv_first = first or turn % 2 == 0
+            first = not warm
+            shift = (r + d) % len(kinds)
+            for kind in [*kinds[shift:], *kinds[:shift]]:
+                kv_first = first or turns[kind] % 2 == 0
                 first = False
-                turn += 1
+                turns[kind] += 1
                 kv, engine, chunks = _pair(ask, doc, kind, fresh, kv_first)
-                for key, value in (("kvtier", kv), ("engine", engine), ("chunks", chunks)):
+                for key, value in (("kvtier", kv), ("engine", engine), ("chunks", chunks),
+                                   ("kvtier_first", kv_first)):
                     out[kind][key].append(value)
                 log(f"pair {kind}: round {r} doc {d}: kvtier {kv:.3f} s, vLLM's own hit {engine:.3f} s "
                     f"({chunks} chunks{', kvtier first' if kv_first else ', vLLM first'})")
@@ -92,34 +117,48 @@ def _pair(ask: Ask, doc: list[int], kind: str, fresh, kv_first: bool) -> tuple[f
         except StopIteration:
             raise RuntimeError("the pairs ran out of fresh suffixes") from None
 
-    def kvtier() -> tuple[float, tuple[float, float]]:
+    def kvtier() -> _Timed:
         if disk:
             ask.drop()
         ask.reset()
         return _timed(ask, prompt())
 
-    def engine() -> tuple[float, tuple[float, float]]:
+    def engine() -> _Timed:
         return _timed(ask, prompt())
 
     if kv_first:
-        (kv, kv_got), (own, own_got) = kvtier(), engine()
+        kv, own = kvtier(), engine()
     else:
-        (own, own_got), (kv, kv_got) = engine(), kvtier()
-    from_dram, from_tier = kv_got
-    if own_got != (0.0, 0.0):
-        raise RuntimeError(f"pair {kind}: vLLM's own hit was served {own_got} chunks (DRAM, secondary tier) by "
+        own, kv = engine(), kvtier()
+    (from_dram, from_tier), source = kv.served, "the secondary tier" if disk else "DRAM"
+    if own.served != (0.0, 0.0):
+        raise RuntimeError(f"pair {kind}: vLLM's own hit was served {own.served} chunks (DRAM, secondary tier) by "
                            "kvtier; it must be vLLM's cache alone")
+    if own.cached < (need := ask.whole_hit(doc, own.prompt, kvtier=False)):
+        raise RuntimeError(f"pair {kind}: vLLM's own hit found {own.cached:.0f} of the document's {need} tokens in "
+                           "its prefix cache; it must find them all")
     if not (from_tier if disk else from_dram) or (from_dram if disk else from_tier):
-        raise RuntimeError(f"pair {kind}: kvtier's request served {kv_got} chunks (DRAM, secondary tier); expected "
-                           f"only {'the secondary tier' if disk else 'DRAM'}")
-    return kv, own, int(from_tier if disk else from_dram)
+        raise RuntimeError(f"pair {kind}: kvtier's request served {kv.served} chunks (DRAM, secondary tier); "
+                           f"expected only {source}")
+    if kv.cached < (need := ask.whole_hit(doc, kv.prompt, kvtier=True)):
+        raise RuntimeError(f"pair {kind}: kvtier's request was spared {kv.cached:.0f} of the document's {need} "
+                           f"tokens; a hit from {source} must load them all")
+    return kv.seconds, own.seconds, int(from_tier if disk else from_dram)
 
 
-def _timed(ask: Ask, tokens: list[int]) -> tuple[float, tuple[float, float]]:
-    before = ask.served()
+@dataclass(frozen=True)
+class _Timed:
+    prompt: list[int]
+    seconds: float
+    served: tuple[float, float]  # chunks kvtier served it, from DRAM and from the secondary tier
+    cached: float  # its tokens vLLM did not compute
+
+
+def _timed(ask: Ask, tokens: list[int]) -> _Timed:
+    before, cached = ask.served(), ask.cached()
     seconds = ask.ttft(tokens)
     after = ask.served()
-    return seconds, (after[0] - before[0], after[1] - before[1])
+    return _Timed(tokens, seconds, (after[0] - before[0], after[1] - before[1]), ask.cached() - cached)
 
 
 def ratio(kvtier: Sequence[float], engine: Sequence[float]) -> float:
@@ -196,25 +235,31 @@ def summary(times: dict[str, list], kind: str, nbytes: int | None, bw: dict[str,
     kv, own = times["kvtier"], times["engine"]
     row: dict[str, Any] = {"ratio": ratio(kv, own), "interval": list(interval(kv, own)), "pairs": len(kv),
                            "kvtier_mean": statistics.fmean(kv), "engine_mean": statistics.fmean(own)}
+    if "kvtier_first" in times:  # how many of the pairs ran kvtier's request first (their order, balanced)
+        row["kvtier_first"] = sum(times["kvtier_first"])
     if nbytes and bw:
         row["floor"] = floor(kind, row["engine_mean"], nbytes, bw) / row["engine_mean"]
     return row
 
 
-def across_runs(runs: Sequence[dict[str, Any]], limit: float = 0.05) -> list[dict[str, Any]]:
-    """Whether several runs (``kvtier bench --json`` files) agree: a row per hit every run measured, with each
-    run's ratio, their median, the run farthest from it (its deviation, signed) and whether that is within
-    ``limit``."""
+def across_runs(runs: Sequence[dict[str, Any]], limit: float = 0.05) -> dict[str, Any]:
+    """Whether several runs (``kvtier bench --json`` files) agree: ``rows``, one per hit every run measured, with
+    each run's ratio, their median, the run farthest from it (its deviation, signed) and whether that is within
+    ``limit``; ``missing``, each hit some run lacks, with the runs (by index) that lack it."""
     if not runs:
         raise ValueError("across_runs: no runs")
-    rows = []
-    for name in [n for n in runs[0]["hits"] if all(n in r["hits"] for r in runs)]:
+    names = list(dict.fromkeys(n for r in runs for n in r["hits"]))
+    rows, missing = [], {}
+    for name in names:
+        if lacking := [i for i, r in enumerate(runs) if name not in r["hits"]]:
+            missing[name] = lacking
+            continue
         values = [r["hits"][name]["ratio"] for r in runs]
         median = statistics.median(values)
         deviation = max((v / median - 1 for v in values), key=abs)
         rows.append({"name": name, "runs": values, "median": median, "max_deviation": deviation,
                      "within": abs(deviation) <= limit, "intervals": [r["hits"][name]["interval"] for r in runs]})
-    return rows
+    return {"rows": rows, "missing": missing}
 
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int:

@@ -25,7 +25,8 @@ def engine(job: dict, kvtier: bool, blocks: int):
 
     args: dict[str, Any] = {"model": job["model"], "enforce_eager": True, "enable_prefix_caching": True,
                             "dtype": "bfloat16", "max_model_len": job["max_model_len"],
-                            "num_gpu_blocks_override": blocks, "block_size": 128, "gpu_memory_utilization": 0.3,
+                            "num_gpu_blocks_override": blocks, "block_size": job["block_tokens"],
+                            "gpu_memory_utilization": 0.3,
                             "max_num_batched_tokens": job["max_model_len"]}
     if kvtier:
         args["kv_transfer_config"] = {"kv_connector": "KVTierConnector",
@@ -38,13 +39,23 @@ def engine(job: dict, kvtier: bool, blocks: int):
 
 def ttft(llm, tokens: list[int]) -> float:
     """Seconds until the first output token: one request alone, one output token."""
+    return _generate(llm, tokens)[0]
+
+
+def generate_one(llm, tokens: list[int]) -> tuple[float, int]:
+    """:func:`ttft`, and the prompt's tokens vLLM did not compute (its own prefix cache's and its connector's)."""
+    seconds, out = _generate(llm, tokens)
+    return seconds, out[0].num_cached_tokens or 0
+
+
+def _generate(llm, tokens: list[int]) -> tuple[float, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompt = TokensPrompt(prompt_token_ids=tokens)  # type: ignore[typeddict-item]  # vLLM's NotRequired (3.11)
     start = time.perf_counter()
-    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    return time.perf_counter() - start
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    return time.perf_counter() - start, out
 
 
 def run_requests(llm, job: dict, rounds: list[int], label: str, before=None) -> list[float]:
@@ -115,9 +126,15 @@ def _served(store, tier: str) -> tuple[float, float, float]:
             stats["_store"].get("miss_chunks_total", 0.0))
 
 
-def _ask(llm, store) -> pairs.Ask:
+def _ask(llm, store, job: dict) -> pairs.Ask:
     """The pairs' view of an in-process engine with kvtier's connector and its store."""
     tier = store.tiers[0].name
+    cached = [0]
+
+    def timed(tokens: list[int]) -> float:
+        seconds, spared = generate_one(llm, tokens)
+        cached[0] += spared
+        return seconds
 
     def reset() -> None:
         if not llm.reset_prefix_cache():
@@ -127,7 +144,8 @@ def _ask(llm, store) -> pairs.Ask:
         dram, from_tier, _ = _served(store, tier)
         return dram, from_tier
 
-    return pairs.Ask(ttft=lambda tokens: ttft(llm, tokens), served=served, reset=reset, drop=_dropper(store))
+    return pairs.Ask(ttft=timed, served=served, cached=lambda: cached[0], reset=reset, drop=_dropper(store),
+                     **pairs.units(job))
 
 
 def _dropper(store):
@@ -150,7 +168,8 @@ def _hits(job: dict, sealed: bool, work: Path) -> dict[str, object]:
     store.flush()
     where = job.get("secondary", "disk")
     suffix = ", encrypted" if sealed else ""
-    measured = pairs.measure(_ask(llm, store), job["docs"], job["suffixes"]["kvtier"], job["pair_rounds"], log=log)
+    measured = pairs.measure(_ask(llm, store, job), job["docs"], job["suffixes"]["kvtier"], job["pair_rounds"],
+                             log=log)
     result: dict[str, object] = {"pairs": {f"kvtier, {kind.replace('disk', where)}{suffix}": times
                                            for kind, times in measured.items()}}
     for label, times in measured.items():  # the TTFT table's rows
@@ -174,7 +193,7 @@ def _restart(job: dict) -> dict[str, object]:
     ttft(llm, job["unique"][0][:256])  # vLLM's first request's own costs, on a prompt kvtier never held
     where = job.get("secondary", "disk")
     label = "kvtier, after restart" if where == "disk" else f"kvtier, {where} hit in a new process"
-    measured = pairs.measure(_ask(llm, store), job["docs"], job["suffixes"]["restart"], 1, kinds=("disk hit",),
+    measured = pairs.measure(_ask(llm, store, job), job["docs"], job["suffixes"]["restart"], 1, kinds=("disk hit",),
                              log=log, warm=False)
     return {"pairs": {label: measured["disk hit"]}, label: measured["disk hit"]["kvtier"], "stats": store.stats()}
 

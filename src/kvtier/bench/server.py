@@ -2,9 +2,10 @@
 
 There the scheduler and the worker are separate processes, each with a store of its own; the store config is
 DRAM-only, so every kvtier hit is a chunk the scheduler learned of from the worker's reports. TTFT is the time of
-a one-token completion request; vLLM's own counters (``vllm:external_prefix_cache_*``) give the share of the
-tokens it asked the connector about that the connector served. vLLM's own hit, the figure to compare with, is
-measured in the same server beside each kvtier hit (:mod:`kvtier.bench.pairs`).
+a one-token completion request; vLLM's own counter of the tokens its connector served
+(``vllm:external_prefix_cache_hits``) says which requests kvtier served, and each reply's
+``usage.prompt_tokens_details.cached_tokens`` how many of its prompt's tokens vLLM did not compute. vLLM's own
+hit, the figure to compare with, is measured in the same server beside each kvtier hit (:mod:`kvtier.bench.pairs`).
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def run(job: dict, work: Path, log: Callable[[str], None]) -> dict[str, object]:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", job["model"],
             "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "bfloat16",
             "--max-model-len", str(job["max_model_len"]), "--max-num-batched-tokens", str(job["max_model_len"]),
-            "--num-gpu-blocks-override", str(job["small_blocks"]), "--block-size", "128",
-            "--gpu-memory-utilization", "0.3"]
+            "--num-gpu-blocks-override", str(job["small_blocks"]), "--block-size", str(job["block_tokens"]),
+            "--gpu-memory-utilization", "0.3", "--enable-prompt-tokens-details"]
     store = {**job["store"], "tiers": [], "metrics_port": free_port()}  # DRAM only
     argv += ["--kv-transfer-config", json.dumps({
         "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -116,19 +117,16 @@ def run(job: dict, work: Path, log: Callable[[str], None]) -> dict[str, object]:
         try:
             wait_healthy(server, port, work / "api_server_kvtier.log")
             log("API server up (kvtier, DRAM only)")
-            ask = _ask(port, job["model"])
+            ask = _ask(port, job)
             for req in job["requests"]:
                 if req["round"] == 0:  # computes and stores every document
                     log(f"API server: store, doc {req['doc']}: TTFT {ask.ttft(req['tokens']):.3f} s")
-            before = _hit_counters(port)
             measured = pairs.measure(ask, job["docs"], job["suffixes"]["api_server"], job["pair_rounds"],
                                      kinds=("DRAM hit",), log=lambda m: log(f"API server: {m}"))
-            after = _hit_counters(port)
         finally:
             stop(server)
     label = "kvtier, API server, DRAM hit (DRAM-only config)"
-    return {"pairs": {label: measured["DRAM hit"]}, label: measured["DRAM hit"]["kvtier"],
-            "external_hits": {"query_tokens": after[0] - before[0], "hit_tokens": after[1] - before[1]}}
+    return {"pairs": {label: measured["DRAM hit"]}, label: measured["DRAM hit"]["kvtier"]}
 
 
 def wait_healthy(server: subprocess.Popen, port: int, log_path: Path) -> None:
@@ -146,19 +144,18 @@ def wait_healthy(server: subprocess.Popen, port: int, log_path: Path) -> None:
             time.sleep(1)
 
 
-def _hit_counters(port: int) -> tuple[float, float]:
-    """Tokens vLLM asked its connector about so far, and tokens the connector served."""
-    return (_counter(port, "vllm:external_prefix_cache_queries_total"),
-            _counter(port, "vllm:external_prefix_cache_hits_total"))
-
-
-def _ask(port: int, model: str) -> pairs.Ask:
+def _ask(port: int, job: dict) -> pairs.Ask:
     """The pairs' view of an API server: a one-token completion's TTFT; tokens served by kvtier (from DRAM: the
-    config has no other tier); vLLM's prefix cache emptied over HTTP."""
+    config has no other tier), from vLLM's counter; the prompt tokens vLLM did not compute, from each reply's
+    usage; vLLM's prefix cache emptied over HTTP."""
+    cached = [0]
+
     def ttft(tokens: list[int]) -> float:
         start = time.perf_counter()
-        post_completion(port, {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0})
-        return time.perf_counter() - start
+        reply = post_completion(port, {"model": job["model"], "prompt": tokens, "max_tokens": 1, "temperature": 0})
+        seconds = time.perf_counter() - start
+        cached[0] += cached_tokens(reply)
+        return seconds
 
     def reset() -> None:
         req = urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache", data=b"", method="POST")
@@ -169,4 +166,14 @@ def _ask(port: int, model: str) -> pairs.Ask:
     def drop() -> None:
         raise RuntimeError("the API server's kvtier config is DRAM-only: it has no disk hits to measure")
 
-    return pairs.Ask(ttft=ttft, served=lambda: (_hit_counters(port)[1], 0.0), reset=reset, drop=drop)
+    return pairs.Ask(ttft=ttft, served=lambda: (_counter(port, "vllm:external_prefix_cache_hits_total"), 0.0),
+                     cached=lambda: cached[0], reset=reset, drop=drop, **pairs.units(job))
+
+
+def cached_tokens(reply: dict) -> int:
+    """A completion reply's prompt tokens vLLM did not compute (``--enable-prompt-tokens-details``)."""
+    details = (reply.get("usage") or {}).get("prompt_tokens_details")
+    if details is None:
+        raise RuntimeError("vLLM's reply has no usage.prompt_tokens_details: start it with "
+                           "--enable-prompt-tokens-details")
+    return int(details.get("cached_tokens") or 0)

@@ -121,6 +121,8 @@ def _ttft_runs(d: Mapping[str, Any]) -> Table:
     """Full runs of ``kvtier bench`` on one machine: each ratio's median and how far a run was from it."""
     rows = [[r["name"], ratio(r["median"]), ", ".join(f"{v:.3g}" for v in r["runs"]), f"{r['max_deviation']:+.1%}",
              "yes" if r["within"] else "no"] for r in d.get("rows", [])]
+    rows += [[name, "", f"missing from {len(lacking)} run(s)", "", "not compared"]
+             for name, lacking in d.get("missing", {}).items()]
     limit = d.get("limit", 0.05)
     return _table(["Measure (TTFT / vLLM's own hit)", "median", "each run", "largest deviation",
                    f"within {limit:.0%} of the median"], rows)
