@@ -89,8 +89,8 @@ def test_each_kind_gets_its_pairs_with_kvtier_and_vllm_in_alternating_order() ->
         assert times["kvtier"] == [0.11] * rounds * len(DOCS), kind
         assert times["engine"] == [0.10] * rounds * len(DOCS), kind
         assert times["chunks"] == [4] * rounds * len(DOCS), kind
-        # each kind's own pairs alternate which request runs first, the first of them kvtier's
-        assert times["kvtier_first"] == [i % 2 == 0 for i in range(rounds * len(DOCS))], kind
+        # which request runs first: as often kvtier's as vLLM's for each kind
+        assert sum(times["kvtier_first"]) == rounds * len(DOCS) // 2, kind
     per_doc = len(pairs.KINDS)
     # each document's round starts with an untimed request that brings it into kvtier's DRAM and vLLM's cache,
     # so a document's first pair may start with vLLM's own hit
@@ -98,13 +98,24 @@ def test_each_kind_gets_its_pairs_with_kvtier_and_vllm_in_alternating_order() ->
     assert all(c[0][0] != "engine" for c in rounds_calls[:len(DOCS)]), "the first round's warm-up loads from kvtier"
     calls = [call for c in rounds_calls for call in c[1:]]
     firsts = [calls[i][0].startswith("kvtier") for i in range(0, len(calls), 2)]
+    assert firsts == [f for r in range(rounds) for d in range(len(DOCS)) for f in
+                      [got[kind]["kvtier_first"][r * len(DOCS) + d] for kind in _rotated(r + d)]], "as recorded"
     assert not all(firsts[i] for i in range(0, len(firsts), per_doc)), "a document's first pair may be vLLM's first"
+    assert got == pairs.measure(Engine().ask(), DOCS, suffixes(100), rounds), "the orders are seeded"
+
+
+def _rotated(shift: int) -> list[str]:
+    shift %= len(pairs.KINDS)
+    return [*pairs.KINDS[shift:], *pairs.KINDS[:shift]]
 
 
 def test_one_kind_alone_alternates_its_order() -> None:
     """The API server's phase measures DRAM hits alone: half its pairs must run vLLM's own hit first."""
-    got = pairs.measure(Engine().ask(), DOCS, suffixes(100), 3, kinds=("DRAM hit",))
-    assert got["DRAM hit"]["kvtier_first"] == [True, False] * 3
+    for seed in range(5):
+        got = pairs.measure(Engine().ask(), DOCS, suffixes(100), 3, kinds=("DRAM hit",), seed=seed)
+        assert sum(got["DRAM hit"]["kvtier_first"]) == 3, seed
+    odd = pairs.measure(Engine().ask(), DOCS[:1], suffixes(100), 3, kinds=("DRAM hit",))
+    assert sum(odd["DRAM hit"]["kvtier_first"]) == 2, "an odd count: the one left over runs kvtier first"
 
 
 def test_the_kinds_take_each_place_as_often_even_in_one_round() -> None:

@@ -70,11 +70,12 @@ def units(job: dict) -> dict[str, int]:
 
 def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], rounds: int,
             kinds: Sequence[str] = KINDS, log: Callable[[str], None] = lambda _: None,
-            warm: bool = True) -> dict[str, dict[str, list]]:
+            warm: bool = True, seed: int = 0) -> dict[str, dict[str, list]]:
     """``rounds`` pairs of each kind for each document: ``{kind: {"kvtier": [s], "engine": [s], "chunks": [n],
     "kvtier_first": [bool]}}``. The kinds take turns within each document's round, their order rotated by
     document and round (a Latin square: each kind takes each place as often, also in a single round); which of a
-    kind's pairs' two requests comes first alternates. Each document's round starts with an untimed request of
+    pair's two requests comes first is drawn (``seed``), half of each kind's pairs each way, so that the order is
+    tied to no document, round or place. Each document's round starts with an untimed request of
     it (``warm``; a process's first use of what another stored is measured without), which leaves it in kvtier's
     DRAM (an earlier document's disk hit emptied it) and in vLLM's cache; without it, a document's first pair
     starts with kvtier's request, as vLLM holds none of it. RuntimeError when a pair was not what it stands for,
@@ -82,7 +83,7 @@ def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], 
     out: dict[str, dict[str, list]] = {k: {"kvtier": [], "engine": [], "chunks": [], "kvtier_first": []}
                                        for k in kinds}
     fresh = iter(suffixes)
-    turns = dict.fromkeys(kinds, 0)
+    orders = {kind: _orders(rounds * len(docs), random.Random(f"{seed}:{kind}")) for kind in kinds}
     for r in range(rounds):
         for d, doc in enumerate(docs):
             if warm:
@@ -90,9 +91,8 @@ def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], 
             first = not warm
             shift = (r + d) % len(kinds)
             for kind in [*kinds[shift:], *kinds[:shift]]:
-                kv_first = first or turns[kind] % 2 == 0
+                kv_first = orders[kind].pop() or first
                 first = False
-                turns[kind] += 1
                 kv, engine, chunks = _pair(ask, doc, kind, fresh, kv_first)
                 for key, value in (("kvtier", kv), ("engine", engine), ("chunks", chunks),
                                    ("kvtier_first", kv_first)):
@@ -100,6 +100,13 @@ def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], 
                 log(f"pair {kind}: round {r} doc {d}: kvtier {kv:.3f} s, vLLM's own hit {engine:.3f} s "
                     f"({chunks} chunks{', kvtier first' if kv_first else ', vLLM first'})")
     return out
+
+
+def _orders(pairs: int, rng: random.Random) -> list[bool]:
+    """Whether each of ``pairs`` runs kvtier's request first: half of them (the odd one kvtier's), shuffled."""
+    orders = [i % 2 == 0 for i in range(pairs)]
+    rng.shuffle(orders)
+    return orders
 
 
 def suffixes_needed(docs: int, rounds: int, kinds: Sequence[str] = KINDS) -> int:
