@@ -15,8 +15,9 @@ from pathlib import Path
 
 from kvtier.bench.pairs import across_runs
 
-# what runs must share to be compared: the work (documents, rounds, chunking), the secondary tier, the machine
-SAME = ("profile", "secondary", "machine", "inprocess_omp_threads", "vllm_cpu_reserved")
+# what runs must share to be compared: the work (documents, rounds, chunking), the secondary tier, the machine, and
+# how the pairs were measured and checked
+SAME = ("profile", "secondary", "machine", "inprocess_omp_threads", "vllm_cpu_reserved", "pairs_design")
 
 
 def main(argv: list[str] | None = None) -> int:

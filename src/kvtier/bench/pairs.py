@@ -7,8 +7,9 @@ length, never asked before, so neither kvtier nor vLLM holds it): kvtier's hit (
 for a disk hit kvtier's DRAM too; kvtier loads the document's chunks, vLLM computes the suffix) and vLLM's own
 hit (the document's blocks left in vLLM's cache by the other request of the pair; vLLM computes the suffix). An
 exact-repeat pair asks the document alone, twice. Each pair is checked to be what it stands for: kvtier's
-request served from the intended tier and nowhere else, and spared computing the whole document (no partial hit);
-vLLM's own served nothing from kvtier and found the whole document in its own prefix cache.
+request served from the intended tier and nowhere else, every chunk the document's hit needs and none missing,
+and spared computing the whole document (no partial hit, no failed load recomputed); vLLM's own served nothing
+from kvtier and found the whole document in its own prefix cache.
 
 The ratio of a row is the mean of kvtier's times over the mean of vLLM's (TTFTs are compared by their means);
 its interval is a percentile bootstrap over the pairs (seeded, so a result file reproduces its interval). The
@@ -28,6 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+# What the pairs measure and check, numbered: results of different designs are not compared (ttft_runs.py).
+# 3: each pair checked whole (every chunk from the intended tier, none missing; vLLM's cached tokens), its order
+# kv_goes_first's.
+DESIGN = 3
 KINDS = ("DRAM hit", "disk hit", "DRAM hit, exact repeat", "disk hit, exact repeat")
 
 
@@ -38,18 +43,20 @@ class Engine(Protocol):
 @dataclass(frozen=True)
 class Ask:
     """What a pair needs of its process: ``ttft(tokens)`` times one request; ``served()`` the chunks kvtier
-    served so far from DRAM and from the secondary tier; ``cached()`` the prompt tokens vLLM did not compute so
-    far (found in its own prefix cache or loaded through its connector); ``reset()`` empties vLLM's prefix cache;
-    ``drop()`` ends kvtier's queued writes and empties its DRAM. ``block_tokens`` is vLLM's block size,
-    ``unit_tokens`` what kvtier stores a prompt by (a block with tails, else a chunk)."""
+    served so far from DRAM and from the secondary tier, and those it found nowhere; ``cached()`` the prompt
+    tokens vLLM did not compute so far (found in its own prefix cache or loaded through its connector);
+    ``reset()`` empties vLLM's prefix cache; ``drop()`` ends kvtier's queued writes and empties its DRAM.
+    ``block_tokens`` is vLLM's block size, ``unit_tokens`` what kvtier stores a prompt by (a block with tails,
+    else a chunk), ``chunk_tokens`` its chunk."""
 
     ttft: Callable[[list[int]], float]
-    served: Callable[[], tuple[float, float]]
+    served: Callable[[], tuple[float, float, float]]
     cached: Callable[[], float]
     reset: Callable[[], None]
     drop: Callable[[], None]
     block_tokens: int
     unit_tokens: int
+    chunk_tokens: int
 
     def whole_hit(self, doc: list[int], prompt: list[int], kvtier: bool) -> int:
         """The tokens a hit of ``doc`` must spare vLLM computing of ``prompt``: the document's blocks up to the
@@ -61,21 +68,21 @@ class Ask:
 
 
 def units(job: dict) -> dict[str, int]:
-    """A bench job's ``block_tokens`` and ``unit_tokens`` (:class:`Ask`): vLLM's block, and what kvtier stores a
-    prompt by, a block with tails, else a chunk."""
-    block = job["block_tokens"]
-    return {"block_tokens": block,
-            "unit_tokens": block if job.get("store_tails", True) else job["store"]["chunk_tokens"]}
+    """A bench job's ``block_tokens``, ``unit_tokens`` and ``chunk_tokens`` (:class:`Ask`): vLLM's block, what
+    kvtier stores a prompt by (a block with tails, else a chunk) and kvtier's chunk."""
+    block, chunk = job["block_tokens"], job["store"]["chunk_tokens"]
+    return {"block_tokens": block, "unit_tokens": block if job.get("store_tails", True) else chunk,
+            "chunk_tokens": chunk}
 
 
 def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], rounds: int,
             kinds: Sequence[str] = KINDS, log: Callable[[str], None] = lambda _: None,
-            warm: bool = True, seed: int = 0) -> dict[str, dict[str, list]]:
+            warm: bool = True) -> dict[str, dict[str, list]]:
     """``rounds`` pairs of each kind for each document: ``{kind: {"kvtier": [s], "engine": [s], "chunks": [n],
     "kvtier_first": [bool]}}``. The kinds take turns within each document's round, their order rotated by
-    document and round (a Latin square: each kind takes each place as often, also in a single round); which of a
-    pair's two requests comes first is drawn (``seed``), half of each kind's pairs each way, so that the order is
-    tied to no document, round or place. Each document's round starts with an untimed request of
+    document and round, so that each kind takes each place as often when the documents times the rounds are a
+    multiple of the kinds; which of a pair's two requests comes first is :func:`kv_goes_first`, balanced by kind,
+    document, round and place. Each document's round starts with an untimed request of
     it (``warm``; a process's first use of what another stored is measured without), which leaves it in kvtier's
     DRAM (an earlier document's disk hit emptied it) and in vLLM's cache; without it, a document's first pair
     starts with kvtier's request, as vLLM holds none of it. RuntimeError when a pair was not what it stands for,
@@ -83,7 +90,6 @@ def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], 
     out: dict[str, dict[str, list]] = {k: {"kvtier": [], "engine": [], "chunks": [], "kvtier_first": []}
                                        for k in kinds}
     fresh = iter(suffixes)
-    orders = {kind: _orders(rounds * len(docs), random.Random(f"{seed}:{kind}")) for kind in kinds}
     for r in range(rounds):
         for d, doc in enumerate(docs):
             if warm:
@@ -91,7 +97,7 @@ def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], 
             first = not warm
             shift = (r + d) % len(kinds)
             for kind in [*kinds[shift:], *kinds[:shift]]:
-                kv_first = orders[kind].pop() or first
+                kv_first = first or kv_goes_first(r, d, kinds.index(kind))
                 first = False
                 kv, engine, chunks = _pair(ask, doc, kind, fresh, kv_first)
                 for key, value in (("kvtier", kv), ("engine", engine), ("chunks", chunks),
@@ -102,11 +108,12 @@ def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], 
     return out
 
 
-def _orders(pairs: int, rng: random.Random) -> list[bool]:
-    """Whether each of ``pairs`` runs kvtier's request first: half of them (the odd one kvtier's), shuffled."""
-    orders = [i % 2 == 0 for i in range(pairs)]
-    rng.shuffle(orders)
-    return orders
+def kv_goes_first(r: int, d: int, k: int) -> bool:
+    """Whether the pair of kind ``k`` (its index) in round ``r`` of document ``d`` runs kvtier's request first: by
+    turns over the rounds of each document and over the documents of each round, so each kind's order is balanced
+    by document and by round; the kinds in pairs of two start apart, so with four kinds in their rotation each place
+    of a document's round runs either way as often (``r + d`` through every residue of 4)."""
+    return (r + d + k // 2) % 2 == 0
 
 
 def suffixes_needed(docs: int, rounds: int, kinds: Sequence[str] = KINDS) -> int:
@@ -137,27 +144,30 @@ def _pair(ask: Ask, doc: list[int], kind: str, fresh, kv_first: bool) -> tuple[f
         kv, own = kvtier(), engine()
     else:
         own, kv = engine(), kvtier()
-    (from_dram, from_tier), source = kv.served, "the secondary tier" if disk else "DRAM"
-    if own.served != (0.0, 0.0):
-        raise RuntimeError(f"pair {kind}: vLLM's own hit was served {own.served} chunks (DRAM, secondary tier) by "
-                           "kvtier; it must be vLLM's cache alone")
+    (from_dram, from_tier, missed), source = kv.served, "the secondary tier" if disk else "DRAM"
+    if own.served != (0.0, 0.0, 0.0):
+        raise RuntimeError(f"pair {kind}: vLLM's own hit was served {own.served} chunks (DRAM, secondary tier, "
+                           "missing) by kvtier; it must be vLLM's cache alone")
     if own.cached < (need := ask.whole_hit(doc, own.prompt, kvtier=False)):
         raise RuntimeError(f"pair {kind}: vLLM's own hit found {own.cached:.0f} of the document's {need} tokens in "
                            "its prefix cache; it must find them all")
-    if not (from_tier if disk else from_dram) or (from_dram if disk else from_tier):
-        raise RuntimeError(f"pair {kind}: kvtier's request served {kv.served} chunks (DRAM, secondary tier); "
-                           f"expected only {source}")
-    if kv.cached < (need := ask.whole_hit(doc, kv.prompt, kvtier=True)):
+    need = ask.whole_hit(doc, kv.prompt, kvtier=True)
+    chunks = -(-need // ask.chunk_tokens)  # the chunks, the last perhaps a tail, that hold the tokens it needs
+    got = from_tier if disk else from_dram
+    if got < chunks or missed or (from_dram if disk else from_tier):
+        raise RuntimeError(f"pair {kind}: kvtier's request served {kv.served} chunks (DRAM, secondary tier, "
+                           f"missing); expected {chunks} from {source} only")
+    if kv.cached < need:
         raise RuntimeError(f"pair {kind}: kvtier's request was spared {kv.cached:.0f} of the document's {need} "
                            f"tokens; a hit from {source} must load them all")
-    return kv.seconds, own.seconds, int(from_tier if disk else from_dram)
+    return kv.seconds, own.seconds, int(got)
 
 
 @dataclass(frozen=True)
 class _Timed:
     prompt: list[int]
     seconds: float
-    served: tuple[float, float]  # chunks kvtier served it, from DRAM and from the secondary tier
+    served: tuple[float, float, float]  # chunks kvtier served it, from DRAM and from the secondary tier; missing
     cached: float  # its tokens vLLM did not compute
 
 
@@ -165,7 +175,8 @@ def _timed(ask: Ask, tokens: list[int]) -> _Timed:
     before, cached = ask.served(), ask.cached()
     seconds = ask.ttft(tokens)
     after = ask.served()
-    return _Timed(tokens, seconds, (after[0] - before[0], after[1] - before[1]), ask.cached() - cached)
+    served = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
+    return _Timed(tokens, seconds, served, ask.cached() - cached)
 
 
 def ratio(kvtier: Sequence[float], engine: Sequence[float]) -> float:
@@ -242,8 +253,12 @@ def summary(times: dict[str, list], kind: str, nbytes: int | None, bw: dict[str,
     kv, own = times["kvtier"], times["engine"]
     row: dict[str, Any] = {"ratio": ratio(kv, own), "interval": list(interval(kv, own)), "pairs": len(kv),
                            "kvtier_mean": statistics.fmean(kv), "engine_mean": statistics.fmean(own)}
-    if "kvtier_first" in times:  # how many of the pairs ran kvtier's request first (their order, balanced)
+    if "kvtier_first" in times:  # how many of the pairs ran kvtier's request first, and each order's ratio
         row["kvtier_first"] = sum(times["kvtier_first"])
+        for name, first in (("ratio_kvtier_first", True), ("ratio_vllm_first", False)):
+            picked = [i for i, f in enumerate(times["kvtier_first"]) if f == first]
+            if picked:
+                row[name] = ratio([kv[i] for i in picked], [own[i] for i in picked])
     if nbytes and bw:
         row["floor"] = floor(kind, row["engine_mean"], nbytes, bw) / row["engine_mean"]
     return row

@@ -140,12 +140,8 @@ def _ask(llm, store, job: dict) -> pairs.Ask:
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not empty its prefix cache")
 
-    def served() -> tuple[float, float]:
-        dram, from_tier, _ = _served(store, tier)
-        return dram, from_tier
-
-    return pairs.Ask(ttft=timed, served=served, cached=lambda: cached[0], reset=reset, drop=_dropper(store),
-                     **pairs.units(job))
+    return pairs.Ask(ttft=timed, served=lambda: _served(store, tier), cached=lambda: cached[0], reset=reset,
+                     drop=_dropper(store), **pairs.units(job))
 
 
 def _dropper(store):

@@ -2,9 +2,9 @@
 
 There the scheduler and the worker are separate processes, each with a store of its own; the store config is
 DRAM-only, so every kvtier hit is a chunk the scheduler learned of from the worker's reports. TTFT is the time of
-a one-token completion request; vLLM's own counter of the tokens its connector served
-(``vllm:external_prefix_cache_hits``) says which requests kvtier served, and each reply's
-``usage.prompt_tokens_details.cached_tokens`` how many of its prompt's tokens vLLM did not compute. vLLM's own
+a one-token completion request; kvtier's counters (each process's store serves its metrics) say which chunks
+kvtier served and missed, and each reply's ``usage.prompt_tokens_details.cached_tokens`` how many of its prompt's
+tokens vLLM did not compute. vLLM's own
 hit, the figure to compare with, is measured in the same server beside each kvtier hit (:mod:`kvtier.bench.pairs`).
 """
 
@@ -85,20 +85,13 @@ def stop(server: subprocess.Popen) -> None:
         server.wait()
 
 
-def _counter(port: int, name: str) -> float:
-    """A vLLM counter from the server's /metrics, summed over its label sets."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
-        body = reply.read().decode()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in body.splitlines()
-               if ln.startswith((name + "{", name + " ")))
-
-
 def run(job: dict, work: Path, log: Callable[[str], None]) -> dict[str, object]:
     """kvtier with a DRAM-only config and vLLM's KV memory of 1.5 documents, in one server: every document
     computed and stored once, then pairs of hits (:mod:`kvtier.bench.pairs`), kvtier's from its DRAM beside vLLM's
     own of the same prompt shape, over the same HTTP path. vLLM's prefix cache is emptied through its
     ``/reset_prefix_cache`` (a development route: ``VLLM_SERVER_DEV_MODE=1`` in this server only); which requests
-    kvtier served comes from vLLM's own counter of the tokens its connector served."""
+    kvtier served comes from kvtier's own counters (the chunks its stores served and missed, scraped from every
+    process's metrics), how many tokens vLLM did not compute from each reply."""
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", job["model"],
             "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "bfloat16",
@@ -117,7 +110,7 @@ def run(job: dict, work: Path, log: Callable[[str], None]) -> dict[str, object]:
         try:
             wait_healthy(server, port, work / "api_server_kvtier.log")
             log("API server up (kvtier, DRAM only)")
-            ask = _ask(port, job)
+            ask = _ask(port, store["metrics_port"], job)
             for req in job["requests"]:
                 if req["round"] == 0:  # computes and stores every document
                     log(f"API server: store, doc {req['doc']}: TTFT {ask.ttft(req['tokens']):.3f} s")
@@ -144,10 +137,38 @@ def wait_healthy(server: subprocess.Popen, port: int, log_path: Path) -> None:
             time.sleep(1)
 
 
-def _ask(port: int, job: dict) -> pairs.Ask:
-    """The pairs' view of an API server: a one-token completion's TTFT; tokens served by kvtier (from DRAM: the
-    config has no other tier), from vLLM's counter; the prompt tokens vLLM did not compute, from each reply's
-    usage; vLLM's prefix cache emptied over HTTP."""
+def kvtier_served(metrics_port: int, tries: int = 8) -> tuple[float, float, float]:
+    """Chunks kvtier served from DRAM and from other tiers, and chunks it found nowhere, summed over the processes
+    of one engine whose stores serve metrics from ``metrics_port`` on (each takes the next free port,
+    :meth:`kvtier.metrics.StoreMetrics.serve`). KVTierError when none answers."""
+    dram = other = missed = 0.0
+    answered = False
+    for port in range(metrics_port, metrics_port + tries):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                body = reply.read().decode()
+        except OSError:
+            continue
+        for line in body.splitlines():
+            if line.startswith("kvtier_hit_chunks_total{"):
+                answered = True
+                value = float(line.rsplit(" ", 1)[1])
+                if 'tier="dram"' in line:
+                    dram += value
+                else:
+                    other += value
+            elif line.startswith(("kvtier_miss_chunks_total{", "kvtier_miss_chunks_total ")):
+                answered = True
+                missed += float(line.rsplit(" ", 1)[1])
+    if not answered:
+        raise KVTierError(f"no kvtier metrics on ports {metrics_port}-{metrics_port + tries - 1}")
+    return dram, other, missed
+
+
+def _ask(port: int, metrics_port: int, job: dict) -> pairs.Ask:
+    """The pairs' view of an API server: a one-token completion's TTFT; chunks served by kvtier, from its stores'
+    counters; the prompt tokens vLLM did not compute, from each reply's usage; vLLM's prefix cache emptied over
+    HTTP."""
     cached = [0]
 
     def ttft(tokens: list[int]) -> float:
@@ -166,7 +187,7 @@ def _ask(port: int, job: dict) -> pairs.Ask:
     def drop() -> None:
         raise RuntimeError("the API server's kvtier config is DRAM-only: it has no disk hits to measure")
 
-    return pairs.Ask(ttft=ttft, served=lambda: (_counter(port, "vllm:external_prefix_cache_hits_total"), 0.0),
+    return pairs.Ask(ttft=ttft, served=lambda: kvtier_served(metrics_port),
                      cached=lambda: cached[0], reset=reset, drop=drop, **pairs.units(job))
 
 

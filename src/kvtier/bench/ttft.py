@@ -340,6 +340,7 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
                                          "vllm_cpu_reserved": server_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"],
                                          "inprocess_omp_threads": inprocess_env()["OMP_NUM_THREADS"],
                                          "date": time.strftime("%Y-%m-%d"), "commit": _commit(),
+                                         "pairs_design": pairs.DESIGN,
                                          "ttft": rows, "vs_engine_hit": {k: h["ratio"] for k, h in hits.items()},
                                          "hits": hits, "vs_vllm_alone": alone, "noreuse_tokens_per_s": noreuse,
                                          "encryption": encryption,
