@@ -116,8 +116,11 @@ def _rotated(shift: int) -> list[str]:
 def test_one_kind_alone_alternates_its_order() -> None:
     """The API server's phase measures DRAM hits alone: half its pairs run vLLM's own hit first, by turns over
     the documents of a round and over the rounds of a document."""
-    got = pairs.measure(Engine().ask(), DOCS, suffixes(100), 3, kinds=("DRAM hit",))
-    assert got["DRAM hit"]["kvtier_first"] == [True, False, False, True, True, False]
+    docs = [[d, 2, 3, 4] for d in range(1, 5)]
+    engine = Engine()
+    engine.dram |= {d[0] for d in docs}
+    got = pairs.measure(engine.ask(), docs, suffixes(100), 2, kinds=("DRAM hit",))
+    assert got["DRAM hit"]["kvtier_first"] == [True, True, False, False, False, False, True, True]
 
 
 def test_the_order_is_balanced_by_kind_document_round_and_place() -> None:
@@ -133,8 +136,9 @@ def test_the_order_is_balanced_by_kind_document_round_and_place() -> None:
         first = times["kvtier_first"]  # by round, then document
         assert all(sum(first[d::4]) == 2 for d in range(4)), (kind, "by document", first)
         assert all(sum(first[4 * r:4 * r + 4]) == 2 for r in range(4)), (kind, "by round", first)
-    for place in range(4):
-        assert sum(f for _, f in order[place::4]) == 8, f"place {place}"
+        for place in range(4):  # each kind at each place of a document's round, either way as often
+            at = [f for i, (k, f) in enumerate(order) if k == kind and i % 4 == place]
+            assert len(at) == 4 and sum(at) == 2, (kind, place, at)
 
 
 def test_the_kinds_take_each_place_as_often_even_in_one_round() -> None:
@@ -179,6 +183,23 @@ def test_a_kvtier_hit_with_a_chunk_missing_is_refused() -> None:
     kvtier served, and none missing, must say the load was whole."""
     with pytest.raises(RuntimeError, match=r"served \(3.0, 0.0, 1.0\) chunks .*expected 4 from DRAM only"):
         pairs.measure(Engine(fails=True).ask(), DOCS, suffixes(100), 1, kinds=("DRAM hit",))
+
+
+def test_a_kvtier_hit_that_also_reads_the_other_tier_is_refused() -> None:
+    engine = Engine()
+    ask = engine.ask()
+    served = ask.served
+    extra = [0.0]
+
+    def ttft(tokens: list[int]) -> float:
+        seconds = engine.ttft(tokens)
+        if "kvtier" in engine.calls[-1][0]:
+            extra[0] += 1  # one chunk more, from the disk, beside all of DRAM's
+        return seconds
+
+    both = dataclasses.replace(ask, ttft=ttft, served=lambda: (served()[0], served()[1] + extra[0], served()[2]))
+    with pytest.raises(RuntimeError, match=r"\(4.0, 1.0, 0.0\) chunks .*expected 4 from DRAM only"):
+        pairs.measure(both, DOCS, suffixes(100), 1, kinds=("DRAM hit",), warm=False)
 
 
 def test_each_orders_ratio_is_reported() -> None:
@@ -301,3 +322,52 @@ def test_ttft_runs_compares_three_runs_of_one_profile_on_one_machine(tmp_path: P
     assert json.loads(out.read_text())["missing"] == {"disk hit": [1, 2]}
     agreed = _ttft_runs(tmp_path, [run(1.1), run(1.1), run(1.12)])
     assert agreed.returncode == 0 and "DRAM hit: median 1.100" in agreed.stdout
+
+
+def test_the_api_servers_counts_sum_its_stores_and_fail_when_one_stops_answering() -> None:
+    """kvtier's counters in vLLM's API server: a scheduler's and a worker's store, each serving its metrics."""
+    import http.server
+    import threading
+
+    from kvtier.bench import server
+    from kvtier.errors import KVTierError
+    from kvtier.testing.servers import free_port
+
+    bodies = [
+        'kvtier_hit_chunks_total{tier="dram",role="scheduler"} 0.0\nkvtier_miss_chunks_total{role="scheduler"} 0.0\n'
+        'kvtier_hit_chunks_created{tier="dram",role="scheduler"} 1.7e9\n',
+        'kvtier_hit_chunks_total{tier="dram",role="worker"} 16.0\nkvtier_hit_chunks_total{tier="disk",role="worker"} '
+        '2.0\nkvtier_miss_chunks_total{role="worker"} 1.0\n']
+
+    def handler(body: str) -> type[http.server.BaseHTTPRequestHandler]:
+        class Metrics(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args: object) -> None:
+                pass
+        return Metrics
+
+    first = free_port()
+    httpds = []
+    for i, body in enumerate(bodies):
+        httpd = http.server.ThreadingHTTPServer(("127.0.0.1", first + 2 * i), handler(body))
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        httpds.append(httpd)
+    try:
+        ports = server.kvtier_ports(first)
+        assert ports == [first, first + 2]  # the port between them has nothing
+        assert server.kvtier_served(ports) == (16.0, 2.0, 1.0)
+        httpds[1].shutdown()
+        httpds[1].server_close()
+        with pytest.raises(OSError):
+            server.kvtier_served(ports)  # a store that stopped answering is an error, not fewer chunks
+        httpds[0].shutdown()
+        httpds[0].server_close()
+        with pytest.raises(KVTierError, match="no kvtier metrics"):
+            server.kvtier_ports(first)
+    finally:
+        for httpd in httpds:
+            httpd.server_close()

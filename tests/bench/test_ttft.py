@@ -94,5 +94,6 @@ def test_hits_are_reported_from_their_pairs_with_interval_floor_and_target(tmp_p
     assert "| kvtier, DRAM hit | 4 | 2 | 0.110 s | 0.100 s | 1.10 | 1.10 to 1.10 | 1.10 | <= 1.15: met |" in printed
     assert "| kvtier, disk hit | 4 |  | 0.145 s | 0.100 s | 1.45 |" in printed
     assert hits["kvtier, DRAM hit"]["kvtier_first"] == 2
+    assert "Each order's ratio, kvtier first / vLLM first: DRAM hit 1.10 / 1.10" in printed
     assert "| 1.18 | <= 1.30: not met |" in printed
     assert "copy 10.0 GB/s, page-cache read 20.0 GB/s, checksum 40.0 GB/s" in printed

@@ -31,8 +31,8 @@ from typing import Any, Protocol
 
 # What the pairs measure and check, numbered: results of different designs are not compared (ttft_runs.py).
 # 3: each pair checked whole (every chunk from the intended tier, none missing; vLLM's cached tokens), its order
-# kv_goes_first's.
-DESIGN = 3
+# kv_goes_first's (balanced by kind and place too).
+DESIGN = 4
 KINDS = ("DRAM hit", "disk hit", "DRAM hit, exact repeat", "disk hit, exact repeat")
 
 
@@ -81,12 +81,11 @@ def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], 
     """``rounds`` pairs of each kind for each document: ``{kind: {"kvtier": [s], "engine": [s], "chunks": [n],
     "kvtier_first": [bool]}}``. The kinds take turns within each document's round, their order rotated by
     document and round, so that each kind takes each place as often when the documents times the rounds are a
-    multiple of the kinds; which of a pair's two requests comes first is :func:`kv_goes_first`, balanced by kind,
-    document, round and place. Each document's round starts with an untimed request of
-    it (``warm``; a process's first use of what another stored is measured without), which leaves it in kvtier's
-    DRAM (an earlier document's disk hit emptied it) and in vLLM's cache; without it, a document's first pair
-    starts with kvtier's request, as vLLM holds none of it. RuntimeError when a pair was not what it stands for,
-    or when the suffixes run out (``suffixes_needed``)."""
+    multiple of the kinds; which of a pair's two requests comes first is :func:`kv_goes_first`. Each document's
+    round starts with an untimed request of it (``warm``; a process's first use of what another stored is
+    measured without), which leaves it in kvtier's DRAM (an earlier document's disk hit emptied it) and in vLLM's
+    cache; without it, a document's first pair starts with kvtier's request, as vLLM holds none of it.
+    RuntimeError when a pair was not what it stands for, or when the suffixes run out (``suffixes_needed``)."""
     out: dict[str, dict[str, list]] = {k: {"kvtier": [], "engine": [], "chunks": [], "kvtier_first": []}
                                        for k in kinds}
     fresh = iter(suffixes)
@@ -110,10 +109,11 @@ def measure(ask: Ask, docs: Sequence[list[int]], suffixes: Sequence[list[int]], 
 
 def kv_goes_first(r: int, d: int, k: int) -> bool:
     """Whether the pair of kind ``k`` (its index) in round ``r`` of document ``d`` runs kvtier's request first: by
-    turns over the rounds of each document and over the documents of each round, so each kind's order is balanced
-    by document and by round; the kinds in pairs of two start apart, so with four kinds in their rotation each place
-    of a document's round runs either way as often (``r + d`` through every residue of 4)."""
-    return (r + d + k // 2) % 2 == 0
+    turns over the rounds of each document, the documents of a round two by two, the kinds two by two. With the
+    kinds rotated by ``r + d``, the full profile's 4 documents, 4 rounds and 4 kinds run each kind either way as
+    often in each document, each round and each place of a document's round; with 3 documents no order can be
+    balanced by round and place, and this one is by kind and document."""
+    return (r + d // 2 + k // 2) % 2 == 0
 
 
 def suffixes_needed(docs: int, rounds: int, kinds: Sequence[str] = KINDS) -> int:

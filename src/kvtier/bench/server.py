@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtier.bench import pairs
@@ -137,32 +137,44 @@ def wait_healthy(server: subprocess.Popen, port: int, log_path: Path) -> None:
             time.sleep(1)
 
 
-def kvtier_served(metrics_port: int, tries: int = 8) -> tuple[float, float, float]:
-    """Chunks kvtier served from DRAM and from other tiers, and chunks it found nowhere, summed over the processes
-    of one engine whose stores serve metrics from ``metrics_port`` on (each takes the next free port,
-    :meth:`kvtier.metrics.StoreMetrics.serve`). KVTierError when none answers."""
-    dram = other = missed = 0.0
-    answered = False
+def kvtier_ports(metrics_port: int, tries: int = 8) -> list[int]:
+    """The ports from ``metrics_port`` on where this engine's kvtier stores serve their metrics (each process's
+    store takes the next free one, :meth:`kvtier.metrics.StoreMetrics.serve`): those that answer with kvtier's
+    counters. KVTierError when none does."""
+    ports = []
     for port in range(metrics_port, metrics_port + tries):
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-                body = reply.read().decode()
-        except OSError:
+            body = _metrics(port)
+        except (OSError, ValueError):  # nothing there, or not answering like a kvtier store
             continue
-        for line in body.splitlines():
+        if "kvtier_miss_chunks_total" in body:
+            ports.append(port)
+    if not ports:
+        raise KVTierError(f"no kvtier metrics on ports {metrics_port}-{metrics_port + tries - 1}")
+    return ports
+
+
+def kvtier_served(ports: Sequence[int]) -> tuple[float, float, float]:
+    """Chunks kvtier served from DRAM and from other tiers, and chunks it found nowhere, summed over the stores
+    serving metrics on ``ports`` (:func:`kvtier_ports`); an error from any of them is raised, as a count read
+    from fewer stores than before would look like chunks served."""
+    dram = other = missed = 0.0
+    for port in ports:
+        for line in _metrics(port).splitlines():
             if line.startswith("kvtier_hit_chunks_total{"):
-                answered = True
                 value = float(line.rsplit(" ", 1)[1])
                 if 'tier="dram"' in line:
                     dram += value
                 else:
                     other += value
             elif line.startswith(("kvtier_miss_chunks_total{", "kvtier_miss_chunks_total ")):
-                answered = True
                 missed += float(line.rsplit(" ", 1)[1])
-    if not answered:
-        raise KVTierError(f"no kvtier metrics on ports {metrics_port}-{metrics_port + tries - 1}")
     return dram, other, missed
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
 
 
 def _ask(port: int, metrics_port: int, job: dict) -> pairs.Ask:
@@ -187,7 +199,8 @@ def _ask(port: int, metrics_port: int, job: dict) -> pairs.Ask:
     def drop() -> None:
         raise RuntimeError("the API server's kvtier config is DRAM-only: it has no disk hits to measure")
 
-    return pairs.Ask(ttft=ttft, served=lambda: kvtier_served(metrics_port),
+    ports = kvtier_ports(metrics_port)
+    return pairs.Ask(ttft=ttft, served=lambda: kvtier_served(ports),
                      cached=lambda: cached[0], reset=reset, drop=drop, **pairs.units(job))
 
 

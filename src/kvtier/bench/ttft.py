@@ -310,6 +310,10 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
         print(f"| {label} | {h['pairs']} | {h.get('kvtier_first', '')} | {h['kvtier_mean']:.3f} s "
               f"| {h['engine_mean']:.3f} s | {h['ratio']:.2f} "
               f"| {h['interval'][0]:.2f} to {h['interval'][1]:.2f} | {floor} | {target} |")
+    by_order = [f"{label.removeprefix('kvtier, ')} {h['ratio_kvtier_first']:.2f} / {h['ratio_vllm_first']:.2f}"
+                for label, h in hits.items() if "ratio_kvtier_first" in h and "ratio_vllm_first" in h]
+    if by_order:
+        print(f"\nEach order's ratio, kvtier first / vLLM first: {'; '.join(by_order)}")
     if "bandwidth" in results.get("kvtier", {}):
         bw = results["kvtier"]["bandwidth"]
         print(f"\nMeasured here for the floor ({bw['bytes'] / 1e6:.0f} MB, a document's KV): copy "
