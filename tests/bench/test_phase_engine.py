@@ -25,7 +25,7 @@ def _phase(job_path: Path, phase: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def test_the_real_pairs_pass_their_checks_in_alternating_order(tmp_path: Path) -> None:
+def test_the_real_pairs_pass_their_checks_in_their_balanced_order(tmp_path: Path) -> None:
     # 640 tokens: two chunks of 256 and a tail of one block, so a hit reaches the document's end only with its tail
     profile = {"name": "test", "docs": 2, "doc_tokens": 640, "rounds": 1, "unique": 1, "noreuse_output": 1,
                "reread_pairs": 1, "pair_rounds": 2, "chunk_tokens": 256, "tails": True}

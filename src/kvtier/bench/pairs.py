@@ -1,11 +1,11 @@
 """Hits measured in pairs: each kvtier hit next to vLLM's own hit of the same prompt shape, in the same process
-moments apart, in alternating order, so that neither how fast a process computes nor how the machine drifts
+moments apart, in balanced order, so that neither how fast a process computes nor how the machine drifts
 over a run can move their ratio.
 
 A pair is one document asked twice, each time with a suffix of its own (a window of real text of one fixed
 length, never asked before, so neither kvtier nor vLLM holds it): kvtier's hit (vLLM's prefix cache emptied,
 for a disk hit kvtier's DRAM too; kvtier loads the document's chunks, vLLM computes the suffix) and vLLM's own
-hit (the document's blocks left in vLLM's cache by the other request of the pair; vLLM computes the suffix). An
+hit (the document's blocks left in vLLM's cache by an earlier request of it; vLLM computes the suffix). An
 exact-repeat pair asks the document alone, twice. Each pair is checked to be what it stands for: kvtier's
 request served from the intended tier and nowhere else, every chunk the document's hit needs and none missing,
 and spared computing the whole document (no partial hit, no failed load recomputed); vLLM's own served nothing
@@ -27,17 +27,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 # What the pairs measure and check, numbered: results of different designs are not compared (ttft_runs.py).
-# 3: each pair checked whole (every chunk from the intended tier, none missing; vLLM's cached tokens), its order
+# 4: each pair checked whole (every chunk from the intended tier, none missing; vLLM's cached tokens), its order
 # kv_goes_first's (balanced by kind and place too).
 DESIGN = 4
 KINDS = ("DRAM hit", "disk hit", "DRAM hit, exact repeat", "disk hit, exact repeat")
-
-
-class Engine(Protocol):
-    def reset_prefix_cache(self) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ There the scheduler and the worker are separate processes, each with a store of 
 DRAM-only, so every kvtier hit is a chunk the scheduler learned of from the worker's reports. TTFT is the time of
 a one-token completion request; kvtier's counters (each process's store serves its metrics) say which chunks
 kvtier served and missed, and each reply's ``usage.prompt_tokens_details.cached_tokens`` how many of its prompt's
-tokens vLLM did not compute. vLLM's own
-hit, the figure to compare with, is measured in the same server beside each kvtier hit (:mod:`kvtier.bench.pairs`).
+tokens vLLM did not compute. vLLM's own hit, the figure to compare with, is measured in the same server beside
+each kvtier hit (:mod:`kvtier.bench.pairs`).
 """
 
 from __future__ import annotations

@@ -296,10 +296,11 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
              if label.startswith("kvtier") and "API server" not in label}
     hits = hit_rows(results)
     print("\nEach kvtier hit against vLLM's own hit of the same prompt shape in the same process, moments apart, in "
-          "alternating order (TTFT mean / its mean, 1.0 is as fast; 90% bootstrap interval over the pairs; the "
+          "balanced order (TTFT mean / its mean, 1.0 is as fast; 90% bootstrap interval over the pairs; the "
           "floor is vLLM's own hit plus moving the prefix's KV at this machine's measured bandwidth):")
-    print("Every pair was checked: kvtier's request spared computing the whole document, from the intended tier "
-          "only; vLLM's own hit found the whole document in its own prefix cache, nothing from kvtier. "
+    print("Every pair was checked: kvtier's request was served every chunk it needed from the intended tier only, "
+          "none missing, and spared computing the whole document; vLLM's own hit found the whole document in its "
+          "own prefix cache, nothing from kvtier. "
           "'kvtier first': the pairs whose kvtier request ran first.")
     print("| row | pairs | kvtier first | kvtier | vLLM's own hit | ratio | 90% interval | floor | target |")
     print("|---|---|---|---|---|---|---|---|---|")
