@@ -73,6 +73,26 @@ class DramConfig:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class AdmissionConfig:
+    """Which prefixes are stored: a chunk only once it has been put ``store_after`` times (each put counts a
+    sighting of its chunks). Where most prompts never come back, storing only those seen again saves the copy and
+    every cascade write of the rest, and a prefix that does come back is a hit from its next time on."""
+
+    store_after: int = dataclasses.field(default=1, metadata={
+        "help": "store a chunk at its Nth put (1-16); 1: every put is stored, 2: a prefix once it comes again"})
+    remember_chunks: int = dataclasses.field(default=262_144, metadata={
+        "help": "chunks whose sightings are remembered (the most recent; about 150 bytes each); a prompt with "
+                "more chunks than this is never stored once store_after > 1"})
+
+    def check(self, field: str) -> None:
+        if not 1 <= self.store_after <= 16:
+            raise ConfigError(f"{field}.store_after: must be an integer in [1, 16], got {self.store_after}")
+        if not 1 <= self.remember_chunks <= 2**26:
+            raise ConfigError(f"{field}.remember_chunks: must be an integer in [1, {2**26}], got "
+                              f"{self.remember_chunks}")
+
+
 _MAX_WORKERS = 64
 _MAX_QUEUE_DEPTH = 1_000_000
 
@@ -140,10 +160,12 @@ class StoreConfig:
         "help": "absolute path of an append-only log: kvtier's commands record who removed what (kvtier.audit)"})
     encryption: EncryptionConfig | None = dataclasses.field(default=None, metadata={
         "help": "seal every object the secondary tiers hold (needs kvtier[encryption]; kvtier.sealing)"})
+    admission: AdmissionConfig = dataclasses.field(default=AdmissionConfig(), metadata={
+        "help": "which prefixes are stored (kvtier.store.admission); default: every put"})
 
 
 _TOP_KEYS = ("chunk_tokens", "dram", "tiers", "metrics_port", "metrics_host", "otlp_traces_endpoint", "placement",
-             "audit_log", "encryption")
+             "audit_log", "encryption", "admission")
 
 
 def check_otlp_endpoint(value: object, field: str) -> str | None:
@@ -258,6 +280,7 @@ def load_config(cfg: Mapping[str, object] | str | os.PathLike[str] | None) -> St
             raise ConfigError(f"encryption: needs the cryptography package (pip install 'kvtier[encryption]'): "
                               f"{exc}") from exc
         encryption = parse_encryption(cfg["encryption"])
+    admission = build_dataclass(AdmissionConfig, cfg.get("admission", {}) or {}, "admission")
     return StoreConfig(chunk_tokens=chunk_tokens, dram=dram, tiers=tiers, metrics_port=metrics_port,
                        metrics_host=metrics_host, otlp_traces_endpoint=traces, placement=placement,
-                       audit_log=audit_log, encryption=encryption)
+                       audit_log=audit_log, encryption=encryption, admission=admission)

@@ -73,6 +73,8 @@ class StoreMetrics:
                                            registry=r, buckets=_LATENCY_BUCKETS)
         self.placement_withheld = Counter("kvtier_placement_withheld", "Shards not queued for a tier because a "
                                           "placement rule keeps their tenant's KV out of it", ["tier"], registry=r)
+        self.admission_deferred = Counter("kvtier_admission_deferred_chunks", "Chunks a put did not store because "
+                                          "they had not been put admission.store_after times yet", registry=r)
         self.outage = Gauge("kvtier_tier_outage", "1 while a tier's reads or writes are failing (the tier rests "
                             "between retries), else 0", ["tier", "what"], registry=r)
 

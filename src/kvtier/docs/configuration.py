@@ -79,6 +79,9 @@ def sections() -> list[Section]:
                 "reach, tried in order: the first that matches a request decides."),
         Section("`encryption`", "encryption.", EncryptionConfig, "Seal every object in the secondary tiers "
                 "(needs `kvtier[encryption]`)."),
+        Section("`admission`", "admission.", config.AdmissionConfig, "Which prefixes are stored: with "
+                "`store_after: 2` a prefix is stored once it comes again, so prompts that never return cost no "
+                "copies or cascade writes."),
     ]
     return found
 

@@ -33,6 +33,7 @@ from kvtier.health import FirstOfKind
 from kvtier.keys import HeadRange, Namespace, ShardKey
 from kvtier.metrics import StoreMetrics
 from kvtier.recent import RecentMap
+from kvtier.store.admission import Admission
 from kvtier.store.guard import GuardedTier
 from kvtier.store.lookups import Elsewhere, Lookups
 from kvtier.store.plan import Piece, Shape
@@ -98,7 +99,8 @@ class KVStore:
         spec = [specs.get(t.name, default) for t in self.tiers]
         guards = [GuardedTier(t, s.retry_seconds, self.metrics, logged) for t, s in zip(self.tiers, spec)]
         shapes: RecentMap[str, Shape] = RecentMap(_SHAPES_KEPT)  # namespace id -> its shards' shape
-        self._writes = Writes(self.chunk_tokens, self.dram, self.metrics, self._tenancy, guards, spec, shapes)
+        self._writes = Writes(self.chunk_tokens, self.dram, self.metrics, self._tenancy, guards, spec, shapes,
+                              Admission(config.admission))
         self._lookups = Lookups(self.chunk_tokens, self.dram, self.metrics, self._tenancy, guards)
         sealer = self._tenancy.sealer
         shards = ShardReads(self.dram, self.metrics, sealer)

@@ -18,6 +18,7 @@ from kvtier.feed import ChangeFeed
 from kvtier.keys import Namespace, ShardKey, chunk_keys, rank_heads
 from kvtier.metrics import StoreMetrics
 from kvtier.recent import RecentMap
+from kvtier.store.admission import Admission
 from kvtier.store.cascade import CascadeWriter
 from kvtier.store.guard import GuardedTier
 from kvtier.store.plan import Shape
@@ -41,8 +42,10 @@ class Writes:
     """The store's puts and its cascade writers (one per secondary tier, in configured order)."""
 
     def __init__(self, chunk_tokens: int, dram: DramPool, metrics: StoreMetrics, tenancy: Tenancy,
-                 guards: list[GuardedTier], specs: list[TierSpec], shapes: RecentMap[str, Shape]) -> None:
+                 guards: list[GuardedTier], specs: list[TierSpec], shapes: RecentMap[str, Shape],
+                 admission: Admission) -> None:
         self._chunk_tokens = chunk_tokens
+        self._admission = admission
         self._dram = dram
         self._metrics = metrics
         self._tenancy = tenancy
@@ -55,6 +58,7 @@ class Writes:
         # Bound once: a labels() lookup per chunk is measurable on the hot path.
         self._dram_written = metrics.bytes_written.labels("dram")
         self._dram_full = metrics.dropped.labels("dram", "dram_full")
+        self._admission_deferred = metrics.admission_deferred
 
     def put_tensor(self, ns: Namespace, tokens: Tokens, kv: torch.Tensor, tp_rank: int, tp_size: int, offset: int,
                    kv_heads: int | None) -> int:
@@ -113,6 +117,10 @@ class Writes:
             source = padded(source, len(chunks) - 1 - first, len(tokens) % t)
         wanted = [(ShardKey(ns.id, chunk, meta.heads), chunks[i - 1] if i else None)
                   for i, chunk in enumerate(chunks) if i >= first]
+        admitted = self._admission.admit([key for key, _ in wanted])
+        if admitted < len(wanted):  # not seen often enough yet: counted, and not stored this time
+            self._admission_deferred.inc(len(wanted) - admitted)
+            wanted = wanted[:admitted]
         prefix = [ShardKey(ns.id, chunk, meta.heads) for chunk in chunks[:first]]
         held, reserved = self._fill(wanted, prefix, meta, owner, source, device)
         self._dram_written.inc(meta.nbytes * len(reserved))
