@@ -236,3 +236,38 @@ def test_the_command_prints_and_writes_the_decision(tmp_path: Path) -> None:
                           "--facts", str(tmp_path / "facts.yaml"), "--calibration", str(CALIBRATION)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "shared_prefix.tokens: expected an integer from 0 to" in bad.stderr
+
+
+MIXED = {"requests": 200, "arrival": {"rate_per_s": 0.3}, "documents": {"count": 8, "tokens": 2048, "skew": 1.0},
+         "prompt_tokens": {"median": 1500, "p90": 2500}, "output_tokens": 16}
+ENGINE = {"kv_tokens": 6144, "max_num_batched_tokens": 8192, "max_num_seqs": 64}
+
+
+def test_decide_recommends_admission_where_one_off_prompts_push_reused_documents_out() -> None:
+    # Long questions asked once after popular documents: storing every put fills a 240 MiB DRAM with questions
+    # and evicts documents; storing a prefix once it comes again keeps the documents and hits more.
+    cal = load_calibration(CALIBRATION)
+    facts = load_facts({"engine": ENGINE, "dram_bytes": "240MiB", "block_tokens": 256})
+    out = decide(load_card(MIXED), facts, cal)
+    assert out["answer"] == "local"
+    admission, every = out["admission"], out["options"]["local"]
+    assert admission["store_after"] == 2 and admission["recommended"]
+    assert admission["card"]["hit_ratio"] > every["hit_ratio"] + 0.1
+    assert admission["card"]["ttft_p90_s"] < 0.95 * every["ttft_p90_s"]
+    # with nothing reused it stores nothing, so it costs nothing
+    assert admission["zero_hit_cost"]["ttft_p90_ratio"] == pytest.approx(1.0, abs=1e-3)
+    text = print_answer(out)
+    assert text.startswith("answer: local with admission.store_after: 2")
+    assert "admission.store_after 2" in text and ": recommended" in text
+
+
+def test_decide_does_not_recommend_admission_where_the_first_repeat_is_the_hit() -> None:
+    cal = load_calibration(CALIBRATION)
+    facts = load_facts(ROOT / "benchmarks" / "decide" / "facts.yaml")
+    tenants = decide(load_card(ROOT / "benchmarks" / "decide" / "cards" / "tenants.yaml"), facts, cal)
+    assert tenants["answer"] == "local" and not tenants["admission"]["recommended"]
+    assert tenants["admission"]["card"]["hit_ratio"] < tenants["options"]["local"]["hit_ratio"]
+    assert print_answer(tenants).startswith("answer: local\n") and ": not recommended" in print_answer(tenants)
+    # no offloading: nothing to admit
+    unique_card = decide(load_card(ROOT / "benchmarks" / "decide" / "cards" / "unique.yaml"), facts, cal)
+    assert unique_card["answer"] == "none" and unique_card["admission"] is None

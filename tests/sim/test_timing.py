@@ -211,3 +211,21 @@ def test_simulate_with_a_deployment_writes_the_timing_report(tmp_path: Path) -> 
     assert grid["ttft_p90_s"][0][-1] <= grid["ttft_p90_s"][0][0]
     for name in ("ttft_cdf.png", "ttft_vs_length.png", "heatmap.png", "requests.csv", "hit_ratio.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0, name
+
+
+def test_admission_stores_a_prompt_at_its_second_put_and_serves_it_from_the_third() -> None:
+    # KV space of 4 blocks, two prompts taking turns: the engine keeps only the first block of the one asked
+    # before last. With store_after 2 nothing is stored (nor copied, in the first request's step) until a prompt
+    # is put again; its next time then loads block 2 from DRAM, as the second time does when every put is stored.
+    requests = trace(*[(10 * i, [1, 2, 3] if i % 2 == 0 else [7, 8, 9], 12, 1) for i in range(5)])
+    kvtier = {"dram_bytes": 10 * 4096, "page_bytes": 4096}
+    every = simulate(requests, deployment(kv_tokens=16, kvtier=kvtier), COSTS)
+    second = simulate(requests, deployment(kv_tokens=16, kvtier={**kvtier, "store_after": 2}), COSTS)
+    full = 0.1 + 0.01 * 12 + 0.001 * 144
+    assert every["requests"][0]["ttft_s"] == pytest.approx(full + 3 * CHUNK / 4e6)
+    assert second["requests"][0]["ttft_s"] == pytest.approx(full)  # no copy into DRAM
+    assert [r["loaded_tokens"] for r in every["requests"]] == [{}, {}, {"dram": 4}, {"dram": 4}, {"dram": 4}]
+    assert [r["loaded_tokens"] for r in second["requests"]] == [{}, {}, {}, {}, {"dram": 4}]
+    assert every["stored_bytes"]["dram"] == 6 * CHUNK and second["stored_bytes"]["dram"] == 6 * CHUNK
+    with pytest.raises(DeploymentError, match="kvtier.store_after"):
+        deployment(kvtier={**kvtier, "store_after": 17})

@@ -22,8 +22,9 @@ DRAM, and the disk when there is one) and with each shared tier behind DRAM. A s
 engine wrote: the engines are timed once to learn when each block is first written, then again with every
 other engine's blocks available from those times. An option pays when it cuts TTFT p50 or p90 by
 :data:`PAYS` and worsens neither by as much; the answer is the paying option with the lowest p90, and a shared
-tier must also beat engine-local offloading by :data:`PAYS`. Every reason is a number; when the answer is close
-(:func:`choose`), it says what to measure next.
+tier must also beat engine-local offloading by :data:`PAYS`. The answer is then timed again storing a prefix only
+once it comes again (``admission.store_after``: :func:`admission`). Every reason is a number; when the answer is
+close (:func:`choose`), it says what to measure next.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from kvtier.units import size_label
 
 PAYS = 0.05
 CLOSE = 0.10
+ADMIT_AFTER = 2  # the admission decide tries: a prefix stored once it comes again
+NEUTRAL = 0.01  # a change smaller than this is none
 SIZE_SHARE = 0.95  # a tier is sized to keep this share of the hits an unbounded one would give
 
 
@@ -317,6 +320,8 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
     local_need = max(size_for_reuse(part) for part in parts) * pages * local.page_bytes
     shared_need = size_for_reuse(trace) * chunk_bytes
     answer, rival, close = choose(options)
+    if answer != "none":
+        say(f"timing {answer} with admission.store_after {ADMIT_AFTER}, on the card and with nothing shared")
     result = {
         "card": dataclasses.asdict(card), "facts": _plain(facts), "block_tokens": bt,
         "requests": len(trace.requests), "median_prompt_tokens": median_prompt,
@@ -324,11 +329,9 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
         "answer": answer,
         "rival": rival,
         "close": close,
-        "zero_hit_cost": {name: {
-            "ttft_p50_ratio": z["ttft_p50_s"] / zero["none"]["ttft_p50_s"],
-            "ttft_p90_ratio": z["ttft_p90_s"] / zero["none"]["ttft_p90_s"],
-            "throughput_ratio": z["output_tokens_per_s"] / zero["none"]["output_tokens_per_s"]}
-            for name, z in zero.items() if name != "none"},
+        "zero_hit_cost": {name: _zero_cost(z, zero["none"]) for name, z in zero.items() if name != "none"},
+        "admission": None if answer == "none" else admission(parts, lonely, plans[answer], costs, options[answer],
+                                                             zero, answer),
         "engines_used": len(parts),
         "crossing_share": crossing_share(workload, facts.engines, facts.routing),
         "tiers": tier_facts,
@@ -340,6 +343,34 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
     result["reasons"] = _reasons(result)
     result["measure_next"] = _next(result) if result["close"] else []
     return result
+
+
+def admission(parts: list[Trace], lonely: list[Trace], plan: tuple[Deployment, str | None], costs: StepCosts,
+              every: Mapping[str, Any], zero: Mapping[str, Mapping[str, Any]], name: str) -> dict[str, Any]:
+    """Option ``name`` (its ``plan``) timed again with ``admission.store_after`` :data:`ADMIT_AFTER`, on the
+    card's ``parts`` and on ``lonely`` (nothing shared), against ``every`` and ``zero[name]`` (the same, storing
+    every put; ``zero["none"]``: no offloading, nothing shared). It is
+    recommended when it pays against storing every put (:func:`_pays`), or when it leaves the card's TTFT p50,
+    p90 and throughput within :data:`NEUTRAL` and cuts the cost at zero hits (TTFT p90 or throughput) by as much:
+    what a first repeat loses is then won back by the copies and writes it saves."""
+    deployment, shared = plan
+    assert deployment.kvtier is not None, "an option that stores"
+    admitting = dataclasses.replace(deployment, kvtier=dataclasses.replace(deployment.kvtier, store_after=ADMIT_AFTER))
+    card = run_option(parts, admitting, costs, shared)
+    alone = run_option(lonely, admitting, costs, shared)
+    neutral = (min(_gain(every, card, "ttft_p50_s"), _gain(every, card, "ttft_p90_s")) > -NEUTRAL
+               and card["output_tokens_per_s"] >= (1 - NEUTRAL) * every["output_tokens_per_s"])
+    saves = max(_gain(zero[name], alone, "ttft_p90_s"),
+                alone["output_tokens_per_s"] / zero[name]["output_tokens_per_s"] - 1) >= NEUTRAL
+    return {"store_after": ADMIT_AFTER, "card": card, "zero_hit_cost": _zero_cost(alone, zero["none"]),
+            "recommended": _pays(every, card) or (neutral and saves)}
+
+
+def _zero_cost(option: Mapping[str, Any], none: Mapping[str, Any]) -> dict[str, float]:
+    """An option's TTFT and throughput with nothing reused, as ratios to no offloading's."""
+    return {"ttft_p50_ratio": option["ttft_p50_s"] / none["ttft_p50_s"],
+            "ttft_p90_ratio": option["ttft_p90_s"] / none["ttft_p90_s"],
+            "throughput_ratio": option["output_tokens_per_s"] / none["output_tokens_per_s"]}
 
 
 def size_grid(parts: list[Trace], local: Deployment, disk_tier: str, disk_bytes: int | None, costs: StepCosts
@@ -396,6 +427,8 @@ def _reasons(r: dict[str, Any]) -> list[str]:
                    f"x{z['throughput_ratio']:.3f} of none's")
     out.append(f"reuse that crosses engines: {r['crossing_share']:.1%} of reused blocks reach an engine that never "
                f"had them ({r['engines_used']} engine(s) serving, {r['facts']['routing']} routing)")
+    if r["admission"] is not None:
+        out.append(_admission_line(r))
     for tier, t in r["tiers"].items():
         even = t["break_even_tokens"]
         out.append(f"{tier}: delivers {_rate(t['bandwidth_bytes_per_s'])}; beating recompute at the median prompt "
@@ -410,6 +443,23 @@ def _reasons(r: dict[str, Any]) -> list[str]:
             f"{name} {_size(c)}" for name, c in s["shared_capacity_bytes"].items()) + ")"
     out.append(line)
     return out
+
+
+def _admission_line(r: dict[str, Any]) -> str:
+    a, every = r["admission"], r["options"][r["answer"]]
+    card, zero, every_zero = a["card"], a["zero_hit_cost"], r["zero_hit_cost"][r["answer"]]
+
+    def against(key: str) -> str:
+        gain = _gain(every, card, key)
+        return f"{abs(gain):.1%} {'lower' if gain >= 0 else 'higher'}"
+
+    return (f"{r['answer']} storing a prefix only once it comes again (admission.store_after {a['store_after']}): "
+            f"TTFT p50 {card['ttft_p50_s']:.3f} s ({against('ttft_p50_s')}), p90 {card['ttft_p90_s']:.3f} s "
+            f"({against('ttft_p90_s')} than storing every put), {card['output_tokens_per_s']:.1f} output tokens/s, "
+            f"prefix hits {card['hit_ratio']:.1%}; when nothing is reused TTFT p90 x{zero['ttft_p90_ratio']:.3f} and "
+            f"throughput x{zero['throughput_ratio']:.3f} of none's (storing every put: "
+            f"x{every_zero['ttft_p90_ratio']:.3f}, x{every_zero['throughput_ratio']:.3f}): "
+            + ("recommended" if a["recommended"] else "not recommended"))
 
 
 def _rate(bytes_per_s: float) -> str:
@@ -442,6 +492,8 @@ def _next(r: dict[str, Any]) -> list[str]:
 
 def _answer_line(r: dict[str, Any]) -> str:
     line = f"answer: {r['answer']}"
+    if r["admission"] is not None and r["admission"]["recommended"]:
+        line += f" with admission.store_after: {r['admission']['store_after']}"
     if r["answer"].startswith("shared:"):
         name = r["answer"].split(":", 1)[1]
         need, given = r["sizes"]["shared_bytes_for_reuse"], r["sizes"]["shared_capacity_bytes"].get(name)

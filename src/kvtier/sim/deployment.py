@@ -12,6 +12,7 @@ A YAML or JSON mapping; unknown keys, wrong types and bad values are a :class:`D
       dram_bytes: 2GiB
       policy: prefix_lru
       page_bytes: 1MiB              # the pool's page (a chunk takes whole pages)
+      store_after: 1                # admission.store_after: a block is stored at its Nth put (1-16)
       tiers:                        # in lookup order; each name must be a tier of the calibration
         - name: filesystem
           capacity_bytes: null      # null: unbounded
@@ -57,6 +58,7 @@ class KVTierSpec:
     policy: str = "prefix_lru"
     tiers: tuple[TierCapacity, ...] = ()
     page_bytes: int = 2**20
+    store_after: int = 1  # admission.store_after: a block is stored at its Nth put
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +79,8 @@ def load_deployment(source: str | Path | Mapping[str, Any]) -> Deployment:
     spec = engine_spec(engine, "engine")
     kv = None
     if top.get("kvtier") is not None:
-        section = _FIELDS.mapping(top["kvtier"], "kvtier", ("dram_bytes", "policy", "tiers", "page_bytes"))
+        section = _FIELDS.mapping(top["kvtier"], "kvtier", ("dram_bytes", "policy", "tiers", "page_bytes",
+                                                               "store_after"))
         policy = section.get("policy", "prefix_lru")
         if not isinstance(policy, str) or policy not in POLICIES.names():
             raise DeploymentError(f"kvtier.policy: unknown policy {policy!r}; known: {', '.join(POLICIES.names())}")
@@ -85,8 +88,9 @@ def load_deployment(source: str | Path | Mapping[str, Any]) -> Deployment:
         page = _FIELDS.size(section, "page_bytes", "kvtier", required=False) or 2**20
         if page < 4096:
             raise DeploymentError(f"kvtier.page_bytes: must be at least 4096, got {page}")
+        store_after = _FIELDS.int(section, "store_after", "kvtier", default=1, maximum=16)
         kv = KVTierSpec(_FIELDS.size(section, "dram_bytes", "kvtier", required=True), policy,
-                        specs, page)
+                        specs, page, store_after)
     scale = _FIELDS.number(top, "time_scale", "deployment", default=1.0, positive=True)
     return Deployment(spec, kv, scale)
 

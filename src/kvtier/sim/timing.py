@@ -14,7 +14,9 @@ A step-by-step copy of what matters in vLLM v1's scheduler, in blocks of the tra
   engine's own hit that DRAM or a tier holds (in that order), in the step it is scheduled: serially, as on
   CPU; when its prefill completes its whole blocks are put in DRAM (a copy in that step) and cascaded to every
   tier in the background (the tiers' caches see them at once; on a GPU that takes no step time, but an engine
-  computing on the CPU loses the writes' time, as they run on its cores: the next step takes it). A block read
+  computing on the CPU loses the writes' time, as they run on its cores: the next step takes it). With
+  ``store_after`` N (kvtier's ``admission.store_after``) a put stores only its leading blocks seen in N puts,
+  this one included (kvtier's own :class:`~kvtier.store.admission.Admission`, at its default memory). A block read
   from a tier is promoted into DRAM. Neither the engine nor kvtier hits a prompt's last token.
 
 A step lasts ``a + sum(b*n + c*n*(n + 2*m))`` over its prefill chunks (``n`` tokens after ``m`` computed ones)
@@ -31,9 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.config import AdmissionConfig
 from kvtier.sim.cache import BlockCache
 from kvtier.sim.deployment import Deployment
 from kvtier.sim.trace import Trace
+from kvtier.store.admission import Admission
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +190,8 @@ class _Replay:
         self.pool = _Pool(-(-max(0, engine.kv_tokens - engine.block_size) // bt), engine.prefix_caching)
         self.chunk_bytes = costs.kv_bytes_per_token * bt
         self.dram, self.tiers = _caches(deployment, costs, self.chunk_bytes)
+        # kvtier's own admission, over block ids in place of chunk keys
+        self.admission = Admission(AdmissionConfig(deployment.kvtier.store_after if deployment.kvtier else 1))
         # A request whose prompt and output the whole KV space cannot hold is refused, as vLLM refuses a prompt
         # beyond max_model_len; it is counted, not timed.
         fits = [(i, r) for i, r in enumerate(trace.requests)
@@ -374,8 +380,10 @@ class _Replay:
         for r in finished_prefill:
             if r.generated != 0:
                 continue
-            # The worker stores from the first chunk DRAM does not hold (its leading run untouched).
-            new = self.dram.put(r.blocks, start=self.dram.run(r.blocks))
+            # The worker stores from the first chunk DRAM does not hold (its leading run untouched), as far as
+            # admission lets it.
+            start = self.dram.run(r.blocks)
+            new = self.dram.put(r.blocks[:start + self.admission.admit(r.blocks[start:])], start=start)
             self.stored_bytes["dram"] = self.stored_bytes.get("dram", 0) + len(new) * chunk_bytes
             step += len(new) * chunk_bytes / costs.dram_store_bytes_per_s
             for name, cache in self.tiers:

@@ -101,7 +101,7 @@ def engine_config(deployment: Deployment, trace: Trace, kv_dir: Path, metrics_po
                       "capacity_bytes": tier.capacity_bytes, "queue_depth": 4096})
     return {"chunk_tokens": trace.block_tokens, "metrics_port": metrics_port,
             "dram": {"capacity_bytes": kv.dram_bytes, "eviction": kv.policy, "page_bytes": kv.page_bytes},
-            "tiers": tiers}
+            "admission": {"store_after": kv.store_after}, "tiers": tiers}
 
 
 def _counter(port: int, name: str) -> float:

@@ -7,10 +7,9 @@ stores a chunk sooner than asked."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from kvtier.config import AdmissionConfig
-from kvtier.keys import ShardKey
 from kvtier.recent import RecentMap
 
 
@@ -22,10 +21,11 @@ class Admission:
         self._seen: RecentMap[int, int] = RecentMap(config.remember_chunks)
         self._lock = threading.Lock()
 
-    def admit(self, keys: Sequence[ShardKey]) -> int:
-        """Count one sighting of each of ``keys`` (a put's chunks, in prompt order); the leading number of them
-        seen at least ``store_after`` times, this one included (a chunk after one not admitted could never be
-        reached by a prefix lookup, so it is not stored either, but its sighting is counted)."""
+    def admit(self, keys: Sequence[Hashable]) -> int:
+        """Count one sighting of each of ``keys`` (a put's chunks in prompt order: the store's shard keys, the
+        simulator's block ids); the leading number of them seen at least ``store_after`` times, this one included
+        (a chunk after one not admitted could never be reached by a prefix lookup, so it is not stored either, but
+        its sighting is counted)."""
         if self.store_after <= 1:
             return len(keys)
         admitted = None
