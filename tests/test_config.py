@@ -58,6 +58,7 @@ def test_defaults_and_sizes() -> None:
     ({"tiers": [{"type": "no.such.module:Tier", "path": "/x"}]}, r"tiers\[0\].type: cannot load tier type plugin"),
     ({"dram": {"eviction": "mru"}}, r"dram.eviction: unknown eviction policy 'mru'; known: lru, prefix_lru"),
     ({"metrics_port": "9000"}, r"metrics_port: expected int or null"),
+    ({"dram": {"start_headroom_bytes": -1}}, r"dram.start_headroom_bytes: must not be negative, got -1"),
 ])
 def test_bad_config_names_field_and_allowed_values(cfg: dict, message: str, tmp_path: Path) -> None:
     for tier in cfg.get("tiers", []) if isinstance(cfg.get("tiers"), list) else []:

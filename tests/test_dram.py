@@ -289,3 +289,24 @@ def test_an_entry_is_served_only_under_its_owner_and_before_its_expiry() -> None
     pool.release(got)
     assert pool.discard_owned({b"k2"}) == 1 and len(pool) == 0
     assert pool.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
+
+
+def test_the_start_touches_headroom_after_the_pool_within_what_is_available(monkeypatch) -> None:
+    import kvtier.dram as dram
+
+    mib = 2**20
+    monkeypatch.setattr(dram, "available_memory", lambda: 300 * mib)
+    assert dram.warm_headroom(2**30) == 300 * mib - dram.HEADROOM_SPARE  # never near the OOM killer
+    monkeypatch.setattr(dram, "available_memory", lambda: 100 * mib)
+    assert dram.warm_headroom(2**30) == 0
+    monkeypatch.setattr(dram, "available_memory", lambda: None)  # not known: as asked
+    assert dram.warm_headroom(8 * mib) == 8 * mib
+    touched: list[int] = []
+    monkeypatch.setattr(dram, "warm_headroom", touched.append)
+    pool = DramPool(16 * PAGE, PAGE, LRUPolicy(), headroom_bytes=2**30, allocate=False)
+    assert touched == []  # nothing before the pool is allocated
+    pool.allocate()
+    pool.allocate()  # idempotent: the headroom is touched once
+    assert touched == [16 * PAGE]  # at most the pool's size
+    DramPool(16 * PAGE, PAGE, LRUPolicy())
+    assert touched == [16 * PAGE, 0]

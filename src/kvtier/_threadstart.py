@@ -29,6 +29,11 @@ def run_on(cpus: frozenset[int] | None) -> None:
     _cpus = cpus
 
 
+def placed_on() -> frozenset[int] | None:
+    """The CPUs :func:`run_on` set for kvtier's threads (None: not placed)."""
+    return _cpus
+
+
 def entered(name: str) -> None:
     """First thing on every kvtier thread: its name in the OS, and its CPUs (:func:`run_on`). Never raises: a
     thread that cannot move runs where it was started (logged once)."""

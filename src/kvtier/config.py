@@ -63,6 +63,10 @@ class DramConfig:
         "help": "allocation unit inside the pool (at least 4096)"})
     pin_memory: bool | None = dataclasses.field(default=None, metadata={
         "help": "pin the pool's pages for faster copies to the GPU; null: pin when CUDA is available"})
+    start_headroom_bytes: int = dataclasses.field(default=2**30, metadata={
+        "help": "memory touched and given back at start, after the pool (at most the pool's size, and never what "
+                "the pool leaves available less 256 MiB): the pool takes memory the OS had ready, and where memory "
+                "is backed lazily (a VM) the engine's first requests would wait on fresh pages instead; 0: none"})
 
     def check(self, field: str) -> None:
         if self.page_bytes < 4096:

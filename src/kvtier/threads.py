@@ -25,10 +25,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvtier import tracing
-from kvtier._threadstart import call, cpu_list, entered, run_on, start
+from kvtier._threadstart import call, cpu_list, entered, placed_on, run_on, start
 
-__all__ = ["IDLE_WAIT_SECONDS", "DaemonPool", "call", "cpu_list", "entered", "run_on", "spare_cpus", "start",
-           "topology"]
+__all__ = ["IDLE_WAIT_SECONDS", "DaemonPool", "call", "cpu_list", "entered", "placed_on", "run_on", "spare_cpus",
+           "start", "topology"]
 
 
 def spare_cpus(environ: Mapping[str, str], allowed: set[int], current: set[int], *,

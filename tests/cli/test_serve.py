@@ -84,22 +84,44 @@ def test_a_redis_password_stays_out_of_argv_and_output(tmp_path: Path, model: Pa
     assert "s3cret-pw" not in out and store["tiers"] == [{"type": "redis", "url": "redis://:***@127.0.0.1:6390/0"}]
 
     started: list[list[str]] = []
+    environments: list[dict[str, str]] = []
 
-    def execv(path: str, args: list[str]) -> None:  # vLLM would start here
+    def execve(path: str, args: list[str], env: dict[str, str]) -> None:  # vLLM would start here
         started.append(args)
+        environments.append(env)
         raise SystemExit(0)
 
-    monkeypatch.setattr(serve_module.os, "execv", execv)
+    monkeypatch.setattr(serve_module.os, "execve", execve)
+    monkeypatch.setenv("KVTIER_SERVE_TEST", "kept")
+    monkeypatch.delenv(serve_module.RESERVED, raising=False)
     with pytest.raises(SystemExit):
         main(["serve", str(model), "--redis", url, "--dram", "64MiB", "--work-dir", str(tmp_path / "w")])
     written = tmp_path / "w" / "serve-8000.yaml"
     assert [a for a in started[0] if "s3cret" in a] == [] and started[0] == argv
+    # vLLM gets this process's environment, and its core reservation as without a connector
+    assert environments[0]["KVTIER_SERVE_TEST"] == "kept" and environments[0][serve_module.RESERVED] == "1"
     assert stat.S_IMODE(written.stat().st_mode) == 0o600 and stat.S_IMODE((tmp_path / "w").stat().st_mode) == 0o700
     assert yaml.safe_load(written.read_text())["tiers"] == [{"type": "redis", "url": url}]
     assert "s3cret-pw" not in capsys.readouterr().out
 
 
+def test_vllm_reserves_the_cores_it_reserves_without_a_connector(tmp_path: Path, model: Path, capsys,
+                                                                 monkeypatch) -> None:
+    monkeypatch.delenv(serve_module.RESERVED, raising=False)
+    _, _, out = dry_run(capsys, str(model), "--work-dir", str(tmp_path / "w"))
+    assert "cores:          VLLM_CPU_NUM_OF_RESERVED_CPU=1:" in out
+    for tp in (["-tp", "2"], ["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"]):
+        assert "VLLM_CPU_NUM_OF_RESERVED_CPU=2:" in dry_run(capsys, str(model), "--work-dir", str(tmp_path), *tp)[2]
+    assert serve_module.reserved_cores(4, {}, "x86_64") == {serve_module.RESERVED: "4"}
+    assert serve_module.reserved_cores(4, {}, "aarch64") == {serve_module.RESERVED: "4"}
+    assert serve_module.reserved_cores(4, {}, "ppc64le") == {serve_module.RESERVED: "1"}  # vLLM's rule there
+    monkeypatch.setenv(serve_module.RESERVED, "0")  # the user's choice stands
+    assert "cores:" not in dry_run(capsys, str(model), "--work-dir", str(tmp_path / "w"))[2]
+    assert serve_module.reserved_cores(1, {serve_module.RESERVED: "0"}) == {}
+
+
 @pytest.mark.parametrize(("args", "message"), [
+    (["--tensor-parallel-size", "two"], "--tensor-parallel-size: a whole number in [1, 4096], got 'two'"),
     (["--dram", "lots"], "--dram: expected a byte size (int, or a number with one of b, kb"),
     (["--dram", "1KiB"], "--dram: dram.capacity_bytes: must be at least page_bytes"),
     (["--dram", "1000TiB"], "--dram: 1000 TiB is more than the memory available now"),

@@ -194,6 +194,40 @@ def _restart(job: dict) -> dict[str, object]:
     return {"pairs": {label: measured["disk hit"]}, label: measured["disk hit"]["kvtier"], "stats": store.stats()}
 
 
+def _noreuse(job: dict, phase: str) -> dict[str, object]:
+    """Every prompt unique, in a fresh engine: vLLM alone (``noreuse_plain``), with kvtier (``noreuse_kvtier``) or
+    with kvtier storing a prefix only once it comes again (``noreuse_admission``, ``admission.store_after`` 2).
+    The engine's start, the first prompt's TTFT (nothing warmed before it), then the throughput of the other
+    prompts; with ``noreuse_repeats`` in the job, one of them asked twice more (vLLM's prefix cache emptied before
+    each): what its first and second repeat cost."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if phase == "noreuse_admission":
+        job = dict(job, store=dict(job["store"], admission={"store_after": 2}))
+    start = time.perf_counter()
+    llm = engine(job, phase != "noreuse_plain", job["small_blocks"])
+    out: dict[str, object] = {"start_s": time.perf_counter() - start, "first_ttft_s": ttft(llm, job["unique"][0])}
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["unique"][1:]]  # type: ignore[typeddict-item]  # vLLM's NotRequired (3.11)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=job["noreuse_output"], temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(p["prompt_token_ids"]) for p in prompts) + sum(len(o.outputs[0].token_ids) for o in outs)
+    out["throughput"] = tokens / seconds
+    log(f"{phase}: started in {out['start_s']:.1f} s, first TTFT {out['first_ttft_s']:.3f} s; {tokens} tokens in "
+        f"{seconds:.2f} s: {tokens / seconds:.0f} tokens/s")
+    if job.get("noreuse_repeats"):
+        repeats = []
+        for _ in range(2):
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM did not empty its prefix cache")
+            repeats.append(generate_one(llm, job["unique"][1])[0])
+        out["repeat_ttft_s"] = repeats
+        log(f"{phase}: a prompt asked again: TTFT {repeats[0]:.3f} s, a third time {repeats[1]:.3f} s")
+    return out
+
+
 def main() -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vLLM is imported: an in-process engine
     job = json.loads(Path(sys.argv[1]).read_text())
@@ -227,21 +261,8 @@ def main() -> int:
         result["sealed"] = encrypted
     elif phase == "restart":  # a new process: every document's first hit comes from what the last one stored
         result.update(_restart(job))
-    elif phase in ("noreuse_plain", "noreuse_kvtier"):  # every prompt unique: the connector's overhead
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        llm = engine(job, phase == "noreuse_kvtier", job["small_blocks"])
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["unique"]]  # type: ignore[typeddict-item]  # vLLM's NotRequired (3.11)
-        llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up, not counted
-        start = time.perf_counter()
-        outs = llm.generate(prompts[1:], SamplingParams(max_tokens=job["noreuse_output"], temperature=0.0,
-                                                        ignore_eos=True), use_tqdm=False)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(p["prompt_token_ids"]) for p in prompts[1:]) + sum(len(o.outputs[0].token_ids)
-                                                                           for o in outs)
-        result["throughput"] = tokens / seconds
-        log(f"{phase}: {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.0f} tokens/s")
+    elif phase in ("noreuse_plain", "noreuse_kvtier", "noreuse_admission"):  # every prompt unique: the cost
+        result.update(_noreuse(job, phase))
     else:
         raise ValueError(f"unknown phase {phase!r}")
     out_path.write_text(json.dumps(result))

@@ -143,8 +143,12 @@ def _peers(d: Mapping[str, Any]) -> Table:
 
 
 def _noreuse(d: Mapping[str, Any]) -> Table:
-    return _table(["Measure", "ratio (median)", "spread"],
-                  [["kvtier / plain vLLM throughput, no reuse", ratio(d.get("median")), spread(d.get("ratios", []))]])
+    """bench_noreuse.py's rows (each a list of per-round ratios to vLLM alone), or the throughput ratios alone of
+    files written before it had rows."""
+    rows = d.get("rows") or {"throughput, kvtier": d.get("ratios", [])}
+    return _table(["Measure, no reuse (/ vLLM alone)", "ratio (median)", "spread"],
+                  [[name, ratio(statistics.median(values) if values else None), spread(values)]
+                   for name, values in rows.items()])
 
 
 def _router(d: Mapping[str, Any]) -> Table:

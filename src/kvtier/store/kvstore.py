@@ -83,7 +83,8 @@ class KVStore:
             Tenancy.check_quotas(config, self.tiers)
             policy = POLICIES.resolve(config.dram.eviction, "dram.eviction")()
             self.dram = DramPool(config.dram.capacity_bytes, config.dram.page_bytes, policy,
-                                 pin_memory=config.dram.pin_memory, on_evict=self._evicted, allocate=allocate_dram)
+                                 pin_memory=config.dram.pin_memory, on_evict=self._evicted, allocate=allocate_dram,
+                                 headroom_bytes=config.dram.start_headroom_bytes)
         except BaseException:
             for tier in self.tiers:
                 tier.close()

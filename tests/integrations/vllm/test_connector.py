@@ -297,6 +297,60 @@ def test_a_prompt_asked_again_exactly_loads_into_its_last_chunk(engines: Engines
     assert torch.equal(mini.read(behind.blocks[6:7], 128), reference_kv(tokens)[:, :, :, 768:896])
 
 
+def test_copies_split_over_spare_cores_save_and_load_exactly(engines: Engines, monkeypatch) -> None:
+    """With a core to spare, a save's and a load's copies are cut by layers between the engine's thread and a
+    helper thread: what is loaded is still exactly what was computed."""
+    import threading
+
+    import kvtier.integrations.vllm._worker as worker_module
+    from kvtier.integrations import layouts
+
+    monkeypatch.setattr(worker_module, "spare_cores", lambda: 1)
+    threads_used: set[str] = set()
+    for name in ("scatter_chunks", "gather_chunks"):
+        real = getattr(layouts, name)
+
+        def spy(*args, real=real, **kwargs):  # type: ignore[no-untyped-def]
+            threads_used.add(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(worker_module, name, spy)
+    mini = engines()
+    assert mini.workers[0]._worker._copies.helpers == 1
+    tokens = prompt(61, 1024)
+    mini.prefill(request("first", tokens))
+    step = mini.prefill(request("again", tokens))
+    assert step.hit == 896 and not step.load_errors
+    assert torch.equal(mini.read(step.blocks, 1024), reference_kv(tokens))
+    assert any(name.startswith("kvtier-copy") for name in threads_used) and len(threads_used) == 2
+
+
+def test_a_failed_part_of_a_split_copy_is_raised_once_every_part_has_ended() -> None:
+    import threading
+
+    from kvtier.integrations.vllm._copies import LayerCopies
+
+    copies = LayerCopies(2)
+    done: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def copy(s: slice) -> None:
+        if s.start == 0:
+            raise RuntimeError("the engine's part failed")
+        time.sleep(0.05)  # a helper's part still copying when the engine's fails
+        with lock:
+            done.append((s.start, s.stop))
+
+    with pytest.raises(RuntimeError, match="the engine's part failed"):
+        copies.run(copy, 9)
+    assert sorted(done) == [(3, 6), (6, 9)]  # both helpers' parts had ended before the failure was raised
+    parts: list[tuple[int, int]] = []
+    copies.run(lambda s: parts.append((s.start, s.stop)), 2)  # fewer layers than threads: one part each
+    assert sorted(parts) == [(0, 1), (1, 2)]
+    LayerCopies(0).run(lambda s: parts.append((s.start, s.stop)), 30)
+    assert parts[-1] == (0, 30)
+
+
 @pytest.mark.parametrize(("chunk", "tails", "hit"), [(256, False, 512), (256, True, 640), (128, False, 640)])
 def test_a_prompt_asked_again_hits_as_far_as_the_engine(engines: Engines, model_dir: Any, chunk: int, tails: bool,
                                                         hit: int) -> None:

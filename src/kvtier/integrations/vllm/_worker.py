@@ -22,6 +22,7 @@ import torch
 
 from kvtier import tracing
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm._copies import LayerCopies, spare_cores
 from kvtier.integrations.layouts import Layout, gather_chunks, kv_shape, scatter_chunks
 from kvtier.integrations.vllm._dram_index import DramReport
 from kvtier.integrations.vllm._shared import ConnectorMetrics
@@ -53,6 +54,7 @@ class WorkerSide:
         self._failed: set[int] = set()  # this step's failed blocks: saves over them would store wrong KV
         self._report: DramReport | None = None  # from registration on: a worker role exists in this process
         self._background = DaemonPool("kvtier-load", LOAD_THREADS)
+        self._copies = LayerCopies(0)  # split over the spare cores once the caches are known (register)
         # request -> (its blocks, its load's outcome: the blocks it failed), until reported finished
         self._async: dict[str, tuple[set[int], Future[set[int]]]] = {}
         self._step = 0  # the last metadata's step whose loads ran here
@@ -73,6 +75,9 @@ class WorkerSide:
             raise ValueError(f"KVTierConnector: unsupported KV cache layout {tuple(first.shape)}; supported: "
                              "[blocks, kv_heads, block_size, 2*head_dim] (CPU) and "
                              "[2, blocks, block_size, kv_heads, head_dim] (flash attention)")
+        self._copies = LayerCopies(spare_cores() if first.device.type == "cpu" else 0)
+        if self._copies.helpers:
+            log.info("kvtier: loads and saves copy on %d more thread(s) beside the engine's", self._copies.helpers)
         # Checked once here: a mismatch would otherwise fail every save and load, each contained and counted.
         rank, size = tp()
         if size > 1:  # each rank's process serves its own metrics
@@ -183,7 +188,9 @@ class WorkerSide:
             start = from_chunk + first * t  # the first token of these chunks
             skip = max(load.offset - start, 0)  # computed by the engine already (its own prefix-cache hit)
             end = min(start + kv.shape[0] * t, stop)
-            scatter_chunks(kv, self._caches, load.block_ids[(start + skip) // bs:end // bs], self._layout, skip)
+            ids = load.block_ids[(start + skip) // bs:end // bs]
+            self._copies.run(lambda s: scatter_chunks(kv[:, s], self._caches[s], ids, self._layout, skip),
+                             len(self._caches))
 
         _, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
         loaded = from_chunk + self._store.load(
@@ -240,7 +247,9 @@ class WorkerSide:
         blocks = save.block_ids[start // self._bs:]
 
         def source(first: int, dst: torch.Tensor) -> None:  # straight from the paged blocks into DRAM pages
-            gather_chunks(self._caches, blocks[first * per:(first + dst.shape[0]) * per], self._layout, dst)
+            ids = blocks[first * per:(first + dst.shape[0]) * per]
+            self._copies.run(lambda s: gather_chunks(self._caches[s], ids, self._layout, dst[:, s]),
+                             len(self._caches))
 
         layers, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
         stored_to = self._store.put_from(save.namespace, save.tokens, source, layers=layers, head_dim=head_dim,

@@ -1,0 +1,68 @@
+"""Copies between the engine's blocks and kvtier's DRAM, cut by layers over the cores the model is not computing
+on.
+
+On CPU, vLLM computes on the cores it binds (one of two here: the other is left to its scheduler and to kvtier),
+and while a step's load runs in ``start_load_kv``, or its save in ``wait_for_save``, the model waits on it. A
+load's copy into the paged blocks is one strided copy per layer and run of blocks (:mod:`~kvtier.integrations.
+layouts`), and torch releases the GIL while it copies: so the layers are split between the engine's thread and
+helper threads on the spare cores, each copying its own layers, all at once. On a GPU the copies are the
+device's (no split).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+
+from kvtier import threads
+
+MAX_HELPERS = 3  # beyond this a host's memory bandwidth, not its cores, bounds a copy
+
+
+def spare_cores() -> int:
+    """Cores the engine's computation leaves to kvtier: those kvtier's threads were placed on (vLLM's API-server
+    worker, :func:`kvtier.threads.spare_cpus`), else this thread's CPUs less torch's threads (an in-process engine:
+    none where it computes on every core, whose copies torch already spreads over its threads)."""
+    placed = threads.placed_on()
+    if placed is not None:
+        return len(placed)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux: no spare core known
+        return 0
+    return max(0, cpus - torch.get_num_threads())
+
+
+class LayerCopies:
+    """Runs a copy over ``layers`` layers on the calling thread and ``helpers`` helper threads at once, each on a
+    contiguous range of them."""
+
+    def __init__(self, helpers: int) -> None:
+        self.helpers = max(0, min(helpers, MAX_HELPERS))
+        self._pool = threads.DaemonPool("kvtier-copy", self.helpers) if self.helpers else None
+
+    def run(self, copy: Callable[[slice], None], layers: int) -> None:
+        """``copy(layer_slice)`` for slices covering ``range(layers)``; returns when every one has ended, and
+        raises the first failure only then (no helper still writes into the blocks once a failed copy is
+        reported and the engine recomputes them)."""
+        parts = min(self.helpers + 1, layers)
+        if self._pool is None or parts <= 1:
+            copy(slice(0, layers))
+            return
+        bounds = [layers * i // parts for i in range(parts + 1)]
+        slices = [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
+        futures: list[Future[None]] = [self._pool.submit(lambda s=s: copy(s)) for s in slices[1:]]
+        errors: list[BaseException] = []
+        try:
+            copy(slices[0])
+        except BaseException as exc:  # noqa: BLE001 raised once the helpers' copies have ended
+            errors.append(exc)
+        for future in futures:
+            exc = future.exception()  # waits
+            if exc is not None:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
