@@ -8,8 +8,8 @@ reservation for a KV connector (``VLLM_CPU_NUM_OF_RESERVED_CPU`` unset: on 2 cor
 computes on both). Once a server answers /health, ``--prompts`` unique prompts of ``--tokens`` tokens are sent at
 once (the same ones to every server: each starts empty; one output token each: TTFT is the reply's time), then as
 many again: the first wave is the first prompts after start, the second the same load once the server has served
-some. Each round runs every variant once, the order rotated; the figures are medians over the rounds of each wave's mean TTFT as a ratio to vLLM alone's in the
-same round, with their spread. Usage:
+some. Each round runs every variant once, the order rotated; the figures are medians over the rounds of each
+wave's mean TTFT as a ratio to vLLM alone's in the same round, with their spread. Usage:
 
     python benchmarks/bench_first_prompts.py [--rounds 3] [--prompts 4] [--tokens 2048] [--json PATH]
 """

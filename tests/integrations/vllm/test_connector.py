@@ -344,6 +344,11 @@ def test_a_failed_part_of_a_split_copy_is_raised_once_every_part_has_ended() -> 
     with pytest.raises(RuntimeError, match="the engine's part failed"):
         copies.run(copy, 9)
     assert sorted(done) == [(3, 6), (6, 9)]  # both helpers' parts had ended before the failure was raised
+    # vLLM runs its steps in torch's inference mode (per thread), where its caches are made: the helpers copy in it
+    with torch.inference_mode():
+        caches = torch.zeros(4, 8)
+        copies.run(lambda s: caches[s].copy_(torch.ones(s.stop - s.start, 8)), 4)
+    assert torch.equal(caches, torch.ones(4, 8))
     parts: list[tuple[int, int]] = []
     copies.run(lambda s: parts.append((s.start, s.stop)), 2)  # fewer layers than threads: one part each
     assert sorted(parts) == [(0, 1), (1, 2)]

@@ -54,7 +54,14 @@ class LayerCopies:
             return
         bounds = [layers * i // parts for i in range(parts + 1)]
         slices = [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
-        futures: list[Future[None]] = [self._pool.submit(lambda s=s: copy(s)) for s in slices[1:]]
+        # torch's inference mode is per thread: vLLM's caches are inference tensors, written in place only within it
+        inference = torch.is_inference_mode_enabled()
+
+        def part(s: slice) -> None:
+            with torch.inference_mode(inference):
+                copy(s)
+
+        futures: list[Future[None]] = [self._pool.submit(lambda s=s: part(s)) for s in slices[1:]]
         errors: list[BaseException] = []
         try:
             copy(slices[0])
