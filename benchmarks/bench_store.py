@@ -2,7 +2,9 @@
 
     python benchmarks/bench_store.py [--quick] [--json PATH] [--dir DIR]
 
-1. DRAM tier put/get bandwidth vs a plain torch copy of the same bytes (target >= 0.90).
+1. DRAM tier put/get bandwidth vs a plain torch copy of the same bytes (target >= 0.90); and a load from DRAM
+   into vLLM's CPU paged blocks as the connector's worker does it, on one thread and split by layers over two
+   (kvtier.integrations.copies), vs a plain one-thread copy of the same bytes (the engine computes on one core).
 2. Filesystem tier write and page-cache read vs raw file I/O of the same bytes in the same directory
    (target >= 0.70). The tier's numbers include the checksum and header, written and verified.
 3. Caller-side put latency (p50/p99) of one-chunk puts every 5 ms, with a secondary tier taking 200 ms per
@@ -100,6 +102,52 @@ def bench_dram(shape: str, chunks: int, repeats: int) -> list[dict]:
                      "gbps": nbytes / secs / 1e9, "baseline_gbps": nbytes / copy_s / 1e9,
                      "ratio": copy_s / secs, "target": 0.90})
     return rows
+
+
+def bench_engine_load(shape: str, chunks: int, repeats: int) -> list[dict]:
+    """A load of ``chunks`` chunks from DRAM into vLLM's CPU layout ([blocks, kv_heads, 128, 2 * head_dim] per
+    layer, the blocks in one run), through :meth:`KVStore.load` and the layout's strided copies, on the calling
+    thread alone and split by layers with one helper thread; against one thread's plain copy of the same bytes.
+    Checked exact."""
+    from kvtier.integrations.copies import LayerCopies
+    from kvtier.integrations.layouts import gather_chunks, scatter_chunks
+
+    layers, heads, dim = SHAPES[shape]
+    block = 128
+    blocks = chunks * CHUNK // block
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        caches = [torch.randn(2 * blocks, heads, block, 2 * dim).to(torch.bfloat16) for _ in range(layers)]
+        src, dst = list(range(blocks)), list(range(blocks, 2 * blocks))
+        tokens = list(range(chunks * CHUNK))
+        ns = Namespace(model="bench-load", dtype="bfloat16")
+        nbytes = layers * 2 * heads * dim * 2 * len(tokens)
+        plain_src = torch.empty(nbytes, dtype=torch.uint8)
+        plain_dst = torch.empty_like(plain_src)
+        rows = []
+        with KVStore.from_config({"chunk_tokens": CHUNK, "dram": {"capacity_bytes": 2 * nbytes + 2**24}}) as store:
+            store.put_from(ns, tokens, lambda first, out: gather_chunks(
+                caches, src[first * 2:(first + out.shape[0]) * 2], "cpu", out), layers=layers, head_dim=dim,
+                dtype=torch.bfloat16, kv_heads=heads)
+            for helpers, op in ((0, "load into vLLM's CPU blocks, 1 thread"),
+                                (1, "load into vLLM's CPU blocks, split over 2 threads")):
+                copies = LayerCopies(helpers)
+
+                def sink(first: int, kv: torch.Tensor, copies: LayerCopies = copies) -> None:
+                    ids = dst[first * CHUNK // block:(first + kv.shape[0]) * CHUNK // block]
+                    copies.run(lambda s: scatter_chunks(kv[:, s], caches[s], ids, "cpu"), layers)
+
+                def load(sink: Callable[[int, torch.Tensor], None] = sink) -> None:
+                    store.load(ns, tokens, sink, layers=layers, head_dim=dim, dtype=torch.bfloat16, kv_heads=heads)
+
+                copy_s, load_s = paired(repeats, lambda: plain_dst.copy_(plain_src), load)
+                assert all(torch.equal(c[dst], c[src]) for c in caches), "the load is not what was stored"
+                rows.append({"bench": "dram", "shape": shape, "op": op, "bytes": nbytes, "gbps": nbytes / load_s / 1e9,
+                             "baseline_gbps": nbytes / copy_s / 1e9, "ratio": copy_s / load_s, "target": 0.90})
+        return rows
+    finally:
+        torch.set_num_threads(threads)
 
 
 def bench_filesystem(shape: str, files: int, repeats: int, root: Path) -> list[dict]:
@@ -255,6 +303,8 @@ def main() -> int:
         for shape, chunks, files in (("SmolLM2-135M", 16, 16), ("70B-class", 4, 4)):
             log(f"DRAM tier, {shape}, {chunks} chunks")
             rows += bench_dram(shape, chunks, repeats)
+            log(f"DRAM load into vLLM's CPU blocks, {shape}, {chunks} chunks")
+            rows += bench_engine_load(shape, chunks, repeats)
             log(f"filesystem tier, {shape}, {files} files")
             rows += bench_filesystem(shape, files, repeats, root)
         log("put latency with a 200 ms secondary tier")

@@ -325,37 +325,6 @@ def test_copies_split_over_spare_cores_save_and_load_exactly(engines: Engines, m
     assert any(name.startswith("kvtier-copy") for name in threads_used) and len(threads_used) == 2
 
 
-def test_a_failed_part_of_a_split_copy_is_raised_once_every_part_has_ended() -> None:
-    import threading
-
-    from kvtier.integrations.vllm._copies import LayerCopies
-
-    copies = LayerCopies(2)
-    done: list[tuple[int, int]] = []
-    lock = threading.Lock()
-
-    def copy(s: slice) -> None:
-        if s.start == 0:
-            raise RuntimeError("the engine's part failed")
-        time.sleep(0.05)  # a helper's part still copying when the engine's fails
-        with lock:
-            done.append((s.start, s.stop))
-
-    with pytest.raises(RuntimeError, match="the engine's part failed"):
-        copies.run(copy, 9)
-    assert sorted(done) == [(3, 6), (6, 9)]  # both helpers' parts had ended before the failure was raised
-    # vLLM runs its steps in torch's inference mode (per thread), where its caches are made: the helpers copy in it
-    with torch.inference_mode():
-        caches = torch.zeros(4, 8)
-        copies.run(lambda s: caches[s].copy_(torch.ones(s.stop - s.start, 8)), 4)
-    assert torch.equal(caches, torch.ones(4, 8))
-    parts: list[tuple[int, int]] = []
-    copies.run(lambda s: parts.append((s.start, s.stop)), 2)  # fewer layers than threads: one part each
-    assert sorted(parts) == [(0, 1), (1, 2)]
-    LayerCopies(0).run(lambda s: parts.append((s.start, s.stop)), 30)
-    assert parts[-1] == (0, 30)
-
-
 @pytest.mark.parametrize(("chunk", "tails", "hit"), [(256, False, 512), (256, True, 640), (128, False, 640)])
 def test_a_prompt_asked_again_hits_as_far_as_the_engine(engines: Engines, model_dir: Any, chunk: int, tails: bool,
                                                         hit: int) -> None:

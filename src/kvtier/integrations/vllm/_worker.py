@@ -22,7 +22,7 @@ import torch
 
 from kvtier import tracing
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm._copies import LayerCopies, spare_cores
+from kvtier.integrations.copies import LayerCopies, spare_cores
 from kvtier.integrations.layouts import Layout, gather_chunks, kv_shape, scatter_chunks
 from kvtier.integrations.vllm._dram_index import DramReport
 from kvtier.integrations.vllm._shared import ConnectorMetrics

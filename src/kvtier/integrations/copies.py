@@ -1,16 +1,18 @@
-"""Copies between the engine's blocks and kvtier's DRAM, cut by layers over the cores the model is not computing
-on.
+"""Copies between an engine's blocks and kvtier's DRAM, cut by layers over the cores the model is not computing
+on (the vLLM connector's worker uses it).
 
 On CPU, vLLM computes on the cores it binds (one of two here: the other is left to its scheduler and to kvtier),
 and while a step's load runs in ``start_load_kv``, or its save in ``wait_for_save``, the model waits on it. A
-load's copy into the paged blocks is one strided copy per layer and run of blocks (:mod:`~kvtier.integrations.
-layouts`), and torch releases the GIL while it copies: so the layers are split between the engine's thread and
-helper threads on the spare cores, each copying its own layers, all at once. On a GPU the copies are the
-device's (no split).
+load's copy into the paged blocks is one strided copy per layer and run of blocks (see
+:mod:`kvtier.integrations.layouts`), and torch releases the GIL while it copies: so the layers are split between
+the engine's thread and helper threads on the spare cores, each copying its own layers, all at once (a 4K-token
+load of SmolLM2 from DRAM: 20.0 ms on one thread, 10.9 ms on two; a plain copy of the same 94 MB, 14.2 ms). On a
+GPU the copies are the device's (no split).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -61,15 +63,15 @@ class LayerCopies:
             with torch.inference_mode(inference):
                 copy(s)
 
-        futures: list[Future[None]] = [self._pool.submit(lambda s=s: part(s)) for s in slices[1:]]
+        futures: list[Future[None]] = [self._pool.submit(functools.partial(part, s)) for s in slices[1:]]
         errors: list[BaseException] = []
         try:
             copy(slices[0])
         except BaseException as exc:  # noqa: BLE001 raised once the helpers' copies have ended
             errors.append(exc)
         for future in futures:
-            exc = future.exception()  # waits
-            if exc is not None:
-                errors.append(exc)
+            failure = future.exception()  # waits
+            if failure is not None:
+                errors.append(failure)
         if errors:
             raise errors[0]
