@@ -53,7 +53,8 @@ def command(variant: str, model: Path, port: int, tokens: int, work: Path) -> tu
                               dry_run=False)
     plan = serve.make_plan(args, vllm)
     write_private(plan.store_file, yaml.safe_dump(plan.store, sort_keys=False))
-    return plan.argv, env if variant.endswith("reservation") else {**env, **plan.env}
+    # kvtier serve's reservation as it sets it where the user has not (this process's own setting is not vLLM's)
+    return plan.argv, env if variant.endswith("reservation") else {**env, **serve.reserved_cores(1, environ={})}
 
 
 def wave(port: int, model: Path, prompts: list[list[int]]) -> list[float]:

@@ -310,3 +310,17 @@ def test_the_start_touches_headroom_after_the_pool_within_what_is_available(monk
     assert touched == [16 * PAGE]  # at most the pool's size
     DramPool(16 * PAGE, PAGE, LRUPolicy())
     assert touched == [16 * PAGE, 0]
+    assert DramPool(16 * PAGE, PAGE, LRUPolicy(), pin_memory=True, headroom_bytes=2**30,
+                    allocate=False)._headroom == 0  # a GPU host's engine computes in GPU memory
+
+
+def test_headroom_the_os_refuses_is_skipped_not_a_failed_start(monkeypatch, caplog) -> None:
+    import kvtier.dram as dram
+
+    def refused(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("cannot allocate memory")
+
+    monkeypatch.setattr(dram, "available_memory", lambda: None)
+    monkeypatch.setattr(dram.torch, "empty", refused)
+    assert dram.warm_headroom(2**20) == 0
+    assert "headroom of 1048576 bytes could not be touched" in caplog.text

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable
@@ -33,6 +34,8 @@ from kvtier.frame import ShardMeta
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.quotas import Share
 from kvtier.quotas.pool import PoolShares
+
+log = logging.getLogger("kvtier.dram")
 
 Extent = tuple[int, int]  # (first page, page count)
 
@@ -168,9 +171,15 @@ def warm_headroom(nbytes: int) -> int:
     available = available_memory()
     if available is not None:
         nbytes = min(nbytes, max(0, available - HEADROOM_SPARE))
-    if nbytes > 0:
+    if nbytes <= 0:
+        return 0
+    try:
         torch.empty(nbytes, dtype=torch.uint8).fill_(0)  # freed at once: its pages go back to the OS
-    return max(nbytes, 0)
+    except RuntimeError as exc:  # refused (strict overcommit, a limit): the start goes on without it
+        log.warning("dram: the start's headroom of %d bytes could not be touched (%s); the first requests may "
+                    "wait on fresh memory", nbytes, exc)
+        return 0
+    return nbytes
 
 
 class DramPool:
@@ -185,7 +194,8 @@ class DramPool:
         self.pages = capacity_bytes // page_bytes
         self.capacity_bytes = self.pages * page_bytes
         self.pinned = pin_memory
-        self._headroom = min(headroom_bytes, self.capacity_bytes)  # warm_headroom's, after the allocation
+        # warm_headroom's, after the allocation; none for a pinned pool (a GPU host: the engine computes in GPU memory)
+        self._headroom = 0 if pin_memory else min(headroom_bytes, self.capacity_bytes)
         self._arena: torch.Tensor | None = None
         self._alloc_lock = threading.Lock()
         if allocate:

@@ -149,9 +149,9 @@ class DaemonPool:
         with self._lock:  # one section with close's: a job queued here comes before close's end marks
             if self._closed:
                 raise RuntimeError(f"{self._name}: submit after close (no thread would run it)")
-            self._queue.put_nowait((future, tracing.carried(job)))  # its spans join the submitter's trace
-            if not self._threads:
+            if not self._threads:  # started before the job is queued: a failed start leaves nothing to run later
                 self._threads = [start(self._run, f"{self._name}-{i}") for i in range(self._size)]
+            self._queue.put_nowait((future, tracing.carried(job)))  # its spans join the submitter's trace
         return future
 
     def _run(self) -> None:

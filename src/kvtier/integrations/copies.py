@@ -25,9 +25,12 @@ MAX_HELPERS = 3  # beyond this a host's memory bandwidth, not its cores, bounds 
 
 
 def spare_cores() -> int:
-    """Cores the engine's computation leaves to kvtier: those kvtier's threads were placed on (vLLM's API-server
-    worker, :func:`kvtier.threads.spare_cpus`), else this thread's CPUs less torch's threads (an in-process engine:
-    none where it computes on every core, whose copies torch already spreads over its threads)."""
+    """Cores to split a copy over beside the engine's thread: none where torch copies on several threads (its own
+    copies are spread over them already, and a helper's single-threaded share would be the slowest); else those
+    kvtier's threads were placed on (vLLM's API-server worker, :func:`kvtier.threads.spare_cpus`), else this
+    thread's CPUs less the one it computes on (an in-process engine)."""
+    if torch.get_num_threads() != 1:
+        return 0
     placed = threads.placed_on()
     if placed is not None:
         return len(placed)
@@ -35,7 +38,7 @@ def spare_cores() -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux: no spare core known
         return 0
-    return max(0, cpus - torch.get_num_threads())
+    return max(0, cpus - 1)
 
 
 class LayerCopies:
@@ -52,21 +55,16 @@ class LayerCopies:
         reported and the engine recomputes them)."""
         parts = min(self.helpers + 1, layers)
         if self._pool is None or parts <= 1:
-            copy(slice(0, layers))
+            _in_inference_mode(copy, slice(0, layers))
             return
         bounds = [layers * i // parts for i in range(parts + 1)]
         slices = [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
-        # torch's inference mode is per thread: vLLM's caches are inference tensors, written in place only within it
-        inference = torch.is_inference_mode_enabled()
-
-        def part(s: slice) -> None:
-            with torch.inference_mode(inference):
-                copy(s)
-
-        futures: list[Future[None]] = [self._pool.submit(functools.partial(part, s)) for s in slices[1:]]
+        futures: list[Future[None]] = []
         errors: list[BaseException] = []
         try:
-            copy(slices[0])
+            for s in slices[1:]:  # one at a time: those queued before a submit that fails are waited on below
+                futures.append(self._pool.submit(functools.partial(_in_inference_mode, copy, s)))  # noqa: PERF401 as above
+            _in_inference_mode(copy, slices[0])
         except BaseException as exc:  # noqa: BLE001 raised once the helpers' copies have ended
             errors.append(exc)
         for future in futures:
@@ -75,3 +73,11 @@ class LayerCopies:
                 errors.append(failure)
         if errors:
             raise errors[0]
+
+
+def _in_inference_mode(copy: Callable[[slice], None], layers: slice) -> None:
+    """``copy(layers)`` in torch's inference mode, which is per thread: vLLM makes its caches (inference tensors, or
+    views taken in its steps) in it, and they are written in place only within it; a normal tensor may be written
+    in it too."""
+    with torch.inference_mode():
+        copy(layers)

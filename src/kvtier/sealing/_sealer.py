@@ -278,9 +278,11 @@ class Sealer:
         # 51) refuses an output that overlaps the input, and GCM's output is as long as its input.
         scratch = self._buffer(_OPEN_PIECE + 15, "opening")  # update_into wants a block's room to spare
         for part in payload:
+            part = part.cast("B") if part.format != "B" else part
             for at in range(0, len(part), _OPEN_PIECE):
                 piece = part[at:at + _OPEN_PIECE]
                 n = decryptor.update_into(piece, scratch)
+                assert n == len(piece), "GCM's output is as long as its input"
                 piece[:n] = scratch[:n]
         try:
             decryptor.finalize()

@@ -351,14 +351,15 @@ def admission(parts: list[Trace], lonely: list[Trace], plan: tuple[Deployment, s
     card's ``parts`` and on ``lonely`` (nothing shared), against ``every`` and ``zero[name]`` (the same, storing
     every put; ``zero["none"]``: no offloading, nothing shared). It is
     recommended when it pays against storing every put (:func:`_pays`), or when it leaves the card's TTFT p50,
-    p90 and throughput within :data:`NEUTRAL` and cuts the cost at zero hits (TTFT p90 or throughput) by as much:
+    p90, mean and throughput within :data:`NEUTRAL` and cuts the cost at zero hits (TTFT p90 or throughput) by as
+    much:
     what a first repeat loses is then won back by the copies and writes it saves."""
     deployment, shared = plan
     assert deployment.kvtier is not None, "an option that stores"
     admitting = dataclasses.replace(deployment, kvtier=dataclasses.replace(deployment.kvtier, store_after=ADMIT_AFTER))
     card = run_option(parts, admitting, costs, shared)
     alone = run_option(lonely, admitting, costs, shared)
-    neutral = (min(_gain(every, card, "ttft_p50_s"), _gain(every, card, "ttft_p90_s")) > -NEUTRAL
+    neutral = (min(_gain(every, card, key) for key in ("ttft_p50_s", "ttft_p90_s", "ttft_mean_s")) > -NEUTRAL
                and card["output_tokens_per_s"] >= (1 - NEUTRAL) * every["output_tokens_per_s"])
     saves = max(_gain(zero[name], alone, "ttft_p90_s"),
                 alone["output_tokens_per_s"] / zero[name]["output_tokens_per_s"] - 1) >= NEUTRAL
