@@ -2,14 +2,15 @@
 rotating order, every prompt unique (nothing can hit).
 
 Each server is started as a user starts it: vLLM alone with its own defaults (``python -m
-vllm.entrypoints.openai.api_server``), kvtier with the command and environment ``kvtier serve`` builds (DRAM
-only, ``--dram``), and, to show what that environment changes, kvtier serve's command with vLLM's own core
-reservation for a KV connector (``VLLM_CPU_NUM_OF_RESERVED_CPU`` unset: on 2 cores vLLM then reserves none and
-computes on both). Once a server answers /health, ``--prompts`` unique prompts of ``--tokens`` tokens are sent at
-once (the same ones to every server: each starts empty; one output token each: TTFT is the reply's time), then as
-many again: the first wave is the first prompts after start, the second the same load once the server has served
-some. Each round runs every variant once, the order rotated; the figures are medians over the rounds of each
-wave's mean TTFT as a ratio to vLLM alone's in the same round, with their spread. Usage:
+vllm.entrypoints.openai.api_server``), kvtier with the command and environment ``kvtier serve`` builds (DRAM only,
+``--dram``; on 2 cores it leaves vLLM's core reservation for a connector as it is, and vLLM computes on both
+cores), and kvtier serve's command on the cores vLLM alone computes on (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``): what
+kvtier costs the first prompts with the model's cores the same. Once a server answers /health, ``--prompts``
+unique prompts of ``--tokens`` tokens are sent at once (the same ones to every server: each starts empty; one
+output token each: TTFT is the reply's time), then as many again: the first wave is the first prompts after start,
+the second the same load once the server has served some. Each round runs every variant once, the order rotated;
+the figures are medians over the rounds of each wave's mean TTFT as a ratio to vLLM alone's in the same round,
+with their spread. Usage:
 
     python benchmarks/bench_first_prompts.py [--rounds 3] [--prompts 4] [--tokens 2048] [--json PATH]
 """
@@ -38,7 +39,7 @@ from kvtier.cli import serve
 from kvtier.fleet.run import write_private
 from kvtier.testing.servers import free_port
 
-VARIANTS = ("vLLM alone", "kvtier serve", "kvtier serve, vLLM's reservation")
+VARIANTS = ("vLLM alone", "kvtier serve", "kvtier serve, vLLM alone's cores")
 
 
 def command(variant: str, model: Path, port: int, tokens: int, work: Path) -> tuple[list[str], dict[str, str]]:
@@ -53,8 +54,10 @@ def command(variant: str, model: Path, port: int, tokens: int, work: Path) -> tu
                               dry_run=False)
     plan = serve.make_plan(args, vllm)
     write_private(plan.store_file, yaml.safe_dump(plan.store, sort_keys=False))
+    if variant.endswith("cores"):
+        return plan.argv, {**env, serve.RESERVED: "1"}
     # kvtier serve's reservation as it sets it where the user has not (this process's own setting is not vLLM's)
-    return plan.argv, env if variant.endswith("reservation") else {**env, **serve.reserved_cores(1, environ={})}
+    return plan.argv, {**env, **serve.reserved_cores(1, environ={})}
 
 
 def wave(port: int, model: Path, prompts: list[list[int]]) -> list[float]:

@@ -94,6 +94,7 @@ def test_a_redis_password_stays_out_of_argv_and_output(tmp_path: Path, model: Pa
     monkeypatch.setattr(serve_module.os, "execve", execve)
     monkeypatch.setenv("KVTIER_SERVE_TEST", "kept")
     monkeypatch.delenv(serve_module.RESERVED, raising=False)
+    monkeypatch.setattr(serve_module, "physical_cores", lambda: 16)
     with pytest.raises(SystemExit):
         main(["serve", str(model), "--redis", url, "--dram", "64MiB", "--work-dir", str(tmp_path / "w")])
     written = tmp_path / "w" / "serve-8000.yaml"
@@ -108,16 +109,23 @@ def test_a_redis_password_stays_out_of_argv_and_output(tmp_path: Path, model: Pa
 def test_vllm_reserves_the_cores_it_reserves_without_a_connector(tmp_path: Path, model: Path, capsys,
                                                                  monkeypatch) -> None:
     monkeypatch.delenv(serve_module.RESERVED, raising=False)
+    assert 1 <= serve_module.physical_cores() <= (os.cpu_count() or 1)
+    monkeypatch.setattr(serve_module, "physical_cores", lambda: 16)
     _, _, out = dry_run(capsys, str(model), "--work-dir", str(tmp_path / "w"))
     assert "cores:          VLLM_CPU_NUM_OF_RESERVED_CPU=1:" in out
     for tp in (["-tp", "2"], ["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"]):
         assert "VLLM_CPU_NUM_OF_RESERVED_CPU=2:" in dry_run(capsys, str(model), "--work-dir", str(tmp_path), *tp)[2]
-    assert serve_module.reserved_cores(4, {}, "x86_64") == {serve_module.RESERVED: "4"}
-    assert serve_module.reserved_cores(4, {}, "aarch64") == {serve_module.RESERVED: "4"}
-    assert serve_module.reserved_cores(4, {}, "ppc64le") == {serve_module.RESERVED: "1"}  # vLLM's rule there
+    assert serve_module.reserved_cores(4, {}, "x86_64", cores=16) == {serve_module.RESERVED: "4"}
+    assert serve_module.reserved_cores(4, {}, "aarch64", cores=16) == {serve_module.RESERVED: "4"}
+    assert serve_module.reserved_cores(4, {}, "ppc64le", cores=16) == {serve_module.RESERVED: "1"}  # vLLM's rule
+    # with a connector vLLM would reserve 2 of 3 cores (the model on one, where alone it computes on two): set;
+    # of 2 it would reserve both, and then computes on both: left to vLLM
+    assert serve_module.reserved_cores(1, {}, "x86_64", cores=3) == {serve_module.RESERVED: "1"}
+    assert serve_module.reserved_cores(1, {}, "x86_64", cores=2) == {}
+    assert serve_module.reserved_cores(2, {}, "x86_64", cores=4) == {}
     monkeypatch.setenv(serve_module.RESERVED, "0")  # the user's choice stands
     assert "cores:" not in dry_run(capsys, str(model), "--work-dir", str(tmp_path / "w"))[2]
-    assert serve_module.reserved_cores(1, {serve_module.RESERVED: "0"}) == {}
+    assert serve_module.reserved_cores(1, {serve_module.RESERVED: "0"}, cores=16) == {}
 
 
 @pytest.mark.parametrize(("args", "message"), [

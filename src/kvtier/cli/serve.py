@@ -15,10 +15,12 @@ redacted) instead.
 
 On a CPU host vLLM reserves cores for its scheduler process (one per tensor-parallel rank) and binds its worker's
 OpenMP threads to the rest; with any KV connector configured it reserves as many again (for a P/D connector's
-transfers), and where that leaves no core it reserves none and computes on every core, beside the API server, the
-scheduler and kvtier's threads (on 2 cores the first prompts after start took 1.4-1.9x as long as without kvtier).
-So kvtier serve sets ``VLLM_CPU_NUM_OF_RESERVED_CPU`` to what vLLM reserves without a connector, unless it is set
-already: vLLM computes on the same cores with kvtier as without it, and kvtier's threads run on the reserved ones.
+transfers), so its model computes on fewer cores than without one (on 4 cores, 2 instead of 3). Where that
+reservation would take every core, vLLM reserves none and computes on all of them (on 2 cores: both, where vLLM
+alone computes on one). So kvtier serve sets ``VLLM_CPU_NUM_OF_RESERVED_CPU`` to what vLLM reserves without a
+connector where the extra reservation would cost the model a core, and leaves vLLM's choice where it falls back
+to every core, unless the variable is set already; what each measured on 2 cores is in docs/benchmarks.md ("The
+first prompts after start in the API server").
 """
 
 from __future__ import annotations
@@ -143,15 +145,29 @@ def make_plan(args: argparse.Namespace, vllm_args: Sequence[str]) -> Plan:
 RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
-def reserved_cores(tensor_parallel: int, environ: Mapping[str, str] = os.environ,
-                   machine: str | None = None) -> dict[str, str]:
-    """vLLM's CPU core reservation as it is without a KV connector (see the module docstring): one core per
-    tensor-parallel rank on x86, ARM and RISC-V, one elsewhere; nothing when ``environ`` sets it already."""
+def reserved_cores(tensor_parallel: int, environ: Mapping[str, str] = os.environ, machine: str | None = None,
+                   cores: int | None = None) -> dict[str, str]:
+    """``VLLM_CPU_NUM_OF_RESERVED_CPU`` as vLLM reserves cores without a KV connector (one per tensor-parallel rank
+    on x86, ARM and RISC-V, one elsewhere), where a connector's extra reservation (one more per rank) would leave
+    the model fewer of this process's ``cores`` (physical, :func:`physical_cores`); nothing where that
+    reservation would take every core (vLLM then computes on all of them) or ``environ`` sets it already."""
     if RESERVED in environ:
         return {}
     arch = (machine or platform.machine()).lower()
-    per_rank = arch.startswith(("x86", "amd64", "i386", "i686", "aarch64", "arm", "riscv"))
-    return {RESERVED: str(tensor_parallel if per_rank else 1)}
+    alone = tensor_parallel if arch.startswith(("x86", "amd64", "i386", "i686", "aarch64", "arm", "riscv")) else 1
+    with_connector = alone + tensor_parallel
+    if (physical_cores() if cores is None else cores) <= with_connector:
+        return {}
+    return {RESERVED: str(alone)}
+
+
+def physical_cores() -> int:
+    """The physical cores this process may run on (SMT siblings counted once), as vLLM counts what it binds."""
+    from kvtier.threads import topology
+
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    siblings, _ = topology()
+    return len({min(siblings.get(cpu, {cpu}) | {cpu}) for cpu in cpus})
 
 
 def check_model(model: str) -> str:
@@ -292,8 +308,8 @@ def _announce(plan: Plan, out: Any) -> None:
              f"kvtier metrics: {kvtier_metrics}",
              "logs:           this terminal (vLLM's and kvtier's, on standard output and standard error)",
              *([f"cores:          {RESERVED}={plan.env[RESERVED]}: on a CPU host vLLM keeps that many cores for "
-                "its scheduler and kvtier's threads, as without a KV connector (set it to choose)"]
-               if RESERVED in plan.env else []),
+                "its scheduler and kvtier's threads and computes on the rest, as without a KV connector (set it "
+                "to choose)"] if RESERVED in plan.env else []),
              f"store config:   {plan.store_file} (mode 0600)",
              *("  " + line for line in redacted_yaml(plan.store).splitlines()),
              f"command:        {shlex.join(plan.argv)}"]

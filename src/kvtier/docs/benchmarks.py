@@ -142,13 +142,15 @@ def _peers(d: Mapping[str, Any]) -> Table:
     return _table([f"Measure ({d.get('ratio_definition', 'ratio')})", "ratio", "spread"], rows)
 
 
-def _noreuse(d: Mapping[str, Any]) -> Table:
-    """bench_noreuse.py's rows (each a list of per-round ratios to vLLM alone), or the throughput ratios alone of
-    files written before it had rows."""
-    rows = d.get("rows") or {"throughput, kvtier": d.get("ratios", [])}
-    return _table(["Measure, no reuse (/ vLLM alone)", "ratio (median)", "spread"],
-                  [[name, ratio(statistics.median(values) if values else None), spread(values)]
-                   for name, values in rows.items()])
+def _per_round(measure: str) -> Reader:
+    """A file whose ``rows`` map each row to its per-round ratios (bench_noreuse.py, bench_first_prompts.py), or
+    the throughput ratios alone of no-reuse files written before it had rows."""
+    def read(d: Mapping[str, Any]) -> Table:
+        rows = d.get("rows") or {"throughput, kvtier": d.get("ratios", [])}
+        return _table([measure, "ratio (median)", "spread"],
+                      [[name, ratio(statistics.median(values) if values else None), spread(values)]
+                       for name, values in rows.items()])
+    return read
 
 
 def _router(d: Mapping[str, Any]) -> Table:
@@ -226,7 +228,9 @@ READERS: dict[str, Reader] = {
     "ttft": _ttft, "ttft-runs": _ttft_runs, "store": _rows_with_ratio(("bench", "shape", "op"), ("target",)),
     "shared": _rows_with_ratio(("tier", "shape", "op")),
     "sealing": _rows_with_ratio(("tier", "shape", "op"), ("target",)),
-    "peers": _peers, "noreuse": _noreuse, "router": _router, "transformers": _transformers, "stall": _stall,
+    "peers": _peers, "router": _router, "transformers": _transformers, "stall": _stall,
+    "noreuse": _per_round("Measure, no reuse (/ vLLM alone)"),
+    "first-prompts": _per_round("Measure, the first prompts after start (/ vLLM alone)"),
     "validate": _validate, "preemption": _preemption, "decide": _decide, "policies": _policies,
     "calibration": _calibration, "load-memory": _load_memory, "ab-store": _ab, "ab-ttft": _ab,
 }
