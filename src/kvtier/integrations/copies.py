@@ -6,8 +6,8 @@ and while a step's load runs in ``start_load_kv``, or its save in ``wait_for_sav
 load's copy into the paged blocks is one strided copy per layer and run of blocks (see
 :mod:`kvtier.integrations.layouts`), and torch releases the GIL while it copies: so the layers are split between
 the engine's thread and helper threads on the spare cores, each copying its own layers, all at once (a 4K-token
-load of SmolLM2 from DRAM: 20.0 ms on one thread, 10.9 ms on two; a plain copy of the same 94 MB, 14.2 ms). On a
-GPU the copies are the device's (no split).
+load of SmolLM2 from DRAM into vLLM's CPU layout: 0.52 of a one-thread plain copy's speed on one thread, 0.95 on
+two; ``benchmarks/bench_store.py``). On a GPU the copies are the device's (no split).
 """
 
 from __future__ import annotations
