@@ -33,7 +33,7 @@ import yaml
 
 from kvtier.bench.model import prepare_model
 from kvtier.bench.server import post_completion, stop, wait_healthy
-from kvtier.bench.ttft import machine
+from kvtier.bench.ttft import commit, machine
 from kvtier.bench.workload import documents
 from kvtier.cli import serve
 from kvtier.fleet.run import write_private
@@ -128,10 +128,9 @@ def main() -> int:
     for name, values in rows.items():
         print(f"  {name}: median {statistics.median(values):.3f}, spread {min(values):.3f}-{max(values):.3f}")
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"date": datetime.date.today().isoformat(), "machine": machine(),
-                                         "commit": commit.strip(), "prompts": args.prompts, "tokens": args.tokens,
+                                         "commit": commit(), "prompts": args.prompts, "tokens": args.tokens,
                                          "rows": rows, "rounds": rounds}, indent=2))
     return 0
 

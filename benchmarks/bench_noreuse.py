@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from kvtier.bench.server import inprocess_env
-from kvtier.bench.ttft import machine
+from kvtier.bench.ttft import commit, machine
 
 VARIANTS = ("noreuse_plain", "noreuse_kvtier", "noreuse_admission")
 LABELS = {"noreuse_plain": "vLLM alone", "noreuse_kvtier": "kvtier", "noreuse_admission": "kvtier, store_after 2"}
@@ -95,7 +95,7 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"date": datetime.date.today().isoformat(), "machine": machine(),
-                                         "commit": _commit(), "profile": "full" if len(job["docs"]) == 4 else "quick",
+                                         "commit": commit(), "profile": "full" if len(job["docs"]) == 4 else "quick",
                                          "rounds": rounds, **result,
                                          # kvtier / vLLM alone throughput, as the earlier files give it
                                          "ratios": result["rows"]["throughput, kvtier"],
@@ -114,11 +114,6 @@ def summary(rounds: list[dict]) -> dict:
     repeats = {name: {"first": statistics.median(r[name]["repeat_ttft_s"][0] for r in rounds),
                       "second": statistics.median(r[name]["repeat_ttft_s"][1] for r in rounds)} for name in VARIANTS}
     return {"rows": ratios, "repeats": repeats}
-
-
-def _commit() -> str:
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return run.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":

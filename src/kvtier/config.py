@@ -66,7 +66,8 @@ class DramConfig:
     start_headroom_bytes: int = dataclasses.field(default=2**30, metadata={
         "help": "memory touched and given back at start, after the pool (at most the pool's size, and never what "
                 "the pool leaves available less 256 MiB): the pool takes memory the OS had ready, and where memory "
-                "is backed lazily (a VM) the engine's first requests would wait on fresh pages instead; 0: none"})
+                "is backed lazily (a VM) the engine's first requests would wait on fresh pages instead; none for a "
+                "pinned pool (a GPU host); 0: none"})
 
     def check(self, field: str) -> None:
         if self.page_bytes < 4096:

@@ -267,7 +267,8 @@ def hit_rows(results: dict) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _commit() -> str | None:
+def commit() -> str | None:
+    """The checked-out commit of this source tree, for a result file (None outside a git checkout)."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent).stdout.strip()
@@ -344,7 +345,7 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
         json_path.write_text(json.dumps({"machine": machine(), "profile": profile, "secondary": secondary,
                                          "vllm_cpu_reserved": server_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"],
                                          "inprocess_omp_threads": inprocess_env()["OMP_NUM_THREADS"],
-                                         "date": time.strftime("%Y-%m-%d"), "commit": _commit(),
+                                         "date": time.strftime("%Y-%m-%d"), "commit": commit(),
                                          "pairs_design": pairs.DESIGN,
                                          "ttft": rows, "vs_engine_hit": {k: h["ratio"] for k, h in hits.items()},
                                          "hits": hits, "vs_vllm_alone": alone, "noreuse_tokens_per_s": noreuse,
