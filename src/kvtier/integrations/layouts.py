@@ -204,32 +204,67 @@ def scatter_chunks(kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: 
     """Write ``count`` chunks of canonical KV (``[count, layers, 2, H, chunk_tokens, D]``, any strides, e.g. a
     view of the store's DRAM pages) into the caches' blocks ``block_ids``, in order, skipping the first ``skip``
     tokens (whole blocks: the engine computed them itself). Fewer block ids than the chunks fill end the write
-    inside the last chunk (a hit that stops a block before the prompt's last token).
+    inside the last chunk (a hit that stops a block before the prompt's last token). :class:`Scatter`, every
+    layer."""
+    Scatter(kv, caches, block_ids, layout, skip).layers(slice(0, len(caches)))
+
+
+class Scatter:
+    """The copies of :func:`scatter_chunks`, checked and planned once, then run for any layers, in any order, on
+    any thread (each layer's copies write only that layer's cache).
 
     Straight from the source, no staging buffer: on CPU, per layer, one strided copy for each run of consecutive
     blocks within a chunk, and one for each run of whole chunks whose blocks follow each other; on a GPU, one
     indexed copy per layer (of the layer's chunks, moved to the device first when they are elsewhere).
     """
-    first_cache = _checked_caches(kv, caches, layout, "kv")
-    count, _, _, _, chunk, _ = kv.shape
-    bs = first_cache.shape[3]
-    if chunk % bs or skip % bs or not 0 <= skip < chunk:
-        raise ValueError(f"chunks of {chunk} tokens, skip {skip}: both must be whole {bs}-token blocks, skip < chunk")
-    per, first = chunk // bs, skip // bs
-    ids = _checked_ids(block_ids, first_cache)
-    room = count * per - first  # blocks the chunks fill after the skip
-    if not max(room - per, 0) < len(ids) <= room:
-        raise ValueError(f"{count} chunks after skipping {skip} tokens fill {room} blocks; got {len(ids)} block "
-                         f"ids (at most one chunk's worth fewer, ending inside the last chunk)")
-    runs = _by_runs(first_cache.device)
-    pieces = _pieces(ids, per, first) if runs else []
-    idx = None if runs else torch.as_tensor(ids, dtype=torch.long, device=first_cache.device)
-    for layer, cache in enumerate(caches):
-        blocks = _as_canonical_blocks(cache, layout)  # [blocks, 2, H, bs, D]
-        src = _chunk_blocks(kv, layer, per, bs)  # [count, per, 2, H, bs, D]
-        if src.device != cache.device or src.dtype != cache.dtype:
-            src = src.to(cache.device, cache.dtype)
-        if idx is not None:
-            blocks.index_copy_(0, idx, src.flatten(0, 1)[first:first + len(ids)])
-        for piece in pieces:
-            _cache_span(blocks, piece, per).copy_(_chunk_span(src, piece))
+
+    def __init__(self, kv: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
+                 layout: Layout, skip: int = 0) -> None:
+        first_cache = _checked_caches(kv, caches, layout, "kv")
+        count, _, _, _, chunk, _ = kv.shape
+        bs = first_cache.shape[3]
+        if chunk % bs or skip % bs or not 0 <= skip < chunk:
+            raise ValueError(f"chunks of {chunk} tokens, skip {skip}: both must be whole {bs}-token blocks, "
+                             "skip < chunk")
+        per, first = chunk // bs, skip // bs
+        ids = _checked_ids(block_ids, first_cache)
+        room = count * per - first  # blocks the chunks fill after the skip
+        if not max(room - per, 0) < len(ids) <= room:
+            raise ValueError(f"{count} chunks after skipping {skip} tokens fill {room} blocks; got {len(ids)} block "
+                             f"ids (at most one chunk's worth fewer, ending inside the last chunk)")
+        runs = _by_runs(first_cache.device)
+        self._kv, self._caches, self._layout = kv, caches, layout
+        self._per, self._bs, self._first, self._count = per, bs, first, len(ids)
+        self._pieces = _pieces(ids, per, first) if runs else []
+        self._idx = None if runs else torch.as_tensor(ids, dtype=torch.long, device=first_cache.device)
+
+    def layers(self, layers: slice) -> None:
+        """Copy the chunks' layers ``layers`` into their caches."""
+        for layer in range(*layers.indices(len(self._caches))):
+            pairs = self.pairs(layer)
+            if pairs is not None and pairs[0]:
+                # One call for the layer's strided copies: the GIL is taken once, not once a copy (a thread
+                # copying beside an engine's forward pass would otherwise hand it back and forth with it).
+                torch._foreach_copy_(*pairs)
+                continue
+            cache = self._caches[layer]
+            blocks = _as_canonical_blocks(cache, self._layout)  # [blocks, 2, H, bs, D]
+            src = _chunk_blocks(self._kv, layer, self._per, self._bs)  # [count, per, 2, H, bs, D]
+            if src.device != cache.device or src.dtype != cache.dtype:
+                src = src.to(cache.device, cache.dtype)
+            if self._idx is not None:
+                blocks.index_copy_(0, self._idx, src.flatten(0, 1)[self._first:self._first + self._count])
+            for piece in self._pieces:
+                _cache_span(blocks, piece, self._per).copy_(_chunk_span(src, piece))
+
+    def pairs(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Layer ``layer``'s copies as (destinations, sources): views to copy one onto the other, each pair its own
+        strided copy. None where the layer is not copied run by run (a GPU), or the source must be converted
+        first (another device or dtype)."""
+        cache = self._caches[layer]
+        if self._idx is not None or self._kv.device != cache.device or self._kv.dtype != cache.dtype:
+            return None
+        blocks = _as_canonical_blocks(cache, self._layout)  # [blocks, 2, H, bs, D]
+        src = _chunk_blocks(self._kv, layer, self._per, self._bs)  # [count, per, 2, H, bs, D]
+        return ([_cache_span(blocks, piece, self._per) for piece in self._pieces],
+                [_chunk_span(src, piece) for piece in self._pieces])

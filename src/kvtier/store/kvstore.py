@@ -20,8 +20,10 @@ The parts, each a module of this package: :mod:`~kvtier.store.writes` (puts, the
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,6 +48,16 @@ from kvtier.store.writes import Source, Tokens, Writes
 from kvtier.tiers.base import TIERS, Tier
 
 _SHAPES_KEPT = 4096  # namespaces whose shards' shape a store remembers (one per tenant salt: the recent ones)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """What :meth:`KVStore.loading` found: ``views`` as :meth:`KVStore.load` hands them to its sink, in chunk order
+    (``(first chunk, [count, layers, 2, heads, chunk_tokens, head_dim])``), and the ``tokens`` they hold from
+    the offset on."""
+
+    views: list[tuple[int, torch.Tensor]]
+    tokens: int
 
 
 def open_tiers(config: StoreConfig) -> list[Tier]:
@@ -271,13 +283,26 @@ class KVStore:
         ``tail``, ``tokens`` may end inside a chunk: the tail after the last whole chunk (see :meth:`put_from`) is
         handed over as a chunk of which only those tokens count (the count returned ends with them).
         """
-        def feed(plans: list[list[Piece]], shape: Shape) -> None:
-            for first, kv in chunk_views(self.dram, self.chunk_tokens, plans, shape, torch.device(device)):
+        with self.loading(ns, tokens, layers=layers, head_dim=head_dim, dtype=dtype, tp_rank=tp_rank,
+                          tp_size=tp_size, offset=offset, kv_heads=kv_heads, device=device, local_only=local_only,
+                          tail=tail) as loaded:
+            for first, kv in loaded.views:
                 sink(first, kv)
+        return loaded.tokens
 
-        chunks = self._reads.read(ns, tokens, tp_rank, tp_size, offset, kv_heads, Shape(layers, head_dim, dtype),
-                                  feed, partial=True, local_only=local_only, tail=tail)
-        return min(chunks * self.chunk_tokens, len(tokens) - offset)
+    @contextlib.contextmanager
+    def loading(self, ns: Namespace, tokens: Tokens, *, layers: int, head_dim: int, dtype: torch.dtype,
+                tp_rank: int = 0, tp_size: int = 1, offset: int = 0, kv_heads: int | None = None,
+                device: torch.device | str = "cpu", local_only: bool = False, tail: bool = False) -> Iterator[Loaded]:
+        """:meth:`load`'s views all at once, for a ``with`` block: valid, and pinned in DRAM, until it ends. For a
+        caller that copies them in another order than chunk by chunk (the vLLM connector copies a load layer by
+        layer, as the engine's forward pass reaches each layer). Same arguments and checks as :meth:`load`;
+        on a miss the block gets no views and 0 tokens."""
+        with self._reads.opened(ns, tokens, tp_rank, tp_size, offset, kv_heads, Shape(layers, head_dim, dtype),
+                                partial=True, local_only=local_only, tail=tail) as (plans, shape):
+            views = [] if not plans or shape is None else \
+                chunk_views(self.dram, self.chunk_tokens, plans, shape, torch.device(device))
+            yield Loaded(views, min(len(plans) * self.chunk_tokens, len(tokens) - offset))
 
     # -- housekeeping ------------------------------------------------------------------------------------------
     def _evicted(self, entry: object) -> None:

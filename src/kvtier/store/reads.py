@@ -5,9 +5,10 @@ thread, with the shard reads started ahead on :mod:`~kvtier.store.prefetch`'s th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -51,6 +52,19 @@ class Reads:
         """Plan the chunks of ``tokens[offset:]`` (pinning DRAM entries, fetching and promoting the rest), hand
         the plans to ``use``, then release what was pinned; returns how many chunks were handed over. On a miss:
         0 (``use`` not called), or with ``partial`` the chunks before it."""
+        with self.opened(ns, tokens, tp_rank, tp_size, offset, kv_heads, wanted, partial, local_only,
+                         tail) as (plans, shape):
+            if plans:
+                assert shape is not None, "a planned chunk fixes the shape"
+                use(plans, shape)
+        return len(plans)
+
+    @contextlib.contextmanager
+    def opened(self, ns: Namespace, tokens: Tokens, tp_rank: int, tp_size: int, offset: int,
+               kv_heads: int | None, wanted: Shape | None, partial: bool, local_only: bool,
+               tail: bool) -> Iterator[tuple[list[list[Piece]], Shape | None]]:
+        """The plans of :meth:`read` (none on a miss) and their shape, everything they name pinned until the block
+        ends."""
         start = time.perf_counter()
         t = self._chunk_tokens
         if (len(tokens) % t and not tail) or offset % t or not 0 <= offset < len(tokens):
@@ -73,14 +87,11 @@ class Reads:
                     allowed=decision.allowed, tenant=tenant, owner=None if tenant is None else tenant.key_id)
         try:
             plans = self._plan(read, chunks, offset // t, partial)
-            if not plans:
-                return 0
-            assert read.shape is not None, "a planned chunk fixes the shape"
-            use(plans, read.shape)
+            yield plans, read.shape
         finally:
             self._end(read)
-        self._metrics.get_seconds.observe(time.perf_counter() - start)
-        return len(plans)
+        if plans:
+            self._metrics.get_seconds.observe(time.perf_counter() - start)
 
     def _plan(self, read: Read, chunks: list[str], first: int, partial: bool) -> list[list[Piece]]:
         """Each chunk's pieces from ``first`` on; none on a miss, or with ``partial`` those before it."""

@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvtier.integrations.layouts import gather, scatter_chunks
+from kvtier.integrations.layouts import Scatter, gather
 from kvtier.integrations.vllm import KVTierConnector, KVTierMetadata
 from kvtier.keys import rank_heads
 from kvtier.config import load_config
@@ -195,20 +195,32 @@ class MiniEngine:
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)  # type: ignore[arg-type] # kvtier reads no forward context
             first = loaded_upto // BLOCK
-            if first < len(blocks):
-                self._compute(rank, ref[:, :, :, first * BLOCK:], blocks[first:])
+            # The forward pass, layer by layer: each layer's attention waits for that layer's load, then reads
+            # the loaded blocks (kept here, to check no load wrote them after), and its new tokens' KV is written.
+            read: list[torch.Tensor] = []
+            for layer in range(LAYERS):
+                worker.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+                read.append(self.caches[rank][layer][blocks[:first]].clone())
+                if first < len(blocks):
+                    self._compute(rank, ref[:, :, :, first * BLOCK:], blocks[first:], layer)
             worker.wait_for_save()
-            errors |= worker.get_block_ids_with_load_errors()
+            step_errors = worker.get_block_ids_with_load_errors()
+            errors |= step_errors
+            for layer, seen in enumerate(read):
+                for i, block in enumerate(blocks[:first]):
+                    assert block in step_errors or torch.equal(seen[i], self.caches[rank][layer][block]), \
+                        f"block {block} of layer {layer} was written after the layer's wait_for_layer_load"
             report = worker.build_connector_worker_meta()  # aggregated over the ranks, as vLLM does
             reports = report if reports is None else reports.aggregate(report) if report is not None else reports
             worker.clear_connector_metadata()
         return errors, reports
 
-    def _compute(self, rank: int, kv: torch.Tensor, blocks: list[int]) -> None:
+    def _compute(self, rank: int, kv: torch.Tensor, blocks: list[int], layer: int) -> None:
         heads = rank_heads(KV_HEADS, rank, self.tp_size)
         padded = torch.zeros(*kv.shape[:3], len(blocks) * BLOCK, HEAD_DIM, dtype=kv.dtype)
         padded[:, :, :, :kv.shape[3]] = kv
-        scatter_chunks(padded[:, :, heads.start:heads.stop].unsqueeze(0), self.caches[rank], blocks, "cpu")
+        Scatter(padded[:, :, heads.start:heads.stop].unsqueeze(0), self.caches[rank], blocks,
+                "cpu").layers(slice(layer, layer + 1))
 
     def read(self, blocks: list[int], tokens: int) -> torch.Tensor:
         """The canonical KV of the first ``tokens`` tokens in ``blocks``, all heads, assembled over the ranks."""

@@ -38,6 +38,16 @@ Engines = Callable[..., MiniEngine]
 PLACEHOLDER = 7  # the image token id: the same for every image
 
 
+@pytest.fixture(autouse=True, params=["in the step", "by layers"])
+def load_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs both ways a worker loads in the step: in ``start_load_kv`` (no core to spare: torch
+    computes on several threads, or a GPU), and on the loader thread layer by layer (a core to spare)."""
+    import kvtier.integrations.vllm._worker as worker_module
+
+    monkeypatch.setattr(worker_module, "spare_cores", lambda: 0 if request.param == "in the step" else 1)
+    return str(request.param)
+
+
 def prompt(seed: int, n: int = 600) -> list[int]:
     return np.random.default_rng(seed).integers(10, 512, n).tolist()
 
@@ -179,7 +189,7 @@ def test_with_several_workers_saves_over_loaded_blocks_wait_for_every_workers_re
 
     def broken(*args: Any) -> int:
         raise Injected("rank 1's load")
-    monkeypatch.setattr(mini.workers[1]._worker, "_load", broken)
+    monkeypatch.setattr(mini.workers[1]._worker, "_scatter", broken)
     sched = mini.scheduler
     req = request("loads", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (512, False)
@@ -223,7 +233,8 @@ def test_a_request_sharing_blocks_whose_load_failed_does_not_save_before_the_fai
     mini = engines()
     store = shared_store(store_cfg)
     assert store is not None
-    monkeypatch.setattr(mini.workers[0]._worker, "_load", lambda *args: 0)  # the chunks vanished: nothing loaded
+    # the chunks vanished: nothing loaded
+    monkeypatch.setattr(mini.workers[0]._worker, "_loaded_to", lambda load, loaded: load.offset)
     sched = mini.scheduler
     req = request("loads", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (512, False)
@@ -297,32 +308,92 @@ def test_a_prompt_asked_again_exactly_loads_into_its_last_chunk(engines: Engines
     assert torch.equal(mini.read(behind.blocks[6:7], 128), reference_kv(tokens)[:, :, :, 768:896])
 
 
-def test_copies_split_over_spare_cores_save_and_load_exactly(engines: Engines, monkeypatch) -> None:
-    """With a core to spare, a save's and a load's copies are cut by layers between the engine's thread and a
-    helper thread: what is loaded is still exactly what was computed."""
+def test_with_a_spare_core_loads_copy_layer_by_layer_and_saves_split_exactly(engines: Engines, monkeypatch) -> None:
+    """With a core to spare, a step's in-step load is copied on the loader thread, layer by layer, each layer
+    ready by the time its attention waits for it (the mini engine checks no load writes a layer after that), and
+    a save's copies are cut by layers between the engine's thread and a helper: what is loaded is still exactly
+    what was computed."""
     import threading
 
     import kvtier.integrations.vllm._worker as worker_module
     from kvtier.integrations import layouts
 
     monkeypatch.setattr(worker_module, "spare_cores", lambda: 1)
-    threads_used: set[str] = set()
-    for name in ("scatter_chunks", "gather_chunks"):
-        real = getattr(layouts, name)
+    loads: list[tuple[str, int]] = []  # (thread, layer) of each load's copies, in order
+    saves: set[str] = set()
+    real_copy, real_gather = worker_module._copy_layer, layouts.gather_chunks
 
-        def spy(*args, real=real, **kwargs):  # type: ignore[no-untyped-def]
-            threads_used.add(threading.current_thread().name)
-            return real(*args, **kwargs)
+    def copy_layer(*args):  # type: ignore[no-untyped-def]
+        loads.append((threading.current_thread().name, args[-1]))
+        real_copy(*args)
 
-        monkeypatch.setattr(worker_module, name, spy)
+    def gather(*args, **kwargs):  # type: ignore[no-untyped-def]
+        saves.add(threading.current_thread().name)
+        return real_gather(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "_copy_layer", copy_layer)
+    monkeypatch.setattr(worker_module, "gather_chunks", gather)
     mini = engines()
     assert mini.workers[0]._worker._copies.helpers == 1
     tokens = prompt(61, 1024)
     mini.prefill(request("first", tokens))
+    loads.clear()
     step = mini.prefill(request("again", tokens))
     assert step.hit == 896 and not step.load_errors
     assert torch.equal(mini.read(step.blocks, 1024), reference_kv(tokens))
-    assert any(name.startswith("kvtier-copy") for name in threads_used) and len(threads_used) == 2
+    assert loads == [("kvtier-layers-0", layer) for layer in range(2)]  # layer by layer, in order
+    assert any(name.startswith("kvtier-copy") for name in saves) and "MainThread" in saves
+
+
+def test_a_copy_failing_on_the_loader_thread_fails_the_load_and_never_holds_the_forward_pass(
+        engines: Engines, store_cfg: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer 1's copy fails on the loader thread after layer 0 was copied: every layer's wait still returns, every
+    block the load was to fill is reported for vLLM to recompute, and the failure is counted. The next repeat
+    loads exactly."""
+    import kvtier.integrations.vllm._worker as worker_module
+
+    monkeypatch.setattr(worker_module, "spare_cores", lambda: 1)
+    mini = engines()
+    tokens = prompt(62, 1024)
+    mini.prefill(request("first", tokens))
+    real = worker_module._copy_layer
+
+    def failing(*args):  # type: ignore[no-untyped-def]
+        if args[-1] == 1:
+            raise Injected("layer 1's copy")
+        real(*args)
+
+    before = counters(store_cfg).get("connector_errors_total{hook=start_load_kv}", 0)
+    with monkeypatch.context() as m:
+        m.setattr(worker_module, "_copy_layer", failing)
+        step = mini.prefill(request("broken", tokens))
+    assert step.hit == 896 and step.load_errors == set(step.blocks[:7])
+    assert counters(store_cfg)["connector_errors_total{hook=start_load_kv}"] == before + 1
+    again = mini.prefill(request("again", tokens))
+    assert again.hit == 896 and not again.load_errors
+    assert torch.equal(mini.read(again.blocks, 1024), reference_kv(tokens))
+
+
+def test_a_loader_that_cannot_take_the_loads_leaves_them_to_the_step(engines: Engines,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader thread cannot be started (the process is out of threads): the step loads in ``start_load_kv``
+    instead, exactly, and the failure is counted."""
+    import kvtier.integrations.vllm._worker as worker_module
+
+    monkeypatch.setattr(worker_module, "spare_cores", lambda: 1)
+    mini = engines()
+    tokens = prompt(63, 1024)
+    mini.prefill(request("first", tokens))
+    loader = mini.workers[0]._worker._loader
+    assert loader is not None
+
+    def refuse(job: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(loader, "submit", refuse)
+    step = mini.prefill(request("again", tokens))
+    assert step.hit == 896 and not step.load_errors
+    assert torch.equal(mini.read(step.blocks, 1024), reference_kv(tokens))
 
 
 @pytest.mark.parametrize(("chunk", "tails", "hit"), [(256, False, 512), (256, True, 640), (128, False, 640)])
@@ -654,7 +725,7 @@ def test_store_failures_are_a_miss_load_errors_or_a_dropped_save(engines: Engine
     logged = [r.getMessage() for r in caplog.records if "get_num_new_matched_tokens failed" in r.getMessage()]
     assert len(logged) == 1 and "request r1" in logged[0]
     mini.prefill(request("r3", tokens))  # now saved
-    patch_store(store, {"load": 1})
+    patch_store(store, {"loading": 1})
     failed = mini.prefill(request("r4", tokens))
     assert failed.hit == 512 and failed.load_errors == set(failed.blocks[:4])  # vLLM recomputes them
     ok = mini.prefill(request("r5", tokens))

@@ -211,7 +211,7 @@ def test_tier_and_store_failures_never_reach_the_engine(model_dir: Path, expecte
     out = engine(model_dir, cfg, [
         {"op": "fail_store", "failures": {"lookup": 1, "held": 1}}, generate("long"),  # a miss; save dropped
         generate("long"),  # the tier's malformed answer: a miss; saved
-        {"op": "fail_store", "failures": {"load": 1}}, generate("long"),  # load errors: vLLM recomputes
+        {"op": "fail_store", "failures": {"loading": 1}}, generate("long"),  # load errors: vLLM recomputes
         {"op": "fail_store", "failures": {"put_from": 1}}, generate("solo3"),  # save dropped
         generate("solo3"),  # the tier claims both chunks, its reads fail: load errors; saved
         {"op": "stats"}, generate("long", "solo3"), {"op": "stats"},

@@ -238,8 +238,13 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._worker.fail(meta, exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads from DRAM and local tiers complete in ``start_load_kv``, before any layer runs; the others are
-        asynchronous (their requests are not in the step)."""
+        """Wait for this step's in-step loads to have copied this layer (where they copy layer by layer beside
+        the forward pass; else they completed in ``start_load_kv``). Asynchronous loads are not waited for: their
+        requests are not in the step."""
+        try:
+            self._worker.wait_for_layer(layer_name)
+        except Exception as exc:  # noqa: BLE001 contained: counted, logged once (the loads' failures are their own)
+            self._metrics.error("wait_for_layer_load", exc)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Saves happen once per step in ``wait_for_save``, from all layers together."""

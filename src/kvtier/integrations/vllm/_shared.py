@@ -37,6 +37,7 @@ _CONSEQUENCE = {
     "update_connector_output": "a save after a failed load may be skipped",
     "request_finished": "its state is dropped",
     "start_load_kv": "the blocks are reported as load errors and vLLM recomputes them",
+    "wait_for_layer_load": "the step's in-step loads are reported as load errors and vLLM recomputes them",
     "wait_for_save": "the save is dropped",
     "build_connector_worker_meta": "the scheduler misses chunks this worker's DRAM holds",
     "take_events": "kvtier's KV events leave those chunks unannounced",

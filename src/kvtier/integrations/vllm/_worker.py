@@ -1,8 +1,11 @@
 """The vLLM connector's worker side: moves bytes between the engine's paged KV cache and the store.
 
-Loads from DRAM and local tiers run in ``start_load_kv``, before the forward pass; a load that may wait on a
-server (the scheduler marks it asynchronous) runs on a load thread while the steps go on, and is reported
-finished through ``get_finished``, with its failed blocks among that step's load errors. Saves run in
+Loads from DRAM and local tiers are in the step: where a core is spare (a CPU engine computing on one thread),
+``start_load_kv`` hands them to a loader thread, which plans them and copies them into the blocks layer by layer
+while the forward pass runs, and each layer's attention waits in ``wait_for_layer_load`` for that layer's copies
+only; elsewhere they run in ``start_load_kv``, before the forward pass. A load that may wait on a server (the
+scheduler marks it asynchronous) runs on a load thread while the steps go on, and is reported finished through
+``get_finished``, with its failed blocks among that step's load errors. Saves run in
 ``wait_for_save``, after the forward pass, straight from the paged blocks into DRAM (the store cascades to
 secondary tiers in the background).
 Each load or save that fails is contained on its own: a failed load becomes load errors (vLLM recomputes those
@@ -12,8 +15,11 @@ blocks), a failed save is dropped; both are counted. Layouts are converted by
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -23,7 +29,7 @@ import torch
 from kvtier import tracing
 from kvtier.errors import ConfigError
 from kvtier.integrations.copies import LayerCopies, spare_cores
-from kvtier.integrations.layouts import Layout, gather_chunks, kv_shape, scatter_chunks
+from kvtier.integrations.layouts import Layout, Scatter, gather_chunks, kv_shape
 from kvtier.integrations.vllm._dram_index import DramReport
 from kvtier.integrations.vllm._shared import ConnectorMetrics
 from kvtier.integrations.vllm._wire import KVTierMetadata, KVTierWorkerMetadata, Transfer
@@ -35,6 +41,22 @@ log = logging.getLogger("kvtier.integrations.vllm")
 
 TensorParallel = Callable[[], tuple[int, int]]  # -> (rank, size)
 LOAD_THREADS = 2  # asynchronous loads in flight at once; the rest wait in order (none is ever dropped)
+
+
+def _copy_layer(dsts: list[torch.Tensor], srcs: list[torch.Tensor], rest: list[Scatter], layer: int) -> None:
+    if dsts:  # (torch refuses an empty list: every load of the step failed to plan)
+        torch._foreach_copy_(dsts, srcs)
+    for scatter in rest:
+        scatter.layers(slice(layer, layer + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layered:
+    """A step's in-step loads, copied layer by layer on the loader thread while the forward pass runs."""
+
+    ready: list[threading.Event]  # layer i's copies have ended (set for every layer once the job ends, however)
+    failed: Future[set[int]]  # the blocks the loads did not fill
+    promised: set[int]  # every block they were to fill (failed, if the job itself failed)
 
 
 class WorkerSide:
@@ -55,6 +77,9 @@ class WorkerSide:
         self._report: DramReport | None = None  # from registration on: a worker role exists in this process
         self._background = DaemonPool("kvtier-load", LOAD_THREADS)
         self._copies = LayerCopies(0)  # split over the spare cores once the caches are known (register)
+        self._loader: DaemonPool | None = None  # copies in-step loads layer by layer, where a core is spare
+        self._layer_of: dict[str, int] = {}  # vLLM's layer name -> its cache's index
+        self._layered: _Layered | None = None  # this step's in-step loads, on the loader thread
         # request -> (its blocks, its load's outcome: the blocks it failed), until reported finished
         self._async: dict[str, tuple[set[int], Future[set[int]]]] = {}
         self._step = 0  # the last metadata's step whose loads ran here
@@ -65,7 +90,9 @@ class WorkerSide:
             digits = [int(p) for p in name.split(".") if p.isdigit()]
             return (digits[0] if digits else 0, name)
 
-        self._caches = [kv_caches[name] for name in sorted(kv_caches, key=layer_index)]
+        names = sorted(kv_caches, key=layer_index)
+        self._caches = [kv_caches[name] for name in names]
+        self._layer_of = {name: i for i, name in enumerate(names)}
         first = self._caches[0]
         if first.dim() == 4:
             self._layout = "cpu"
@@ -77,7 +104,9 @@ class WorkerSide:
                              "[2, blocks, block_size, kv_heads, head_dim] (flash attention)")
         self._copies = LayerCopies(spare_cores() if first.device.type == "cpu" else 0)
         if self._copies.helpers:
-            log.info("kvtier: loads and saves copy on %d more thread(s) beside the engine's", self._copies.helpers)
+            self._loader = DaemonPool("kvtier-layers", 1)
+            log.info("kvtier: loads copy layer by layer beside the forward pass; saves copy on %d more thread(s) "
+                     "beside the engine's", self._copies.helpers)
         # Checked once here: a mismatch would otherwise fail every save and load, each contained and counted.
         rank, size = tp()
         if size > 1:  # each rank's process serves its own metrics
@@ -90,6 +119,7 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata, tp: TensorParallel) -> None:
+        self._join_layers()  # the last step's (joined at its save already, unless vLLM skipped it)
         self._step = meta.step
         self._idle = meta.idle
         self._failed = set(meta.invalid)
@@ -99,14 +129,139 @@ class WorkerSide:
             except Exception as exc:  # noqa: BLE001 contained: counted, logged once
                 self.fail(meta, exc)
                 return
+            in_step: list[Transfer] = []
             for load in meta.loads:
                 if load.asynchronous:
                     self._async[load.request_id] = (self._promised(load), self._background.submit(
                         functools.partial(self._failed_blocks, load, rank, size, background=True)))
                 else:
+                    in_step.append(load)
+            if in_step and not self._start_layers(in_step, rank, size):
+                for load in in_step:
                     self._failed |= self._failed_blocks(load, rank, size, background=False)
         self._abandon(meta)
         self._load_errors |= self._failed
+
+    # -- in-step loads, layer by layer beside the forward pass -----------------------------------------------
+    def _start_layers(self, loads: list[Transfer], rank: int, size: int) -> bool:
+        """Hand the step's in-step loads to the loader thread; False (the caller loads them here) where there is
+        none, or it could not take them."""
+        if self._loader is None:
+            return False
+        ready = [threading.Event() for _ in self._caches]
+        try:
+            failed = self._loader.submit(functools.partial(self._by_layers, loads, rank, size, ready))
+        except Exception as exc:  # noqa: BLE001 contained: counted, logged once; loaded here instead
+            self._metrics.error("start_load_kv", exc)
+            return False
+        self._layered = _Layered(ready, failed, set().union(*(self._promised(load) for load in loads)))
+        return True
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Return once the step's in-step loads have copied the layer ``layer_name`` (every layer, for a name the
+        caches were not registered under)."""
+        layered = self._layered
+        if layered is None:
+            return
+        try:
+            layer = self._layer_of.get(layer_name)
+            for event in layered.ready if layer is None else [layered.ready[layer]]:
+                event.wait()
+        except BaseException:  # the layer may be read half copied: every block the loads fill is recomputed
+            self._failed |= layered.promised
+            self._load_errors |= layered.promised
+            raise
+
+    def _join_layers(self) -> None:
+        """Wait for the step's in-step loads to end; the blocks they did not fill join its failures."""
+        layered, self._layered = self._layered, None
+        if layered is None:
+            return
+        try:
+            failed = layered.failed.result()
+        except BaseException as exc:  # noqa: BLE001 _by_layers never raises; this is the wait itself failing
+            self._metrics.error("start_load_kv", exc)
+            failed = layered.promised
+        self._failed |= failed
+        self._load_errors |= failed
+
+    def _by_layers(self, loads: list[Transfer], rank: int, size: int, ready: list[threading.Event]) -> set[int]:
+        """On the loader thread: plan every load (pinning what it reads), then copy them layer by layer, marking
+        each layer ready once its copies have ended; the blocks not filled. Never raises, and leaves every layer
+        marked ready however it ends (the forward pass waits on them)."""
+        start = time.perf_counter()
+        failed: set[int] = set()
+        planned: list[tuple[Transfer, int, list[Scatter]]] = []  # each load, the token its copies end at, them
+        copied = False
+        try:
+            with contextlib.ExitStack() as held:
+                for load in loads:
+                    span = held.enter_context(tracing.span(
+                        "kvtier.connector.load", tracing.context_of(load.trace), request_id=load.request_id,
+                        tokens=len(load.block_ids) * self._bs - load.offset, asynchronous=False, by_layers=True))
+                    try:
+                        end, scatters = self._open(held, load, rank, size)
+                    except Exception as exc:  # noqa: BLE001 contained: counted, logged once
+                        self._metrics.error("start_load_kv", exc, load.request_id)
+                        end, scatters = load.offset, []
+                    lost = set(load.block_ids[end // self._bs:])
+                    failed |= lost
+                    if span is not None:
+                        span.set_attribute("failed_blocks", len(lost))
+                    planned.append((load, end, scatters))
+                with torch.inference_mode():  # vLLM's caches are written in place only in it (per thread)
+                    copies = self._layer_copies([s for _, _, scatters in planned for s in scatters])
+                    for copy, event in zip(copies, ready, strict=True):
+                        copy()
+                        event.set()
+                copied = True
+        except Exception as exc:  # noqa: BLE001 contained: counted, logged once; unless copied, all recomputed
+            self._metrics.error("start_load_kv", exc, loads[0].request_id)
+            if not copied:
+                planned = [(load, load.offset, []) for load in loads]
+                failed = set().union(*(self._promised(load) for load in loads))
+        finally:
+            for event in ready:
+                event.set()
+        seconds = time.perf_counter() - start
+        for load, end, _ in planned:
+            self._metrics.loaded_tokens.inc(end - load.offset)
+            self._metrics.load_failed_blocks.inc(len(load.block_ids) - end // self._bs)
+            self._metrics.load_seconds.observe(seconds)
+        return failed
+
+    def _layer_copies(self, scatters: list[Scatter]) -> list[Callable[[], None]]:
+        """Each layer's copies for all ``scatters``, as one call a layer. Their views are made first, before any
+        is copied: the engine's thread, waiting for the first layer meanwhile, then shares the GIL with one call a
+        layer on this thread (a Python step per copy, each taking the GIL back from the forward pass, slowed it
+        more than the copies themselves)."""
+        calls: list[Callable[[], None]] = []
+        for layer in range(len(self._caches)):
+            dsts: list[torch.Tensor] = []
+            srcs: list[torch.Tensor] = []
+            rest: list[Scatter] = []
+            for scatter in scatters:
+                pairs = scatter.pairs(layer)
+                if pairs is None:
+                    rest.append(scatter)
+                else:
+                    dsts += pairs[0]
+                    srcs += pairs[1]
+            calls.append(functools.partial(_copy_layer, dsts, srcs, rest, layer))
+        return calls
+
+    def _open(self, held: contextlib.ExitStack, load: Transfer, rank: int,
+              size: int) -> tuple[int, list[Scatter]]:
+        """Plan one in-step load, pinning what it reads until ``held`` closes: the first token it does not load,
+        and its copies."""
+        from_chunk = load.offset // self._chunk * self._chunk
+        _, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
+        loaded = held.enter_context(self._store.loading(
+            load.namespace, load.tokens, layers=len(self._caches), head_dim=head_dim, dtype=self._caches[0].dtype,
+            tp_rank=rank, tp_size=size, offset=from_chunk, kv_heads=self._kv_heads, device=self._caches[0].device,
+            local_only=True, tail=True))
+        scatters = [self._scatter(load, from_chunk, first, kv) for first, kv in loaded.views]
+        return self._loaded_to(load, from_chunk + loaded.tokens), scatters
 
     def _promised(self, load: Transfer) -> set[int]:
         return set(load.block_ids[load.offset // self._bs:])
@@ -161,6 +316,7 @@ class WorkerSide:
 
     def fail(self, meta: KVTierMetadata, exc: BaseException) -> None:
         """Report every block this step should have loaded as failed."""
+        self._join_layers()  # a load already handed to the loader thread writes its blocks: waited for first
         self._metrics.error("start_load_kv", exc)
         self._failed = set(meta.invalid)
         self._step = meta.step  # its loads are all reported failed: this step is reported all the same
@@ -180,23 +336,30 @@ class WorkerSide:
         """Copy the stored chunks straight from the store's DRAM (or a tier's read buffer) into the blocks; returns
         the first token not loaded (``len(load.block_ids) * block_size`` when all were): the chunks before a missing
         one load."""
-        t, bs = self._chunk, self._bs
-        from_chunk = load.offset // t * t
-        stop = len(load.block_ids) * bs  # the hit may end inside the last chunk
+        from_chunk = load.offset // self._chunk * self._chunk
 
         def sink(first: int, kv: torch.Tensor) -> None:
-            start = from_chunk + first * t  # the first token of these chunks
-            skip = max(load.offset - start, 0)  # computed by the engine already (its own prefix-cache hit)
-            end = min(start + kv.shape[0] * t, stop)
-            ids = load.block_ids[(start + skip) // bs:end // bs]
-            self._copies.run(lambda s: scatter_chunks(kv[:, s], self._caches[s], ids, self._layout, skip),
-                             len(self._caches))
+            self._copies.run(self._scatter(load, from_chunk, first, kv).layers, len(self._caches))
 
         _, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
         loaded = from_chunk + self._store.load(
             load.namespace, load.tokens, sink, layers=len(self._caches), head_dim=head_dim,
             dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=from_chunk, kv_heads=self._kv_heads,
             device=self._caches[0].device, local_only=local_only, tail=True)
+        return self._loaded_to(load, loaded)
+
+    def _scatter(self, load: Transfer, from_chunk: int, first: int, kv: torch.Tensor) -> Scatter:
+        """The copies of ``kv`` (chunks from chunk ``first``, counted from the token ``from_chunk``) into the load's
+        blocks: those after the engine's own hit and before the load's end."""
+        t, bs = self._chunk, self._bs
+        start = from_chunk + first * t  # the first token of these chunks
+        skip = max(load.offset - start, 0)  # computed by the engine already (its own prefix-cache hit)
+        end = min(start + kv.shape[0] * t, len(load.block_ids) * bs)  # the hit may end inside the last chunk
+        return Scatter(kv, self._caches, load.block_ids[(start + skip) // bs:end // bs], self._layout, skip)
+
+    def _loaded_to(self, load: Transfer, loaded: int) -> int:
+        """The first token a load filled no block for, having read up to the token ``loaded``."""
+        stop = len(load.block_ids) * self._bs
         end = max(min(loaded, stop), load.offset)
         if end < stop:
             log.warning("kvtier: request %s: KV for %d of %d tokens vanished before loading; vLLM recomputes them",
@@ -204,6 +367,7 @@ class WorkerSide:
         return end
 
     def take_load_errors(self) -> set[int]:
+        self._join_layers()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -216,6 +380,7 @@ class WorkerSide:
 
     # -- saves -----------------------------------------------------------------------------------------------
     def save(self, meta: KVTierMetadata, tp: TensorParallel) -> None:
+        self._join_layers()  # its failures first: no save stores KV computed over blocks it did not fill
         failed, self._failed = self._failed, set()
         if not meta.saves:
             return
