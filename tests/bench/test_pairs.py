@@ -257,6 +257,10 @@ def test_the_floor_adds_the_copy_and_for_a_disk_hit_the_read_and_the_checksum() 
     row = pairs.summary({"kvtier": [0.3, 0.3], "engine": [0.1, 0.1]}, "DRAM hit", 10**9, bw)
     assert row["ratio"] == pytest.approx(3.0) and row["floor"] == pytest.approx(2.0) and row["pairs"] == 2
     assert "floor" not in pairs.summary({"kvtier": [0.3], "engine": [0.1]}, "DRAM hit", None, None)
+    # Copied layer by layer beside the forward pass, the copy adds nothing; a disk hit's read and checksum still do.
+    beside = {**bw, "beside_forward": True}
+    assert pairs.floor("DRAM hit", 0.1, 10**9, beside) == pytest.approx(0.1)
+    assert pairs.floor("disk hit", 0.1, 10**9, beside) == pytest.approx(0.1 + 0.05 + 0.025)
 
 
 def test_the_bandwidths_are_measured(tmp_path) -> None:

@@ -14,8 +14,9 @@ from kvtier and found the whole document in its own prefix cache.
 The ratio of a row is the mean of kvtier's times over the mean of vLLM's (TTFTs are compared by their means);
 its interval is a percentile bootstrap over the pairs (seeded, so a result file reproduces its interval). The
 floor of a row is what it cannot go under on this machine: vLLM's own hit plus the bytes of the prefix's KV over
-this process's measured copy bandwidth (one copy into vLLM's blocks), and for a disk hit over its page-cache read
-and checksum bandwidth too.
+this process's measured copy bandwidth (one copy into vLLM's blocks; none where the engine's loads are copied
+layer by layer beside its forward pass), and for a disk hit over its page-cache read and checksum bandwidth too
+(the forward pass's first layer needs every chunk read).
 """
 
 from __future__ import annotations
@@ -237,8 +238,9 @@ def bandwidths(nbytes: int, repeats: int = 5, work: Path | None = None) -> dict[
 
 
 def floor(kind: str, engine_hit: float, nbytes: int, bw: dict[str, float]) -> float:
-    """The least TTFT a hit of ``kind`` can have here: vLLM's own hit plus moving the prefix's KV."""
-    moved = nbytes / bw["copy"]
+    """The least TTFT a hit of ``kind`` can have here: vLLM's own hit plus moving the prefix's KV (its copy into
+    vLLM's blocks only where it is not hidden beside the forward pass: ``bw["beside_forward"]``)."""
+    moved = 0.0 if bw.get("beside_forward") else nbytes / bw["copy"]
     if kind.startswith("disk") or "restart" in kind:
         moved += nbytes / bw["read"] + nbytes / bw["checksum"]
     return engine_hit + moved

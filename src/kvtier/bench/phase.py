@@ -152,6 +152,16 @@ def _dropper(store):
     return drop
 
 
+def _loads_by_layers() -> bool:
+    """Whether this process's engine copies its loads layer by layer beside the forward pass."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvtier.integrations.vllm import KVTierConnector
+
+    connector = get_kv_transfer_group()
+    return isinstance(connector, KVTierConnector) and connector.loads_by_layers
+
+
 def _hits(job: dict, sealed: bool, work: Path) -> dict[str, object]:
     """Every document computed and stored, then the pairs of each kind of hit; in the plain phase, the bandwidths
     the floor is computed from."""
@@ -172,7 +182,8 @@ def _hits(job: dict, sealed: bool, work: Path) -> dict[str, object]:
         result[f"kvtier, {label.replace('disk', where)}{suffix}"] = times["kvtier"]
     if not sealed:
         nbytes = job["kv_bytes_per_token"] * len(job["docs"][0])
-        result["bandwidth"] = {"bytes": nbytes, **pairs.bandwidths(nbytes, work=work)}
+        result["bandwidth"] = {"bytes": nbytes, **pairs.bandwidths(nbytes, work=work),
+                               "beside_forward": _loads_by_layers()}
     store.flush()
     result["stats"] = store.stats()
     return result

@@ -298,7 +298,8 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
     hits = hit_rows(results)
     print("\nEach kvtier hit against vLLM's own hit of the same prompt shape in the same process, moments apart, in "
           "balanced order (TTFT mean / its mean, 1.0 is as fast; 90% bootstrap interval over the pairs; the "
-          "floor is vLLM's own hit plus moving the prefix's KV at this machine's measured bandwidth):")
+          "floor is vLLM's own hit plus moving the prefix's KV at this machine's measured bandwidth, but for the copy "
+          "into vLLM's blocks where the engine copies it layer by layer beside its forward pass):")
     print("Every pair was checked: kvtier's request was served every chunk it needed from the intended tier only, "
           "none missing, and spared computing the whole document; vLLM's own hit found the whole document in its "
           "own prefix cache, nothing from kvtier. "
@@ -320,7 +321,9 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
         bw = results["kvtier"]["bandwidth"]
         print(f"\nMeasured here for the floor ({bw['bytes'] / 1e6:.0f} MB, a document's KV): copy "
               f"{bw['copy'] / 1e9:.1f} GB/s, page-cache read {bw['read'] / 1e9:.1f} GB/s, checksum "
-              f"{bw['checksum'] / 1e9:.1f} GB/s (torch's {inprocess_env()['OMP_NUM_THREADS']} thread(s) for the copy)")
+              f"{bw['checksum'] / 1e9:.1f} GB/s (torch's {inprocess_env()['OMP_NUM_THREADS']} thread(s) for the copy); "
+              f"the engine's loads copied layer by layer beside its forward pass: "
+              f"{'yes' if bw.get('beside_forward') else 'no'}")
     print("\nAgainst vLLM alone in a process of its own (the engine_hit phase; processes differ in how fast they "
           "compute, so this moves between runs more than the pairs):")
     for label, value in alone.items():

@@ -145,6 +145,12 @@ class KVTierConnector(KVConnectorBase_V1):
             report_tier_writes=_events_enabled(vllm_config))
 
     @property
+    def loads_by_layers(self) -> bool:
+        """Whether this worker copies its in-step loads layer by layer beside the forward pass (a CPU engine
+        with a core to spare), rather than in ``start_load_kv`` before it."""
+        return self._worker_side is not None and self._worker_side.by_layers
+
+    @property
     def _sched(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler-side hook was called on a worker-role connector"
         return self._scheduler

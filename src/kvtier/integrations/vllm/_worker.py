@@ -143,6 +143,10 @@ class WorkerSide:
         self._load_errors |= self._failed
 
     # -- in-step loads, layer by layer beside the forward pass -----------------------------------------------
+    @property
+    def by_layers(self) -> bool:
+        return self._loader is not None
+
     def _start_layers(self, loads: list[Transfer], rank: int, size: int) -> bool:
         """Hand the step's in-step loads to the loader thread; False (the caller loads them here) where there is
         none, or it could not take them."""
