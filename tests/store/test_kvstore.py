@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvtier import KVStore, Namespace, TierError, chunk_keys, rank_heads
+from kvtier.keys import HeadRange
 from kvtier.testing import synthetic_kv, synthetic_tokens
 from kvtier.tiers.filesystem import FilesystemTier
 from tests.conftest import NS, store_config
@@ -431,6 +432,33 @@ def test_a_sink_that_raises_leaves_nothing_pinned(make_store) -> None:
         store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16)
     assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
     assert store.load(NS, synthetic_tokens(22, T), sink, layers=2, head_dim=8, dtype=torch.bfloat16) == 0
+
+
+def test_loading_holds_every_view_pinned_until_its_block_ends(make_store) -> None:
+    """loading hands a load's views all at once (the connector copies them layer by layer, on another thread,
+    while the engine runs): while the block runs, no eviction takes their pages (drop_dram evicts nothing of
+    them), and they hold the stored KV; once it ends nothing is pinned. A miss is a block with no views; an
+    exception in the block releases the pins too."""
+    store = make_store()
+    tokens = synthetic_tokens(24, 4 * T)
+    kv = synthetic_kv(tokens)
+    store.put(NS, tokens, kv)
+    store.flush()
+    shape = {"layers": 2, "head_dim": 8, "dtype": torch.bfloat16}
+    with store.loading(NS, tokens, **shape, offset=T) as loaded:
+        assert loaded.tokens == 3 * T and sum(v.shape[0] for _, v in loaded.views) == 3
+        store.drop_dram()  # the held chunks are in use: not evicted under the views
+        heads = HeadRange(0, kv.shape[2], kv.shape[2])
+        assert [store.in_dram(NS.id, key.hex(), heads) for key in chunk_keys(NS, tokens, T)] == \
+            [False, True, True, True]
+        got = torch.cat([v for _, v in loaded.views]).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+        assert torch.equal(got, kv[:, :, :, T:])
+    assert store.dram.audit()["refs"] == 0 and loaded.views == []  # none kept past the pins
+    with store.loading(NS, synthetic_tokens(25, T), **shape) as missed:
+        assert missed.views == [] and missed.tokens == 0
+    with pytest.raises(RuntimeError, match="engine failed"), store.loading(NS, tokens, **shape):
+        raise RuntimeError("the engine failed mid-copy")
+    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
 
 
 def test_a_load_hands_over_the_chunks_before_a_missing_one(make_store, tmp_path) -> None:

@@ -75,6 +75,12 @@ class LayerCopies:
             raise errors[0]
 
 
+    def close(self) -> None:
+        """Let the helper threads end once their copies are done (never waits)."""
+        if self._pool is not None:
+            self._pool.close()
+
+
 def _in_inference_mode(copy: Callable[[slice], None], layers: slice) -> None:
     """``copy(layers)`` in torch's inference mode, which is per thread: vLLM makes its caches (inference tensors, or
     views taken in its steps) in it, and they are written in place only within it; a normal tensor may be written

@@ -300,9 +300,15 @@ class KVStore:
         on a miss the block gets no views and 0 tokens."""
         with self._reads.opened(ns, tokens, tp_rank, tp_size, offset, kv_heads, Shape(layers, head_dim, dtype),
                                 partial=True, local_only=local_only, tail=tail) as (plans, shape):
-            views = [] if not plans or shape is None else \
-                chunk_views(self.dram, self.chunk_tokens, plans, shape, torch.device(device))
-            yield Loaded(views, min(len(plans) * self.chunk_tokens, len(tokens) - offset))
+            views: list[tuple[int, torch.Tensor]] = []
+            if plans:
+                assert shape is not None, "a planned chunk fixes the shape"
+                views = chunk_views(self.dram, self.chunk_tokens, plans, shape, torch.device(device))
+            loaded = Loaded(views, min(len(plans) * self.chunk_tokens, len(tokens) - offset))
+            try:
+                yield loaded
+            finally:
+                views.clear()  # their pages are released next: a view kept past the block would see others' KV
 
     # -- housekeeping ------------------------------------------------------------------------------------------
     def _evicted(self, entry: object) -> None:

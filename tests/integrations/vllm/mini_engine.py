@@ -195,14 +195,15 @@ class MiniEngine:
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)  # type: ignore[arg-type] # kvtier reads no forward context
             first = loaded_upto // BLOCK
-            # The forward pass, layer by layer: each layer's attention waits for that layer's load, then reads
-            # the loaded blocks (kept here, to check no load wrote them after), and its new tokens' KV is written.
+            # The forward pass, layer by layer, as vLLM runs it: the new tokens' KV is written into their blocks
+            # (vLLM's cache update, before the layer's attention), then the attention waits for that layer's load
+            # and reads the loaded blocks (kept here, to check no load wrote them after).
             read: list[torch.Tensor] = []
             for layer in range(LAYERS):
-                worker.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
-                read.append(self.caches[rank][layer][blocks[:first]].clone())
                 if first < len(blocks):
                     self._compute(rank, ref[:, :, :, first * BLOCK:], blocks[first:], layer)
+                worker.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+                read.append(self.caches[rank][layer][blocks[:first]].clone())
             worker.wait_for_save()
             step_errors = worker.get_block_ids_with_load_errors()
             errors |= step_errors

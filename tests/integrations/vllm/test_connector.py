@@ -324,7 +324,7 @@ def test_with_a_spare_core_loads_copy_layer_by_layer_and_saves_split_exactly(eng
     real_copy, real_gather = worker_module._copy_layer, layouts.gather_chunks
 
     def copy_layer(*args):  # type: ignore[no-untyped-def]
-        loads.append((threading.current_thread().name, args[-1]))
+        loads.append((threading.current_thread().name, args[3]))  # (dsts, srcs, rest, layer, copies)
         real_copy(*args)
 
     def gather(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -359,7 +359,7 @@ def test_a_copy_failing_on_the_loader_thread_fails_the_load_and_never_holds_the_
     real = worker_module._copy_layer
 
     def failing(*args):  # type: ignore[no-untyped-def]
-        if args[-1] == 1:
+        if args[3] == 1:  # (dsts, srcs, rest, layer, copies)
             raise Injected("layer 1's copy")
         real(*args)
 
@@ -374,7 +374,54 @@ def test_a_copy_failing_on_the_loader_thread_fails_the_load_and_never_holds_the_
     assert torch.equal(mini.read(again.blocks, 1024), reference_kv(tokens))
 
 
-def test_a_loader_that_cannot_take_the_loads_leaves_them_to_the_step(engines: Engines,
+def test_a_layers_attention_waits_for_that_layers_copies_only(engines: Engines,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer 1's copies held back on the loader thread: the wait for layer 0 returns (its copies are done), the
+    wait for layer 1 does not until they are; then the step's save and load errors follow as usual."""
+    import threading
+
+    import kvtier.integrations.vllm._worker as worker_module
+
+    monkeypatch.setattr(worker_module, "spare_cores", lambda: 1)
+    mini = engines()
+    tokens = prompt(64, 1024)
+    mini.prefill(request("first", tokens))
+    gate = threading.Event()
+    real = worker_module._copy_layer
+
+    def held(*args):  # type: ignore[no-untyped-def]
+        if args[3] == 1:  # (dsts, srcs, rest, layer, copies)
+            assert gate.wait(10)
+        real(*args)
+
+    monkeypatch.setattr(worker_module, "_copy_layer", held)
+    req = request("again", tokens)
+    assert mini.scheduler.get_num_new_matched_tokens(req, 0) == (896, False)
+    blocks = mini._free[:8]
+    meta = admit(mini, req, blocks, 0, 896)
+    worker = mini.workers[0]
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)  # type: ignore[arg-type] # kvtier reads no forward context
+    waits: dict[int, threading.Event] = {layer: threading.Event() for layer in range(2)}
+
+    def attend(layer: int) -> None:
+        worker.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+        waits[layer].set()
+
+    for layer in range(2):
+        threading.Thread(target=attend, args=(layer,), daemon=True).start()
+    assert waits[0].wait(10)
+    assert torch.equal(mini.read(blocks[:7], 896)[:1], reference_kv(tokens)[:1, :, :, :896])  # layer 0 loaded
+    assert not waits[1].wait(0.3)  # layer 1's copies are held: its attention waits
+    gate.set()
+    assert waits[1].wait(10)
+    worker.wait_for_save()
+    assert not worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    assert torch.equal(mini.read(blocks[:7], 896), reference_kv(tokens)[:, :, :, :896])
+
+
+def test_a_loader_that_cannot_take_the_loads_leaves_them_to_the_step(engines: Engines, store_cfg: dict,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The loader thread cannot be started (the process is out of threads): the step loads in ``start_load_kv``
     instead, exactly, and the failure is counted."""
@@ -391,8 +438,10 @@ def test_a_loader_that_cannot_take_the_loads_leaves_them_to_the_step(engines: En
         raise RuntimeError("can't start new thread")
 
     monkeypatch.setattr(loader, "submit", refuse)
+    before = counters(store_cfg).get("connector_errors_total{hook=start_load_kv}", 0)
     step = mini.prefill(request("again", tokens))
     assert step.hit == 896 and not step.load_errors
+    assert counters(store_cfg)["connector_errors_total{hook=start_load_kv}"] == before + 1
     assert torch.equal(mini.read(step.blocks, 1024), reference_kv(tokens))
 
 

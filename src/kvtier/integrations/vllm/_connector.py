@@ -283,6 +283,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._worker_side is not None:
+            try:
+                self._worker_side.close()
+            except Exception as exc:  # noqa: BLE001 the store is released all the same
+                self._metrics.error("shutdown", exc)
         shared, self._shared = self._shared, None
         if shared is not None:
             release(shared)

@@ -41,6 +41,7 @@ _CONSEQUENCE = {
     "wait_for_save": "the save is dropped",
     "build_connector_worker_meta": "the scheduler misses chunks this worker's DRAM holds",
     "take_events": "kvtier's KV events leave those chunks unannounced",
+    "shutdown": "the worker's threads end with the process",
 }
 
 

@@ -28,6 +28,7 @@ import torch
 
 from kvtier import tracing
 from kvtier.errors import ConfigError
+from kvtier.health import FirstOfKind
 from kvtier.integrations.copies import LayerCopies, spare_cores
 from kvtier.integrations.layouts import Layout, Scatter, gather_chunks, kv_shape
 from kvtier.integrations.vllm._dram_index import DramReport
@@ -43,9 +44,12 @@ TensorParallel = Callable[[], tuple[int, int]]  # -> (rank, size)
 LOAD_THREADS = 2  # asynchronous loads in flight at once; the rest wait in order (none is ever dropped)
 
 
-def _copy_layer(dsts: list[torch.Tensor], srcs: list[torch.Tensor], rest: list[Scatter], layer: int) -> None:
+def _copy_layer(dsts: list[torch.Tensor], srcs: list[torch.Tensor], rest: list[Scatter], layer: int,
+                copies: LayerCopies) -> None:
+    """One layer's copies: the strided ones in one call a thread (over the loader and ``copies``' helpers), then
+    any that need a conversion first."""
     if dsts:  # (torch refuses an empty list: every load of the step failed to plan)
-        torch._foreach_copy_(dsts, srcs)
+        copies.run(lambda part: torch._foreach_copy_(dsts[part], srcs[part]), len(dsts))
     for scatter in rest:
         scatter.layers(slice(layer, layer + 1))
 
@@ -80,6 +84,8 @@ class WorkerSide:
         self._loader: DaemonPool | None = None  # copies in-step loads layer by layer, where a core is spare
         self._layer_of: dict[str, int] = {}  # vLLM's layer name -> its cache's index
         self._layered: _Layered | None = None  # this step's in-step loads, on the loader thread
+        self._layer_helpers = LayerCopies(0)  # split each layer's copies beside the loader, where cores allow
+        self._logged_names = FirstOfKind()
         # request -> (its blocks, its load's outcome: the blocks it failed), until reported finished
         self._async: dict[str, tuple[set[int], Future[set[int]]]] = {}
         self._step = 0  # the last metadata's step whose loads ran here
@@ -105,6 +111,9 @@ class WorkerSide:
         self._copies = LayerCopies(spare_cores() if first.device.type == "cpu" else 0)
         if self._copies.helpers:
             self._loader = DaemonPool("kvtier-layers", 1)
+            # The loader takes one spare core; each layer's copies are split with the others, if any (unmeasured:
+            # on 2 cores there are none, and one thread's copies keep ahead of the forward pass there).
+            self._layer_helpers = LayerCopies(self._copies.helpers - 1)
             log.info("kvtier: loads copy layer by layer beside the forward pass; saves copy on %d more thread(s) "
                      "beside the engine's", self._copies.helpers)
         # Checked once here: a mismatch would otherwise fail every save and load, each contained and counted.
@@ -116,6 +125,18 @@ class WorkerSide:
         if heads != want:
             raise ConfigError(f"KVTierConnector: rank {rank} of {size} holds {heads} KV heads, but a model with "
                               f"{self._kv_heads} KV heads gives each rank {want}; unsupported attention layout")
+
+    def close(self) -> None:
+        """At the engine's shutdown: wait for a step's loads still copying (their pins are released then), and let
+        every thread of this worker end once its work is done."""
+        try:
+            self._join_layers()
+        finally:
+            for pool in (self._loader, self._background):
+                if pool is not None:
+                    pool.close()
+            self._copies.close()
+            self._layer_helpers.close()
 
     # -- loads -----------------------------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata, tp: TensorParallel) -> None:
@@ -153,12 +174,13 @@ class WorkerSide:
         if self._loader is None:
             return False
         ready = [threading.Event() for _ in self._caches]
+        promised = set().union(*(self._promised(load) for load in loads))
         try:
             failed = self._loader.submit(functools.partial(self._by_layers, loads, rank, size, ready))
         except Exception as exc:  # noqa: BLE001 contained: counted, logged once; loaded here instead
             self._metrics.error("start_load_kv", exc)
             return False
-        self._layered = _Layered(ready, failed, set().union(*(self._promised(load) for load in loads)))
+        self._layered = _Layered(ready, failed, promised)
         return True
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -169,6 +191,9 @@ class WorkerSide:
             return
         try:
             layer = self._layer_of.get(layer_name)
+            if layer is None and self._logged_names.first("layer", layer_name):
+                log.warning("kvtier: vLLM waits for layer %r, which holds no registered KV cache; it waits for "
+                            "every layer's load", layer_name)
             for event in layered.ready if layer is None else [layered.ready[layer]]:
                 event.wait()
         except BaseException:  # the layer may be read half copied: every block the loads fill is recomputed
@@ -183,9 +208,13 @@ class WorkerSide:
             return
         try:
             failed = layered.failed.result()
-        except BaseException as exc:  # noqa: BLE001 _by_layers never raises; this is the wait itself failing
+        except Exception as exc:  # noqa: BLE001 _by_layers never raises; this is the wait itself failing
             self._metrics.error("start_load_kv", exc)
             failed = layered.promised
+        except BaseException:  # interrupted: the job may still write its blocks, which vLLM must recompute
+            self._failed |= layered.promised
+            self._load_errors |= layered.promised
+            raise
         self._failed |= failed
         self._load_errors |= failed
 
@@ -251,7 +280,7 @@ class WorkerSide:
                 else:
                     dsts += pairs[0]
                     srcs += pairs[1]
-            calls.append(functools.partial(_copy_layer, dsts, srcs, rest, layer))
+            calls.append(functools.partial(_copy_layer, dsts, srcs, rest, layer, self._layer_helpers))
         return calls
 
     def _open(self, held: contextlib.ExitStack, load: Transfer, rank: int,
