@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from pathlib import Path
 
@@ -459,6 +460,76 @@ def test_loading_holds_every_view_pinned_until_its_block_ends(make_store) -> Non
     with pytest.raises(RuntimeError, match="engine failed"), store.loading(NS, tokens, **shape):
         raise RuntimeError("the engine failed mid-copy")
     assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
+
+
+def read_by_layers(store: KVStore, tokens: list[int], layers: int = 2) -> tuple[int, torch.Tensor | None]:
+    """A load by layers as the vLLM connector runs one: every layer read, then copied out, in order; the tokens
+    verified and the KV copied (None when nothing was found)."""
+    with store.loading(NS, tokens, layers=layers, head_dim=8, dtype=torch.bfloat16, by_layers=True) as loaded:
+        if not loaded.views:
+            return 0, None
+        out = torch.empty(layers, 2, 4, loaded.views[-1][0] * T + loaded.views[-1][1].shape[0] * T, 8,
+                          dtype=torch.bfloat16)
+        for layer in range(layers):
+            loaded.read_layer(layer)
+            for first, kv in loaded.views:
+                span = slice(first * T, (first + kv.shape[0]) * T)
+                out[layer, :, :, span] = kv[:, layer].permute(1, 2, 0, 3, 4).flatten(2, 3)
+        return loaded.verified(), out
+
+
+def test_a_load_by_layers_reads_a_disks_shards_a_layer_at_a_time_and_verifies_them(make_store, tmp_path) -> None:
+    """From a disk, a load by layers opens each shard and reads its payload a layer at a time into DRAM, hashing
+    as it goes: the KV copied out is exact, and once verified the shards are promoted into DRAM (the next load
+    needs no disk). A shard with one flipped byte in its last layer fails its checksum only once all of it is
+    read: the tokens verified stop at its chunk, the file is removed and counted, nothing of it stays in DRAM.
+    Nothing leaks: no page, no reservation, no open file."""
+    store = make_store(page_bytes="4KiB")
+    tokens = synthetic_tokens(26, 4 * T)
+    kv = synthetic_kv(tokens, heads=4)
+    store.put(NS, tokens, kv)
+    store.flush()
+    store.drop_dram()
+    fds = len(os.listdir("/proc/self/fd"))
+    assert store.lookup(NS, tokens, local_only=True) == 4 * T
+    verified, got = read_by_layers(store, tokens)
+    assert verified == 4 * T and got is not None and torch.equal(got, kv)
+    heads = HeadRange(0, 4, 4)
+    assert all(store.in_dram(NS.id, key.hex(), heads) for key in chunk_keys(NS, tokens, T))  # promoted
+
+    store.drop_dram()
+    third = next((tmp_path / "fs").rglob(f"{chunk_keys(NS, tokens, T)[2].hex()}.*.kv"))
+    blob = bytearray(third.read_bytes())
+    blob[-3] ^= 0x10  # in the last layer's bytes: seen by the checksum only at the end
+    third.write_bytes(blob)
+    before = store.stats()["filesystem"]["corrupt_objects_total"]
+    verified, got = read_by_layers(store, tokens)
+    assert verified == 2 * T and got is not None and torch.equal(got[:, :, :, :2 * T], kv[:, :, :, :2 * T])
+    assert not third.exists() and store.stats()["filesystem"]["corrupt_objects_total"] == before + 1
+    assert [store.in_dram(NS.id, key.hex(), heads) for key in chunk_keys(NS, tokens, T)] == [True, True, False, True]
+    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_load_by_layers_that_stops_early_promotes_nothing_unverified(make_store) -> None:
+    """The caller's block ends before every layer is read (the engine failed mid-step): the shards opened for it
+    are aborted, never promoted, their files closed; the next load reads them again from the disk, exactly."""
+    store = make_store(page_bytes="4KiB")
+    tokens = synthetic_tokens(27, 3 * T)
+    kv = synthetic_kv(tokens, heads=4)
+    store.put(NS, tokens, kv)
+    store.flush()
+    store.drop_dram()
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(RuntimeError, match="mid-step"), \
+            store.loading(NS, tokens, layers=2, head_dim=8, dtype=torch.bfloat16, by_layers=True) as loaded:
+        loaded.read_layer(0)
+        raise RuntimeError("the engine failed mid-step")
+    assert not any(store.in_dram(NS.id, key.hex(), HeadRange(0, 4, 4)) for key in chunk_keys(NS, tokens, T))
+    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
+    assert len(os.listdir("/proc/self/fd")) == fds
+    verified, got = read_by_layers(store, tokens)
+    assert verified == 3 * T and got is not None and torch.equal(got, kv)
 
 
 def test_a_load_hands_over_the_chunks_before_a_missing_one(make_store, tmp_path) -> None:

@@ -21,7 +21,7 @@ The parts, each a module of this package: :mod:`~kvtier.store.writes` (puts, the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -50,14 +50,32 @@ from kvtier.tiers.base import TIERS, Tier
 _SHAPES_KEPT = 4096  # namespaces whose shards' shape a store remembers (one per tenant salt: the recent ones)
 
 
-@dataclasses.dataclass(frozen=True)
 class Loaded:
     """What :meth:`KVStore.loading` found: ``views`` as :meth:`KVStore.load` hands them to its sink, in chunk order
     (``(first chunk, [count, layers, 2, heads, chunk_tokens, head_dim])``), and the ``tokens`` they hold from
-    the offset on."""
+    the offset on. In a load ``by_layers``, shards from a local disk are only opened at first: their views fill
+    as :meth:`read_layer` reads each layer, and :meth:`verified` checks them."""
 
-    views: list[tuple[int, torch.Tensor]]
-    tokens: int
+    def __init__(self, views: list[tuple[int, torch.Tensor]], tokens: int,
+                 read_layer: Callable[[int], None] | None = None,
+                 finish: Callable[[], int | None] | None = None, chunk_tokens: int = 0) -> None:
+        self.views = views
+        self.tokens = tokens
+        self._read_layer = read_layer
+        self._finish = finish
+        self._chunk_tokens = chunk_tokens
+
+    def read_layer(self, layer: int) -> None:
+        """Read layer ``layer`` of the shards opened for it, into their views (call for every layer, in order,
+        before copying that layer out; a no-op where nothing was left to read)."""
+        if self._read_layer is not None:
+            self._read_layer(layer)
+
+    def verified(self) -> int:
+        """Once every layer is read: the tokens from the offset on whose KV is good (:attr:`tokens`, or less from
+        the first chunk whose shard failed its checksum or its read: KV copied out of it must not be used)."""
+        bad = None if self._finish is None else self._finish()
+        return self.tokens if bad is None else min(self.tokens, bad * self._chunk_tokens)
 
 
 def open_tiers(config: StoreConfig) -> list[Tier]:
@@ -293,18 +311,29 @@ class KVStore:
     @contextlib.contextmanager
     def loading(self, ns: Namespace, tokens: Tokens, *, layers: int, head_dim: int, dtype: torch.dtype,
                 tp_rank: int = 0, tp_size: int = 1, offset: int = 0, kv_heads: int | None = None,
-                device: torch.device | str = "cpu", local_only: bool = False, tail: bool = False) -> Iterator[Loaded]:
+                device: torch.device | str = "cpu", local_only: bool = False, tail: bool = False,
+                by_layers: bool = False) -> Iterator[Loaded]:
         """:meth:`load`'s views all at once, for a ``with`` block: valid, and pinned in DRAM, until it ends. For a
         caller that copies them in another order than chunk by chunk (the vLLM connector copies a load layer by
         layer, as the engine's forward pass reaches each layer). Same arguments and checks as :meth:`load`;
-        on a miss the block gets no views and 0 tokens."""
+        on a miss the block gets no views and 0 tokens.
+
+        With ``by_layers`` (plain shards only), a shard read from a local disk is not read whole before the block:
+        the caller reads it a layer at a time (:meth:`Loaded.read_layer`, every layer in order, each before it
+        copies that layer out) and then asks :meth:`Loaded.verified` which tokens are good; each shard is
+        checked against its checksum as its last layer lands, and promoted into DRAM only then. KV copied out of
+        a shard that fails is the caller's to discard (the connector reports those blocks to vLLM)."""
         with self._reads.opened(ns, tokens, tp_rank, tp_size, offset, kv_heads, Shape(layers, head_dim, dtype),
-                                partial=True, local_only=local_only, tail=tail) as (plans, shape):
+                                partial=True, local_only=local_only, tail=tail,
+                                by_layers=by_layers) as (plans, shape, read):
             views: list[tuple[int, torch.Tensor]] = []
             if plans:
                 assert shape is not None, "a planned chunk fixes the shape"
                 views = chunk_views(self.dram, self.chunk_tokens, plans, shape, torch.device(device))
-            loaded = Loaded(views, min(len(plans) * self.chunk_tokens, len(tokens) - offset))
+            deferred = bool(read.deferred)
+            loaded = Loaded(views, min(len(plans) * self.chunk_tokens, len(tokens) - offset),
+                            functools.partial(self._reads.fill_layer, read) if deferred else None,
+                            functools.partial(self._reads.finish, read) if deferred else None, self.chunk_tokens)
             try:
                 yield loaded
             finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,7 @@ from kvtier.store.guard import GuardedTier
 
 if TYPE_CHECKING:
     from kvtier.sealing import Tenant
+    from kvtier.tiers.base import Ranges
 
 
 def full_cover(ranges: list[HeadRange], kv_heads: int | None = None) -> bool:
@@ -92,6 +93,12 @@ class Read:
     heads: dict[str, dict[str, list[HeadRange]]] = dataclasses.field(default_factory=dict)
     ahead: list[tuple[GuardedTier, ShardKey, str | None]] = dataclasses.field(default_factory=list)  # + parent
     started: dict[tuple[str, ShardKey], Future[Fetched] | Filling] = dataclasses.field(default_factory=dict)
+    # A load that reads a local file's payload a layer at a time (KVStore.loading's by_layers): its shards so
+    # read, each in a reserved DRAM entry, verified and promoted once every layer is read (Reads.finish).
+    by_layers: bool = False
+    deferred: list[Deferred] = dataclasses.field(default_factory=list)
+    position: int = 0  # the chunk being planned, counted from the read's first
+    one_piece: bool = False  # that chunk's heads come from one shard (only such a shard is read by layers)
 
     def admit(self, meta: frame.ShardMeta, chunk_tokens: int) -> bool:
         """Whether a shard of this shape belongs in this read (the first one fixes the shape when none was)."""
@@ -100,6 +107,23 @@ class Read:
         if self.shape is None:
             self.shape = Shape.of(meta)
         return Shape.of(meta) == self.shape
+
+
+@dataclasses.dataclass
+class Deferred:
+    """A shard whose payload its read's caller reads layer by layer into its reserved DRAM entry, hashing each
+    piece as it lands (the payload is layer-major: layer after layer is payload order); verified at the end."""
+
+    position: int  # its chunk, counted from the read's first
+    guard: GuardedTier
+    key: ShardKey
+    entry: DramEntry
+    ranges: Ranges
+    header: frame.Header
+    hasher: Any  # an xxh3_128 over the payload read so far
+    layers: int = 0  # read so far
+    seconds: float = 0.0  # spent reading and hashing
+    error: Exception | None = None  # a failed piece: the shard is not served
 
 
 HeadPlan = list[tuple[HeadRange, int, int]]  # each range used, and the heads [a, b) taken from it (keys.cover)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+import xxhash
 
 from kvtier import frame
 from kvtier.dram import DramEntry, DramPool
@@ -19,11 +20,12 @@ from kvtier.metrics import StoreMetrics
 from kvtier.recent import RecentMap
 from kvtier.store.guard import GuardedTier
 from kvtier.store.lookups import readable
-from kvtier.store.plan import Fetched, Filling, HeadPlan, Piece, Read, Shape, plan_heads
+from kvtier.store.plan import Deferred, Fetched, Filling, HeadPlan, Piece, Read, Shape, plan_heads
 from kvtier.store.prefetch import Prefetch
 from kvtier.store.shards import ShardReads
 from kvtier.store.tenancy import Tenancy
 from kvtier.store.writes import Tokens, Writes
+from kvtier.tiers.base import Ranges
 
 log = logging.getLogger("kvtier.store")
 # Re-plans of one chunk after a piece failed; each failure removes a shard, so a few always suffice.
@@ -53,7 +55,7 @@ class Reads:
         the plans to ``use``, then release what was pinned; returns how many chunks were handed over. On a miss:
         0 (``use`` not called), or with ``partial`` the chunks before it."""
         with self.opened(ns, tokens, tp_rank, tp_size, offset, kv_heads, wanted, partial, local_only,
-                         tail) as (plans, shape):
+                         tail) as (plans, shape, _):
             if plans:
                 assert shape is not None, "a planned chunk fixes the shape"
                 use(plans, shape)
@@ -62,9 +64,10 @@ class Reads:
     @contextlib.contextmanager
     def opened(self, ns: Namespace, tokens: Tokens, tp_rank: int, tp_size: int, offset: int,
                kv_heads: int | None, wanted: Shape | None, partial: bool, local_only: bool,
-               tail: bool) -> Iterator[tuple[list[list[Piece]], Shape | None]]:
-        """The plans of :meth:`read` (none on a miss) and their shape, everything they name pinned until the block
-        ends."""
+               tail: bool, by_layers: bool = False) -> Iterator[tuple[list[list[Piece]], Shape | None, Read]]:
+        """The plans of :meth:`read` (none on a miss), their shape and the read, everything they name pinned until
+        the block ends. With ``by_layers``, shards from a tier that reads in pieces (a local file) are only
+        opened: the caller reads them a layer at a time (:meth:`fill_layer`), then :meth:`finish` verifies them."""
         start = time.perf_counter()
         t = self._chunk_tokens
         if (len(tokens) % t and not tail) or offset % t or not 0 <= offset < len(tokens):
@@ -84,10 +87,11 @@ class Reads:
             shape = wanted
         chunks = [k.hex() for k in chunk_keys(ns, tokens, t, tail=tail)]
         read = Read(ns.id, tp_rank, tp_size, kv_heads, shape, readable(self._guards, decision, local_only),
-                    allowed=decision.allowed, tenant=tenant, owner=None if tenant is None else tenant.key_id)
+                    allowed=decision.allowed, tenant=tenant, owner=None if tenant is None else tenant.key_id,
+                    by_layers=by_layers and self.shards.plain)
         try:
             plans = self._plan(read, chunks, offset // t, partial)
-            yield plans, read.shape
+            yield plans, read.shape, read
         finally:
             self._end(read)
         if plans:
@@ -98,6 +102,7 @@ class Reads:
         self.prefetch.plan(read, chunks, first)
         plans: list[list[Piece]] = []
         for i in range(first, len(chunks)):
+            read.position = i - first
             pieces = self._plan_chunk(read, chunks[i], chunks[i - 1] if i else None)
             if pieces is None:
                 self._metrics.misses.inc()
@@ -106,6 +111,10 @@ class Reads:
         return plans
 
     def _end(self, read: Read) -> None:
+        for deferred in read.deferred:  # not finished (the caller's block ended early): never served
+            deferred.ranges.close()
+            self._dram.abort(deferred.entry)
+        read.deferred.clear()
         for started in read.started.values():  # not needed after all (a miss before them)
             if isinstance(started, Filling):
                 self._abort_when_done(started)
@@ -139,6 +148,7 @@ class Reads:
     def _gather(self, read: Read, chunk: str, parent: str | None, plan: HeadPlan, lo: int) -> list[Piece] | None:
         """Pin the planned DRAM entries and fetch the rest; None if a piece went missing or does not fit."""
         pieces: list[Piece] = []
+        read.one_piece = len(plan) == 1  # (a chunk assembled from pieces is copied at once: read whole)
         for rng, a, b in plan:
             entries = self._dram.acquire(read.namespace, chunk, [rng], read.owner)
             source: DramEntry | torch.Tensor | None
@@ -187,6 +197,10 @@ class Reads:
                                            (guard.name, key) not in read.started):
                 entry = self._dram.reserve(key, read.shape.meta(self._chunk_tokens, key.heads), parent, read.owner)
                 if isinstance(entry, DramEntry):
+                    if read.by_layers and read.one_piece and guard.tier.ranged_reads and len(entry.extents) == 1:
+                        if self._defer(read, guard, key, entry):
+                            return entry
+                        continue
                     if self._read_into(read, guard, key, entry):
                         return entry
                     continue
@@ -198,6 +212,87 @@ class Reads:
             if fetched is not None:
                 return fetched
         return None
+
+    # -- shards read a layer at a time (a load by layers) ------------------------------------------------------
+    def _defer(self, read: Read, guard: GuardedTier, key: ShardKey, entry: DramEntry) -> bool:
+        """Open one shard's file and check its header, for its caller to read the payload into ``entry`` a layer
+        at a time; False (the entry aborted) when it is missing or its header is not what the read expects."""
+        header_len = self.shards.header_len
+
+        def opened() -> tuple[Ranges, frame.Header] | None:
+            ranges = guard.tier.open_ranges(key, header_len, entry.meta.nbytes)
+            if ranges is None:
+                return None
+            try:
+                header = frame.decode_header(ranges.header)
+                if header.key != key:
+                    raise frame.FrameError(f"object holds {header.key.name}, expected {key.name}")
+                if header.sealing is not None:
+                    raise frame.UnknownKey("sealed, and this store has no encryption key")
+                if header.meta != entry.meta or header.payload_len != entry.meta.nbytes:
+                    raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected "
+                                           f"{entry.meta.shape} {entry.meta.dtype}")
+                guard.check_age(header)
+            except BaseException:
+                ranges.close()
+                raise
+            return ranges, header
+
+        got = guard.read(key, opened)
+        if got is None:
+            self._dram.abort(entry)
+            return False
+        read.deferred.append(Deferred(read.position, guard, key, entry, got[0], got[1], xxhash.xxh3_128()))
+        return True
+
+    def fill_layer(self, read: Read, layer: int) -> None:
+        """Read layer ``layer`` of every shard :meth:`_defer` opened into its entry, hashing it as it lands; layers
+        are read in order, each once. A failed piece fails its shard (reported by :meth:`finish`)."""
+        assert read.shape is not None, "a deferred shard fixed the read's shape"
+        for deferred in read.deferred:
+            if deferred.error is not None:
+                continue
+            start = time.perf_counter()
+            try:
+                if layer != deferred.layers:
+                    raise ValueError(f"layer {layer} read after {deferred.layers} of {read.shape.layers}")
+                per = deferred.entry.meta.nbytes // read.shape.layers
+                piece = self._dram.views(deferred.entry)[0][layer * per:(layer + 1) * per]
+                deferred.ranges.read_into(layer * per, [piece])
+                deferred.hasher.update(piece)
+                deferred.layers += 1
+            except Exception as exc:  # noqa: BLE001 the shard is a miss: counted by its tier's guard at the finish
+                deferred.error = exc
+            deferred.seconds += time.perf_counter() - start
+
+    def finish(self, read: Read) -> int | None:
+        """Verify every shard read a layer at a time and promote the good ones into DRAM; the first chunk whose
+        shard failed (counted from the read's first; its KV must not be used), or None when all are good. A bad
+        shard counts against its tier as any bad read does (a corrupt file is removed)."""
+        assert read.shape is not None, "a deferred shard fixed the read's shape"
+        bad: int | None = None
+        deferred_reads, read.deferred = read.deferred, []
+        for deferred in deferred_reads:
+            deferred.ranges.close()
+            error = deferred.error
+            if error is None and deferred.layers != read.shape.layers:
+                error = frame.FrameError(f"payload read to layer {deferred.layers} of {read.shape.layers}")
+            if error is None and deferred.hasher.digest() != deferred.header.payload_checksum:
+                error = frame.FrameError("payload checksum mismatch")
+            if error is None:
+                self._metrics.tier_read_seconds.labels(deferred.guard.name).observe(deferred.seconds)
+                self._metrics.bytes_read.labels(deferred.guard.name).inc(
+                    self.shards.header_len + deferred.entry.meta.nbytes)
+                if self._promote(read, deferred.guard, deferred.entry, deferred.header.created):
+                    continue
+            else:
+                def failed(exc: Exception = error) -> None:
+                    raise exc
+
+                deferred.guard.read(deferred.key, failed)  # counted (and a corrupt file removed) as a bad read
+                self._dram.abort(deferred.entry)
+            bad = deferred.position if bad is None else min(bad, deferred.position)
+        return bad
 
     def _read_into(self, read: Read, guard: GuardedTier, key: ShardKey, entry: DramEntry) -> bool:
         """Read a shard straight into its reserved entry and promote it; False (the entry aborted or discarded)

@@ -30,6 +30,7 @@ class ShardReads:
         self._metrics = metrics
         self._opener = opener
         self.header_len = frame.HEADER_LEN if opener is None else frame.SEALED_HEADER_LEN
+        self.plain = opener is None  # shards are checked by their checksum (else opened: decrypted whole)
 
     def get(self, guard: GuardedTier, key: ShardKey) -> Fetched | None:
         """Read and verify one shard (on any thread); raises what the tier or the check raises."""

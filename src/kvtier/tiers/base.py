@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from kvtier.config import build_dataclass
 from kvtier.errors import ObjectError
@@ -31,6 +31,19 @@ class StoredObject:
     last_used: float
 
 
+class Ranges(Protocol):
+    """An object opened for reads of its payload in pieces (:meth:`Tier.open_ranges`)."""
+
+    header: bytes  # its first header_len bytes
+    payload_len: int  # the bytes after them
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` in order from the payload's byte ``offset``; raises ObjectError where it ends first."""
+
+    def close(self) -> None:
+        """Release the object (e.g. its file descriptor)."""
+
+
 class Tier(ABC):
     """A secondary tier. Subclasses set ``Options`` (a dataclass validated from the config) and ``persistent``."""
 
@@ -47,6 +60,9 @@ class Tier(ABC):
     # prompt's tails in the same question as its chunks. Off where each key costs a request of its own (S3's
     # listings), so that a miss costs no requests for tails.
     heads_in_one_call: ClassVar[bool] = True
+    # Opens an object for reads of its payload in pieces (open_ranges): a local file, read a layer at a time by
+    # a load that copies each layer as soon as it is read.
+    ranged_reads: ClassVar[bool] = False
     # Reads the shards a get needs from this tier several at a time (get_into_many, a few shards a call), on reading
     # threads, each straight into the DRAM entry reserved for it: for tiers with a batched read (Mooncake's).
     batch_reads: ClassVar[bool] = False
@@ -83,6 +99,13 @@ class Tier(ABC):
         (a file: ``readv``) saves that copy."""
         blob = self.get(key)
         return None if blob is None else self._split(key, blob, header_len, payload)
+
+    def open_ranges(self, key: ShardKey, header_len: int, payload_len: int) -> Ranges | None:
+        """The object under ``key`` opened for reads of its payload in pieces, in any order (None if absent):
+        its first ``header_len`` bytes read already; one of another size than ``header_len + payload_len`` is
+        malformed (:class:`~kvtier.errors.ObjectError`). Only where :attr:`ranged_reads`; the caller verifies the
+        payload once it has read all of it, and closes what it opened."""
+        raise NotImplementedError(f"tier {self.name} reads objects whole")
 
     def get_into_many(self, reads: Sequence[tuple[ShardKey, int, Sequence[memoryview]]]) \
             -> list[bytes | Exception | None]:

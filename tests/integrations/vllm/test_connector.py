@@ -290,6 +290,32 @@ def test_a_load_missing_a_chunk_loads_the_chunks_before_it(engines: Engines, sto
     assert delta["connector_load_seconds_count"] == 1
 
 
+def test_a_shard_corrupt_on_disk_is_recomputed_from_its_chunk_on(engines: Engines, store_cfg: dict,
+                                                                   tmp_path: Any) -> None:
+    """Three chunks on the disk, one byte of the second's last layer flipped: loaded by layers, its KV was copied
+    into the blocks before its checksum could fail, so the blocks from its chunk on are reported for vLLM to
+    recompute, as when it is read whole (in the step); the first chunk's KV is exact, the file removed, and
+    nothing computed over the bad blocks is saved before vLLM recomputes them."""
+    mini = engines()
+    tokens = prompt(51, 800)
+    mini.prefill(request("first", tokens))
+    store = shared_store(store_cfg)
+    assert store is not None
+    store.flush()
+    store.drop_dram()
+    second = chunk_keys(mini.scheduler._scheduler._names.for_request(request("x", tokens)), tokens, 256)[1].hex()
+    victim = next((tmp_path / "kv").rglob(f"{second}.*.kv"))
+    blob = bytearray(victim.read_bytes())
+    blob[-5] ^= 0x01
+    victim.write_bytes(blob)
+    step = mini.prefill(request("again", tokens))
+    assert step.hit == 768 and step.load_errors == set(step.blocks[2:6])
+    assert torch.equal(mini.read(step.blocks, 256), reference_kv(tokens)[:, :, :, :256])
+    assert not victim.exists()
+    ns = mini.scheduler._scheduler._names.for_request(request("x", tokens))
+    assert store.held(ns, tokens[:768], kv_heads=2) == 256  # the bad chunk was neither promoted nor saved again
+
+
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_a_prompt_asked_again_exactly_loads_into_its_last_chunk(engines: Engines, tp_size: int) -> None:
     """1,024 tokens (four whole chunks), asked again: the hit ends one block before the last token, as vLLM's

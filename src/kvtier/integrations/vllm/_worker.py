@@ -35,7 +35,7 @@ from kvtier.integrations.vllm._dram_index import DramReport
 from kvtier.integrations.vllm._shared import ConnectorMetrics
 from kvtier.integrations.vllm._wire import KVTierMetadata, KVTierWorkerMetadata, Transfer
 from kvtier.keys import rank_heads
-from kvtier.store import KVStore
+from kvtier.store import KVStore, Loaded
 from kvtier.threads import IDLE_WAIT_SECONDS, DaemonPool
 
 log = logging.getLogger("kvtier.integrations.vllm")
@@ -52,6 +52,17 @@ def _copy_layer(dsts: list[torch.Tensor], srcs: list[torch.Tensor], rest: list[S
         copies.run(lambda part: torch._foreach_copy_(dsts[part], srcs[part]), len(dsts))
     for scatter in rest:
         scatter.layers(slice(layer, layer + 1))
+
+
+@dataclasses.dataclass
+class _Planned:
+    """One in-step load planned on the loader thread."""
+
+    load: Transfer
+    end: int  # the first token it fills no block for
+    loaded: Loaded | None  # what the store found (None: planning failed)
+    scatters: list[Scatter]  # its copies
+    from_chunk: int = 0  # the first token of its first chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +235,7 @@ class WorkerSide:
         marked ready however it ends (the forward pass waits on them)."""
         start = time.perf_counter()
         failed: set[int] = set()
-        planned: list[tuple[Transfer, int, list[Scatter]]] = []  # each load, the token its copies end at, them
+        planned: list[_Planned] = []
         copied = False
         try:
             with contextlib.ExitStack() as held:
@@ -233,33 +244,42 @@ class WorkerSide:
                         "kvtier.connector.load", tracing.context_of(load.trace), request_id=load.request_id,
                         tokens=len(load.block_ids) * self._bs - load.offset, asynchronous=False, by_layers=True))
                     try:
-                        end, scatters = self._open(held, load, rank, size)
+                        plan = self._open(held, load, rank, size)
                     except Exception as exc:  # noqa: BLE001 contained: counted, logged once
                         self._metrics.error("start_load_kv", exc, load.request_id)
-                        end, scatters = load.offset, []
-                    lost = set(load.block_ids[end // self._bs:])
+                        plan = _Planned(load, load.offset, None, [])
+                    lost = set(load.block_ids[plan.end // self._bs:])
                     failed |= lost
                     if span is not None:
                         span.set_attribute("failed_blocks", len(lost))
-                    planned.append((load, end, scatters))
+                    planned.append(plan)
                 with torch.inference_mode():  # vLLM's caches are written in place only in it (per thread)
-                    copies = self._layer_copies([s for _, _, scatters in planned for s in scatters])
-                    for copy, event in zip(copies, ready, strict=True):
+                    copies = self._layer_copies([s for plan in planned for s in plan.scatters])
+                    for layer, (copy, event) in enumerate(zip(copies, ready, strict=True)):
+                        for plan in planned:  # shards on a local disk: this layer read now, beside the forward pass
+                            if plan.loaded is not None:
+                                plan.loaded.read_layer(layer)
                         copy()
                         event.set()
+                for plan in planned:  # a shard that failed its checksum: its blocks were copied, vLLM recomputes them
+                    verified = plan.loaded.verified() if plan.loaded is not None else 0
+                    if plan.loaded is not None and verified < plan.loaded.tokens:
+                        good = self._loaded_to(plan.load, plan.from_chunk + verified)
+                        failed |= set(plan.load.block_ids[good // self._bs:])
+                        plan.end = min(plan.end, good)
                 copied = True
         except Exception as exc:  # noqa: BLE001 contained: counted, logged once; unless copied, all recomputed
             self._metrics.error("start_load_kv", exc, loads[0].request_id)
             if not copied:
-                planned = [(load, load.offset, []) for load in loads]
+                planned = [_Planned(load, load.offset, None, []) for load in loads]
                 failed = set().union(*(self._promised(load) for load in loads))
         finally:
             for event in ready:
                 event.set()
         seconds = time.perf_counter() - start
-        for load, end, _ in planned:
-            self._metrics.loaded_tokens.inc(end - load.offset)
-            self._metrics.load_failed_blocks.inc(len(load.block_ids) - end // self._bs)
+        for plan in planned:
+            self._metrics.loaded_tokens.inc(plan.end - plan.load.offset)
+            self._metrics.load_failed_blocks.inc(len(plan.load.block_ids) - plan.end // self._bs)
             self._metrics.load_seconds.observe(seconds)
         return failed
 
@@ -283,18 +303,17 @@ class WorkerSide:
             calls.append(functools.partial(_copy_layer, dsts, srcs, rest, layer, self._layer_helpers))
         return calls
 
-    def _open(self, held: contextlib.ExitStack, load: Transfer, rank: int,
-              size: int) -> tuple[int, list[Scatter]]:
-        """Plan one in-step load, pinning what it reads until ``held`` closes: the first token it does not load,
-        and its copies."""
+    def _open(self, held: contextlib.ExitStack, load: Transfer, rank: int, size: int) -> _Planned:
+        """Plan one in-step load, pinning what it reads until ``held`` closes (shards on a local disk are opened,
+        read later a layer at a time): where its copies end, and them."""
         from_chunk = load.offset // self._chunk * self._chunk
         _, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
         loaded = held.enter_context(self._store.loading(
             load.namespace, load.tokens, layers=len(self._caches), head_dim=head_dim, dtype=self._caches[0].dtype,
             tp_rank=rank, tp_size=size, offset=from_chunk, kv_heads=self._kv_heads, device=self._caches[0].device,
-            local_only=True, tail=True))
+            local_only=True, tail=True, by_layers=True))
         scatters = [self._scatter(load, from_chunk, first, kv) for first, kv in loaded.views]
-        return self._loaded_to(load, from_chunk + loaded.tokens), scatters
+        return _Planned(load, self._loaded_to(load, from_chunk + loaded.tokens), loaded, scatters, from_chunk)
 
     def _promised(self, load: Transfer) -> set[int]:
         return set(load.block_ids[load.offset // self._bs:])

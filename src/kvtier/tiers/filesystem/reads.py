@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvtier.errors import ObjectError
+from kvtier.errors import ObjectError, TierError
 from kvtier.keys import ShardKey
 from kvtier.tiers.filesystem.layout import Layout, Rejected, file_name
 
@@ -57,6 +57,50 @@ def into(tier: str, key: ShardKey, header_len: int, payload: Sequence[memoryview
         return bytes(header)
 
     return parts
+
+
+class FileRanges:
+    """A shard's file kept open for reads of its payload in pieces (:meth:`Tier.open_ranges`)."""
+
+    def __init__(self, tier: str, key: ShardKey, fd: int, header: bytes, payload_len: int) -> None:
+        self._tier, self._key, self._fd = tier, key, fd
+        self.header, self.payload_len = header, payload_len
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        left = [b for b in buffers if len(b)]
+        want = sum(len(b) for b in left)
+        if not 0 <= offset <= self.payload_len - want:
+            raise ValueError(f"{want} bytes from {offset} are beyond the payload's {self.payload_len}")
+        pos = len(self.header) + offset
+        while left:
+            try:
+                n = os.preadv(self._fd, left[:_IOV_MAX], pos)
+            except OSError as exc:
+                raise TierError(f"{self._tier}: cannot read {self._key.name}: {exc.strerror or exc}") from exc
+            if n == 0:
+                raise ObjectError(f"{self._tier}: {self._key.name} ended at {pos} bytes while it was read")
+            pos += n
+            while left and n >= len(left[0]):
+                n -= len(left[0])
+                left.pop(0)
+            if n:
+                left[0] = left[0][n:]
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def ranges(tier: str, key: ShardKey, header_len: int, payload_len: int) -> Reader[FileRanges]:
+    """A reader that reads the header and keeps the file open (a descriptor of its own) for the payload's pieces;
+    a file of another size than ``header_len + payload_len`` is malformed."""
+
+    def opened(fd: int, st: os.stat_result, indexed: int) -> FileRanges:
+        header = os.pread(fd, header_len, 0)
+        if st.st_size != header_len + payload_len or len(header) != header_len:
+            raise ObjectError(f"{tier}: {key.name} is {st.st_size} bytes, expected {header_len + payload_len}")
+        return FileRanges(tier, key, os.dup(fd), header, payload_len)
+
+    return opened
 
 
 def read_shard(disk: Layout, key: ShardKey, indexed: int, read: Reader[_T]) -> _T | None:

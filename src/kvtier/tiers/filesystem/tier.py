@@ -50,6 +50,7 @@ class FilesystemTier(Tier):
     Options = FilesystemOptions
     persistent = True
     local = True
+    ranged_reads = True
     shares = True
 
     def __init__(self, name: str, options: FilesystemOptions) -> None:
@@ -180,6 +181,11 @@ class FilesystemTier(Tier):
         """One ``readv`` into a small header buffer and the caller's payload buffers (e.g. DRAM pages): no read
         buffer, no copy after it."""
         return self._get(key, reads.into(self.name, key, header_len, payload))
+
+    def open_ranges(self, key: ShardKey, header_len: int, payload_len: int) -> reads.FileRanges | None:
+        """The shard's file kept open (a descriptor of its own, the header read) for reads of its payload in
+        pieces: a load that copies each layer as it is read (its use is recorded now, as a read's is)."""
+        return self._get(key, reads.ranges(self.name, key, header_len, payload_len))
 
     def _get(self, key: ShardKey, read: reads.Reader[_T]) -> _T | None:
         """``read(fd, its status, the size indexed)`` on the key's file, or None when it is not there (dropped
