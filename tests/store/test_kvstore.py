@@ -532,6 +532,90 @@ def test_a_load_by_layers_that_stops_early_promotes_nothing_unverified(make_stor
     assert verified == 3 * T and got is not None and torch.equal(got, kv)
 
 
+def test_a_load_by_layers_serves_nothing_before_it_is_verified(make_store, tmp_path, monkeypatch) -> None:
+    """Between the layers' reads the shards are only reserved: not in DRAM for anyone else (another load of the
+    same prompt reads the disk itself, exactly), layer 1 not read yet. Loaded from the second chunk on with the
+    third corrupt, the tokens verified stop at the third chunk (counted from the load's first). verified is
+    asked once: asked again it answers the same; asked before every layer is read, the file is not blamed (not
+    removed, not counted); asked after the block, it refuses."""
+    from kvtier.tiers.filesystem import reads as fs_reads
+
+    store = make_store(page_bytes="4KiB")
+    tokens = synthetic_tokens(28, 4 * T)
+    kv = synthetic_kv(tokens, heads=4)
+    store.put(NS, tokens, kv)
+    store.flush()
+    store.drop_dram()
+    shape = {"layers": 2, "head_dim": 8, "dtype": torch.bfloat16}
+    heads = HeadRange(0, 4, 4)
+    keys = chunk_keys(NS, tokens, T)
+    reads: list[tuple[int, int]] = []  # (offset in the payload, bytes) of each piece read
+    real = fs_reads.FileRanges.read_into
+
+    def read_into(self, offset: int, buffers) -> None:  # type: ignore[no-untyped-def]
+        reads.append((offset, sum(len(b) for b in buffers)))
+        real(self, offset, buffers)
+
+    monkeypatch.setattr(fs_reads.FileRanges, "read_into", read_into)
+    layer_bytes = kv[:, :, :, :T].numel() * kv.element_size() // 2  # a chunk's payload holds 2 layers
+    with store.loading(NS, tokens, **shape, by_layers=True) as loaded:
+        loaded.read_layer(0)
+        assert reads == [(0, layer_bytes)] * 4  # layer 0 of each shard, nothing more
+        assert store.dram.audit()["pending"] == 4 and not any(store.in_dram(NS.id, k.hex(), heads) for k in keys)
+        first, view = loaded.views[0]
+        assert torch.equal(view[0, 0], kv[0, :, :, first * T:(first + 1) * T])  # layer 0 read
+        assert torch.equal(store.get(NS, tokens), kv)  # another read: from the disk, verified
+        before = store.stats()["filesystem"]["corrupt_objects_total"]
+        assert loaded.verified() == 0 and loaded.verified() == 0  # not read whole: nothing served
+    assert store.stats()["filesystem"]["corrupt_objects_total"] == before
+    assert len(list((tmp_path / "fs").rglob("*.kv"))) == 4  # no file blamed
+    assert loaded.verified() == 0  # its answer stands after the block
+    with store.loading(NS, tokens, **shape, by_layers=True) as unasked:
+        unasked.read_layer(0)
+    with pytest.raises(RuntimeError, match="after its block"):  # its shards were dropped unverified
+        unasked.verified()
+    store.drop_dram()
+    third = next((tmp_path / "fs").rglob(f"{keys[2].hex()}.*.kv"))
+    blob = bytearray(third.read_bytes())
+    blob[-1] ^= 0x02
+    third.write_bytes(blob)
+    with store.loading(NS, tokens, **shape, offset=T, by_layers=True) as loaded:
+        for layer in range(2):
+            loaded.read_layer(layer)
+        assert loaded.verified() == T and loaded.verified() == T  # the second chunk; the third failed
+    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
+
+
+def test_a_file_that_fails_to_close_leaks_no_reservation(make_store, monkeypatch) -> None:
+    """Closing a shard's file raises (EIO on a network filesystem): every other shard of the load is still
+    dropped or verified, no reservation stays pending, and the chunks before it are served."""
+    from kvtier.tiers.filesystem import reads as fs_reads
+
+    store = make_store(page_bytes="4KiB")
+    tokens = synthetic_tokens(29, 3 * T)
+    kv = synthetic_kv(tokens, heads=4)
+    store.put(NS, tokens, kv)
+    store.flush()
+    store.drop_dram()
+    real = fs_reads.FileRanges.close
+    calls = [0]
+
+    def close(self) -> None:  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        real(self)
+        if calls[0] == 2:
+            raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(fs_reads.FileRanges, "close", close)
+    with pytest.raises(OSError, match="Input/output"), \
+            store.loading(NS, tokens, layers=2, head_dim=8, dtype=torch.bfloat16, by_layers=True) as loaded:
+        for layer in range(2):
+            loaded.read_layer(layer)
+        loaded.verified()
+    assert calls[0] == 3
+    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
+
+
 def test_a_load_hands_over_the_chunks_before_a_missing_one(make_store, tmp_path) -> None:
     store = make_store()
     tokens = synthetic_tokens(23, 4 * T)

@@ -64,6 +64,8 @@ class Loaded:
         self._read_layer = read_layer
         self._finish = finish
         self._chunk_tokens = chunk_tokens
+        self._verified: int | None = None if finish is not None else tokens
+        self.open = True  # until the block ends (the views are cleared then)
 
     def read_layer(self, layer: int) -> None:
         """Read layer ``layer`` of the shards opened for it, into their views (call for every layer, in order,
@@ -74,8 +76,15 @@ class Loaded:
     def verified(self) -> int:
         """Once every layer is read: the tokens from the offset on whose KV is good (:attr:`tokens`, or less from
         the first chunk whose shard failed its checksum or its read: KV copied out of it must not be used)."""
-        bad = None if self._finish is None else self._finish()
-        return self.tokens if bad is None else min(self.tokens, bad * self._chunk_tokens)
+        if self._verified is None:
+            if not self.open:
+                raise RuntimeError("Loaded.verified after its block: the shards it read were dropped unverified")
+            assert self._finish is not None
+            bad = self._finish()
+            self._verified = self.tokens if bad is None else min(self.tokens, bad * self._chunk_tokens)
+            if bad is not None:  # those views' pages are no longer held: no use of them after this
+                self.views[:] = [(first, kv) for first, kv in self.views if first + kv.shape[0] <= bad]
+        return self._verified
 
 
 def open_tiers(config: StoreConfig) -> list[Tier]:
@@ -338,6 +347,7 @@ class KVStore:
                 yield loaded
             finally:
                 views.clear()  # their pages are released next: a view kept past the block would see others' KV
+                loaded.open = False
 
     # -- housekeeping ------------------------------------------------------------------------------------------
     def _evicted(self, entry: object) -> None:

@@ -28,6 +28,9 @@ from kvtier.store.writes import Tokens, Writes
 from kvtier.tiers.base import Ranges
 
 log = logging.getLogger("kvtier.store")
+# Shards a load by layers keeps open (a file descriptor each, through the forward pass); the rest of its chunks are
+# read whole, as any load's are: a 128K-token prompt (512 chunks) must not run the process out of descriptors.
+DEFERRED_MAX = 64
 # Re-plans of one chunk after a piece failed; each failure removes a shard, so a few always suffice.
 _REPLANS = 8
 Use = Callable[[list[list[Piece]], Shape], None]  # what a read does with its plans (copy out, hand to a sink)
@@ -111,17 +114,25 @@ class Reads:
         return plans
 
     def _end(self, read: Read) -> None:
-        for deferred in read.deferred:  # not finished (the caller's block ended early): never served
+        try:
+            while read.deferred:  # not finished (the caller's block ended early): never served
+                self._drop(read.deferred.pop())
+        finally:
+            for started in read.started.values():  # not needed after all (a miss before them)
+                if isinstance(started, Filling):
+                    self._abort_when_done(started)
+                else:
+                    started.cancel()  # one not yet running never starts
+            for entry in read.pinned:
+                self._dram.release(entry)
+
+    def _drop(self, deferred: Deferred) -> None:
+        """A shard opened for reads by layers and not served: its file closed, its entry aborted (both, whatever
+        the close raises)."""
+        try:
             deferred.ranges.close()
+        finally:
             self._dram.abort(deferred.entry)
-        read.deferred.clear()
-        for started in read.started.values():  # not needed after all (a miss before them)
-            if isinstance(started, Filling):
-                self._abort_when_done(started)
-            else:
-                started.cancel()  # one not yet running never starts
-        for entry in read.pinned:
-            self._dram.release(entry)
 
     def _plan_chunk(self, read: Read, chunk: str, parent: str | None) -> list[Piece] | None:
         """Where this rank's heads of one chunk come from: DRAM alone, else DRAM plus each tier in turn."""
@@ -197,7 +208,8 @@ class Reads:
                                            (guard.name, key) not in read.started):
                 entry = self._dram.reserve(key, read.shape.meta(self._chunk_tokens, key.heads), parent, read.owner)
                 if isinstance(entry, DramEntry):
-                    if read.by_layers and read.one_piece and guard.tier.ranged_reads and len(entry.extents) == 1:
+                    if read.by_layers and read.one_piece and guard.tier.ranged_reads and \
+                            len(entry.extents) == 1 and len(read.deferred) < DEFERRED_MAX:
                         if self._defer(read, guard, key, entry):
                             return entry
                         continue
@@ -238,7 +250,11 @@ class Reads:
                 raise
             return ranges, header
 
-        got = guard.read(key, opened)
+        try:
+            got = guard.read(key, opened)
+        except BaseException:
+            self._dram.abort(entry)
+            raise
         if got is None:
             self._dram.abort(entry)
             return False
@@ -267,32 +283,46 @@ class Reads:
 
     def finish(self, read: Read) -> int | None:
         """Verify every shard read a layer at a time and promote the good ones into DRAM; the first chunk whose
-        shard failed (counted from the read's first; its KV must not be used), or None when all are good. A bad
-        shard counts against its tier as any bad read does (a corrupt file is removed)."""
+        shard is not served (counted from the read's first; KV copied out of it must not be used), or None when
+        all are good. A shard whose read or checksum failed counts against its tier as any bad read does (a
+        corrupt file is removed); one not read to its last layer (the caller stopped early) is only dropped."""
         assert read.shape is not None, "a deferred shard fixed the read's shape"
         bad: int | None = None
-        deferred_reads, read.deferred = read.deferred, []
-        for deferred in deferred_reads:
-            deferred.ranges.close()
-            error = deferred.error
-            if error is None and deferred.layers != read.shape.layers:
-                error = frame.FrameError(f"payload read to layer {deferred.layers} of {read.shape.layers}")
-            if error is None and deferred.hasher.digest() != deferred.header.payload_checksum:
-                error = frame.FrameError("payload checksum mismatch")
-            if error is None:
-                self._metrics.tier_read_seconds.labels(deferred.guard.name).observe(deferred.seconds)
-                self._metrics.bytes_read.labels(deferred.guard.name).inc(
-                    self.shards.header_len + deferred.entry.meta.nbytes)
-                if self._promote(read, deferred.guard, deferred.entry, deferred.header.created):
-                    continue
-            else:
-                def failed(exc: Exception = error) -> None:
-                    raise exc
-
-                deferred.guard.read(deferred.key, failed)  # counted (and a corrupt file removed) as a bad read
-                self._dram.abort(deferred.entry)
-            bad = deferred.position if bad is None else min(bad, deferred.position)
+        while read.deferred:  # one at a time: whatever raises, those left are dropped by _end
+            deferred = read.deferred.pop(0)
+            served = False
+            try:
+                served = self._finish_one(read, deferred)
+            finally:
+                if not served:
+                    bad = deferred.position if bad is None else min(bad, deferred.position)
         return bad
+
+    def _finish_one(self, read: Read, deferred: Deferred) -> bool:
+        assert read.shape is not None, "a deferred shard fixed the read's shape"
+        try:
+            deferred.ranges.close()
+        except BaseException:
+            self._dram.abort(deferred.entry)
+            raise
+        error = deferred.error
+        if error is None and deferred.layers != read.shape.layers:
+            self._dram.abort(deferred.entry)  # not read whole: nothing known against the file
+            return False
+        if error is None and deferred.hasher.digest() != deferred.header.payload_checksum:
+            error = frame.FrameError("payload checksum mismatch")
+        if error is not None:
+            def failed(exc: Exception = error) -> None:
+                raise exc
+
+            try:
+                deferred.guard.read(deferred.key, failed)  # counted (and a corrupt file removed) as a bad read
+            finally:
+                self._dram.abort(deferred.entry)
+            return False
+        self._metrics.tier_read_seconds.labels(deferred.guard.name).observe(deferred.seconds)
+        self._metrics.bytes_read.labels(deferred.guard.name).inc(self.shards.header_len + deferred.entry.meta.nbytes)
+        return self._promote(read, deferred.guard, deferred.entry, deferred.header.created)
 
     def _read_into(self, read: Read, guard: GuardedTier, key: ShardKey, entry: DramEntry) -> bool:
         """Read a shard straight into its reserved entry and promote it; False (the entry aborted or discarded)

@@ -23,6 +23,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier import chunk_keys
 from kvtier.errors import ConfigError
+from kvtier.keys import HeadRange
 from kvtier.integrations.vllm._scheduler import SchedulerSide
 from kvtier.integrations.vllm import KVTierConnector, shared_store
 from tests.integrations.vllm.faulty import Injected, patch_store
@@ -291,7 +292,7 @@ def test_a_load_missing_a_chunk_loads_the_chunks_before_it(engines: Engines, sto
 
 
 def test_a_shard_corrupt_on_disk_is_recomputed_from_its_chunk_on(engines: Engines, store_cfg: dict,
-                                                                   tmp_path: Any) -> None:
+                                                                   tmp_path: Any, load_path: str) -> None:
     """Three chunks on the disk, one byte of the second's last layer flipped: loaded by layers, its KV was copied
     into the blocks before its checksum could fail, so the blocks from its chunk on are reported for vLLM to
     recompute, as when it is read whole (in the step); the first chunk's KV is exact, the file removed, and
@@ -314,6 +315,10 @@ def test_a_shard_corrupt_on_disk_is_recomputed_from_its_chunk_on(engines: Engine
     assert not victim.exists()
     ns = mini.scheduler._scheduler._names.for_request(request("x", tokens))
     assert store.held(ns, tokens[:768], kv_heads=2) == 256  # the bad chunk was neither promoted nor saved again
+    # By layers the third chunk was read (after the bad one) and promoted once verified; in the step the load
+    # stopped at the bad one.
+    third = chunk_keys(ns, tokens, 256)[2].hex()
+    assert store.in_dram(store.named(ns).id, third, HeadRange(0, 2, 2)) == (load_path == "by layers")
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

@@ -264,9 +264,10 @@ class WorkerSide:
                 for plan in planned:  # a shard that failed its checksum: its blocks were copied, vLLM recomputes them
                     verified = plan.loaded.verified() if plan.loaded is not None else 0
                     if plan.loaded is not None and verified < plan.loaded.tokens:
-                        good = self._loaded_to(plan.load, plan.from_chunk + verified)
+                        # (the tier's guard logged why; the blocks from that chunk on are recomputed)
+                        good = max(min(plan.from_chunk + verified, plan.end), plan.load.offset)
                         failed |= set(plan.load.block_ids[good // self._bs:])
-                        plan.end = min(plan.end, good)
+                        plan.end = good
                 copied = True
         except Exception as exc:  # noqa: BLE001 contained: counted, logged once; unless copied, all recomputed
             self._metrics.error("start_load_kv", exc, loads[0].request_id)
