@@ -462,6 +462,17 @@ def test_loading_holds_every_view_pinned_until_its_block_ends(make_store) -> Non
     assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
 
 
+def on_disk(make_store, seed: int, chunks: int) -> tuple[KVStore, list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
+    """A store whose DRAM pages are 4 KiB, holding ``chunks`` chunks (4 KV heads) on its disk only."""
+    store = make_store(page_bytes="4KiB")
+    tokens = synthetic_tokens(seed, chunks * T)
+    kv = synthetic_kv(tokens, heads=4)
+    store.put(NS, tokens, kv)
+    store.flush()
+    store.drop_dram()
+    return store, tokens, kv
+
+
 def read_by_layers(store: KVStore, tokens: list[int], layers: int = 2) -> tuple[int, torch.Tensor | None]:
     """A load by layers as the vLLM connector runs one: every layer read, then copied out, in order; the tokens
     verified and the KV copied (None when nothing was found)."""
@@ -484,12 +495,7 @@ def test_a_load_by_layers_reads_a_disks_shards_a_layer_at_a_time_and_verifies_th
     needs no disk). A shard with one flipped byte in its last layer fails its checksum only once all of it is
     read: the tokens verified stop at its chunk, the file is removed and counted, nothing of it stays in DRAM.
     Nothing leaks: no page, no reservation, no open file."""
-    store = make_store(page_bytes="4KiB")
-    tokens = synthetic_tokens(26, 4 * T)
-    kv = synthetic_kv(tokens, heads=4)
-    store.put(NS, tokens, kv)
-    store.flush()
-    store.drop_dram()
+    store, tokens, kv = on_disk(make_store, 26, 4)
     fds = len(os.listdir("/proc/self/fd"))
     assert store.lookup(NS, tokens, local_only=True) == 4 * T
     verified, got = read_by_layers(store, tokens)
@@ -514,12 +520,7 @@ def test_a_load_by_layers_reads_a_disks_shards_a_layer_at_a_time_and_verifies_th
 def test_a_load_by_layers_that_stops_early_promotes_nothing_unverified(make_store) -> None:
     """The caller's block ends before every layer is read (the engine failed mid-step): the shards opened for it
     are aborted, never promoted, their files closed; the next load reads them again from the disk, exactly."""
-    store = make_store(page_bytes="4KiB")
-    tokens = synthetic_tokens(27, 3 * T)
-    kv = synthetic_kv(tokens, heads=4)
-    store.put(NS, tokens, kv)
-    store.flush()
-    store.drop_dram()
+    store, tokens, kv = on_disk(make_store, 27, 3)
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(RuntimeError, match="mid-step"), \
             store.loading(NS, tokens, layers=2, head_dim=8, dtype=torch.bfloat16, by_layers=True) as loaded:
@@ -540,12 +541,7 @@ def test_a_load_by_layers_serves_nothing_before_it_is_verified(make_store, tmp_p
     removed, not counted); asked after the block, it refuses."""
     from kvtier.tiers.filesystem import reads as fs_reads
 
-    store = make_store(page_bytes="4KiB")
-    tokens = synthetic_tokens(28, 4 * T)
-    kv = synthetic_kv(tokens, heads=4)
-    store.put(NS, tokens, kv)
-    store.flush()
-    store.drop_dram()
+    store, tokens, kv = on_disk(make_store, 28, 4)
     shape = {"layers": 2, "head_dim": 8, "dtype": torch.bfloat16}
     heads = HeadRange(0, 4, 4)
     keys = chunk_keys(NS, tokens, T)
@@ -591,12 +587,7 @@ def test_a_file_that_fails_to_close_leaks_no_reservation(make_store, monkeypatch
     dropped or verified, no reservation stays pending, and the chunks before it are served."""
     from kvtier.tiers.filesystem import reads as fs_reads
 
-    store = make_store(page_bytes="4KiB")
-    tokens = synthetic_tokens(29, 3 * T)
-    kv = synthetic_kv(tokens, heads=4)
-    store.put(NS, tokens, kv)
-    store.flush()
-    store.drop_dram()
+    store, tokens, _ = on_disk(make_store, 29, 3)
     real = fs_reads.FileRanges.close
     calls = [0]
 

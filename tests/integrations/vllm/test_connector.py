@@ -263,6 +263,19 @@ def test_a_request_sharing_blocks_whose_load_failed_does_not_save_before_the_fai
     assert [save.request_id for save in sched.build_connector_meta(later).saves] == ["shares"]
 
 
+def stored_on_disk(mini: MiniEngine, store_cfg: dict, tmp_path: Any, tokens: list[int],
+                   chunk: int) -> tuple[Any, Any]:
+    """``tokens`` computed and stored, then on the disk only (DRAM emptied): the store, and the file of chunk
+    ``chunk``."""
+    mini.prefill(request("first", tokens))
+    store = shared_store(store_cfg)
+    assert store is not None
+    store.flush()
+    store.drop_dram()
+    key = chunk_keys(mini.scheduler._scheduler._names.for_request(request("x", tokens)), tokens, 256)[chunk].hex()
+    return store, next((tmp_path / "kv").rglob(f"{key}.*.kv"))
+
+
 def test_a_load_missing_a_chunk_loads_the_chunks_before_it(engines: Engines, store_cfg: dict,
                                                             tmp_path: Any) -> None:
     """Three chunks promised, the second gone from the disk when the load runs: the first is loaded, and only
@@ -270,13 +283,8 @@ def test_a_load_missing_a_chunk_loads_the_chunks_before_it(engines: Engines, sto
     mini = engines()
     tokens = prompt(50, 800)  # three whole chunks below the last token
     before = counters(store_cfg)
-    mini.prefill(request("first", tokens))
-    store = shared_store(store_cfg)
-    assert store is not None
-    store.flush()
-    store.drop_dram()
-    second = chunk_keys(mini.scheduler._scheduler._names.for_request(request("x", tokens)), tokens, 256)[1].hex()
-    next((tmp_path / "kv").rglob(f"{second}.*.kv")).unlink()
+    _, second = stored_on_disk(mini, store_cfg, tmp_path, tokens, 1)
+    second.unlink()
     step = mini.prefill(request("again", tokens))
     assert step.hit == 768
     assert step.load_errors == set(step.blocks[2:6])  # tokens 256-767: blocks 2-5 (128 tokens each)
@@ -299,13 +307,7 @@ def test_a_shard_corrupt_on_disk_is_recomputed_from_its_chunk_on(engines: Engine
     nothing computed over the bad blocks is saved before vLLM recomputes them."""
     mini = engines()
     tokens = prompt(51, 800)
-    mini.prefill(request("first", tokens))
-    store = shared_store(store_cfg)
-    assert store is not None
-    store.flush()
-    store.drop_dram()
-    second = chunk_keys(mini.scheduler._scheduler._names.for_request(request("x", tokens)), tokens, 256)[1].hex()
-    victim = next((tmp_path / "kv").rglob(f"{second}.*.kv"))
+    store, victim = stored_on_disk(mini, store_cfg, tmp_path, tokens, 1)
     blob = bytearray(victim.read_bytes())
     blob[-5] ^= 0x01
     victim.write_bytes(blob)

@@ -22,11 +22,13 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 102
 Reader = Callable[[int, os.stat_result, int], _T]  # read(fd, its status, the size indexed)
 
 
-def read_fully(fd: int, buffers: list[memoryview]) -> int:
-    """Fill ``buffers`` in order from ``fd`` (``readv`` until they are full or the file ends); bytes read."""
+def read_fully(fd: int, buffers: Sequence[memoryview], pos: int | None = None) -> int:
+    """Fill ``buffers`` in order from ``fd`` (``readv`` until they are full or the file ends; from byte ``pos``
+    with ``preadv``, leaving the file's offset alone); bytes read."""
     total, left = 0, [b for b in buffers if len(b)]
     while left:
-        n = os.readv(fd, left[:_IOV_MAX])  # a DRAM entry of many extents: more buffers than one call takes
+        # a DRAM entry of many extents: more buffers than one call takes
+        n = os.readv(fd, left[:_IOV_MAX]) if pos is None else os.preadv(fd, left[:_IOV_MAX], pos + total)
         if n == 0:
             break
         total += n
@@ -67,24 +69,15 @@ class FileRanges:
         self.header, self.payload_len = header, payload_len
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
-        left = [b for b in buffers if len(b)]
-        want = sum(len(b) for b in left)
+        want = sum(len(b) for b in buffers)
         if not 0 <= offset <= self.payload_len - want:
             raise ValueError(f"{want} bytes from {offset} are beyond the payload's {self.payload_len}")
-        pos = len(self.header) + offset
-        while left:
-            try:
-                n = os.preadv(self._fd, left[:_IOV_MAX], pos)
-            except OSError as exc:
-                raise TierError(f"{self._tier}: cannot read {self._key.name}: {exc.strerror or exc}") from exc
-            if n == 0:
-                raise ObjectError(f"{self._tier}: {self._key.name} ended at {pos} bytes while it was read")
-            pos += n
-            while left and n >= len(left[0]):
-                n -= len(left[0])
-                left.pop(0)
-            if n:
-                left[0] = left[0][n:]
+        try:
+            got = read_fully(self._fd, buffers, len(self.header) + offset)
+        except OSError as exc:
+            raise TierError(f"{self._tier}: cannot read {self._key.name}: {exc.strerror or exc}") from exc
+        if got != want:
+            raise ObjectError(f"{self._tier}: {self._key.name} ended {want - got} bytes early while it was read")
 
     def close(self) -> None:
         os.close(self._fd)
