@@ -582,6 +582,21 @@ def test_a_load_by_layers_serves_nothing_before_it_is_verified(make_store, tmp_p
     assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
 
 
+def test_a_load_by_layers_refuses_a_file_swapped_for_another_chunks(make_store, tmp_path) -> None:
+    """A writer to the disk puts the first chunk's file (a valid object, the same size) under the second chunk's
+    name: its header names another key, so the load by layers refuses it when it opens it, before any of it is
+    read or copied; the second chunk is a miss (the load ends before it), the file is removed and counted."""
+    store, tokens, kv = on_disk(make_store, 30, 3)
+    keys = chunk_keys(NS, tokens, T)
+    first, second = (next((tmp_path / "fs").rglob(f"{k.hex()}.*.kv")) for k in keys[:2])
+    second.write_bytes(first.read_bytes())
+    before = store.stats()["filesystem"]["corrupt_objects_total"]
+    verified, got = read_by_layers(store, tokens)
+    assert verified == T and got is not None and torch.equal(got[:, :, :, :T], kv[:, :, :, :T])
+    assert not second.exists() and store.stats()["filesystem"]["corrupt_objects_total"] == before + 1
+    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
+
+
 def test_a_file_that_fails_to_close_leaks_no_reservation(make_store, monkeypatch) -> None:
     """Closing a shard's file raises (EIO on a network filesystem): every other shard of the load is still
     dropped or verified, no reservation stays pending, and the chunks before it are served."""

@@ -329,8 +329,8 @@ class KVStore:
 
         With ``by_layers`` (plain shards only), a shard read from a local disk is not read whole before the block:
         the caller reads it a layer at a time (:meth:`Loaded.read_layer`, every layer in order, each before it
-        copies that layer out) and then asks :meth:`Loaded.verified` which tokens are good; each shard is
-        checked against its checksum as its last layer lands, and promoted into DRAM only then. KV copied out of
+        copies that layer out) and then asks :meth:`Loaded.verified` which tokens are good: each shard's checksum
+        (hashed as its layers land) is checked then, and a good shard promoted into DRAM only then. KV copied out of
         a shard that fails is the caller's to discard (the connector reports those blocks to vLLM)."""
         with self._reads.opened(ns, tokens, tp_rank, tp_size, offset, kv_heads, Shape(layers, head_dim, dtype),
                                 partial=True, local_only=local_only, tail=tail,

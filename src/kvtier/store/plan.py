@@ -118,6 +118,7 @@ class Deferred:
     guard: GuardedTier
     key: ShardKey
     entry: DramEntry
+    payload: memoryview  # the entry's pages (one extent), where each layer is read into
     ranges: Ranges
     header: frame.Header
     hasher: Any  # an xxh3_128 over the payload read so far

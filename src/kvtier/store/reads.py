@@ -258,7 +258,8 @@ class Reads:
         if got is None:
             self._dram.abort(entry)
             return False
-        read.deferred.append(Deferred(read.position, guard, key, entry, got[0], got[1], xxhash.xxh3_128()))
+        payload = self._dram.views(entry)[0]  # (one extent: _fetch defers no other)
+        read.deferred.append(Deferred(read.position, guard, key, entry, payload, got[0], got[1], xxhash.xxh3_128()))
         return True
 
     def fill_layer(self, read: Read, layer: int) -> None:
@@ -273,7 +274,7 @@ class Reads:
                 if layer != deferred.layers:
                     raise ValueError(f"layer {layer} read after {deferred.layers} of {read.shape.layers}")
                 per = deferred.entry.meta.nbytes // read.shape.layers
-                piece = self._dram.views(deferred.entry)[0][layer * per:(layer + 1) * per]
+                piece = deferred.payload[layer * per:(layer + 1) * per]
                 deferred.ranges.read_into(layer * per, [piece])
                 deferred.hasher.update(piece)
                 deferred.layers += 1
