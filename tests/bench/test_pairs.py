@@ -263,6 +263,27 @@ def test_the_floor_adds_the_copy_and_for_a_disk_hit_the_read_and_the_checksum() 
     assert pairs.floor("disk hit", 0.1, 10**9, beside) == pytest.approx(0.1 + 0.05 + 0.025)
 
 
+def test_a_shared_hits_floor_is_the_prefix_at_the_servers_wire_speed() -> None:
+    """Loaded beside vLLM's steps before the forward pass, a shared tier's hit moves the prefix's bytes over the
+    wire first; its checksum and copy are at best hidden under them."""
+    bw = {"copy": 10e9, "read": 20e9, "checksum": 40e9, "wire": 2e9, "beside_forward": True}
+    assert pairs.floor("shared hit", 0.1, 10**9, bw) == pytest.approx(0.1 + 0.5)
+    row = pairs.summary({"kvtier": [0.9, 0.9], "engine": [0.1, 0.1]}, "shared hit", 10**9, bw)
+    assert row["floor"] == pytest.approx(6.0)
+
+
+def test_the_wire_speed_is_read_through_the_tier_and_leaves_nothing(redis_server, unique_prefix: str) -> None:
+    """A real Redis: the objects are written, read back through the tier's own read, and deleted."""
+    from kvtier.tiers.redis.tier import RedisTier
+
+    tier = RedisTier.from_config("redis", {"url": redis_server.url, "key_prefix": unique_prefix}, "tiers[0]")
+    try:
+        assert pairs.wire(tier, 4 * 2**20, 4, repeats=2) > 0
+        assert list(tier.list()) == []
+    finally:
+        tier.close()
+
+
 def test_the_bandwidths_are_measured(tmp_path) -> None:
     bw = pairs.bandwidths(1 << 20, repeats=2, work=tmp_path)
     assert set(bw) == {"copy", "read", "checksum"} and all(v > 0 for v in bw.values())

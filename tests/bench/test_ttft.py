@@ -64,6 +64,31 @@ def _run(disk: list[float], dram: list[float]) -> dict[str, list[float]]:
     return {"disk": disk, "dram": dram}
 
 
+def test_a_shared_tiers_hits_have_a_floor_from_its_wire_speed(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    redis = {"kvtier": [0.20, 0.20], "engine": [0.10, 0.10], "chunks": [8] * 2}
+    dram = {"kvtier": [0.11, 0.11], "engine": [0.10, 0.10], "chunks": [8] * 2}
+    # 1e8 bytes over a 2 GB/s wire: 50 ms
+    bandwidth = {"bytes": 10**8, "copy": 10e9, "read": 20e9, "checksum": 40e9, "wire": 2e9, "beside_forward": True}
+    results = {
+        "baseline": {"vLLM, recompute": [10.0, 10.0]},
+        "kvtier": {"pairs": {"kvtier, DRAM hit": dram, "kvtier, redis hit": redis},
+                   "kvtier, DRAM hit": dram["kvtier"], "kvtier, redis hit": redis["kvtier"], "bandwidth": bandwidth},
+        "restart": {"pairs": {"kvtier, redis hit in a new process": redis},
+                    "kvtier, redis hit in a new process": redis["kvtier"]},
+        "engine_hit": {"vLLM prefix-cache hit": [0.1], "vLLM prefix-cache hit, exact repeat": [0.4]},
+    }
+    out = tmp_path / "ttft.json"
+    assert report(results, {"name": "quick", "docs": 3, "doc_tokens": 2048}, out, secondary="redis") == 0
+    hits = json.loads(out.read_text())["hits"]
+    assert hits["kvtier, redis hit"]["floor"] == pytest.approx(1.5)
+    assert hits["kvtier, redis hit in a new process"]["floor"] == pytest.approx(1.5)
+    assert hits["kvtier, DRAM hit"]["floor"] == pytest.approx(1.0)  # copied beside the forward pass
+    printed = capsys.readouterr().out
+    assert "| kvtier, redis hit | 2 |  | 0.200 s | 0.100 s | 2.00 | 2.00 to 2.00 | 1.50 | <= 1.60: not met |" in printed
+    assert "the redis server's wire speed, read by the tier one object after another: 2.00 GB/s" in printed
+
+
 def test_hits_are_reported_from_their_pairs_with_interval_floor_and_target(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     dram = {"kvtier": [0.11, 0.11, 0.11, 0.11], "engine": [0.10, 0.10, 0.10, 0.10], "chunks": [8] * 4,

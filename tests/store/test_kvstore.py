@@ -385,9 +385,12 @@ def test_offset_puts_and_gets_only_the_tail(make_store) -> None:
 
 @pytest.mark.parametrize(("write_tp", "read_tp"), [(1, 1), (1, 2), (4, 2), (2, 4)])
 @pytest.mark.parametrize("where", ["dram", "disk", "fragmented"])
-def test_load_hands_over_exactly_what_get_returns(make_store, write_tp: int, read_tp: int, where: str) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["planned first", "streamed"])
+def test_load_hands_over_exactly_what_get_returns(make_store, write_tp: int, read_tp: int, where: str,
+                                                  streamed: bool) -> None:
     """load's views (runs of DRAM pages, head slices, shards assembled from pieces, bytes read from disk) hold
-    the same KV as get, chunk by chunk, and every pin is released afterwards."""
+    the same KV as get, chunk by chunk, and every pin is released afterwards; streamed (a chunk at a time, as it
+    is read) or not."""
     # Pages of 4 KiB against 1-4 KiB shards: entries share pages' strides; "fragmented" leaves gaps and splits.
     store = make_store(dram="96KiB" if where == "fragmented" else "8MiB", page_bytes="4KiB")
     tokens = synthetic_tokens(20, 5 * T)
@@ -414,8 +417,8 @@ def test_load_hands_over_exactly_what_get_returns(make_store, write_tp: int, rea
                 got[:, :, :, (first + j) * T:(first + j + 1) * T] = views[j]  # noqa: B023 as above
 
         assert store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16, tp_rank=rank,
-                          tp_size=read_tp, offset=T) == 4 * T
-        assert sorted(seen) == [0, 1, 2, 3] and torch.equal(got, want)
+                          tp_size=read_tp, offset=T, streamed=streamed) == 4 * T
+        assert (seen if streamed else sorted(seen)) == [0, 1, 2, 3] and torch.equal(got, want)
     store.flush()
     assert store.dram.audit()["refs"] == 0 and store.dram.audit()["pending"] == 0
 
@@ -622,7 +625,54 @@ def test_a_file_that_fails_to_close_leaks_no_reservation(make_store, monkeypatch
     assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
 
 
-def test_a_load_hands_over_the_chunks_before_a_missing_one(make_store, tmp_path) -> None:
+class ReadAheadTier(FilesystemTier):
+    """A real filesystem tier read ahead on threads, as a server's is (Redis, S3), that logs each shard it reads."""
+
+    read_ahead = True
+    LOG: list[str] = []
+
+    def get_into(self, key, header_len, payload):  # type: ignore[no-untyped-def]
+        self.LOG.append(f"read {key.chunk}")
+        return super().get_into(key, header_len, payload)
+
+
+def test_a_streamed_load_hands_each_chunk_over_while_the_next_are_read(tmp_path: Path) -> None:
+    """A load from a tier read ahead (a shared tier's, loaded beside vLLM's steps) copies each chunk as soon as it
+    is read, while the next ones are read: the first chunk reaches the sink before the last one is read. Not
+    streamed, every read ends before the first copy."""
+    cfg = store_config(tmp_path / "fs")
+    cfg["tiers"][0].update(type="tests.store.test_kvstore:ReadAheadTier", name="filesystem")
+    tokens = synthetic_tokens(24, 8 * T)
+    kv = synthetic_kv(tokens)
+    chunks = [k.hex() for k in chunk_keys(NS, tokens, T)]
+    with KVStore.from_config(cfg) as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+        for streamed in (True, False):
+            store.drop_dram()
+            ReadAheadTier.LOG.clear()
+            got = torch.empty_like(kv)
+
+            def sink(first: int, views: torch.Tensor) -> None:
+                ReadAheadTier.LOG.append(f"copy {first}")
+                for j in range(views.shape[0]):
+                    got[:, :, :, (first + j) * T:(first + j + 1) * T] = views[j]
+
+            assert store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16,
+                              streamed=streamed) == 8 * T
+            assert torch.equal(got, kv)
+            log = ReadAheadTier.LOG
+            assert sorted(e for e in log if e.startswith("read")) == sorted(f"read {c}" for c in chunks)
+            if streamed:
+                assert log.index("copy 0") < log.index(f"read {chunks[-1]}")
+                assert [e for e in log if e.startswith("copy")] == [f"copy {i}" for i in range(8)]
+            else:
+                assert log.index("copy 0") > max(log.index(f"read {c}") for c in chunks)
+        assert store.dram.audit()["refs"] == 0 and store.dram.audit()["pending"] == 0
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["planned first", "streamed"])
+def test_a_load_hands_over_the_chunks_before_a_missing_one(make_store, tmp_path, streamed: bool) -> None:
     store = make_store()
     tokens = synthetic_tokens(23, 4 * T)
     kv = synthetic_kv(tokens)
@@ -637,6 +687,6 @@ def test_a_load_hands_over_the_chunks_before_a_missing_one(make_store, tmp_path)
         for j in range(views.shape[0]):
             got[first + j] = views[j].clone()
 
-    assert store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16) == 2 * T
+    assert store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16, streamed=streamed) == 2 * T
     assert sorted(got) == [0, 1] and all(torch.equal(got[i], kv[:, :, :, i * T:(i + 1) * T]) for i in got)
     assert store.get(NS, tokens) is None  # get is all or nothing

@@ -21,6 +21,7 @@ layer by layer beside its forward pass), and for a disk hit over its page-cache 
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import tempfile
@@ -237,9 +238,43 @@ def bandwidths(nbytes: int, repeats: int = 5, work: Path | None = None) -> dict[
             "checksum": nbytes / statistics.median(sums)}
 
 
+def wire(tier: Any, nbytes: int, objects: int, repeats: int = 3) -> float:
+    """Bytes per second a shared tier's server sends here: ``objects`` objects of ``nbytes`` in all (a
+    document's chunks), written under a namespace of their own, then read back one after another through the
+    tier's own read (into one buffer: no checksum, no DRAM, no copy into vLLM's blocks), the median of
+    ``repeats``; the objects are deleted afterwards."""
+    import torch
+
+    from kvtier.keys import HeadRange, ShardKey
+
+    size = nbytes // objects
+    namespace = os.urandom(16).hex()
+    keys = [ShardKey(namespace, f"{i:032x}", HeadRange(0, 1, 1)) for i in range(objects)]
+    buffer = memoryview(torch.empty(size, dtype=torch.uint8).numpy().data)
+    try:
+        for key in keys:
+            tier.put(key, [os.urandom(size)])
+        times = []
+        for _ in range(repeats + 1):  # the first warms the connections
+            start = time.perf_counter()
+            for key in keys:
+                if tier.get_into(key, 0, [buffer]) is None:
+                    raise RuntimeError(f"tier {tier.name}: {key.name} vanished while measuring its wire speed")
+            times.append(time.perf_counter() - start)
+    finally:
+        for key in keys:
+            tier.delete(key)
+    return size * objects / statistics.median(times[1:])
+
+
 def floor(kind: str, engine_hit: float, nbytes: int, bw: dict[str, float]) -> float:
     """The least TTFT a hit of ``kind`` can have here: vLLM's own hit plus moving the prefix's KV (its copy into
-    vLLM's blocks only where it is not hidden beside the forward pass: ``bw["beside_forward"]``)."""
+    vLLM's blocks only where it is not hidden beside the forward pass: ``bw["beside_forward"]``). A hit from a
+    shared tier (``kind`` "shared hit") is loaded beside vLLM's steps before its forward pass: the prefix's bytes
+    at the server's wire speed (``bw["wire"]``), with the checksum and the copy into vLLM's blocks at best
+    hidden under them."""
+    if kind == "shared hit":
+        return engine_hit + nbytes / bw["wire"]
     moved = 0.0 if bw.get("beside_forward") else nbytes / bw["copy"]
     if kind.startswith("disk") or "restart" in kind:
         moved += nbytes / bw["read"] + nbytes / bw["checksum"]

@@ -182,8 +182,12 @@ def _hits(job: dict, sealed: bool, work: Path) -> dict[str, object]:
         result[f"kvtier, {label.replace('disk', where)}{suffix}"] = times["kvtier"]
     if not sealed:
         nbytes = job["kv_bytes_per_token"] * len(job["docs"][0])
-        result["bandwidth"] = {"bytes": nbytes, **pairs.bandwidths(nbytes, work=work),
-                               "beside_forward": _loads_by_layers()}
+        bandwidth: dict[str, object] = {"bytes": nbytes, **pairs.bandwidths(nbytes, work=work),
+                                        "beside_forward": _loads_by_layers()}
+        if where != "disk":  # a shared tier: the floor of its hits is its server's wire speed
+            chunks = len(job["docs"][0]) // job["store"]["chunk_tokens"]
+            bandwidth["wire"] = pairs.wire(store.tiers[0], nbytes, chunks)
+        result["bandwidth"] = bandwidth
     store.flush()
     result["stats"] = store.stats()
     return result

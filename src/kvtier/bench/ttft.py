@@ -251,14 +251,17 @@ TARGETS = {"DRAM hit": 1.15, "disk hit": 1.30, "after restart": 1.30, "API serve
 
 def hit_rows(results: dict) -> dict[str, dict[str, Any]]:
     """Every phase's pairs as rows (:func:`kvtier.bench.pairs.summary`), with the floor where the bytes moved are
-    known (a local tier: DRAM, the disk) and the target of its kind."""
+    known (a local tier: DRAM, the disk; a shared tier whose wire speed the run measured) and the target of its
+    kind."""
     bw = results.get("kvtier", {}).get("bandwidth")
     out: dict[str, dict[str, Any]] = {}
     for phase in ("kvtier", "restart", "encrypted", "api_server"):
         for label, times in results.get(phase, {}).get("pairs", {}).items():
-            kind = "disk hit" if "disk hit" in label or "after restart" in label else "DRAM hit"
             local = "DRAM hit" in label or "disk hit" in label or "after restart" in label
-            row = pairs.summary(times, kind, bw["bytes"] if bw and local else None, bw)
+            shared = not local and bw is not None and "wire" in bw
+            kind = "shared hit" if shared else "disk hit" if "disk hit" in label or "after restart" in label \
+                else "DRAM hit"
+            row = pairs.summary(times, kind, bw["bytes"] if bw and (local or shared) else None, bw)
             named = [name for name in TARGETS if name in label]  # the most specific name the label holds
             target = TARGETS[max(named, key=len)] if named else None
             if target is not None and "encrypted" not in label:  # encryption's target is its own (below)
@@ -323,7 +326,10 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
               f"{bw['copy'] / 1e9:.1f} GB/s, page-cache read {bw['read'] / 1e9:.1f} GB/s, checksum "
               f"{bw['checksum'] / 1e9:.1f} GB/s (torch's {inprocess_env()['OMP_NUM_THREADS']} thread(s) for the copy); "
               f"the engine's loads copied layer by layer beside its forward pass: "
-              f"{'yes' if bw.get('beside_forward') else 'no'}")
+              f"{'yes' if bw.get('beside_forward') else 'no'}"
+              + (f"; the {secondary} server's wire speed, read by the tier one object after another: "
+                 f"{bw['wire'] / 1e9:.2f} GB/s (a hit from it loads before the forward pass, so its floor is vLLM's "
+                 f"own hit plus the prefix's bytes at that speed)" if "wire" in bw else ""))
     print("\nAgainst vLLM alone in a process of its own (the engine_hit phase; processes differ in how fast they "
           "compute, so this moves between runs more than the pairs):")
     for label, value in alone.items():

@@ -295,7 +295,7 @@ class KVStore:
     def load(self, ns: Namespace, tokens: Tokens, sink: Callable[[int, torch.Tensor], None], *, layers: int,
              head_dim: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, offset: int = 0,
              kv_heads: int | None = None, device: torch.device | str = "cpu", local_only: bool = False,
-             tail: bool = False) -> int:
+             tail: bool = False, streamed: bool = False) -> int:
         """Hand the canonical KV of ``tokens[offset:]`` (this rank's heads) to ``sink`` without copying it first.
 
         ``sink(first, kv)`` gets ``kv`` ``[count, layers, 2, heads, chunk_tokens, head_dim]`` for ``count``
@@ -309,7 +309,18 @@ class KVStore:
         :attr:`~kvtier.tiers.base.Tier.local` tiers only: a load that must never wait on a network. With
         ``tail``, ``tokens`` may end inside a chunk: the tail after the last whole chunk (see :meth:`put_from`) is
         handed over as a chunk of which only those tokens count (the count returned ends with them).
+        ``streamed`` hands each chunk over as soon as it is read (one chunk a call), while the tiers that read
+        ahead read the next ones: the caller's copies overlap the reads (a load from a shared tier), where
+        otherwise every read ends before the first copy, and consecutive chunks in DRAM are handed over together.
         """
+        if streamed:
+            def handed(index: int, pieces: list[Piece], shape: Shape) -> None:
+                for first, kv in chunk_views(self.dram, self.chunk_tokens, [pieces], shape, torch.device(device)):
+                    sink(index + first, kv)
+
+            with self._reads.opened(ns, tokens, tp_rank, tp_size, offset, kv_heads, Shape(layers, head_dim, dtype),
+                                    partial=True, local_only=local_only, tail=tail, planned=handed) as (plans, _, _):
+                return min(len(plans) * self.chunk_tokens, len(tokens) - offset)
         with self.loading(ns, tokens, layers=layers, head_dim=head_dim, dtype=dtype, tp_rank=tp_rank,
                           tp_size=tp_size, offset=offset, kv_heads=kv_heads, device=device, local_only=local_only,
                           tail=tail) as loaded:

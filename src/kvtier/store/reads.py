@@ -34,6 +34,7 @@ DEFERRED_MAX = 64
 # Re-plans of one chunk after a piece failed; each failure removes a shard, so a few always suffice.
 _REPLANS = 8
 Use = Callable[[list[list[Piece]], Shape], None]  # what a read does with its plans (copy out, hand to a sink)
+Planned = Callable[[int, list[Piece], Shape], None]  # one chunk's pieces, as soon as they are planned (pinned)
 
 
 class Reads:
@@ -67,10 +68,13 @@ class Reads:
     @contextlib.contextmanager
     def opened(self, ns: Namespace, tokens: Tokens, tp_rank: int, tp_size: int, offset: int,
                kv_heads: int | None, wanted: Shape | None, partial: bool, local_only: bool,
-               tail: bool, by_layers: bool = False) -> Iterator[tuple[list[list[Piece]], Shape | None, Read]]:
+               tail: bool, by_layers: bool = False,
+               planned: Planned | None = None) -> Iterator[tuple[list[list[Piece]], Shape | None, Read]]:
         """The plans of :meth:`read` (none on a miss), their shape and the read, everything they name pinned until
         the block ends. With ``by_layers``, shards from a tier that reads in pieces (a local file) are only
-        opened: the caller reads them a layer at a time (:meth:`fill_layer`), then :meth:`finish` verifies them."""
+        opened: the caller reads them a layer at a time (:meth:`fill_layer`), then :meth:`finish` verifies them.
+        ``planned(i, pieces, shape)`` is called with each chunk's plan as soon as it is made (the i-th, counted
+        from ``offset``), while the next chunks are still being read."""
         start = time.perf_counter()
         t = self._chunk_tokens
         if (len(tokens) % t and not tail) or offset % t or not 0 <= offset < len(tokens):
@@ -93,15 +97,18 @@ class Reads:
                     allowed=decision.allowed, tenant=tenant, owner=None if tenant is None else tenant.key_id,
                     by_layers=by_layers and self.shards.plain)
         try:
-            plans = self._plan(read, chunks, offset // t, partial)
+            plans = self._plan(read, chunks, offset // t, partial, planned)
             yield plans, read.shape, read
         finally:
             self._end(read)
         if plans:
             self._metrics.get_seconds.observe(time.perf_counter() - start)
 
-    def _plan(self, read: Read, chunks: list[str], first: int, partial: bool) -> list[list[Piece]]:
-        """Each chunk's pieces from ``first`` on; none on a miss, or with ``partial`` those before it."""
+    def _plan(self, read: Read, chunks: list[str], first: int, partial: bool,
+              planned: Planned | None = None) -> list[list[Piece]]:
+        """Each chunk's pieces from ``first`` on; none on a miss, or with ``partial`` those before it (handed to
+        ``planned`` one by one: only with ``partial``, so that none of them is taken back)."""
+        assert planned is None or partial, "chunks handed over as planned cannot be taken back by a miss"
         self.prefetch.plan(read, chunks, first)
         plans: list[list[Piece]] = []
         for i in range(first, len(chunks)):
@@ -111,6 +118,9 @@ class Reads:
                 self._metrics.misses.inc()
                 return plans if partial else []
             plans.append(pieces)
+            if planned is not None:
+                assert read.shape is not None, "a planned chunk fixes the shape"
+                planned(len(plans) - 1, pieces, read.shape)
         return plans
 
     def _end(self, read: Read) -> None:

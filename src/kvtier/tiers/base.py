@@ -52,9 +52,9 @@ class Tier(ABC):
     # Answers heads() from this host without waiting on a network (a local disk's index): an engine's scheduler
     # asks it inline, and leaves the other tiers to a background lookup.
     local: ClassVar[bool] = False
-    # A get reads this tier's shards ahead of their use, on threads (up to the store's READ_AHEAD): for tiers
-    # whose reads wait on a round trip more than on bytes (an object store's GETs). Off where threads measured no
-    # faster (a local disk, Redis): each reading thread keeps its own freed buffers, so reading ahead costs memory.
+    # A get reads this tier's shards ahead of their use, on threads (up to the store's READ_AHEAD), each into the
+    # DRAM entry reserved for it and verified there: for tiers across a network (an object store's GETs, Redis),
+    # whose reads wait on the server between replies. Off for a local disk (read inline, or a layer at a time).
     read_ahead: ClassVar[bool] = False
     # heads() answers any number of keys in one round trip (a pipeline, a batch call): a lookup asks it about a
     # prompt's tails in the same question as its chunks. Off where each key costs a request of its own (S3's

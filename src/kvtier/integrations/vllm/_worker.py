@@ -336,7 +336,7 @@ class WorkerSide:
         with tracing.span("kvtier.connector.load", tracing.context_of(load.trace), request_id=load.request_id,
                           tokens=len(load.block_ids) * self._bs - load.offset, asynchronous=background) as span:
             try:
-                end = self._load(load, rank, size, local_only=not background)
+                end = self._load(load, rank, size, background=background)
                 if background and self._caches[0].is_cuda:  # reported finished only once the copies have landed
                     torch.cuda.current_stream(self._caches[0].device).synchronize()
                 failed = set(load.block_ids[end // self._bs:])
@@ -385,10 +385,11 @@ class WorkerSide:
         self._abandon(meta)
         self._load_errors |= self._failed
 
-    def _load(self, load: Transfer, rank: int, size: int, *, local_only: bool = False) -> int:
+    def _load(self, load: Transfer, rank: int, size: int, *, background: bool = False) -> int:
         """Copy the stored chunks straight from the store's DRAM (or a tier's read buffer) into the blocks; returns
         the first token not loaded (``len(load.block_ids) * block_size`` when all were): the chunks before a missing
-        one load."""
+        one load. In the step, DRAM and local tiers only; in the background (a load from a server), each chunk is
+        copied as soon as it is read, while the next ones are read."""
         from_chunk = load.offset // self._chunk * self._chunk
 
         def sink(first: int, kv: torch.Tensor) -> None:
@@ -398,7 +399,7 @@ class WorkerSide:
         loaded = from_chunk + self._store.load(
             load.namespace, load.tokens, sink, layers=len(self._caches), head_dim=head_dim,
             dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=from_chunk, kv_heads=self._kv_heads,
-            device=self._caches[0].device, local_only=local_only, tail=True)
+            device=self._caches[0].device, local_only=not background, tail=True, streamed=background)
         return self._loaded_to(load, loaded)
 
     def _scatter(self, load: Transfer, from_chunk: int, first: int, kv: torch.Tensor) -> Scatter:
