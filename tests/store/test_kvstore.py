@@ -671,6 +671,51 @@ def test_a_streamed_load_hands_each_chunk_over_while_the_next_are_read(tmp_path:
         assert store.dram.audit()["refs"] == 0 and store.dram.audit()["pending"] == 0
 
 
+class ListedTier(FilesystemTier):
+    """A real filesystem tier that answers heads a listing per chunk, as S3 does, counting the chunks asked."""
+
+    heads_in_one_call = False
+    read_ahead = True
+    ASKED: list[str] = []
+
+    def heads(self, namespace, chunks):  # type: ignore[no-untyped-def]
+        self.ASKED.extend(chunks)
+        return super().heads(namespace, chunks)
+
+
+@pytest.mark.parametrize(("write_tp", "read_tp"), [(1, 1), (2, 2), (2, 1), (1, 2)])
+def test_a_read_from_a_tier_listed_chunk_by_chunk_asks_only_where_its_own_shard_is_not_there(
+        tmp_path: Path, write_tp: int, read_tp: int) -> None:
+    """A read from a tier that lists each chunk apart (S3) takes the shard of its own heads as what each chunk holds
+    and reads it, asking nothing, where the KV was written at the reader's TP degree; where it was not, each
+    chunk's own shard is missing, the chunk is asked about and planned from the answer: the same KV either way."""
+    cfg = store_config(tmp_path / "fs")
+    cfg["tiers"][0].update(type="tests.store.test_kvstore:ListedTier", name="filesystem")
+    tokens = synthetic_tokens(25, 4 * T)
+    kv = synthetic_kv(tokens, heads=4)
+    with KVStore.from_config(cfg) as store:
+        per = 4 // write_tp
+        for rank in range(write_tp):
+            store.put(NS, tokens, kv[:, :, rank * per:(rank + 1) * per].clone(), tp_rank=rank, tp_size=write_tp)
+        store.flush()
+        per = 4 // read_tp
+        for rank in range(read_tp):
+            store.drop_dram()  # (a rank's read promotes whole shards: the next would find them in DRAM)
+            ListedTier.ASKED.clear()
+            got = torch.empty_like(kv[:, :, rank * per:(rank + 1) * per])
+
+            def sink(first: int, views: torch.Tensor) -> None:
+                for j in range(views.shape[0]):
+                    got[:, :, :, (first + j) * T:(first + j + 1) * T] = views[j]  # noqa: B023 this load's
+
+            assert store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16, tp_rank=rank,
+                              tp_size=read_tp, kv_heads=4) == 4 * T
+            assert torch.equal(got, kv[:, :, rank * per:(rank + 1) * per])
+            chunks = [k.hex() for k in chunk_keys(NS, tokens, T)]
+            assert sorted(ListedTier.ASKED) == ([] if write_tp == read_tp else sorted(chunks))
+        assert store.dram.audit()["refs"] == 0 and store.dram.audit()["pending"] == 0
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["planned first", "streamed"])
 def test_a_load_hands_over_the_chunks_before_a_missing_one(make_store, tmp_path, streamed: bool) -> None:
     store = make_store()

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future
 
 from kvtier.dram import DramEntry, DramPool
-from kvtier.keys import ShardKey
+from kvtier.keys import ShardKey, rank_heads
 from kvtier.store.guard import GuardedTier
 from kvtier.store.plan import Filling, Read, plan_heads
 from kvtier.store.shards import ShardReads, raised
@@ -72,10 +72,17 @@ class Prefetch:
             for chunk, plan in in_dram.items():
                 for rng, _, _ in [] if plan is None else plan[1]:
                     read.pinned.extend(self._dram.acquire(read.namespace, chunk, [rng], read.owner) or [])
+        own = None if read.kv_heads is None else rank_heads(read.kv_heads, read.tp_rank, read.tp_size)
         for guard in read.tiers:
             if not missing:
                 break
-            answer = dict(zip(missing, guard.heads(read.namespace, missing)))
+            if own is not None and not guard.heads_in_one_call:
+                # A question per chunk (S3's listings, one after another's round trip): take the read's own heads
+                # as the shard each holds (written at this TP degree) and read it; a chunk whose shard is not there
+                # is asked about then (a re-plan), and planned from the answer.
+                answer = {chunk: [own] for chunk in missing}
+            else:
+                answer = dict(zip(missing, guard.heads(read.namespace, missing)))
             read.heads[guard.name] = answer
             still = []
             for chunk in missing:
