@@ -4,6 +4,7 @@ import dataclasses
 import os
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -423,17 +424,21 @@ def test_load_hands_over_exactly_what_get_returns(make_store, write_tp: int, rea
     assert store.dram.audit()["refs"] == 0 and store.dram.audit()["pending"] == 0
 
 
-def test_a_sink_that_raises_leaves_nothing_pinned(make_store) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["planned first", "streamed"])
+def test_a_sink_that_raises_leaves_nothing_pinned(make_store, streamed: bool) -> None:
     store = make_store()
     tokens = synthetic_tokens(21, 3 * T)
     store.put(NS, tokens, synthetic_kv(tokens))
     store.flush()
+    if streamed:  # the first chunk in DRAM, the rest read from the disk after the sink fails on it
+        store.drop_dram()
+        store.get(NS, tokens[:T])
 
     def sink(first: int, views: torch.Tensor) -> None:
         raise RuntimeError("the engine's copy failed")
 
     with pytest.raises(RuntimeError, match="copy failed"):
-        store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16)
+        store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16, streamed=streamed)
     assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
     assert store.load(NS, synthetic_tokens(22, T), sink, layers=2, head_dim=8, dtype=torch.bfloat16) == 0
 
@@ -629,7 +634,7 @@ class ReadAheadTier(FilesystemTier):
     """A real filesystem tier read ahead on threads, as a server's is (Redis, S3), that logs each shard it reads."""
 
     read_ahead = True
-    LOG: list[str] = []
+    LOG: ClassVar[list[str]] = []
 
     def get_into(self, key, header_len, payload):  # type: ignore[no-untyped-def]
         self.LOG.append(f"read {key.chunk}")
@@ -656,7 +661,7 @@ def test_a_streamed_load_hands_each_chunk_over_while_the_next_are_read(tmp_path:
             def sink(first: int, views: torch.Tensor) -> None:
                 ReadAheadTier.LOG.append(f"copy {first}")
                 for j in range(views.shape[0]):
-                    got[:, :, :, (first + j) * T:(first + j + 1) * T] = views[j]
+                    got[:, :, :, (first + j) * T:(first + j + 1) * T] = views[j]  # noqa: B023 this load's
 
             assert store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16,
                               streamed=streamed) == 8 * T
@@ -676,7 +681,7 @@ class ListedTier(FilesystemTier):
 
     heads_in_one_call = False
     read_ahead = True
-    ASKED: list[str] = []
+    ASKED: ClassVar[list[str]] = []
 
     def heads(self, namespace, chunks):  # type: ignore[no-untyped-def]
         self.ASKED.extend(chunks)

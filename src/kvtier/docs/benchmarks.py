@@ -225,7 +225,8 @@ def _ab(d: Mapping[str, Any]) -> Table:
 
 
 READERS: dict[str, Reader] = {
-    "ttft": _ttft, "ttft-runs": _ttft_runs, "store": _rows_with_ratio(("bench", "shape", "op"), ("target",)),
+    "ttft": _ttft, "ttft-runs": _ttft_runs, "ttft-redis": _ttft, "ttft-s3": _ttft,
+    "store": _rows_with_ratio(("bench", "shape", "op"), ("target",)),
     "shared": _rows_with_ratio(("tier", "shape", "op")),
     "sealing": _rows_with_ratio(("tier", "shape", "op"), ("target",)),
     "peers": _peers, "router": _router, "transformers": _transformers, "stall": _stall,
