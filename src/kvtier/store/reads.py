@@ -106,9 +106,9 @@ class Reads:
 
     def _plan(self, read: Read, chunks: list[str], first: int, partial: bool,
               planned: Planned | None = None) -> list[list[Piece]]:
-        """Each chunk's pieces from ``first`` on; none on a miss, or with ``partial`` those before it (handed to
-        ``planned`` one by one: only with ``partial``, so that none of them is taken back)."""
-        assert planned is None or partial, "chunks handed over as planned cannot be taken back by a miss"
+        """Each chunk's pieces from ``first`` on; none on a miss, or with ``partial`` those before it. Each is
+        handed to ``planned`` as it is made: without ``partial``, a miss after some of them takes them back (the
+        caller drops what it did with them)."""
         self.prefetch.plan(read, chunks, first)
         plans: list[list[Piece]] = []
         for i in range(first, len(chunks)):

@@ -53,8 +53,9 @@ class Tier(ABC):
     # asks it inline, and leaves the other tiers to a background lookup.
     local: ClassVar[bool] = False
     # A get reads this tier's shards ahead of their use, on threads (up to the store's READ_AHEAD), each into the
-    # DRAM entry reserved for it and verified there: for tiers across a network (an object store's GETs, Redis),
-    # whose reads wait on the server between replies. Off for a local disk (read inline, or a layer at a time).
+    # DRAM entry reserved for it and verified there, while the caller copies out the ones before: tiers across a
+    # network (an object store's GETs, Redis: the server sends while a shard is verified) and a local disk (reads
+    # and checksums on another core). A load by layers reads a ranged tier's shards a layer at a time instead.
     read_ahead: ClassVar[bool] = False
     # heads() answers any number of keys in one round trip (a pipeline, a batch call): a lookup asks it about a
     # prompt's tails in the same question as its chunks. Off where each key costs a request of its own (S3's

@@ -24,6 +24,10 @@ from kvtier.tiers.filesystem.layout import READ_FLAGS, TMP_DIR, Layout, file_nam
 _TMP_NAME = re.compile(r"\d+\.[0-9a-f]{32}\.part")
 _STALE_TEMP_SECONDS = 3600.0  # only where the filesystem has no locks: a temp file this old has no writer
 _NO_LOCKS = (errno.EOPNOTSUPP, errno.ENOLCK)
+# The most one write() call is given. Measured on ext4 (Linux 6.18, Intel Xeon VM): a 21 MB file written in one
+# call took 55 ms, in 1 MiB calls 4 ms (256 KiB: the same; 2 MiB and more: 57 ms again); reads are as fast in
+# any piece size.
+WRITE_PIECE = 1 << 20
 
 
 def bytes_view(part: Buffer) -> memoryview:
@@ -55,10 +59,10 @@ def create_temp(disk: Layout) -> tuple[int, str]:
 
 
 def write_all(fd: int, views: Sequence[memoryview], *, fsync: bool) -> None:
-    """Every byte of ``views``, in order; then fsync'd, if asked."""
+    """Every byte of ``views``, in order, at most :data:`WRITE_PIECE` bytes a call; then fsync'd, if asked."""
     for view in views:
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view[:WRITE_PIECE]):]
     if fsync:
         os.fsync(fd)
 
