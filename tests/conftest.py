@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,18 @@ from kvtier import KVStore, Namespace
 from kvtier.testing.servers import MooncakeServer, RedisCluster, RedisServer, S3Server
 
 NS = Namespace(model="test-model", dtype="bfloat16")
+
+
+CLEAN_AUDIT = {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
+
+
+def settled(store: KVStore) -> dict[str, int]:
+    """The DRAM pool's accounting once the reads ahead a load no longer needs have ended (up to 10 s): their entries
+    are aborted when their reads (or decryptions) end, which may be after the load returned."""
+    deadline = time.monotonic() + 10
+    while (audit := store.dram.audit())["pending"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return audit
 
 
 def store_config(path: Path | str | None, *, chunk_tokens: int = 16, dram: str | int = "8MiB",

@@ -23,6 +23,7 @@ from kvtier.errors import ConfigError, KVTierError, TierError
 from kvtier.keys import ShardKey, chunk_keys
 from kvtier.sealing import KeyProvider, Keyring, Sealer, write_key_file
 from kvtier.testing import synthetic_kv, synthetic_tokens
+from tests.conftest import CLEAN_AUDIT, settled
 
 T = 16
 
@@ -503,23 +504,18 @@ def test_no_key_material_in_reprs(tmp_path: Path) -> None:
         assert tenant.secret.hex() not in text and repr(tenant.secret) not in text
 
 
-def _settled(store: KVStore) -> dict[str, int]:
-    """The DRAM pool's accounting once reads ahead that a load no longer needed have ended (they are aborted when
-    their decryption ends, which may be after the load returned)."""
-    deadline = time.monotonic() + 10
-    while (audit := store.dram.audit())["pending"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return audit
-
-
 @pytest.mark.parametrize("fault", ["altered", "unreadable"])
 def test_a_fault_among_shards_read_ahead_and_decrypted_leaks_nothing(tmp_path: Path, fault: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Sealed shards are read ahead on the caller's thread and decrypted on another. A shard that fails ends the
     load with the chunks before it exact: altered, its decryption fails there and the load ends at its chunk;
-    unreadable, the disk rests from that moment (an outage), so the load also drops the chunk read ahead before
-    it. Every shard read ahead and not used gives its DRAM back, but only once its decryption has ended."""
-    tokens = synthetic_tokens(16, 8 * T)
+    unreadable, the disk rests from that moment (an outage), so the load also drops the chunks read ahead before
+    it (the shard is read READ_AHEAD chunks ahead of the one being taken). Every shard read ahead and not used
+    gives its DRAM back, but only once its decryption has ended."""
+    from kvtier.store import READ_AHEAD
+
+    first_bad = READ_AHEAD + 1  # read once chunk 1 is taken: chunks 0 and 1 served before the disk rests
+    tokens = synthetic_tokens(16, (first_bad + 3) * T)
     kv = synthetic_kv(tokens)
     with KVStore.from_config(config(tmp_path)) as store:
         store.put(ns("f"), tokens, kv)
@@ -527,7 +523,7 @@ def test_a_fault_among_shards_read_ahead_and_decrypted_leaks_nothing(tmp_path: P
         disk = store.tiers[0]
         by_chunk = {o.key.chunk: o.key for o in disk.list()}
         keys = [by_chunk[c.hex()] for c in chunk_keys(store.named(ns("f")), tokens, T)]  # in chunk order
-        bad = keys[3]
+        bad = keys[first_bad]
         if fault == "altered":
             disk.put(bad, [flip(disk.get(bad))])
         else:
@@ -536,10 +532,10 @@ def test_a_fault_among_shards_read_ahead_and_decrypted_leaks_nothing(tmp_path: P
 
             monkeypatch.setattr(disk, "get_into", lambda key, *a: (_ for _ in ()).throw(eio)
                                 if key == bad else real(key, *a))
-        # One decryption is held until the load has returned, of a shard read ahead and not used (altered: chunk 4,
-        # past the fault; unreadable: chunk 2, dropped as the disk rests): its entry must stay reserved until then
-        # (pages given back while a thread writes into them would be reused).
-        held, release = keys[4 if fault == "altered" else 2], threading.Event()
+        # One decryption is held until the load has returned, of a shard read ahead and not used (altered: the chunk
+        # after the fault; unreadable: the one before it, dropped as the disk rests): its entry must stay reserved
+        # until then (pages given back while a thread writes into them would be reused).
+        held, release = keys[first_bad + 1 if fault == "altered" else first_bad - 1], threading.Event()
         read_into = store._reads.shards.read_into
 
         def slow(tier, key, entry, *args):
@@ -554,14 +550,14 @@ def test_a_fault_among_shards_read_ahead_and_decrypted_leaks_nothing(tmp_path: P
             got[:, :, :, first * T:(first + chunks.shape[0]) * T] = chunks.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
 
         served = store.load(ns("f"), tokens, sink, layers=kv.shape[0], head_dim=kv.shape[4], dtype=kv.dtype)
-        assert served == (3 * T if fault == "altered" else 2 * T)
+        assert served == (first_bad * T if fault == "altered" else 2 * T)
         assert torch.equal(got[:, :, :, :served], kv[:, :, :, :served])
         assert store.dram.audit()["pending"] >= 1  # the held shard's entry, its decryption still under way
         release.set()
         stats = store.stats()["disk"]
         assert (stats["corrupt_objects_total"], bad in {o.key for o in disk.list()}) == \
             ((1, False) if fault == "altered" else (0, True))
-        assert _settled(store) == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
+        assert settled(store) == CLEAN_AUDIT
         monkeypatch.undo()
         if fault == "unreadable":
             assert store.stats()["disk"]["read_errors_total"] >= 1

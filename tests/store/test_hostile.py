@@ -21,7 +21,7 @@ from kvtier.store import prefetch
 from kvtier.store.prefetch import Prefetch
 from kvtier.testing import synthetic_kv, synthetic_tokens
 from kvtier.tiers.base import Buffer, StoredObject, Tier
-from tests.conftest import NS
+from tests.conftest import CLEAN_AUDIT, NS, settled
 
 T = 16
 
@@ -431,15 +431,6 @@ def stored(tier: Tier, seed: int, chunks: int) -> tuple[list[int], torch.Tensor]
     return tokens, kv
 
 
-def settled(store: KVStore) -> None:
-    """Wait (up to 5 s) until no DRAM entry is reserved any more, then check that nothing leaked."""
-    deadline = time.monotonic() + 5
-    while store.dram.audit()["pending"]:
-        assert time.monotonic() < deadline, store.dram.audit()
-        time.sleep(0.01)
-    assert store.dram.audit() == {"refs": 0, "pending": 0, "lost_pages": 0, "idle_mismatch": 0, "share_mismatch": 0}
-
-
 def test_a_get_from_a_network_tier_asks_once_and_reads_ahead_within_its_bound() -> None:
     from kvtier import store as store_module
 
@@ -495,7 +486,7 @@ def test_reads_ahead_go_straight_into_dram_and_a_miss_leaves_nothing_reserved() 
         assert fresh.load(NS, tokens, lambda first, got: loaded.append(got.clone()), **shape) == 5 * T
         assert torch.equal(torch.cat(loaded).permute(1, 2, 3, 0, 4, 5).flatten(3, 4), kv[:, :, :, :5 * T])
         assert fresh.held(NS, tokens, kv_heads=4) == 5 * T
-        settled(fresh)  # the load did not wait for them: aborted as each read ends
+        assert settled(fresh) == CLEAN_AUDIT  # the load did not wait for them: aborted as each read ends
         # chunks 0-4 read into DRAM pages, none on the caller's thread; 6 and 7 read ahead of the miss at 5 unless
         # cancelled before they ran
         keys = keys_of(tokens)
@@ -529,7 +520,7 @@ def test_reads_ahead_of_a_failed_read_are_not_waited_for_and_leave_nothing_reser
         # chunks 0 and 1 are read together (1 s), then 2 (fails at 1.05 s) and 3 (ends at 2 s): the load ends at
         # the failure, not waiting for 3
         assert time.monotonic() - start < 1.05 + 0.5
-        settled(fresh)
+        assert settled(fresh) == CLEAN_AUDIT
         assert fresh.held(NS, tokens, kv_heads=4) == 2 * T  # what was read beyond the failure was not kept
 
 
@@ -605,14 +596,14 @@ def test_a_tier_that_batches_reads_gets_a_loads_shards_in_batches_straight_into_
         assert all(name.startswith("kvtier-read") for _, name in tier.batches), tier.batches
         assert "get" not in tier.calls and tier.calls["heads"] == 1
         assert took < 5 * 0.05 * 0.8  # 5 batches one after another would take 0.25 s
-        settled(fresh)
+        assert settled(fresh) == CLEAN_AUDIT
     keys = keys_of(tokens)
     tier.objects.pop(keys[6])
     tier.answers[keys[2]] = ObjectError("mem: not what was stored")
     with open_store(tier, dram="16MiB") as fresh:
         assert fresh.load(NS, tokens, lambda first, got: None, **shape) == 2 * T
         assert fresh.stats()["mem"]["corrupt_objects_total"] == 1 and keys[2] not in tier.objects
-        settled(fresh)
+        assert settled(fresh) == CLEAN_AUDIT
         assert fresh.held(NS, tokens, kv_heads=4) == 2 * T
     tier.answers.clear()
     tier.raise_on["get_into_many"] = TierError("mem: the server went away")
@@ -623,7 +614,7 @@ def test_a_tier_that_batches_reads_gets_a_loads_shards_in_batches_straight_into_
         tier.calls.clear()
         assert fresh.load(NS, tokens, lambda first, got: None, **shape) == 0  # resting: not asked
         assert "get_into_many" not in tier.calls
-        settled(fresh)
+        assert settled(fresh) == CLEAN_AUDIT
 
 
 def test_a_batch_still_reading_keeps_its_entries_reserved_after_the_load_gave_up() -> None:
@@ -641,7 +632,7 @@ def test_a_batch_still_reading_keeps_its_entries_reserved_after_the_load_gave_up
             time.sleep(0.01)
         assert fresh.dram.audit()["pending"] == 4  # chunks 4-7, still being written
         tier.gate.set()
-        settled(fresh)
+        assert settled(fresh) == CLEAN_AUDIT
         assert fresh.held(NS, tokens, kv_heads=4) == T
 
 
@@ -721,7 +712,7 @@ def test_reads_ahead_never_evict_the_chunks_the_same_read_holds_in_dram() -> Non
         loaded: list[torch.Tensor] = []
         assert fresh.load(NS, tokens, lambda first, got: loaded.append(got.clone()), **shape) == 6 * T
         assert torch.equal(torch.cat(loaded).permute(1, 2, 3, 0, 4, 5).flatten(3, 4), kv)
-        settled(fresh)
+        assert settled(fresh) == CLEAN_AUDIT
 
 
 def test_a_tier_that_said_it_lacks_a_shard_is_not_asked_for_it_and_local_only_reads_skip_remote_tiers() -> None:

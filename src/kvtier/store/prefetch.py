@@ -20,12 +20,11 @@ from kvtier.threads import DaemonPool
 
 log = logging.getLogger("kvtier.store")
 # Shard reads a get keeps in flight ahead of the one it copies, from tiers that read ahead (Tier.read_ahead):
-# the next read's round trips overlap verifying this one, and what is held stays bounded (a 128K-token prompt
-# does not reserve all its chunks at once; read as bytes before the shape is known, ~10 chunks' worth of freed
-# buffers where inline reads peak at ~2). Measured on loopback (16 chunks of 5.9 MB): S3 0.17 -> 0.15 s; Redis,
-# into DRAM entries, 0.057 -> 0.049 s (4 ahead: no faster); a local disk's page cache, 32 chunks into DRAM entries,
-# 69 -> 55 ms (into bytes, before: 0.034 -> 0.043 s, then read inline).
-READ_AHEAD = 2
+# the next reads overlap verifying this one, and what is held stays bounded (a 128K-token prompt does not reserve
+# all its chunks at once; a 16K-token load's peak extra RSS: 0.2 MB from a disk, 0.8 MB from Redis, 7.6 MB from
+# S3, load-memory-2026-12-06.json). Measured, 2 ahead -> 4: a 32-chunk get from a disk's page cache 62 -> 54 ms,
+# a 16-chunk load from S3 99 -> 95 ms, from Redis no faster (0.049 s; 0.057 s read inline).
+READ_AHEAD = 4
 # From a tier that batches its reads (Tier.batch_reads), each reading thread reads up to _BATCH shards in one call,
 # straight into their reserved DRAM entries, with up to _BATCH_AHEAD shards in flight: the transfers of later
 # batches overlap the verification of the first (into DRAM pages; a shard whose entry cannot be reserved is read

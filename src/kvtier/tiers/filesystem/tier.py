@@ -51,7 +51,7 @@ class FilesystemTier(Tier):
     persistent = True
     local = True
     ranged_reads = True
-    # A get's shards read and verified two ahead on reading threads while the caller copies (a 32-chunk get from the
+    # A get's shards read and verified ahead on reading threads while the caller copies (a 32-chunk get from the
     # page cache, 189 MB: 69 -> 55 ms); a load by layers reads them a layer at a time instead (ranged_reads).
     read_ahead = True
     shares = True
