@@ -163,11 +163,19 @@ class DaemonPool:
                 except BaseException as exc:  # noqa: BLE001 handed to whoever holds the future
                     future.set_exception(exc)
 
-    def close(self, wait: float = 0.0) -> bool:
+    def close(self, wait: float = 0.0, cancel: bool = False) -> bool:
         """Let the threads end once the queue is drained, waiting up to ``wait`` seconds for them (a thread stuck
-        in a call ends with the process); whether they all ended."""
+        in a call ends with the process); whether they all ended. With ``cancel``, the jobs still queued are
+        cancelled instead of run (their futures' callbacks run now)."""
         with self._lock:
             self._closed = True
+        while cancel:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
         for _ in self._threads:
             try:
                 self._queue.put_nowait(None)

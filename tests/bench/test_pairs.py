@@ -278,7 +278,8 @@ def test_the_wire_speed_is_read_through_the_tier_and_leaves_nothing(redis_server
 
     tier = RedisTier.from_config("redis", {"url": redis_server.url, "key_prefix": unique_prefix}, "tiers[0]")
     try:
-        assert pairs.wire(tier, 4 * 2**20, 4, repeats=2) > 0
+        for readers in (1, 3):
+            assert pairs.wire(tier, 4 * 2**20, 4, readers, repeats=2) > 0
         assert list(tier.list()) == []
     finally:
         tier.close()

@@ -69,7 +69,8 @@ def test_a_shared_tiers_hits_have_a_floor_from_its_wire_speed(tmp_path: Path,
     redis = {"kvtier": [0.20, 0.20], "engine": [0.10, 0.10], "chunks": [8] * 2}
     dram = {"kvtier": [0.11, 0.11], "engine": [0.10, 0.10], "chunks": [8] * 2}
     # 1e8 bytes over a 2 GB/s wire: 50 ms
-    bandwidth = {"bytes": 10**8, "copy": 10e9, "read": 20e9, "checksum": 40e9, "wire": 2e9, "beside_forward": True}
+    bandwidth = {"bytes": 10**8, "copy": 10e9, "read": 20e9, "checksum": 40e9, "wire": 2e9, "wire_readers": 5,
+                 "beside_forward": True}
     results = {
         "baseline": {"vLLM, recompute": [10.0, 10.0]},
         "kvtier": {"pairs": {"kvtier, DRAM hit": dram, "kvtier, redis hit": redis},
@@ -86,7 +87,7 @@ def test_a_shared_tiers_hits_have_a_floor_from_its_wire_speed(tmp_path: Path,
     assert hits["kvtier, DRAM hit"]["floor"] == pytest.approx(1.0)  # copied beside the forward pass
     printed = capsys.readouterr().out
     assert "| kvtier, redis hit | 2 |  | 0.200 s | 0.100 s | 2.00 | 2.00 to 2.00 | 1.50 | <= 1.60: not met |" in printed
-    assert "the redis server's wire speed, read by the tier one object after another: 2.00 GB/s" in printed
+    assert "the redis server's wire speed, the tier reading a document's objects 5 at a time: 2.00 GB/s" in printed
 
 
 def test_hits_are_reported_from_their_pairs_with_interval_floor_and_target(tmp_path: Path,

@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -676,24 +677,93 @@ def test_a_streamed_load_hands_each_chunk_over_while_the_next_are_read(tmp_path:
         assert store.dram.audit()["refs"] == 0 and store.dram.audit()["pending"] == 0
 
 
+class GatedReadsTier(FilesystemTier):
+    """A real filesystem tier read ahead whose reads wait for ``GATE``, logging when they start and end and when the
+    tier closes."""
+
+    read_ahead = True
+    GATE = threading.Event()
+    LOG: ClassVar[list[str]] = []
+
+    def get_into(self, key, header_len, payload):  # type: ignore[no-untyped-def]
+        self.LOG.append("read")
+        assert self.GATE.wait(timeout=30), "gate never opened"
+        try:
+            return super().get_into(key, header_len, payload)
+        finally:
+            self.LOG.append("read ended")
+
+    def close(self) -> None:
+        self.LOG.append("closed")
+        super().close()
+
+
+def test_a_store_closing_during_reads_ahead_closes_its_tier_only_after_them(tmp_path: Path) -> None:
+    """Reads ahead still running when the store closes are waited for before the tier closes, and none starts after
+    it (a Redis read would open new connections, a file read would use a closed directory's descriptor)."""
+    cfg = store_config(tmp_path / "fs")
+    cfg["tiers"][0].update(type="tests.store.test_kvstore:GatedReadsTier", name="filesystem")
+    tokens = synthetic_tokens(26, 8 * T)
+    GatedReadsTier.GATE.set()
+    store = KVStore.from_config(cfg)
+    store.put(NS, tokens, synthetic_kv(tokens))
+    store.flush()
+    store.drop_dram()
+    GatedReadsTier.GATE.clear()
+    GatedReadsTier.LOG.clear()
+    raised: list[BaseException] = []
+
+    def get() -> None:
+        try:
+            store.get(NS, tokens)
+        except BaseException as exc:  # noqa: BLE001 checked below
+            raised.append(exc)
+
+    loading = threading.Thread(target=get, daemon=True)
+    loading.start()
+    deadline = time.monotonic() + 10
+    while GatedReadsTier.LOG.count("read") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    closing = threading.Thread(target=store.close)
+    closing.start()
+    time.sleep(0.2)
+    assert "closed" not in GatedReadsTier.LOG  # waiting for the reads under way
+    GatedReadsTier.GATE.set()
+    closing.join(timeout=10)
+    loading.join(timeout=10)
+    log = GatedReadsTier.LOG
+    assert not closing.is_alive() and "closed" in log
+    closed = log.index("closed")
+    assert "read" not in log[closed:] and log[:closed].count("read") == log[:closed].count("read ended")
+    # The get that was under way fails at its next read ahead (the store is closed); none other is possible.
+    assert [str(e) for e in raised] in ([], ["kvtier-read-filesystem: submit after close (no thread would run it)"])
+
+
 class ListedTier(FilesystemTier):
     """A real filesystem tier that answers heads a listing per chunk, as S3 does, counting the chunks asked."""
 
     heads_in_one_call = False
     read_ahead = True
-    ASKED: ClassVar[list[str]] = []
+    ASKED: ClassVar[list[list[str]]] = []  # the chunks of each question
+    READ: ClassVar[list[str]] = []  # the shards read, by name
 
     def heads(self, namespace, chunks):  # type: ignore[no-untyped-def]
-        self.ASKED.extend(chunks)
+        self.ASKED.append(list(chunks))
         return super().heads(namespace, chunks)
+
+    def get_into(self, key, header_len, payload):  # type: ignore[no-untyped-def]
+        got = super().get_into(key, header_len, payload)
+        self.READ.append(key.name if got is not None else f"missing {key.name}")
+        return got
 
 
 @pytest.mark.parametrize(("write_tp", "read_tp"), [(1, 1), (2, 2), (2, 1), (1, 2)])
 def test_a_read_from_a_tier_listed_chunk_by_chunk_asks_only_where_its_own_shard_is_not_there(
         tmp_path: Path, write_tp: int, read_tp: int) -> None:
     """A read from a tier that lists each chunk apart (S3) takes the shard of its own heads as what each chunk holds
-    and reads it, asking nothing, where the KV was written at the reader's TP degree; where it was not, each
-    chunk's own shard is missing, the chunk is asked about and planned from the answer: the same KV either way."""
+    and reads it, asking nothing, where the KV was written at the reader's TP degree; where it was not, the first
+    chunk's own shard is missing, and that chunk and all after it are asked about in one question, then read
+    from the answer (once each): the same KV either way."""
     cfg = store_config(tmp_path / "fs")
     cfg["tiers"][0].update(type="tests.store.test_kvstore:ListedTier", name="filesystem")
     tokens = synthetic_tokens(25, 4 * T)
@@ -707,6 +777,7 @@ def test_a_read_from_a_tier_listed_chunk_by_chunk_asks_only_where_its_own_shard_
         for rank in range(read_tp):
             store.drop_dram()  # (a rank's read promotes whole shards: the next would find them in DRAM)
             ListedTier.ASKED.clear()
+            ListedTier.READ.clear()
             got = torch.empty_like(kv[:, :, rank * per:(rank + 1) * per])
 
             def sink(first: int, views: torch.Tensor) -> None:
@@ -717,8 +788,11 @@ def test_a_read_from_a_tier_listed_chunk_by_chunk_asks_only_where_its_own_shard_
                               tp_size=read_tp, kv_heads=4) == 4 * T
             assert torch.equal(got, kv[:, :, rank * per:(rank + 1) * per])
             chunks = [k.hex() for k in chunk_keys(NS, tokens, T)]
-            assert sorted(ListedTier.ASKED) == ([] if write_tp == read_tp else sorted(chunks))
-        assert store.dram.audit()["refs"] == 0 and store.dram.audit()["pending"] == 0
+            asked = [] if write_tp == read_tp else [chunks]  # nothing, or every chunk in one question
+            assert asked == ListedTier.ASKED
+            found = [name for name in ListedTier.READ if not name.startswith("missing")]
+            assert len(found) == len(set(found)) == 4 * max(1, write_tp // read_tp)  # each shard it needs, once
+        assert settled(store) == CLEAN_AUDIT  # (guessed reads ahead that missed give their entries back)
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["planned first", "streamed"])

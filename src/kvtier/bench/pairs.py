@@ -238,11 +238,15 @@ def bandwidths(nbytes: int, repeats: int = 5, work: Path | None = None) -> dict[
             "checksum": nbytes / statistics.median(sums)}
 
 
-def wire(tier: Any, nbytes: int, objects: int, repeats: int = 3) -> float:
+def wire(tier: Any, nbytes: int, objects: int, readers: int, repeats: int = 3) -> float:
     """Bytes per second a shared tier's server sends here: ``objects`` objects of ``nbytes`` in all (a
-    document's chunks), written under a namespace of their own, then read back one after another through the
-    tier's own read (into one buffer: no checksum, no DRAM, no copy into vLLM's blocks), the median of
-    ``repeats``; the objects are deleted afterwards."""
+    document's chunks), written under a namespace of their own, then read back through the tier's own read, each
+    into a buffer (no checksum, no DRAM, no copy into vLLM's blocks), ``readers`` at a time (as many as a load
+    keeps in flight), the median of ``repeats``; the objects are deleted afterwards (one that cannot be is
+    reported on stderr)."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
     from kvtier.keys import HeadRange, ShardKey
@@ -250,20 +254,33 @@ def wire(tier: Any, nbytes: int, objects: int, repeats: int = 3) -> float:
     size = nbytes // objects
     namespace = os.urandom(16).hex()
     keys = [ShardKey(namespace, f"{i:032x}", HeadRange(0, 1, 1)) for i in range(objects)]
-    buffer = memoryview(torch.empty(size, dtype=torch.uint8).numpy().data)
+    buffers = [memoryview(torch.empty(size, dtype=torch.uint8).numpy().data) for _ in range(readers)]
+    slots: list[memoryview] = []
+
+    def read(key: ShardKey) -> None:
+        buffer = slots.pop()  # one buffer a reading thread (list.pop is atomic)
+        try:
+            if tier.get_into(key, 0, [buffer]) is None:
+                raise RuntimeError(f"tier {tier.name}: {key.name} vanished while measuring its wire speed")
+        finally:
+            slots.append(buffer)
+
     try:
         for key in keys:
             tier.put(key, [os.urandom(size)])
         times = []
-        for _ in range(repeats + 1):  # the first warms the connections
-            start = time.perf_counter()
-            for key in keys:
-                if tier.get_into(key, 0, [buffer]) is None:
-                    raise RuntimeError(f"tier {tier.name}: {key.name} vanished while measuring its wire speed")
-            times.append(time.perf_counter() - start)
+        with ThreadPoolExecutor(readers) as pool:
+            for _ in range(repeats + 1):  # the first warms the connections
+                slots[:] = buffers
+                start = time.perf_counter()
+                list(pool.map(read, keys))
+                times.append(time.perf_counter() - start)
     finally:
         for key in keys:
-            tier.delete(key)
+            try:
+                tier.delete(key)
+            except Exception as exc:  # noqa: BLE001 reported; the measurement's own outcome stands
+                print(f"bench: could not delete {key.name} from tier {tier.name}: {exc}", file=sys.stderr)
     return size * objects / statistics.median(times[1:])
 
 

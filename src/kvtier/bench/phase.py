@@ -185,8 +185,11 @@ def _hits(job: dict, sealed: bool, work: Path) -> dict[str, object]:
         bandwidth: dict[str, object] = {"bytes": nbytes, **pairs.bandwidths(nbytes, work=work),
                                         "beside_forward": _loads_by_layers()}
         if where != "disk":  # a shared tier: the floor of its hits is its server's wire speed
+            from kvtier.store import READ_AHEAD
+
             chunks = len(job["docs"][0]) // job["store"]["chunk_tokens"]
-            bandwidth["wire"] = pairs.wire(store.tiers[0], nbytes, chunks)
+            bandwidth["wire_readers"] = READ_AHEAD + 1  # those read ahead, and the one the load waits for
+            bandwidth["wire"] = pairs.wire(store.tiers[0], nbytes, chunks, READ_AHEAD + 1)
         result["bandwidth"] = bandwidth
     store.flush()
     result["stats"] = store.stats()

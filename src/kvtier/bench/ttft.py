@@ -279,6 +279,18 @@ def commit() -> str | None:
         return None
 
 
+def _print_bandwidth(bw: dict[str, Any], secondary: str) -> None:
+    print(f"\nMeasured here for the floor ({bw['bytes'] / 1e6:.0f} MB, a document's KV): copy "
+          f"{bw['copy'] / 1e9:.1f} GB/s, page-cache read {bw['read'] / 1e9:.1f} GB/s, checksum "
+          f"{bw['checksum'] / 1e9:.1f} GB/s (torch's {inprocess_env()['OMP_NUM_THREADS']} thread(s) for the copy); "
+          f"the engine's loads copied layer by layer beside its forward pass: "
+          f"{'yes' if bw.get('beside_forward') else 'no'}"
+          + (f"; the {secondary} server's wire speed, the tier reading a document's objects "
+             f"{bw.get('wire_readers', 1)} at a time: {bw['wire'] / 1e9:.2f} GB/s (a hit from it loads before the "
+             f"forward pass, so its floor is vLLM's own hit plus the prefix's bytes at that speed)" if "wire" in bw
+             else ""))
+
+
 def report(results: dict, profile: dict, json_path: Path | None, secondary: str = "disk") -> int:
     rows: dict[str, dict[str, float]] = {}
     for phase in ("baseline", "kvtier", "restart", "encrypted", "engine_hit", "api_server"):
@@ -321,15 +333,7 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
     if by_order:
         print(f"\nEach order's ratio, kvtier first / vLLM first: {'; '.join(by_order)}")
     if "bandwidth" in results.get("kvtier", {}):
-        bw = results["kvtier"]["bandwidth"]
-        print(f"\nMeasured here for the floor ({bw['bytes'] / 1e6:.0f} MB, a document's KV): copy "
-              f"{bw['copy'] / 1e9:.1f} GB/s, page-cache read {bw['read'] / 1e9:.1f} GB/s, checksum "
-              f"{bw['checksum'] / 1e9:.1f} GB/s (torch's {inprocess_env()['OMP_NUM_THREADS']} thread(s) for the copy); "
-              f"the engine's loads copied layer by layer beside its forward pass: "
-              f"{'yes' if bw.get('beside_forward') else 'no'}"
-              + (f"; the {secondary} server's wire speed, read by the tier one object after another: "
-                 f"{bw['wire'] / 1e9:.2f} GB/s (a hit from it loads before the forward pass, so its floor is vLLM's "
-                 f"own hit plus the prefix's bytes at that speed)" if "wire" in bw else ""))
+        _print_bandwidth(results["kvtier"]["bandwidth"], secondary)
     print("\nAgainst vLLM alone in a process of its own (the engine_hit phase; processes differ in how fast they "
           "compute, so this moves between runs more than the pairs):")
     for label, value in alone.items():

@@ -84,7 +84,12 @@ class GuardedTier:
                 isinstance(found, list) and all(valid_range(h) for h in found) for found in heads):
             self._unexpected("lookup", ValueError(f"malformed answer for {len(chunks)} chunks: {heads!r:.200}"))
             return none
-        if self._unopened:  # objects under keys this process lacks were read lately: as good as absent here
+        return self.openable(namespace, chunks, heads)
+
+    def openable(self, namespace: str, chunks: list[str], heads: list[list[HeadRange]]) -> list[list[HeadRange]]:
+        """``heads`` (what each chunk holds) less the objects under keys this process lacks, read lately: as good
+        as absent here."""
+        if self._unopened:
             now = time.monotonic()
             with self._unopened_lock:
                 heads = [[h for h in found if self._unopened.get(ShardKey(namespace, chunk, h), 0) < now]

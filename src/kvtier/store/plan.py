@@ -92,6 +92,10 @@ class Read:
     # after a failed piece asks again), and the shard reads planned from it, in order, started READ_AHEAD ahead.
     heads: dict[str, dict[str, list[HeadRange]]] = dataclasses.field(default_factory=dict)
     ahead: list[tuple[GuardedTier, ShardKey, str | None]] = dataclasses.field(default_factory=list)  # + parent
+    # Tiers not asked what they hold (a listing per chunk): the chunks planned from the reader's own heads, in order
+    # (asked about at once from the first whose shard is not there: Prefetch.unguess), and each chunk's parent.
+    guessed: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    parents: dict[str, str | None] = dataclasses.field(default_factory=dict)
     started: dict[tuple[str, ShardKey], Future[Fetched] | Filling] = dataclasses.field(default_factory=dict)
     # A load that reads a local file's payload a layer at a time (KVStore.loading's by_layers): its shards so
     # read, each in a reserved DRAM entry, verified and promoted once every layer is read (Reads.finish).

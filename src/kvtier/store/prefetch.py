@@ -9,10 +9,10 @@ import functools
 import logging
 import os
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 
 from kvtier.dram import DramEntry, DramPool
-from kvtier.keys import ShardKey, rank_heads
+from kvtier.keys import HeadRange, ShardKey, rank_heads
 from kvtier.store.guard import GuardedTier
 from kvtier.store.plan import Filling, Read, plan_heads
 from kvtier.store.shards import ShardReads, raised
@@ -40,6 +40,15 @@ _DECRYPT_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
 CLOSE_WAIT = 5.0
 
 
+def _never_ran(batch: list[tuple[ShardKey, DramEntry, Future[float | None]]], job: Future[None]) -> None:
+    """A batch's job cancelled before it ran (the store closing): each of its reads ends failed, so that no load
+    waits on it and the entries of those no load needs are aborted (their futures' callbacks)."""
+    if job.cancelled():
+        for key, _, future in batch:
+            if not future.done():
+                future.set_exception(CancelledError(f"{key.name}: not read, the store closed"))
+
+
 class Prefetch:
     """The reading threads (a pool per tier: reads stuck in a stalled server hold up no other tier's) and, with
     encryption, the decrypting threads."""
@@ -65,7 +74,7 @@ class Prefetch:
         use."""
         if not read.tiers:
             return
-        parents = {c: chunks[i - 1] if i else None for i, c in enumerate(chunks)}
+        read.parents = {c: chunks[i - 1] if i else None for i, c in enumerate(chunks)}
         in_dram = {c: plan_heads(read, self._dram.ranges(read.namespace, c)) for c in chunks[first:]}
         missing = [c for c, plan in in_dram.items() if plan is None]
         if missing:  # what this read fetches reserves DRAM, evicting idle entries: first pin the read's own
@@ -78,28 +87,52 @@ class Prefetch:
                 break
             if own is not None and not guard.heads_in_one_call:
                 # A question per chunk (S3's listings, one after another's round trip): take the read's own heads
-                # as the shard each holds (written at this TP degree) and read it; a chunk whose shard is not there
-                # is asked about then (a re-plan), and planned from the answer.
-                answer = {chunk: [own] for chunk in missing}
+                # as the shard each holds (written at this TP degree) and read it; from the first chunk whose shard
+                # is not there, the rest are asked about at once (unguess).
+                answer = dict(zip(missing, guard.openable(read.namespace, missing, [[own] for _ in missing])))
+                read.guessed[guard.name] = list(missing)
             else:
                 answer = dict(zip(missing, guard.heads(read.namespace, missing)))
             read.heads[guard.name] = answer
-            still = []
-            for chunk in missing:
-                dram = self._dram.ranges(read.namespace, chunk)
-                found = plan_heads(read, dram + answer[chunk])
-                if found is None:
-                    still.append(chunk)
-                    continue
-                if (self.reads_ahead(guard) or guard.batch_reads) and not (read.by_layers and guard.tier.ranged_reads):
-                    read.ahead.extend((guard, ShardKey(read.namespace, chunk, rng), parents[chunk])
-                                      for rng, _, _ in found[1] if rng not in dram)
-            missing = still
+            lined, missing = self._line_up(read, guard, missing, answer)
+            read.ahead += lined
         if missing:  # no source holds this chunk: the read stops there, so nothing beyond it is read ahead
             order = {c: i for i, c in enumerate(chunks)}
             stop = min(order[c] for c in missing)
             read.ahead = [item for item in read.ahead if order[item[1].chunk] < stop]
         read.ahead.reverse()  # popped from the end, in chunk order
+        self.read_ahead(read)
+
+    def _line_up(self, read: Read, guard: GuardedTier, chunks: list[str], answer: dict[str, list[HeadRange]]) \
+            -> tuple[list[tuple[GuardedTier, ShardKey, str | None]], list[str]]:
+        """The shard reads from ``guard`` that fill what DRAM lacks of ``chunks`` (in order), given what the tier
+        holds of each; and the chunks that neither holds whole."""
+        lined, still = [], []
+        ahead = (self.reads_ahead(guard) or guard.batch_reads) and not (read.by_layers and guard.tier.ranged_reads)
+        for chunk in chunks:
+            dram = self._dram.ranges(read.namespace, chunk)
+            found = plan_heads(read, dram + answer[chunk])
+            if found is None:
+                still.append(chunk)
+            elif ahead:
+                lined += [(guard, ShardKey(read.namespace, chunk, rng), read.parents.get(chunk))
+                          for rng, _, _ in found[1] if rng not in dram]
+        return lined, still
+
+    def unguess(self, read: Read, guard: GuardedTier, chunk: str) -> None:
+        """``chunk``'s shard of the reader's own heads was not in ``guard``'s tier (written at another TP degree):
+        ask about it and every chunk planned the same way after it, in one question, and read those ahead from the
+        answer instead."""
+        guessed = read.guessed.pop(guard.name, [])
+        rest = guessed[guessed.index(chunk):] if chunk in guessed else [chunk]
+        answer = dict(zip(rest, guard.heads(read.namespace, rest)))
+        read.heads.setdefault(guard.name, {}).update(answer)
+        lined, still = self._line_up(read, guard, rest, answer)
+        if still:  # the read stops at the first chunk no source holds: nothing from there on is read ahead
+            stop = rest.index(still[0])
+            lined = [item for item in lined if rest.index(item[1].chunk) < stop]
+        # not yet started reads of the guessed shards would only miss; the others' keep their order
+        read.ahead = [item for item in read.ahead if item[0] is not guard] + lined[::-1]
         self.read_ahead(read)
 
     def read_ahead(self, read: Read) -> None:
@@ -161,7 +194,8 @@ class Prefetch:
                 future.set_running_or_notify_cancel()
                 batch.append((key, entry, future))
             if batch:
-                readers.submit(lambda: self._fill_batch(guard, batch))
+                job = readers.submit(lambda: self._fill_batch(guard, batch))
+                job.add_done_callback(functools.partial(_never_ran, batch))
         except BaseException:
             for _, entry, _ in batch:
                 self._dram.abort(entry)  # e.g. the store closed meanwhile
@@ -223,15 +257,15 @@ class Prefetch:
         return future
 
     def close(self, guards: list[GuardedTier]) -> None:
-        """Stop the threads, then close each tier once no batched read into DRAM pages is under way in it."""
+        """Stop the threads, then close each tier once no read is under way in it: reads still queued are cancelled
+        (their DRAM entries aborted), those running are waited for (a read into DRAM pages, or one that would
+        reopen what the tier's close released: Redis's connections, a directory's descriptor)."""
         deadline = time.monotonic() + CLOSE_WAIT
         if self._decrypting is not None:  # they write into DRAM pages and remove what fails from its tier
             self._decrypting.close(wait=CLOSE_WAIT)
-        for guard in guards:  # a tier's native batch read into DRAM pages ends before the tier closes
-            ended = self._readers[guard.name].close(
-                wait=max(0.0, deadline - time.monotonic()) if guard.batch_reads else 0.0)
-            if guard.batch_reads and not ended:
-                log.warning("tier %s: left open at close: a batched read is still under way (it ends with the "
-                            "process)", guard.name)
+        for guard in guards:
+            if not self._readers[guard.name].close(wait=max(0.0, deadline - time.monotonic()), cancel=True):
+                log.warning("tier %s: left open at close: a read is still under way (it ends with the process)",
+                            guard.name)
                 continue
             guard.tier.close()

@@ -106,9 +106,10 @@ class Reads:
 
     def _plan(self, read: Read, chunks: list[str], first: int, partial: bool,
               planned: Planned | None = None) -> list[list[Piece]]:
-        """Each chunk's pieces from ``first`` on; none on a miss, or with ``partial`` those before it. Each is
-        handed to ``planned`` as it is made: without ``partial``, a miss after some of them takes them back (the
-        caller drops what it did with them)."""
+        """Each chunk's pieces from ``first`` on; none on a miss, or with ``partial`` those before it (each handed
+        to ``planned`` as it is made: only with ``partial``, so none is taken back by a later miss, and never by
+        layers, whose shards are verified only once every layer is read)."""
+        assert planned is None or (partial and not read.by_layers), "planned chunks are final and verified"
         self.prefetch.plan(read, chunks, first)
         plans: list[list[Piece]] = []
         for i in range(first, len(chunks)):
@@ -153,9 +154,11 @@ class Reads:
                 ranges = self._dram.ranges(read.namespace, chunk)
                 if isinstance(source, GuardedTier):
                     answers = read.heads.setdefault(source.name, {})
-                    if attempt or chunk not in answers:  # a re-plan asks again: the last answer was wrong
+                    if attempt and chunk in read.guessed.get(source.name, ()):  # not the shard of its own heads
+                        self.prefetch.unguess(read, source, chunk)  # this chunk and the rest guessed, at once
+                    elif attempt or chunk not in answers:  # a re-plan asks again: the last answer was wrong
                         answers[chunk] = source.heads(read.namespace, [chunk])[0]
-                    ranges += answers[chunk]
+                    ranges += read.heads[source.name][chunk]
                 found = plan_heads(read, ranges)
                 if found is None:
                     break

@@ -388,8 +388,7 @@ class WorkerSide:
     def _load(self, load: Transfer, rank: int, size: int, *, background: bool = False) -> int:
         """Copy the stored chunks straight from the store's DRAM (or a tier's read buffer) into the blocks; returns
         the first token not loaded (``len(load.block_ids) * block_size`` when all were): the chunks before a missing
-        one load. In the step, DRAM and local tiers only; in the background (a load from a server), each chunk is
-        copied as soon as it is read, while the next ones are read."""
+        one load. In the step: DRAM and local tiers only. In the background (from a server): streamed."""
         from_chunk = load.offset // self._chunk * self._chunk
 
         def sink(first: int, kv: torch.Tensor) -> None:
