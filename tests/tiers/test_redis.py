@@ -254,6 +254,29 @@ def test_get_into_reads_one_segment_itself_and_the_rest_through_get(kind: str, r
     segmented.close()
 
 
+def test_reads_ahead_beyond_max_connections_wait_for_one(redis_server: RedisServer, unique_prefix: str) -> None:
+    """A store reads a load's shards several at a time; with fewer connections than that, each read waits for a free
+    one (the default pool would fail it: an outage for the tier) and the load is whole and exact."""
+    import torch
+
+    from kvtier import KVStore, Namespace
+    from kvtier.testing import synthetic_kv, synthetic_tokens
+
+    ns = Namespace(model="m", dtype="bfloat16")
+    cfg = {"chunk_tokens": 16, "dram": {"capacity_bytes": "8MiB"},
+           "tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": unique_prefix, "max_connections": 1}]}
+    tokens = synthetic_tokens(3, 8 * 16)
+    kv = synthetic_kv(tokens)
+    with KVStore.from_config(cfg) as store:
+        store.put(ns, tokens, kv)
+        store.flush()
+        for _ in range(3):
+            store.drop_dram()
+            assert torch.equal(store.get(ns, tokens), kv)
+        stats = store.stats()["redis"]
+        assert stats["read_errors_total"] == 0 and stats["hit_chunks_total"] == 3 * 8
+
+
 def test_get_into_after_a_restart_reconnects(tmp_path: Path, unique_prefix: str) -> None:
     server = RedisServer(tmp_path / "restart").start()
     try:

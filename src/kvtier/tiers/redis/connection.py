@@ -106,7 +106,12 @@ class Client:
             # timeout: the server is stalled, and a second wait would double the time a caller waits for it (a
             # call fails after socket_timeout, not twice that).
             retry = Retry(NoBackoff(), 1, supported_errors=(self.redis.ConnectionError,))
-            return self.redis.Redis.from_url(o.url, retry=retry, **kwargs)
+            # A call waits up to socket_timeout for a free connection when max_connections are in use (reads
+            # ahead, writers and lookups at once), where the default pool fails it (an outage for the tier).
+            pool = self.redis.BlockingConnectionPool.from_url(o.url, retry=retry, timeout=o.socket_timeout, **kwargs)
+            client = self.redis.Redis(connection_pool=pool)
+            client.auto_close_connection_pool = True
+            return client
         except Exception as exc:  # whatever building the client raises is a TierError
             # A cluster client connects here and raises RedisClusterException (no node answers, or the node is
             # not in cluster mode); leaving it unwrapped would fail every call outside the store's outage

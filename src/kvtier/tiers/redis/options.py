@@ -33,7 +33,8 @@ class RedisOptions:
     connect_timeout: float = dataclasses.field(default=1.0, metadata={"help": "seconds to open a connection"})
     socket_read_bytes: int = dataclasses.field(default=65536, metadata={
         "help": "read size of the reply parser (at least 4096; larger measured no faster)"})
-    max_connections: int = dataclasses.field(default=32, metadata={"help": "connections per node (1-1024)"})
+    max_connections: int = dataclasses.field(default=32, metadata={
+        "help": "connections per node (1-1024); one server: a call beyond them waits up to socket_timeout for one"})
     # A file holding the password (e.g. a mounted Kubernetes Secret): the config itself then holds no secret.
     password_file: str | None = dataclasses.field(default=None, metadata={
         "help": "absolute path of a file holding the password (a mounted Secret), read at start"})
