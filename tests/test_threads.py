@@ -140,3 +140,32 @@ def test_a_librarys_threads_started_by_call_run_where_kvtiers_do(two_cpus: tuple
     starter.join(timeout=30)
     assert seen == [({spare}, "kvtier-metrics")]
     assert len(raised) == 1  # what fn raised reaches the caller
+
+
+def test_a_pool_closing_cancels_what_is_queued_and_waits_for_what_runs() -> None:
+    """close(cancel=True): a job still queued is cancelled (its future's callbacks run at once), one under way is
+    waited for, and the pool says it is idle only once that one has ended; an idle pool says so at once."""
+    from concurrent.futures import CancelledError
+
+    from kvtier.threads import DaemonPool
+
+    pool = DaemonPool("kvtier-test", 1)
+    gate, started = threading.Event(), threading.Event()
+    running = pool.submit(lambda: (started.set(), gate.wait(10)))
+    queued = pool.submit(lambda: "never")
+    called: list[bool] = []
+    queued.add_done_callback(lambda f: called.append(f.cancelled()))
+    assert started.wait(10)
+    pool.stop(cancel=True)
+    assert called == [True]
+    with pytest.raises(CancelledError):
+        queued.result()
+    assert not pool.wait_idle(0.1)  # the running job holds it
+    threading.Timer(0.1, gate.set).start()
+    assert pool.wait_idle(10) and running.result() == (None, True)
+    with pytest.raises(RuntimeError, match="submit after close"):
+        pool.submit(lambda: None)
+    idle = [DaemonPool(f"kvtier-idle-{i}", 2) for i in range(10)]
+    for p in idle:
+        p.submit(lambda: None).result()
+    assert all(p.close(wait=1.0, cancel=True) for p in idle)  # (returns as soon as its last job has ended)

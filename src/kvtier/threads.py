@@ -141,6 +141,8 @@ class DaemonPool:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pending = 0  # jobs queued or under way
+        self._idle = threading.Condition(self._lock)
 
     def submit(self, job: Callable[[], Any]) -> Future[Any]:
         """Queue ``job``; raises ``queue.Full`` when the queue is bounded and full. A future cancelled before a
@@ -152,21 +154,43 @@ class DaemonPool:
             if not self._threads:  # started before the job is queued: a failed start leaves nothing to run later
                 self._threads = [start(self._run, f"{self._name}-{i}") for i in range(self._size)]
             self._queue.put_nowait((future, tracing.carried(job)))  # its spans join the submitter's trace
+            self._pending += 1
         return future
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             future, job = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(job())
-                except BaseException as exc:  # noqa: BLE001 handed to whoever holds the future
-                    future.set_exception(exc)
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(job())
+                    except BaseException as exc:  # noqa: BLE001 handed to whoever holds the future
+                        future.set_exception(exc)
+            finally:
+                self._ended()
+
+    def _ended(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
 
     def close(self, wait: float = 0.0, cancel: bool = False) -> bool:
-        """Let the threads end once the queue is drained, waiting up to ``wait`` seconds for them (a thread stuck
-        in a call ends with the process); whether they all ended. With ``cancel``, the jobs still queued are
-        cancelled instead of run (their futures' callbacks run now)."""
+        """:meth:`stop`, then wait up to ``wait`` seconds for the jobs under way (a thread stuck in a call ends with
+        the process); whether none is under way any more (every job queued has been run or cancelled)."""
+        self.stop(cancel)
+        return self.wait_idle(wait)
+
+    def wait_idle(self, wait: float) -> bool:
+        """Wait up to ``wait`` seconds until the queue is drained and no job is under way; whether that came."""
+        deadline = time.monotonic() + wait
+        with self._idle:
+            while self._pending and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+            return not self._pending
+
+    def stop(self, cancel: bool = False) -> None:
+        """Take no more jobs and let the threads end once the queue is drained; with ``cancel``, the jobs still
+        queued are cancelled instead of run (their futures' callbacks run now). Never waits."""
         with self._lock:
             self._closed = True
         while cancel:
@@ -176,12 +200,9 @@ class DaemonPool:
                 break
             if item is not None:
                 item[0].cancel()
+                self._ended()
         for _ in self._threads:
             try:
                 self._queue.put_nowait(None)
             except queue.Full:
                 break
-        deadline = time.monotonic() + wait
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)

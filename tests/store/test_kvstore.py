@@ -746,6 +746,7 @@ class ListedTier(FilesystemTier):
     read_ahead = True
     ASKED: ClassVar[list[list[str]]] = []  # the chunks of each question
     READ: ClassVar[list[str]] = []  # the shards read, by name
+    THREADS: ClassVar[list[str]] = []  # the threads that read them
 
     def heads(self, namespace, chunks):  # type: ignore[no-untyped-def]
         self.ASKED.append(list(chunks))
@@ -754,7 +755,12 @@ class ListedTier(FilesystemTier):
     def get_into(self, key, header_len, payload):  # type: ignore[no-untyped-def]
         got = super().get_into(key, header_len, payload)
         self.READ.append(key.name if got is not None else f"missing {key.name}")
+        self.THREADS.append(threading.current_thread().name)
         return got
+
+    def get(self, key):  # type: ignore[no-untyped-def]
+        self.READ.append(f"bytes {key.name}")
+        return super().get(key)
 
 
 @pytest.mark.parametrize(("write_tp", "read_tp"), [(1, 1), (2, 2), (2, 1), (1, 2)])
@@ -778,6 +784,7 @@ def test_a_read_from_a_tier_listed_chunk_by_chunk_asks_only_where_its_own_shard_
             store.drop_dram()  # (a rank's read promotes whole shards: the next would find them in DRAM)
             ListedTier.ASKED.clear()
             ListedTier.READ.clear()
+            ListedTier.THREADS.clear()
             got = torch.empty_like(kv[:, :, rank * per:(rank + 1) * per])
 
             def sink(first: int, views: torch.Tensor) -> None:
@@ -792,7 +799,37 @@ def test_a_read_from_a_tier_listed_chunk_by_chunk_asks_only_where_its_own_shard_
             assert asked == ListedTier.ASKED
             found = [name for name in ListedTier.READ if not name.startswith("missing")]
             assert len(found) == len(set(found)) == 4 * max(1, write_tp // read_tp)  # each shard it needs, once
+            # read ahead, also after a wrong guess (the wrong guesses' reads give their slots back)
+            assert sum(t.startswith("kvtier-read") for t in ListedTier.THREADS) >= len(found) - 1
         assert settled(store) == CLEAN_AUDIT  # (guessed reads ahead that missed give their entries back)
+
+
+def test_a_wrong_guess_among_right_ones_reads_each_shard_once_and_leaks_nothing(tmp_path: Path) -> None:
+    """The first chunk written at another TP degree, the rest at the reader's: the guesses of the others, read ahead
+    already, stand; the first is asked about with them and read once; nothing is left reserved."""
+    cfg = store_config(tmp_path / "fs")
+    cfg["tiers"][0].update(type="tests.store.test_kvstore:ListedTier", name="filesystem")
+    tokens = synthetic_tokens(27, 3 * T)
+    kv = synthetic_kv(tokens, heads=4)
+    with KVStore.from_config(cfg) as store:
+        store.put(NS, tokens[:T], kv[:, :, :, :T].clone())  # the first chunk whole (TP 1)
+        for rank in range(2):  # the rest per rank (TP 2)
+            store.put(NS, tokens, kv[:, :, rank * 2:(rank + 1) * 2, T:].clone(), tp_rank=rank, tp_size=2, offset=T)
+        store.flush()
+        store.drop_dram()
+        ListedTier.READ.clear()
+        got = torch.empty_like(kv[:, :, :2])
+
+        def sink(first: int, views: torch.Tensor) -> None:
+            for j in range(views.shape[0]):
+                got[:, :, :, (first + j) * T:(first + j + 1) * T] = views[j]
+
+        assert store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16, tp_size=2,
+                          kv_heads=4) == 3 * T
+        assert torch.equal(got, kv[:, :, :2])
+        found = [name.removeprefix("bytes ") for name in ListedTier.READ if not name.startswith("missing")]
+        assert len(found) == len(set(found)) == 3
+        assert settled(store) == CLEAN_AUDIT
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["planned first", "streamed"])

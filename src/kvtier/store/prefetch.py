@@ -14,7 +14,7 @@ from concurrent.futures import CancelledError, Future
 from kvtier.dram import DramEntry, DramPool
 from kvtier.keys import HeadRange, ShardKey, rank_heads
 from kvtier.store.guard import GuardedTier
-from kvtier.store.plan import Filling, Read, plan_heads
+from kvtier.store.plan import Fetched, Filling, Read, plan_heads
 from kvtier.store.shards import ShardReads, raised
 from kvtier.threads import DaemonPool
 
@@ -90,7 +90,9 @@ class Prefetch:
                 # as the shard each holds (written at this TP degree) and read it; from the first chunk whose shard
                 # is not there, the rest are asked about at once (unguess).
                 answer = dict(zip(missing, guard.openable(read.namespace, missing, [[own] for _ in missing])))
-                read.guessed[guard.name] = list(missing)
+                unopened = [c for c in missing if not answer[c]]  # this process lacks its key: ask what else is there
+                answer.update(zip(unopened, guard.heads(read.namespace, unopened) if unopened else []))
+                read.guessed[guard.name] = [c for c in missing if c not in unopened]
             else:
                 answer = dict(zip(missing, guard.heads(read.namespace, missing)))
             read.heads[guard.name] = answer
@@ -122,18 +124,31 @@ class Prefetch:
     def unguess(self, read: Read, guard: GuardedTier, chunk: str) -> None:
         """``chunk``'s shard of the reader's own heads was not in ``guard``'s tier (written at another TP degree):
         ask about it and every chunk planned the same way after it, in one question, and read those ahead from the
-        answer instead."""
+        answer instead. Reads of guessed shards the answer does not name are abandoned (their slots freed); those it
+        names and already started stand."""
         guessed = read.guessed.pop(guard.name, [])
         rest = guessed[guessed.index(chunk):] if chunk in guessed else [chunk]
         answer = dict(zip(rest, guard.heads(read.namespace, rest)))
         read.heads.setdefault(guard.name, {}).update(answer)
-        lined, still = self._line_up(read, guard, rest, answer)
-        if still:  # the read stops at the first chunk no source holds: nothing from there on is read ahead
-            stop = rest.index(still[0])
-            lined = [item for item in lined if rest.index(item[1].chunk) < stop]
-        # not yet started reads of the guessed shards would only miss; the others' keep their order
-        read.ahead = [item for item in read.ahead if item[0] is not guard] + lined[::-1]
+        for name, key in [k for k in read.started if k[0] == guard.name and k[1].chunk in answer]:
+            if key.heads not in answer[key.chunk]:
+                self.abandon(read.started.pop((name, key)))
+        lined, _ = self._line_up(read, guard, rest, answer)
+        lined = [item for item in lined if (guard.name, item[1]) not in read.started]
+        # this tier's lined-up guesses would only miss; every read stays in chunk order (popped from the end)
+        order = {c: i for i, c in enumerate(read.parents)}
+        kept = [item for item in read.ahead if item[0] is not guard]
+        read.ahead = sorted(kept + lined[::-1], key=lambda item: -order.get(item[1].chunk, 0))
         self.read_ahead(read)
+
+    def abandon(self, started: Future[Fetched] | Filling) -> None:
+        """A started read no longer needed: cancelled if it has not begun; a read into a DRAM entry has its entry
+        aborted once it has ended (at once if it never began or has ended). Never waits."""
+        if isinstance(started, Filling):
+            started.future.cancel()
+            started.future.add_done_callback(lambda _: self._dram.abort(started.entry))
+        else:
+            started.cancel()
 
     def read_ahead(self, read: Read) -> None:
         """Start the next lined-up shard reads, keeping at most :data:`READ_AHEAD` of them started and not yet
@@ -261,10 +276,12 @@ class Prefetch:
         (their DRAM entries aborted), those running are waited for (a read into DRAM pages, or one that would
         reopen what the tier's close released: Redis's connections, a directory's descriptor)."""
         deadline = time.monotonic() + CLOSE_WAIT
+        for pool in self._readers.values():  # all stopped first: none runs its queue while another is waited for
+            pool.stop(cancel=True)
         if self._decrypting is not None:  # they write into DRAM pages and remove what fails from its tier
             self._decrypting.close(wait=CLOSE_WAIT)
         for guard in guards:
-            if not self._readers[guard.name].close(wait=max(0.0, deadline - time.monotonic()), cancel=True):
+            if not self._readers[guard.name].wait_idle(max(0.0, deadline - time.monotonic())):
                 log.warning("tier %s: left open at close: a read is still under way (it ends with the process)",
                             guard.name)
                 continue

@@ -130,10 +130,7 @@ class Reads:
                 self._drop(read.deferred.pop())
         finally:
             for started in read.started.values():  # not needed after all (a miss before them)
-                if isinstance(started, Filling):
-                    self._abort_when_done(started)
-                else:
-                    started.cancel()  # one not yet running never starts
+                self.prefetch.abandon(started)  # one not yet running never starts
             for entry in read.pinned:
                 self._dram.release(entry)
 
@@ -382,10 +379,8 @@ class Reads:
         return created
 
     def _abort_when_done(self, filling: Filling) -> None:
-        """Abort a read-ahead's entry once its read has ended (at once if it never started or has ended): until
-        then its pages are being written. Never waits."""
-        filling.future.cancel()
-        filling.future.add_done_callback(lambda _: self._dram.abort(filling.entry))
+        """Abort a read-ahead's entry once its read has ended (until then its pages are being written)."""
+        self.prefetch.abandon(filling)
 
     def _promote(self, read: Read, guard: GuardedTier, entry: DramEntry, created: float) -> bool:
         """Make a shard read from ``guard``'s tier visible in DRAM, pinned for ``read``, and queue it for the tiers

@@ -3,7 +3,8 @@ becomes a :class:`TierError` (or, for one key of another type, an :class:`Object
 
 Calls run on the caller's thread with the configured socket timeouts; the client reconnects by itself on the
 next call once the server answers again. A call to a stalled server fails after ``socket_timeout`` (a timeout
-is not retried); in a cluster, kvtier sends each command to its key's node itself (:mod:`.routing`), so a call
+is not retried; on one server, a call beyond ``max_connections`` first waits up to ``socket_timeout`` for a free
+connection); in a cluster, kvtier sends each command to its key's node itself (:mod:`.routing`), so a call
 fails after ``socket_timeout`` at the first stalled node it reaches, and the other nodes' keys are served
 meanwhile. Messages show the URL with its password replaced by ``***``.
 """
