@@ -367,20 +367,16 @@ class Reads:
         """The creation time of a shard read ahead into its DRAM entry, or None with the entry aborted: missing,
         corrupt or unreadable, or its tier failed since the read started (not waited on)."""
         if guard.reads.resting():
-            self._abort_when_done(filling)
+            self.prefetch.abandon(filling)  # its entry aborted once its read has ended
             return None
         try:
             created = filling.future.result()
         except BaseException:  # (the reader catches what the tier raises: here, e.g. an interrupt of the wait)
-            self._abort_when_done(filling)
+            self.prefetch.abandon(filling)  # its entry aborted once its read has ended
             raise
         if created is None:
             self._dram.abort(filling.entry)
         return created
-
-    def _abort_when_done(self, filling: Filling) -> None:
-        """Abort a read-ahead's entry once its read has ended (until then its pages are being written)."""
-        self.prefetch.abandon(filling)
 
     def _promote(self, read: Read, guard: GuardedTier, entry: DramEntry, created: float) -> bool:
         """Make a shard read from ``guard``'s tier visible in DRAM, pinned for ``read``, and queue it for the tiers
