@@ -2,9 +2,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import xxhash
 
 from kvtier.errors import KVTierError, ObjectError, TierError
-from kvtier.frame import HEADER_LEN, FrameError, ShardMeta, UnknownKey, decode, encode_header, payload_tensor
+from kvtier.codecs import CODECS
+from kvtier.frame import (HEADER_LEN, FrameError, RefusedCodec, ShardMeta, UnknownKey, decode, decode_payload,
+                          encode_header, payload_tensor)
 from kvtier.health import Fault, classify
 from kvtier.keys import HeadRange, ShardKey
 
@@ -55,3 +58,60 @@ def test_a_bad_shard_is_an_object_error_and_still_a_value_error() -> None:
     assert isinstance(err.value, KVTierError) and isinstance(err.value, ValueError)
     assert issubclass(UnknownKey, FrameError)
     assert classify(err.value) is Fault.CORRUPT and classify(UnknownKey("k")) is Fault.UNKNOWN_KEY
+
+
+# -- codecs in the frame ---------------------------------------------------------------------------------------
+def coded_object(codec_name: str, meta: ShardMeta) -> tuple[bytes, torch.Tensor]:
+    shard = (torch.randn(meta.shape) * 3).to(meta.dtype)
+    codec = CODECS[codec_name]
+    stored = b"".join(codec.encode(meta.shape, meta.dtype, [memoryview(shard.view(torch.uint8).numpy().reshape(-1))]))
+    return encode_header(KEY, meta, [stored], codec=codec) + stored, shard
+
+
+@pytest.mark.parametrize("name", ["fp8", "k16v8", "lossless"])
+def test_a_coded_shard_names_its_codec_and_decodes_to_the_shard(name: str) -> None:
+    meta = ShardMeta(2, 16, 8, torch.bfloat16, KEY.heads)
+    blob, shard = coded_object(name, meta)
+    header, stored = decode(blob, expected=KEY)
+    assert header.codec is CODECS[name] and header.meta == meta and header.payload_len == len(stored) < meta.nbytes
+    got = payload_tensor(decode_payload(header, stored), meta)
+    assert bool(((got.float() - shard.float()).abs() <= CODECS[name].error_bound(shard)).all())
+    out = torch.empty_like(shard)
+    decode_payload(header, stored, [memoryview(out.view(torch.uint8).numpy().reshape(-1))])
+    assert torch.equal(out, got)
+
+
+def test_a_reader_takes_only_the_codecs_it_accepts_before_the_payload_is_checked() -> None:
+    meta = ShardMeta(2, 16, 8, torch.bfloat16, KEY.heads)
+    blob, _ = coded_object("fp8", meta)
+    exact = {CODECS["none"], CODECS["lossless"]}
+    with pytest.raises(RefusedCodec, match="codec fp8; this tier's reads accept lossless, none"):
+        decode(blob, expected=KEY, accepts=exact)
+    damaged = bytearray(blob)
+    damaged[-1] ^= 1  # a payload that fails its checksum is still only refused: nothing of it is trusted
+    with pytest.raises(RefusedCodec):
+        decode(damaged, expected=KEY, accepts=exact)
+    assert classify(RefusedCodec("x")) is Fault.REFUSED_CODEC
+    assert decode(blob, expected=KEY, accepts=exact | {CODECS["fp8"]})[0].codec is CODECS["fp8"]
+
+
+def test_an_unknown_codec_or_a_length_its_codec_cannot_have_is_a_bad_frame() -> None:
+    meta = ShardMeta(2, 16, 8, torch.bfloat16, KEY.heads)
+    blob, _ = coded_object("fp8", meta)
+    at = 4 + 2 + 2 + 8 + 16 + 16 + 16 + 2 * 3 + 2 + 4 + 2 + 1  # the codec byte, after the dtype
+
+    def rewritten(codec_code: int, blob: bytes = blob) -> bytes:
+        head = bytearray(blob[:HEADER_LEN - 8])
+        head[at] = codec_code
+        return bytes(head) + xxhash.xxh3_64_intdigest(bytes(head)).to_bytes(8, "little") + blob[HEADER_LEN:]
+
+    with pytest.raises(FrameError, match="unknown codec code 200"):
+        decode(rewritten(200), expected=KEY)
+    with pytest.raises(FrameError, match="does not fit shape"):  # an fp8 payload claimed to be k16v8
+        decode(rewritten(CODECS["k16v8"].code), expected=KEY)
+    with pytest.raises(FrameError, match="does not fit shape"):  # or plain
+        decode(rewritten(0), expected=KEY)
+    with pytest.raises(FrameError):  # a flipped codec byte without the header's checksum redone
+        decode(blob[:at] + bytes([blob[at] ^ 2]) + blob[at + 1:], expected=KEY)
+    with pytest.raises(ValueError, match="needs 1"):
+        encode_header(KEY, meta, [b"x"], codec=CODECS["fp8"])

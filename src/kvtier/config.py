@@ -22,6 +22,7 @@ from kvtier._config_values import CONFIG_FIELDS, shown, unknown_key
 from kvtier._config_values import (  # re-exported: part of this API
     FieldReader as FieldReader, build_dataclass as build_dataclass, parse_size as parse_size, redact as redact,
     redact_url as redact_url)
+from kvtier import codecs
 from kvtier.errors import ConfigError
 from kvtier.placement import PlacementRule, parse_placement
 
@@ -114,6 +115,14 @@ class TierSpec:
     queue_bytes: int = 512 * 2**20
     workers: int = 1
     retry_seconds: float = 1.0
+    codec: str = "none"
+    accept_codecs: tuple[str, ...] = ()  # besides the exact ones and its own codec
+
+    @property
+    def accepts(self) -> frozenset[codecs.Codec]:
+        """The codecs this tier's reads take: the exact ones (``none``, ``lossless``), its own, and those it lists."""
+        names = {"none", "lossless", self.codec, *self.accept_codecs}
+        return frozenset(codecs.CODECS[n] for n in names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +139,13 @@ class _TierCommon:
     name: str | None = dataclasses.field(default=None, metadata={
         "help": "the tier's name in metrics, placement rules and --tier (1-64 letters, digits, _ . -); "
                 "null: the type; names must differ"})
+    codec: str = dataclasses.field(default="none", metadata={
+        "help": "how this tier stores KV: none (as it is), lossless (byte planes + zstandard; exact), fp8 (keys "
+                "and values in float8 e4m3, scaled: about half the bytes, lossy), k16v8 (keys as they are, values "
+                "in fp8: about three quarters, lossy); encoded on the cascade writer threads"})
+    accept_codecs: list[str] = dataclasses.field(default_factory=list, metadata={
+        "help": "lossy codecs this tier's reads accept besides its own codec (none and lossless, being exact, "
+                "always are): an object stored with any other is a miss, left in place, counted"})
 
     def check(self, field: str) -> None:
         if not 1 <= self.queue_depth <= _MAX_QUEUE_DEPTH:
@@ -192,14 +208,25 @@ def _parse_tier(raw: object, index: int, seen: set[str]) -> TierSpec:
     if "type" not in raw or not isinstance(raw["type"], str):
         raise ConfigError(f"{field}.type: required, a tier type name")
     common_keys = {f.name for f in dataclasses.fields(_TierCommon)}
-    common = build_dataclass(_TierCommon, {k: v for k, v in raw.items() if k in common_keys}, field)
+    accept = _codec_names(raw.get("accept_codecs", []), f"{field}.accept_codecs")
+    common = build_dataclass(_TierCommon, {k: v for k, v in raw.items() if k in common_keys - {"accept_codecs"}},
+                             field)
+    codecs.by_name(common.codec, f"{field}.codec")
     name = common.name or raw["type"]
     if name in seen or name == "dram":
         raise ConfigError(f"{field}.name: tier name {name!r} is used twice; give each tier a distinct 'name'")
     seen.add(name)
     options = {k: v for k, v in raw.items() if k not in common_keys | {"type"}}
     return TierSpec(type=raw["type"], name=name, options=options, queue_depth=common.queue_depth,
-                    queue_bytes=common.queue_bytes, workers=common.workers, retry_seconds=common.retry_seconds)
+                    queue_bytes=common.queue_bytes, workers=common.workers, retry_seconds=common.retry_seconds,
+                    codec=common.codec, accept_codecs=accept)
+
+
+def _codec_names(value: object, field: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{field}: expected a list of codec names ({', '.join(sorted(codecs.CODECS))}), got "
+                          f"{shown(field, value)}")
+    return tuple(codecs.by_name(name, f"{field}[{i}]").name for i, name in enumerate(value))
 
 
 class _NoAliasLoader(yaml.SafeLoader):

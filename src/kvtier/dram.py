@@ -28,7 +28,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.eviction import EvictionPolicy
-from kvtier import frame
+from kvtier import codecs, frame
 from kvtier.feed import ChangeFeed
 from kvtier.frame import ShardMeta
 from kvtier.keys import HeadRange, ShardKey
@@ -108,6 +108,8 @@ class DramEntry:
     share: str | None = None  # the tenant share (quota) it counts against, if any
     owner: bytes | None = None  # the tenant key id it was stored under (encrypted stores): served only under it
     expires: float | None = None  # the time (time.time()) from which it is never served: its tiers' TTL
+    # The lossy codec its KV was decoded from (promoted from a tier storing fp8, say); NONE: exact, as it was put.
+    codec: codecs.Codec = codecs.NONE
 
     def servable(self, owner: bytes | None, now: float) -> bool:
         return self.owner == owner and (self.expires is None or now < self.expires)

@@ -3,14 +3,19 @@
     KVTierError
     ├── ConfigError   bad configuration: names the field and what is allowed
     ├── SealError     a shard cannot be sealed: its tenant's key is not held (forgotten since it was put)
+    ├── NotEncodable  a lossy codec cannot store a shard faithfully (NaN or infinity in its KV)
     ├── QuotaFull     a tier refused a write: the tenant's share is full of shards it may not evict yet
     └── TierError     a secondary tier's I/O failed (the cause is chained with ``from``)
         └── ObjectError   the tier answered, but one stored object is malformed (wrong type, bad fields):
             │             a miss for that object, counted as corrupt and removed; not an outage of the tier
+            ├── WrongSize     not the size a read into buffers asked for: malformed, or stored with a codec
+            │                 (then read whole, and decoded, or refused)
             └── FrameError    the bytes are not a valid shard for its key (truncated, corrupt, misplaced,
                 │             forged): the same (:mod:`kvtier.frame`; also a ValueError)
-                └── UnknownKey    sealed under a key this process does not hold: a miss, left in place and
-                                  counted apart from corruption
+                ├── UnknownKey    sealed under a key this process does not hold: a miss, left in place and
+                │                 counted apart from corruption
+                └── RefusedCodec  stored with a codec the reading tier does not accept (lossy where exact KV is
+                                  wanted): a miss, left in place, counted apart from corruption
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ class SealError(KVTierError):
     """A shard cannot be sealed for a tier: its tenant's key is not held here (forgotten since it was put)."""
 
 
+class NotEncodable(KVTierError):
+    """KV a lossy codec cannot store faithfully (NaN or infinity in it, which float8 would turn into finite numbers
+    or lose): the write is dropped and counted."""
+
+
 class QuotaFull(KVTierError):
     """A tier refused to write a shard: its tenant's share holds only shards used too recently to evict (its own
     prompt's), so the prompt keeps its leading chunks. Not a fault of the tier: the write is dropped and counted."""
@@ -42,3 +52,8 @@ class ObjectError(TierError):
 
     The store treats it as a miss for that object, counts it as corrupt and removes it; the tier stays in use.
     """
+
+
+class WrongSize(ObjectError):
+    """An object is not the size a read into buffers (``Tier.get_into``) asked for. Malformed, or stored with a
+    codec (:mod:`kvtier.codecs`): the store then reads it whole, and decodes it or refuses it by its header."""

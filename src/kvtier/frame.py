@@ -7,12 +7,14 @@ Header (little-endian; 96 bytes in version 1, 144 in version 2)::
 
     magic "KVTR" | version u16 | header_len u16 | payload_len u64 | payload xxh3-128 (16)
     namespace (16) | chunk key (16) | head start, stop, total u16 x3 | layers u16 | tokens u32 | head_dim u16
-    dtype u8 | pad u8 | created f64
+    dtype u8 | codec u8 | created f64
     [version 2: key id (8) | nonce (24) | GCM tag (16)]
     header xxh3-64 (8)
 
 Version 1 is plain: the payload is the shard ``[num_layers, 2, heads, chunk_tokens, head_dim]`` in the model's
-dtype, checked by its xxh3. Version 2 is sealed (:mod:`kvtier.sealing`): the payload is that shard encrypted with
+dtype as its codec stored it (:mod:`kvtier.codecs`; code 0, ``none``: as it is), checked by its xxh3. The shape and
+dtype are the shard's own, decoded; ``payload_len`` is what is stored, which the codec bounds (a fixed-size codec:
+exactly). Version 2 is sealed (:mod:`kvtier.sealing`): the payload is that shard encrypted with
 AES-256-GCM, the header up to the nonce is the associated data (so the shard's key, shape and key id are
 authenticated), the payload checksum field is zero (a plaintext digest would let anyone confirm a guessed
 prompt), and the tag authenticates both. The xxh3 of the header only catches torn and bit-flipped headers early.
@@ -25,12 +27,13 @@ import functools
 import struct
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import torch
 import xxhash
 
+from kvtier import codecs
 from kvtier.errors import ObjectError
 from kvtier.keys import HeadRange, ShardKey
 
@@ -38,7 +41,7 @@ MAGIC = b"KVTR"
 VERSION = 1
 SEALED_VERSION = 2
 _LEAD = struct.Struct("<4sHH")
-_BODY = struct.Struct("<4sHHQ16s16s16sHHHHIHBxd")
+_BODY = struct.Struct("<4sHHQ16s16s16sHHHHIHBBd")
 _SEAL = struct.Struct("<8s24s")  # key id, nonce
 _TAG_LEN = 16
 _TAIL = struct.Struct("<Q")
@@ -62,6 +65,11 @@ class FrameError(ObjectError, ValueError):
 class UnknownKey(FrameError):
     """A sealed shard under a key this process does not hold (a forgotten tenant's, another tenant's replayed
     here, or a newer master key this process was not given yet): a miss, counted apart from corruption."""
+
+
+class RefusedCodec(FrameError):
+    """A shard stored with a codec its reader does not accept (lossy KV where the tier's config takes exact KV
+    only): a miss, left in place for the readers that accept it, counted apart from corruption."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,31 +101,37 @@ def checksum(parts: Sequence[memoryview | bytes]) -> bytes:
     return h.digest()
 
 
-def _body(version: int, key: ShardKey, meta: ShardMeta, payload_len: int, payload_sum: bytes,
-          created: float | None) -> bytes:
+def _body(version: int, key: ShardKey, meta: ShardMeta, codec: codecs.Codec, payload_len: int,
+          payload_sum: bytes, created: float | None) -> bytes:
     if meta.dtype not in _DTYPE_CODE:
         raise ValueError(f"unsupported KV dtype {meta.dtype}; supported: {', '.join(map(str, _DTYPES))}")
-    if payload_len != meta.nbytes:
-        raise ValueError(f"payload is {payload_len} bytes, its shape {meta.shape} needs {meta.nbytes}")
+    if not codec.valid_len(meta.shape, meta.dtype, payload_len):
+        most = codec.max_len(meta.shape, meta.dtype)
+        raise ValueError(f"payload is {payload_len} bytes, its shape {meta.shape} {meta.dtype} with codec "
+                         f"{codec.name} needs {'' if codec.fixed else 'at most '}{most}")
     return _BODY.pack(
         MAGIC, version, HEADER_LEN if version == VERSION else SEALED_HEADER_LEN, payload_len, payload_sum,
         bytes.fromhex(key.namespace), bytes.fromhex(key.chunk),
         key.heads.start, key.heads.stop, key.heads.total,
-        meta.num_layers, meta.chunk_tokens, meta.head_dim, _DTYPE_CODE[meta.dtype],
+        meta.num_layers, meta.chunk_tokens, meta.head_dim, _DTYPE_CODE[meta.dtype], codec.code,
         time.time() if created is None else created,
     )
 
 
 def encode_header(key: ShardKey, meta: ShardMeta, payload: Sequence[memoryview | bytes],
-                  created: float | None = None) -> bytes:
-    """The plain (version 1) header for ``payload`` (given as parts, hashed in order without copying)."""
-    body = _body(VERSION, key, meta, sum(len(p) for p in payload), checksum(payload), created)
+                  created: float | None = None, codec: codecs.Codec = codecs.NONE) -> bytes:
+    """The plain (version 1) header for ``payload`` (as ``codec`` stores the shard; given as parts, hashed in
+    order without copying)."""
+    body = _body(VERSION, key, meta, codec, sum(len(p) for p in payload), checksum(payload), created)
     return body + _TAIL.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def sealed_aad(key: ShardKey, meta: ShardMeta, key_id: bytes, nonce: bytes, created: float | None = None) -> bytes:
-    """The first part of a sealed (version 2) header, up to its nonce: the associated data of its encryption."""
-    return _body(SEALED_VERSION, key, meta, meta.nbytes, _NO_CHECKSUM, created) + _SEAL.pack(key_id, nonce)
+def sealed_aad(key: ShardKey, meta: ShardMeta, key_id: bytes, nonce: bytes, created: float | None = None,
+               codec: codecs.Codec = codecs.NONE, payload_len: int | None = None) -> bytes:
+    """The first part of a sealed (version 2) header, up to its nonce: the associated data of its encryption
+    (the codec and the stored payload's length among it)."""
+    length = meta.nbytes if payload_len is None else payload_len
+    return _body(SEALED_VERSION, key, meta, codec, length, _NO_CHECKSUM, created) + _SEAL.pack(key_id, nonce)
 
 
 def sealed_header(aad: bytes, tag: bytes) -> bytes:
@@ -145,6 +159,7 @@ class Header:
     payload_checksum: bytes
     created: float
     sealing: Sealing | None = None  # None: a plain (version 1) shard
+    codec: codecs.Codec = codecs.NONE  # how the payload stores the shard
 
     @property
     def length(self) -> int:
@@ -178,7 +193,7 @@ def decode_header(data: bytes | memoryview) -> Header:
         key_id, nonce = _SEAL.unpack(head[_BODY.size:_BODY.size + _SEAL.size])
         sealing = Sealing(key_id, nonce, head[_BODY.size + _SEAL.size:], head[:_BODY.size + _SEAL.size])
     (_, _, _, payload_len, payload_sum, ns, chunk, h0, h1, ht,
-     layers, tokens, head_dim, dtype_code, created) = _BODY.unpack(body)
+     layers, tokens, head_dim, dtype_code, codec_code, created) = _BODY.unpack(body)
     if min(layers, tokens, head_dim) < 1:
         raise FrameError(f"empty shape: {layers} layers, {tokens} tokens, head_dim {head_dim}")
     if dtype_code >= len(_DTYPES):
@@ -189,38 +204,61 @@ def decode_header(data: bytes | memoryview) -> Header:
         raise FrameError(str(exc)) from exc
     key = ShardKey(ns.hex(), chunk.hex(), heads)
     meta = ShardMeta(layers, tokens, head_dim, _DTYPES[dtype_code], heads)
-    if meta.nbytes != payload_len:
-        raise FrameError(f"payload length {payload_len} does not match shape {meta.shape}")
-    return Header(key, meta, payload_len, payload_sum, created, sealing)
+    codec = codecs.BY_CODE.get(codec_code)
+    if codec is None:
+        raise FrameError(f"unknown codec code {codec_code}; known: "
+                         f"{', '.join(f'{c.code} ({c.name})' for c in codecs.BY_CODE.values())}")
+    if not codec.valid_len(meta.shape, meta.dtype, payload_len):
+        raise FrameError(f"payload length {payload_len} does not fit shape {meta.shape} with codec {codec.name}")
+    return Header(key, meta, payload_len, payload_sum, created, sealing, codec)
 
 
 def decode(data: bytes | bytearray | memoryview, expected: ShardKey | None = None,
-           opener: Opener | None = None) -> tuple[Header, memoryview]:
-    """Verify a whole stored object; return its header and a view of its payload (decrypted, when sealed, into a
-    copy).
+           opener: Opener | None = None, accepts: Collection[codecs.Codec] | None = None) -> tuple[Header, memoryview]:
+    """Verify a whole stored object; return its header and a view of its payload as stored (decrypted, when
+    sealed, into a copy; still encoded by its codec: see :func:`decode_payload`).
 
     Raises :class:`FrameError` when the object is truncated, extended, corrupt or belongs to another key, and when
-    it is sealed and ``opener`` is None or plain and ``opener`` is given (see :func:`verify`).
+    it is sealed and ``opener`` is None or plain and ``opener`` is given, or of a codec not in ``accepts`` (see
+    :func:`verify`).
     """
     view = memoryview(data).cast("B")
     length = decode_header(view).length
     payload = view[length:]
     if length == SEALED_HEADER_LEN and opener is not None:  # decrypted into a copy: never into a tier's own buffer
         payload = memoryview(bytearray(payload))
-    return verify(view[:length], [payload], expected, opener), payload
+    return verify(view[:length], [payload], expected, opener, accepts), payload
+
+
+def decode_payload(header: Header, payload: memoryview, out: Sequence[memoryview] | None = None) -> memoryview:
+    """A verified payload's shard as it was put: decoded by its codec into ``out`` (writable, the shard's bytes in
+    parts, e.g. a DRAM entry's pages), else into a new buffer, which is returned (``out`` given: the payload; an
+    uncoded payload with no ``out``: itself). Raises :class:`~kvtier.codecs.CodecError` when it does not decode."""
+    if out is None:
+        if header.codec is codecs.NONE:
+            return payload
+        buf = memoryview(bytearray(header.meta.nbytes))
+        header.codec.decode_into(header.meta.shape, header.meta.dtype, payload, [buf])
+        return buf
+    header.codec.decode_into(header.meta.shape, header.meta.dtype, payload, out)
+    return payload
 
 
 def verify(header: bytes | memoryview, payload: Sequence[memoryview], expected: ShardKey | None = None,
-           opener: Opener | None = None) -> Header:
+           opener: Opener | None = None, accepts: Collection[codecs.Codec] | None = None) -> Header:
     """:func:`decode` for an object read in parts: its header, and its payload (e.g. read straight into DRAM
     pages, and decrypted there). With an ``opener`` (encryption on) only a sealed object passes: a plain one is
-    what a writer to the tier could forge. Raises :class:`FrameError` as :func:`decode` does."""
+    what a writer to the tier could forge. An object of a codec not in ``accepts`` (None: any) is
+    :class:`RefusedCodec`, before its payload is checked. Raises :class:`FrameError` as :func:`decode` does."""
     parsed = decode_header(header)
+    if expected is not None and parsed.key != expected:
+        raise FrameError(f"object holds {parsed.key.name}, expected {expected.name}")
+    if accepts is not None and parsed.codec not in accepts:
+        raise RefusedCodec(f"stored with codec {parsed.codec.name}; this tier's reads accept "
+                           f"{', '.join(sorted(c.name for c in accepts))}")
     size = sum(len(part) for part in payload)
     if size != parsed.payload_len:
         raise FrameError(f"payload is {size} bytes, header says {parsed.payload_len}")
-    if expected is not None and parsed.key != expected:
-        raise FrameError(f"object holds {parsed.key.name}, expected {expected.name}")
     if parsed.sealing is None:
         if opener is not None:
             raise FrameError("a plain object where encryption is on (only sealed objects are read)")

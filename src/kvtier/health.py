@@ -17,7 +17,7 @@ from collections.abc import Hashable
 from typing import Protocol
 
 from kvtier import frame
-from kvtier.errors import ObjectError, QuotaFull, SealError, TierError
+from kvtier.errors import NotEncodable, ObjectError, QuotaFull, SealError, TierError
 
 log = logging.getLogger(__name__)
 MAX_REST_SECONDS = 30.0
@@ -27,6 +27,8 @@ class Fault(enum.Enum):
     """What one failed tier call means. ``value``: the outcome a trace span records."""
 
     UNKNOWN_KEY = "unknown_key"  # a sealed object under a key this process lacks: a miss, left in place
+    REFUSED_CODEC = "refused_codec"  # stored with a codec the reader does not accept: a miss, left in place
+    NOT_ENCODABLE = "not_encodable"  # KV a lossy codec cannot store (NaN, infinity): the write is dropped
     CORRUPT = "corrupt"  # the object is malformed or fails its checks: a miss, counted and removed
     SHARE_FULL = "share_full"  # the tenant's share refused a write (QuotaFull): dropped, the tier answered
     NO_TENANT_KEY = "no_tenant_key"  # the tenant was forgotten since the put (SealError): nothing is written
@@ -38,6 +40,10 @@ def classify(exc: BaseException) -> Fault:
     """What ``exc``, raised by a tier call (or by checking what it returned), means for the caller."""
     if isinstance(exc, frame.UnknownKey):
         return Fault.UNKNOWN_KEY
+    if isinstance(exc, frame.RefusedCodec):
+        return Fault.REFUSED_CODEC
+    if isinstance(exc, NotEncodable):
+        return Fault.NOT_ENCODABLE
     if isinstance(exc, ObjectError):  # (a frame.FrameError is one)
         return Fault.CORRUPT
     if isinstance(exc, QuotaFull):

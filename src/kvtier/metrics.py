@@ -56,6 +56,12 @@ class StoreMetrics:
         self.unopened = Counter("kvtier_unopened_objects", "Sealed objects under a key this process does not hold "
                                 "(a forgotten tenant's, a replay from another tenant): misses, removed",
                                 ["tier"], registry=r)
+        self.codec_refused = Counter("kvtier_codec_refused_objects", "Objects stored with a codec this tier's reads "
+                                     "do not accept (lossy KV where exact is wanted): misses, left in place",
+                                     ["tier"], registry=r)
+        self.codec_bytes = Counter("kvtier_codec_bytes", "Payload bytes the cascade wrote through each tier's codec: "
+                                   "before encoding (form=raw) and as stored (form=stored)", ["tier", "form"],
+                                   registry=r)
         self.expired = Counter("kvtier_expired_objects", "Objects found older than their tier's ttl_seconds on read: "
                                "misses, removed", ["tier"], registry=r)
         self.keyring_errors = Counter("kvtier_keyring_errors", "Puts and gets whose tenant key could not be made or "
@@ -88,8 +94,11 @@ class StoreMetrics:
         self.dropped.labels("dram", "dram_full")
         for tier in secondary:
             for family in (self.promotions, self.present_writes, self.write_errors, self.read_errors,
-                           self.tier_write_seconds, self.tier_read_seconds, self.unopened, self.expired):
+                           self.tier_write_seconds, self.tier_read_seconds, self.unopened, self.expired,
+                           self.codec_refused):
                 family.labels(tier)
+            for form in ("raw", "stored"):
+                self.codec_bytes.labels(tier, form)
             for reason in ("queue_full", "tier_unavailable"):
                 self.dropped.labels(tier, reason)
             self.placement_withheld.labels(tier)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from kvtier import KVStore
+from kvtier import KVStore, codecs
 from kvtier.cli import encryption, main
 from kvtier.config import load_config
 from kvtier.sealing import Keyring, Sealer
@@ -66,11 +66,11 @@ def test_rekey_never_writes_back_an_object_deleted_while_it_ran(tmp_path: Path, 
     (purger,) = open_tiers(load_config(cfg))  # its own index of the directory, as another process has
     real_seal, deleted = Sealer.seal, []
 
-    def purged_meanwhile(self, key, meta, payload, created=None):
+    def purged_meanwhile(self, key, meta, payload, created=None, codec=codecs.NONE):
         if not deleted:
             deleted.append(key)
             assert purger.delete(key)
-        return real_seal(self, key, meta, payload, created)
+        return real_seal(self, key, meta, payload, created, codec)
 
     monkeypatch.setattr(Sealer, "seal", purged_meanwhile)
     try:

@@ -21,6 +21,10 @@ def open_tier(path: Path, **options: object) -> FilesystemTier:
 
 class TestFilesystemConformance(TierConformance):
     @pytest.fixture
+    def tier_config(self, tmp_path: Path) -> dict[str, object]:
+        return {"type": "filesystem", "path": str(tmp_path / "stores")}
+
+    @pytest.fixture
     def tier(self, tmp_path: Path) -> Iterator[FilesystemTier]:
         tier = open_tier(tmp_path / "fs")
         yield tier

@@ -23,6 +23,10 @@ def open_tier(server: MooncakeServer, **options: object) -> MooncakeTier:
 
 class TestMooncakeConformance(TierConformance):
     @pytest.fixture
+    def tier_config(self, mooncake_server: MooncakeServer, unique_prefix: str) -> dict[str, object]:
+        return {"type": "mooncake", **mooncake_server.tier_options(), "key_prefix": unique_prefix}
+
+    @pytest.fixture
     def tier(self, mooncake_server: MooncakeServer, unique_prefix: str) -> Iterator[MooncakeTier]:
         tier = open_tier(mooncake_server, key_prefix=unique_prefix)
         yield tier

@@ -25,6 +25,10 @@ def open_tier(url: str, **options: object) -> RedisTier:
 
 class TestRedisConformance(TierConformance):
     @pytest.fixture
+    def tier_config(self, redis_server: RedisServer, unique_prefix: str) -> dict[str, object]:
+        return {"type": "redis", "url": redis_server.url, "key_prefix": unique_prefix}
+
+    @pytest.fixture
     def tier(self, redis_server: RedisServer, unique_prefix: str) -> Iterator[RedisTier]:
         tier = open_tier(redis_server.url, key_prefix=unique_prefix)
         yield tier
@@ -39,6 +43,10 @@ class TestRedisConformance(TierConformance):
 
 
 class TestRedisClusterConformance(TierConformance):
+    @pytest.fixture
+    def tier_config(self, redis_cluster, unique_prefix: str) -> dict[str, object]:
+        return {"type": "redis", "url": redis_cluster.url, "cluster": True, "key_prefix": unique_prefix}
+
     @pytest.fixture
     def tier(self, redis_cluster, unique_prefix: str) -> Iterator[RedisTier]:
         tier = open_tier(redis_cluster.url, cluster=True, key_prefix=unique_prefix)

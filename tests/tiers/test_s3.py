@@ -20,6 +20,10 @@ def open_tier(server: S3Server, **options: object) -> S3Tier:
 
 class TestS3Conformance(TierConformance):
     @pytest.fixture
+    def tier_config(self, s3_server: S3Server, unique_prefix: str) -> dict[str, object]:
+        return {"type": "s3", **s3_server.tier_options(), "prefix": unique_prefix}
+
+    @pytest.fixture
     def tier(self, s3_server: S3Server, unique_prefix: str) -> Iterator[S3Tier]:
         tier = open_tier(s3_server, prefix=unique_prefix)
         yield tier

@@ -87,7 +87,7 @@ def _rekey_one(tier: Tier, key: frame.ShardKey, sealer: Sealer) -> str:
     except frame.FrameError as exc:
         print(f"bad: {tier.name} {key.name}: {exc}")
         return "bad"
-    sealed = sealer.seal(key, header.meta, [payload], header.created)
+    sealed = sealer.seal(key, header.meta, [payload], header.created, header.codec)
     # Read again right before the write: an object deleted meanwhile (a purge, a forget, an eviction) is not written
     # back, nor one replaced (its header holds a random nonce: another write's differs). A delete landing between
     # this read and the write is still undone: tiers offer no conditional write.

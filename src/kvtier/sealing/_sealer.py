@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from kvtier import frame, threads
+from kvtier import codecs, frame, threads
 from kvtier.errors import KVTierError, SealError
 from kvtier.recent import RecentMap
 from kvtier.sealing._keyring import Keyring
@@ -235,21 +235,22 @@ class Sealer:
 
     # -- sealing -----------------------------------------------------------------------------------------------
     def seal(self, key: ShardKey, meta: frame.ShardMeta, payload: Sequence[memoryview],
-             created: float | None = None) -> list[memoryview | bytes]:
-        """The parts of the sealed object for ``payload``: its header, then the ciphertext (in a buffer of this
-        thread's, reused by its next seal: write it before sealing again)."""
-        if sum(len(part) for part in payload) != meta.nbytes:
-            raise ValueError(f"payload of {sum(len(p) for p in payload)} bytes for a shard of {meta.nbytes}")
+             created: float | None = None, codec: codecs.Codec = codecs.NONE) -> list[memoryview | bytes]:
+        """The parts of the sealed object for ``payload`` (the shard as ``codec`` stores it): its header, then the
+        ciphertext (in a buffer of this thread's, reused by its next seal: write it before sealing again)."""
+        length = sum(len(part) for part in payload)
+        if not codec.valid_len(meta.shape, meta.dtype, length):
+            raise ValueError(f"payload of {length} bytes for a shard of {meta.nbytes} stored with codec {codec.name}")
         tenant = self._tenant(key.namespace)
         if tenant is None:
             raise SealError(f"no tenant key for namespace {key.namespace} in this process (forgotten since)")
         kid, data_key = tenant.keys[0]
         nonce = os.urandom(_NONCE_BYTES)
-        aad = frame.sealed_aad(key, meta, kid, nonce, created)
+        aad = frame.sealed_aad(key, meta, kid, nonce, created, codec, length)
         encryptor = Cipher(algorithms.AES(object_key(data_key, nonce)),
                            modes.GCM(nonce[_NONCE_BYTES // 2:])).encryptor()
         encryptor.authenticate_additional_data(aad)
-        out = self._buffer(meta.nbytes)
+        out = self._buffer(length)
         pos = 0
         for part in payload:
             pos += encryptor.update_into(part, out[pos:pos + len(part)])

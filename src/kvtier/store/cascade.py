@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvtier import frame, threads, tracing
+from kvtier import codecs, frame, threads, tracing
 from kvtier.config import TierSpec
 from kvtier.dram import DramEntry, DramPool
 from kvtier.keys import ShardKey
@@ -21,9 +21,9 @@ from kvtier.metrics import StoreMetrics
 from kvtier.store.guard import GuardedTier
 
 _STOP = None
-# What seals an object (kvtier.sealing.Sealer.seal): its key, shape, payload views and creation time in, the
-# object's parts (header, ciphertext) out.
-Seal = Callable[[ShardKey, frame.ShardMeta, list[memoryview], float | None], list[memoryview | bytes]]
+# What seals an object (kvtier.sealing.Sealer.seal): its key, shape, payload (as its codec stores it), creation time
+# and codec in, the object's parts (header, ciphertext) out.
+Seal = Callable[[ShardKey, frame.ShardMeta, list[memoryview], float | None, codecs.Codec], list[memoryview | bytes]]
 
 
 class CascadeWriter:
@@ -130,7 +130,11 @@ class CascadeWriter:
         return outcome
 
     def _parts(self, entry: DramEntry) -> list[memoryview | bytes]:
-        views = self._pool.views(entry)
+        """The object for ``entry``: its payload encoded by the tier's codec (here, on this writer's thread; KV of a
+        dtype the codec does not take is stored as it is), then sealed or given a plain header."""
+        meta = entry.meta
+        codec = self.guard.codec if self.guard.codec.applies(meta.dtype) else codecs.NONE
+        payload = codec.encode(meta.shape, meta.dtype, self._pool.views(entry))
         if self._seal is None:
-            return [frame.encode_header(entry.key, entry.meta, views, created=entry.created), *views]
-        return self._seal(entry.key, entry.meta, views, entry.created)
+            return [frame.encode_header(entry.key, meta, payload, created=entry.created, codec=codec), *payload]
+        return self._seal(entry.key, meta, payload, entry.created, codec)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from kvtier import frame, tracing
+from kvtier import codecs, frame, tracing
 from kvtier.health import Fault, FirstOfKind, Outage, classify
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.metrics import StoreMetrics
@@ -39,9 +39,13 @@ class GuardedTier:
     """One secondary tier as the store calls it. Reads and writes each have an :class:`Outage`: while one rests,
     reads are misses and writes are dropped without a call."""
 
-    def __init__(self, tier: Tier, retry_seconds: float, metrics: StoreMetrics, logged: FirstOfKind) -> None:
+    def __init__(self, tier: Tier, retry_seconds: float, metrics: StoreMetrics, logged: FirstOfKind,
+                 codec: codecs.Codec = codecs.NONE, accepts: frozenset[codecs.Codec] | None = None) -> None:
         self.tier = tier
         self.name = tier.name
+        self.codec = codec  # how its writes store KV
+        # the codecs its reads take: an object of another is a miss, left in place (RefusedCodec)
+        self.accepts = frozenset({codecs.NONE, codecs.CODECS["lossless"], codec}) if accepts is None else accepts
         self.reads = Outage(tier.name, "reads", retry_seconds, metrics.outage.labels(tier.name, "reads"), cascade_log)
         self.writes = Outage(tier.name, "writes", retry_seconds, metrics.outage.labels(tier.name, "writes"),
                              cascade_log)
@@ -62,7 +66,18 @@ class GuardedTier:
 
     @property
     def batch_reads(self) -> bool:
-        return self.tier.batch_reads
+        return self.tier.batch_reads and self.reads_whole is False
+
+    @property
+    def ranged_reads(self) -> bool:
+        """Whether a load by layers reads its shards a layer at a time (a local file stored as it is)."""
+        return self.tier.ranged_reads and not self.reads_whole
+
+    @property
+    def reads_whole(self) -> bool:
+        """Whether its shards are read as whole objects (:meth:`Tier.get`) and decoded into DRAM from there: a
+        tier with a codec, whose objects' sizes are not the shard's. Never in pieces, by layers or batched."""
+        return self.codec is not codecs.NONE
 
     @property
     def heads_in_one_call(self) -> bool:
@@ -139,6 +154,15 @@ class GuardedTier:
 
     def _read_fault(self, key: ShardKey, exc: Exception) -> str:
         fault = classify(exc)
+        if fault is Fault.REFUSED_CODEC:  # left in place for the readers that accept it, as an unknown key is
+            self.reads.succeeded()
+            self._metrics.codec_refused.labels(self.name).inc()
+            with self._unopened_lock:
+                self._unopened[key] = time.monotonic() + _UNOPENED_SECONDS
+            if self._logged.first(self.name, "open", "RefusedCodec"):
+                log.warning("tier %s: %s is %s: a miss, left in place (further such objects are counted, not "
+                            "logged)", self.name, key.name, exc)
+            return "refused_codec"
         if fault is Fault.UNKNOWN_KEY:
             # Left in place: another engine may hold its key (a master key being rolled out, another deployment
             # with its own keyring), and removing what an engine cannot open would let any misconfigured engine
@@ -196,9 +220,10 @@ class GuardedTier:
             return False
 
     def write(self, key: ShardKey, parts: Callable[[], Parts], payload_bytes: int, start: float) -> str:
-        """Write one object, made by ``parts()`` (sealing it may fail: its tenant forgotten); what became of it
-        (``written``, ``dropped``, ``error``). ``start``: when the write began (``time.perf_counter()``, before
-        :meth:`holds` asked), for ``kvtier_tier_write_seconds``."""
+        """Write one object, made by ``parts()`` (its header, then its payload; encoding it may fail: NaN in KV
+        for a lossy codec; sealing it too: its tenant forgotten); what became of it (``written``, ``dropped``,
+        ``error``). ``payload_bytes``: the shard's own size, before its codec. ``start``: when the write began
+        (``time.perf_counter()``, before :meth:`holds` asked), for ``kvtier_tier_write_seconds``."""
         try:
             made = parts()
             self.tier.put(key, made)
@@ -206,7 +231,10 @@ class GuardedTier:
             return self._write_fault(key, exc)
         self.writes.succeeded()
         self._metrics.tier_write_seconds.labels(self.name).observe(time.perf_counter() - start)
-        self._metrics.bytes_written.labels(self.name).inc(len(made[0]) + payload_bytes)
+        stored = sum(len(part) for part in made[1:])  # (the header first)
+        self._metrics.bytes_written.labels(self.name).inc(len(made[0]) + stored)
+        self._metrics.codec_bytes.labels(self.name, "raw").inc(payload_bytes)
+        self._metrics.codec_bytes.labels(self.name, "stored").inc(stored)
         return "written"
 
     def _write_fault(self, key: ShardKey, exc: Exception) -> str:
@@ -214,6 +242,12 @@ class GuardedTier:
         if fault is Fault.NO_TENANT_KEY:  # its tenant was forgotten since the put: nothing may be written under it
             self._metrics.dropped.labels(self.name, "no_tenant_key").inc()
             cascade_log.info("tier %s: not writing %s: %s", self.name, key.name, exc)
+            return "dropped"
+        if fault is Fault.NOT_ENCODABLE:  # NaN or infinity in KV a lossy codec would store: never written
+            self._metrics.dropped.labels(self.name, "not_encodable").inc()
+            if self._logged.first(self.name, "encode", "NotEncodable"):
+                cascade_log.warning("tier %s: not writing %s: %s (further such KV is counted, not logged)",
+                                    self.name, key.name, exc)
             return "dropped"
         if fault is Fault.SHARE_FULL:  # the tenant's share holds only its recent shards (its prompt's first chunks)
             self._metrics.dropped.labels(self.name, "share_full").inc()

@@ -110,7 +110,7 @@ class Prefetch:
         """The shard reads from ``guard`` that fill what DRAM lacks of ``chunks`` (in order), given what the tier
         holds of each; and the chunks that neither holds whole."""
         lined, still = [], []
-        ahead = (self.reads_ahead(guard) or guard.batch_reads) and not (read.by_layers and guard.tier.ranged_reads)
+        ahead = (self.reads_ahead(guard) or guard.batch_reads) and not (read.by_layers and guard.ranged_reads)
         for chunk in chunks:
             dram = self._dram.ranges(read.namespace, chunk)
             found = plan_heads(read, dram + answer[chunk])
@@ -183,7 +183,7 @@ class Prefetch:
             read.started[(guard.name, key)] = readers.submit(functools.partial(self._shards.get, guard, key))
             return
         try:
-            if self._decrypting is not None and guard.local:
+            if self._decrypting is not None and guard.local and not guard.reads_whole:
                 future = self._fill_sealed(guard, key, entry)
             else:
                 future = readers.submit(functools.partial(self._shards.read_into, guard, key, entry))

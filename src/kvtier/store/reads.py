@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterator
 import torch
 import xxhash
 
-from kvtier import frame
+from kvtier import codecs, frame
 from kvtier.dram import DramEntry, DramPool
+from kvtier.errors import WrongSize
 from kvtier.keys import Namespace, ShardKey, chunk_keys, rank_heads
 from kvtier.metrics import StoreMetrics
 from kvtier.recent import RecentMap
@@ -218,7 +219,7 @@ class Reads:
                                            (guard.name, key) not in read.started):
                 entry = self._dram.reserve(key, read.shape.meta(self._chunk_tokens, key.heads), parent, read.owner)
                 if isinstance(entry, DramEntry):
-                    if read.by_layers and read.one_piece and guard.tier.ranged_reads and \
+                    if read.by_layers and read.one_piece and guard.ranged_reads and \
                             len(entry.extents) == 1 and len(read.deferred) < DEFERRED_MAX:
                         if self._defer(read, guard, key, entry):
                             return entry
@@ -238,33 +239,26 @@ class Reads:
     # -- shards read a layer at a time (a load by layers) ------------------------------------------------------
     def _defer(self, read: Read, guard: GuardedTier, key: ShardKey, entry: DramEntry) -> bool:
         """Open one shard's file and check its header, for its caller to read the payload into ``entry`` a layer
-        at a time; False (the entry aborted) when it is missing or its header is not what the read expects."""
-        header_len = self.shards.header_len
+        at a time; False (the entry aborted) when it is missing or its header is not what the read expects. A file
+        whose size is not the shard's (stored with a codec, or malformed) is read whole instead (:meth:`_read_into`).
+        """
+        whole = False
 
         def opened() -> tuple[Ranges, frame.Header] | None:
-            ranges = guard.tier.open_ranges(key, header_len, entry.meta.nbytes)
-            if ranges is None:
-                return None
+            nonlocal whole
             try:
-                header = frame.decode_header(ranges.header)
-                if header.key != key:
-                    raise frame.FrameError(f"object holds {header.key.name}, expected {key.name}")
-                if header.sealing is not None:
-                    raise frame.UnknownKey("sealed, and this store has no encryption key")
-                if header.meta != entry.meta or header.payload_len != entry.meta.nbytes:
-                    raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected "
-                                           f"{entry.meta.shape} {entry.meta.dtype}")
-                guard.check_age(header)
-            except BaseException:
-                ranges.close()
-                raise
-            return ranges, header
+                return self.shards.open_ranges(guard, key, entry)
+            except WrongSize:  # (encoded, or malformed)
+                whole = True
+                return None
 
         try:
             got = guard.read(key, opened)
         except BaseException:
             self._dram.abort(entry)
             raise
+        if whole:
+            return self._read_into(read, guard, key, entry)
         if got is None:
             self._dram.abort(entry)
             return False
@@ -353,6 +347,7 @@ class Reads:
         """A shard read as bytes: promoted into DRAM where there is room, else served from the bytes."""
         entry = self._dram.reserve(key, got.header.meta, parent, read.owner)
         if isinstance(entry, DramEntry):
+            entry.codec = got.header.codec if not got.header.codec.exact else codecs.NONE
             try:
                 self._dram.write_bytes(entry, got.payload)
             except BaseException:
@@ -383,7 +378,7 @@ class Reads:
         in front of it. False, the entry discarded, when the read's tenant was found forgotten since the read
         began: the shard was decrypted before this process noticed, and the keyring watch's DRAM purge may have
         run before this commit (checked after it, the watch marking before it purges: one of the two drops it)."""
-        front = self._writes.front_of(guard, read.allowed, created)
+        front = self._writes.front_of(guard, read.allowed, created, entry.codec)
         entry.created = created  # copied into the front tiers, it keeps its age (and TTL)
         # served as long as the tier it came from would serve it
         entry.expires = None if guard.ttl is None else created + guard.ttl

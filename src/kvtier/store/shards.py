@@ -7,12 +7,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvtier import frame
+from kvtier import codecs, frame
 from kvtier.dram import DramEntry, DramPool
+from kvtier.errors import WrongSize
 from kvtier.keys import ShardKey
 from kvtier.metrics import StoreMetrics
 from kvtier.store.guard import GuardedTier
 from kvtier.store.plan import Fetched
+from kvtier.tiers.base import Ranges
 
 
 def raised(got: bytes | Exception | None) -> bytes | None:
@@ -33,37 +35,83 @@ class ShardReads:
         self.plain = opener is None  # shards are checked by their checksum (else opened: decrypted whole)
 
     def get(self, guard: GuardedTier, key: ShardKey) -> Fetched | None:
-        """Read and verify one shard (on any thread); raises what the tier or the check raises."""
+        """Read and verify one shard (on any thread), decoded by its codec into a buffer of its own; raises what the
+        tier or the check raises."""
         start = time.perf_counter()
         blob = guard.tier.get(key)
         if blob is None:
             return None
-        header, payload = frame.decode(blob, expected=key, opener=self._opener)
-        return Fetched(header, payload, len(blob), time.perf_counter() - start)
+        header, payload = frame.decode(blob, expected=key, opener=self._opener, accepts=guard.accepts)
+        return Fetched(header, frame.decode_payload(header, payload), len(blob), time.perf_counter() - start)
 
     def read_into(self, guard: GuardedTier, key: ShardKey, entry: DramEntry,
                   fetched: Callable[[], bytes | None] | None = None, start: float | None = None) -> float | None:
         """Read one shard into a reserved DRAM entry and verify it there; its creation time, or None (missing,
         corrupt or unreadable: counted by the guard; the entry is not aborted here). ``fetched``: the shard's
         header, read into the entry already (by a batch, or by a sealed read ahead, started at ``start``),
-        instead of a read here."""
+        instead of a read here. A tier with a codec is read whole and decoded into the entry (:meth:`_whole`), as
+        is an object whose size is not the shard's (stored with a codec: one this tier's reads may accept)."""
         start = time.perf_counter() if start is None else start
 
         def read() -> frame.Header | None:
+            if guard.reads_whole and fetched is None:
+                return self._whole(guard, key, entry)
             views = self._dram.views(entry)
-            head = guard.tier.get_into(key, self.header_len, views) if fetched is None else fetched()
+            try:
+                head = guard.tier.get_into(key, self.header_len, views) if fetched is None else fetched()
+            except WrongSize:  # its size is not the shard's: encoded, or malformed
+                return self._whole(guard, key, entry)
             if head is None:
                 return None
-            header = frame.verify(head, views, expected=key, opener=self._opener)  # decrypts there
-            if header.meta != entry.meta:
-                raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected {entry.meta.shape} "
-                                       f"{entry.meta.dtype}")
-            guard.check_age(header)
+            header = frame.verify(head, views, expected=key, opener=self._opener, accepts=guard.accepts)
+            self._check(guard, header, entry)
             return header
 
         header = guard.read(key, read)
         if header is None:
             return None
         self._metrics.tier_read_seconds.labels(guard.name).observe(time.perf_counter() - start)
-        self._metrics.bytes_read.labels(guard.name).inc(self.header_len + entry.meta.nbytes)
+        self._metrics.bytes_read.labels(guard.name).inc(header.length + header.payload_len)
         return header.created
+
+    def _whole(self, guard: GuardedTier, key: ShardKey, entry: DramEntry) -> frame.Header | None:
+        """Read the object whole, verify it, and decode its payload into ``entry`` (straight into its pages: no
+        buffer the shard's size); the entry is marked with a lossy codec it came from."""
+        blob = guard.tier.get(key)
+        if blob is None:
+            return None
+        header, payload = frame.decode(blob, expected=key, opener=self._opener, accepts=guard.accepts)
+        self._check(guard, header, entry)
+        frame.decode_payload(header, payload, self._dram.views(entry))
+        entry.codec = codecs.NONE if header.codec.exact else header.codec
+        return header
+
+    def open_ranges(self, guard: GuardedTier, key: ShardKey, entry: DramEntry) -> tuple[Ranges, frame.Header] | None:
+        """Open one plain shard's file for reads of its payload in pieces, its header checked (for a load by layers,
+        into ``entry``); None when it is missing. :class:`WrongSize` when the object is not the shard as it is
+        (its size, or its codec: to be read whole), and what the checks raise; the file is closed on any raise."""
+        ranges = guard.tier.open_ranges(key, self.header_len, entry.meta.nbytes)
+        if ranges is None:
+            return None
+        try:
+            header = frame.decode_header(ranges.header)
+            if header.key != key:
+                raise frame.FrameError(f"object holds {header.key.name}, expected {key.name}")
+            if header.sealing is not None:
+                raise frame.UnknownKey("sealed, and this store has no encryption key")
+            if header.codec is not codecs.NONE:  # (as long as the shard by chance)
+                raise WrongSize(f"{guard.name}: {key.name} is stored with codec {header.codec.name}")
+            if header.payload_len != entry.meta.nbytes:
+                raise frame.FrameError(f"payload length {header.payload_len}, expected {entry.meta.nbytes}")
+            self._check(guard, header, entry)
+        except BaseException:
+            ranges.close()
+            raise
+        return ranges, header
+
+    @staticmethod
+    def _check(guard: GuardedTier, header: frame.Header, entry: DramEntry) -> None:
+        if header.meta != entry.meta:
+            raise frame.FrameError(f"holds {header.meta.shape} {header.meta.dtype}, expected {entry.meta.shape} "
+                                   f"{entry.meta.dtype}")
+        guard.check_age(header)

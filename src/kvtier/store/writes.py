@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvtier import frame
+from kvtier import codecs, frame
 from kvtier.config import TierSpec
 from kvtier.dram import DramEntry, DramPool, Refused
 from kvtier.feed import ChangeFeed
@@ -174,12 +174,14 @@ class Writes:
                 self._metrics.placement_withheld.labels(writer.tier.name).inc(shards)
         return [w for w in writers if w.tier.name in allowed]
 
-    def front_of(self, guard: GuardedTier, allowed: frozenset[str] | None, created: float) -> list[CascadeWriter]:
+    def front_of(self, guard: GuardedTier, allowed: frozenset[str] | None, created: float,
+                 codec: codecs.Codec = codecs.NONE) -> list[CascadeWriter]:
         """The writers of the tiers in front of ``guard``'s that a shard read from it is copied to (promoted): those
         its namespace may reach, and whose TTL its age (written at ``created``) is still within; a front tier past
-        it would refuse it on the next read."""
+        it would refuse it on the next read. KV decoded from a lossy ``codec`` goes only to tiers storing with that
+        codec (so it stays marked lossy there: written as exact KV, a reader wanting exact KV would take it)."""
         front = self.writers_for(allowed, self.writers[:[w.guard for w in self.writers].index(guard)], 1)
-        return [w for w in front if w.guard.within_ttl(created)]
+        return [w for w in front if w.guard.within_ttl(created) and (codec.exact or w.guard.codec is codec)]
 
     def _expiry(self, allowed: frozenset[str] | None, created: float) -> float | None:
         """When a DRAM entry put at ``created`` stops being served: after the longest ``ttl_seconds`` of the tiers

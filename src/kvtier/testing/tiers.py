@@ -11,8 +11,9 @@ import threading
 from collections.abc import Callable
 
 import pytest
+import torch
 
-from kvtier.errors import ObjectError
+from kvtier.errors import WrongSize
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.tiers.base import Buffer, Tier
 
@@ -88,13 +89,14 @@ class TierConformance:
 
     def test_get_into_buffers(self, tier: Tier) -> None:
         """A read in two parts: the header returned, the payload written into the caller's buffers (e.g. DRAM
-        pages, as several extents); an object of another size is malformed, not half-written into them."""
+        pages, as several extents); an object of another size is :class:`WrongSize` (the store then reads it whole:
+        it may be stored with a codec), not half-written into them."""
         blob = os.urandom(96 + 3 * 2**20 + 5)
         tier.put(key(12), [memoryview(blob)])
         pages = [bytearray(2**20), bytearray(2 * 2**20 + 5)]
         assert tier.get_into(key(12), 96, [memoryview(p) for p in pages]) == blob[:96]
         assert b"".join(pages) == blob[96:]
-        with pytest.raises(ObjectError, match="expected"):
+        with pytest.raises(WrongSize, match="expected"):
             tier.get_into(key(12), 96, [memoryview(bytearray(3 * 2**20))])
         assert tier.get_into(key(13), 96, [memoryview(bytearray(8))]) is None
 
@@ -109,7 +111,7 @@ class TierConformance:
                                   (key(21), 96, [memoryview(bytearray(2**20))]), (key(22), 96, [memoryview(pages[2])])])
         assert got[0] == blobs[0][:96] and bytes(pages[0]) == blobs[0][96:]
         assert got[1] is None
-        assert isinstance(got[2], ObjectError) and "expected" in str(got[2])
+        assert isinstance(got[2], WrongSize) and "expected" in str(got[2])
         assert got[3] == blobs[2][:96] and bytes(pages[2]) == blobs[2][96:]
 
     def test_concurrent_writers(self, tier: Tier) -> None:
@@ -129,6 +131,51 @@ class TierConformance:
         assert not errors, errors
         for i in range(16):
             assert bytes(tier.get(key(100 + i)) or b"") == i.to_bytes(4, "little") * 1000
+
+    @pytest.fixture
+    def tier_config(self) -> dict[str, object] | None:
+        """Override: this tier as a store's config names it (``type`` and options; its storage the ``tier``
+        fixture's or a like one), for the tests that run whole stores over it, each opening its own."""
+        return None
+
+    @pytest.mark.parametrize("codec", ["none", "lossless", "fp8", "k16v8"])
+    def test_a_store_round_trips_kv_through_it_with_each_codec(self, tier_config: dict[str, object] | None,
+                                                                codec: str) -> None:
+        """A store writing through this tier with ``codec`` reads back, once its DRAM is dropped, what it put:
+        exact (none, lossless), or within the format's bound (fp8, k16v8) and in fewer bytes; a store over the
+        same storage that takes exact KV only finds no lossy object (a miss, counted, the objects left)."""
+        from kvtier.codecs import CODECS
+        from kvtier.keys import Namespace
+        from kvtier.store import KVStore
+        from kvtier.testing.data import synthetic_kv, synthetic_tokens
+
+        if tier_config is None:
+            pytest.skip("the tier's tests give no tier_config")
+        tokens = synthetic_tokens(11, 3 * 16)
+        kv = synthetic_kv(tokens, layers=2, heads=4, head_dim=64)
+        ns = Namespace(model=f"conformance-{codec}", dtype="bfloat16")
+
+        def store(codec: str) -> KVStore:
+            return KVStore.from_config({"chunk_tokens": 16, "dram": {"capacity_bytes": "4MiB", "page_bytes": "4KiB"},
+                                        "tiers": [{**tier_config, "name": "t", "codec": codec}]})
+
+        with store(codec) as writer:
+            writer.put(ns, tokens, kv)
+            writer.flush()
+            writer.drop_dram()
+            got = writer.get(ns, tokens)
+            assert got is not None
+            bound = torch.cat([CODECS[codec].error_bound(c) for c in kv.split(16, dim=3)], dim=3)
+            assert bool(((got.float() - kv.float()).abs() <= bound).all())
+            stats = writer.stats()["t"]
+            assert stats["hit_chunks_total"] == 3
+            assert stats["codec_bytes_total{form=stored}"] < stats["codec_bytes_total{form=raw}"] or codec == "none"
+            held = len(list(writer.tiers[0].list(writer.named(ns).id)))
+        if not CODECS[codec].exact:
+            with store("none") as exact:
+                assert exact.get(ns, tokens) is None
+                assert exact.stats()["t"]["codec_refused_objects_total"] == 1  # (planned without it after)
+                assert len(list(exact.tiers[0].list(exact.named(ns).id))) == held == 3
 
     def test_persistent_tier_survives_reopen(self, tier: Tier, reopen: Callable[[Tier], Tier] | None) -> None:
         if not tier.persistent:

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from kvtier import threads
 from kvtier.config import check_ttl, check_url_port
-from kvtier.errors import ConfigError, ObjectError, TierError
+from kvtier.errors import ConfigError, ObjectError, TierError, WrongSize
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.quotas.listed import ListedShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
@@ -329,7 +329,7 @@ class MooncakeTier(Tier):
         self._check(present, f"get {key.name}")
         size = store.get_size(name) if present else -1
         if size >= 0 and size != want:
-            raise ObjectError(f"{self.name}: {key.name} is {size} bytes, expected {want}")
+            raise WrongSize(f"{self.name}: {key.name} is {size} bytes, expected {want}")
         return
 
     def delete(self, key: ShardKey) -> bool:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from kvtier import threads
 from kvtier.config import check_ttl, check_url_port
-from kvtier.errors import ConfigError, ObjectError, TierError
+from kvtier.errors import ConfigError, TierError, WrongSize
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.quotas.listed import ListedShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
@@ -291,7 +291,7 @@ class S3Tier(Tier):
                 return self._split(key, body.read(), header_len, payload)
             want = header_len + sum(part.nbytes for part in payload)
             if size != want:
-                raise ObjectError(f"{self.name}: {key.name} is {size} bytes, expected {want}")
+                raise WrongSize(f"{self.name}: {key.name} is {size} bytes, expected {want}")
             header = bytearray(header_len)
             for part in (memoryview(header), *payload):
                 done = 0

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 from kvtier.config import build_dataclass
-from kvtier.errors import ObjectError
+from kvtier.errors import WrongSize
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.registry import Registry
 
@@ -95,7 +95,8 @@ class Tier(ABC):
     def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
         """Read the object under ``key`` in two parts: its first ``header_len`` bytes are returned, the rest is
         written into ``payload`` (writable buffers, in order), or None if absent. An object whose size is not
-        ``header_len`` plus the buffers' is malformed (:class:`~kvtier.errors.ObjectError`); the caller verifies
+        ``header_len`` plus the buffers' is :class:`~kvtier.errors.WrongSize` (malformed, or stored with a codec:
+        the store then reads it whole); the caller verifies
         the rest. The default copies what :meth:`get` returns; a tier that can read into the buffers directly
         (a file: ``readv``) saves that copy."""
         blob = self.get(key)
@@ -104,7 +105,7 @@ class Tier(ABC):
     def open_ranges(self, key: ShardKey, header_len: int, payload_len: int) -> Ranges | None:
         """The object under ``key`` opened for reads of its payload in pieces, in any order (None if absent):
         its first ``header_len`` bytes read already; one of another size than ``header_len + payload_len`` is
-        malformed (:class:`~kvtier.errors.ObjectError`). Only where :attr:`ranged_reads`; the caller verifies the
+        :class:`~kvtier.errors.WrongSize`. Only where :attr:`ranged_reads`; the caller verifies the
         payload once it has read all of it, and closes what it opened."""
         raise NotImplementedError(f"tier {self.name} reads objects whole")
 
@@ -125,7 +126,7 @@ class Tier(ABC):
         view = memoryview(blob).cast("B")
         want = header_len + sum(part.nbytes for part in payload)
         if len(view) != want:
-            raise ObjectError(f"{self.name}: {key.name} is {len(view)} bytes, expected {want}")
+            raise WrongSize(f"{self.name}: {key.name} is {len(view)} bytes, expected {want}")
         pos = header_len
         for part in payload:
             part[:] = view[pos:pos + part.nbytes]

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvtier.errors import ObjectError, TierError
+from kvtier.errors import ObjectError, TierError, WrongSize
 from kvtier.keys import ShardKey
 from kvtier.tiers.filesystem.layout import Layout, Rejected, file_name
 
@@ -55,7 +55,7 @@ def into(tier: str, key: ShardKey, header_len: int, payload: Sequence[memoryview
     def parts(fd: int, st: os.stat_result, indexed: int) -> bytes:
         header = bytearray(header_len)
         if st.st_size != want or read_fully(fd, [memoryview(header), *payload]) != want:
-            raise ObjectError(f"{tier}: {key.name} is {st.st_size} bytes, expected {want}")
+            raise WrongSize(f"{tier}: {key.name} is {st.st_size} bytes, expected {want}")
         return bytes(header)
 
     return parts
@@ -90,7 +90,7 @@ def ranges(tier: str, key: ShardKey, header_len: int, payload_len: int) -> Reade
     def opened(fd: int, st: os.stat_result, indexed: int) -> FileRanges:
         header = os.pread(fd, header_len, 0)
         if st.st_size != header_len + payload_len or len(header) != header_len:
-            raise ObjectError(f"{tier}: {key.name} is {st.st_size} bytes, expected {header_len + payload_len}")
+            raise WrongSize(f"{tier}: {key.name} is {st.st_size} bytes, expected {header_len + payload_len}")
         return FileRanges(tier, key, os.dup(fd), header, payload_len)
 
     return opened

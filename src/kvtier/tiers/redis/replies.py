@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.errors import ObjectError
+from kvtier.errors import ObjectError, WrongSize
 from kvtier.keys import HeadRange
 from kvtier.tiers.redis.fields import FIELD_MAX, complete
 
@@ -134,7 +134,7 @@ def stream(replies: Replies, heads: HeadRange, header_len: int, payload: Sequenc
         raise Unexpected("not a shard of one segment", in_step=size is None)
     want = header_len + sum(part.nbytes for part in payload)
     if size != want:
-        raise ObjectError(f"{size} bytes, expected {want}")
+        raise WrongSize(f"{size} bytes, expected {want}")
     header = bytearray(header_len)
     replies.into([memoryview(header), *payload])
     replies.end()

@@ -202,8 +202,8 @@ class RedisTier(Tier):
                         raise
         except Unexpected as exc:
             in_step = exc.in_step
-        except ObjectError as exc:
-            raise ObjectError(f"{self.name}: get {key.name}: {exc}") from exc
+        except ObjectError as exc:  # (of the same kind: a WrongSize stays one)
+            raise type(exc)(f"{self.name}: get {key.name}: {exc}") from exc
         except (OSError, *self._client.errors) as exc:
             self._client.failed(f"get {key.name}", exc)
         finally:
