@@ -61,6 +61,9 @@ def test_exact_codecs_give_back_every_bit(name: str, dtype: torch.dtype) -> None
 @pytest.mark.parametrize("name", ["fp8", "k16v8"])
 def test_lossy_codecs_stay_within_the_formats_bound(name: str, dtype: torch.dtype) -> None:
     kv = sample(dtype)
+    top = torch.finfo(dtype).max
+    kv[0, 1, 1, 20, :4] = torch.tensor([top, -top, 0.99 * top, 0.5 * top]).to(dtype)  # the dtype's edge
+    kv[0, 0, 1, 21, :2] = torch.tensor([top, -top]).to(dtype)
     codec = CODECS[name]
     out, stored = round_trip(name, kv)
     err = (out.float() - kv.float()).abs()
@@ -68,6 +71,7 @@ def test_lossy_codecs_stay_within_the_formats_bound(name: str, dtype: torch.dtyp
     assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"
     assert float(err.max()) > 0  # (lossy: a bound that is never approached would prove nothing)
     assert torch.equal(out[:, 0, :, :, 7], kv[:, 0, :, :, 7])  # zeros stay zeros
+    assert bool(torch.isfinite(out).all())  # (a scale rounded up never takes the dtype's largest past it)
     if name == "k16v8":
         assert torch.equal(out[:, 0].view(torch.uint8), kv[:, 0].view(torch.uint8))  # keys as they were
     assert torch.equal(out[:, :, :, 2], kv[:, :, :, 2])
@@ -139,8 +143,37 @@ def test_lossless_refuses_a_lying_table_and_a_stream_of_the_wrong_size() -> None
 
     small = zstandard.ZstdCompressor().compress(b"x" * 10)  # a valid frame that expands to too little
     table = b"".join(len(small).to_bytes(4, "little") for _ in range(SHAPE[0]))
-    with pytest.raises(CodecError, match="expands"):
+    with pytest.raises(CodecError, match="declares 10 bytes"):
         codec.decode_into(SHAPE, kv.dtype, memoryview(table + small * SHAPE[0]), out)
+    per = len(out[0]) // SHAPE[0]
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(b"x" * per)
+    table = b"".join(len(unsized).to_bytes(4, "little") for _ in range(SHAPE[0]))
+    with pytest.raises(CodecError, match="declares 18446744073709551615 bytes"):  # zstd says "unknown": refused
+        codec.decode_into(SHAPE, kv.dtype, memoryview(table + unsized * SHAPE[0]), out)
+    whole = zstandard.ZstdCompressor().compress(b"x" * per) + b"junk"  # bytes after the frame
+    table = b"".join(len(whole).to_bytes(4, "little") for _ in range(SHAPE[0]))
+    with pytest.raises(CodecError, match="unused data"):
+        codec.decode_into(SHAPE, kv.dtype, memoryview(table + whole * SHAPE[0]), out)
+
+
+def test_a_lossless_frame_declaring_a_huge_layer_is_refused_before_anything_is_allocated() -> None:
+    """A zip bomb: a few hundred bytes declaring 256 MiB. zstandard allocates what a frame declares whatever its
+    max_output_size, so the declared size is checked first; memory stays near one layer's."""
+    import tracemalloc
+
+    import zstandard
+
+    kv = sample()
+    out = [as_bytes(torch.empty_like(kv))]
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"a" * 2**28)
+    table = b"".join(len(bomb).to_bytes(4, "little") for _ in range(SHAPE[0]))
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError, match="declares 268435456 bytes"):
+            CODECS["lossless"].decode_into(SHAPE, kv.dtype, memoryview(table + bomb * SHAPE[0]), out)
+        assert tracemalloc.get_traced_memory()[1] < 2**22
+    finally:
+        tracemalloc.stop()
 
 
 def test_lossy_codecs_do_not_apply_to_kv_that_is_fp8_already() -> None:

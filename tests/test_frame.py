@@ -6,7 +6,7 @@ import xxhash
 
 from kvtier.errors import KVTierError, ObjectError, TierError
 from kvtier.codecs import CODECS
-from kvtier.frame import (HEADER_LEN, FrameError, RefusedCodec, ShardMeta, UnknownKey, decode, decode_payload,
+from kvtier.frame import (HEADER_LEN, FrameError, RefusedCodec, ShardMeta, UnknownKey, decode, decode_into, decoded,
                           encode_header, payload_tensor)
 from kvtier.health import Fault, classify
 from kvtier.keys import HeadRange, ShardKey
@@ -74,10 +74,10 @@ def test_a_coded_shard_names_its_codec_and_decodes_to_the_shard(name: str) -> No
     blob, shard = coded_object(name, meta)
     header, stored = decode(blob, expected=KEY)
     assert header.codec is CODECS[name] and header.meta == meta and header.payload_len == len(stored) < meta.nbytes
-    got = payload_tensor(decode_payload(header, stored), meta)
+    got = payload_tensor(decoded(header, stored), meta)
     assert bool(((got.float() - shard.float()).abs() <= CODECS[name].error_bound(shard)).all())
     out = torch.empty_like(shard)
-    decode_payload(header, stored, [memoryview(out.view(torch.uint8).numpy().reshape(-1))])
+    decode_into(header, stored, [memoryview(out.view(torch.uint8).numpy().reshape(-1))])
     assert torch.equal(out, got)
 
 
@@ -92,6 +92,14 @@ def test_a_reader_takes_only_the_codecs_it_accepts_before_the_payload_is_checked
     with pytest.raises(RefusedCodec):
         decode(damaged, expected=KEY, accepts=exact)
     assert classify(RefusedCodec("x")) is Fault.REFUSED_CODEC
+
+    class Opener:
+        def open_into(self, header: object, payload: object) -> None:
+            raise AssertionError("a plain object is never opened")
+
+    with pytest.raises(FrameError, match="plain object where encryption is on") as forged:
+        decode(blob, expected=KEY, opener=Opener(), accepts=exact)  # forged, whatever codec it claims
+    assert not isinstance(forged.value, RefusedCodec)
     assert decode(blob, expected=KEY, accepts=exact | {CODECS["fp8"]})[0].codec is CODECS["fp8"]
 
 
@@ -105,7 +113,7 @@ def test_an_unknown_codec_or_a_length_its_codec_cannot_have_is_a_bad_frame() -> 
         head[at] = codec_code
         return bytes(head) + xxhash.xxh3_64_intdigest(bytes(head)).to_bytes(8, "little") + blob[HEADER_LEN:]
 
-    with pytest.raises(FrameError, match="unknown codec code 200"):
+    with pytest.raises(RefusedCodec, match="unknown codec code 200"):  # a later kvtier's: left in place
         decode(rewritten(200), expected=KEY)
     with pytest.raises(FrameError, match="does not fit shape"):  # an fp8 payload claimed to be k16v8
         decode(rewritten(CODECS["k16v8"].code), expected=KEY)

@@ -25,12 +25,13 @@ finite numbers or lose.
 
 from __future__ import annotations
 
+import importlib
 import math
 import struct
 import threading
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -60,6 +61,7 @@ class Codec(ABC):
     code: ClassVar[int]
     exact: ClassVar[bool]
     fixed: ClassVar[bool] = True  # every shard of a shape is stored in max_len bytes (else: at most)
+    requires: ClassVar[tuple[str, str] | None] = None  # (a module it imports, the kvtier extra that installs it)
 
     def __init__(self) -> None:
         self._scratch = threading.local()  # each thread's buffers, reused by its next call
@@ -295,6 +297,10 @@ def _dequantize(coded: memoryview, scales: torch.Tensor, dst: torch.Tensor, scra
     idx.copy_(torch.frombuffer(coded, dtype=torch.uint8))
     values = torch.index_select(_FP8_VALUES, 0, idx).view(dst.shape)
     torch.mul(values, scales, out=values)
+    # Within the dtype: a scale rounded up to bf16 can take an element at the dtype's largest value past it
+    # (fp16's 65504 would read back as infinity).
+    top = torch.finfo(dst.dtype).max
+    values.clamp_(-top, top)
     dst.copy_(values)
 
 
@@ -317,6 +323,7 @@ class Lossless(Codec):
     code = 3
     exact = True
     fixed = False
+    requires = ("zstandard", "lossless")
     LEVEL = 1
 
     def max_len(self, shape: Shape, dtype: torch.dtype) -> int:
@@ -356,8 +363,14 @@ class Lossless(Codec):
         decompressor = zstandard.ZstdDecompressor()
         pos = table
         for layer, length in enumerate(lengths):
+            piece = coded[pos:pos + length]
             try:
-                got = decompressor.decompress(coded[pos:pos + length], max_output_size=per)
+                # The frame's declared size first: zstandard allocates what a frame declares, whatever
+                # max_output_size says, so a forged frame of a few bytes could ask for gigabytes.
+                declared = zstandard.get_frame_parameters(piece).content_size
+                if declared != per:
+                    raise CodecError(f"lossless: layer {layer} declares {declared} bytes, not {per}")
+                got = decompressor.decompress(piece, max_output_size=per, allow_extra_data=False)
             except zstandard.ZstdError as exc:
                 raise CodecError(f"lossless: layer {layer} does not decompress: {exc}") from None
             if len(got) != per:
@@ -385,13 +398,21 @@ NONE = CODECS["none"]
 
 
 def by_name(name: object, field: str) -> Codec:
-    """The codec named ``name`` (a config value at ``field``); a :class:`ConfigError` naming the known ones."""
+    """The codec named ``name`` (a config value at ``field``); a :class:`ConfigError` naming the known ones, or
+    the package it needs when that is not installed (checked here: a config must not fail on its first write)."""
     if not isinstance(name, str) or name not in CODECS:
         raise ConfigError(f"{field}: unknown codec {name!r}; known: {', '.join(sorted(CODECS))}")
-    if name == "lossless":
+    codec = CODECS[name]
+    if codec.requires is not None:
+        module, extra = codec.requires
         try:
-            import zstandard  # noqa: F401  (checked here: a config naming it must not fail on the first write)
+            importlib.import_module(module)
         except ImportError:
-            raise ConfigError(f"{field}: codec 'lossless' needs the zstandard package (pip install "
-                              "'kvtier[lossless]')") from None
-    return CODECS[name]
+            raise ConfigError(f"{field}: codec {name!r} needs the {module} package (pip install "
+                              f"'kvtier[{extra}]')") from None
+    return codec
+
+
+def accepted(own: Codec, listed: Iterable[Codec] = ()) -> frozenset[Codec]:
+    """What a tier's reads accept: the exact codecs, its own, and those its config lists (``accept_codecs``)."""
+    return frozenset({c for c in CODECS.values() if c.exact} | {own, *listed})

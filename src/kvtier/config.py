@@ -115,14 +115,13 @@ class TierSpec:
     queue_bytes: int = 512 * 2**20
     workers: int = 1
     retry_seconds: float = 1.0
-    codec: str = "none"
-    accept_codecs: tuple[str, ...] = ()  # besides the exact ones and its own codec
+    codec: codecs.Codec = codecs.NONE
+    accept_codecs: tuple[codecs.Codec, ...] = ()  # besides the exact ones and its own codec
 
     @property
     def accepts(self) -> frozenset[codecs.Codec]:
-        """The codecs this tier's reads take: the exact ones (``none``, ``lossless``), its own, and those it lists."""
-        names = {"none", "lossless", self.codec, *self.accept_codecs}
-        return frozenset(codecs.CODECS[n] for n in names)
+        """The codecs this tier's reads take (:func:`kvtier.codecs.accepted`)."""
+        return codecs.accepted(self.codec, self.accept_codecs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +210,7 @@ def _parse_tier(raw: object, index: int, seen: set[str]) -> TierSpec:
     accept = _codec_names(raw.get("accept_codecs", []), f"{field}.accept_codecs")
     common = build_dataclass(_TierCommon, {k: v for k, v in raw.items() if k in common_keys - {"accept_codecs"}},
                              field)
-    codecs.by_name(common.codec, f"{field}.codec")
+    codec = codecs.by_name(common.codec, f"{field}.codec")
     name = common.name or raw["type"]
     if name in seen or name == "dram":
         raise ConfigError(f"{field}.name: tier name {name!r} is used twice; give each tier a distinct 'name'")
@@ -219,14 +218,14 @@ def _parse_tier(raw: object, index: int, seen: set[str]) -> TierSpec:
     options = {k: v for k, v in raw.items() if k not in common_keys | {"type"}}
     return TierSpec(type=raw["type"], name=name, options=options, queue_depth=common.queue_depth,
                     queue_bytes=common.queue_bytes, workers=common.workers, retry_seconds=common.retry_seconds,
-                    codec=common.codec, accept_codecs=accept)
+                    codec=codec, accept_codecs=accept)
 
 
-def _codec_names(value: object, field: str) -> tuple[str, ...]:
+def _codec_names(value: object, field: str) -> tuple[codecs.Codec, ...]:
     if not isinstance(value, list):
         raise ConfigError(f"{field}: expected a list of codec names ({', '.join(sorted(codecs.CODECS))}), got "
                           f"{shown(field, value)}")
-    return tuple(codecs.by_name(name, f"{field}[{i}]").name for i, name in enumerate(value))
+    return tuple(codecs.by_name(name, f"{field}[{i}]") for i, name in enumerate(value))
 
 
 class _NoAliasLoader(yaml.SafeLoader):

@@ -55,5 +55,10 @@ class ObjectError(TierError):
 
 
 class WrongSize(ObjectError):
-    """An object is not the size a read into buffers (``Tier.get_into``) asked for. Malformed, or stored with a
-    codec (:mod:`kvtier.codecs`): the store then reads it whole, and decodes it or refuses it by its header."""
+    """An object is not the size a read into buffers (``Tier.get_into``) asked for: ``size``, its size in bytes.
+    Malformed, or stored with a codec (:mod:`kvtier.codecs`): the store then reads it again at that size (never more
+    than a codec it accepts stores the shard in), and decodes it or refuses it by its header."""
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size

@@ -205,9 +205,9 @@ def decode_header(data: bytes | memoryview) -> Header:
     key = ShardKey(ns.hex(), chunk.hex(), heads)
     meta = ShardMeta(layers, tokens, head_dim, _DTYPES[dtype_code], heads)
     codec = codecs.BY_CODE.get(codec_code)
-    if codec is None:
-        raise FrameError(f"unknown codec code {codec_code}; known: "
-                         f"{', '.join(f'{c.code} ({c.name})' for c in codecs.BY_CODE.values())}")
+    if codec is None:  # (a later kvtier's codec, its header intact: left in place for the engines that know it)
+        raise RefusedCodec(f"unknown codec code {codec_code}; known: "
+                           f"{', '.join(f'{c.code} ({c.name})' for c in codecs.BY_CODE.values())}")
     if not codec.valid_len(meta.shape, meta.dtype, payload_len):
         raise FrameError(f"payload length {payload_len} does not fit shape {meta.shape} with codec {codec.name}")
     return Header(key, meta, payload_len, payload_sum, created, sealing, codec)
@@ -216,7 +216,7 @@ def decode_header(data: bytes | memoryview) -> Header:
 def decode(data: bytes | bytearray | memoryview, expected: ShardKey | None = None,
            opener: Opener | None = None, accepts: Collection[codecs.Codec] | None = None) -> tuple[Header, memoryview]:
     """Verify a whole stored object; return its header and a view of its payload as stored (decrypted, when
-    sealed, into a copy; still encoded by its codec: see :func:`decode_payload`).
+    sealed, into a copy; still encoded by its codec: see :func:`decoded`).
 
     Raises :class:`FrameError` when the object is truncated, extended, corrupt or belongs to another key, and when
     it is sealed and ``opener`` is None or plain and ``opener`` is given, or of a codec not in ``accepts`` (see
@@ -230,18 +230,20 @@ def decode(data: bytes | bytearray | memoryview, expected: ShardKey | None = Non
     return verify(view[:length], [payload], expected, opener, accepts), payload
 
 
-def decode_payload(header: Header, payload: memoryview, out: Sequence[memoryview] | None = None) -> memoryview:
-    """A verified payload's shard as it was put: decoded by its codec into ``out`` (writable, the shard's bytes in
-    parts, e.g. a DRAM entry's pages), else into a new buffer, which is returned (``out`` given: the payload; an
-    uncoded payload with no ``out``: itself). Raises :class:`~kvtier.codecs.CodecError` when it does not decode."""
-    if out is None:
-        if header.codec is codecs.NONE:
-            return payload
-        buf = memoryview(bytearray(header.meta.nbytes))
-        header.codec.decode_into(header.meta.shape, header.meta.dtype, payload, [buf])
-        return buf
+def decoded(header: Header, payload: memoryview) -> memoryview:
+    """A verified payload's shard as it was put: itself when stored as it is, else decoded by its codec into a new
+    buffer. Raises :class:`~kvtier.codecs.CodecError` when it does not decode."""
+    if header.codec is codecs.NONE:
+        return payload
+    buf = memoryview(bytearray(header.meta.nbytes))
+    decode_into(header, payload, [buf])
+    return buf
+
+
+def decode_into(header: Header, payload: memoryview, out: Sequence[memoryview]) -> None:
+    """Decode a verified payload by its codec into ``out`` (writable: the shard's bytes in parts, e.g. a DRAM
+    entry's pages). Raises :class:`~kvtier.codecs.CodecError` when it does not decode."""
     header.codec.decode_into(header.meta.shape, header.meta.dtype, payload, out)
-    return payload
 
 
 def verify(header: bytes | memoryview, payload: Sequence[memoryview], expected: ShardKey | None = None,
@@ -249,23 +251,24 @@ def verify(header: bytes | memoryview, payload: Sequence[memoryview], expected: 
     """:func:`decode` for an object read in parts: its header, and its payload (e.g. read straight into DRAM
     pages, and decrypted there). With an ``opener`` (encryption on) only a sealed object passes: a plain one is
     what a writer to the tier could forge. An object of a codec not in ``accepts`` (None: any) is
-    :class:`RefusedCodec`, before its payload is checked. Raises :class:`FrameError` as :func:`decode` does."""
+    :class:`RefusedCodec`, before its payload is checked (a plain object where encryption is on is refused as
+    forged first). Raises :class:`FrameError` as :func:`decode` does."""
     parsed = decode_header(header)
     if expected is not None and parsed.key != expected:
         raise FrameError(f"object holds {parsed.key.name}, expected {expected.name}")
+    if parsed.sealing is None and opener is not None:
+        raise FrameError("a plain object where encryption is on (only sealed objects are read)")
+    if parsed.sealing is not None and opener is None:
+        raise UnknownKey("sealed, and this store has no encryption key")
     if accepts is not None and parsed.codec not in accepts:
         raise RefusedCodec(f"stored with codec {parsed.codec.name}; this tier's reads accept "
                            f"{', '.join(sorted(c.name for c in accepts))}")
     size = sum(len(part) for part in payload)
     if size != parsed.payload_len:
         raise FrameError(f"payload is {size} bytes, header says {parsed.payload_len}")
-    if parsed.sealing is None:
-        if opener is not None:
-            raise FrameError("a plain object where encryption is on (only sealed objects are read)")
+    if opener is None:
         if checksum(payload) != parsed.payload_checksum:
             raise FrameError("payload checksum mismatch")
-    elif opener is None:
-        raise UnknownKey("sealed, and this store has no encryption key")
     else:
         opener.open_into(parsed, payload)
     return parsed

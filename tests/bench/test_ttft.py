@@ -123,3 +123,46 @@ def test_hits_are_reported_from_their_pairs_with_interval_floor_and_target(tmp_p
     assert "Each order's ratio, kvtier first / vLLM first: DRAM hit 1.10 / 1.10" in printed
     assert "| 1.18 | <= 1.30: not met |" in printed
     assert "copy 10.0 GB/s, page-cache read 20.0 GB/s, checksum 40.0 GB/s" in printed
+
+
+def test_codec_rows_have_their_own_targets_and_no_floor_from_raw_bytes(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    disk = {"kvtier": [0.14, 0.14], "engine": [0.10, 0.10], "chunks": [8] * 2}
+    fp8 = {"kvtier": [0.115, 0.115], "engine": [0.10, 0.10], "chunks": [8] * 2}
+    k16v8 = {"kvtier": [0.13, 0.13], "engine": [0.10, 0.10], "chunks": [8] * 2}
+    bandwidth = {"bytes": 10**8, "copy": 10e9, "read": 20e9, "checksum": 40e9}
+    results = {
+        "baseline": {"vLLM, recompute": [10.0, 10.0]},
+        "kvtier": {"pairs": {"kvtier, disk hit": disk}, "kvtier, disk hit": disk["kvtier"], "bandwidth": bandwidth},
+        "fp8": {"pairs": {"kvtier, disk hit, fp8": fp8}, "kvtier, disk hit, fp8": fp8["kvtier"]},
+        "k16v8": {"pairs": {"kvtier, disk hit, k16v8": k16v8}, "kvtier, disk hit, k16v8": k16v8["kvtier"]},
+        "engine_hit": {"vLLM prefix-cache hit": [0.1], "vLLM prefix-cache hit, exact repeat": [0.4]},
+        "noreuse_plain": {"throughput": 1000.0}, "noreuse_kvtier": {"throughput": 995.0},
+        "noreuse_fp8": {"throughput": 985.0},
+    }
+    out = tmp_path / "ttft.json"
+    assert report(results, {"name": "quick", "docs": 3, "doc_tokens": 2048}, out) == 0
+    written = json.loads(out.read_text())
+    hits = written["hits"]
+    assert hits["kvtier, disk hit"]["target"] == 1.30 and "floor" in hits["kvtier, disk hit"]
+    assert hits["kvtier, disk hit, fp8"]["target"] == 1.20 and "floor" not in hits["kvtier, disk hit, fp8"]
+    assert written["noreuse_tokens_per_s"]["kvtier_fp8"] == 985.0
+    printed = capsys.readouterr().out
+    assert "| kvtier, disk hit, fp8 | 2 |  | 0.115 s | 0.100 s | 1.15 | 1.15 to 1.15 | not known | <= 1.20: met |" \
+        in printed
+    assert "| kvtier, disk hit, k16v8 | 2 |  | 0.130 s | 0.100 s | 1.30 | 1.30 to 1.30 | not known | " \
+           "<= 1.20: not met |" in printed
+    assert "every write encoded to fp8 on the writer threads: 985 tokens/s (0.985 of vLLM alone" in printed
+
+
+def test_a_codec_phase_gets_storage_of_its_own() -> None:
+    from kvtier.bench.ttft import _coded
+
+    job = {"store": {"chunk_tokens": 256, "tiers": [{"type": "filesystem", "path": "/w/kv"}]}}
+    coded = _coded(job, Path("/w"), "fp8")
+    assert coded["store"]["tiers"] == [{"type": "filesystem", "path": "/w/kv-fp8", "codec": "fp8"}]
+    assert job["store"]["tiers"][0] == {"type": "filesystem", "path": "/w/kv"}  # (the plain phases' job unchanged)
+    for kind, field in (("redis", "key_prefix"), ("s3", "prefix"), ("mooncake", "key_prefix")):
+        shared = {"store": {"tiers": [{"type": kind, "name": kind}]}}
+        assert _coded(shared, Path("/w"), "noreuse_fp8")["store"]["tiers"][0] == {
+            "type": kind, "name": kind, "codec": "fp8", field: "noreuse_fp8/"}

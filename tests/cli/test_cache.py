@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtier import KVStore
+from kvtier import KVStore, frame
 from kvtier.cli import main
+from kvtier.testing import synthetic_kv, synthetic_tokens
+from kvtier.units import size_fixed
 from tests.cli.conftest import OTHER, T, put_three_prompts
+from tests.conftest import store_config
 
 
 def test_stats(config: Path, capsys) -> None:
@@ -24,6 +27,38 @@ def test_ls_shows_keys_not_tokens(config: Path, capsys) -> None:
     assert main(["cache", "ls", "--config", str(config), "--namespace", OTHER.id]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and OTHER.id in lines[1] and "0-4of4" in lines[1]
+
+
+def test_stats_and_ls_show_each_objects_codec_and_the_bytes_saved(tmp_path: Path, capsys) -> None:
+    """Objects of two codecs in one tier (its codec changed from fp8 to none between two stores), and one whose header
+    is damaged: each counted under its codec, the bytes before the codec beside those stored."""
+    cfg = store_config(tmp_path / "fs", codec="fp8")
+    with KVStore.from_config(cfg) as store:
+        put_three_prompts(store)  # six shards, fp8
+    with KVStore.from_config(store_config(tmp_path / "fs")) as store:
+        tokens = synthetic_tokens(99, T)
+        store.put(OTHER, tokens, synthetic_kv(tokens))  # one shard, none
+    files = sorted((tmp_path / "fs").rglob("*.kv"))
+    fp8 = [f for f in files if OTHER.id not in str(f)]
+    raw = frame.decode_header(fp8[0].read_bytes()).meta.nbytes
+    stored = fp8[0].stat().st_size - frame.HEADER_LEN
+    damaged = bytearray(fp8[0].read_bytes())
+    damaged[10] ^= 1  # its header's checksum fails
+    fp8[0].write_bytes(damaged)
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["cache", "stats", "--config", str(path), "--codecs"]) == 0
+    out = capsys.readouterr().out
+    assert f"codec fp8: 5 objects, {size_fixed(5 * (frame.HEADER_LEN + stored))} stored of " \
+           f"{size_fixed(5 * (frame.HEADER_LEN + raw))}, {size_fixed(5 * (raw - stored))} saved" in out
+    assert "codec none: 1 objects" in out and "saved" not in out.split("codec none")[1].splitlines()[0]
+    assert "codec unreadable: 1 objects" in out
+    assert main(["cache", "stats", "--config", str(path)]) == 0
+    assert "codec" not in capsys.readouterr().out  # (headers are read only when asked)
+    assert main(["cache", "ls", "--config", str(path), "--codecs"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[-2:] == ["codec", "raw"]
+    assert sorted(line.split()[-3] for line in lines[1:]) == ["fp8"] * 5 + ["none", "unreadable"]  # (sizes: "2.6 KiB")
 
 
 def test_verify_finds_and_repairs_damage(config: Path, tmp_path: Path, capsys) -> None:

@@ -120,25 +120,98 @@ def test_an_exact_reader_takes_lossless_objects_of_a_tier_that_stores_none(tmp_p
     assert len(files(tmp_path / "d")) == 4
 
 
-def test_lossy_kv_promoted_from_a_tier_is_copied_only_to_front_tiers_of_its_codec(tmp_path: Path) -> None:
+def test_lossy_kv_promoted_from_a_tier_is_never_copied_to_the_tiers_in_front(tmp_path: Path) -> None:
+    """Written to a front tier as exact KV, a reader wanting exact KV would take it; encoded again by a front tier
+    of the same codec, its error would grow past the codec's bound (bf16 values rounded twice). Exact KV promoted
+    from a lossless tier is copied as any exact KV is."""
     tokens, kv = sample()
     back = disk(tmp_path / "back", "fp8", name="back")
-    with KVStore.from_config(cfg(back, placement=[])) as store:
+    with KVStore.from_config(cfg(back)) as store:
         store.put(NS, tokens, kv)
         store.flush()
-    front_exact = disk(tmp_path / "exact", "none", name="front", accept_codecs=["fp8"])
-    with KVStore.from_config(cfg(front_exact, back)) as store:
-        got = store.get(NS, tokens)
-        assert got is not None and within(got, kv, "fp8")
+    for front in (disk(tmp_path / "exact", "none", name="front", accept_codecs=["fp8"]),
+                  disk(tmp_path / "fp8front", "fp8", name="front")):
+        with KVStore.from_config(cfg(front, back)) as store:
+            got = store.get(NS, tokens)
+            assert got is not None and within(got, kv, "fp8")
+            store.flush()
+            assert store.stats()["back"]["promotions_total"] == 4
+    assert files(tmp_path / "exact") == [] and files(tmp_path / "fp8front") == []
+    with KVStore.from_config(cfg(disk(tmp_path / "ll", "lossless", name="back"))) as store:
+        store.put(NS, tokens, kv)
         store.flush()
-        assert store.stats()["back"]["promotions_total"] == 4
-    assert files(tmp_path / "exact") == []  # written there as codec none, a reader wanting exact KV would take it
-    with KVStore.from_config(cfg(disk(tmp_path / "fp8front", "fp8", name="front"), back)) as store:
-        assert store.get(NS, tokens) is not None
+    with KVStore.from_config(cfg(disk(tmp_path / "front2", "none", name="front"),
+                                 disk(tmp_path / "ll", "lossless", name="back"))) as store:
+        assert torch.equal(store.get(NS, tokens), kv)
         store.flush()
-    copied = files(tmp_path / "fp8front")
-    assert len(copied) == 4
-    assert all(frame.decode(p.read_bytes())[0].codec is CODECS["fp8"] for p in copied)
+    assert len(files(tmp_path / "front2")) == 4
+
+
+def test_an_object_stored_with_a_codec_as_long_as_the_shard_is_decoded_not_served_as_kv(tmp_path: Path) -> None:
+    """With head_dim 6 (a scale per 2 channels) an fp8 shard is exactly as long as the raw one: a reader storing
+    none (accepting fp8) reads it into the entry as if raw, sees its codec, and decodes it, whole or by layers."""
+    tokens = synthetic_tokens(8, 2 * T)
+    kv = synthetic_kv(tokens, layers=2, heads=2, head_dim=6) * 3
+    assert CODECS["fp8"].max_len((2, 2, 2, T, 6), kv.dtype) == kv[:, :, :, :T].numel() * 2
+    with KVStore.from_config(cfg(disk(tmp_path / "d", "fp8"))) as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+    reader = cfg(disk(tmp_path / "d", "none", accept_codecs=["fp8"]))
+    with KVStore.from_config(reader) as plain:
+        with plain.loading(NS, tokens, layers=2, head_dim=6, dtype=torch.bfloat16, by_layers=True) as loaded:
+            for layer in range(2):
+                loaded.read_layer(layer)
+            assert loaded.verified() == 2 * T
+            got = torch.cat([v for _, v in loaded.views]).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+        assert within(got, kv, "fp8")
+        plain.drop_dram()
+        again = plain.get(NS, tokens)
+        assert again is not None and within(again, kv, "fp8")
+        assert settled(plain) == CLEAN_AUDIT
+
+
+def test_an_object_larger_than_any_accepted_codec_stores_the_shard_in_is_corrupt_and_never_read(
+        tmp_path: Path) -> None:
+    import tracemalloc
+
+    tokens, kv = sample(1)
+    with KVStore.from_config(cfg(disk(tmp_path / "d"))) as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+    (victim,) = files(tmp_path / "d")
+    with victim.open("ab") as f:
+        f.write(bytes(64 * 2**20))  # a valid shard and 64 MiB after it
+    with KVStore.from_config(cfg(disk(tmp_path / "d"))) as store:
+        tracemalloc.start()
+        try:
+            got = store.load(NS, tokens, lambda *_: None, layers=3, head_dim=64, dtype=torch.bfloat16)
+            peak = tracemalloc.get_traced_memory()[1]
+            assert got == 0
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 * 2**20  # never read at its size
+        assert store.stats()["disk"]["corrupt_objects_total"] == 1
+    assert files(tmp_path / "d") == []
+
+
+def test_exact_kv_computed_again_replaces_an_object_the_tiers_reads_refused(tmp_path: Path) -> None:
+    """A tier whose codec went from fp8 to none: its fp8 objects are refused; the engine computes the prefix
+    again, and its put writes exact KV over every chunk (no write skipped as present while refusals are recent),
+    which the next read takes."""
+    tokens, kv = sample()
+    with KVStore.from_config(cfg(disk(tmp_path / "d", "fp8"))) as store:
+        store.put(NS, tokens, kv)
+        store.flush()
+    with KVStore.from_config(cfg(disk(tmp_path / "d", "none"))) as exact:
+        assert exact.get(NS, tokens) is None  # the first chunk refused: a miss
+        exact.put(NS, tokens, kv)  # computed again
+        exact.flush()
+        exact.drop_dram()
+        got = exact.get(NS, tokens)
+        assert got is not None and torch.equal(got, kv)  # every chunk, not only the one refused
+        stats = exact.stats()["disk"]
+        assert stats["codec_refused_objects_total"] == 1 and stats["present_writes_total"] == 0
+    assert {frame.decode_header(f.read_bytes()).codec.name for f in files(tmp_path / "d")} == {"none"}
 
 
 @pytest.mark.parametrize("codec", ["fp8", "k16v8"])

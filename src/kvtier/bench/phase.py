@@ -162,9 +162,10 @@ def _loads_by_layers() -> bool:
     return isinstance(connector, KVTierConnector) and connector.loads_by_layers
 
 
-def _hits(job: dict, sealed: bool, work: Path) -> dict[str, object]:
-    """Every document computed and stored, then the pairs of each kind of hit; in the plain phase, the bandwidths
-    the floor is computed from."""
+def _hits(job: dict, variant: str, work: Path) -> dict[str, object]:
+    """Every document computed and stored, then the pairs of each kind of hit; in the plain phase (``variant``
+    ``kvtier``), the bandwidths the floor is computed from. ``encrypted``: every object sealed; a codec's name: the
+    tier storing with it, and only the disk (or shared tier) hits measured (a DRAM hit is the same as without)."""
     from kvtier.integrations.vllm import shared_store
 
     llm = engine(job, True, job["small_blocks"])
@@ -173,14 +174,15 @@ def _hits(job: dict, sealed: bool, work: Path) -> dict[str, object]:
     run_requests(llm, job, [0], "store")  # computes and stores every document
     store.flush()
     where = job.get("secondary", "disk")
-    suffix = ", encrypted" if sealed else ""
+    suffix = "" if variant == "kvtier" else f", {variant}"
+    kinds = pairs.KINDS if variant in ("kvtier", "encrypted") else ("disk hit",)
     measured = pairs.measure(_ask(llm, store, job), job["docs"], job["suffixes"]["kvtier"], job["pair_rounds"],
-                             log=log)
+                             kinds=kinds, log=log)
     result: dict[str, object] = {"pairs": {f"kvtier, {kind.replace('disk', where)}{suffix}": times
                                            for kind, times in measured.items()}}
     for label, times in measured.items():  # the TTFT table's rows
         result[f"kvtier, {label.replace('disk', where)}{suffix}"] = times["kvtier"]
-    if not sealed:
+    if variant == "kvtier":
         nbytes = job["kv_bytes_per_token"] * len(job["docs"][0])
         bandwidth: dict[str, object] = {"bytes": nbytes, **pairs.bandwidths(nbytes, work=work),
                                         "beside_forward": _loads_by_layers()}
@@ -265,8 +267,8 @@ def main() -> int:
         from kvtier.bench import server
 
         result.update(server.run(job, out_path.parent, log))
-    elif phase in ("kvtier", "encrypted"):  # encrypted: the same, every object in the tier sealed
-        result.update(_hits(job, phase == "encrypted", out_path.parent))
+    elif phase in ("kvtier", "encrypted", "fp8", "k16v8"):  # the same, every object sealed, or with a codec
+        result.update(_hits(job, phase, out_path.parent))
     elif phase == "reread":  # a new process re-reading a disk an earlier phase wrote: disk hits only
         from kvtier.integrations.vllm import shared_store
 
@@ -279,7 +281,7 @@ def main() -> int:
         result["sealed"] = encrypted
     elif phase == "restart":  # a new process: every document's first hit comes from what the last one stored
         result.update(_restart(job))
-    elif phase in ("noreuse_plain", "noreuse_kvtier", "noreuse_admission"):  # every prompt unique: the cost
+    elif phase in ("noreuse_plain", "noreuse_kvtier", "noreuse_admission", "noreuse_fp8"):  # every prompt unique
         result.update(_noreuse(job, phase))
     else:
         raise ValueError(f"unknown phase {phase!r}")

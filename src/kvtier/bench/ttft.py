@@ -30,10 +30,13 @@ PROFILES = {
     "full": {"docs": 4, "doc_tokens": 4096, "rounds": 3, "unique": 5, "noreuse_output": 32, "reread_pairs": 3,
              "pair_rounds": 4},
 }
-PHASES = ("baseline", "kvtier", "restart", "encrypted", "engine_hit", "api_server", "noreuse_plain",
-          "noreuse_kvtier")
+# fp8, k16v8: the kvtier phase again, its tier storing with that codec (disk hits only); noreuse_fp8: the no-reuse
+# phase with every write encoded to fp8 (on the cascade writer threads)
+CODEC_PHASES = ("fp8", "k16v8")
+PHASES = ("baseline", "kvtier", "restart", "encrypted", *CODEC_PHASES, "engine_hit", "api_server", "noreuse_plain",
+          "noreuse_kvtier", "noreuse_fp8")
 # With a shared tier the question is how fast its hits are; the no-reuse overhead is measured on the disk setup.
-SHARED_PHASES = ("baseline", "kvtier", "restart", "engine_hit")
+SHARED_PHASES = ("baseline", "kvtier", "restart", *CODEC_PHASES, "engine_hit")
 LONG_PHASES = ("baseline", "kvtier", "engine_hit")  # --prefix-tokens: the hit ratios at another prefix length
 
 
@@ -156,6 +159,9 @@ def _run_phases(job: dict, work: Path, profile: dict, json_path: Path | None, ph
         elif phase == "encrypted":  # the kvtier phase again, on a disk of its own with every object sealed
             job_path = work / "job-encrypted.json"
             job_path.write_text(json.dumps(_encrypted(job, work)))
+        elif phase in CODEC_PHASES or phase == "noreuse_fp8":  # on storage of its own, its tier with a codec
+            job_path = work / f"job-{phase}.json"
+            job_path.write_text(json.dumps(_coded(job, work, phase)))
         start = time.perf_counter()
         out = work / f"{phase}.json"
         if not _run_phase(job_path, phase, out, work / f"{phase}.log"):
@@ -212,6 +218,17 @@ def _encrypted(job: dict, work: Path) -> dict:
     return dict(job, store=store)
 
 
+def _coded(job: dict, work: Path, phase: str) -> dict:
+    """``job`` with its tier storing with the phase's codec, on storage of its own (a directory, a key prefix):
+    exact objects an earlier phase stored are what a lossy tier's reads accept too."""
+    tier = dict(job["store"]["tiers"][0], codec=phase.removeprefix("noreuse_"))
+    if tier["type"] == "filesystem":
+        tier["path"] = str(work / f"kv-{phase}")
+    else:
+        tier["prefix" if tier["type"] == "s3" else "key_prefix"] = f"{phase}/"
+    return dict(job, store=dict(job["store"], tiers=[tier]))
+
+
 def _reread(pairs: dict[str, list[dict[str, list[float]]]]) -> dict[str, Any]:
     """The encryption's cost on a disk hit from the alternating re-reading processes (``phase.disk_then_dram``),
     printed, two ways: the TTFT of the sealed disk's hits over the plain one's, pair by pair; and the cost of the
@@ -246,7 +263,9 @@ def _reread(pairs: dict[str, list[dict[str, list[float]]]]) -> dict[str, Any]:
 
 # What each kind of hit must cost at most, over vLLM's own hit (issue 29); rows without one show none.
 TARGETS = {"DRAM hit": 1.15, "disk hit": 1.30, "after restart": 1.30, "API server, DRAM hit": 1.15,
-           "redis hit": 1.6, "redis-cluster hit": 1.6, "s3 hit": 3.0}
+           "redis hit": 1.6, "redis-cluster hit": 1.6, "s3 hit": 3.0,
+           **{f"{tier} hit, {codec}": target for codec in CODEC_PHASES
+              for tier, target in (("disk", 1.20), ("redis", 1.3), ("redis-cluster", 1.3), ("s3", 2.0))}}
 
 
 def hit_rows(results: dict) -> dict[str, dict[str, Any]]:
@@ -255,10 +274,12 @@ def hit_rows(results: dict) -> dict[str, dict[str, Any]]:
     kind."""
     bw = results.get("kvtier", {}).get("bandwidth")
     out: dict[str, dict[str, Any]] = {}
-    for phase in ("kvtier", "restart", "encrypted", "api_server"):
+    for phase in ("kvtier", "restart", "encrypted", *CODEC_PHASES, "api_server"):
         for label, times in results.get(phase, {}).get("pairs", {}).items():
             local = "DRAM hit" in label or "disk hit" in label or "after restart" in label
             shared = not local and bw is not None and "wire" in bw
+            if phase in CODEC_PHASES:  # fewer bytes, and their decoding: no floor from the raw bytes' speeds
+                local = shared = False
             kind = "shared hit" if shared else "disk hit" if "disk hit" in label or "after restart" in label \
                 else "DRAM hit"
             row = pairs.summary(times, kind, bw["bytes"] if bw and (local or shared) else None, bw)
@@ -293,7 +314,7 @@ def _print_bandwidth(bw: dict[str, Any], secondary: str) -> None:
 
 def report(results: dict, profile: dict, json_path: Path | None, secondary: str = "disk") -> int:
     rows: dict[str, dict[str, float]] = {}
-    for phase in ("baseline", "kvtier", "restart", "encrypted", "engine_hit", "api_server"):
+    for phase in ("baseline", "kvtier", "restart", "encrypted", *CODEC_PHASES, "engine_hit", "api_server"):
         for label, times in results.get(phase, {}).items():
             if isinstance(times, list):
                 rows[label] = _summary(times)
@@ -353,6 +374,10 @@ def report(results: dict, profile: dict, json_path: Path | None, secondary: str 
         noreuse = {"vllm": plain, "kvtier": with_kv}
         print(f"\nNo reuse (every prompt unique): {plain:.0f} tokens/s without kvtier, {with_kv:.0f} with "
               f"({with_kv / plain:.3f} of it)")
+        if "noreuse_fp8" in results:
+            coded = noreuse["kvtier_fp8"] = results["noreuse_fp8"]["throughput"]
+            print(f"No reuse, every write encoded to fp8 on the writer threads: {coded:.0f} tokens/s "
+                  f"({coded / plain:.3f} of vLLM alone; one phase each, so within the phases' spread)")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"machine": machine(), "profile": profile, "secondary": secondary,

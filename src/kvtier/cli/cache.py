@@ -1,7 +1,7 @@
 """``kvtier cache``: inspect and maintain the stored KV of a configured store's secondary tiers.
 
-    kvtier cache stats  --config FILE
-    kvtier cache ls     --config FILE [--namespace NS] [--tier NAME]
+    kvtier cache stats  --config FILE [--codecs]
+    kvtier cache ls     --config FILE [--namespace NS] [--tier NAME] [--codecs]
     kvtier cache verify --config FILE [--tier NAME] [--repair]
     kvtier cache audit  --config FILE
     kvtier cache purge  --config FILE (--namespace NS | --older-than AGE | --all) [--tier NAME]
@@ -80,6 +80,8 @@ def cmd_stats(tiers: list[Tier], args: argparse.Namespace) -> int:
             print(f"  last used:  {_age(now - max(o.last_used for o in objs))} ago")
         for event, value in sorted(tier.counters().items()):
             print(f"  {event}: {value:.0f}")
+        if args.codecs:
+            _print_codecs(tier, objs)
     rules = args.store_config.placement
     if rules:
         print("placement (first match decides; other KV may reach every tier):")
@@ -88,13 +90,41 @@ def cmd_stats(tiers: list[Tier], args: argparse.Namespace) -> int:
     return 0
 
 
+def _codec_of(tier: Tier, o: StoredObject) -> tuple[str, int] | None:
+    """(its codec's name, its size before the codec) from an object's header; None when it has none readable."""
+    try:
+        head = tier.head(o.key, frame.MAX_HEADER_LEN)
+        header = None if head is None else frame.decode_header(head)
+    except (TierError, frame.FrameError):
+        return None
+    return None if header is None else (header.codec.name, header.length + header.meta.nbytes)
+
+
+def _print_codecs(tier: Tier, objs: list[StoredObject]) -> None:
+    by: dict[str, list[int]] = {}  # codec -> [objects, stored bytes, bytes before the codec]
+    for o in tqdm(objs, desc=f"{tier.name}: headers", unit="obj", disable=not sys.stderr.isatty(), leave=False):
+        got = _codec_of(tier, o)
+        name, raw = ("unreadable", o.size) if got is None else got
+        row = by.setdefault(name, [0, 0, 0])
+        row[0] += 1
+        row[1] += o.size
+        row[2] += raw
+    for name, (count, stored, raw) in sorted(by.items()):
+        saved = f", {size_fixed(raw - stored)} saved ({1 - stored / raw:.0%})" if raw > stored else ""
+        print(f"  codec {name}: {count} objects, {size_fixed(stored)} stored of {size_fixed(raw)}{saved}")
+
+
 def cmd_ls(tiers: list[Tier], args: argparse.Namespace) -> int:
     now = time.time()
-    print(f"{'tier':<12} {'namespace':<32} {'chunk':<32} {'heads':<10} {'size':>10} {'age':>7} {'idle':>7}")
+    extra = f" {'codec':<10} {'raw':>10}" if args.codecs else ""
+    print(f"{'tier':<12} {'namespace':<32} {'chunk':<32} {'heads':<10} {'size':>10} {'age':>7} {'idle':>7}{extra}")
     for tier in tiers:
         for o in sorted(_objects(tier, args.namespace), key=lambda o: o.created):
+            if args.codecs:
+                name, raw = _codec_of(tier, o) or ("unreadable", o.size)
+                extra = f" {name:<10} {size_fixed(raw):>10}"
             print(f"{tier.name:<12} {o.key.namespace:<32} {o.key.chunk:<32} {o.key.heads!s:<10} "
-                  f"{size_fixed(o.size):>10} {_age(now - o.created):>7} {_age(now - o.last_used):>7}")
+                  f"{size_fixed(o.size):>10} {_age(now - o.created):>7} {_age(now - o.last_used):>7}{extra}")
     return 0
 
 
@@ -208,9 +238,14 @@ def register(top: Subcommands) -> Subcommands:
         p.add_argument("--tier", help="only this tier (by name)")
         return p
 
-    add("stats", "objects, bytes and namespaces per tier").set_defaults(func=cmd_stats)
+    codecs_help = ("read each object's header for its codec and its size before the codec (a read of every object: "
+                   "slow on a large remote tier)")
+    stats = add("stats", "objects, bytes and namespaces per tier")
+    stats.add_argument("--codecs", action="store_true", help=f"{codecs_help}; objects and bytes saved per codec")
+    stats.set_defaults(func=cmd_stats)
     ls = add("ls", "list stored chunks (namespace, chunk key, heads, size, age; never tokens)")
     ls.add_argument("--namespace", type=namespace_id, metavar="ID", help="only this namespace id (32 hex digits)")
+    ls.add_argument("--codecs", action="store_true", help=codecs_help)
     ls.set_defaults(func=cmd_ls)
     verify = add("verify", "read every object and check its checksum; exit 1 if any is bad")
     verify.add_argument("--repair", action="store_true", help="remove bad objects (then exit 0)")

@@ -224,6 +224,26 @@ def _ab(d: Mapping[str, Any]) -> Table:
     return _table(["Measure", "base", "spread", "head", "spread", "change"], rows)
 
 
+def _codecs(d: Mapping[str, Any]) -> Table:
+    """bench_codecs.py: each codec's bytes, the model's agreement with itself on uncompressed KV, and speed."""
+    def pct(values: Sequence[float], worst: bool = False) -> str:
+        if not values:
+            return ""
+        if worst:
+            return f"{max(values, key=abs):+.2%}"
+        return f"{statistics.fmean(values):.2%} (min {min(values):.2%})"
+
+    rows = []
+    for name, c in d.get("codecs", {}).items():
+        met = c.get("target_met")
+        rows.append([name, ratio(c.get("stored_over_raw")), pct(c.get("agreement", [])),
+                     f"{statistics.fmean(c['kl']):.2g}" if c.get("kl") else "", pct(c.get("ppl_change", []), True),
+                     ratio(c.get("encode_mb_s")), ratio(c.get("decode_mb_s")),
+                     "" if met is None else ("met" if met else "not met")])
+    return _table(["Codec", "stored / raw", "greedy agreement", "mean KL (nats)", "perplexity change (worst)",
+                   "encode MB/s", "decode MB/s", "target"], rows)
+
+
 READERS: dict[str, Reader] = {
     "ttft": _ttft, "ttft-runs": _ttft_runs, "ttft-redis": _ttft, "ttft-s3": _ttft,
     "store": _rows_with_ratio(("bench", "shape", "op"), ("target",)),
@@ -233,7 +253,7 @@ READERS: dict[str, Reader] = {
     "noreuse": _per_round("Measure, no reuse (/ vLLM alone)"),
     "first-prompts": _per_round("Measure, the first prompts after start (/ vLLM alone)"),
     "validate": _validate, "preemption": _preemption, "decide": _decide, "policies": _policies,
-    "calibration": _calibration, "load-memory": _load_memory, "ab-store": _ab, "ab-ttft": _ab,
+    "calibration": _calibration, "load-memory": _load_memory, "ab-store": _ab, "ab-ttft": _ab, "codecs": _codecs,
 }
 
 

@@ -45,7 +45,7 @@ class GuardedTier:
         self.name = tier.name
         self.codec = codec  # how its writes store KV
         # the codecs its reads take: an object of another is a miss, left in place (RefusedCodec)
-        self.accepts = frozenset({codecs.NONE, codecs.CODECS["lossless"], codec}) if accepts is None else accepts
+        self.accepts = codecs.accepted(codec) if accepts is None else accepts
         self.reads = Outage(tier.name, "reads", retry_seconds, metrics.outage.labels(tier.name, "reads"), cascade_log)
         self.writes = Outage(tier.name, "writes", retry_seconds, metrics.outage.labels(tier.name, "writes"),
                              cascade_log)
@@ -54,6 +54,10 @@ class GuardedTier:
         self._logged = logged
         # Shards under keys this process lacks, read lately: until when reads and lookups plan without them.
         self._unopened: RecentMap[ShardKey, float] = RecentMap(_UNOPENED_KEPT)
+        # Until when writes go ahead whatever the tier holds: its reads refused an object for its codec lately (a
+        # tier holding lossy KV this store does not take, after a change of codec or beside engines that store
+        # another): the KV computed again replaces what is there, not only the chunk that was refused.
+        self._refused_until = 0.0
         self._unopened_lock = threading.Lock()
 
     @property
@@ -66,17 +70,17 @@ class GuardedTier:
 
     @property
     def batch_reads(self) -> bool:
-        return self.tier.batch_reads and self.reads_whole is False
+        return self.tier.batch_reads and not self.coded
 
     @property
     def ranged_reads(self) -> bool:
         """Whether a load by layers reads its shards a layer at a time (a local file stored as it is)."""
-        return self.tier.ranged_reads and not self.reads_whole
+        return self.tier.ranged_reads and not self.coded
 
     @property
-    def reads_whole(self) -> bool:
-        """Whether its shards are read as whole objects (:meth:`Tier.get`) and decoded into DRAM from there: a
-        tier with a codec, whose objects' sizes are not the shard's. Never in pieces, by layers or batched."""
+    def coded(self) -> bool:
+        """Whether it stores with a codec: its shards are read into a buffer and decoded into DRAM from there
+        (:meth:`ShardReads.read_into`), never in pieces, by layers or batched."""
         return self.codec is not codecs.NONE
 
     @property
@@ -159,6 +163,7 @@ class GuardedTier:
             self._metrics.codec_refused.labels(self.name).inc()
             with self._unopened_lock:
                 self._unopened[key] = time.monotonic() + _UNOPENED_SECONDS
+            self._refused_until = time.monotonic() + _UNOPENED_SECONDS
             if self._logged.first(self.name, "open", "RefusedCodec"):
                 log.warning("tier %s: %s is %s: a miss, left in place (further such objects are counted, not "
                             "logged)", self.name, key.name, exc)
@@ -208,7 +213,10 @@ class GuardedTier:
     # -- writes ----------------------------------------------------------------------------------------------
     def holds(self, key: ShardKey) -> bool:
         """Whether the tier holds the object already. Only advice (a write is cheaper to skip than to make): if
-        asking fails, the answer is no and the write goes ahead (and reports any real outage itself)."""
+        asking fails, the answer is no and the write goes ahead (and reports any real outage itself). For a while
+        after this tier's reads refused an object for its codec, the answer is no: writes replace what it holds."""
+        if time.monotonic() < self._refused_until:
+            return False
         try:
             return self.tier.exists(key) is True
         except Exception as exc:  # noqa: BLE001 only advice (the docstring), counted and logged once
@@ -230,6 +238,9 @@ class GuardedTier:
         except Exception as exc:  # noqa: BLE001 each fault becomes an outcome, as classify says (_write_fault)
             return self._write_fault(key, exc)
         self.writes.succeeded()
+        if self._unopened:
+            with self._unopened_lock:  # (one this process could not take: what it wrote now, it can)
+                self._unopened.pop(key, None)
         self._metrics.tier_write_seconds.labels(self.name).observe(time.perf_counter() - start)
         stored = sum(len(part) for part in made[1:])  # (the header first)
         self._metrics.bytes_written.labels(self.name).inc(len(made[0]) + stored)

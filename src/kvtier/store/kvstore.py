@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from kvtier import codecs
 from kvtier.config import StoreConfig, TierSpec, load_config
 from kvtier.dram import DramPool
 from kvtier.eviction import POLICIES
@@ -138,7 +137,7 @@ class KVStore:
         specs = {spec.name: spec for spec in config.tiers}
         default = TierSpec(type="", name="", options={})  # tiers passed in without a spec
         spec = [specs.get(t.name, default) for t in self.tiers]
-        guards = [GuardedTier(t, s.retry_seconds, self.metrics, logged, codecs.CODECS[s.codec], s.accepts)
+        guards = [GuardedTier(t, s.retry_seconds, self.metrics, logged, s.codec, s.accepts)
                   for t, s in zip(self.tiers, spec)]
         shapes: RecentMap[str, Shape] = RecentMap(_SHAPES_KEPT)  # namespace id -> its shards' shape
         self._writes = Writes(self.chunk_tokens, self.dram, self.metrics, self._tenancy, guards, spec, shapes,

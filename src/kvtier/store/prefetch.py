@@ -183,7 +183,7 @@ class Prefetch:
             read.started[(guard.name, key)] = readers.submit(functools.partial(self._shards.get, guard, key))
             return
         try:
-            if self._decrypting is not None and guard.local and not guard.reads_whole:
+            if self._decrypting is not None and guard.local and not guard.coded:
                 future = self._fill_sealed(guard, key, entry)
             else:
                 future = readers.submit(functools.partial(self._shards.read_into, guard, key, entry))

@@ -4,6 +4,7 @@ the caller's thread or a reading thread of the store's process."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -33,6 +34,7 @@ class ShardReads:
         self._opener = opener
         self.header_len = frame.HEADER_LEN if opener is None else frame.SEALED_HEADER_LEN
         self.plain = opener is None  # shards are checked by their checksum (else opened: decrypted whole)
+        self._scratch = threading.local()  # each reading thread's buffer for objects stored with a codec
 
     def get(self, guard: GuardedTier, key: ShardKey) -> Fetched | None:
         """Read and verify one shard (on any thread), decoded by its codec into a buffer of its own; raises what the
@@ -42,28 +44,30 @@ class ShardReads:
         if blob is None:
             return None
         header, payload = frame.decode(blob, expected=key, opener=self._opener, accepts=guard.accepts)
-        return Fetched(header, frame.decode_payload(header, payload), len(blob), time.perf_counter() - start)
+        return Fetched(header, frame.decoded(header, payload), len(blob), time.perf_counter() - start)
 
     def read_into(self, guard: GuardedTier, key: ShardKey, entry: DramEntry,
                   fetched: Callable[[], bytes | None] | None = None, start: float | None = None) -> float | None:
         """Read one shard into a reserved DRAM entry and verify it there; its creation time, or None (missing,
         corrupt or unreadable: counted by the guard; the entry is not aborted here). ``fetched``: the shard's
         header, read into the entry already (by a batch, or by a sealed read ahead, started at ``start``),
-        instead of a read here. A tier with a codec is read whole and decoded into the entry (:meth:`_whole`), as
-        is an object whose size is not the shard's (stored with a codec: one this tier's reads may accept)."""
+        instead of a read here. A tier with a codec, and an object stored with one (its size not the shard's, or
+        by chance the same), are read into a buffer and decoded into the entry from there (:meth:`_coded`)."""
         start = time.perf_counter() if start is None else start
 
         def read() -> frame.Header | None:
-            if guard.reads_whole and fetched is None:
-                return self._whole(guard, key, entry)
+            if guard.coded and fetched is None:
+                return self._coded(guard, key, entry, None)
             views = self._dram.views(entry)
             try:
                 head = guard.tier.get_into(key, self.header_len, views) if fetched is None else fetched()
-            except WrongSize:  # its size is not the shard's: encoded, or malformed
-                return self._whole(guard, key, entry)
+            except WrongSize as exc:  # its size is not the shard's: encoded, or malformed
+                return self._coded(guard, key, entry, exc.size)
             if head is None:
                 return None
             header = frame.verify(head, views, expected=key, opener=self._opener, accepts=guard.accepts)
+            if header.codec is not codecs.NONE:  # as long as the shard by chance: its bytes are no KV
+                return self._coded(guard, key, entry, header.length + header.payload_len)
             self._check(guard, header, entry)
             return header
 
@@ -74,17 +78,42 @@ class ShardReads:
         self._metrics.bytes_read.labels(guard.name).inc(header.length + header.payload_len)
         return header.created
 
-    def _whole(self, guard: GuardedTier, key: ShardKey, entry: DramEntry) -> frame.Header | None:
-        """Read the object whole, verify it, and decode its payload into ``entry`` (straight into its pages: no
-        buffer the shard's size); the entry is marked with a lossy codec it came from."""
-        blob = guard.tier.get(key)
-        if blob is None:
+    def _coded(self, guard: GuardedTier, key: ShardKey, entry: DramEntry, size: int | None,
+               again: bool = True) -> frame.Header | None:
+        """Read an object stored with a codec into this thread's buffer, verify it there, and decode it straight into
+        ``entry``'s pages (no buffer the shard's size); the entry is marked with a lossy codec it came from. The
+        object is ``size`` bytes (as the tier said), else the size the tier's own codec stores the shard in (the
+        most, for a codec whose size varies: a tier answering WrongSize is asked ``again`` at the size it gives).
+        An object larger than any codec this tier accepts stores the shard in is corrupt, never read."""
+        meta = entry.meta
+        most = self.header_len + max(c.max_len(meta.shape, meta.dtype) for c in guard.accepts)
+        want = self.header_len + guard.codec.max_len(meta.shape, meta.dtype) if size is None else size
+        if not self.header_len < want <= most:
+            raise frame.FrameError(f"{key.name} is {want} bytes; this tier's codecs store its shard in "
+                                   f"{self.header_len + 1} to {most}")
+        buf = self._buffer(want - self.header_len)
+        try:
+            head = guard.tier.get_into(key, self.header_len, [buf])
+        except WrongSize as exc:
+            if not again or (size is not None and exc.size == size):
+                raise frame.FrameError(f"{key.name} changed size while it was read: {exc}") from exc
+            return self._coded(guard, key, entry, exc.size, again=False)
+        if head is None:
             return None
-        header, payload = frame.decode(blob, expected=key, opener=self._opener, accepts=guard.accepts)
+        header = frame.verify(head, [buf], expected=key, opener=self._opener, accepts=guard.accepts)
         self._check(guard, header, entry)
-        frame.decode_payload(header, payload, self._dram.views(entry))
+        frame.decode_into(header, buf, self._dram.views(entry))
         entry.codec = codecs.NONE if header.codec.exact else header.codec
         return header
+
+    def _buffer(self, nbytes: int) -> memoryview:
+        """This thread's read buffer, ``nbytes`` of it (grown, never shrunk: a reading thread reads shards of a few
+        shapes)."""
+        buf: memoryview | None = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = memoryview(bytearray(nbytes))
+            self._scratch.buf = buf
+        return buf[:nbytes]
 
     def open_ranges(self, guard: GuardedTier, key: ShardKey, entry: DramEntry) -> tuple[Ranges, frame.Header] | None:
         """Open one plain shard's file for reads of its payload in pieces, its header checked (for a load by layers,
@@ -100,7 +129,8 @@ class ShardReads:
             if header.sealing is not None:
                 raise frame.UnknownKey("sealed, and this store has no encryption key")
             if header.codec is not codecs.NONE:  # (as long as the shard by chance)
-                raise WrongSize(f"{guard.name}: {key.name} is stored with codec {header.codec.name}")
+                raise WrongSize(f"{guard.name}: {key.name} is stored with codec {header.codec.name}",
+                                header.length + header.payload_len)
             if header.payload_len != entry.meta.nbytes:
                 raise frame.FrameError(f"payload length {header.payload_len}, expected {entry.meta.nbytes}")
             self._check(guard, header, entry)

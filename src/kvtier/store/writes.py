@@ -178,10 +178,12 @@ class Writes:
                  codec: codecs.Codec = codecs.NONE) -> list[CascadeWriter]:
         """The writers of the tiers in front of ``guard``'s that a shard read from it is copied to (promoted): those
         its namespace may reach, and whose TTL its age (written at ``created``) is still within; a front tier past
-        it would refuse it on the next read. KV decoded from a lossy ``codec`` goes only to tiers storing with that
-        codec (so it stays marked lossy there: written as exact KV, a reader wanting exact KV would take it)."""
+        it would refuse it on the next read. KV decoded from a lossy ``codec`` goes to none: written as exact KV, a
+        reader wanting exact KV would take it, and encoded again, its error would grow past the codec's bound."""
+        if not codec.exact:
+            return []
         front = self.writers_for(allowed, self.writers[:[w.guard for w in self.writers].index(guard)], 1)
-        return [w for w in front if w.guard.within_ttl(created) and (codec.exact or w.guard.codec is codec)]
+        return [w for w in front if w.guard.within_ttl(created)]
 
     def _expiry(self, allowed: frozenset[str] | None, created: float) -> float | None:
         """When a DRAM entry put at ``created`` stops being served: after the longest ``ttl_seconds`` of the tiers

@@ -96,9 +96,18 @@ class TierConformance:
         pages = [bytearray(2**20), bytearray(2 * 2**20 + 5)]
         assert tier.get_into(key(12), 96, [memoryview(p) for p in pages]) == blob[:96]
         assert b"".join(pages) == blob[96:]
-        with pytest.raises(WrongSize, match="expected"):
+        with pytest.raises(WrongSize, match="expected") as raised:
             tier.get_into(key(12), 96, [memoryview(bytearray(3 * 2**20))])
+        assert raised.value.size == len(blob)  # (what the store reads it again at)
         assert tier.get_into(key(13), 96, [memoryview(bytearray(8))]) is None
+
+    def test_head_reads_an_objects_first_bytes(self, tier: Tier) -> None:
+        blob = os.urandom(3 * 2**20 + 7)
+        tier.put(key(14), [memoryview(blob)])
+        assert tier.head(key(14), 144) == blob[:144]
+        tier.put(key(15), [b"short"])
+        assert tier.head(key(15), 144) == b"short"
+        assert tier.head(key(16), 144) is None
 
     def test_get_into_many_answers_each_read(self, tier: Tier) -> None:
         """Several reads at once (one batch where the tier batches them): each answered as :meth:`get_into`
@@ -111,7 +120,7 @@ class TierConformance:
                                   (key(21), 96, [memoryview(bytearray(2**20))]), (key(22), 96, [memoryview(pages[2])])])
         assert got[0] == blobs[0][:96] and bytes(pages[0]) == blobs[0][96:]
         assert got[1] is None
-        assert isinstance(got[2], WrongSize) and "expected" in str(got[2])
+        assert isinstance(got[2], WrongSize) and "expected" in str(got[2]) and got[2].size == len(blobs[1])
         assert got[3] == blobs[2][:96] and bytes(pages[2]) == blobs[2][96:]
 
     def test_concurrent_writers(self, tier: Tier) -> None:

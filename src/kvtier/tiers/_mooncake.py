@@ -329,7 +329,7 @@ class MooncakeTier(Tier):
         self._check(present, f"get {key.name}")
         size = store.get_size(name) if present else -1
         if size >= 0 and size != want:
-            raise WrongSize(f"{self.name}: {key.name} is {size} bytes, expected {want}")
+            raise WrongSize(f"{self.name}: {key.name} is {size} bytes, expected {want}", size)
         return
 
     def delete(self, key: ShardKey) -> bool:

@@ -274,6 +274,17 @@ class S3Tier(Tier):
         self._shares.used(key)
         return data
 
+    def head(self, key: ShardKey, nbytes: int) -> bytes | None:
+        """A ranged GET of the object's first ``nbytes`` bytes."""
+        try:
+            resp = self._s3.get_object(Bucket=self.options.bucket, Key=self._object(key), Range=f"bytes=0-{nbytes - 1}")
+            data: bytes = resp["Body"].read()
+        except self._errors as exc:
+            if self._missing(exc):
+                return None
+            raise self._fail(f"get {key.name}", exc) from exc
+        return data[:nbytes]
+
     def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
         """The body copied from the response stream into ``payload`` (e.g. DRAM pages) a MiB at a time: no bytes
         object of the object's size (each reading thread would keep such buffers' memory). A response without a
@@ -291,7 +302,7 @@ class S3Tier(Tier):
                 return self._split(key, body.read(), header_len, payload)
             want = header_len + sum(part.nbytes for part in payload)
             if size != want:
-                raise WrongSize(f"{self.name}: {key.name} is {size} bytes, expected {want}")
+                raise WrongSize(f"{self.name}: {key.name} is {size} bytes, expected {want}", size)
             header = bytearray(header_len)
             for part in (memoryview(header), *payload):
                 done = 0

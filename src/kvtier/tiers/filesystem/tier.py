@@ -180,6 +180,9 @@ class FilesystemTier(Tier):
     def get(self, key: ShardKey) -> Buffer | None:
         return self._get(key, reads.whole)
 
+    def head(self, key: ShardKey, nbytes: int) -> bytes | None:
+        return self._get(key, reads.head(nbytes))
+
     def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
         """One ``readv`` into a small header buffer and the caller's payload buffers (e.g. DRAM pages): no read
         buffer, no copy after it."""

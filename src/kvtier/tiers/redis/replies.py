@@ -134,7 +134,7 @@ def stream(replies: Replies, heads: HeadRange, header_len: int, payload: Sequenc
         raise Unexpected("not a shard of one segment", in_step=size is None)
     want = header_len + sum(part.nbytes for part in payload)
     if size != want:
-        raise WrongSize(f"{size} bytes, expected {want}")
+        raise WrongSize(f"{size} bytes, expected {want}", size)
     header = bytearray(header_len)
     replies.into([memoryview(header), *payload])
     replies.end()

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, TypeVar
 
 from kvtier import quotas
-from kvtier.errors import ObjectError, QuotaFull, TierError
+from kvtier.errors import ObjectError, QuotaFull, TierError, WrongSize
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.quotas.redis import RedisShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
@@ -202,8 +202,10 @@ class RedisTier(Tier):
                         raise
         except Unexpected as exc:
             in_step = exc.in_step
-        except ObjectError as exc:  # (of the same kind: a WrongSize stays one)
-            raise type(exc)(f"{self.name}: get {key.name}: {exc}") from exc
+        except WrongSize as exc:
+            raise WrongSize(f"{self.name}: get {key.name}: {exc}", exc.size) from exc
+        except ObjectError as exc:
+            raise ObjectError(f"{self.name}: get {key.name}: {exc}") from exc
         except (OSError, *self._client.errors) as exc:
             self._client.failed(f"get {key.name}", exc)
         finally:
