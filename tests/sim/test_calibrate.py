@@ -10,8 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.codecs import CODECS
 from kvtier.sim.calibrate import (CalibrationError, fingerprint, fit_line, fit_prefill, load_calibration,
-                                  mismatches, nonnegative_least_squares, prefill_seconds, sweep_tiers)
+                                  mismatches, nonnegative_least_squares, prefill_seconds, sweep_codecs, sweep_tiers)
+from kvtier.sim.codec_model import NONE
+from kvtier.sim.timing import StepCosts
 
 
 def test_the_prefill_fit_recovers_linear_and_attention_terms() -> None:
@@ -96,6 +99,9 @@ def test_a_point_is_measured_again_while_its_measurements_disagree_and_no_more_t
     assert repeated(scripted([4.0]), 1, 1, 0.25) == [4.0]
 
 
+FP8_ROW = {"stored_over_raw": 0.53125, "encode_bytes_per_s": 3e8, "decode_bytes_per_s": 5e8}
+
+
 def minimal(**changes) -> dict:
     data = {"version": 1, "fingerprint": fingerprint(), "model": {"kv_bytes_per_token": 23040},
             "prefill": {"fit": {"a": 0.01, "b": 3e-4, "c": 9e-8}},
@@ -131,6 +137,12 @@ def minimal(**changes) -> dict:
     ({"prefill__fit__b": -3e-4}, r"prefill.fit.b: -0.0003 is not a usable value"),
     ({"hit_floor__fit__intercept": -0.05}, r"hit_floor.fit.intercept: -0.05 is not a usable value"),
     ({"model": None}, r"model.kv_bytes_per_token: missing"),
+    ({"codecs": {}}, r"codecs.by_codec: missing"),
+    ({"codecs": {"by_codec": {"fp8": {**FP8_ROW, "decode_bytes_per_s": 0}}}},
+     r"codecs.by_codec.fp8.decode_bytes_per_s: 0 is not a usable value \(must be > 0\)"),
+    ({"codecs": {"by_codec": {"fp8": {**FP8_ROW, "stored_over_raw": float("inf")}}}},
+     r"codecs.by_codec.fp8.stored_over_raw: inf is not a usable value"),
+    ({"codecs": {"by_codec": {"fp8": {"stored_over_raw": 0.53}}}}, r"codecs.by_codec.fp8.encode_bytes_per_s: missing"),
 ])
 def test_a_malformed_calibration_names_the_field(tmp_path: Path, changes: dict, message: str) -> None:
     path = tmp_path / "cal.json"
@@ -155,6 +167,69 @@ def test_a_broken_measurement_is_refused_naming_its_point(seconds: float) -> Non
 @pytest.mark.parametrize("name", ["calibration-2026-12-01.json", "calibration-2026-12-01-xeon.json"])
 def test_the_shipped_calibrations_still_load(name: str) -> None:
     load_calibration(Path(__file__).parents[2] / "benchmarks" / "results" / name)
+
+
+def test_a_calibration_from_before_codecs_were_measured_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(minimal()))
+    old = load_calibration(path)
+    assert "codecs" not in old and StepCosts.from_calibration(old).codecs == {"none": NONE}
+    path.write_text(json.dumps(minimal(codecs={"by_codec": {"fp8": FP8_ROW}})))
+    assert set(StepCosts.from_calibration(load_calibration(path)).codecs) == {"none", "fp8"}
+
+
+def test_codec_sweeps_measure_every_codec_through_its_own_encode_and_decode() -> None:
+    import torch
+
+    shape = {"layers": 3, "kv_heads": 2, "head_dim": 64, "kv_bytes_per_token": 3 * 2 * 2 * 64 * 2}
+    threads = torch.get_num_threads()
+    lines: list[str] = []
+    out = sweep_codecs(shape, chunk_tokens=64, log=lines.append, repeats=3)
+    assert torch.get_num_threads() == threads  # one thread while measuring, as the writer threads run
+    assert out["shape"] == [3, 2, 2, 64, 64] and out["threads"] == 1
+    assert set(out["by_codec"]) == set(CODECS) - {"none"} and len(lines) == 3
+    raw = 3 * 2 * 2 * 64 * 64 * 2
+    for name, row in out["by_codec"].items():
+        assert len(row["encode_seconds"]) == len(row["decode_seconds"]) == 3
+        for key in ("encode_bytes_per_s", "decode_bytes_per_s"):  # measured, so no speed is asserted: sane only
+            assert 0 < row[key] < 1e12 and np.isfinite(row[key]), (name, key)
+        if CODECS[name].fixed:  # fp8, k16v8: exactly the format's size
+            assert row["stored_over_raw"] == CODECS[name].max_len(tuple(out["shape"]), torch.bfloat16) / raw
+    assert out["by_codec"]["fp8"]["stored_over_raw"] == pytest.approx(0.53125)
+    assert 0 < out["by_codec"]["lossless"]["stored_over_raw"] < 1.01
+
+
+def test_calibrate_writes_the_codec_measurements_beside_the_tiers(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The whole of `kvtier calibrate` but the engine (vLLM's sweeps, stood in for by fixed points): the tiers and
+    the codecs are measured for real, written, printed, and load back."""
+    import kvtier.sim.calibrate as module
+    from kvtier.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_key_value_heads": 2,
+                                                   "num_attention_heads": 4, "hidden_size": 256,
+                                                   "vocab_size": 5000}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    engine = {"vllm": "test", "prefill": [{"new": n, "cached": c, "seconds": 0.01 + n * 3e-4 + n * (n + 2 * c) * 1e-7}
+                                          for c, n in GRID],
+              "hit_floor": [{"tokens": 1024, "seconds": 0.05}, {"tokens": 2048, "seconds": 0.08}],
+              "decode": [{"batch": 1, "step_seconds": 0.013}, {"batch": 8, "step_seconds": 0.017}]}
+    monkeypatch.setattr(module, "sweep_engine", lambda *args: engine)
+    out = tmp_path / "calibration.json"
+    (tmp_path / "kvtier.yaml").write_text("chunk_tokens: 64\ndram: {capacity_bytes: 64MiB}\n")
+    assert main(["calibrate", "--quick", "--model", str(model), "--config", str(tmp_path / "kvtier.yaml"), "--out",
+                 str(out), "--work-dir", str(tmp_path / "work")]) == 0
+    printed = capsys.readouterr().out
+    assert "codec fp8: stores 0.531 of the raw bytes; one thread encodes " in printed and "codec lossless: " in printed
+    cal = load_calibration(out)
+    assert set(cal["tiers"]) == {"dram"} and cal["codecs"]["shape"] == [2, 2, 2, 64, 64]
+    for name in ("fp8", "k16v8", "lossless"):
+        row = cal["codecs"]["by_codec"][name]
+        assert row["encode_bytes_per_s"] > 0 and row["decode_bytes_per_s"] > 0 and row["stored_over_raw"] > 0
+    costs = StepCosts.from_calibration(cal).codecs
+    assert costs["fp8"].stored_over_raw == pytest.approx(0.53125) and not costs["fp8"].exact
+    assert costs["lossless"].exact
 
 
 def test_unreadable_calibrations_and_a_foreign_machine(tmp_path: Path) -> None:
@@ -213,3 +288,6 @@ def test_a_quick_calibration_on_the_real_engine(tmp_path: Path) -> None:
     assert floor_2k < recompute_2k / 2  # ~1/10 on a quiet machine: a medians-of-repeats margin for a loaded one
     assert cal["decode"]["fit"]["intercept"] > 0
     assert set(cal["tiers"]) == {"dram", "filesystem"}
+    assert cal["codecs"]["shape"] == [30, 2, 3, 256, 64] and set(cal["codecs"]["by_codec"]) == {"fp8", "k16v8",
+                                                                                                "lossless"}
+    assert "codec fp8: stores 0.531 of the raw bytes; one thread encodes" in run.stdout

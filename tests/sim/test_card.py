@@ -136,10 +136,20 @@ def test_blocks_are_shared_exactly_when_kvtier_keys_are(a, b, ns_a, ns_b, block)
     ({"documents": {"count": 3, "skew": "high"}}, "documents.skew: expected a number"),
     ({"sessions": [1, 2]}, "sessions: expected a mapping"),
     ({"tenants": True}, "card.tenants: expected an integer from 1 to 1000000"),
+    ({"lossy_kv": "maybe"}, "card.lossy_kv: expected true or false, got 'maybe'"),
+    ({"lossy_kv": 1}, "card.lossy_kv: expected true or false, got 1"),
 ])
 def test_bad_cards_name_the_field(fields, message) -> None:
     with pytest.raises(CardError, match=re.escape(message)):
         load_card(fields)
+
+
+def test_lossy_kv_is_off_unless_the_card_allows_it(tmp_path: Path) -> None:
+    assert card().lossy_kv is False and card(lossy_kv=True).lossy_kv is True
+    (tmp_path / "card.yaml").write_text("requests: 10\nlossy_kv: true\n")
+    assert load_card(tmp_path / "card.yaml").lossy_kv is True
+    # the trace is the workload's alone: allowing lossy KV changes what decide weighs, not the requests
+    assert generate(card(requests=20, lossy_kv=True), 256).trace == generate(card(requests=20), 256).trace
 
 
 def test_bad_card_files_say_why(tmp_path: Path) -> None:

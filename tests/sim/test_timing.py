@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from kvtier.sim.deployment import DeploymentError, load_deployment
+from kvtier.sim.codec_model import NONE, CodecCost, UnmeasuredCodec
+from kvtier.sim.deployment import Deployment, DeploymentError, load_deployment
 from kvtier.sim.timing import StepCosts, simulate
 from kvtier.sim.trace import Request, Trace
 
@@ -229,3 +231,96 @@ def test_admission_stores_a_prompt_at_its_second_put_and_serves_it_from_the_thir
     assert every["stored_bytes"]["dram"] == 6 * CHUNK and second["stored_bytes"]["dram"] == 6 * CHUNK
     with pytest.raises(DeploymentError, match="kvtier.store_after"):
         deployment(kvtier={**kvtier, "store_after": 17})
+
+
+# fp8 as the codec model costs it: 0.53125 of a chunk's bytes stored; encode 1 MB/s, decode 2 MB/s (raw bytes)
+FP8 = CodecCost("fp8", False, 0.53125, 1e6, 2e6)
+CODED = dataclasses.replace(COSTS, codecs={"none": NONE, "fp8": FP8})
+
+
+def coded_deployment(codec: str) -> Deployment:
+    """No prefix caching (the engine never hits), a DRAM of 2 blocks, a disk tier of 16 raw blocks' bytes."""
+    return deployment(caching=False, kvtier={"dram_bytes": 2 * 4096, "page_bytes": 4096,
+                                             "tiers": [{"name": "disk", "capacity_bytes": 16 * CHUNK,
+                                                        "codec": codec}]})
+
+
+def test_a_tier_with_fp8_holds_1_88_times_the_chunks_and_its_loads_move_fewer_bytes() -> None:
+    # 20 prompts of 2 whole blocks, then the same again last first: DRAM holds the last prompt, the disk tier (an
+    # LRU) the last 8 prompts raw (16 blocks) or the last 15 in fp8 (64,000 // 2,125 = 30 blocks).
+    prompts = [[10 * i + 1, 10 * i + 2, 10 * i + 3] for i in range(20)]
+    requests = trace(*[(10 * i, p, 9, 1) for i, p in enumerate(prompts)],
+                     *[(200 + 10 * i, p, 9, 1) for i, p in enumerate(reversed(prompts))])
+    raw, fp8 = (simulate(requests, coded_deployment(c), CODED) for c in ("none", "fp8"))
+    assert raw["loaded_tokens"] == {"dram": 8, "disk": 7 * 8} and fp8["loaded_tokens"] == {"dram": 8, "disk": 14 * 8}
+    hit_blocks = [sum(run["loaded_tokens"].values()) // B for run in (raw, fp8)]
+    assert hit_blocks == [16, 30] and hit_blocks[1] / hit_blocks[0] == pytest.approx(1.88, abs=0.01)
+    # each block loaded moves 2,125 bytes, not 4,000; the tier stores as much less
+    assert raw["loaded_bytes"]["disk"] == 14 * CHUNK and fp8["loaded_bytes"]["disk"] == 28 * 2125
+    assert fp8["stored_bytes"]["disk"] == 2125 * fp8["stored_bytes"]["dram"] // CHUNK
+    # a load: latency, the stored bytes at the tier's bandwidth, then the decode; then the last token computed
+    last = 0.1 + 0.01 + 0.001 * (1 + 2 * 8)
+    assert raw["requests"][21]["ttft_s"] == pytest.approx(0.01 + 2 * CHUNK / 5e5 + last)
+    assert fp8["requests"][21]["ttft_s"] == pytest.approx(0.01 + 2 * 2125 / 5e5 + 2 * CHUNK / 2e6 + last)
+    assert fp8["decode_s"] == pytest.approx(28 * CHUNK / 2e6) and raw["decode_s"] == 0.0
+
+
+def test_a_codec_the_calibration_did_not_measure_is_refused_naming_the_field() -> None:
+    with pytest.raises(UnmeasuredCodec, match=r"kvtier.tiers\[0\].codec: codec 'fp8' is not measured by the "
+                                              r"calibration \(measured: none\)"):
+        simulate(trace((0, [1, 2, 3], 9, 1)), coded_deployment("fp8"), COSTS)
+    with pytest.raises(DeploymentError, match=r"kvtier.tiers\[0\].codec: unknown codec 'zip'; known: fp8, k16v8, "
+                                              r"lossless, none"):
+        load_deployment({"engine": {"kv_tokens": 64}, "kvtier": {"dram_bytes": "1GiB",
+                                                                 "tiers": [{"name": "disk", "codec": "zip"}]}})
+
+
+def test_the_encode_runs_with_the_tier_writes_off_the_engine_s_path() -> None:
+    # As test_on_a_cpu_engine_the_tier_writes_take_the_engines_time, the disk tier in fp8: a CPU engine's next
+    # step also takes the encode of the 3 blocks written; a GPU engine's takes nothing, the CPU time is reported.
+    cpu = dataclasses.replace(CODED, store={"disk": 2e6}, shared_cpu=True)
+    requests = trace((0, [1, 2, 3], 12, 1), (0, [5], 4, 1))
+    first = 0.1 + 0.01 * 12 + 0.001 * 144 + 3 * CHUNK / 4e6
+    second = 0.1 + 0.01 * 4 + 0.001 * 16 + CHUNK / 4e6
+    chunked = load_deployment({"engine": {"kv_tokens": 68, "block_size": B, "max_num_batched_tokens": 12},
+                               "kvtier": {"dram_bytes": 10 * 4096, "page_bytes": 4096,
+                                          "tiers": [{"name": "disk", "codec": "fp8"}]}})
+    on_cpu = simulate(requests, chunked, cpu)
+    assert on_cpu["requests"][1]["ttft_s"] == pytest.approx(first + second + 3 * 2125 / 2e6 + 3 * CHUNK / 1e6)
+    on_gpu = simulate(requests, chunked, dataclasses.replace(cpu, shared_cpu=False))
+    assert on_gpu["requests"][1]["ttft_s"] == pytest.approx(first + second)
+    assert on_gpu["encode_cpu_s"] == on_cpu["encode_cpu_s"] == pytest.approx(4 * CHUNK / 1e6)  # both prompts'
+
+
+def test_simulate_times_a_tier_s_codec_and_refuses_one_the_calibration_did_not_measure(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    lines = (root / "benchmarks" / "validate" / "trace.jsonl").read_text().splitlines()[:20]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "d.yaml").write_text("engine: {kv_tokens: 8192}\nkvtier:\n  dram_bytes: 64MiB\n  tiers:\n"
+                                     "    - {name: filesystem, codec: fp8}\n")
+    old = root / "benchmarks" / "results" / "calibration-2026-12-01.json"
+
+    def simulate_with(calibration: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvtier.cli", "simulate", "--trace", str(tmp_path / "t.jsonl"),
+                               "--block-tokens", "256", "--deployment", str(tmp_path / "d.yaml"), "--calibration",
+                               str(calibration), "--out", str(tmp_path / "out"), "--no-plot"],
+                              capture_output=True, text=True)
+
+    run = simulate_with(old)
+    assert run.returncode == 2, run.stderr
+    assert "kvtier.tiers[0].codec: codec 'fp8' is not measured by the calibration (measured: none)" in run.stderr
+    assert not (tmp_path / "out" / "cache.json").exists()  # refused before the cache layer ran
+    measured = json.loads(old.read_text())
+    measured["codecs"] = {"by_codec": {"fp8": {"stored_over_raw": 0.53125, "encode_bytes_per_s": 3e8,
+                                               "decode_bytes_per_s": 5e8}}}
+    (tmp_path / "cal.json").write_text(json.dumps(measured))
+    run = simulate_with(tmp_path / "cal.json")
+    assert run.returncode == 0, run.stderr
+    timed = json.loads((tmp_path / "out" / "timing.json").read_text())["runs"]["kvtier"]
+    assert timed["encode_cpu_s"] > 0 and "CPU-s encoding on the writer threads" in run.stdout
+    stored_chunk = 23040 * 256 * 17 // 32  # an fp8 chunk of SmolLM2's: 0.53125 of 5,898,240 bytes
+    assert timed["stored_bytes"]["filesystem"] % stored_chunk == 0 and timed["stored_bytes"]["filesystem"] > 0

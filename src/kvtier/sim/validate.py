@@ -89,7 +89,7 @@ def compare(predicted: list[dict[str, Any]], measured: list[dict[str, Any]]) -> 
 
 def engine_config(deployment: Deployment, trace: Trace, kv_dir: Path, metrics_port: int) -> dict[str, Any]:
     """The kvtier config the real run uses: DRAM and filesystem tiers (under ``kv_dir``) as the deployment sizes
-    them."""
+    them, each with its codec."""
     kv = deployment.kvtier
     assert kv is not None
     tiers = []
@@ -98,7 +98,7 @@ def engine_config(deployment: Deployment, trace: Trace, kv_dir: Path, metrics_po
             raise KVTierError(f"kvtier.tiers: validate runs DRAM and a filesystem tier (named filesystem or "
                               f"disk) on this machine; {tier.name!r} is not one")
         tiers.append({"type": "filesystem", "name": tier.name, "path": str(kv_dir / tier.name),
-                      "capacity_bytes": tier.capacity_bytes, "queue_depth": 4096})
+                      "capacity_bytes": tier.capacity_bytes, "queue_depth": 4096, "codec": tier.codec})
     return {"chunk_tokens": trace.block_tokens, "metrics_port": metrics_port,
             "dram": {"capacity_bytes": kv.dram_bytes, "eviction": kv.policy, "page_bytes": kv.page_bytes},
             "admission": {"store_after": kv.store_after}, "tiers": tiers}

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from kvtier import frame
 
@@ -255,3 +256,29 @@ def test_a_prefix_stored_with_k16v8_on_disk_is_read_by_a_new_process_close_to_th
     assert all(frame.decode_header(f.read_bytes()).codec.name == "k16v8" for f in files)
     agreement = [sum(a == b for a, b in zip(mine, theirs)) / len(theirs) for mine, theirs in zip(got, plain)]
     assert min(agreement) >= 0.9, agreement
+
+
+def _fp8_kv_cache_on_this_cpu() -> bool:
+    """vLLM 0.32's CPU attention takes an fp8 KV cache on x86 with AVX-512 or AMX only."""
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.skipif(not _fp8_kv_cache_on_this_cpu(), reason="vLLM's CPU backend takes an fp8 KV cache only on x86 "
+                    "with AVX-512 or AMX")
+def test_an_engine_whose_kv_cache_is_fp8_stores_and_loads_it_as_it_is(model_dir: Path, tmp_path: Path) -> None:
+    """kv_cache_dtype=fp8: the connector stores the engine's own fp8 KV (no conversion: exact tokens in a new
+    process), in a namespace of its own (an engine whose KV cache is bf16 never hits it), and a tier's fp8 codec
+    stores it as it is."""
+    cfg = store_config(tmp_path)
+    cfg["tiers"][0]["codec"] = "fp8"  # (KV that is fp8 already: stored as it is)
+    plain = engine(model_dir, None, [generate("long")], kv_cache_dtype="fp8")[0]
+    first = engine(model_dir, cfg, [generate("long"), {"op": "stats"}], kv_cache_dtype="fp8")
+    second = engine(model_dir, cfg, [generate("long"), {"op": "stats"}], kv_cache_dtype="fp8")
+    assert first[0] == second[0] == plain
+    assert second[1]["filesystem"]["hit_chunks_total"] == 3 and second[1]["filesystem"]["corrupt_objects_total"] == 0
+    files = sorted((tmp_path / "kv").rglob("*.kv"))
+    headers = [frame.decode_header(f.read_bytes()) for f in files]
+    assert {h.codec.name for h in headers} == {"none"}
+    assert {h.meta.dtype for h in headers} <= {torch.float8_e4m3fn, torch.uint8}
+    bf16 = engine(model_dir, cfg, [generate("long"), {"op": "stats"}])
+    assert bf16[1]["filesystem"].get("hit_chunks_total", 0) == 0  # another namespace: nothing of the fp8 KV
