@@ -161,6 +161,18 @@ def test_paired_ttft_runs_show_each_hit_beside_vllms_own_and_their_agreement(tmp
     assert "| kvtier, s3 hit |   | missing from 1 run(s) |   | not compared |" in runs
 
 
+def test_codec_results_show_bytes_agreement_perplexity_and_speed(tmp_path: Path) -> None:
+    (tmp_path / "codecs-2026-01-02.json").write_text(json.dumps({"kind": "codecs", "codecs": {
+        "fp8": {"stored_over_raw": 0.53125, "agreement": [0.98, 1.0], "kl": [0.002, 0.004],
+                "ppl_change": [0.01, -0.03], "ppl_change_pooled": -0.004, "encode_mb_s": 380.2,
+                "decode_mb_s": 1072.0, "target_met": True},
+        "fp8, a scale per token": {"agreement": [0.97], "kl": [0.005], "ppl_change": [0.02]}}}))
+    [result] = benchmarks.latest(tmp_path)
+    text = benchmarks.section(result)
+    assert "| fp8 | 0.531 | 99.00% (min 98.00%) | 0.003 | -0.40% | -3.00% | 380 | 1.07e+03 | met |" in text
+    assert "| fp8, a scale per token |   | 97.00% (min 97.00%) | 0.005 |   | +2.00% |   |   |   |" in text
+
+
 def test_spreads_come_from_paired_runs() -> None:
     assert benchmarks.paired([2.0, 4.0], [1.0, 2.0]) == [2.0, 2.0]
     assert benchmarks.paired([2.0, 4.0], [1.0]) == []  # runs that do not pair up give no spread

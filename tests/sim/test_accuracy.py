@@ -41,7 +41,7 @@ def test_the_figures_of_a_measured_codec(tmp_path: Path) -> None:
     accuracy = load_accuracy(write(tmp_path / "codecs-2026-12-06.json", result(fp8=FP8)))
     line = describe("fp8", accuracy, 23040)
     assert line.startswith("fp8 is lossy: greedy agreement 98.1% (min 96.9%) over 3 prompt(s), perplexity +0.4% "
-                           "worst, mean KL 0.0015 nats; issue 30's target met; measured by "
+                           "worst, mean KL 0.0015 nats; the benchmark's target met; measured by "
                            "benchmarks/bench_codecs.py on the benchmark's model, KV of 23,040 bytes a token")
     assert "codecs-2026-12-06.json, 2026-12-06, Test CPU, 2 cores, commit abc1234" in line
     assert "another model" not in line

@@ -324,7 +324,7 @@ def test_decide_never_weighs_a_lossy_codec_unless_the_card_allows_lossy_kv(tmp_p
     text = print_answer(lossy)
     assert text.startswith("answer: local+fp8 (its tiers besides DRAM store chunks in fp8: lossy)")
     assert "\n  - fp8 is lossy: greedy agreement 98.1% (min 96.9%) over 3 prompt(s), perplexity +0.4% worst, mean KL " \
-           "0.0015 nats; issue 30's target met; measured by benchmarks/bench_codecs.py" in text
+           "0.0015 nats; the benchmark's target met; measured by benchmarks/bench_codecs.py" in text
     assert "codec fp8 (lossy): a tier stores 0.531 of the raw bytes (1.88x the chunks); one thread encodes 300.0 MB/s" \
         in text
     # without a file the figures are not made up

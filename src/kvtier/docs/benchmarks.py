@@ -236,12 +236,14 @@ def _codecs(d: Mapping[str, Any]) -> Table:
     rows = []
     for name, c in d.get("codecs", {}).items():
         met = c.get("target_met")
+        pooled = c.get("ppl_change_pooled")
         rows.append([name, ratio(c.get("stored_over_raw")), pct(c.get("agreement", [])),
-                     f"{statistics.fmean(c['kl']):.2g}" if c.get("kl") else "", pct(c.get("ppl_change", []), True),
+                     f"{statistics.fmean(c['kl']):.2g}" if c.get("kl") else "",
+                     "" if pooled is None else f"{pooled:+.2%}", pct(c.get("ppl_change", []), True),
                      ratio(c.get("encode_mb_s")), ratio(c.get("decode_mb_s")),
                      "" if met is None else ("met" if met else "not met")])
-    return _table(["Codec", "stored / raw", "greedy agreement", "mean KL (nats)", "perplexity change (worst)",
-                   "encode MB/s", "decode MB/s", "target"], rows)
+    return _table(["Codec", "stored / raw", "greedy agreement", "mean KL (nats)", "perplexity change",
+                   "worst prompt's", "encode MB/s", "decode MB/s", "target"], rows)
 
 
 READERS: dict[str, Reader] = {

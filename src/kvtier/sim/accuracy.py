@@ -134,7 +134,7 @@ def describe(codec: str, accuracy: Accuracy | NoAccuracy, kv_bytes_per_token: in
     if row is None:
         return f"{codec} is lossy; its accuracy is not measured ({accuracy.source} has no {codec} row)"
     worst = max(row.ppl_change, key=abs)
-    target = {True: "; issue 30's target met", False: "; issue 30's target NOT met", None: ""}[row.target_met]
+    target = {True: "; the benchmark's target met", False: "; the benchmark's target NOT met", None: ""}[row.target_met]
     line = (f"{codec} is lossy: greedy agreement {_mean(row.agreement):.1%} (min {min(row.agreement):.1%}) over "
             f"{len(row.agreement)} prompt(s), perplexity {worst:+.1%} worst, mean KL {_mean(row.kl):.4f} nats"
             f"{target}; measured by {BENCHMARK} on {_what(accuracy)}")
