@@ -192,5 +192,15 @@ def test_codec_names_in_a_config_are_checked(monkeypatch: pytest.MonkeyPatch) ->
     assert codecs.by_name("fp8", "x") is CODECS["fp8"]
 
 
+def test_without_zstandard_lossless_objects_are_refused_not_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "zstandard" else real(name, *a))
+    assert codecs.accepted(CODECS["fp8"]) == {CODECS["none"], CODECS["fp8"]}
+    monkeypatch.undo()
+    assert codecs.accepted(CODECS["fp8"]) == {CODECS["none"], CODECS["lossless"], CODECS["fp8"]}
+
+
 def test_codes_are_distinct_and_none_is_zero() -> None:
     assert codecs.NONE.code == 0 and len(codecs.BY_CODE) == len(CODECS)

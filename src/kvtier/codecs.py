@@ -26,6 +26,7 @@ finite numbers or lose.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import struct
 import threading
@@ -261,9 +262,9 @@ class _Fp8Layers(Codec):
 
 
 def group_of(head_dim: int) -> int:
-    """The channels of one token that share a scale: 32 (``bench_codecs.py`` measured per-token groups of 32 closest
-    to the model's own output on real text, ahead of a scale per token or per channel), fewer where ``head_dim``
-    is no multiple of 32."""
+    """The channels of one token that share a scale: 32, fewer where ``head_dim`` is no multiple of 32. Chosen on a
+    sweep of held-out text where it had the lowest KL; ``bench_codecs.py``'s ablations since put a scale per token
+    and finer groups within the spread between sets of prompts (docs/benchmarks.md, "Codecs")."""
     return math.gcd(head_dim, 32)
 
 
@@ -392,6 +393,26 @@ def _join_planes(planes: memoryview, dst: memoryview, itemsize: int) -> None:
     np.frombuffer(dst, dtype=np.uint8).reshape(-1, itemsize)[:] = a.T
 
 
+class UnknownCodec(Codec):
+    """The codec of an object whose code this release does not know (a later release's): never decoded; a reader
+    refuses such an object (leaving it in place) once its key and sealing have been checked."""
+
+    name = "unknown"
+    code = -1
+    exact = False
+    fixed = False
+
+    def max_len(self, shape: Shape, dtype: torch.dtype) -> int:
+        return 0
+
+    def encode(self, shape: Shape, dtype: torch.dtype, raw: Parts) -> list[memoryview]:
+        raise CodecError("an unknown codec encodes nothing")
+
+    def decode_into(self, shape: Shape, dtype: torch.dtype, coded: memoryview, out: Parts) -> None:
+        raise CodecError("an unknown codec decodes nothing")
+
+
+UNKNOWN = UnknownCodec()
 CODECS: dict[str, Codec] = {c.name: c for c in (NoCodec(), Fp8(), K16V8(), Lossless())}
 BY_CODE: dict[int, Codec] = {c.code: c for c in CODECS.values()}
 NONE = CODECS["none"]
@@ -414,5 +435,11 @@ def by_name(name: object, field: str) -> Codec:
 
 
 def accepted(own: Codec, listed: Iterable[Codec] = ()) -> frozenset[Codec]:
-    """What a tier's reads accept: the exact codecs, its own, and those its config lists (``accept_codecs``)."""
-    return frozenset({c for c in CODECS.values() if c.exact} | {own, *listed})
+    """What a tier's reads accept: the exact codecs this installation can decode (lossless needs zstandard: without
+    it, lossless objects are refused, left for engines that have it), its own, and those its config lists
+    (``accept_codecs``; a config naming a codec checks its package: :func:`by_name`)."""
+    return frozenset({c for c in CODECS.values() if c.exact and _installed(c)} | {own, *listed})
+
+
+def _installed(codec: Codec) -> bool:
+    return codec.requires is None or importlib.util.find_spec(codec.requires[0]) is not None

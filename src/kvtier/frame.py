@@ -204,11 +204,10 @@ def decode_header(data: bytes | memoryview) -> Header:
         raise FrameError(str(exc)) from exc
     key = ShardKey(ns.hex(), chunk.hex(), heads)
     meta = ShardMeta(layers, tokens, head_dim, _DTYPES[dtype_code], heads)
-    codec = codecs.BY_CODE.get(codec_code)
-    if codec is None:  # (a later kvtier's codec, its header intact: left in place for the engines that know it)
-        raise RefusedCodec(f"unknown codec code {codec_code}; known: "
-                           f"{', '.join(f'{c.code} ({c.name})' for c in codecs.BY_CODE.values())}")
-    if not codec.valid_len(meta.shape, meta.dtype, payload_len):
+    # A code this release does not know (a later kvtier's, its header intact): refused by verify once the key and
+    # the sealing are checked, and left in place for the engines that know it.
+    codec = codecs.BY_CODE.get(codec_code, codecs.UNKNOWN)
+    if codec is not codecs.UNKNOWN and not codec.valid_len(meta.shape, meta.dtype, payload_len):
         raise FrameError(f"payload length {payload_len} does not fit shape {meta.shape} with codec {codec.name}")
     return Header(key, meta, payload_len, payload_sum, created, sealing, codec)
 
@@ -260,6 +259,9 @@ def verify(header: bytes | memoryview, payload: Sequence[memoryview], expected: 
         raise FrameError("a plain object where encryption is on (only sealed objects are read)")
     if parsed.sealing is not None and opener is None:
         raise UnknownKey("sealed, and this store has no encryption key")
+    if parsed.codec is codecs.UNKNOWN:
+        raise RefusedCodec(f"stored with a codec this release does not know; known: "
+                           f"{', '.join(f'{c.code} ({c.name})' for c in codecs.BY_CODE.values())}")
     if accepts is not None and parsed.codec not in accepts:
         raise RefusedCodec(f"stored with codec {parsed.codec.name}; this tier's reads accept "
                            f"{', '.join(sorted(c.name for c in accepts))}")

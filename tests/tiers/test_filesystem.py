@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,23 @@ def open_tier(path: Path, **options: object) -> FilesystemTier:
     tier = FilesystemTier.from_config("fs", {"path": str(path), **options}, "tiers[0]")
     assert isinstance(tier, FilesystemTier)
     return tier
+
+
+def test_reading_a_header_is_not_a_use(tmp_path: Path) -> None:
+    """``kvtier cache ls --codecs`` reads each header: the LRU order (the index's, and the files' times a restart
+    finds) stays as it was; a get records its use."""
+    tier = open_tier(tmp_path / "fs")
+    try:
+        tier.put(key(1), [b"h" * 200])
+        (path,) = list((tmp_path / "fs").rglob("*.kv"))
+        os.utime(path, (1_000_000, 1_000_000))
+        before = next(o.last_used for o in tier.list())
+        assert tier.head(key(1), 96) == b"h" * 96
+        assert path.stat().st_mtime == 1_000_000 and next(o.last_used for o in tier.list()) == before
+        tier.get(key(1))
+        assert path.stat().st_mtime > 1_000_000
+    finally:
+        tier.close()
 
 
 class TestFilesystemConformance(TierConformance):

@@ -4,6 +4,7 @@ the caller's thread or a reading thread of the store's process."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,8 @@ from kvtier.metrics import StoreMetrics
 from kvtier.store.guard import GuardedTier
 from kvtier.store.plan import Fetched
 from kvtier.tiers.base import Ranges
+
+log = logging.getLogger("kvtier.store")
 
 
 def raised(got: bytes | Exception | None) -> bytes | None:
@@ -87,7 +90,8 @@ class ShardReads:
         An object larger than any codec this tier accepts stores the shard in is corrupt, never read."""
         meta = entry.meta
         most = self.header_len + max(c.max_len(meta.shape, meta.dtype) for c in guard.accepts)
-        want = self.header_len + guard.codec.max_len(meta.shape, meta.dtype) if size is None else size
+        own = guard.codec if guard.codec.applies(meta.dtype) else codecs.NONE  # (what the tier stored it as)
+        want = self.header_len + own.max_len(meta.shape, meta.dtype) if size is None else size
         if not self.header_len < want <= most:
             raise frame.FrameError(f"{key.name} is {want} bytes; this tier's codecs store its shard in "
                                    f"{self.header_len + 1} to {most}")
@@ -96,7 +100,9 @@ class ShardReads:
             head = guard.tier.get_into(key, self.header_len, [buf])
         except WrongSize as exc:
             if not again or (size is not None and exc.size == size):
-                raise frame.FrameError(f"{key.name} changed size while it was read: {exc}") from exc
+                # Replaced between two reads (another writer, another codec): a miss, not a bad object to remove.
+                log.debug("tier %s: %s changed size while it was read (%s): a miss", guard.name, key.name, exc)
+                return None
             return self._coded(guard, key, entry, exc.size, again=False)
         if head is None:
             return None

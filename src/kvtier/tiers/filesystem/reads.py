@@ -105,8 +105,9 @@ def ranges(tier: str, key: ShardKey, header_len: int, payload_len: int) -> Reade
     return opened
 
 
-def read_shard(disk: Layout, key: ShardKey, indexed: int, read: Reader[_T]) -> _T | None:
-    """``read`` on ``key``'s file; None when it is not there, or not a file we read (then removed)."""
+def read_shard(disk: Layout, key: ShardKey, indexed: int, read: Reader[_T], use: bool = True) -> _T | None:
+    """``read`` on ``key``'s file; None when it is not there, or not a file we read (then removed). ``use``: its
+    time of last use is set to now (the LRU order a restart finds)."""
     sub_fd = disk.open_sub(key.namespace, key.chunk[:2], create=False)
     if sub_fd is None:
         return None
@@ -116,7 +117,8 @@ def read_shard(disk: Layout, key: ShardKey, indexed: int, read: Reader[_T]) -> _
         try:
             data = read(fd, st, indexed)
             try:
-                os.utime(fd)  # record the use: LRU order survives a restart
+                if use:
+                    os.utime(fd)  # record the use: LRU order survives a restart
             except OSError:
                 pass  # e.g. a read-only filesystem: still a good read, only the order is not saved
         finally:

@@ -181,7 +181,8 @@ class FilesystemTier(Tier):
         return self._get(key, reads.whole)
 
     def head(self, key: ShardKey, nbytes: int) -> bytes | None:
-        return self._get(key, reads.head(nbytes))
+        """Not a use: a look at the headers (``kvtier cache ls --codecs``) leaves the LRU order as it was."""
+        return self._get(key, reads.head(nbytes), use=False)
 
     def get_into(self, key: ShardKey, header_len: int, payload: Sequence[memoryview]) -> bytes | None:
         """One ``readv`` into a small header buffer and the caller's payload buffers (e.g. DRAM pages): no read
@@ -193,16 +194,16 @@ class FilesystemTier(Tier):
         pieces: a load that copies each layer as it is read (its use is recorded now, as a read's is)."""
         return self._get(key, reads.ranges(self.name, key, header_len, payload_len))
 
-    def _get(self, key: ShardKey, read: reads.Reader[_T]) -> _T | None:
+    def _get(self, key: ShardKey, read: reads.Reader[_T], use: bool = True) -> _T | None:
         """``read(fd, its status, the size indexed)`` on the key's file, or None when it is not there (dropped
-        from the index) or not a file we read (removed)."""
+        from the index) or not a file we read (removed); recorded as a use of it unless ``use`` is false."""
         now = time.time()
         with self._lock:
             if self._live_locked(key, now) is None:
                 return None
-            indexed = self._index.used_now(key, now)
+            indexed = self._index.used_now(key, now) if use else self._index.size_of(key)
         try:
-            data = reads.read_shard(self._disk, key, indexed, read)
+            data = reads.read_shard(self._disk, key, indexed, read, use)
         except OSError as exc:
             raise TierError(f"{self.name}: cannot read {key.name}: {reason(exc)}") from exc
         if data is None:
