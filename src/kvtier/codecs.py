@@ -2,7 +2,8 @@
 
 A codec turns a canonical shard ``[layers, 2 (K, V), heads, tokens, head_dim]`` into the bytes a tier stores and
 back. It moves bytes and decides nothing; the cascade writers encode (on their own threads), the reading threads
-decode straight into the DRAM entry reserved for the shard, a layer at a time, so no full-size buffer is ever made.
+decode straight into the DRAM entry reserved for the shard, a layer at a time (a read that has no entry, its
+shape not yet known or DRAM full, decodes into a buffer of its own).
 
 ========  =====  =====================================================================================================
 name      exact  stored payload, layer after layer

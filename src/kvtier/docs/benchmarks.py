@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtier import results as result_files
 from kvtier.docs import _markdown as md
 
-_NAME = re.compile(r"^(?P<kind>.+?)-(?P<date>\d{4}-\d{2}-\d{2})(?P<variant>-.+)?\.json$")
 Row = list[str]
 
 
@@ -49,13 +48,8 @@ class Result:
 
 
 def latest(results: Path) -> list[Result]:
-    """The latest file of each kind under ``results``, by kind."""
-    kinds: dict[str, list[tuple[str, bool, str, Path]]] = {}
-    for path in sorted(results.glob("*.json")):
-        match = _NAME.match(path.name)
-        if match:
-            kinds.setdefault(match["kind"], []).append((match["date"], match["variant"] is None, path.name, path))
-    return [Result(kind, max(files)[3], max(files)[0], len(files) - 1) for kind, files in sorted(kinds.items())]
+    """The latest file of each kind under ``results``, by kind (:func:`kvtier.results.latest`)."""
+    return [Result(f.kind, f.path, f.date, f.others) for f in result_files.latest(results).values()]
 
 
 def ratio(value: float | None) -> str:

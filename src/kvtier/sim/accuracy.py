@@ -4,7 +4,7 @@ show beside an answer that stores KV lossily.
 The figures come from a ``codecs-DATE.json`` result file: ``kvtier decide --accuracy FILE``, else the latest under
 ``benchmarks/results/`` of the current directory (as ``python -m kvtier.docs`` reads that directory): the latest
 date and, of those, the plain ``codecs-DATE.json``, else the last by name (the rule of
-:func:`kvtier.docs.benchmarks.latest`, which the simulator's layer may not import). Nothing is invented: with no
+:func:`kvtier.results.latest`, which the benchmark reference follows too). Nothing is invented: with no
 file, or a file without the codec, the accuracy reads "not measured". A file measured on another model's KV (its
 ``bytes_per_token`` differs from the calibration's) is shown with that said.
 """
@@ -14,15 +14,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtier import results as result_files
 from kvtier.errors import KVTierError
 
 RESULTS = Path("benchmarks") / "results"
-_NAME = re.compile(r"^codecs-(?P<date>\d{4}-\d{2}-\d{2})(?P<variant>-.+)?\.json$")
 BENCHMARK = "benchmarks/bench_codecs.py"
 
 
@@ -62,10 +61,9 @@ class NoAccuracy:
 
 
 def latest(results: Path) -> Path | None:
-    """The latest ``codecs-*.json`` under ``results`` (see the module docstring), or None."""
-    found = [(m["date"], m["variant"] is None, path.name, path) for path in sorted(results.glob("codecs-*.json"))
-             if (m := _NAME.match(path.name))]
-    return max(found)[3] if found else None
+    """The latest ``codecs-*.json`` under ``results`` (:func:`kvtier.results.latest`), or None."""
+    found = result_files.latest(results).get("codecs")
+    return None if found is None else found.path
 
 
 def find_accuracy(path: Path | None, results: Path = RESULTS) -> Accuracy | NoAccuracy:
