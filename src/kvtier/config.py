@@ -113,6 +113,7 @@ class TierSpec:
     options: Mapping[str, object]
     queue_depth: int = 64
     queue_bytes: int = 512 * 2**20
+    handoff_queue_bytes: int = 256 * 2**20
     workers: int = 1
     retry_seconds: float = 1.0
     codec: codecs.Codec = codecs.NONE
@@ -132,6 +133,10 @@ class _TierCommon:
         "help": "cascade writes waiting for this tier; beyond it writes are dropped and counted"})
     queue_bytes: int = dataclasses.field(default=512 * 2**20, metadata={
         "help": "the DRAM bytes the waiting writes may pin (one write always fits)"})
+    handoff_queue_bytes: int = dataclasses.field(default=256 * 2**20, metadata={
+        "help": "the DRAM bytes waiting handoff writes may pin besides (a disaggregated prefill's KV, which a "
+                "decode engine waits for: written first, never dropped for queue_depth or queue_bytes; past "
+                "this, dropped and counted as handoff_budget)"})
     workers: int = dataclasses.field(default=1, metadata={"help": "threads writing to this tier (1-64)"})
     retry_seconds: float = dataclasses.field(default=1.0, metadata={
         "help": "after a failed call the tier rests this long (reads miss, writes drop), doubling up to 30 s"})
@@ -149,8 +154,9 @@ class _TierCommon:
     def check(self, field: str) -> None:
         if not 1 <= self.queue_depth <= _MAX_QUEUE_DEPTH:
             raise ConfigError(f"{field}.queue_depth: must be in [1, {_MAX_QUEUE_DEPTH}], got {self.queue_depth}")
-        if self.queue_bytes < 1:
-            raise ConfigError(f"{field}.queue_bytes: must be positive, got {self.queue_bytes}")
+        for name in ("queue_bytes", "handoff_queue_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{field}.{name}: must be positive, got {getattr(self, name)}")
         if not 1 <= self.workers <= _MAX_WORKERS:
             raise ConfigError(f"{field}.workers: must be in [1, {_MAX_WORKERS}], got {self.workers}")
         if self.retry_seconds < 0:
@@ -217,7 +223,8 @@ def _parse_tier(raw: object, index: int, seen: set[str]) -> TierSpec:
     seen.add(name)
     options = {k: v for k, v in raw.items() if k not in common_keys | {"type"}}
     return TierSpec(type=raw["type"], name=name, options=options, queue_depth=common.queue_depth,
-                    queue_bytes=common.queue_bytes, workers=common.workers, retry_seconds=common.retry_seconds,
+                    queue_bytes=common.queue_bytes, handoff_queue_bytes=common.handoff_queue_bytes,
+                    workers=common.workers, retry_seconds=common.retry_seconds,
                     codec=codec, accept_codecs=accept)
 
 

@@ -99,7 +99,7 @@ class StoreMetrics:
                 family.labels(tier)
             for form in ("raw", "stored"):
                 self.codec_bytes.labels(tier, form)
-            for reason in ("queue_full", "tier_unavailable", "not_encodable"):
+            for reason in ("queue_full", "handoff_budget", "tier_unavailable", "not_encodable"):
                 self.dropped.labels(tier, reason)
             self.placement_withheld.labels(tier)
             for what in ("reads", "writes"):

@@ -40,7 +40,8 @@ class RouterApp:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.metrics.declare([e.name for e in config.engines], [e.name for e in config.engines if e.kv_events])
+        self.metrics.declare([e.name for e in config.engines], [e.name for e in config.engines if e.kv_events],
+                             [e.name for e in config.engines if e.role == "prefill"])
         self.index = PrefixIndex(config.block_size, config.events.max_engine_blocks)
         self.router = Router(config, self.index)
         self.engines = Engines(config, self.metrics, self.index, self.router)  # (reads the engines' key first)

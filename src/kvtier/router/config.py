@@ -25,6 +25,7 @@ from kvtier.config import FieldReader, build_dataclass, check_otlp_endpoint, che
 from kvtier.errors import ConfigError
 
 Policy = Literal["cache_aware", "round_robin", "session"]
+Role = Literal["both", "prefill", "decode"]
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _ZMQ = re.compile(r"(tcp|ipc|inproc)://.+")
 # What the router may bind an engine's events on: addresses only this host reaches (see EngineConfig.check)
@@ -46,6 +47,9 @@ class EngineConfig:
         "help": "the router binds kv_events (loopback or ipc only) and the engine connects to it"})
     weight: float = dataclasses.field(default=1.0, metadata={
         "help": "over 1: a faster engine; until calibrated, its prefill is taken as this much faster"})
+    role: Role = dataclasses.field(default="both", metadata={
+        "help": "both: serves whole requests; prefill: computes prompts for decode engines (disaggregated "
+                "prefill, docs/pd.md); decode: serves requests, loading prompts a prefill engine computed"})
 
     def check(self, field: str) -> None:
         if not _NAME.fullmatch(self.name):
@@ -204,6 +208,30 @@ class Costs:
 
 
 @dataclasses.dataclass(frozen=True)
+class PDConfig:
+    """Disaggregated prefill and decode (engines with a ``role``; docs/pd.md)."""
+
+    local_tokens: int = dataclasses.field(default=512, metadata={
+        "help": "a request its decode engine would compute fewer uncached tokens of than this is served there "
+                "whole (multi-turn follow-ups stay local); from this many on a prefill engine computes the prompt"})
+    wait_s: float = dataclasses.field(default=2.0, metadata={
+        "help": "seconds a decode engine waits for the KV a prefill engine stored to be visible in a tier "
+                "before it computes what is missing"})
+    prefill_timeout_s: float = dataclasses.field(default=120.0, metadata={
+        "help": "seconds for a prefill engine's whole answer; past it the next prefill engine is tried, then the "
+                "decode engine serves the request whole"})
+
+    def check(self, field: str) -> None:
+        if not 0 <= self.local_tokens <= 2**31:
+            raise ConfigError(f"{field}.local_tokens: must be in [0, 2**31], got {self.local_tokens}")
+        if not 0 <= self.wait_s <= 60:
+            raise ConfigError(f"{field}.wait_s: must be in [0, 60] seconds, got {self.wait_s}")
+        if not 0.1 <= self.prefill_timeout_s <= 3600:
+            raise ConfigError(f"{field}.prefill_timeout_s: must be in [0.1, 3600] seconds, got "
+                              f"{self.prefill_timeout_s}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RouterConfig:
     engines: tuple[EngineConfig, ...] = dataclasses.field(metadata={
         "help": "the fleet's vLLM API servers, each a mapping (below)", "yaml": "list of mappings"})
@@ -223,6 +251,8 @@ class RouterConfig:
     limits: Limits = dataclasses.field(default=Limits(), metadata={"help": "what one client can make it hold"})
     events: EventLimits = dataclasses.field(default=EventLimits(), metadata={
         "help": "what one engine's KV events can make it hold"})
+    pd: PDConfig = dataclasses.field(default=PDConfig(), metadata={
+        "help": "disaggregated prefill and decode, for engines with role prefill or decode"})
     admin_listen: str | None = dataclasses.field(default=None, metadata={
         "help": "host:port of a second listener for /metrics and /health's per-engine detail (null: both on the "
                 "client listener)"})
@@ -269,13 +299,14 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
     costs = build_dataclass(Costs, raw.pop("costs", {}) or {}, "costs")
     limits = build_dataclass(Limits, raw.pop("limits", {}) or {}, "limits")
     events = build_dataclass(EventLimits, raw.pop("events", {}) or {}, "events")
+    pd = build_dataclass(PDConfig, raw.pop("pd", {}) or {}, "pd")
     raw.setdefault("tokenizer", None)
     if not isinstance(raw["tokenizer"], str) or not raw["tokenizer"]:
         raise ConfigError("tokenizer: required, the engines' model directory (its tokenizer and chat template)")
     hints, reader = typing.get_type_hints(RouterConfig), FieldReader()
     scalars: dict[str, Any] = {name: reader.typed(hints[name], value, name, size=False) for name, value in raw.items()}
     config = RouterConfig(engines=engines, host=host.strip("[]"), port=int(port), timeouts=timeouts, costs=costs,
-                          limits=limits, events=events, **scalars)
+                          limits=limits, events=events, pd=pd, **scalars)
     if not 1 <= config.block_size <= 4096:
         raise ConfigError(f"block_size: must be the engines' --block-size, in [1, 4096], got {config.block_size}")
     if not 0 <= config.retries <= 16:
@@ -289,7 +320,21 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
     if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", config.session_header):
         raise ConfigError(f"session_header: an HTTP header name, got {config.session_header!r}")
     _check_admin(config.admin_listen, config.engine_api_key)
+    _check_roles(config)
     return config
+
+
+def _check_roles(config: RouterConfig) -> None:
+    """Prefill engines need an engine that decodes; P/D needs the cache-aware policy (which predicts the
+    decode engine's cost of loading a prefix)."""
+    roles = [e.role for e in config.engines]
+    if "prefill" not in roles:
+        return
+    if all(role == "prefill" for role in roles):
+        raise ConfigError("engines: every engine has role prefill; give at least one role decode or both (the "
+                          "engines that answer clients)")
+    if config.policy != "cache_aware":
+        raise ConfigError(f"policy: engines with role prefill need policy cache_aware, got {config.policy!r}")
 
 
 def _check_admin(admin_listen: str | None, engine_api_key: str | None) -> None:

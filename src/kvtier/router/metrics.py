@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30)
+PD_OUTCOMES = ("handoff", "local", "no_prefill_engine", "prefill_failed", "nothing_stored")
+PD_PREFILL_CAUSES = ("http_error", "timeout", "disconnected", "no_params", "bad_answer")
 
 
 class RouterMetrics:
@@ -76,12 +79,31 @@ class RouterMetrics:
         self.unpredicted = Counter("kvtier_router_unpredicted_requests", "Requests routed without a cache "
                                    "prediction, by why (unreadable, too_long, failed, busy: every worker was busy)",
                                    ["kind"], registry=r)
+        self.pd_requests = Counter("kvtier_router_pd_requests", "Requests the P/D policy considered, by outcome "
+                                   "(handoff: prefilled elsewhere; local: served whole by the engine answering, "
+                                   "its uncached tokens under pd.local_tokens; no_prefill_engine; prefill_failed: "
+                                   "every prefill engine tried failed, served whole; nothing_stored: the prefill "
+                                   "engine stored nothing, served whole)",
+                                   ["outcome"], registry=r)
+        self.pd_prefill_seconds = Histogram("kvtier_router_pd_prefill_seconds", "A prefill hop's time, from its "
+                                            "request to the prefill engine's whole answer", ["engine"], registry=r,
+                                            buckets=_TTFT_BUCKETS)
+        self.pd_prefill_failures = Counter("kvtier_router_pd_prefill_failures", "Prefill hops that failed, by "
+                                           "engine and cause (the next prefill engine is tried, then the request "
+                                           "is served whole)", ["engine", "cause"], registry=r)
         self.prompt_queue = Gauge("kvtier_router_prompt_work", "Requests being parsed, tokenized and keyed or "
                                   "waiting for a worker", registry=r)
 
-    def declare(self, engines: list[str], evented: list[str]) -> None:
+    def declare(self, engines: list[str], evented: list[str], prefill: Sequence[str] = ()) -> None:
         """Create the per-engine series of fixed label sets at 0, so dashboards and alerts have a series (a rate of
-        0) before the first event; ``evented``: the engines whose KV events the router follows."""
+        0) before the first event; ``evented``: the engines whose KV events the router follows; ``prefill``: the
+        prefill engines (disaggregated prefill and decode)."""
+        for name in prefill:
+            for cause in PD_PREFILL_CAUSES:
+                self.pd_prefill_failures.labels(name, cause)
+        if prefill:
+            for outcome in PD_OUTCOMES:
+                self.pd_requests.labels(outcome)
         for name in engines:
             for family in (self.retries, self.client_aborts, self.healthy, self.in_flight, self.index_blocks):
                 family.labels(name)

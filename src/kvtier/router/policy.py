@@ -12,7 +12,14 @@ engines' own prefill counters and from the first bytes the router sees: each upd
 the engine's last samples (its first calibration waits for a few), so one odd sample moves nothing far. A prompt
 the engine reads nothing of from its cache (:attr:`Prompt.uncached`) is predicted to compute every token.
 
-Nothing here does I/O: the proxy calls :meth:`Router.decide`, then :meth:`Router.started` /
+With engines of role ``prefill`` (disaggregated prefill and decode, docs/pd.md), :meth:`Router.plan` picks the
+engine that answers first, among those of role ``decode`` or ``both``: by its wait and the cost of loading the
+prompt, what it holds from where it sits and the rest from the shared tier once a prefill engine stored it. A
+prompt that engine would compute fewer than ``pd.local_tokens`` tokens of is served there whole (a follow-up
+turn stays local); a longer one is first prefilled on a prefill engine, picked by the same predicted time as
+any request, its blocks reserved there at once (so a burst sharing a new prefix goes to the same one).
+
+Nothing here does I/O: the proxy calls :meth:`Router.plan`, then :meth:`Router.started` /
 :meth:`Router.first_byte` / :meth:`Router.finished` as the request goes.
 """
 
@@ -74,9 +81,19 @@ class RouteDecision:
     decoding: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where a request goes: ``serve``, the engines that may answer it, in the order to try them; ``prefill``,
+    the prefill engines to compute its prompt first, in order (empty: served whole)."""
+
+    serve: list[RouteDecision]
+    prefill: list[RouteDecision] = dataclasses.field(default_factory=list)
+
+
 class EngineState:
-    def __init__(self, name: str, costs: Costs, weight: float) -> None:
+    def __init__(self, name: str, costs: Costs, weight: float, role: str = "both") -> None:
         self.name = name
+        self.role = role
         self.weight = weight
         self.healthy = False
         self.prefill_s_per_token = 1 / costs.prefill_tokens_per_s / weight
@@ -123,12 +140,40 @@ class Router:
     def __init__(self, config: RouterConfig, index: PrefixIndex) -> None:
         self.config = config
         self.index = index
-        self.engines = {e.name: EngineState(e.name, config.costs, e.weight) for e in config.engines}
+        self.engines = {e.name: EngineState(e.name, config.costs, e.weight, e.role) for e in config.engines}
+        self.disaggregated = any(e.role == "prefill" for e in config.engines)
         self._next = itertools.count()
         self._ids = itertools.count()
 
     def healthy(self) -> list[str]:
         return [name for name, e in self.engines.items() if e.healthy]
+
+    def answering(self) -> list[str]:
+        """The healthy engines that answer clients (every role but prefill)."""
+        return [name for name, e in self.engines.items() if e.healthy and e.role != "prefill"]
+
+    def plan(self, prompt: Prompt | None, session: str | None = None, keys: Sequence[bytes] | None = None) -> Plan:
+        """Where a request goes (:class:`Plan`); ``serve`` is empty when no engine that answers is healthy."""
+        serve = self.decide(prompt, session, keys, self.answering())
+        prefills = [n for n in self.healthy() if self.engines[n].role == "prefill"]
+        if not serve or not prefills or prompt is None or serve[0].uncached < self.config.pd.local_tokens:
+            return Plan(serve)
+        if keys is None:
+            keys = self.keys(prompt)
+        n_tokens = len(prompt.tokens)
+        cap = max(0, (n_tokens - 1) // self.config.block_size * self.config.block_size)
+        rate = self.config.costs.shared_tokens_per_s
+        handed: list[RouteDecision] = []
+        for d in serve:  # each engine's cost with the prompt computed elsewhere, loaded from the shared tier
+            load_s = d.load_s + max(0, cap - d.predicted_cached) / rate
+            engine = self.engines[d.engine]
+            seconds = d.wait_s + engine.base_s + (n_tokens - cap) * self.prefill_rate(engine) + load_s
+            handed.append(dataclasses.replace(d, reason="pd", predicted_cached=max(cap, d.predicted_cached),
+                                              predicted_s=seconds, uncached=n_tokens - max(cap, d.predicted_cached),
+                                              load_s=load_s))
+        handed.sort(key=lambda d: (round(d.predicted_s, 4), len(self.engines[d.engine].flights)))
+        handed = [dataclasses.replace(d, reason="pd" if i == 0 else "retry") for i, d in enumerate(handed)]
+        return Plan(handed, self.decide(prompt, None, keys, prefills))
 
     def keys(self, prompt: Prompt) -> list[bytes]:
         """The prompt's block keys: none when its tokens are not the engine's (it cannot be keyed)."""
@@ -138,10 +183,10 @@ class Router:
                             cache_salt=prompt.cache_salt)
 
     def decide(self, prompt: Prompt | None, session: str | None = None,
-               keys: Sequence[bytes] | None = None) -> list[RouteDecision]:
-        """Healthy engines in the order to try them; empty when none is healthy. ``keys``: the prompt's block
-        keys, when the caller has them already."""
-        names = self.healthy()
+               keys: Sequence[bytes] | None = None, names: list[str] | None = None) -> list[RouteDecision]:
+        """Healthy engines (of ``names``, default all) in the order to try them; empty when none is healthy.
+        ``keys``: the prompt's block keys, when the caller has them already."""
+        names = self.healthy() if names is None else names
         if not names:
             return []
         if keys is None:

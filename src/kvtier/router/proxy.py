@@ -26,8 +26,9 @@ from kvtier.router.config import RouterConfig
 from kvtier.router.engines import Engines
 from kvtier.router.guards import (BodyBudget, BodyTooLarge, BudgetSpent, Charge, PoolFull, WorkerPool, read_body,
                                   timeout)
+from kvtier.router.handoff import Prefills
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.policy import RouteDecision, Router
+from kvtier.router.policy import Plan, RouteDecision, Router
 from kvtier.router.reading import Read, Reader, Unreadable
 from kvtier.router.wire import EventCutter, error_reply, forwarded, reply_headers, sse_error
 
@@ -57,6 +58,7 @@ class Proxy:
         self.reader = reader
         self.pool = pool
         self.bodies = bodies
+        self.prefills = Prefills(config, metrics, router, engines)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """:meth:`_route` in a span continuing the client's trace (its ``traceparent``), when tracing is on."""
@@ -117,13 +119,25 @@ class Proxy:
         read = await self._read(request, charge)
         if isinstance(read, web.Response):
             return read
-        raw, prompt, keys, stream = read.raw, read.prompt, read.keys, read.stream
+        raw, prompt, keys, stream, pd = read.raw, read.prompt, read.keys, read.stream, read.pd
         del read
+        session = request.headers.get(self.config.session_header)
         with tracing.span("kvtier.router.decision", request_id=request_id,
                           prompt_tokens=None if prompt is None else len(prompt.tokens)) as span:
-            decisions = self.router.decide(prompt, request.headers.get(self.config.session_header), keys)
+            plan = self.router.plan(prompt, session, keys)
             if span is not None:
-                _describe(span, decisions)
+                _describe(span, plan.serve)
+                span.set_attribute("prefill_candidates", [d.engine for d in plan.prefill])
+        if plan.prefill and pd is not None:  # disaggregated: a prefill engine computes the prompt first
+            promise = await self.prefills.run(pd, request.path_qs, headers, plan.prefill, keys)
+            if promise is not None:
+                raw = pd.decode(promise, self.config.pd.wait_s)
+            else:  # served whole, by the engines that answer, as any request would be
+                plan = Plan(self.router.decide(prompt, session, keys, self.router.answering()))
+        elif self.router.disaggregated and prompt is not None:
+            prefilling = any(self.router.engines[n].role == "prefill" for n in self.router.healthy())
+            self.metrics.pd_requests.labels("local" if prefilling else "no_prefill_engine").inc()
+        decisions = plan.serve
         if not decisions:
             return error_reply(503, "no engine is healthy", "no_healthy_engine", retry_after=True)
         if log.isEnabledFor(logging.DEBUG):

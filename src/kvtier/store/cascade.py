@@ -3,11 +3,14 @@
 
 Runs worker threads in the store's process. The caller's thread only enqueues: the queue is bounded, and a
 full queue drops the write (counted), never blocks. Workers write from zero-copy views of the DRAM pool; the
-entry stays pinned (not evictable) from enqueue until its write ends.
+entry stays pinned (not evictable) from enqueue until its write ends. A handoff (a disaggregated prefill's KV,
+which a decode engine waits for) is written before every ordinary write queued, within a budget of bytes of its
+own: ordinary writes never crowd it out.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -21,6 +24,7 @@ from kvtier.metrics import StoreMetrics
 from kvtier.store.guard import GuardedTier
 
 _STOP = None
+_HANDOFF, _ORDINARY, _LAST = 0, 1, 2  # queue priorities: handoffs first; a stop after every write
 # What seals an object (kvtier.sealing.Sealer.seal): its key, shape, payload (as its codec stores it), creation time
 # and codec in, the object's parts (header, ciphertext) out.
 Seal = Callable[[ShardKey, frame.ShardMeta, list[memoryview], float | None, codecs.Codec], list[memoryview | bytes]]
@@ -30,7 +34,8 @@ class CascadeWriter:
     """A bounded queue and worker threads feeding one tier.
 
     The queue is bounded twice: by entries (``queue_depth``) and by the bytes they pin in DRAM (``queue_bytes``),
-    so a slow tier never holds more than that much of the pool.
+    so a slow tier never holds more than that much of the pool; handoffs by their bytes alone
+    (``handoff_queue_bytes``).
     """
 
     def __init__(self, guard: GuardedTier, pool: DramPool, metrics: StoreMetrics, spec: TierSpec,
@@ -41,10 +46,17 @@ class CascadeWriter:
         self._on_stored = on_stored  # told of every shard the tier holds after a write (or held already)
         self._pool = pool
         self._metrics = metrics
-        # Each write with the trace context that queued it (None when tracing is off): its span joins that trace.
-        self._queue: queue.Queue[tuple[DramEntry, object] | None] = queue.Queue(maxsize=spec.queue_depth)
+        # (priority, order, write): each write with the trace context that queued it (None when tracing is off: its
+        # span joins that trace) and whether it is a handoff; bounded here, by submit
+        self._queue: queue.PriorityQueue[tuple[int, int, tuple[DramEntry, object, bool] | None]] = \
+            queue.PriorityQueue()
+        self._order = itertools.count()
+        self._max_depth = spec.queue_depth
         self._max_bytes = spec.queue_bytes
-        self._bytes = 0  # payload bytes of the entries queued or being written
+        self._max_handoff = spec.handoff_queue_bytes
+        self._depth = 0  # ordinary entries queued or being written
+        self._bytes = 0  # payload bytes of the ordinary entries queued or being written
+        self._handoff_bytes = 0  # and of the handoffs
         self._bytes_lock = threading.Lock()
         self._present = metrics.present_writes.labels(guard.name)
         self._closed = False
@@ -56,27 +68,31 @@ class CascadeWriter:
 
     @property
     def queued_bytes(self) -> int:
-        return self._bytes
+        return self._bytes + self._handoff_bytes
 
-    def submit(self, entry: DramEntry) -> bool:
-        """Queue ``entry`` (pinned once on this writer's behalf); False when the queue was full."""
+    def submit(self, entry: DramEntry, handoff: bool = False) -> bool:
+        """Queue ``entry`` (pinned once on this writer's behalf); False when the queue was full (for a handoff:
+        its budget spent)."""
         size = entry.meta.nbytes
         if self._closed:  # no worker would ever take it: the pin would never be released
             self._pool.release(entry)
             return False
         with self._bytes_lock:
-            fits = self._bytes + size <= self._max_bytes or self._bytes == 0  # one entry always fits
-            if fits:
-                self._bytes += size
+            if handoff:  # one handoff always fits
+                fits = self._handoff_bytes + size <= self._max_handoff or self._handoff_bytes == 0
+                if fits:
+                    self._handoff_bytes += size
+            else:  # one entry always fits
+                fits = self._depth < self._max_depth and (self._bytes + size <= self._max_bytes or self._bytes == 0)
+                if fits:
+                    self._bytes += size
+                    self._depth += 1
         if fits:
-            try:
-                self._queue.put_nowait((entry, tracing.current()))
-                return True
-            except queue.Full:
-                with self._bytes_lock:
-                    self._bytes -= size
+            self._queue.put_nowait((_HANDOFF if handoff else _ORDINARY, next(self._order),
+                                    (entry, tracing.current(), handoff)))
+            return True
         self._pool.release(entry)
-        self._metrics.dropped.labels(self.tier.name, "queue_full").inc()
+        self._metrics.dropped.labels(self.tier.name, "handoff_budget" if handoff else "queue_full").inc()
         return False
 
     def flush(self) -> None:
@@ -88,17 +104,17 @@ class CascadeWriter:
         self._closed = True
         self.flush()
         for _ in self._threads:
-            self._queue.put(_STOP)
+            self._queue.put((_LAST, next(self._order), _STOP))
         for t in self._threads:
             t.join()
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            _, _, item = self._queue.get()
             try:
                 if item is _STOP:
                     return
-                entry, parent = item
+                entry, parent, handoff = item
                 try:
                     with tracing.span("kvtier.tier.write", parent, tier=self.tier.name, key=entry.key.name,
                                       bytes=entry.meta.nbytes) as span:
@@ -107,7 +123,11 @@ class CascadeWriter:
                             span.set_attribute("outcome", outcome)
                 finally:
                     with self._bytes_lock:
-                        self._bytes -= entry.meta.nbytes
+                        if handoff:
+                            self._handoff_bytes -= entry.meta.nbytes
+                        else:
+                            self._bytes -= entry.meta.nbytes
+                            self._depth -= 1
                     self._pool.release(entry)
             finally:
                 self._queue.task_done()

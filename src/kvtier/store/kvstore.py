@@ -182,7 +182,8 @@ class KVStore:
 
     def put_from(self, ns: Namespace, tokens: Tokens, source: Source, *, layers: int,
                  head_dim: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, offset: int = 0,
-                 kv_heads: int, device: torch.device | str = "cpu", tail: bool = False) -> int:
+                 kv_heads: int, device: torch.device | str = "cpu", tail: bool = False,
+                 handoff: bool = False) -> int:
         """Store the whole chunks of ``tokens[offset:]``, having ``source`` write their KV straight into DRAM: the
         mirror of :meth:`load`, with no staging copy of the prompt. With ``tail``, the tokens after the last whole
         chunk are stored too, as a tail (:func:`~kvtier.keys.tail_keys`): a chunk whose first ``len(tokens) %
@@ -194,11 +195,15 @@ class KVStore:
         ``first`` (counted from ``offset``'s chunk); only chunks DRAM lacks are asked for. ``device`` is where
         ``source`` copies from (a CUDA source's asynchronous copies are waited for before the chunks become
         visible). Returns what :meth:`put` returns; a source that raises stores none of this call's chunks.
+
+        ``handoff``: another engine waits for these chunks in a secondary tier (a disaggregated prefill,
+        docs/pd.md): they skip admission, and the cascade writes them first, within a budget of their own
+        (``handoff_queue_bytes``), never dropping them for a full queue.
         """
         if self._closed:
             raise RuntimeError("KVStore.put_from after close: its cascade writers have stopped")
         return self._writes.put_source(ns, tokens, source, layers, head_dim, dtype, tp_rank, tp_size, offset,
-                                       kv_heads, device, tail)
+                                       kv_heads, device, tail, handoff)
 
     def held(self, ns: Namespace, tokens: Tokens, *, tp_rank: int = 0, tp_size: int = 1,
              kv_heads: int, tail: bool = False) -> int:
@@ -234,6 +239,13 @@ class KVStore:
     def remote_tiers(self) -> bool:
         """Whether a lookup may wait on a network (a tier that is not :attr:`Tier.local`)."""
         return any(not tier.local for tier in self.tiers)
+
+    @property
+    def tiers_down(self) -> bool:
+        """Whether every secondary tier is in a read outage (resting after failures): a lookup now finds nothing
+        beyond DRAM, and waiting for another process's writes to appear is in vain until one is back. False
+        without secondary tiers."""
+        return bool(self._guards) and all(guard.reads.resting() for guard in self._guards)
 
     def lookup(self, ns: Namespace, tokens: Tokens, *, kv_heads: int | None = None,
                elsewhere: Elsewhere | None = None, local_only: bool = False,

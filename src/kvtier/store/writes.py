@@ -91,17 +91,18 @@ class Writes:
 
     def put_source(self, ns: Namespace, tokens: Tokens, source: Source, layers: int, head_dim: int,
                    dtype: torch.dtype, tp_rank: int, tp_size: int, offset: int, kv_heads: int,
-                   device: torch.device | str, tail: bool) -> int:
+                   device: torch.device | str, tail: bool, handoff: bool = False) -> int:
         """:meth:`KVStore.put_from`."""
         start = time.perf_counter()
         self._check_offset(tokens, offset)
         meta = frame.ShardMeta(layers, self._chunk_tokens, head_dim, dtype, rank_heads(kv_heads, tp_rank, tp_size))
-        return self.put(ns, tokens, meta, source, offset, torch.device(device), start, tail)
+        return self.put(ns, tokens, meta, source, offset, torch.device(device), start, tail, handoff)
 
     def put(self, ns: Namespace, tokens: Tokens, meta: frame.ShardMeta, source: Source, offset: int,
-            device: torch.device, start: float, tail: bool = False) -> int:
+            device: torch.device, start: float, tail: bool = False, handoff: bool = False) -> int:
         """Reserve every chunk from ``offset`` on, have ``source`` fill them, commit and cascade them; the tokens
-        now held from ``offset`` on (what :meth:`KVStore.put` returns)."""
+        now held from ``offset`` on (what :meth:`KVStore.put` returns). A ``handoff``'s chunks skip admission (another
+        engine waits for them) and are cascaded as handoffs (:meth:`CascadeWriter.submit`)."""
         t = self._chunk_tokens
         ns = self._tenancy.named(ns)
         tenant = self._tenancy.register(ns, create=True)
@@ -117,7 +118,7 @@ class Writes:
             source = padded(source, len(chunks) - 1 - first, len(tokens) % t)
         wanted = [(ShardKey(ns.id, chunk, meta.heads), chunks[i - 1] if i else None)
                   for i, chunk in enumerate(chunks) if i >= first]
-        admitted = self._admission.admit([key for key, _ in wanted])
+        admitted = len(wanted) if handoff else self._admission.admit([key for key, _ in wanted])
         if admitted < len(wanted):  # not seen often enough yet: counted, and not stored this time
             self._admission_deferred.inc(len(wanted) - admitted)
             wanted = wanted[:admitted]
@@ -130,7 +131,7 @@ class Writes:
             entry.expires = expires
             self._dram.commit(entry, keep_refs=len(writers))
             for writer in writers:
-                writer.submit(entry)
+                writer.submit(entry, handoff=handoff)
         if tenant is not None and reserved and not self._tenancy.current(tenant):
             self._dram.discard_owned({tenant.key_id})  # forgotten while this put ran: what it committed goes too
             held = 0  # and the caller is told nothing was stored

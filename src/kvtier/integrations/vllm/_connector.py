@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-_EXTRA_KEYS = ("config", "model_fingerprint", "lookup_timeout_seconds", "store_tails")
+_EXTRA_KEYS = ("config", "model_fingerprint", "lookup_timeout_seconds", "store_tails", "pd_wait_max_seconds")
 
 
 def _check_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
@@ -111,6 +111,12 @@ class KVTierConnector(KVConnectorBase_V1):
                 not 0 <= lookup_timeout <= 600:
             raise ConfigError("kv_connector_extra_config.lookup_timeout_seconds: seconds a request may wait for "
                               f"a lookup in a shared tier, a number in [0, 600]; got {lookup_timeout!r}")
+        pd_wait_max = extra.get("pd_wait_max_seconds", 10.0)
+        if isinstance(pd_wait_max, bool) or not isinstance(pd_wait_max, (int, float)) or \
+                not 0 <= pd_wait_max <= 600:
+            raise ConfigError("kv_connector_extra_config.pd_wait_max_seconds: the longest a decode request waits "
+                              "for the KV its prefill engine stored, whatever it asks (docs/pd.md), a number in "
+                              f"[0, 600]; got {pd_wait_max!r}")
         tails = extra.get("store_tails", True)
         if not isinstance(tails, bool):
             raise ConfigError("kv_connector_extra_config.store_tails: whether a prompt's whole blocks after its last "
@@ -139,7 +145,7 @@ class KVTierConnector(KVConnectorBase_V1):
             store, names, metrics, block_size=block_size, kv_heads=kv_heads,
             workers=vllm_config.parallel_config.tensor_parallel_size,
             tp_size=vllm_config.parallel_config.tensor_parallel_size, lookup_timeout=lookup_timeout,
-            events=_events_enabled(vllm_config), tails=tails)
+            events=_events_enabled(vllm_config), tails=tails, pd_wait_max=pd_wait_max)
         self._worker_side = None if role == KVConnectorRole.SCHEDULER else WorkerSide(
             store, metrics, block_size=block_size, kv_heads=kv_heads,
             report_tier_writes=_events_enabled(vllm_config))
@@ -209,11 +215,13 @@ class KVTierConnector(KVConnectorBase_V1):
             return []
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Free the blocks now (saves finished in the step that computed them: the bytes are in kvtier's DRAM);
+        a P/D prefill's answer carries what it stored (:mod:`._pd`)."""
         try:
-            self._sched.finished(request.request_id)
+            return False, self._sched.finished(request.request_id)
         except Exception as exc:  # noqa: BLE001 contained: counted, logged once
             self._metrics.error("request_finished", exc, request.request_id)
-        return False, None  # saves finished in the step that computed them: free the blocks now
+            return False, None
 
     # ================================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -6,19 +6,22 @@ allocated for them, and plans one save of the prompt's whole chunks and tail onc
 last of them runs. The plans reach the workers as :class:`KVTierMetadata` (:mod:`._wire`); what a worker reports
 back (blocks whose load failed) re-plans a save. Which chunks a save really writes is the worker's call
 (``store.held``), since only it sees the DRAM its loads filled. Lookups also count the chunks the workers report
-their DRAM holds (:mod:`._dram_index`): in vLLM's API server that DRAM is in other processes.
+their DRAM holds (:mod:`._dram_index`): in vLLM's API server that DRAM is in other processes. A request that
+is one side of a disaggregated prefill/decode handoff (:mod:`._pd`) is a prefill whose save is a handoff and
+whose end tells the router what it stored, or a decode whose lookup waits for that KV to be visible.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier import tracing
 from kvtier.integrations.vllm._dram_index import WorkerDram
 from kvtier.integrations.vllm._events import KVEvents
 from kvtier.integrations.vllm._lookups import Lookups
 from kvtier.integrations.vllm._namespace import Namespaces, Skip
+from kvtier.integrations.vllm._pd import Handoffs
 from kvtier.integrations.vllm._shared import ConnectorMetrics
 from kvtier.integrations.vllm._wire import KVTierMetadata, KVTierWorkerMetadata, Transfer
 from kvtier.keys import Namespace
@@ -58,7 +61,7 @@ class SchedulerSide:
 
     def __init__(self, store: KVStore, namespaces: Namespaces, metrics: ConnectorMetrics, *, block_size: int,
                  kv_heads: int, workers: int, tp_size: int, lookup_timeout: float, events: bool = False,
-                 tails: bool = True) -> None:
+                 tails: bool = True, pd_wait_max: float = 10.0) -> None:
         self._store = store
         # kvtier's KV events, published with the engine's when vLLM publishes events
         self._events = KVEvents(store.tiers, tp_size, block_size, store.chunk_tokens,
@@ -73,6 +76,8 @@ class SchedulerSide:
         self._bs = block_size
         # What a request's KV is stored and looked up as: whole blocks (the last chunk may be a tail), else chunks.
         self._unit = block_size if tails else store.chunk_tokens
+        self._handoffs = Handoffs(store, metrics.pd, unit=self._unit, tails=tails, wait_max=pd_wait_max)
+        self._saved: dict[str, tuple[Namespace, list[int]]] = {}  # P/D prefills: what their save covers
         self._kv_heads = kv_heads
         # A save must not store KV computed over blocks whose load failed, for any request over those blocks
         # (vLLM's prefix-cache sharers included). A worker knows its own failures of the step it runs, not
@@ -128,10 +133,17 @@ class SchedulerSide:
         tokens = list(request.all_token_ids)
         cap = (len(tokens) - 1) // self._bs * self._bs
         whole = len(tokens) // self._unit * self._unit
+        self._handoffs.begin(request, ns, tokens)
         if min(cap, whole) <= num_computed_tokens or getattr(request, "skip_reading_prefix_cache", False):
+            self._handoffs.waiting(rid, cap, cap)  # nothing to load: a decode's wait for its KV ends here
             return 0, False  # (vLLM would drop a hit for a request that may not read cached prefixes anyway)
+        if self._handoffs.paused(rid):
+            return None, False  # a decode waiting for its prefill's KV, between two lookups
         held = self._lookups.held(rid, ns, tokens[:whole])
         if held is None:
+            return None, False
+        if self._handoffs.waiting(rid, held.tokens, cap):
+            self._lookups.forget(rid)  # the next lookup asks the tiers again
             return None, False
         end = min(held.tokens, cap)
         if end <= num_computed_tokens:
@@ -228,10 +240,14 @@ class SchedulerSide:
         if self._unheard and self._over_unheard(tracked.block_ids[:upto // self._bs], meta.step):
             return  # computed over blocks whose load some worker has not reported yet: planned again next step
         tracked.saved = True
+        handoff = self._handoffs.is_prefill(rid)
+        if handoff:
+            self._saved[rid] = (tracked.namespace, tracked.tokens[:upto])
         # From the start: the worker skips what the store holds (store.held), which after a failed load
         # excludes the chunks that failed, so they are saved once recomputed.
         meta.saves.append(Transfer(rid, tracked.namespace, tracked.tokens[:upto],
-                                   tracked.block_ids[:upto // self._bs], 0, trace=self._traces.get(rid)))
+                                   tracked.block_ids[:upto // self._bs], 0, trace=self._traces.get(rid),
+                                   handoff=handoff))
         request = self._requests.get(rid)
         if request is not None:
             self._announce(request, tracked.namespace, tracked.tokens[:upto])
@@ -272,10 +288,14 @@ class SchedulerSide:
     def take_events(self) -> list[KVCacheEvent]:
         return self._events.take() if self._events is not None else []
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str) -> dict[str, Any] | None:
+        """Forget a finished request; for a P/D prefill, what it stored (vLLM returns it in the answer)."""
+        answer = self._handoffs.answer(request_id, self._saved.pop(request_id, None))
         for table in (self._tracked, self._namespaces, self._hits, self._loads, self._requests, self._traces):
             table.pop(request_id, None)
         self._lookups.forget(request_id)
+        self._handoffs.finished(request_id)
+        return answer
 
     def idle(self) -> None:
         """The step just planned runs no model (e.g. every request waits for a lookup): vLLM would plan the next

@@ -19,6 +19,7 @@ from prometheus_client import Counter, Histogram
 
 from kvtier.config import load_config
 from kvtier.health import FirstOfKind
+from kvtier.integrations.vllm._pd import PDMetrics
 from kvtier.store import KVStore
 
 log = logging.getLogger("kvtier.integrations.vllm")
@@ -68,6 +69,7 @@ class ConnectorMetrics:
                                     "blocks (those the store held already are not counted)", registry=registry)
         self.load_seconds = Histogram("kvtier_connector_load_seconds", "Time of one request's load into vLLM's "
                                       "blocks", registry=registry, buckets=_LOAD_BUCKETS)
+        self.pd = PDMetrics(store)
         for hook in HOOKS:  # present at 0, so a dashboard's rate() has a series before the first failure
             self.errors.labels(hook)
         for outcome in ("hit", "miss"):

@@ -36,6 +36,9 @@ class Transfer:
     # thread of its own and reports it finished later (vLLM's asynchronous load), so the step does not wait.
     asynchronous: bool = False
     trace: dict[str, str] | None = None  # the request's W3C trace headers: the worker's span joins its trace
+    # A P/D prefill's save: a decode engine waits for it, so the cascade keeps it within a budget of its own
+    # (never dropped for a full queue) and writes it before ordinary saves
+    handoff: bool = False
 
 
 @dataclasses.dataclass

@@ -472,5 +472,6 @@ class WorkerSide:
         layers, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
         stored_to = self._store.put_from(save.namespace, save.tokens, source, layers=layers, head_dim=head_dim,
                                          dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=start,
-                                         kv_heads=self._kv_heads, device=self._caches[0].device, tail=True)
+                                         kv_heads=self._kv_heads, device=self._caches[0].device, tail=True,
+                                         handoff=save.handoff)
         return max(stored_to - start, 0)
