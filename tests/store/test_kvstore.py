@@ -333,6 +333,63 @@ def test_full_queue_drops_and_counts(gated_config, tmp_path: Path) -> None:
         assert store.drop_dram() == 10  # nothing stays pinned by dropped writes
 
 
+class OrderedGatedTier(GatedTier):
+    """A gated tier that records the chunks it writes, in order."""
+
+    WRITTEN: ClassVar[list[str]] = []
+
+    def put(self, key, parts) -> None:
+        super().put(key, parts)
+        self.WRITTEN.append(key.chunk)
+
+
+def put_handoff(store: KVStore, tokens: list[int]) -> int:
+    """A disaggregated prefill's save (KVStore.put_from with handoff)."""
+    kv = synthetic_kv(tokens)
+    layers, _, heads, _, head_dim = kv.shape
+
+    def source(first: int, dst: torch.Tensor) -> None:
+        for i in range(dst.shape[0]):
+            dst[i].copy_(kv[:, :, :, (first + i) * T:(first + i + 1) * T])
+    return store.put_from(NS, tokens, source, layers=layers, head_dim=head_dim, dtype=kv.dtype, kv_heads=heads,
+                          handoff=True)
+
+
+def test_a_handoff_is_never_dropped_for_a_full_queue_and_is_written_first(gated_config, tmp_path: Path) -> None:
+    """A P/D prefill's KV, which a decode engine waits for, takes a budget of its own past a full queue (the
+    ordinary writes queued behind a stalled tier are dropped as before) and goes to the tier before them."""
+    gated_config["tiers"][0].update(type="tests.store.test_kvstore:OrderedGatedTier", queue_depth=2)
+    gated_config["admission"] = {"store_after": 2}  # an ordinary put of a first sighting is deferred, a handoff not
+    OrderedGatedTier.WRITTEN.clear()
+    with KVStore.from_config(gated_config) as store:
+        warm = synthetic_tokens(21, 4 * T)
+        store.put(NS, warm, synthetic_kv(warm))  # first sighting: deferred
+        assert store.put(NS, warm, synthetic_kv(warm)) == 4 * T  # queue of 2 (and one at the stalled tier)
+        handoff = synthetic_tokens(22, 4 * T)
+        assert put_handoff(store, handoff) == 4 * T  # not deferred, none dropped
+        GatedTier.GATE.set()
+        store.flush()
+        stats = store.stats()["filesystem"]
+        assert stats["dropped_writes_total{reason=handoff_budget}"] == 0
+        wanted = [k.hex() for k in chunk_keys(NS, handoff, T)]
+        assert set(wanted) <= set(OrderedGatedTier.WRITTEN)
+        ordinary = [c for c in OrderedGatedTier.WRITTEN if c not in wanted]
+        # at most the one ordinary write the stalled tier had taken came before the handoff's
+        assert OrderedGatedTier.WRITTEN[1:5] == wanted or OrderedGatedTier.WRITTEN[:4] == wanted, \
+            (OrderedGatedTier.WRITTEN, wanted, ordinary)
+        assert store.drop_dram() >= 4  # nothing stays pinned
+
+
+def test_a_handoff_past_its_budget_is_dropped_and_counted(gated_config) -> None:
+    gated_config["tiers"][0]["handoff_queue_bytes"] = 1  # one handoff write at a time fits, no more
+    with KVStore.from_config(gated_config) as store:
+        tokens = synthetic_tokens(23, 4 * T)
+        assert put_handoff(store, tokens) == 4 * T  # all in DRAM all the same
+        GatedTier.GATE.set()
+        store.flush()
+        assert 2 <= store.stats()["filesystem"]["dropped_writes_total{reason=handoff_budget}"] <= 3
+
+
 def test_dram_budget_is_respected_and_evicts(make_store) -> None:
     store = make_store(None, dram="64KiB")  # 16 KiB pages: room for a few 2 KiB... shards of 4 KiB
     for i in range(50):

@@ -173,7 +173,20 @@ class Router:
                                               load_s=load_s))
         handed.sort(key=lambda d: (round(d.predicted_s, 4), len(self.engines[d.engine].flights)))
         handed = [dataclasses.replace(d, reason="pd" if i == 0 else "retry") for i, d in enumerate(handed)]
-        return Plan(handed, self.decide(prompt, None, keys, prefills))
+        return Plan(handed, self._prefill_order(self.decide(prompt, None, keys, prefills)))
+
+    def _prefill_order(self, order: list[RouteDecision]) -> list[RouteDecision]:
+        """Prefill engines by predicted time, except that one holding (or computing: its reservations) at least
+        ``pd.local_tokens`` of the prompt goes first unless it is later than the best by more than computing that
+        prefix again: a burst sharing a new prefix is then prefilled once (the proxy's hop waits for the first)."""
+        bs = self.config.block_size
+        holder = max(order, key=lambda d: d.match.blocks)
+        if holder is order[0] or holder.match.blocks * bs < self.config.pd.local_tokens:
+            return order
+        again = holder.match.blocks * bs * self.prefill_rate(self.engines[order[0].engine])
+        if holder.predicted_s > order[0].predicted_s + again:
+            return order
+        return [holder, *(d for d in order if d is not holder)]
 
     def keys(self, prompt: Prompt) -> list[bytes]:
         """The prompt's block keys: none when its tokens are not the engine's (it cannot be keyed)."""

@@ -1,0 +1,222 @@
+"""Disaggregated prefill and decode in the router, without engines: roles in the config, the P/D plan, the bodies of
+the two hops, what a prefill answer must carry, and the prefill hop's retries and fallback against engines faked
+with aiohttp (the faults real engines cannot produce on demand: an answer without params, a 500, a hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvtier.errors import ConfigError
+from kvtier.router.config import load_router_config
+from kvtier.router.engines import Engines
+from kvtier.router.handoff import Prefills, bodies, promise_of
+from kvtier.router.index import PrefixIndex
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.policy import Router
+from kvtier.router.prompts import Prompt
+from kvtier.router.reading import _parse
+
+BS = 16
+DOC = list(range(1000, 1000 + 64 * BS))  # 1,024 tokens
+
+
+def config(roles: Sequence[str], **pd: object) -> dict:
+    return {"tokenizer": "/unused", "block_size": BS,
+            "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{8100 + i}", "role": role}
+                        for i, role in enumerate(roles)],
+            "costs": {"prefill_tokens_per_s": 1000, "shared_tokens_per_s": 20000},
+            "pd": {"local_tokens": 256, **pd}}
+
+
+def make(roles: Sequence[str] = ("prefill", "decode", "decode"), **pd: object) -> Router:
+    router = Router(load_router_config(config(roles, **pd)), PrefixIndex(BS))
+    for state in router.engines.values():
+        state.healthy = True
+    return router
+
+
+def test_roles_are_checked_with_the_field_named() -> None:
+    with pytest.raises(ConfigError, match=r"engines\[0\]\.role: expected one of 'both', 'prefill', 'decode'"):
+        load_router_config(config(["prefiller"]))
+    with pytest.raises(ConfigError, match="every engine has role prefill"):
+        load_router_config(config(["prefill", "prefill"]))
+    with pytest.raises(ConfigError, match="policy: engines with role prefill need policy cache_aware"):
+        load_router_config({**config(["prefill", "decode"]), "policy": "round_robin"})
+    with pytest.raises(ConfigError, match=r"pd\.wait_s: must be in \[0, 60\]"):
+        load_router_config(config(["prefill", "decode"], wait_s=-1))
+    with pytest.raises(ConfigError, match=r"pd\.local_tokens"):
+        load_router_config(config(["prefill", "decode"], local_tokens="many"))
+    assert load_router_config(config(["both", "decode"])).engines[1].role == "decode"
+
+
+def test_a_long_prompt_is_prefilled_and_a_short_one_served_whole() -> None:
+    router = make()
+    plan = router.plan(Prompt(DOC))
+    assert [d.engine for d in plan.prefill] == ["e0"]  # only prefill engines prefill
+    assert {d.engine for d in plan.serve} == {"e1", "e2"} and plan.serve[0].reason == "pd"
+    # the decode engine is predicted to find every block before the last token (loaded from the shared tier)
+    assert plan.serve[0].predicted_cached == (len(DOC) - 1) // BS * BS
+    short = router.plan(Prompt(DOC[:200]))
+    assert not short.prefill and short.serve[0].engine in ("e1", "e2") and short.serve[0].reason != "pd"
+
+
+def test_a_follow_up_stays_on_the_decode_engine_holding_its_prefix() -> None:
+    from tests.router.test_policy import hold
+    router = make()
+    hold(router, "e2", DOC)
+    plan = router.plan(Prompt(DOC + list(range(50))))
+    assert not plan.prefill and plan.serve[0].engine == "e2"
+
+
+def test_no_healthy_prefill_engine_serves_whole_and_a_prefill_engine_never_answers() -> None:
+    router = make()
+    router.engines["e0"].healthy = False
+    plan = router.plan(Prompt(DOC))
+    assert not plan.prefill and plan.serve[0].engine in ("e1", "e2")
+    router.engines["e1"].healthy = router.engines["e2"].healthy = False
+    router.engines["e0"].healthy = True
+    assert router.plan(Prompt(DOC)).serve == []  # a prefill engine alone answers no client
+
+
+def test_a_burst_sharing_a_new_prefix_goes_to_one_prefill_engine() -> None:
+    router = make(("prefill", "prefill", "decode"))
+    keys = router.keys(Prompt(DOC + [1]))
+    first = router.plan(Prompt(DOC + [1]), keys=keys)
+    router.started(first.prefill[0], keys)  # its blocks are reserved on its prefill engine
+    second = router.plan(Prompt(DOC + [2]))
+    assert second.prefill[0].engine == first.prefill[0].engine
+
+
+def test_the_bodies_of_the_two_hops() -> None:
+    body = {"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 50,
+            "min_tokens": 5, "kv_transfer_params": {"other": 1}}
+    pd = bodies(body)
+    assert pd is not None
+    prefill = json.loads(pd.prefill)
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False and "stream_options" not in prefill
+    assert "min_tokens" not in prefill and prefill["kv_transfer_params"] == {"other": 1, "kvtier": {"pd": "prefill"}}
+    promise = {"pd": "stored", "tokens": 512, "namespace": "ab", "key": "cd"}
+    decode = json.loads(pd.decode(promise, 2.5))
+    assert decode == {**body, "kv_transfer_params": {"other": 1, "kvtier": {
+        "pd": "decode", "tokens": 512, "namespace": "ab", "key": "cd", "wait_s": 2.5}}}
+    # a client's text holding what looks like the slot changes nothing
+    tricky = {"prompt": 'kvtier-slot-"x"', "kv_transfer_params": None}
+    assert json.loads(bodies(tricky).decode(promise, 1))["prompt"] == tricky["prompt"]  # type: ignore[union-attr]
+    assert bodies({"prompt": "p", "kv_transfer_params": "not a mapping"}) is None
+
+
+def test_a_clients_own_kvtier_params_never_reach_an_engine() -> None:
+    raw = json.dumps({"prompt": "p", "kv_transfer_params": {"kvtier": {"pd": "decode", "wait_s": 60}, "x": 1}})
+    body, sent = _parse(raw.encode())
+    assert json.loads(sent)["kv_transfer_params"] == {"x": 1} and body["kv_transfer_params"] == {"x": 1}
+
+
+@pytest.mark.parametrize("answer, expected", [
+    ({"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": 256, "namespace": "ab", "key": "cd"}}},
+     {"pd": "stored", "tokens": 256, "namespace": "ab", "key": "cd"}),
+    ({"kv_transfer_params": {"kvtier": {"pd": "none"}}}, {"pd": "none"}),
+    ({"kv_transfer_params": None}, None),
+    ({"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": -1, "namespace": "ab", "key": "cd"}}}, None),
+    ({"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": True, "namespace": "ab", "key": "cd"}}}, None),
+    ({"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": 1, "namespace": "a" * 129, "key": "cd"}}}, None),
+    ([1, 2], None),
+])
+def test_what_a_prefill_answer_must_carry(answer: object, expected: object) -> None:
+    assert promise_of(json.dumps(answer).encode()) == expected
+    assert promise_of(b"{not json") is None
+
+
+class FakeEngines:
+    """Prefill engines faked with aiohttp on loopback, each answering as ``behaviour`` says."""
+
+    def __init__(self, behaviours: dict[str, str]) -> None:
+        self.behaviours = behaviours
+        self.seen: dict[str, int] = dict.fromkeys(behaviours, 0)
+        self.runners: list[web.AppRunner] = []
+        self.urls: dict[str, str] = {}
+
+    async def start(self) -> None:
+        for name, behaviour in self.behaviours.items():
+            async def handle(request: web.Request, name: str = name, behaviour: str = behaviour) -> web.Response:
+                self.seen[name] += 1
+                body = await request.json()
+                assert body["kv_transfer_params"]["kvtier"] == {"pd": "prefill"} and body["max_tokens"] == 1
+                if behaviour == "500":
+                    return web.Response(status=500)
+                if behaviour == "hang":
+                    await asyncio.sleep(2)
+                if behaviour == "no_params":
+                    return web.json_response({"choices": []})
+                if behaviour == "huge":
+                    return web.Response(body=b" " * (2 << 20))
+                return web.json_response({"kv_transfer_params": {"kvtier": {
+                    "pd": "stored", "tokens": 512, "namespace": "ab", "key": name.encode().hex()}}})
+            app = web.Application()
+            app.router.add_post("/v1/completions", handle)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.urls[name] = f"http://127.0.0.1:{port}"
+            self.runners.append(runner)
+
+    async def stop(self) -> None:
+        for runner in self.runners:
+            await runner.cleanup()
+
+
+def run_hop(behaviours: dict[str, str], retries: int = 1, timeout_s: float = 60) -> tuple[object, FakeEngines,
+                                                                                            RouterMetrics]:
+    async def go() -> tuple[object, FakeEngines, RouterMetrics]:
+        fakes = FakeEngines(behaviours)
+        await fakes.start()
+        roles = ["prefill"] * len(behaviours) + ["decode"]
+        cfg = load_router_config({**config(roles, prefill_timeout_s=timeout_s), "retries": retries})
+        router = Router(cfg, PrefixIndex(BS))
+        for state in router.engines.values():
+            state.healthy = True
+        metrics = RouterMetrics()
+        engines = Engines(cfg, metrics, router.index, router)
+        engines.urls.update(fakes.urls)
+        engines.session = aiohttp.ClientSession()
+        try:
+            plan = router.plan(Prompt(DOC))
+            pd = bodies({"prompt": "p", "max_tokens": 9})
+            assert pd is not None
+            promise = await Prefills(cfg, metrics, router, engines).run(pd, "/v1/completions", {"X-Request-Id": "r"},
+                                                                         plan.prefill, router.keys(Prompt(DOC)))
+            assert all(not state.flights for state in router.engines.values())  # every flight accounted
+            return promise, fakes, metrics
+        finally:
+            await engines.session.close()
+            await fakes.stop()
+    return asyncio.run(go())
+
+
+def _count(metrics: RouterMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_a_failed_prefill_engine_is_retried_on_the_next() -> None:
+    promise, fakes, metrics = run_hop({"e0": "500", "e1": "ok"})
+    assert promise == {"pd": "stored", "tokens": 512, "namespace": "ab", "key": b"e1".hex()}
+    assert fakes.seen == {"e0": 1, "e1": 1} or fakes.seen == {"e0": 0, "e1": 1}
+    assert _count(metrics, "kvtier_router_pd_requests_total", outcome="handoff") == 1
+
+
+@pytest.mark.parametrize("behaviour, cause", [("500", "http_error"), ("no_params", "no_params"),
+                                              ("huge", "bad_answer"), ("hang", "timeout")])
+def test_when_every_prefill_engine_fails_the_request_is_served_whole(behaviour: str, cause: str) -> None:
+    promise, fakes, metrics = run_hop({"e0": behaviour, "e1": behaviour}, timeout_s=0.5)
+    assert promise is None and fakes.seen == {"e0": 1, "e1": 1}
+    assert _count(metrics, "kvtier_router_pd_requests_total", outcome="prefill_failed") == 1
+    assert sum(_count(metrics, "kvtier_router_pd_prefill_failures_total", engine=e, cause=cause)
+               for e in ("e0", "e1")) == 2
