@@ -54,12 +54,13 @@ def test_the_router_and_fleet_pages_name_every_key_a_loader_takes(pages: dict[st
     for name in router._TOP:
         assert f"| `{name}` |" in router_page, name
     for prefix, cls in (("engines[].", router.EngineConfig), ("timeouts.", router.Timeouts),
-                        ("costs.", router.Costs), ("limits.", router.Limits), ("events.", router.EventLimits)):
+                        ("costs.", router.Costs), ("limits.", router.Limits), ("events.", router.EventLimits),
+                        ("pd.", router.PDConfig)):
         for f in dataclasses.fields(cls):
             assert f"| `{prefix}{f.name}` |" in router_page, (prefix, f.name)
     for name in fleet._KEYS:
         assert f"| `{name}` |" in fleet_page, name
-    for prefix, cls in (("ports.", fleet.Ports), ("redis.", fleet.RedisConfig),
+    for prefix, cls in (("engines.", fleet.Pools), ("ports.", fleet.Ports), ("redis.", fleet.RedisConfig),
                         ("prometheus.", fleet.PrometheusConfig)):
         for f in dataclasses.fields(cls):
             assert f"| `{prefix}{f.name}` |" in fleet_page, (prefix, f.name)

@@ -20,10 +20,11 @@ from typing import Any, Literal
 from kvtier import config
 from kvtier.docs import _markdown as md
 from kvtier.eviction import POLICIES
-from kvtier.fleet.config import FleetFile, Ports, PrometheusConfig, RedisConfig
+from kvtier.fleet.config import FleetFile, Pools, Ports, PrometheusConfig, RedisConfig
 from kvtier.placement import PlacementRule
 from kvtier.registry import Registry
-from kvtier.router.config import DEFAULT_LISTEN, Costs, EngineConfig, EventLimits, Limits, RouterConfig, Timeouts
+from kvtier.router.config import (DEFAULT_LISTEN, Costs, EngineConfig, EventLimits, Limits, PDConfig, RouterConfig,
+                                  Timeouts)
 from kvtier.sealing import EncryptionConfig
 from kvtier.tiers import TIERS
 
@@ -97,6 +98,8 @@ def router_sections() -> list[Section]:
         Section("`costs`", "costs.", Costs, _first_line(Costs)),
         Section("`limits`", "limits.", Limits, _first_line(Limits)),
         Section("`events`", "events.", EventLimits, _first_line(EventLimits)),
+        Section("`pd`", "pd.", PDConfig, "Disaggregated prefill and decode, for engines with `role: prefill` or "
+                "`role: decode` (docs/pd.md)."),
     ]
 
 
@@ -104,6 +107,9 @@ def fleet_sections() -> list[Section]:
     """Every mapping of a fleet file (``kvtier fleet up``)."""
     return [
         Section("Top level", "", FleetFile),
+        Section("`engines` (pools)", "engines.", Pools, "`engines: 2` is two engines that serve whole requests; "
+                "`engines: {prefill: 1, decode: 2}` is disaggregated prefill and decode (docs/pd.md), a pool of "
+                "engines of each role (at most 64 in all), which need a tier they all reach."),
         Section("`ports`", "ports.", Ports, "The first port of each kind; engine i adds i (or 2i) to it."),
         Section("`redis`", "redis.", RedisConfig, "The Redis the fleet starts (`redis: false`: none)."),
         Section("`prometheus`", "prometheus.", PrometheusConfig,

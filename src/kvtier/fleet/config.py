@@ -1,7 +1,8 @@
 """``kvtier fleet``'s YAML: a whole fleet on one host, validated (errors name the field) before anything starts.
 
     model: /models/SmolLM2-135M     # required: the model directory every engine serves
-    engines: 2                      # vLLM API servers with the kvtier connector and KV events
+    engines: 2                      # vLLM API servers with the kvtier connector and KV events (e0, e1)
+    # engines: {prefill: 1, decode: 2}   # or pools of disaggregated prefill and decode (p0; d0, d1)
     block_size: 128                 # the engines' --block-size (the router hashes blocks of this size)
     ports: {router: 8000, engines: 8100, kv_events: 5557, kvtier_metrics: 9400, redis: 6379, prometheus: 9090}
     kvtier:                         # the store config of every engine's connector
@@ -11,9 +12,13 @@
     redis: {maxmemory_bytes: 1GiB}  # start a redis-server on ports.redis (true: these defaults; false: none)
     prometheus: {scrape_interval_s: 5}     # or false: start no Prometheus
 
-Engine ``i`` (named ``e<i>``) answers on ``ports.engines + i``, publishes KV events on ``ports.kv_events + 2i``
-(replay on the next port) and serves kvtier's metrics on ``ports.kvtier_metrics + 2i`` and the next port (vLLM's
-API server runs its scheduler and its worker in two processes, each with a store).
+Engine ``i`` answers on ``ports.engines + i``, publishes KV events on ``ports.kv_events + 2i`` (replay on the next
+port) and serves kvtier's metrics on ``ports.kvtier_metrics + 2i`` and the next port (vLLM's API server runs its
+scheduler and its worker in two processes, each with a store). Engines are named ``e<i>``; in a fleet of prefill
+and decode pools the prefill engines come first (``p0``, ``p1``, ... are engines 0, 1, ...), then the decode
+engines (``d0``, ``d1``, ... are engines P, P+1, ...). Every engine runs the same store config; only the router's
+config, which the fleet writes, gives each its role (docs/pd.md). Decode engines load what prefill engines computed
+from a tier they all reach, so such a fleet needs one (the fleet's Redis, or another Redis, S3 or Mooncake tier).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 
 from kvtier.config import build_dataclass, check_otlp_endpoint, load_config, read_mapping
 from kvtier.errors import ConfigError
-from kvtier.router.config import load_router_config
+from kvtier.router.config import Role, load_router_config
 from kvtier.tiers.base import TIERS
 
 FLEET_REDIS = "fleet"  # a tier url naming the Redis the fleet starts
@@ -75,10 +80,33 @@ class RedisConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Pools:
+    """Disaggregated prefill and decode (docs/pd.md): a pool of engines of each role, sharing a tier."""
+
+    prefill: int = dataclasses.field(metadata={
+        "help": "engines that compute long prompts and store their KV for the decode engines (p0, p1, ...)"})
+    decode: int = dataclasses.field(metadata={
+        "help": "engines that answer the clients, loading the prompts a prefill engine computed (d0, d1, ...)"})
+
+    def check(self, field: str) -> None:
+        for name in ("prefill", "decode"):
+            _int(getattr(self, name), f"{field}.{name}", 1, _MAX_ENGINES - 1)
+        if self.prefill + self.decode > _MAX_ENGINES:
+            raise ConfigError(f"{field}: at most {_MAX_ENGINES} engines in all, got {self.prefill} prefill and "
+                              f"{self.decode} decode")
+
+    def roles(self) -> tuple[Role, ...]:
+        """Each engine's role, in engine order: the prefill pool first."""
+        prefill: Role = "prefill"
+        decode: Role = "decode"
+        return (prefill,) * self.prefill + (decode,) * self.decode
+
+
+@dataclasses.dataclass(frozen=True)
 class FleetConfig:
     model: Path
     served_model_name: str
-    engines: int
+    roles: tuple[Role, ...]  # each engine's, in engine order
     block_size: int
     max_model_len: int
     host: str
@@ -94,6 +122,20 @@ class FleetConfig:
     work_dir: Path
     health_timeout_s: float
 
+    @property
+    def engines(self) -> int:
+        return len(self.roles)
+
+    @property
+    def reach(self) -> str:
+        """Where this host reaches what listens on ``host`` (the engines' APIs, the router, Prometheus)."""
+        return "127.0.0.1" if self.host == "0.0.0.0" else self.host
+
+    def engine_name(self, i: int) -> str:
+        """``e<i>``, or in a pool of prefill or decode engines ``p<j>`` or ``d<j>``, numbered within the pool."""
+        role = self.roles[i]
+        return f"e{i}" if role == "both" else f"{role[0]}{i - self.roles.index(role)}"
+
     def engine_port(self, i: int) -> int:
         return self.ports.engines + i
 
@@ -107,16 +149,33 @@ class FleetConfig:
         """Every port the fleet listens on, by the field that sets it."""
         out = {"ports.router (the router)": self.ports.router}
         for i in range(self.engines):
-            out[f"ports.engines (engine e{i})"] = self.engine_port(i)
+            name = self.engine_name(i)
+            out[f"ports.engines (engine {name})"] = self.engine_port(i)
             for port in self.events_ports(i):
-                out[f"ports.kv_events (engine e{i}, port {port})"] = port
+                out[f"ports.kv_events (engine {name}, port {port})"] = port
             for port in self.metrics_ports(i):
-                out[f"ports.kvtier_metrics (engine e{i}, port {port})"] = port
+                out[f"ports.kvtier_metrics (engine {name}, port {port})"] = port
         if self.redis is not None:
             out["ports.redis"] = self.ports.redis
         if self.prometheus is not None:
             out["ports.prometheus"] = self.ports.prometheus
         return out
+
+    def router_config(self) -> dict[str, Any]:
+        """The router's config: ``router``'s settings, and what the fleet sets (where it listens, the engines with
+        their roles, the model, the block size, traces)."""
+        local = "127.0.0.1"
+        config = {**self.router, "listen": f"{self.host}:{self.ports.router}", "tokenizer": str(self.model),
+                  "block_size": self.block_size,
+                  # the router binds each engine's events port and the engine connects to it: vLLM binds only a
+                  # wildcard address, which would expose the events beyond this host
+                  "engines": [{"name": self.engine_name(i), "url": f"http://{self.reach}:{self.engine_port(i)}",
+                               "role": self.roles[i], "kv_events": f"tcp://{local}:{self.events_ports(i)[0]}",
+                               "kv_events_bind": True, "kv_events_replay": f"tcp://{local}:{self.events_ports(i)[1]}"}
+                              for i in range(self.engines)]}
+        if self.otlp_traces_endpoint:
+            config["otlp_traces_endpoint"] = self.otlp_traces_endpoint
+        return config
 
 
 _DEFAULT_STORE = {"chunk_tokens": 256, "dram": {"capacity_bytes": "1GiB"},
@@ -132,8 +191,10 @@ class FleetFile:
         "help": "the model directory every engine serves (relative to this file)"})
     served_model_name: str | None = dataclasses.field(default=None, metadata={
         "help": "the model's name in the API (null: the directory's name)"})
-    engines: int = dataclasses.field(default=2, metadata={
-        "help": "vLLM API servers, each with the kvtier connector and KV events (1 to 64)"})
+    engines: int | Pools = dataclasses.field(default=2, metadata={
+        "help": "vLLM API servers, each with the kvtier connector and KV events: how many (1 to 64; e0, e1, ...), or "
+                "pools of prefill and decode engines (below), which need a tier they all reach",
+        "yaml": "integer or mapping"})
     # 128: vLLM-CPU's own default; its attention takes multiples of 32 only (16, the GPU default, fails at start)
     block_size: int = dataclasses.field(default=128, metadata={
         "help": "the engines' --block-size, a multiple of 32 on CPU; the router hashes blocks of this size"})
@@ -168,6 +229,7 @@ class FleetFile:
         "help": "seconds each part has to answer its health check at start"})
 
 
+_MAX_ENGINES = 64
 _KEYS = {f.name for f in dataclasses.fields(FleetFile)}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(FleetFile) if f.default is not dataclasses.MISSING}
 # Router settings the fleet sets itself.
@@ -191,7 +253,7 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
         name = model.name
     if not isinstance(name, str) or not re.fullmatch(r"[^\s]{1,128}", name):
         raise ConfigError(f"served_model_name: 1-128 characters without spaces, got {name!r}")
-    engines = _int(raw.get("engines", _DEFAULTS["engines"]), "engines", 1, 64)
+    roles = _roles(raw.get("engines", _DEFAULTS["engines"]))
     block_size = _int(raw.get("block_size", _DEFAULTS["block_size"]), "block_size", 32, 4096)
     if block_size % 32:
         raise ConfigError(f"block_size: vLLM on CPU takes a multiple of 32 (e.g. 128), got {block_size}")
@@ -206,7 +268,7 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
             raise ConfigError(f"ports.{f.name}: must be a TCP port in [1, 65535], got {getattr(ports, f.name)}")
 
     redis = _part(raw, "redis", RedisConfig)
-    kvtier = _kvtier(raw.get("kvtier"), redis is not None, ports.redis, block_size)
+    kvtier = _kvtier(raw.get("kvtier"), redis is not None, ports.redis, block_size, shared="prefill" in roles)
     prometheus = _part(raw, "prometheus", PrometheusConfig)
     router = raw.get("router", {}) or {}
     if not isinstance(router, Mapping):
@@ -214,11 +276,6 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
     own = sorted(set(router) & _ROUTER_OWN)
     if own:
         raise ConfigError(f"router.{own[0]}: set by the fleet itself; remove it")
-    try:  # the router's own checks, on what the fleet will give it
-        load_router_config({**router, "tokenizer": str(model), "block_size": block_size,
-                            "engines": [{"name": "e0", "url": "http://127.0.0.1:1"}]})
-    except ConfigError as exc:
-        raise ConfigError(f"router.{exc}") from None
     engine_args = _strings(raw.get("engine_args", []), "engine_args")
     env_raw = raw.get("engine_env", {}) or {}
     if not isinstance(env_raw, Mapping) or not all(isinstance(k, str) for k in env_raw):
@@ -226,6 +283,7 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
     engine_env = {k: str(v) for k, v in env_raw.items()}
     cores = os.sched_getaffinity(0)
     cpus_raw = raw.get("cpus")
+    engines = len(roles)
     if cpus_raw is None:  # one core each, in turn
         cpus_raw = [str(sorted(cores)[i % len(cores)]) for i in range(engines)]
     cpus = _strings(cpus_raw, "cpus")
@@ -241,10 +299,15 @@ def load_fleet_config(path: str | os.PathLike[str]) -> FleetConfig:
     timeout = raw.get("health_timeout_s", _DEFAULTS["health_timeout_s"])
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 3600:
         raise ConfigError(f"health_timeout_s: must be in [1, 3600] seconds, got {timeout!r}")
-    return FleetConfig(model=model, served_model_name=str(name), engines=engines, block_size=block_size,
-                       max_model_len=max_model_len, host=host, ports=ports, kvtier=kvtier, redis=redis,
-                       prometheus=prometheus, router=dict(router), engine_args=engine_args, engine_env=engine_env,
-                       cpus=cpus, otlp_traces_endpoint=traces, work_dir=work_dir, health_timeout_s=float(timeout))
+    config = FleetConfig(model=model, served_model_name=str(name), roles=roles, block_size=block_size,
+                         max_model_len=max_model_len, host=host, ports=ports, kvtier=kvtier, redis=redis,
+                         prometheus=prometheus, router=dict(router), engine_args=engine_args, engine_env=engine_env,
+                         cpus=cpus, otlp_traces_endpoint=traces, work_dir=work_dir, health_timeout_s=float(timeout))
+    try:  # the router's own checks, on the config the fleet will give it (its engines' roles included)
+        load_router_config(config.router_config())
+    except ConfigError as exc:
+        raise ConfigError(f"router.{exc}") from None
+    return config
 
 
 def check_work_dir(path: Path) -> None:
@@ -296,7 +359,20 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def _kvtier(raw: object, redis: bool, redis_port: int, block_size: int) -> dict[str, Any]:
+def _roles(raw: object) -> tuple[Role, ...]:
+    """``engines``: a count of engines of role both, or pools of prefill and decode engines."""
+    if isinstance(raw, Mapping):
+        return build_dataclass(Pools, raw, "engines").roles()
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise ConfigError(f"engines: how many engines (an integer in [1, {_MAX_ENGINES}]) or pools of them "
+                          f"({{prefill: P, decode: D}}), got {raw!r}")
+    both: Role = "both"
+    return (both,) * _int(raw, "engines", 1, _MAX_ENGINES)
+
+
+def _kvtier(raw: object, redis: bool, redis_port: int, block_size: int, shared: bool) -> dict[str, Any]:
+    """The store config every engine runs, checked; ``shared``: the engines must share a tier (prefill and
+    decode)."""
     if raw is None:
         raw = {**_DEFAULT_STORE, "tiers": _DEFAULT_STORE["tiers"] if redis else []}
     if not isinstance(raw, Mapping):
@@ -324,6 +400,12 @@ def _kvtier(raw: object, redis: bool, redis_port: int, block_size: int) -> dict[
     if store.chunk_tokens % block_size:
         raise ConfigError(f"kvtier.chunk_tokens: must be a multiple of block_size ({block_size}), got "
                           f"{store.chunk_tokens}")
+    # A tier flagged local (a disk's) is one engine's own: only a tier across the network is every engine's.
+    if shared and all(TIERS.resolve(spec.type, "tiers[].type").local for spec in store.tiers):
+        kinds = ", ".join(n for n in TIERS.names() if not TIERS.resolve(n, "tiers[].type").local)
+        raise ConfigError(f"kvtier.tiers: prefill and decode engines need a tier they all reach ({kinds}; e.g. "
+                          f"{{type: redis, url: {FLEET_REDIS}}}, the fleet's Redis), where decode engines load the "
+                          f"KV prefill engines computed; got {[spec.type for spec in store.tiers] or 'no tier'}")
     return config
 
 

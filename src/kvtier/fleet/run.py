@@ -71,8 +71,7 @@ class Fleet:
         # Only the router, the engines' APIs and Prometheus listen on ``host``; Redis, the KV events and kvtier's
         # metrics stay on loopback (everything that uses them runs on this host).
         local = "127.0.0.1"
-        # where this host reaches what listens on ``host`` (the engines' APIs, the router, Prometheus)
-        reach = self.reach = local if c.host == "0.0.0.0" else c.host
+        reach = self.reach = c.reach
         self.processes: list[Process] = []
         if c.redis is not None:
             argv = ["redis-server", "--port", str(c.ports.redis), "--bind", local, "--save", "", "--appendonly",
@@ -81,29 +80,20 @@ class Fleet:
             self.processes.append(Process("redis", argv, work / "redis.log", dict(os.environ),
                                           _redis_ping(local, c.ports.redis)))
         self.engines: list[Process] = []
-        for i in range(c.engines):
+        for i in range(c.engines):  # engines of every role run alike: only the router's config gives them roles
+            name = c.engine_name(i)
             events, replay = c.events_ports(i)
             argv = vllm_command(c.model, c.served_model_name, host=c.host, port=c.engine_port(i),
                                 block_size=c.block_size, max_model_len=c.max_model_len,
                                 events=f"tcp://{local}:{events}", replay=f"tcp://{local}:{replay}",
-                                topic=f"kv@e{i}", kv_transfer=kvtier_transfer(str(self._store_file(i))),
+                                topic=f"kv@{name}", kv_transfer=kvtier_transfer(str(self._store_file(i))),
                                 extra=c.engine_args, otlp_traces_endpoint=c.otlp_traces_endpoint)
-            engine = Process(f"e{i}", argv, work / f"e{i}.log",
+            engine = Process(name, argv, work / f"{name}.log",
                              engine_env(c.cpus[i], c.engine_env, bool(c.otlp_traces_endpoint)),
                              f"http://{reach}:{c.engine_port(i)}/health")
             self.engines.append(engine)
         self.processes += self.engines
-        router_config = {**c.router, "listen": f"{c.host}:{c.ports.router}", "tokenizer": str(c.model),
-                         "block_size": c.block_size,
-                         # the router binds each engine's events port and the engine connects to it: vLLM binds
-                         # only a wildcard address, which would expose the events beyond this host
-                         "engines": [{"name": f"e{i}", "url": f"http://{reach}:{c.engine_port(i)}",
-                                      "kv_events": f"tcp://{local}:{c.events_ports(i)[0]}", "kv_events_bind": True,
-                                      "kv_events_replay": f"tcp://{local}:{c.events_ports(i)[1]}"}
-                                     for i in range(c.engines)]}
-        if c.otlp_traces_endpoint:
-            router_config["otlp_traces_endpoint"] = c.otlp_traces_endpoint
-        self.router_config = router_config
+        self.router_config = c.router_config()
         self.router = Process("router", [sys.executable, "-m", "kvtier.cli", "router", "--config",
                                          str(work / "router.yaml")], work / "router.log", dict(os.environ),
                               f"http://{reach}:{c.ports.router}/health")
@@ -118,7 +108,7 @@ class Fleet:
 
     # -- configs -------------------------------------------------------------------------------------------------
     def _store_file(self, i: int) -> Path:
-        return self.config.work_dir / f"kvtier-e{i}.yaml"
+        return self.config.work_dir / f"kvtier-{self.config.engine_name(i)}.yaml"
 
     def write_configs(self) -> None:
         """The generated configs, readable by this user only: a store config may hold a tier's credentials (a
@@ -140,9 +130,9 @@ class Fleet:
         c = self.config
         assert c.prometheus is not None
         interval = f"{c.prometheus.scrape_interval_s:g}s"
-        vllm = [{"targets": [f"{self.reach}:{c.engine_port(i)}"], "labels": {"server": f"e{i}"}}
+        vllm = [{"targets": [f"{self.reach}:{c.engine_port(i)}"], "labels": {"server": c.engine_name(i)}}
                 for i in range(c.engines)]
-        kvtier = [{"targets": [f"127.0.0.1:{p}" for p in c.metrics_ports(i)], "labels": {"server": f"e{i}"}}
+        kvtier = [{"targets": [f"127.0.0.1:{p}" for p in c.metrics_ports(i)], "labels": {"server": c.engine_name(i)}}
                   for i in range(c.engines)]
         config: dict = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},

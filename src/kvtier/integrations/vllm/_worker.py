@@ -435,9 +435,7 @@ class WorkerSide:
     def save(self, meta: KVTierMetadata, tp: TensorParallel) -> None:
         self._join_layers()  # its failures first: no save stores KV computed over blocks it did not fill
         failed, self._failed = self._failed, set()
-        if not meta.saves:
-            return
-        rank, size = tp()
+        rank, size = tp() if meta.saves else (0, 1)
         for save in meta.saves:
             if not failed.isdisjoint(save.block_ids):
                 continue  # computed over blocks that failed to load; saved once vLLM has recomputed them
