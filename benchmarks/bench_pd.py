@@ -186,7 +186,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=3, help="clients decoding all along")
     parser.add_argument("--long", type=int, default=8, help="long prompts arriving")
     parser.add_argument("--every", type=float, default=3.0, help="seconds between two long prompts")
-    parser.add_argument("--work-dir", type=Path, default=ROOT / "benchmarks" / "results" / "bench-pd")
+    parser.add_argument("--work-dir", type=Path, default=ROOT / "results" / "bench-pd")
     args = parser.parse_args()
     work = args.work_dir / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True)
