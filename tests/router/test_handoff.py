@@ -5,6 +5,7 @@ with aiohttp (the faults real engines cannot produce on demand: an answer withou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Sequence
 
@@ -12,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvtier import pd as wire
 from kvtier.errors import ConfigError
 from kvtier.router.config import load_router_config
 from kvtier.router.engines import Engines
@@ -19,7 +21,7 @@ from kvtier.router.handoff import Prefills, bodies, promise_of
 from kvtier.router.index import PrefixIndex
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Router
-from kvtier.router.prompts import Prompt
+from kvtier.router.prompts import Prompt, Uncached
 from kvtier.router.reading import _parse
 
 BS = 16
@@ -95,41 +97,55 @@ def test_a_burst_sharing_a_new_prefix_goes_to_one_prefill_engine() -> None:
 
 def test_the_bodies_of_the_two_hops() -> None:
     body = {"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 50,
-            "min_tokens": 5, "kv_transfer_params": {"other": 1}}
-    pd = bodies(body)
+            "min_tokens": 5, "echo": True, "logprobs": 5, "n": 3}
+    pd = bodies(json.dumps(body).encode())
     assert pd is not None
     prefill = json.loads(pd.prefill)
-    assert prefill["max_tokens"] == 1 and prefill["stream"] is False and "stream_options" not in prefill
-    assert "min_tokens" not in prefill and prefill["kv_transfer_params"] == {"other": 1, "kvtier": {"pd": "prefill"}}
-    promise = {"pd": "stored", "tokens": 512, "namespace": "ab", "key": "cd"}
+    assert prefill == {"model": "m", "prompt": "p", "stream": False, "max_tokens": 1,
+                       "kv_transfer_params": {"kvtier": {"pd": "prefill"}}}
+    promise = wire.Stored(512, "ab", "cd")
     decode = json.loads(pd.decode(promise, 2.5))
-    assert decode == {**body, "kv_transfer_params": {"other": 1, "kvtier": {
+    assert decode == {**body, "kv_transfer_params": {"kvtier": {
         "pd": "decode", "tokens": 512, "namespace": "ab", "key": "cd", "wait_s": 2.5}}}
+    assert wire.read_request(decode["kv_transfer_params"]) == ("decode", promise, 2.5)  # what the connector reads
     # a client's text holding what looks like the slot changes nothing
-    tricky = {"prompt": 'kvtier-slot-"x"', "kv_transfer_params": None}
-    assert json.loads(bodies(tricky).decode(promise, 1))["prompt"] == tricky["prompt"]  # type: ignore[union-attr]
-    assert bodies({"prompt": "p", "kv_transfer_params": "not a mapping"}) is None
+    tricky = {"prompt": 'kvtier-slot-"x"'}
+    assert json.loads(bodies(json.dumps(tricky).encode()).decode(promise, 1))["prompt"] == tricky["prompt"]  # type: ignore[union-attr]
+    assert bodies(json.dumps({"prompt": "p", "use_beam_search": True}).encode()) is None
+    chat = json.loads(bodies(json.dumps({"messages": [], "max_completion_tokens": 9}).encode()).prefill)  # type: ignore[union-attr]
+    assert chat["max_completion_tokens"] == 1 and chat["max_tokens"] == 1
 
 
-def test_a_clients_own_kvtier_params_never_reach_an_engine() -> None:
-    raw = json.dumps({"prompt": "p", "kv_transfer_params": {"kvtier": {"pd": "decode", "wait_s": 60}, "x": 1}})
-    body, sent = _parse(raw.encode())
-    assert json.loads(sent)["kv_transfer_params"] == {"x": 1} and body["kv_transfer_params"] == {"x": 1}
+def test_a_clients_own_kv_transfer_params_never_reach_an_engine() -> None:
+    for params in ({"kvtier": {"pd": "decode", "wait_s": 60}}, {"prompt_token_ids": [1, 2]},
+                   {"do_remote_prefill": True, "remote_prefill_cached_tokens": 99}):
+        body, sent = _parse(json.dumps({"prompt": "p", "kv_transfer_params": params}).encode())
+        assert "kv_transfer_params" not in json.loads(sent) and "kv_transfer_params" not in body
 
 
 @pytest.mark.parametrize("answer, expected", [
     ({"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": 256, "namespace": "ab", "key": "cd"}}},
-     {"pd": "stored", "tokens": 256, "namespace": "ab", "key": "cd"}),
-    ({"kv_transfer_params": {"kvtier": {"pd": "none"}}}, {"pd": "none"}),
-    ({"kv_transfer_params": None}, None),
-    ({"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": -1, "namespace": "ab", "key": "cd"}}}, None),
-    ({"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": True, "namespace": "ab", "key": "cd"}}}, None),
-    ({"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": 1, "namespace": "a" * 129, "key": "cd"}}}, None),
-    ([1, 2], None),
+     wire.Stored(256, "ab", "cd")),
+    ({"kv_transfer_params": {"kvtier": {"pd": "none"}}}, None),
 ])
-def test_what_a_prefill_answer_must_carry(answer: object, expected: object) -> None:
+def test_what_a_prefill_answer_says(answer: object, expected: object) -> None:
     assert promise_of(json.dumps(answer).encode()) == expected
-    assert promise_of(b"{not json") is None
+
+
+@pytest.mark.parametrize("answer", [
+    {"kv_transfer_params": None},
+    {"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": -1, "namespace": "ab", "key": "cd"}}},
+    {"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": True, "namespace": "ab", "key": "cd"}}},
+    {"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": 1, "namespace": "a" * 129, "key": "cd"}}},
+    {"kv_transfer_params": {"kvtier": {"pd": "stored", "tokens": 1, "namespace": "AB", "key": "cd"}}},
+    {"kv_transfer_params": {"kvtier": {"pd": "decode"}}},
+    [1, 2],
+])
+def test_a_prefill_answer_the_decode_engine_would_refuse_is_refused_here(answer: object) -> None:
+    with pytest.raises(wire.BadParams):
+        promise_of(json.dumps(answer).encode())
+    with pytest.raises(wire.BadParams):
+        promise_of(b"{not json")
 
 
 class FakeEngines:
@@ -147,10 +163,12 @@ class FakeEngines:
                 self.seen[name] += 1
                 body = await request.json()
                 assert body["kv_transfer_params"]["kvtier"] == {"pd": "prefill"} and body["max_tokens"] == 1
-                if behaviour == "500":
-                    return web.Response(status=500)
+                if behaviour in ("500", "400"):
+                    return web.Response(status=int(behaviour))
                 if behaviour == "hang":
                     await asyncio.sleep(2)
+                if behaviour == "slow":
+                    await asyncio.sleep(0.25)
                 if behaviour == "no_params":
                     return web.json_response({"choices": []})
                 if behaviour == "huge":
@@ -188,10 +206,11 @@ def run_hop(behaviours: dict[str, str], retries: int = 1, timeout_s: float = 60)
         engines.session = aiohttp.ClientSession()
         try:
             plan = router.plan(Prompt(DOC))
-            pd = bodies({"prompt": "p", "max_tokens": 9})
+            pd = bodies(json.dumps({"prompt": "p", "max_tokens": 9}).encode())
             assert pd is not None
+            order = sorted(plan.prefill, key=lambda d: d.engine)  # e0 first
             promise = await Prefills(cfg, metrics, router, engines).run(pd, "/v1/completions", {"X-Request-Id": "r"},
-                                                                         plan.prefill, router.keys(Prompt(DOC)))
+                                                                         order, router.keys(Prompt(DOC)))
             assert all(not state.flights for state in router.engines.values())  # every flight accounted
             return promise, fakes, metrics
         finally:
@@ -207,16 +226,82 @@ def _count(metrics: RouterMetrics, name: str, **labels: str) -> float:
 
 def test_a_failed_prefill_engine_is_retried_on_the_next() -> None:
     promise, fakes, metrics = run_hop({"e0": "500", "e1": "ok"})
-    assert promise == {"pd": "stored", "tokens": 512, "namespace": "ab", "key": b"e1".hex()}
-    assert fakes.seen == {"e0": 1, "e1": 1} or fakes.seen == {"e0": 0, "e1": 1}
+    assert promise == wire.Stored(512, "ab", b"e1".hex())
+    assert fakes.seen == {"e0": 1, "e1": 1}
     assert _count(metrics, "kvtier_router_pd_requests_total", outcome="handoff") == 1
 
 
-@pytest.mark.parametrize("behaviour, cause", [("500", "http_error"), ("no_params", "no_params"),
-                                              ("huge", "bad_answer"), ("hang", "timeout")])
+@pytest.mark.parametrize("behaviour, cause", [("500", "http_error"), ("huge", "bad_answer"), ("hang", "timeout")])
 def test_when_every_prefill_engine_fails_the_request_is_served_whole(behaviour: str, cause: str) -> None:
     promise, fakes, metrics = run_hop({"e0": behaviour, "e1": behaviour}, timeout_s=0.5)
     assert promise is None and fakes.seen == {"e0": 1, "e1": 1}
     assert _count(metrics, "kvtier_router_pd_requests_total", outcome="prefill_failed") == 1
     assert sum(_count(metrics, "kvtier_router_pd_prefill_failures_total", engine=e, cause=cause)
                for e in ("e0", "e1")) == 2
+
+
+@pytest.mark.parametrize("behaviour, cause", [("400", "http_error"), ("no_params", "no_params")])
+def test_what_every_prefill_engine_would_answer_alike_is_not_retried(behaviour: str, cause: str) -> None:
+    """A 4xx (the request's fault) or an answer without kvtier's params (not kvtier's connector, a request it
+    skips) would be the same on every prefill engine: served whole at once."""
+    promise, fakes, metrics = run_hop({"e0": behaviour, "e1": "ok"})
+    assert promise is None and fakes.seen == {"e0": 1, "e1": 0}
+    assert _count(metrics, "kvtier_router_pd_prefill_failures_total", engine="e0", cause=cause) == 1
+
+
+def test_a_prefill_waits_for_one_in_flight_computing_its_prefix_and_only_then() -> None:
+    """Two prompts sharing a new 1,024-token prefix on one prefill engine: the second is sent once the first has
+    answered (the engine then computes only what differs); a third, on an engine that announced the prefix
+    already, is sent at once."""
+    async def go() -> list[tuple[str, float]]:
+        fakes = FakeEngines({"e0": "slow", "e1": "slow"})
+        await fakes.start()
+        cfg = load_router_config(config(["prefill", "prefill", "decode"]))
+        router = Router(cfg, PrefixIndex(BS))
+        for state in router.engines.values():
+            state.healthy = True
+        metrics = RouterMetrics()
+        engines = Engines(cfg, metrics, router.index, router)
+        engines.urls.update(fakes.urls)
+        engines.session = aiohttp.ClientSession()
+        prefills = Prefills(cfg, metrics, router, engines)
+        pd = bodies(b'{"prompt": "p"}')
+        assert pd is not None
+        ends: list[tuple[str, float]] = []
+        start = asyncio.get_running_loop().time()
+
+        async def one(tag: str, engine: str, tail: int) -> None:
+            keys = router.keys(Prompt(DOC + [tail] * 40))
+            decision = next(d for d in router.decide(Prompt(DOC + [tail] * 40), None, keys, [engine]))
+            await prefills.run(pd, "/v1/completions", {}, [decision], keys)
+            ends.append((tag, asyncio.get_running_loop().time() - start))
+        try:
+            from tests.router.test_policy import hold
+            hold(router, "e1", DOC)  # e1 holds the prefix: no wait there
+            await asyncio.gather(one("first", "e0", 1), one("second", "e0", 2), one("held", "e1", 3))
+        finally:
+            await engines.session.close()
+            await fakes.stop()
+        return ends
+    ends = dict(asyncio.run(go()))
+    # each answer takes 0.25 s: the second starts once the first has ended, the one on e1 beside the first
+    assert ends["second"] - ends["first"] >= 0.25 and ends["held"] < ends["second"], ends
+
+
+def test_a_follow_up_near_a_tie_stays_on_the_engine_holding_its_prefix() -> None:
+    """The engine holding the prefix is busier (near a tie with an idle one, which a near tie puts first for its
+    shorter queue): the request is still served whole there, not prefilled elsewhere."""
+    from tests.router.test_policy import hold
+    router = make()
+    hold(router, "e2", DOC)
+    keys = router.keys(Prompt(DOC + [7] * 20))
+    busy = router.decide(Prompt(DOC + [7] * 20), None, keys, ["e2"])[0]
+    router.started(dataclasses.replace(busy, uncached=900, load_s=0.0), [])  # a prefill queued on e2 (0.9 s)
+    plan = router.plan(Prompt(DOC + list(range(40))))
+    assert not plan.prefill and plan.serve[0].engine == "e2"
+
+
+def test_a_prompt_read_from_no_cache_is_not_prefilled_elsewhere() -> None:
+    router = make()
+    plan = router.plan(Prompt(DOC, uncached=Uncached.PROMPT_LOGPROBS))
+    assert not plan.prefill

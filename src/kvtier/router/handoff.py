@@ -1,17 +1,20 @@
 """The router's side of disaggregated prefill and decode (docs/pd.md): the prefill hop before a request is sent to
-the engine that answers it.
+the engine that answers it (the wire format: :mod:`kvtier.pd`).
 
-On a worker thread, :func:`bodies` writes the two requests a P/D route sends: the prefill (the client's body with
-``max_tokens: 1``, not streamed, ``kv_transfer_params.kvtier = {"pd": "prefill"}``) and the decode, the client's
-body with kvtier's sub-dict left as a slot filled once the prefill answered (:meth:`PDBodies.decode`, a
-concatenation on the event loop). A client's own ``kv_transfer_params.kvtier`` never reaches an engine
-(:mod:`kvtier.router.reading` drops it): only the router speaks kvtier's protocol.
+Once the plan says P/D, :func:`bodies` writes on a worker thread the two requests a P/D route sends: the prefill
+(the client's body with ``max_tokens: 1``, not streamed, without what would make its one token larger or dearer,
+carrying ``kv_transfer_params.kvtier = {"pd": "prefill"}``) and the decode, the client's body with kvtier's
+sub-dict left as a slot filled once the prefill answered (:meth:`PDBodies.decode`, a concatenation on the event
+loop). A client's own ``kv_transfer_params`` never reach an engine (:mod:`kvtier.router.reading` drops them):
+what passes between engines is the router's to say.
 
 :class:`Prefills` runs the hop: the prefill engines in the plan's order, each answer read whole (bounded) and its
-``kv_transfer_params.kvtier`` checked; an engine that fails, times out or answers without them is counted and the
-next is tried; when none answers, the request is served whole by its decode engine (a P/D failure never reaches
-the client). A prefill waits first for one in flight on the same engine whose prompt shares at least
-``pd.local_tokens`` tokens with its own, so that a burst sharing a new prefix computes it once.
+``kv_transfer_params.kvtier`` checked. An engine that fails (connection, 5xx, timeout) is counted and the next is
+tried; a 4xx or an answer without kvtier's params would be the same on every one, so the request goes on at once;
+when none answers, the request is served whole by its decode engine (a P/D failure never reaches the client). A
+prefill first waits (bounded) for one in flight on the same engine that computes the same first
+``pd.local_tokens`` tokens, which the engine does not hold yet, so that a burst sharing a new prefix computes it
+once.
 """
 
 from __future__ import annotations
@@ -23,21 +26,22 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
-
 import aiohttp
 
-from kvtier import tracing
+from kvtier import pd, tracing
 from kvtier.router.config import RouterConfig
-from kvtier.router.engines import Engines
+from kvtier.router.engines import WARN_EVERY_S, Engines
 from kvtier.router.guards import timeout
-from kvtier.router.metrics import RouterMetrics
+from kvtier.router.metrics import LogOnce, RouterMetrics
 from kvtier.router.policy import RouteDecision, Router
 
 log = logging.getLogger(__name__)
 
-PD_FIELD = "kvtier"
 MAX_PREFILL_ANSWER_BYTES = 1 << 20  # a one-token answer: a larger one is not a prefill's
+# What the prefill hop does not send: its answer is one token that nobody reads, and these would make it larger
+# (echo, logprobs), compute more (n, best_of, beam search) or be refused with max_tokens 1 (min_tokens)
+_NOT_FOR_PREFILL = ("stream_options", "min_tokens", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "n",
+                    "best_of", "use_beam_search")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,61 +52,58 @@ class PDBodies:
     decode_head: bytes
     decode_tail: bytes
 
-    def decode(self, promise: dict[str, Any], wait_s: float) -> bytes:
+    @property
+    def size(self) -> int:
+        return len(self.prefill) + len(self.decode_head) + len(self.decode_tail)
+
+    def decode(self, promise: pd.Stored, wait_s: float) -> bytes:
         """The decode request's body carrying ``promise`` (a prefill's answer) and the wait bound."""
-        own = {**promise, "pd": "decode", "wait_s": wait_s}
-        return self.decode_head + json.dumps(own).encode() + self.decode_tail
+        return self.decode_head + json.dumps(promise.decode(wait_s)).encode() + self.decode_tail
 
 
-def bodies(body: dict[str, Any]) -> PDBodies | None:
-    """The P/D bodies of a parsed request body (without a client's own ``kv_transfer_params.kvtier``), or None
-    when its ``kv_transfer_params`` is not a mapping (vLLM refuses it anyway: the request is served whole)."""
-    params = body.get("kv_transfer_params")
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
+def bodies(raw: bytes) -> PDBodies | None:
+    """The P/D bodies of a request body the router already read (a JSON object, without a client's
+    ``kv_transfer_params``), or None for one P/D cannot serve (beam search): it is served whole. On a worker."""
+    body = json.loads(raw)
+    if body.get("use_beam_search") is True:
         return None
-    prefill = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-    prefill.update(stream=False, max_tokens=1, kv_transfer_params={**params, PD_FIELD: {"pd": "prefill"}})
+    prefill = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
+    prefill.update(stream=False, max_tokens=1, kv_transfer_params={pd.FIELD: {"pd": "prefill"}})
     if "max_completion_tokens" in body:
         prefill["max_completion_tokens"] = 1
     slot = "kvtier-slot-" + uuid.uuid4().hex  # a string no client can have guessed: the body is split there
-    text = json.dumps({**body, "kv_transfer_params": {**params, PD_FIELD: slot}}).encode()
+    text = json.dumps({**body, "kv_transfer_params": {pd.FIELD: slot}}).encode()
     head, sep, tail = text.partition(json.dumps(slot).encode())
     assert sep, "the slot is in the body"
     return PDBodies(json.dumps(prefill).encode(), head, tail)
 
 
-def promise_of(answer: bytes) -> dict[str, Any] | None:
-    """kvtier's sub-dict of a prefill answer's ``kv_transfer_params``: what it stored (``pd`` is ``stored``) or
-    that it stored nothing (``none``); None when the answer carries none or it is malformed."""
+def promise_of(answer: bytes) -> pd.Stored | None:
+    """What a prefill engine's answer says it stored (None: nothing). Raises :class:`kvtier.pd.BadParams` for an
+    answer that is not JSON or carries no kvtier sub-dict, or one this release does not read."""
     try:
         data = json.loads(answer)
     except (ValueError, RecursionError):
-        return None
-    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
-    own = params.get(PD_FIELD) if isinstance(params, dict) else None
-    if not isinstance(own, dict):
-        return None
-    if own.get("pd") == "none":
-        return {"pd": "none"}
-    tokens, namespace, key = own.get("tokens"), own.get("namespace"), own.get("key")
-    if own.get("pd") != "stored" or type(tokens) is not int or tokens < 0 or \
-            not all(isinstance(v, str) and 0 < len(v) <= 128 for v in (namespace, key)):
-        return None
-    return {"pd": "stored", "tokens": tokens, "namespace": namespace, "key": key}
+        raise pd.BadParams("the answer is not JSON") from None
+    return pd.read_answer(data.get("kv_transfer_params") if isinstance(data, dict) else None)
 
 
 class _Failed(Exception):
-    def __init__(self, cause: str, detail: str) -> None:
+    """A prefill engine's failure; ``retry``: another prefill engine may do better (a 4xx or an answer without
+    kvtier's params would be the same on every one: the request is served whole at once)."""
+
+    def __init__(self, cause: str, detail: str, retry: bool = True) -> None:
         super().__init__(detail)
         self.cause = cause
+        self.retry = retry
 
 
 class Prefills:
     """The prefill hop of P/D routes, and the prefills in flight (by engine) that a new one may wait for."""
 
     def __init__(self, config: RouterConfig, metrics: RouterMetrics, router: Router, engines: Engines) -> None:
+        self._failed = LogOnce(None, "kvtier_router_pd_prefill_failures_total", log, logging.WARNING,
+                               every_s=WARN_EVERY_S)
         self.config = config
         self.metrics = metrics
         self.router = router
@@ -113,23 +114,26 @@ class Prefills:
         self._shared_block = max(1, config.pd.local_tokens // config.block_size) - 1
 
     async def run(self, bodies: PDBodies, path: str, headers: dict[str, str], decisions: list[RouteDecision],
-                  keys: Sequence[bytes]) -> dict[str, Any] | None:
+                  keys: Sequence[bytes]) -> pd.Stored | None:
         """The promise of the first prefill engine that stores the prompt, or None: the request is then served
         whole by its decode engine (the outcome is counted either way)."""
         with tracing.span("kvtier.router.prefill", request_id=headers.get("X-Request-Id", "")) as span:
             outcome, promise = "prefill_failed", None
             for attempt, decision in enumerate(decisions[:1 + self.config.retries]):
                 try:
-                    found = await self._one(bodies.prefill, path, headers, decision, keys)
+                    promise = await self._one(bodies.prefill, path, headers, decision, keys)
                 except _Failed as exc:
                     self.metrics.requests.labels(decision.engine, "prefill", "failed").inc()
-                    log.warning("request %r: prefill engine %s failed (%s)%s", headers.get("X-Request-Id"),
-                                decision.engine, exc, "; trying the next" if attempt < self.config.retries else
-                                "; served whole by its decode engine")
                     self.metrics.pd_prefill_failures.labels(decision.engine, exc.cause).inc()
+                    last = not exc.retry or attempt >= min(self.config.retries, len(decisions) - 1)
+                    self._failed(exc.cause, "request %r: prefill engine %s failed (%s)%s", headers.get(
+                        "X-Request-Id"), decision.engine, exc, "; served whole by its decode engine" if last
+                        else "; trying the next")
+                    if last:
+                        break
                     continue
                 self.metrics.requests.labels(decision.engine, "prefill", "ok").inc()
-                outcome, promise = ("handoff", found) if found["pd"] == "stored" else ("nothing_stored", None)
+                outcome = "handoff" if promise is not None else "nothing_stored"
                 if span is not None:
                     span.set_attribute("engine", decision.engine)
                 break
@@ -139,41 +143,55 @@ class Prefills:
         return promise
 
     async def _one(self, body: bytes, path: str, headers: dict[str, str], decision: RouteDecision,
-                   keys: Sequence[bytes]) -> dict[str, Any]:
-        """One prefill on one engine (after any prefill of a shared prefix in flight there): its promise."""
+                   keys: Sequence[bytes]) -> pd.Stored | None:
+        """One prefill on one engine (after any prefill in flight there computing this prompt's first
+        ``pd.local_tokens`` tokens): what it stored."""
         name = decision.engine
-        await self._after_shared(name, keys)
-        done = asyncio.Event()
-        flying = self._flying.setdefault(name, [])
+        await self._after_shared(name, decision, keys)
+        done, flying = asyncio.Event(), self._flying.setdefault(name, [])
         entry = (keys, done)
         flying.append(entry)
-        flight = self.router.started(decision, keys)
-        start, computed = time.monotonic(), False
+        flight, computed = None, False
         try:
+            flight = self.router.started(decision, keys)
+            start = time.monotonic()
             answer = await self._post(name, path, body, headers)
             computed = True
-            promise = promise_of(answer)
-            if promise is None:
-                raise _Failed("no_params", "its answer carries no kv_transfer_params.kvtier (is its connector "
-                                           "kvtier's?)")
+            try:
+                promise = promise_of(answer)
+            except pd.BadParams as exc:
+                raise _Failed("no_params", f"{exc} (is its connector kvtier's? was the request one kvtier skips?)",
+                              retry=False) from None
             elapsed = time.monotonic() - start
             self.router.first_byte(name, flight, elapsed)  # a one-token answer: its time is the prefill's
             self.metrics.pd_prefill_seconds.labels(name).observe(elapsed)
             return promise
         finally:
-            self.router.finished(name, flight, computed)
+            done.set()  # first: nothing below may leave a later prefill waiting on it
             flying.remove(entry)
-            done.set()
+            if flight is not None:
+                self.router.finished(name, flight, computed)
 
-    async def _after_shared(self, name: str, keys: Sequence[bytes]) -> None:
-        """Wait (within ``pd.prefill_timeout_s``) for the prefills in flight on ``name`` that share this prompt's
-        first ``pd.local_tokens`` tokens: once they end, the engine computes only what differs."""
+    async def _after_shared(self, name: str, decision: RouteDecision, keys: Sequence[bytes]) -> None:
+        """Wait for the prefills in flight on ``name`` that compute this prompt's first ``pd.local_tokens`` tokens,
+        which the engine does not hold yet (its events have not announced them): once they end, it computes only
+        what differs. At most twice the predicted time of computing that prefix (and ``pd.prefill_timeout_s``), so
+        a prefill that shares a prefix with a slow one (a long tail of its own) is delayed by no more than that."""
         j = self._shared_block
-        if len(keys) <= j:
+        if len(keys) <= j or self.router.index.announced_run(name, keys) > j:
             return
-        waits = [done.wait() for other, done in self._flying.get(name, ()) if len(other) > j and other[j] == keys[j]]
-        if waits:
-            await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=self.config.pd.prefill_timeout_s)
+        waits = [done for other, done in self._flying.get(name, ()) if len(other) > j and other[j] == keys[j]]
+        if not waits:
+            return
+        engine = self.router.engines[name]
+        bound = min(self.config.pd.prefill_timeout_s,
+                    max(1.0, 2 * (j + 1) * self.config.block_size * self.router.prefill_rate(engine)))
+        tasks = [asyncio.ensure_future(done.wait()) for done in waits]
+        try:
+            await asyncio.wait(tasks, timeout=bound)
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def _post(self, name: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         session = self.engines.session
@@ -186,8 +204,8 @@ class Prefills:
             async with timeout(self.config.pd.prefill_timeout_s), session.post(
                     self.engines.urls[name] + path, data=body, headers=hop, allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s)) as reply:
-                if reply.status != 200:
-                    raise _Failed("http_error", f"HTTP {reply.status}")
+                if reply.status != 200:  # a 4xx is the request's (every engine would refuse it), a 5xx the engine's
+                    raise _Failed("http_error", f"HTTP {reply.status}", retry=reply.status >= 500)
                 parts, size = [], 0
                 async for part in reply.content.iter_any():
                     size += len(part)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30)
-PD_OUTCOMES = ("handoff", "local", "no_prefill_engine", "prefill_failed", "nothing_stored")
+PD_OUTCOMES = ("handoff", "local", "no_prefill_engine", "prefill_failed", "nothing_stored", "not_prefilled")
 PD_PREFILL_CAUSES = ("http_error", "timeout", "disconnected", "no_params", "bad_answer")
 
 
@@ -83,7 +83,8 @@ class RouterMetrics:
                                    "(handoff: prefilled elsewhere; local: served whole by the engine answering, "
                                    "its uncached tokens under pd.local_tokens; no_prefill_engine; prefill_failed: "
                                    "every prefill engine tried failed, served whole; nothing_stored: the prefill "
-                                   "engine stored nothing, served whole)",
+                                   "engine stored nothing, served whole; not_prefilled: its P/D bodies could not be "
+                                   "made (beam search, every worker busy, the body budget spent), served whole)",
                                    ["outcome"], registry=r)
         self.pd_prefill_seconds = Histogram("kvtier_router_pd_prefill_seconds", "A prefill hop's time, from its "
                                             "request to the prefill engine's whole answer", ["engine"], registry=r,

@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from kvtier.router.config import Costs, RouterConfig
+from kvtier.router.config import Costs, Role, RouterConfig
 from kvtier.router.index import LOCAL_PLACES, Match, PrefixIndex, request_keys
 from kvtier.router.prompts import Prompt
 
@@ -91,7 +91,7 @@ class Plan:
 
 
 class EngineState:
-    def __init__(self, name: str, costs: Costs, weight: float, role: str = "both") -> None:
+    def __init__(self, name: str, costs: Costs, weight: float, role: Role = "both") -> None:
         self.name = name
         self.role = role
         self.weight = weight
@@ -156,8 +156,13 @@ class Router:
         """Where a request goes (:class:`Plan`); ``serve`` is empty when no engine that answers is healthy."""
         serve = self.decide(prompt, session, keys, self.answering())
         prefills = [n for n in self.healthy() if self.engines[n].role == "prefill"]
-        if not serve or not prefills or prompt is None or serve[0].uncached < self.config.pd.local_tokens:
+        # A prompt the engine reads nothing of from a cache (prompt_logprobs, echo with logprobs) would be computed
+        # twice: served whole
+        if not serve or not prefills or prompt is None or prompt.uncached is not None:
             return Plan(serve)
+        local = self._local(serve)
+        if local is not None:
+            return Plan([local, *(d for d in serve if d is not local)])
         if keys is None:
             keys = self.keys(prompt)
         n_tokens = len(prompt.tokens)
@@ -174,6 +179,15 @@ class Router:
         handed.sort(key=lambda d: (round(d.predicted_s, 4), len(self.engines[d.engine].flights)))
         handed = [dataclasses.replace(d, reason="pd" if i == 0 else "retry") for i, d in enumerate(handed)]
         return Plan(handed, self._prefill_order(self.decide(prompt, None, keys, prefills)))
+
+    def _local(self, serve: list[RouteDecision]) -> RouteDecision | None:
+        """The engine to serve a request whole, with no prefill hop: one that would compute fewer than
+        ``pd.local_tokens`` uncached tokens, and whose predicted time is within a near tie of the best (the first
+        in ``serve`` may be another near equal, put first for its shorter queue)."""
+        best = min(d.predicted_s for d in serve)
+        slack = best * _NEAR_TIE + self.config.block_size * self.prefill_rate(self.engines[serve[0].engine])
+        near = [d for d in serve if d.uncached < self.config.pd.local_tokens and d.predicted_s <= best + slack]
+        return min(near, key=lambda d: d.uncached, default=None)
 
     def _prefill_order(self, order: list[RouteDecision]) -> list[RouteDecision]:
         """Prefill engines by predicted time, except that one holding (or computing: its reservations) at least

@@ -26,7 +26,7 @@ from kvtier.router.config import RouterConfig
 from kvtier.router.engines import Engines
 from kvtier.router.guards import (BodyBudget, BodyTooLarge, BudgetSpent, Charge, PoolFull, WorkerPool, read_body,
                                   timeout)
-from kvtier.router.handoff import Prefills
+from kvtier.router.handoff import Prefills, bodies
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Plan, RouteDecision, Router
 from kvtier.router.reading import Read, Reader, Unreadable
@@ -119,22 +119,21 @@ class Proxy:
         read = await self._read(request, charge)
         if isinstance(read, web.Response):
             return read
-        raw, prompt, keys, stream, pd = read.raw, read.prompt, read.keys, read.stream, read.pd
+        raw, prompt, keys, stream = read.raw, read.prompt, read.keys, read.stream
         del read
         session = request.headers.get(self.config.session_header)
+        t0 = time.monotonic()  # the client's TTFT includes a prefill hop
         with tracing.span("kvtier.router.decision", request_id=request_id,
                           prompt_tokens=None if prompt is None else len(prompt.tokens)) as span:
             plan = self.router.plan(prompt, session, keys)
             if span is not None:
                 _describe(span, plan.serve)
                 span.set_attribute("prefill_candidates", [d.engine for d in plan.prefill])
-        if plan.prefill and pd is not None:  # disaggregated: a prefill engine computes the prompt first
-            promise = await self.prefills.run(pd, request.path_qs, headers, plan.prefill, keys)
-            if promise is not None:
-                raw = pd.decode(promise, self.config.pd.wait_s)
-            else:  # served whole, by the engines that answer, as any request would be
+        if plan.prefill:  # disaggregated: a prefill engine computes the prompt first
+            raw, served_whole = await self._prefill(request, raw, headers, plan, keys, charge)
+            if served_whole:  # by the engines that answer, as any request would be
                 plan = Plan(self.router.decide(prompt, session, keys, self.router.answering()))
-        elif self.router.disaggregated and prompt is not None:
+        elif self.router.disaggregated and prompt is not None and plan.serve:
             prefilling = any(self.router.engines[n].role == "prefill" for n in self.router.healthy())
             self.metrics.pd_requests.labels("local" if prefilling else "no_prefill_engine").inc()
         decisions = plan.serve
@@ -144,7 +143,6 @@ class Proxy:
             log.debug("request %r: %s", request_id, "; ".join(
                 f"{d.engine} {d.predicted_s:.3f}s (wait {d.wait_s:.3f}, load {d.load_s:.3f}, compute {d.uncached}, "
                 f"{d.match})" for d in decisions))
-        t0 = time.monotonic()
         for attempt, decision in enumerate(decisions[:1 + self.config.retries]):
             try:
                 return await self._send(request, raw, headers, decision, keys, stream, t0)
@@ -154,6 +152,25 @@ class Proxy:
                 self.metrics.retries.labels(decision.engine).inc()
                 self.metrics.requests.labels(decision.engine, decision.reason, "failed").inc()
         return error_reply(502, "every engine tried failed before answering", "upstream_unavailable", retry_after=True)
+
+    async def _prefill(self, request: web.Request, raw: bytes, headers: dict[str, str], plan: Plan,
+                       keys: list[bytes], charge: Charge) -> tuple[bytes, bool]:
+        """The P/D hop: the body to send the decode engine, and whether the request is served whole instead (its
+        P/D bodies could not be made: beam search, every worker busy, the body budget spent; or no prefill
+        engine stored the prompt)."""
+        try:
+            pd_bodies = await self.pool.run(bodies, raw)
+            if pd_bodies is not None:
+                charge.add(pd_bodies.size)  # held until the request ends, with its body
+        except (PoolFull, BudgetSpent, ValueError, RecursionError):
+            pd_bodies = None
+        if pd_bodies is None:
+            self.metrics.pd_requests.labels("not_prefilled").inc()
+            return raw, True
+        promise = await self.prefills.run(pd_bodies, request.path_qs, headers, plan.prefill, keys)
+        if promise is None:
+            return raw, True
+        return pd_bodies.decode(promise, self.config.pd.wait_s), False
 
     async def _read(self, request: web.Request, charge: Charge) -> Read | web.Response:
         """The request's body read (within ``limits``, charged to ``charge``), parsed, its prompt tokenized and

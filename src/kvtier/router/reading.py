@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from kvtier.router.handoff import PD_FIELD, PDBodies, bodies
 from kvtier.router.metrics import LogOnce
 from kvtier.router.policy import Router
 from kvtier.router.prompts import Prompt, PromptError, Tokenizer, read_prompt, read_stream
@@ -31,7 +30,6 @@ class Read:
     raw: bytes  # what is sent to the engine
     prompt: Prompt | None
     keys: list[bytes]
-    pd: PDBodies | None = None  # the prefill's and the decode's bodies, where a P/D route may send them
 
 
 class Unreadable(Exception):
@@ -47,11 +45,8 @@ class Reader:
         Raises :class:`Unreadable` for a body that is not a JSON object."""
         body, raw = _parse(raw)
         prompt = self._prompt(path, body, len(raw), base_models, longest)
-        # Only a prompt long enough to be worth a prefill hop (on some engine) is given the P/D bodies
-        pd = bodies(body) if self._router.disaggregated and prompt is not None and \
-            len(prompt.tokens) >= self._router.config.pd.local_tokens else None
         return Read(stream=read_stream(body), raw=raw, prompt=prompt,
-                    keys=self._router.keys(prompt) if prompt is not None else [], pd=pd)
+                    keys=self._router.keys(prompt) if prompt is not None else [])
 
     def unpredicted(self, raw: bytes, kind: str) -> Read:
         """The body parsed, its prompt not read (routed without a prediction, counted under ``kind``)."""
@@ -101,10 +96,10 @@ def _parse(raw: bytes) -> tuple[dict, bytes]:
         # references, and would credit evicted blocks for good. The router owns what engines announce.
         body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
         raw = json.dumps(body).encode()
-    params = body.get("kv_transfer_params")
-    if isinstance(params, dict) and PD_FIELD in params:
-        # kvtier's own P/D fields are the router's to write: a client's would make a decode engine wait for KV
-        # that no prefill stored, or a prefill engine answer what it stored
-        body["kv_transfer_params"] = {k: v for k, v in params.items() if k != PD_FIELD}
+    if "kv_transfer_params" in body:
+        # What passes between engines is the router's to say: a client's kvtier fields would make a decode engine
+        # wait for KV no prefill stored; vLLM's own would replace the prompt the router keyed (prompt_token_ids)
+        # or claim cached tokens computed elsewhere (do_remote_prefill)
+        del body["kv_transfer_params"]
         raw = json.dumps(body).encode()
     return body, raw

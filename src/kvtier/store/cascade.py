@@ -54,7 +54,7 @@ class CascadeWriter:
         self._max_depth = spec.queue_depth
         self._max_bytes = spec.queue_bytes
         self._max_handoff = spec.handoff_queue_bytes
-        self._depth = 0  # ordinary entries queued or being written
+        self._depth = 0  # ordinary entries waiting (queued, not yet taken by a worker)
         self._bytes = 0  # payload bytes of the ordinary entries queued or being written
         self._handoff_bytes = 0  # and of the handoffs
         self._bytes_lock = threading.Lock()
@@ -115,6 +115,9 @@ class CascadeWriter:
                 if item is _STOP:
                     return
                 entry, parent, handoff = item
+                if not handoff:
+                    with self._bytes_lock:
+                        self._depth -= 1  # taken: no longer waiting (its bytes stay pinned until written)
                 try:
                     with tracing.span("kvtier.tier.write", parent, tier=self.tier.name, key=entry.key.name,
                                       bytes=entry.meta.nbytes) as span:
@@ -127,7 +130,6 @@ class CascadeWriter:
                             self._handoff_bytes -= entry.meta.nbytes
                         else:
                             self._bytes -= entry.meta.nbytes
-                            self._depth -= 1
                     self._pool.release(entry)
             finally:
                 self._queue.task_done()

@@ -242,10 +242,10 @@ class KVStore:
 
     @property
     def tiers_down(self) -> bool:
-        """Whether every secondary tier is in a read outage (resting after failures): a lookup now finds nothing
-        beyond DRAM, and waiting for another process's writes to appear is in vain until one is back. False
-        without secondary tiers."""
-        return bool(self._guards) and all(guard.reads.resting() for guard in self._guards)
+        """Whether every secondary tier is in a read outage (resting after failures), or there is none: a lookup
+        finds nothing beyond DRAM, and waiting for another process's writes to appear is in vain (until a tier is
+        back)."""
+        return all(guard.reads.resting() for guard in self._guards)
 
     def lookup(self, ns: Namespace, tokens: Tokens, *, kv_heads: int | None = None,
                elsewhere: Elsewhere | None = None, local_only: bool = False,

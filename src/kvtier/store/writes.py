@@ -132,11 +132,28 @@ class Writes:
             self._dram.commit(entry, keep_refs=len(writers))
             for writer in writers:
                 writer.submit(entry, handoff=handoff)
+        if handoff:
+            fresh = {entry.key for entry in reserved}
+            self._cascade_again([key for key, _ in wanted[:held] if key not in fresh], writers, owner)
         if tenant is not None and reserved and not self._tenancy.current(tenant):
             self._dram.discard_owned({tenant.key_id})  # forgotten while this put ran: what it committed goes too
             held = 0  # and the caller is told nothing was stored
         self._metrics.put_seconds.observe(time.perf_counter() - start)
         return min(offset + held * t, len(tokens))
+
+    def _cascade_again(self, keys: list[ShardKey], writers: list[CascadeWriter], owner: bytes | None) -> None:
+        """Queue a handoff's chunks that DRAM held already for the tiers again, as handoffs: a tier may have lost
+        them (a write dropped, an eviction) while DRAM kept them, and another engine waits for them there. A writer
+        finding one in its tier only asks (``present``). Lossy KV (decoded from a tier's codec) goes to none."""
+        for key in keys:
+            for writer in writers:
+                entries = self._dram.acquire(key.namespace, key.chunk, [key.heads], owner)  # one pin per writer
+                if not entries:
+                    break  # gone since, or being written by another put (which cascades it)
+                if not entries[0].codec.exact:
+                    self._dram.release(entries[0])
+                    break
+                writer.submit(entries[0], handoff=True)
 
     def _fill(self, wanted: list[tuple[ShardKey, str | None]], prefix: list[ShardKey], meta: frame.ShardMeta,
               owner: bytes | None, source: Source, device: torch.device) -> tuple[int, list[DramEntry]]:

