@@ -195,7 +195,9 @@ def main() -> int:
     if not args.no_nixl and not nixl:
         log("NIXL is not installed (nixl._api): nixl_pd left out; bash benchmarks/peers/pd/setup.sh installs it")
     rows: dict[str, dict] = {}
-    redis = RedisServer(work / "redis").start()
+    # Room for every set-up's KV (8 prompts of 3,000 tokens are ~550 MB of this model's bf16 KV): a Redis that
+    # evicted would make second turns misses, whatever the set-up
+    redis = RedisServer(work / "redis", maxmemory="4gb").start()
     try:
         for seed, (name, setup) in enumerate(setups(model, work, redis, nixl), start=1):
             log(f"{name}: starting")

@@ -240,6 +240,23 @@ def _codecs(d: Mapping[str, Any]) -> Table:
                    "worst prompt's", "encode MB/s", "decode MB/s", "target"], rows)
 
 
+_PD_MEASURES = (("decode streams' ITL p50 (ms)", "itl_p50_ms"), ("decode streams' ITL p99 (ms)", "itl_p99_ms"),
+                ("decode streams' ITL p99.9 (ms)", "itl_p999_ms"), ("long prompts' TTFT p50 (ms)", "long_ttft_p50_ms"),
+                ("long prompts' TTFT p90 (ms)", "long_ttft_p90_ms"), ("output tokens/s", "throughput_tok_s"),
+                ("second turns' TTFT p50 (ms)", "second_ttft_p50_ms"),
+                ("second turns' TTFT p90 (ms)", "second_ttft_p90_ms"))
+
+
+def _pd(d: Mapping[str, Any]) -> Table:
+    """bench_pd: each set-up's measures side by side, then the ratios its targets name (in the first column)."""
+    setups: Mapping[str, Mapping[str, Any]] = d.get("rows", {})
+    def num(value: float | None) -> str:
+        return f"{value:,.0f}" if value is not None and abs(value) >= 100 else ratio(value)
+    rows = [[label, *(num(r.get(key)) for r in setups.values())] for label, key in _PD_MEASURES]
+    rows += [[name, ratio(value), *([""] * (len(setups) - 1))] for name, value in d.get("ratios", {}).items()]
+    return _table(["Measure", *setups], rows)
+
+
 READERS: dict[str, Reader] = {
     "ttft": _ttft, "ttft-runs": _ttft_runs, "ttft-redis": _ttft, "ttft-s3": _ttft,
     "store": _rows_with_ratio(("bench", "shape", "op"), ("target",)),
@@ -250,6 +267,7 @@ READERS: dict[str, Reader] = {
     "first-prompts": _per_round("Measure, the first prompts after start (/ vLLM alone)"),
     "validate": _validate, "preemption": _preemption, "decide": _decide, "policies": _policies,
     "calibration": _calibration, "load-memory": _load_memory, "ab-store": _ab, "ab-ttft": _ab, "codecs": _codecs,
+    "pd": _pd,
 }
 
 
