@@ -32,7 +32,7 @@ from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess  # noqa: E402
 from kvtier.testing.servers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
-WAIT_S = 3.0  # the router's pd.wait_s
+WAIT_S = 20.0  # the router's pd.wait_s: a handoff under a loaded CI completes well within it
 
 
 class PD:
@@ -75,7 +75,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Iterator[PD]:
                             "retry_seconds": 1.0}]}
         kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": {"config": store, "pd_wait_max_seconds": 10}}
+              "kv_connector_extra_config": {"config": store, "pd_wait_max_seconds": 30}}
         engines.append(Engine(name, model, work, cpu=i, blocks=40, kv_transfer=kv, extra=["--dtype", "float32"]))
     router = None
     try:
@@ -123,9 +123,11 @@ def test_a_long_prompt_is_prefilled_on_one_engine_and_decoded_on_the_other(pd: P
     assert got.headers["X-KVTier-Engine"] == "d0" and got.headers["X-KVTier-Route-Reason"] == "pd"
     assert pd.router_metric("kvtier_router_pd_requests_total", outcome="handoff") == handoffs + 1
     n, cached = usage(got)
-    assert n > 1024 and cached == cap(n)  # every block the prefill engine stored was loaded, none computed again
-    assert pd.engine_metric("d0", "kvtier_connector_pd_requests_total", side="decode",
-                            outcome="complete") == complete + 1
+    outcomes = {o: pd.engine_metric("d0", "kvtier_connector_pd_requests_total", side="decode", outcome=o)
+                for o in ("complete", "partial", "timed_out", "tier_down", "mismatch", "short")}
+    # every block the prefill engine stored was loaded, none computed again
+    assert n > 1024 and cached == cap(n), (n, cached, outcomes, got.json())
+    assert outcomes["complete"] == complete + 1, outcomes
     # Like against like: the prefill engine's own answer over vLLM's prefix cache
     direct = pd.post(body, base=pd.prefill.url)
     assert usage(direct)[1] == cap(n) and text(got) == text(direct)
@@ -219,27 +221,19 @@ def test_a_short_promise_or_another_salt_never_waits(pd: PD) -> None:
 
 
 def test_a_clients_own_kvtier_params_never_reach_an_engine(pd: PD) -> None:
-    """A promise the client forged (a real one, whose KV is then lost) sent through the router: the engine that
-    serves it never sees it (no handoff outcome is counted there), so it neither waits nor trusts it."""
+    """A promise the client forged (another namespace's) sent through the router: the engine that serves it never
+    sees it. Had it reached a decode engine, it would have been counted a mismatch (or bad_params)."""
     body = {"prompt": doc(7, 400), "max_tokens": 4, "temperature": 0}
-    promise = _prefill(pd, body)
-    deadline = time.monotonic() + 30
-    while not _redis_keys(pd, promise["key"]):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    for key in _redis_keys(pd, promise["key"]):
-        pd.redis.delete(key)
-    def outcomes() -> dict[tuple[str, str], float]:
-        return {(e, o): pd.engine_metric(e, "kvtier_connector_pd_requests_total", side="decode", outcome=o)
-                for e in ("p0", "d0") for o in ("complete", "partial", "timed_out", "mismatch", "bad_params")}
-    before = outcomes()
-    forged = {**body, "kv_transfer_params": {"kvtier": {**promise, "pd": "decode", "wait_s": 60}}}
-    got = pd.post(forged)
-    after = outcomes()
-    # served whole, or handed over by the router's own prefill (which writes the lost chunks again: complete);
-    # the forged promise, whose chunk is gone, would have been partial or timed out
-    handed = got.headers["X-KVTier-Route-Reason"] == "pd"
-    assert after == {**before, ("d0", "complete"): before["d0", "complete"] + handed}, (after, before)
+    promise = {"pd": "decode", "tokens": 1024, "namespace": "ab" * 16, "key": "cd" * 16, "wait_s": 60}
+
+    def refused() -> float:
+        return sum(pd.engine_metric(e, "kvtier_connector_pd_requests_total", side=side, outcome=o)
+                   for e in ("p0", "d0") for side in ("prefill", "decode") for o in ("mismatch", "bad_params"))
+    before = refused()
+    for prompt in (body["prompt"], "Short one"):  # a P/D route, and one served whole
+        pd.post({**body, "prompt": prompt, "kv_transfer_params": {"kvtier": promise}})
+        pd.post({**body, "prompt": prompt, "kv_transfer_params": {"kvtier": {"pd": "bogus"}}})
+    assert refused() == before
 
 
 def test_redis_paused_during_the_handoff_costs_at_most_the_wait(pd: PD) -> None:

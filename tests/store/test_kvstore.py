@@ -382,27 +382,30 @@ def test_a_handoff_is_never_dropped_for_a_full_queue_and_is_written_first(gated_
         assert store.drop_dram() >= 4  # nothing stays pinned
 
 
-def test_a_handoff_queues_again_what_dram_held_and_the_tier_lost(redis_server, unique_prefix: str) -> None:
-    """The prefill engine's DRAM holds a prompt whose chunks the shared tier lost (Redis evicted them): the handoff
-    writes them to the tier again, since the decode engine can read them only there."""
+def test_a_handoff_queues_again_what_dram_held_and_the_tier_never_got(redis_server, unique_prefix: str) -> None:
+    """The prefill engine's DRAM holds a prompt whose writes to the shared tier failed (Redis stalled): the handoff
+    writes them to the tier again, since the decode engine can read them only there. Chunks a write confirmed in
+    the tier are not queued again."""
     import redis
 
     config = store_config(None)
-    config["tiers"] = [{"type": "redis", "url": redis_server.url, "key_prefix": unique_prefix}]
+    config["tiers"] = [{"type": "redis", "url": redis_server.url, "key_prefix": unique_prefix,
+                        "socket_timeout": 0.2, "retry_seconds": 0}]
     tokens = synthetic_tokens(24, 4 * T)
-    with KVStore.from_config(config) as prefill:
+    client = redis.Redis.from_url(redis_server.url)
+    with KVStore.from_config(config) as prefill, KVStore.from_config(config) as decode:
+        client.execute_command("CLIENT", "PAUSE", 1500, "WRITE")  # the writes stall and fail
         prefill.put(NS, tokens, synthetic_kv(tokens))
         prefill.flush()
-        client = redis.Redis.from_url(redis_server.url)
-        lost = [chunk_keys(NS, tokens, T)[i].hex().encode() for i in (1, 2)]
-        for key in client.scan_iter(match=f"{unique_prefix}*"):
-            if any(chunk in key for chunk in lost):
-                client.delete(key)
-        with KVStore.from_config(config) as decode:
-            assert decode.lookup(NS, tokens) == T  # the chain breaks at the first chunk lost
-            assert put_handoff(prefill, tokens) == 4 * T  # all in the prefill's DRAM already
-            prefill.flush()
-            assert decode.lookup(NS, tokens) == 4 * T
+        time.sleep(1.6)
+        assert decode.lookup(NS, tokens) == 0
+        assert put_handoff(prefill, tokens) == 4 * T  # all in the prefill's DRAM already
+        prefill.flush()
+        assert decode.lookup(NS, tokens) == 4 * T
+        present = prefill.stats()["redis"]["present_writes_total"]
+        assert put_handoff(prefill, tokens) == 4 * T  # confirmed now: nothing queued, nothing asked
+        prefill.flush()
+        assert prefill.stats()["redis"]["present_writes_total"] == present
 
 
 def test_a_handoff_past_its_budget_is_dropped_and_counted(gated_config) -> None:

@@ -126,9 +126,9 @@ class Prefills:
                     self.metrics.requests.labels(decision.engine, "prefill", "failed").inc()
                     self.metrics.pd_prefill_failures.labels(decision.engine, exc.cause).inc()
                     last = not exc.retry or attempt >= min(self.config.retries, len(decisions) - 1)
-                    self._failed(exc.cause, "request %r: prefill engine %s failed (%s)%s", headers.get(
-                        "X-Request-Id"), decision.engine, exc, "; served whole by its decode engine" if last
-                        else "; trying the next")
+                    self._failed(f"{exc.cause}:{decision.engine}", "request %r: prefill engine %s failed (%s)%s",
+                                 headers.get("X-Request-Id"), decision.engine, exc,
+                                 "; served whole by its decode engine" if last else "; trying the next")
                     if last:
                         break
                     continue
@@ -160,8 +160,7 @@ class Prefills:
             try:
                 promise = promise_of(answer)
             except pd.BadParams as exc:
-                raise _Failed("no_params", f"{exc} (is its connector kvtier's? was the request one kvtier skips?)",
-                              retry=False) from None
+                raise _Failed("no_params", f"{exc} (is its connector kvtier's?)", retry=False) from None
             elapsed = time.monotonic() - start
             self.router.first_byte(name, flight, elapsed)  # a one-token answer: its time is the prefill's
             self.metrics.pd_prefill_seconds.labels(name).observe(elapsed)
@@ -173,10 +172,11 @@ class Prefills:
                 self.router.finished(name, flight, computed)
 
     async def _after_shared(self, name: str, decision: RouteDecision, keys: Sequence[bytes]) -> None:
-        """Wait for the prefills in flight on ``name`` that compute this prompt's first ``pd.local_tokens`` tokens,
-        which the engine does not hold yet (its events have not announced them): once they end, it computes only
-        what differs. At most twice the predicted time of computing that prefix (and ``pd.prefill_timeout_s``), so
-        a prefill that shares a prefix with a slow one (a long tail of its own) is delayed by no more than that."""
+        """Wait for the first of the prefills in flight on ``name`` that compute this prompt's first
+        ``pd.local_tokens`` tokens, which the engine does not hold yet (its events have not announced them): once it
+        ends, the engine computes only what differs. At most twice the predicted time of computing that prefix (at
+        least 0.1 s, at most ``pd.prefill_timeout_s``), so a prefill that shares a prefix with a slow one (a long
+        tail of its own) is delayed by no more than that."""
         j = self._shared_block
         if len(keys) <= j or self.router.index.announced_run(name, keys) > j:
             return
@@ -185,10 +185,10 @@ class Prefills:
             return
         engine = self.router.engines[name]
         bound = min(self.config.pd.prefill_timeout_s,
-                    max(1.0, 2 * (j + 1) * self.config.block_size * self.router.prefill_rate(engine)))
+                    max(0.1, 2 * (j + 1) * self.config.block_size * self.router.prefill_rate(engine)))
         tasks = [asyncio.ensure_future(done.wait()) for done in waits]
-        try:
-            await asyncio.wait(tasks, timeout=bound)
+        try:  # the first to end has computed the prefix
+            await asyncio.wait(tasks, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in tasks:
                 task.cancel()
@@ -204,8 +204,9 @@ class Prefills:
             async with timeout(self.config.pd.prefill_timeout_s), session.post(
                     self.engines.urls[name] + path, data=body, headers=hop, allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s)) as reply:
-                if reply.status != 200:  # a 4xx is the request's (every engine would refuse it), a 5xx the engine's
-                    raise _Failed("http_error", f"HTTP {reply.status}", retry=reply.status >= 500)
+                if reply.status != 200:  # a 4xx is the request's (every engine would refuse it); a 5xx or a redirect
+                    # (never followed) the engine's
+                    raise _Failed("http_error", f"HTTP {reply.status}", retry=not 400 <= reply.status < 500)
                 parts, size = [], 0
                 async for part in reply.content.iter_any():
                     size += len(part)

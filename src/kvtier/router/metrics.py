@@ -90,8 +90,10 @@ class RouterMetrics:
                                             "request to the prefill engine's whole answer", ["engine"], registry=r,
                                             buckets=_TTFT_BUCKETS)
         self.pd_prefill_failures = Counter("kvtier_router_pd_prefill_failures", "Prefill hops that failed, by "
-                                           "engine and cause (the next prefill engine is tried, then the request "
-                                           "is served whole)", ["engine", "cause"], registry=r)
+                                           "engine and cause (an engine's own failure, a connection, 5xx, redirect "
+                                           "or timeout, is retried on the next prefill engine; a 4xx or an answer "
+                                           "without kvtier's params serves the request whole at once)",
+                                           ["engine", "cause"], registry=r)
         self.prompt_queue = Gauge("kvtier_router_prompt_work", "Requests being parsed, tokenized and keyed or "
                                   "waiting for a worker", registry=r)
 

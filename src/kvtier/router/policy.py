@@ -162,7 +162,7 @@ class Router:
             return Plan(serve)
         local = self._local(serve)
         if local is not None:
-            return Plan([local, *(d for d in serve if d is not local)])
+            return Plan([local, *(dataclasses.replace(d, reason="retry") for d in serve if d.engine != local.engine)])
         if keys is None:
             keys = self.keys(prompt)
         n_tokens = len(prompt.tokens)
@@ -184,10 +184,16 @@ class Router:
         """The engine to serve a request whole, with no prefill hop: one that would compute fewer than
         ``pd.local_tokens`` uncached tokens, and whose predicted time is within a near tie of the best (the first
         in ``serve`` may be another near equal, put first for its shorter queue)."""
-        best = min(d.predicted_s for d in serve)
-        slack = best * _NEAR_TIE + self.config.block_size * self.prefill_rate(self.engines[serve[0].engine])
-        near = [d for d in serve if d.uncached < self.config.pd.local_tokens and d.predicted_s <= best + slack]
-        return min(near, key=lambda d: d.uncached, default=None)
+        best = min(serve, key=lambda d: d.predicted_s)
+        bound = best.predicted_s + self._slack(best.predicted_s, best.engine)
+        near = [d for d in serve if d.uncached < self.config.pd.local_tokens and d.predicted_s <= bound]
+        local = min(near, key=lambda d: d.uncached, default=None)
+        return None if local is None else dataclasses.replace(local, reason=serve[0].reason)
+
+    def _slack(self, best_s: float, engine: str) -> float:
+        """How far past the best predicted time ``best_s`` (of ``engine``) an engine is a near tie: a share of the
+        best, and one block's prefill (what a near tie can hide on fast engines too)."""
+        return best_s * _NEAR_TIE + self.config.block_size * self.prefill_rate(self.engines[engine])
 
     def _prefill_order(self, order: list[RouteDecision]) -> list[RouteDecision]:
         """Prefill engines by predicted time, except that one holding (or computing: its reservations) at least
@@ -244,9 +250,7 @@ class Router:
             # flight first): the calibrated costs are estimates, and between near equals the shortest queue
             # balances better than their noise.
             best = costed[order[0]].predicted_s
-            # slack: a share of the best, and one block's prefill (what a near tie can hide on fast engines too)
-            slack = best * _NEAR_TIE + self.config.block_size * self.prefill_rate(self.engines[order[0]])
-            near = [n for n in order if costed[n].predicted_s <= best + slack]
+            near = [n for n in order if costed[n].predicted_s <= best + self._slack(best, order[0])]
             near.sort(key=lambda n: (len(self.engines[n].flights), (names.index(n) - tie) % len(names)))
             order = near + [n for n in order if n not in near]
             best_blocks = max(m.blocks for m in matches.values())

@@ -133,7 +133,7 @@ class Proxy:
             raw, served_whole = await self._prefill(request, raw, headers, plan, keys, charge)
             if served_whole:  # by the engines that answer, as any request would be
                 plan = Plan(self.router.decide(prompt, session, keys, self.router.answering()))
-        elif self.router.disaggregated and prompt is not None and plan.serve:
+        elif self.router.disaggregated and prompt is not None and prompt.uncached is None and plan.serve:
             prefilling = any(self.router.engines[n].role == "prefill" for n in self.router.healthy())
             self.metrics.pd_requests.labels("local" if prefilling else "no_prefill_engine").inc()
         decisions = plan.serve
@@ -158,19 +158,28 @@ class Proxy:
         """The P/D hop: the body to send the decode engine, and whether the request is served whole instead (its
         P/D bodies could not be made: beam search, every worker busy, the body budget spent; or no prefill
         engine stored the prompt)."""
+        held = self.bodies.charge()  # the two bodies, while the prefill hop runs
         try:
-            pd_bodies = await self.pool.run(bodies, raw)
-            if pd_bodies is not None:
-                charge.add(pd_bodies.size)  # held until the request ends, with its body
-        except (PoolFull, BudgetSpent, ValueError, RecursionError):
-            pd_bodies = None
-        if pd_bodies is None:
+            try:
+                pd_bodies = await self.pool.run(bodies, raw)
+                if pd_bodies is not None:
+                    held.add(pd_bodies.size)
+            except (PoolFull, BudgetSpent, ValueError, RecursionError):
+                pd_bodies = None
+            if pd_bodies is None:
+                self.metrics.pd_requests.labels("not_prefilled").inc()
+                return raw, True
+            promise = await self.prefills.run(pd_bodies, request.path_qs, headers, plan.prefill, keys)
+            if promise is None:
+                return raw, True
+            decode = pd_bodies.decode(promise, self.config.pd.wait_s)
+            charge.add(max(0, len(decode) - len(raw)))  # held with the client's body until the request ends
+            return decode, False
+        except BudgetSpent:
             self.metrics.pd_requests.labels("not_prefilled").inc()
             return raw, True
-        promise = await self.prefills.run(pd_bodies, request.path_qs, headers, plan.prefill, keys)
-        if promise is None:
-            return raw, True
-        return pd_bodies.decode(promise, self.config.pd.wait_s), False
+        finally:
+            held.release()
 
     async def _read(self, request: web.Request, charge: Charge) -> Read | web.Response:
         """The request's body read (within ``limits``, charged to ``charge``), parsed, its prompt tokenized and

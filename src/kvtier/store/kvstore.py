@@ -242,10 +242,20 @@ class KVStore:
 
     @property
     def tiers_down(self) -> bool:
-        """Whether every secondary tier is in a read outage (resting after failures), or there is none: a lookup
-        finds nothing beyond DRAM, and waiting for another process's writes to appear is in vain (until a tier is
-        back)."""
-        return all(guard.reads.resting() for guard in self._guards)
+        """Whether every tier other processes write to (one that is not :attr:`~kvtier.tiers.base.Tier.local`) is in
+        a read outage (resting after failures), or there is none: waiting for another process's writes to appear
+        is then in vain (until one is back)."""
+        return all(guard.reads.resting() for guard in self._guards if not guard.tier.local)
+
+    def reaches_shared(self, ns: Namespace) -> bool:
+        """Whether KV put under ``ns`` goes to a tier other processes read (one that is not local, which its
+        placement allows), with its tenant's key when encryption is on: where a disaggregated prefill's KV must
+        go for a decode engine to load it."""
+        named = self._tenancy.named(ns)
+        decision = self._tenancy.placement.decide(named)
+        if not any(not guard.tier.local and decision.admits(guard.name) for guard in self._guards):
+            return False
+        return self._tenancy.sealer is None or self._tenancy.register(named, create=False) is not None
 
     def lookup(self, ns: Namespace, tokens: Tokens, *, kv_heads: int | None = None,
                elsewhere: Elsewhere | None = None, local_only: bool = False,

@@ -25,6 +25,7 @@ from kvtier.store.plan import Shape
 from kvtier.store.tenancy import Tenancy
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
+CONFIRMED_KEPT = 65536  # (shard, tier) pairs remembered as held by the tier: ~10 MB
 Source = Callable[[int, torch.Tensor], None]  # (first chunk, destination [count, layers, 2, heads, T, head_dim])
 
 
@@ -52,6 +53,10 @@ class Writes:
         self._shapes = shapes  # namespace id -> its shards' shape, bounded (one per tenant salt: the recent ones)
         self._shapes_lock = threading.Lock()
         self.tier_writes: ChangeFeed[tuple[ShardKey, str]] = ChangeFeed()  # (shard, tier) of each cascade write
+        # (shard, tier) a cascade write found or left in the tier, the most recent ones: a handoff does not queue
+        # them again (a tier's own evictions since are not seen)
+        self._confirmed: RecentMap[tuple[ShardKey, str], bool] = RecentMap(CONFIRMED_KEPT)
+        self._confirmed_lock = threading.Lock()
         seal = None if tenancy.sealer is None else tenancy.sealer.seal
         self.writers = [CascadeWriter(g, dram, metrics, spec, on_stored=self._stored_hook(g.name), seal=seal)
                         for g, spec in zip(guards, specs)]
@@ -142,17 +147,24 @@ class Writes:
         return min(offset + held * t, len(tokens))
 
     def _cascade_again(self, keys: list[ShardKey], writers: list[CascadeWriter], owner: bytes | None) -> None:
-        """Queue a handoff's chunks that DRAM held already for the tiers again, as handoffs: a tier may have lost
-        them (a write dropped, an eviction) while DRAM kept them, and another engine waits for them there. A writer
-        finding one in its tier only asks (``present``). Lossy KV (decoded from a tier's codec) goes to none."""
+        """Queue for the shared tiers again, as handoffs, the chunks of a handoff that DRAM held already and that a
+        tier has not confirmed holding lately (a write found or left it there): it may have lost them (a write
+        dropped, never made) while DRAM kept them, and another engine waits for them there. A writer finding one in
+        its tier only asks (``present``). Lossy KV (decoded from a tier's codec) goes to none, nor KV past a tier's
+        TTL."""
+        shared = [w for w in writers if not w.tier.local]
         for key in keys:
-            for writer in writers:
+            for writer in shared:
+                with self._confirmed_lock:
+                    if self._confirmed.get((key, writer.tier.name)):
+                        continue
                 entries = self._dram.acquire(key.namespace, key.chunk, [key.heads], owner)  # one pin per writer
                 if not entries:
                     break  # gone since, or being written by another put (which cascades it)
-                if not entries[0].codec.exact:
+                created = entries[0].created  # None: put here, its age starts when written
+                if not entries[0].codec.exact or (created is not None and not writer.guard.within_ttl(created)):
                     self._dram.release(entries[0])
-                    break
+                    continue
                 writer.submit(entries[0], handoff=True)
 
     def _fill(self, wanted: list[tuple[ShardKey, str | None]], prefix: list[ShardKey], meta: frame.ShardMeta,
@@ -212,8 +224,13 @@ class Writes:
         return None if not ttls or len(finite) < len(ttls) else created + max(finite)
 
     def _stored_hook(self, tier: str) -> Callable[[ShardKey], None]:
-        """What a cascade writer calls for each shard its tier came to hold: published to the tier-write feed."""
-        return lambda key: self.tier_writes.publish((key, tier))
+        """What a cascade writer calls for each shard its tier came to hold (or held already): published to the
+        tier-write feed, and remembered as confirmed."""
+        def stored(key: ShardKey) -> None:
+            with self._confirmed_lock:
+                self._confirmed[(key, tier)] = True
+            self.tier_writes.publish((key, tier))
+        return stored
 
     def flush(self) -> None:
         for writer in self.writers:

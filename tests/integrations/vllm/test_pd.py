@@ -52,9 +52,16 @@ def counted(store: KVStore, side: str, outcome: str) -> float:
                                                    {"side": side, "outcome": outcome}) or 0.0
 
 
+def shared_config(redis_server, prefix: str, **extra: object) -> dict:
+    """A store whose one tier is Redis: what a decode engine waits on."""
+    config = store_config(None)
+    config["tiers"] = [{"type": "redis", "url": redis_server.url, "key_prefix": prefix}]
+    return {**config, **extra}
+
+
 @pytest.fixture
-def store(tmp_path: Path):
-    with KVStore(load_config(store_config(tmp_path / "fs"))) as store:
+def store(redis_server, unique_prefix: str):
+    with KVStore(load_config(shared_config(redis_server, unique_prefix))) as store:
         yield store
 
 
@@ -159,9 +166,28 @@ def test_a_decode_aborted_while_it_waits_is_counted(store: KVStore) -> None:
     assert counted(store, "decode", "aborted") == 1 and handoffs.next_poll() is None
 
 
-def test_without_a_secondary_tier_a_decode_never_waits(tmp_path: Path) -> None:
-    with KVStore(load_config(store_config(None))) as store:
+@pytest.mark.parametrize("tiers", ["none", "local"])
+def test_without_a_shared_tier_a_decode_never_waits(tmp_path: Path, tiers: str) -> None:
+    """Only DRAM, or a disk of its own: no other engine's writes could appear there."""
+    with KVStore(load_config(store_config(None if tiers == "none" else tmp_path / "fs"))) as store:
         handoffs = Handoffs(store, PDMetrics(store), unit=T, tails=True, wait_max=10)
         tokens = synthetic_tokens(6, 4 * T)
-        handoffs.begin(request("d", promise_for(handoffs, store, "p", tokens, wait_s=5)), NS, tokens)
+        handoffs.begin(request("p", {"kvtier": {"pd": "prefill"}}), NS, tokens)
+        assert handoffs.answer("p", (NS, tokens)) == {"kvtier": {"pd": "none"}}  # nothing another engine loads
+        promise = {"kvtier": {"pd": "decode", "tokens": 4 * T, "namespace": store.named(NS).id, "wait_s": 5,
+                              "key": chunk_keys(store.named(NS), tokens, T)[-1].hex()}}
+        handoffs.begin(request("d", promise), NS, tokens)
         assert not handoffs.waiting("d", 0, 3 * T) and counted(store, "decode", "tier_down") == 1
+
+
+def test_a_prefill_whose_kv_placement_keeps_off_the_shared_tier_promises_nothing(redis_server,
+                                                                                unique_prefix: str) -> None:
+    config = shared_config(redis_server, unique_prefix, placement=[{"salt": "local-*", "tiers": []}])
+    with KVStore(load_config(config)) as store:
+        handoffs = Handoffs(store, PDMetrics(store), unit=T, tails=True, wait_max=10)
+        tokens = synthetic_tokens(7, 4 * T)
+        kept = dataclasses.replace(NS, cache_salt="local-1")
+        handoffs.begin(request("p", {"kvtier": {"pd": "prefill"}}), kept, tokens)
+        assert handoffs.answer("p", (kept, tokens)) == {"kvtier": {"pd": "none"}}
+        handoffs.begin(request("q", {"kvtier": {"pd": "prefill"}}), NS, tokens)
+        assert handoffs.answer("q", (NS, tokens))["kvtier"]["pd"] == "stored"  # type: ignore[index]

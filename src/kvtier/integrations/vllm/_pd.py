@@ -149,7 +149,9 @@ class Handoffs:
         namespace and the leading tokens its save covered, None when none was planned."""
         if rid not in self._prefills:
             return None
-        if stored is None or not stored[1]:
+        # Nothing planned, or nothing a decode engine could load: KV that reaches no shared tier (placement, no
+        # tenant key) would only make it wait
+        if stored is None or not stored[1] or not self._store.reaches_shared(stored[0]):
             self._metrics.requests.labels("prefill", "none").inc()
             return {pd.FIELD: dict(pd.NOTHING_STORED)}
         named = self._store.named(stored[0])

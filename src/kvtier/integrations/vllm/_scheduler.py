@@ -22,7 +22,7 @@ from kvtier.integrations.vllm._dram_index import WorkerDram
 from kvtier.integrations.vllm._events import KVEvents
 from kvtier.integrations.vllm._lookups import Lookups
 from kvtier.integrations.vllm._namespace import Namespaces, Skip
-from kvtier.integrations.vllm._pd import POLL_SECONDS, Handoffs
+from kvtier.integrations.vllm._pd import Handoffs
 from kvtier.integrations.vllm._shared import ConnectorMetrics
 from kvtier.integrations.vllm._wire import KVTierMetadata, KVTierWorkerMetadata, Transfer
 from kvtier.keys import Namespace
@@ -304,10 +304,11 @@ class SchedulerSide:
     def idle(self) -> None:
         """The step just planned runs no model (e.g. every request waits for a lookup): vLLM would plan the next
         at once, holding the GIL the lookup threads need; give them a moment instead. With nothing else to do
-        but decode requests waiting for their prefill's KV, sleep until the first of them asks again."""
+        but decode requests waiting for their prefill's KV, sleep until the first of them asks again (as long, at
+        most, as the wait for a lookup: a request arriving meanwhile waits no longer than it did)."""
         poll = self._handoffs.next_poll()
         if poll is not None and not self._lookups.running:
-            time.sleep(min(max(0.0, poll - time.monotonic()), POLL_SECONDS))
+            time.sleep(min(max(0.0, poll - time.monotonic()), IDLE_WAIT_SECONDS))
             return
         self._lookups.wait(IDLE_WAIT_SECONDS)
 
