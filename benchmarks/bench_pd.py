@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 
 from kvtier.bench.model import prepare_model
-from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess
+from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess, kvtier_transfer, start_healthy
 from kvtier.testing.servers import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,16 +142,11 @@ def kvtier_fleet(model: Path, work: Path, redis: RedisServer, roles: tuple[str, 
     """Two engines with kvtier sharing ``redis`` (a key prefix of their own) and the router, as ``roles``."""
     store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "128MiB"},
              "tiers": [{"type": "redis", "url": redis.url, "key_prefix": f"{uuid.uuid4().hex[:8]}:"}]}
-    kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-          "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"config": store}}
-    engines = [Engine(f"{role[0]}{i}", model, work, cpu=i, blocks=BLOCKS, kv_transfer=kv)
+    engines = [Engine(f"{role[0]}{i}", model, work, cpu=i, blocks=BLOCKS, kv_transfer=kvtier_transfer(store))
                for i, role in enumerate(roles)]
     router = None
     try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.wait_healthy()
+        start_healthy(engines)
         config = {"tokenizer": str(model), "block_size": BLOCK_SIZE, "health_interval_s": 1,
                   "costs": {"shared_tokens_per_s": 30000},
                   "engines": [{**e.router_entry(), "role": role} for e, role in zip(engines, roles)]}

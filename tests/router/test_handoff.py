@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kvtier import pd as wire
 from kvtier.errors import ConfigError
-from kvtier.router.config import load_router_config
+from kvtier.router.config import RouterConfig, load_router_config
 from kvtier.router.engines import Engines
 from kvtier.router.handoff import Prefills, bodies, promise_of
 from kvtier.router.index import PrefixIndex
@@ -190,6 +190,18 @@ class FakeEngines:
             await runner.cleanup()
 
 
+def against(cfg: RouterConfig, fakes: FakeEngines) -> tuple[Router, RouterMetrics, Engines]:
+    """A router for ``cfg`` whose engines (all healthy) are the fakes (on the running loop: the session)."""
+    router = Router(cfg, PrefixIndex(BS))
+    for state in router.engines.values():
+        state.healthy = True
+    metrics = RouterMetrics()
+    engines = Engines(cfg, metrics, router.index, router)
+    engines.urls.update(fakes.urls)
+    engines.session = aiohttp.ClientSession()
+    return router, metrics, engines
+
+
 def run_hop(behaviours: dict[str, str], retries: int = 1, timeout_s: float = 60) -> tuple[object, FakeEngines,
                                                                                             RouterMetrics]:
     async def go() -> tuple[object, FakeEngines, RouterMetrics]:
@@ -197,13 +209,7 @@ def run_hop(behaviours: dict[str, str], retries: int = 1, timeout_s: float = 60)
         await fakes.start()
         roles = ["prefill"] * len(behaviours) + ["decode"]
         cfg = load_router_config({**config(roles, prefill_timeout_s=timeout_s), "retries": retries})
-        router = Router(cfg, PrefixIndex(BS))
-        for state in router.engines.values():
-            state.healthy = True
-        metrics = RouterMetrics()
-        engines = Engines(cfg, metrics, router.index, router)
-        engines.urls.update(fakes.urls)
-        engines.session = aiohttp.ClientSession()
+        router, metrics, engines = against(cfg, fakes)
         try:
             plan = router.plan(Prompt(DOC))
             pd = bodies(json.dumps({"prompt": "p", "max_tokens": 9}).encode())
@@ -256,15 +262,8 @@ def test_a_prefill_waits_for_one_in_flight_computing_its_prefix_and_only_then() 
     async def go() -> list[tuple[str, float]]:
         fakes = FakeEngines({"e0": "slow", "e1": "slow"})
         await fakes.start()
-        cfg = load_router_config(config(["prefill", "prefill", "decode"]))
-        router = Router(cfg, PrefixIndex(BS))
-        for state in router.engines.values():
-            state.healthy = True
-        metrics = RouterMetrics()
-        engines = Engines(cfg, metrics, router.index, router)
-        engines.urls.update(fakes.urls)
-        engines.session = aiohttp.ClientSession()
-        prefills = Prefills(cfg, metrics, router, engines)
+        router, metrics, engines = against(load_router_config(config(["prefill", "prefill", "decode"])), fakes)
+        prefills = Prefills(router.config, metrics, router, engines)
         pd = bodies(b'{"prompt": "p"}')
         assert pd is not None
         ends: list[tuple[str, float]] = []

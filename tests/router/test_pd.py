@@ -28,7 +28,7 @@ redis = pytest.importorskip("redis")
 
 from kvtier.bench.model import prepare_model  # noqa: E402
 from kvtier.bench.server import kvtier_ports  # noqa: E402
-from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess  # noqa: E402
+from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess, kvtier_transfer, start_healthy  # noqa: E402
 from kvtier.testing.servers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
@@ -73,16 +73,11 @@ def pd(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Iterator[PD]:
         store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "128MiB"}, "metrics_port": metrics[name],
                  "tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": prefix, "socket_timeout": 0.5,
                             "retry_seconds": 1.0}]}
-        kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": {"config": store, "pd_wait_max_seconds": 30}}
-        engines.append(Engine(name, model, work, cpu=i, blocks=40, kv_transfer=kv, extra=["--dtype", "float32"]))
+        engines.append(Engine(name, model, work, cpu=i, blocks=40, extra=["--dtype", "float32"],
+                              kv_transfer=kvtier_transfer(store, pd_wait_max_seconds=30)))
     router = None
     try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.wait_healthy()
+        start_healthy(engines)
         entries = [{**e.router_entry(), "role": role} for e, role in zip(engines, ("prefill", "decode"))]
         config = {"tokenizer": str(model), "block_size": BLOCK_SIZE, "health_interval_s": 0.5,
                   "explain_headers": True, "costs": {"shared_tokens_per_s": 30000},

@@ -38,6 +38,22 @@ class Engine(Process):
         return {"name": self.name, "url": self.url, "kv_events": self.events, "kv_events_replay": self.replay}
 
 
+def kvtier_transfer(store: dict, **extra: object) -> dict:
+    """vLLM's ``--kv-transfer-config`` for kvtier's connector over the store config ``store``, with ``extra`` in
+    its ``kv_connector_extra_config`` (a failed load is recomputed)."""
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"config": store, **extra}}
+
+
+def start_healthy(engines: Sequence[Engine]) -> None:
+    """Start every engine, then wait for each to answer its health check (they start side by side)."""
+    for engine in engines:
+        engine.start()
+    for engine in engines:
+        engine.wait_healthy()
+
+
 class RouterProcess(Process):
     def __init__(self, config: dict, work: Path, name: str = "router") -> None:
         self.port = free_port()
