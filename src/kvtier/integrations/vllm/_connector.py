@@ -140,6 +140,7 @@ class KVTierConnector(KVConnectorBase_V1):
                         "request; set \"kv_load_failure_policy\": \"recompute\" in kv_transfer_config to "
                         "recompute it instead", self._kv_transfer_config.kv_load_failure_policy)
         self._shared: Shared | None = shared  # None once shut down
+        self._released: set[str] = set()  # requests to report finished sending (worker side)
         self._metrics = metrics
         self._scheduler = None if names is None else SchedulerSide(
             store, names, metrics, block_size=block_size, kv_heads=kv_heads,
@@ -216,9 +217,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Free the blocks now (saves finished in the step that computed them: the bytes are in kvtier's DRAM);
-        a P/D prefill's answer carries what it stored (:mod:`._pd`)."""
+        a P/D prefill's answer carries what it stored (:mod:`._pd`); one whose save was put off keeps its blocks
+        until the save has run (:meth:`SchedulerSide.finished`)."""
         try:
-            return False, self._sched.finished(request.request_id)
+            return self._sched.finished(request.request_id)
         except Exception as exc:  # noqa: BLE001 contained: counted, logged once
             self._metrics.error("request_finished", exc, request.request_id)
             return False, None
@@ -264,18 +266,25 @@ class KVTierConnector(KVConnectorBase_V1):
         """Saves happen once per step in ``wait_for_save``, from all layers together."""
 
     def wait_for_save(self) -> None:
+        meta = None
         try:
-            self._worker.save(self._meta(), self._tp)
+            meta = self._meta()
+            self._worker.save(meta, self._tp)
         except Exception as exc:  # noqa: BLE001 per-save failures are contained inside; this is anything else
             self._metrics.error("wait_for_save", exc)
+        finally:  # saved, failed or skipped: vLLM may free their blocks
+            if meta is not None:
+                self._released.update(meta.released)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose asynchronous loads ended (their failed blocks are in this step's load errors)."""
+        """Requests whose blocks were kept for a save that has now run (P/D prefills that ended first), and those
+        whose asynchronous loads ended (their failed blocks are in this step's load errors)."""
+        released, self._released = self._released, set()
         try:
-            return None, self._worker.finished_loads(finished_req_ids) or None
+            return released or None, self._worker.finished_loads(finished_req_ids) or None
         except Exception as exc:  # noqa: BLE001 a load never reported finished would hold its request forever: log loudly
             self._metrics.error("get_finished", exc)
-            return None, None
+            return released or None, None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """What this rank's DRAM came to hold or lost this step, for the scheduler's lookups."""

@@ -29,6 +29,8 @@ from kvtier.keys import Namespace
 from kvtier.store import KVStore
 from kvtier.threads import IDLE_WAIT_SECONDS
 
+RELEASE_STEPS = 64  # steps a P/D prefill's blocks are kept for a save put off, at most
+
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -55,6 +57,7 @@ class _Tracked:
     tokens: list[int]
     block_ids: list[int]
     saved: bool = False
+    deferred: bool = False  # its save was due, and put off over blocks a worker had not reported loading
 
 
 class SchedulerSide:
@@ -79,6 +82,8 @@ class SchedulerSide:
         self._unit = block_size if tails else store.chunk_tokens
         self._handoffs = Handoffs(store, metrics.pd, unit=self._unit, tails=tails, wait_max=pd_wait_max)
         self._saved: dict[str, tuple[Namespace, list[int]]] = {}  # P/D prefills: what their save covers
+        # P/D prefills that ended before their save could be planned (their blocks kept for it) -> the step then
+        self._releasing: dict[str, int] = {}
         self._kv_heads = kv_heads
         # A save must not store KV computed over blocks whose load failed, for any request over those blocks
         # (vLLM's prefix-cache sharers included). A worker knows its own failures of the step it runs, not
@@ -233,6 +238,25 @@ class SchedulerSide:
             except Exception as exc:  # noqa: BLE001 contained per request: counted, logged once
                 self._tracked.pop(rid, None)
                 self._metrics.error("build_connector_meta", exc, rid)
+        self._release(meta)
+
+    def _release(self, meta: KVTierMetadata) -> None:
+        """Plan the saves of P/D prefills that ended first; after :data:`RELEASE_STEPS` steps without, or on a
+        failure, a save of nothing: every worker reports the request finished, and vLLM frees its blocks."""
+        for rid, since in list(self._releasing.items()):
+            tracked = self._tracked.get(rid)
+            try:
+                if tracked is not None and not tracked.saved:
+                    self._plan_save(meta, rid, len(tracked.tokens))
+                done = tracked is None or tracked.saved
+            except Exception as exc:  # noqa: BLE001 contained per request: counted, logged once
+                self._metrics.error("build_connector_meta", exc, rid)
+                done = False
+                since = -RELEASE_STEPS
+            if done or self._step - since >= RELEASE_STEPS:
+                meta.released.append(rid)
+                del self._releasing[rid]
+                self.finished(rid)
 
     def _plan_save(self, meta: KVTierMetadata, rid: str, computed_after_step: int) -> None:
         tracked = self._tracked[rid]
@@ -240,6 +264,7 @@ class SchedulerSide:
         if tracked.saved or upto == 0 or computed_after_step < upto:
             return
         if self._unheard and self._over_unheard(tracked.block_ids[:upto // self._bs], meta.step):
+            tracked.deferred = True
             return  # computed over blocks whose load some worker has not reported yet: planned again next step
         tracked.saved = True
         handoff = self._handoffs.is_prefill(rid)
@@ -290,10 +315,20 @@ class SchedulerSide:
     def take_events(self) -> list[KVCacheEvent]:
         return self._events.take() if self._events is not None else []
 
-    def finished(self, request_id: str) -> dict[str, Any] | None:
-        """Forget a finished request; for a P/D prefill, what it stored (vLLM returns it in the answer)."""
+    def finished(self, request_id: str) -> tuple[bool, dict[str, Any] | None]:
+        """Forget a finished request: whether vLLM keeps its blocks for a save still to come, and for a P/D
+        prefill, what it stored (vLLM returns it in the answer). A prefill whose save was put off (over blocks
+        some worker has not reported loading) keeps its blocks until the save is planned and every worker has
+        run it (:meth:`plan_saves`, reported through ``get_finished``): a decode engine waits for that KV."""
+        tracked = self._tracked.get(request_id)
+        if tracked is not None and tracked.deferred and not tracked.saved and self._handoffs.is_prefill(request_id):
+            upto = len(tracked.tokens) // self._unit * self._unit
+            answer = self._handoffs.answer(request_id, (tracked.namespace, tracked.tokens[:upto]))
+            self._handoffs.finished(request_id)
+            self._releasing[request_id] = self._step
+            return True, answer
         try:
-            return self._handoffs.answer(request_id, self._saved.get(request_id))
+            return False, self._handoffs.answer(request_id, self._saved.get(request_id))
         finally:
             for table in (self._tracked, self._namespaces, self._hits, self._loads, self._requests, self._traces,
                           self._saved):

@@ -54,6 +54,9 @@ class KVTierMetadata(KVConnectorMetadata):
     abandoned: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     step: int = 0  # this metadata's number: workers report the last they ran (KVTierWorkerMetadata.steps)
     idle: bool = False  # the step runs no model (e.g. every request waits for an asynchronous load)
+    # Requests that ended with vLLM keeping their blocks for a save (P/D prefills): every worker reports them
+    # finished (sending, through get_finished) once it ran this step's saves
+    released: list[str] = dataclasses.field(default_factory=list)
 
 
 class Event(NamedTuple):
