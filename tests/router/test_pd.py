@@ -69,9 +69,11 @@ def pd(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Iterator[PD]:
     prefix = f"pd-{uuid.uuid4().hex[:8]}:"
     metrics = {"p0": free_port(), "d0": free_port()}
     engines = []
+    # A Redis call slower than socket_timeout rests the tier (an outage): a decode engine waiting then stops at
+    # once (tier_down). 2 s: more than a call takes on a loaded 2-core CI machine, less than the pause below.
     for i, name in enumerate(("p0", "d0")):
         store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "128MiB"}, "metrics_port": metrics[name],
-                 "tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": prefix, "socket_timeout": 0.5,
+                 "tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": prefix, "socket_timeout": 2.0,
                             "retry_seconds": 1.0}]}
         engines.append(Engine(name, model, work, cpu=i, blocks=40, extra=["--dtype", "float32"],
                               kv_transfer=kvtier_transfer(store, pd_wait_max_seconds=30)))
@@ -235,7 +237,7 @@ def test_redis_paused_during_the_handoff_costs_at_most_the_wait(pd: PD) -> None:
     body = {"prompt": doc(8, 400), "max_tokens": 16, "temperature": 0}
     stopped = {o: pd.engine_metric("d0", "kvtier_connector_pd_requests_total", side="decode", outcome=o)
                for o in ("tier_down", "timed_out", "partial", "complete")}
-    pd.redis.execute_command("CLIENT", "PAUSE", 6000, "ALL")  # every client's calls wait 6 s: Redis stalls
+    pd.redis.execute_command("CLIENT", "PAUSE", 15000, "ALL")  # calls wait up to 15 s: Redis stalls
     try:
         start = time.monotonic()
         got = pd.post(body)
