@@ -19,8 +19,8 @@ colocated, its long-prompt TTFT p50 is within 10% of NIXL's, and its second turn
 
     python benchmarks/bench_pd.py [--json PATH] [--no-nixl]
 
-About 10 minutes here. Prints a Markdown table and the ratios. ``nixl_pd`` needs NIXL in the repository's
-.venv: ``bash benchmarks/peers/pd/setup.sh``.
+About 5 minutes here (each set-up about 1.5, NIXL's 2). Prints a Markdown table and the ratios. ``nixl_pd``
+needs NIXL in the repository's .venv: ``bash benchmarks/peers/pd/setup.sh``.
 """
 
 from __future__ import annotations

@@ -117,11 +117,14 @@ class Lookups:
     @property
     def running(self) -> bool:
         """Whether a background lookup is under way."""
-        return any(p.answer is None and not p.future.done() for p in self._pending.values())
+        return bool(self._under_way())
+
+    def _under_way(self) -> list[Future[int]]:
+        return [p.future for p in self._pending.values() if p.answer is None and not p.future.done()]
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` for any background lookup still under way to end (the GIL is free meanwhile)."""
-        running = [p.future for p in self._pending.values() if p.answer is None and not p.future.done()]
+        running = self._under_way()
         if running:
             wait(running, timeout, FIRST_COMPLETED)
 
