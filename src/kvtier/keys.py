@@ -136,14 +136,47 @@ def _token_ids(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
     return ids.astype("<i8", copy=False)
 
 
-def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor,
+class NamedChunks:
+    """Chunks an engine names itself, in place of their token ids: for an engine whose own key of a chunk hashes its
+    whole prefix already (vLLM's ``OffloadKey``, which :mod:`kvtier.integrations.vllm_tier` stores). It goes where
+    token ids go in the store: its length counts ``chunk_tokens`` tokens a name, as a prompt of those chunks would
+    have, and :func:`chunk_keys` keys each name under the namespace. Names are never stored or shown; a namespace
+    named by its engine's keys has no ``inputs`` (the engine's key covers them) and no tails."""
+
+    def __init__(self, names: Sequence[bytes], chunk_tokens: int) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        if any(not isinstance(name, bytes) or not name for name in names):
+            raise ValueError("NamedChunks: every name must be non-empty bytes")
+        self.names = tuple(names)
+        self.chunk_tokens = chunk_tokens
+
+    def __len__(self) -> int:
+        return len(self.names) * self.chunk_tokens
+
+    def keys(self, namespace: Namespace) -> list[bytes]:
+        """Each name's key in ``namespace``: a hash of the name keyed by the namespace's digest (itself keyed by its
+        ``name_key``), so no name is confirmed by whoever reads a tier without that key."""
+        if namespace.inputs:
+            raise ValueError("named chunks take no Namespace.inputs: the engine's names cover them")
+        return [hashlib.blake2b(name, digest_size=DIGEST_BYTES, person=b"kvtier-named", key=namespace.digest).digest()
+                for name in self.names]
+
+
+def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor | NamedChunks,
                chunk_tokens: int, *, tail: bool = False) -> list[bytes]:
     """Keys of the whole chunks of ``tokens``; a partial trailing chunk gets no key, or with ``tail`` a tail key
     (see :func:`tail_keys`).
 
     A chunk's key hashes its parent's key, its token ids and the namespace's inputs that overlap it (under the
     namespace's ``name_key``: a parent's key, shown in a tier, does not let anyone compute its children's).
+    Chunks an engine names itself (:class:`NamedChunks`) are keyed by their names.
     """
+    if isinstance(tokens, NamedChunks):
+        if tokens.chunk_tokens != chunk_tokens or tail:
+            raise ValueError(f"named chunks of {tokens.chunk_tokens} tokens (no tails), asked for chunks of "
+                             f"{chunk_tokens}{' with a tail' if tail else ''}")
+        return tokens.keys(namespace)
     ids = _token_ids(tokens)
     keys = []
     prev = namespace.digest

@@ -391,6 +391,11 @@ class KVStore:
         """Evict every DRAM entry not in use (later reads come from secondary tiers)."""
         return self.dram.evict_all()
 
+    @property
+    def writing(self) -> bool:
+        """Whether a cascade write is queued or under way (:meth:`flush` would wait)."""
+        return any(writer.busy for writer in self._writes.writers)
+
     def flush(self) -> None:
         """Wait until every queued cascade write has ended."""
         self._writes.flush()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvtier.dram import DramPool
-from kvtier.keys import HeadRange, Namespace, chunk_keys, cover, rank_heads, tail_keys
+from kvtier.keys import HeadRange, NamedChunks, Namespace, chunk_keys, cover, rank_heads, tail_keys
 from kvtier.metrics import StoreMetrics
 from kvtier.placement import Decision
 from kvtier.store.guard import GuardedTier
@@ -55,13 +55,16 @@ class Lookups:
         t = self._chunk_tokens
         if tail_block is not None and not (0 < tail_block <= t and t % tail_block == 0):
             raise ValueError(f"tail_block must divide the chunk size {t}, got {tail_block}")
+        if tail_block is not None and isinstance(tokens, NamedChunks):
+            raise ValueError("named chunks have no tails: tail_block must be None")
         ns = self._tenancy.named(ns)
         keys = chunk_keys(ns, tokens, t)
         tiers = readable(self._guards, self._tenancy.placement.decide(ns), local_only)
 
         def tails_after(n: int) -> tuple[list[str], list[int]]:
             """The tails to try after ``n`` whole chunks, longest first (none without ``tail_block``)."""
-            if not tail_block or tail_block == t or n * t + tail_block > len(tokens):
+            if not tail_block or tail_block == t or n * t + tail_block > len(tokens) or \
+                    isinstance(tokens, NamedChunks):  # (refused above: no tails)
                 return [], []
             lengths = list(range(min(t - 1, len(tokens) - n * t) // tail_block * tail_block, 0, -tail_block))
             found = tail_keys(ns, keys[n - 1] if n else ns.digest, tokens[n * t:n * t + lengths[0]], n * t, lengths)

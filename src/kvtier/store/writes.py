@@ -15,7 +15,7 @@ from kvtier import codecs, frame
 from kvtier.config import TierSpec
 from kvtier.dram import DramEntry, DramPool, Refused
 from kvtier.feed import ChangeFeed
-from kvtier.keys import Namespace, ShardKey, chunk_keys, rank_heads
+from kvtier.keys import NamedChunks, Namespace, ShardKey, chunk_keys, rank_heads
 from kvtier.metrics import StoreMetrics
 from kvtier.recent import RecentMap
 from kvtier.store.admission import Admission
@@ -24,7 +24,7 @@ from kvtier.store.guard import GuardedTier
 from kvtier.store.plan import Shape
 from kvtier.store.tenancy import Tenancy
 
-Tokens = Sequence[int] | np.ndarray | torch.Tensor
+Tokens = Sequence[int] | np.ndarray | torch.Tensor | NamedChunks
 CONFIRMED_KEPT = 65536  # (shard, tier) pairs remembered as held by the tier: ~10 MB
 Source = Callable[[int, torch.Tensor], None]  # (first chunk, destination [count, layers, 2, heads, T, head_dim])
 

@@ -1,0 +1,292 @@
+"""``KVTierSecondaryTier``: vLLM's ``SecondaryTierManager`` over a :class:`~kvtier.store.KVStore` (scheduler
+process; every method returns without waiting on a tier).
+
+- **Stores** (``submit_store``): a job on kvtier's threads copies the rows out of vLLM's primary tier into kvtier's
+  DRAM (:meth:`KVStore.put_from`, skipping rows DRAM holds already); kvtier's cascade writes them to its tiers from
+  there, behind the job. The job succeeds once DRAM holds every row (vLLM may then reuse the primary's slots);
+  a tier that drops a write counts it in kvtier's metrics (``kvtier_dropped_total``).
+- **Lookups**: DRAM and the local tiers (a disk's index) answer at once; a tier across a network (Redis, S3,
+  Mooncake) is asked on a background thread (vLLM's ``AsyncLookupManager``: the answer is "retry" until then).
+  Of one request's keys asked in a step, those after the first one missing count as missing (a prefix).
+- **Loads** (``submit_load``): a job reads the rows (verified: a torn, forged or moved object is a miss) into the
+  primary's slots; a key not served fails its job from there on, and is answered missing for
+  :data:`FAILED_SECONDS`, so vLLM does not promote it again and again.
+- **Faults**: a tier in an outage answers missing and fails loads; no hook raises for a tier's fault.
+- **Events** (``enable_kv_events``, when vLLM publishes KV events): each row a kvtier tier came to hold, with that
+  tier's locality and ``ownership`` ``kvtier:<tier name>``; a row announced and then found missing (evicted,
+  expired, removed as corrupt) is announced removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvtier.config import load_config
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm_tier import _naming
+from kvtier.integrations.vllm_tier._jobs import LOAD, STORE, Jobs
+from kvtier.keys import NamedChunks
+from kvtier.recent import RecentMap
+from kvtier.store import KVStore
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+log = logging.getLogger("kvtier.integrations.vllm_tier")
+
+FAILED_SECONDS = 30.0  # a key whose load failed is answered missing this long
+_KEYS_KEPT = 1 << 18  # rows remembered by name (for events) and by failure
+_FIELD = "secondary_tiers[KVTierSecondaryTier]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The tier's entry in ``secondary_tiers`` (beside vLLM's ``type``, ``module_path`` and ``backpressure``)."""
+
+    config: Mapping[str, object] | str | None = None  # kvtier's config, inline or a YAML path ($KVTIER_CONFIG)
+    model_fingerprint: str | None = None
+    enable_kv_events: bool = False
+    workers: int = 2  # threads running the tier's load and store jobs
+    locality: str | None = None  # LOCAL or REMOTE; default: LOCAL when every kvtier tier is local
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> Options:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"{_FIELD}: unknown option(s) {unknown}; allowed: {sorted(known)}")
+        got = cls(**options)
+        if got.config is not None and not isinstance(got.config, (str, os.PathLike, Mapping)):
+            raise ConfigError(f"{_FIELD}.config: a mapping or a YAML file path, got {type(got.config).__name__}")
+        if not isinstance(got.enable_kv_events, bool):
+            raise ConfigError(f"{_FIELD}.enable_kv_events: true or false, got {got.enable_kv_events!r}")
+        if isinstance(got.workers, bool) or not isinstance(got.workers, int) or not 1 <= got.workers <= 64:
+            raise ConfigError(f"{_FIELD}.workers: an integer in [1, 64], got {got.workers!r}")
+        if got.locality not in (None, "LOCAL", "REMOTE"):
+            raise ConfigError(f"{_FIELD}.locality: LOCAL or REMOTE, got {got.locality!r}")
+        return got
+
+
+class _RemoteLookups(AsyncLookupManager):
+    """Lookups in the tiers across a network, on vLLM's lookup thread."""
+
+    def __init__(self, tier: KVTierSecondaryTier, tier_type: str) -> None:
+        super().__init__(tier_type=tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        found = self._tier.found(keys) if keys else 0
+        return [i < found for i in range(len(keys))]
+
+
+class KVTierSecondaryTier(SecondaryTierManager):
+    """kvtier's tiers as one secondary tier of vLLM's ``TieringOffloadingManager``."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: BackpressureDetector | None = None, **options: Any) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        opts = Options.parse(options)
+        config = offloading_spec.config
+        self._shape = _naming.RowShape.of(self.block_size_bytes, _naming.chunk_tokens(config), _FIELD)
+        model = _naming.model_of(config.model.name, opts.model_fingerprint, f"{_FIELD}.model_fingerprint")
+        self._ns = _naming.namespace(config, self.block_size_bytes, model)
+        rows = np.asarray(primary_kv_view).view(np.uint8)
+        self._rows = torch.from_numpy(rows).view(rows.shape[0], -1)  # (chunks, row bytes): no copy
+        store_config = dataclasses.replace(load_config(opts.config), chunk_tokens=self._shape.tokens)
+        self._store = KVStore(store_config)
+        try:
+            local = all(tier.local for tier in self._store.tiers)
+            self.locality = Locality(opts.locality or ("LOCAL" if local else "REMOTE"))
+            self._remote = _RemoteLookups(self, tier_type) if self._store.remote_tiers else None
+            self._jobs: Jobs[TransferJob, JobResult] = Jobs(self._run, self._failed, opts.workers,
+                                                            f"kvtier-vllm-{tier_type}")
+        except BaseException:
+            self._store.close()
+            raise
+        self._failed_at: RecentMap[OffloadKey, float] = RecentMap(_KEYS_KEPT)  # scheduler thread only
+        self._loading: dict[int, list[OffloadKey]] = {}  # load jobs' keys, until their results are taken
+        events = opts.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
+        if opts.enable_kv_events and not events:
+            log.warning("kvtier tier: enable_kv_events is set but vLLM publishes no KV events; none are made")
+        self._watcher = self._store.watch_tier_writes() if events and self._store.tiers else None
+        self._events: list[OffloadingEvent] | None = [] if events else None
+        self._names: RecentMap[str, OffloadKey] = RecentMap(_KEYS_KEPT)  # chunk key (hex) -> its row's name
+        self._held: RecentMap[OffloadKey, set[str]] = RecentMap(_KEYS_KEPT)  # announced: where each row lies
+        self._local = {tier.name: tier.local for tier in self._store.tiers}
+        log.info("kvtier tier %s: %d tier(s) %s, rows of %d bytes (%d tokens), namespace %s", tier_type,
+                 len(self._store.tiers), [t.name for t in self._store.tiers], self.block_size_bytes,
+                 self._shape.tokens, self._store.named(self._ns).id)
+
+    @property
+    def store(self) -> KVStore:
+        """The kvtier store behind this tier (its metrics, its tiers)."""
+        return self._store
+
+    # -- lookups -----------------------------------------------------------------------------------------------
+    def _named(self, keys: Collection[OffloadKey]) -> NamedChunks:
+        return NamedChunks([bytes(key) for key in keys], self._shape.tokens)
+
+    def found(self, keys: list[OffloadKey]) -> int:
+        """How many of ``keys``, from the first, kvtier holds (any tier; may wait on a network)."""
+        return self._store.lookup(self._ns, self._named(keys)) // self._shape.tokens
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        failed = self._failed_at.get(key)
+        if failed is not None and time.monotonic() - failed < FAILED_SECONDS:
+            return LookupResult.MISS
+        t = self._shape.tokens
+        if self._store.lookup(self._ns, self._named([key]), local_only=True):
+            self._store.count_lookup(t, t)
+            return LookupResult.HIT
+        if self._remote is not None:
+            answer = self._remote.lookup(key, req_context)
+            if answer is None:
+                return LookupResult.RETRY
+            if answer:
+                return LookupResult.HIT
+        else:
+            self._store.count_lookup(t, 0)
+        self._gone([key])
+        return LookupResult.MISS
+
+    # -- jobs --------------------------------------------------------------------------------------------------
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        if self._events is not None:
+            named = self._store.named(self._ns)
+            for key, chunk in zip(job_metadata.keys, self._named(job_metadata.keys).keys(named)):
+                self._names[chunk.hex()] = key
+        self._jobs.submit(job_metadata, STORE)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._loading[job_metadata.job_id] = list(job_metadata.keys)
+        self._jobs.submit(job_metadata, LOAD)
+
+    def _run(self, job: TransferJob) -> JobResult:
+        """Do one job (on a job thread)."""
+        start = time.perf_counter()
+        keys, ids = list(job.keys), [int(i) for i in job.chunk_ids]
+        assert len(keys) == len(ids), f"job {job.job_id}: {len(keys)} keys for {len(ids)} slots"
+        s = self._shape
+        if job.is_promotion:
+            def sink(first: int, kv: torch.Tensor) -> None:
+                for i in range(kv.shape[0]):
+                    self._rows[ids[first + i]].view(kv.shape[1:]).copy_(kv[i])
+
+            n = self._store.load(self._ns, self._named(keys), sink, layers=s.layers, head_dim=s.width,
+                                 dtype=torch.uint8, kv_heads=1, streamed=self._store.remote_tiers) // s.tokens
+        else:
+            def source(first: int, dst: torch.Tensor) -> None:
+                for i in range(dst.shape[0]):
+                    dst[i].copy_(self._rows[ids[first + i]].view(dst.shape[1:]))
+
+            n = self._store.put_from(self._ns, self._named(keys), source, layers=s.layers, head_dim=s.width,
+                                     dtype=torch.uint8, kv_heads=1) // s.tokens
+        done = n == len(keys)
+        return JobResult(job_id=job.job_id, success=done,
+                         successful_keys=tuple(keys[:n]) if job.is_promotion and 0 < n < len(keys) else None,
+                         transfer_time=time.perf_counter() - start,
+                         transfer_bytes=(n if job.is_promotion else len(keys)) * self.block_size_bytes)
+
+    @staticmethod
+    def _failed(job: TransferJob, exc: BaseException) -> JobResult:
+        return JobResult(job_id=job.job_id, success=False)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = self._jobs.take()
+        # The jobs are the manager's; the keys a failed load did not serve are the tier's to remember.
+        for result in results:
+            loading = self._loading.pop(result.job_id, None)
+            if loading is not None and not result.success:
+                served = set(result.successful_keys or ())
+                missing = [key for key in loading if key not in served]
+                now = time.monotonic()
+                for key in missing:
+                    self._failed_at[key] = now
+                if self._remote is not None:
+                    self._remote.mark_miss(missing)
+                self._gone(missing)
+        return results
+
+    # -- events ------------------------------------------------------------------------------------------------
+    def _gone(self, keys: Iterable[OffloadKey]) -> None:
+        """Rows found missing: those announced stored are announced removed, from every tier they were in."""
+        if self._events is None:
+            return
+        for key in keys:
+            tiers = self._held.pop(key)
+            for tier in sorted(tiers or ()):
+                self._events.append(self._event([key], tier, removed=True))
+
+    def _event(self, keys: list[OffloadKey], tier: str, removed: bool) -> OffloadingEvent:
+        return OffloadingEvent(keys=keys, medium=self.medium, removed=removed,
+                               locality=Locality.LOCAL if self._local.get(tier) else Locality.REMOTE,
+                               ownership=f"kvtier:{tier}")
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return []
+        if self._watcher is not None:
+            stored: dict[str, list[OffloadKey]] = {}
+            for shard, tier in self._store.take_tier_writes(self._watcher):
+                key = self._names.get(shard.chunk)
+                held = self._held.get(key) if key is not None else None
+                if key is None or (held is not None and tier in held):
+                    continue  # another process's row promoted here, or announced already
+                self._held[key] = (held or set()) | {tier}
+                stored.setdefault(tier, []).append(key)
+            self._events.extend(self._event(keys, tier, removed=False) for tier, keys in stored.items())
+        events, self._events = self._events, []
+        return events
+
+    # -- the rest of vLLM's interface --------------------------------------------------------------------------
+    def has_pending_work(self) -> bool:
+        return self._jobs.pending or (self._watcher is not None and self._store.writing)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        if self._remote is not None:
+            self._remote.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._remote is not None:
+            self._remote.flush()
+
+    def drain_jobs(self) -> None:
+        """Wait for every job submitted (the cascade's writes read kvtier's DRAM, not the primary: not waited
+        for)."""
+        self._jobs.drain()
+
+    def shutdown(self) -> None:
+        """End the jobs, the lookups and the store (its queued writes finish first)."""
+        try:
+            self._jobs.close()
+            if self._remote is not None:
+                self._remote.shutdown()
+        finally:
+            self._store.close()
+            self._rows = torch.empty(0, 0, dtype=torch.uint8)  # vLLM unmaps the primary next: no view may remain
