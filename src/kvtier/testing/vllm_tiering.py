@@ -45,7 +45,7 @@ _PENDING = (LookupResult.RETRY, LookupResult.HIT_PENDING)
 def offloading_config(secondary_tiers: list[dict[str, Any]], *, model: str, layers: int = 30,
                       kv_bytes_per_token_layer: int = 768, tokens_per_block: int = 16, blocks_per_chunk: int = 1,
                       cpu_bytes: int = 256 << 20, dtype: str = "bfloat16", events: bool = False,
-                      extra: Mapping[str, Any] | None = None) -> OffloadingConfig:
+                      layout: str = "NHD", extra: Mapping[str, Any] | None = None) -> OffloadingConfig:
     """The config vLLM's ``OffloadingConnector`` would derive for one worker (TP 1) of a model with ``layers`` full
     attention layers of ``kv_bytes_per_token_layer`` bytes of KV a token (SmolLM2-135M's by default), offloading
     chunks of ``blocks_per_chunk`` blocks of ``tokens_per_block`` tokens."""
@@ -62,7 +62,7 @@ def offloading_config(secondary_tiers: list[dict[str, Any]], *, model: str, laye
         parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=True),
-        kv_cache_layout="NHD",
+        kv_cache_layout=layout,
     )
 
 
@@ -120,7 +120,8 @@ class Tiering:
             for key, chunk in zip(stored, out.store_spec.chunk_ids):
                 row = row_bytes(key, self.row_bytes) if data is None else data[list(keys).index(key)]
                 self.rows[int(chunk)].copy_(torch.from_numpy(row))
-            self.manager.complete_store(stored, ctx)
+            if stored:  # (the worker's transfer is submitted, and completed, only for rows to store)
+                self.manager.complete_store(stored, ctx)
         self.manager.on_request_finished(ctx)
         return stored
 

@@ -96,7 +96,7 @@ class Jobs(Generic[J, R]):
                 return
             try:
                 result = self._run(job)
-            except Exception as exc:  # noqa: BLE001 the job's failure, reported to vLLM (logged once per kind)
+            except Exception as exc:  # the job's failure, reported to vLLM (logged once per kind)
                 if self._logged.first(type(exc).__name__):
                     log.warning("kvtier tier: a transfer job failed (%s: %s); later failures of this kind are only "
                                 "counted", type(exc).__name__, exc, exc_info=exc)

@@ -45,7 +45,7 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm_tier import _naming
 from kvtier.integrations.vllm_tier._jobs import LOAD, STORE, Jobs
-from kvtier.keys import NamedChunks
+from kvtier.keys import HeadRange, NamedChunks, Namespace, ShardKey
 from kvtier.recent import RecentMap
 from kvtier.store import KVStore
 
@@ -58,6 +58,7 @@ log = logging.getLogger("kvtier.integrations.vllm_tier")
 FAILED_SECONDS = 30.0  # a key whose load failed is answered missing this long
 _KEYS_KEPT = 1 << 18  # rows remembered by name (for events) and by failure
 _FIELD = "secondary_tiers[KVTierSecondaryTier]"
+_ONE_HEAD = HeadRange(0, 1, 1)  # a row is stored as one shard of one "head"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +146,16 @@ class KVTierSecondaryTier(SecondaryTierManager):
         """The kvtier store behind this tier (its metrics, its tiers)."""
         return self._store
 
+    @property
+    def namespace(self) -> Namespace:
+        """The namespace of this engine's rows, as the store names it (its ``id`` is what ``kvtier cache ls``
+        shows)."""
+        return self._store.named(self._ns)
+
+    def object_keys(self, keys: Collection[OffloadKey]) -> list[ShardKey]:
+        """The stored objects' keys of ``keys`` (e.g. to find one in a tier)."""
+        return [ShardKey(self.namespace.id, chunk.hex(), _ONE_HEAD) for chunk in self._named(keys).keys(self.namespace)]
+
     # -- lookups -----------------------------------------------------------------------------------------------
     def _named(self, keys: Collection[OffloadKey]) -> NamedChunks:
         return NamedChunks([bytes(key) for key in keys], self._shape.tokens)
@@ -175,9 +186,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
     # -- jobs --------------------------------------------------------------------------------------------------
     def submit_store(self, job_metadata: TransferJob) -> None:
         if self._events is not None:
-            named = self._store.named(self._ns)
-            for key, chunk in zip(job_metadata.keys, self._named(job_metadata.keys).keys(named)):
-                self._names[chunk.hex()] = key
+            for key, shard in zip(job_metadata.keys, self.object_keys(job_metadata.keys)):
+                self._names[shard.chunk] = key
         self._jobs.submit(job_metadata, STORE)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
