@@ -193,23 +193,36 @@ def _check_bash(block: Block, stand_ins: dict[str, str]) -> None:
 
             build_parser().parse_args(argv[1:])  # an unknown option or a bad value exits 2
         elif argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]:
-            _check_vllm_server(block, argv[3:])
+            _check_vllm_server(block, argv[3:], stand_ins)
         else:
             pytest.fail(f"{block}: no check for the command {argv[0]!r}; add one, or say why it is not run")
     assert not pending, f"{block}: a quote is never closed"
 
 
-def _check_vllm_server(block: Block, args: list[str]) -> None:
+def _check_vllm_server(block: Block, args: list[str], stand_ins: dict[str, str]) -> None:
     """Parsed by vLLM's own server parser (which validates --kv-transfer-config as vLLM's KVTransferConfig), and
-    kvtier's setting is the one kvtier's launchers pass."""
+    kvtier's setting is the one kvtier's launchers pass, or for vLLM's native offloading an entry of
+    ``secondary_tiers`` that vLLM's tier factory resolves to kvtier's tier, with options and a config it takes."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
+    from kvtier.config import load_config
     from kvtier.fleet.run import kvtier_transfer
+    from kvtier.integrations.vllm_tier import KVTierSecondaryTier
+    from kvtier.integrations.vllm_tier._tier import Options
 
     make_arg_parser(FlexibleArgumentParser()).parse_args(args)
     given = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert given == kvtier_transfer(given["kv_connector_extra_config"]["config"]), block
+    extra = given["kv_connector_extra_config"]
+    if given["kv_connector"] != "OffloadingConnector":
+        assert given == kvtier_transfer(extra["config"]), block
+        return
+    assert extra["spec_name"] == "TieringOffloadingSpec" and extra["cpu_bytes_to_use"] > 0, block
+    (entry,) = [t for t in extra["secondary_tiers"] if t.get("module_path") == "kvtier.integrations.vllm_tier"]
+    assert SecondaryTierFactory.get_tier_class(entry) is KVTierSecondaryTier, block
+    options = Options.parse({k: v for k, v in entry.items() if k not in ("type", "module_path", "backpressure")})
+    load_config(stand_ins.get(str(options.config), options.config))
 
 
 def test_the_python_api_example_runs_as_written(tmp_path: Path) -> None:

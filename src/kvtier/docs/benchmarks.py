@@ -257,6 +257,21 @@ def _pd(d: Mapping[str, Any]) -> Table:
     return _table(["Measure", *setups], rows)
 
 
+def _vllm_tier(d: Mapping[str, Any]) -> Table:
+    """bench_vllm_tier: each measure's median for vLLM's fs tier, then each kvtier tier's and its time over vLLM's
+    fs tier's (median of the rounds' ratios, and their range)."""
+    names = {"store_released_s": "store, until the jobs ended (s)", "store_in_tier_s": "store, until in the tier (s)",
+             "load_s": "load, primary and kvtier DRAM emptied (s)"}
+    rows = []
+    for r in d.get("rows", []):
+        row = [names.get(r.get("measure"), str(r.get("measure"))), ratio(r.get("vllm_fs_s"))]
+        for key in ("kvtier_fs", "kvtier_redis"):
+            row += [ratio(r.get(f"{key}_s")), ratio(r.get(f"{key}_ratio")), bounds(r.get(f"{key}_ratio_range", []))]
+        rows.append(row)
+    return _table(["Measure", "vLLM fs", "kvtier filesystem", "/ vLLM fs", "range", "kvtier Redis", "/ vLLM fs",
+                   "range"], rows)
+
+
 READERS: dict[str, Reader] = {
     "ttft": _ttft, "ttft-runs": _ttft_runs, "ttft-redis": _ttft, "ttft-s3": _ttft,
     "store": _rows_with_ratio(("bench", "shape", "op"), ("target",)),
@@ -267,7 +282,7 @@ READERS: dict[str, Reader] = {
     "first-prompts": _per_round("Measure, the first prompts after start (/ vLLM alone)"),
     "validate": _validate, "preemption": _preemption, "decide": _decide, "policies": _policies,
     "calibration": _calibration, "load-memory": _load_memory, "ab-store": _ab, "ab-ttft": _ab, "codecs": _codecs,
-    "pd": _pd,
+    "pd": _pd, "vllm-tier": _vllm_tier,
 }
 
 

@@ -117,8 +117,9 @@ class Tiering:
         if out is not None:
             stored = list(out.keys_to_store)
             assert isinstance(out.store_spec, CPULoadStoreSpec)
+            index = {key: i for i, key in enumerate(keys)}
             for key, chunk in zip(stored, out.store_spec.chunk_ids):
-                row = row_bytes(key, self.row_bytes) if data is None else data[list(keys).index(key)]
+                row = row_bytes(key, self.row_bytes) if data is None else data[index[key]]
                 self.rows[int(chunk)].copy_(torch.from_numpy(row))
             if stored:  # (the worker's transfer is submitted, and completed, only for rows to store)
                 self.manager.complete_store(stored, ctx)
