@@ -180,6 +180,12 @@ class RedisServer:
         """The options of a ``redis`` tier on this server."""
         return {"url": self.url}
 
+    @property
+    def pid(self) -> int:
+        """The running server's process id, for a test that signals it (SIGSTOP: a server that stalls)."""
+        assert self._proc is not None, "the server is not running"
+        return self._proc.proc.pid
+
     def start(self) -> RedisServer:
         argv = [_binary("redis-server", "Debian's redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "no", "--dir", str(self.workdir),

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vllm.v1.kv_offload.base import Locality, Medium, ReqContext
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from kvtier import KVStore, Namespace
@@ -253,3 +255,48 @@ def test_bad_entries_are_refused_naming_the_field(make_tiering: MakeTiering, tmp
         make_tiering(tier_entry(cfg, model_fingerprint=None), model="HuggingFaceTB/SmolLM2-135M")
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.type"):
         make_tiering(tier_entry(kvtier_config({"type": "floppy", "path": "x"})))
+
+
+@pytest.mark.parametrize("codec", ["lossless", "fp8"])
+def test_rows_stay_exact_under_a_tiers_codec(make_tiering: MakeTiering, tmp_path: Path, codec: str) -> None:
+    """A row is bytes to kvtier: ``lossless`` compresses it, a lossy codec leaves it as it is; both load exact."""
+    t = make_tiering(tier_entry(kvtier_config(disk(tmp_path / "kv", codec=codec))))
+    keys = chunk_names("coded", 3)
+    zeros = [np.zeros(ROW, dtype=np.uint8) for _ in keys]  # compressible
+    t.store(keys, zeros)
+    written(t)
+    stored = sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*.kv"))
+    from_tiers_only(t)
+    rows = t.load(keys)
+    assert len(rows) == 3 and all(np.array_equal(r, z) for r, z in zip(rows, zeros))
+    assert (stored < ROW) if codec == "lossless" else (stored > 3 * ROW)
+
+
+def test_a_stalled_redis_never_blocks_the_schedulers_calls(make_tiering: MakeTiering, tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        redis = {"type": "redis", "name": "redis", **server.tier_options(), "socket_timeout": 30.0}
+        t = make_tiering(tier_entry(kvtier_config(redis)))
+        tier = kvtier_tier(t)
+        keys = chunk_names("stalled", 2)
+        t.store(keys)
+        written(t)
+        from_tiers_only(t)
+        os.kill(server.pid, signal.SIGSTOP)  # answers nothing, closes nothing
+        try:
+            ctx = ReqContext(req_id="stalled")
+            for _ in range(3):  # asked again and again while the lookup thread waits on the server
+                assert tier.lookup(keys[0], ctx) is LookupResult.RETRY
+                tier.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+            job = TransferJob(job_id=1, keys=keys, chunk_ids=np.arange(2, dtype=np.int32), is_promotion=True,
+                              req_context=ctx)
+            tier.submit_load(job)  # queued: returns at once
+            assert tier.has_pending_work() and list(tier.get_finished_jobs()) == []
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        tier.drain_jobs()
+        (result,) = tier.get_finished_jobs()
+        assert result.success  # the server answered once resumed
+        tier.on_request_finished(ctx)
+    finally:
+        server.stop()
