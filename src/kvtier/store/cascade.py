@@ -67,11 +67,6 @@ class CascadeWriter:
         return self._queue.qsize()
 
     @property
-    def busy(self) -> bool:
-        """Whether a write is queued or being written."""
-        return self._queue.unfinished_tasks > 0
-
-    @property
     def queued_bytes(self) -> int:
         return self._bytes + self._handoff_bytes
 

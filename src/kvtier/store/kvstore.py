@@ -32,7 +32,7 @@ from kvtier.config import StoreConfig, TierSpec, load_config
 from kvtier.dram import DramPool
 from kvtier.eviction import POLICIES
 from kvtier.health import FirstOfKind
-from kvtier.keys import HeadRange, Namespace, ShardKey
+from kvtier.keys import HeadRange, NamedChunks, Namespace, ShardKey
 from kvtier.metrics import StoreMetrics
 from kvtier.recent import RecentMap
 from kvtier.store.admission import Admission
@@ -281,6 +281,14 @@ class KVStore:
         """
         return self._lookups.lookup(ns, tokens, kv_heads, elsewhere, local_only, count, tail_block)
 
+    def lookup_each(self, ns: Namespace, chunks: NamedChunks, *, kv_heads: int | None = None,
+                    count: bool = True) -> list[bool]:
+        """For each of ``chunks`` (named by their engine, each standing alone: no prefix joins them), whether it is
+        available, every head present, in DRAM or a tier the namespace may read. Each tier is asked once, about
+        the chunks DRAM and the tiers before it lack. ``count=False`` leaves the lookup metrics to the caller.
+        Never raises for a tier's fault: an unreachable or misbehaving tier holds nothing."""
+        return self._lookups.each(ns, chunks, kv_heads, count)
+
     def count_lookup(self, tokens: int, found: int) -> None:
         """Count one lookup in the metrics (a caller whose final answer came from a ``local_only`` lookup)."""
         self._lookups.count(tokens, found)
@@ -390,11 +398,6 @@ class KVStore:
     def drop_dram(self) -> int:
         """Evict every DRAM entry not in use (later reads come from secondary tiers)."""
         return self.dram.evict_all()
-
-    @property
-    def writing(self) -> bool:
-        """Whether a cascade write is queued or under way (:meth:`flush` would wait)."""
-        return any(writer.busy for writer in self._writes.writers)
 
     def flush(self) -> None:
         """Wait until every queued cascade write has ended."""

@@ -81,6 +81,23 @@ class Lookups:
             self.count(len(tokens), found)
         return found
 
+    def each(self, ns: Namespace, chunks: NamedChunks, kv_heads: int | None, count: bool) -> list[bool]:
+        """:meth:`KVStore.lookup_each`."""
+        ns = self._tenancy.named(ns)
+        keys = [k.hex() for k in chunk_keys(ns, chunks, self._chunk_tokens)]
+        ranges = [self._dram.ranges(ns.id, key) for key in keys]
+        found = [full_cover(r, kv_heads) for r in ranges]
+        for guard in readable(self._guards, self._tenancy.placement.decide(ns), local_only=False):
+            lacking = [i for i, f in enumerate(found) if not f]
+            if not lacking:
+                break
+            for i, heads in zip(lacking, guard.heads(ns.id, [keys[i] for i in lacking])):
+                ranges[i].extend(heads)
+                found[i] = full_cover(ranges[i], kv_heads)
+        if count:
+            self.count(len(chunks), sum(found) * self._chunk_tokens)
+        return found
+
     def count(self, tokens: int, found: int) -> None:
         self._metrics.lookup_tokens.inc(tokens)
         self._metrics.lookup_hit_tokens.inc(found)

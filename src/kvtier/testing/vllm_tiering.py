@@ -45,7 +45,7 @@ _PENDING = (LookupResult.RETRY, LookupResult.HIT_PENDING)
 def offloading_config(secondary_tiers: list[dict[str, Any]], *, model: str, layers: int = 30,
                       kv_bytes_per_token_layer: int = 768, tokens_per_block: int = 16, blocks_per_chunk: int = 1,
                       cpu_bytes: int = 256 << 20, dtype: str = "bfloat16", events: bool = False,
-                      layout: str = "NHD", extra: Mapping[str, Any] | None = None) -> OffloadingConfig:
+                      layout: str = "LBNHC", extra: Mapping[str, Any] | None = None) -> OffloadingConfig:
     """The config vLLM's ``OffloadingConnector`` would derive for one worker (TP 1) of a model with ``layers`` full
     attention layers of ``kv_bytes_per_token_layer`` bytes of KV a token (SmolLM2-135M's by default), offloading
     chunks of ``blocks_per_chunk`` blocks of ``tokens_per_block`` tokens."""
@@ -66,12 +66,13 @@ def offloading_config(secondary_tiers: list[dict[str, Any]], *, model: str, laye
     )
 
 
-def chunk_names(prompt: str, count: int) -> list[OffloadKey]:
-    """``count`` keys as vLLM names a prompt's chunks: each hashes its parent's (a prefix chain), group 0."""
+def chunk_names(prompt: str, count: int, group: int = 0) -> list[OffloadKey]:
+    """``count`` keys as vLLM names a prompt's chunks in KV cache group ``group``: each hashes its parent's (a
+    prefix chain)."""
     keys, parent = [], hashlib.sha256(prompt.encode()).digest()
     for i in range(count):
         parent = hashlib.sha256(parent + i.to_bytes(8, "little")).digest()
-        keys.append(make_offload_key(parent, 0))
+        keys.append(make_offload_key(parent, group))
     return keys
 
 
@@ -102,7 +103,8 @@ class Tiering:
         """The end of one scheduler step: finished jobs taken, promotions submitted, the tiers' lookups flushed."""
         self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
 
-    def _request(self) -> ReqContext:
+    def request(self) -> ReqContext:
+        """A new request's context, announced to the manager (end it with :meth:`finish`)."""
         self._requests += 1
         ctx = ReqContext(req_id=f"req-{self._requests}")
         self.manager.on_new_request(ctx)
@@ -111,7 +113,7 @@ class Tiering:
     def store(self, keys: Sequence[OffloadKey], data: Sequence[np.ndarray] | None = None) -> list[OffloadKey]:
         """Offload ``keys`` as the worker would (rows ``data``, else :func:`row_bytes`): into the primary tier,
         which cascades them to every secondary tier. The keys it stored (those the primary did not hold)."""
-        ctx = self._request()
+        ctx = self.request()
         out = self.manager.prepare_store(list(keys), ctx)
         stored: list[OffloadKey] = []
         if out is not None:
@@ -138,25 +140,25 @@ class Tiering:
             time.sleep(_STEP_SECONDS)
 
     def lookup(self, keys: Sequence[OffloadKey], timeout: float = 30.0, ctx: ReqContext | None = None) -> int:
-        """How many of ``keys``, from the first, the manager serves from its primary tier, stepping while a tier
-        answers "retry" or a promotion is in flight (a found chunk is promoted first, as in vLLM)."""
+        """How many of ``keys``, from the first, the manager serves from its primary tier, asked as vLLM's
+        scheduler asks (``_maximal_prefix_lookup``: every key up to the first miss each step, a found one promoted
+        first), stepping until no answer is "retry" or pending."""
         own = ctx is None
-        ctx = self._request() if ctx is None else ctx
+        ctx = self.request() if ctx is None else ctx
         deadline = time.monotonic() + timeout
         try:
             while True:
-                hits = 0
+                hits, deferred = 0, False
                 for key in keys:
                     result = self.manager.lookup(key, ctx)
-                    if result is not LookupResult.HIT:
+                    if result is LookupResult.MISS:
                         break
-                    hits += 1
-                else:
-                    return hits
-                if result not in _PENDING:
+                    deferred = deferred or result in _PENDING
+                    hits += result is not LookupResult.RETRY
+                if not deferred:
                     return hits
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"lookup still {result.name} after {timeout} s")
+                    raise TimeoutError(f"lookups still deferred after {timeout} s")
                 self.step()
                 time.sleep(_STEP_SECONDS)
         finally:
@@ -164,10 +166,14 @@ class Tiering:
                 self.manager.on_request_finished(ctx)
                 self.step()
 
+    def finish(self, ctx: ReqContext) -> None:
+        self.manager.on_request_finished(ctx)
+        self.step()
+
     def load(self, keys: Sequence[OffloadKey], timeout: float = 30.0) -> list[np.ndarray]:
         """The rows of the leading ``keys`` the manager serves (promoted into the primary tier first), copied out
         as the worker would copy them to the GPU."""
-        ctx = self._request()
+        ctx = self.request()
         try:
             hits = self.lookup(keys, timeout, ctx)
             spec = self.manager.prepare_load(list(keys[:hits]), ctx)

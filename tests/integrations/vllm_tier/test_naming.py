@@ -30,20 +30,25 @@ def test_every_field_that_changes_a_rows_bytes_changes_the_namespace() -> None:
         offloading_config([], model="m", tokens_per_block=32),
         offloading_config([], model="m", layers=31),
         offloading_config([], model="m", kv_bytes_per_token_layer=512),
-        offloading_config([], model="m", layout="HND"),
+        offloading_config([], model="m", layout="LBHNC"),
         dataclasses.replace(base, cache=dataclasses.replace(base.cache, blocks_per_chunk=2)),
-        dataclasses.replace(base, canonical_layout=True),
+        dataclasses.replace(base, canonical_layout=True),  # vLLM's canonical format's id (version, family)
         dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tp_size=2, world_size=2,
                                                                 is_parallelism_agnostic=False)),
     ]
     settings = {layout_settings(c, row) for c in variants}
     assert len(settings) == len(variants) and layout_settings(base, row) not in settings
     assert layout_settings(base, row) != layout_settings(base, 2 * row)
-    # Not the engine's id or rank: every engine of a fleet names its rows alike.
+    # Not the engine's id or rank, nor the TP degree where vLLM says the bytes are the same under any: every engine
+    # of a fleet names its rows alike.
+    tp2 = dataclasses.replace(base, worker_kv_bytes_per_block=base.worker_kv_bytes_per_block // 2,
+                              parallel=dataclasses.replace(base.parallel, tp_size=2, world_size=2))
+    assert layout_settings(tp2, row) == layout_settings(base, row)
     same = dataclasses.replace(base, engine_id="another", parallel=dataclasses.replace(base.parallel, rank=1))
     assert layout_settings(same, row) == layout_settings(base, row)
     assert chunk_tokens(variants[4]) == 32
-    ns = namespace(base, row, "fingerprint")
+    assert layout_settings(base, row) != layout_settings(base, row, engine="blake2b:" + "0" * 32)
+    ns = namespace(base, row, "fingerprint", "f")
     assert (ns.model, ns.dtype) == ("fingerprint", "bfloat16") and ns.settings.startswith("vllm-offloading:")
 
 
@@ -58,3 +63,19 @@ def test_the_model_is_fingerprinted_or_named_never_guessed(tmp_path: Path) -> No
         model_of("org/model", None, "x.model_fingerprint")
     with pytest.raises(ConfigError, match="expected a non-empty string"):
         model_of("org/model", "", "f")
+
+
+def test_the_engines_config_is_read_from_the_vllm_call_that_builds_the_tier() -> None:
+    from vllm.config import VllmConfig
+
+    from kvtier.integrations.vllm_tier._naming import engine_config
+
+    def build_tier() -> VllmConfig | None:
+        return engine_config()
+
+    def connector_scheduler(vllm_config: object) -> VllmConfig | None:  # vLLM's builder holds it as a local
+        return build_tier()
+
+    assert connector_scheduler("not a config") is None and build_tier() is None
+    config = VllmConfig()
+    assert connector_scheduler(config) is config

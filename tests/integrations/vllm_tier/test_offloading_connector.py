@@ -128,3 +128,27 @@ def test_a_restarted_engine_finds_what_the_first_stored_under_vllms_own_keys(mod
         assert matched(second, request("salted", prompt, salt="tenant-b")) == 0  # the salt is in vLLM's keys
     finally:
         second.shutdown()
+
+
+def test_engine_settings_that_change_kv_change_the_rows_namespace(model_dir: Path, kvtier_yaml: Path) -> None:
+    """vLLM passes a tier no engine settings; the tier reads them from the connector that builds it, as kvtier's own
+    connector names them: a RoPE override names other rows."""
+    def namespace_id(**engine: object) -> str:
+        config = user_config(model_dir, kvtier_yaml)
+        if engine:
+            args = {"model": str(model_dir), "skip_tokenizer_init": True, "enforce_eager": True,
+                    "max_model_len": 2048, "dtype": "bfloat16", "block_size": BLOCK,
+                    "kv_transfer_config": config.kv_transfer_config, **engine}
+            config = EngineArgs(**args).create_engine_config()  # type: ignore[arg-type]
+        conn = OffloadingConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+        try:
+            (tier,) = manager_of(conn).secondary_tiers
+            assert isinstance(tier, KVTierSecondaryTier)
+            return tier.namespace.id
+        finally:
+            conn.shutdown()
+
+    plain = namespace_id()
+    assert namespace_id() == plain  # the same engine, restarted: the same rows
+    assert namespace_id(hf_overrides={"rope_theta": 1234.0}) != plain
+    assert namespace_id(hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 4.0}}) != plain

@@ -19,8 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, ScheduleEndContext
-from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, OffloadKey, ReqContext, ScheduleEndContext
 
 from kvtier import KVStore, Namespace
 from kvtier.errors import ConfigError
@@ -110,6 +109,18 @@ def test_two_processes_share_rows_through_redis(make_tiering: MakeTiering, redis
     assert t.lookup(keys + chunk_names("elsewhere", 1)) == 6
 
 
+def promotion_pending(t: Tiering, key: OffloadKey) -> ReqContext:
+    """A request whose lookup found ``key`` in kvtier's tiers: its promotion is allocated in the primary tier and
+    submitted to kvtier's tier at the next step."""
+    ctx = t.request()
+    deadline = time.monotonic() + 30
+    while (result := t.manager.lookup(key, ctx)) is not LookupResult.HIT_PENDING:
+        assert result is LookupResult.RETRY and time.monotonic() < deadline, result
+        t.step()
+        time.sleep(0.002)
+    return ctx
+
+
 def test_a_redis_outage_fails_jobs_and_lookups_without_raising(make_tiering: MakeTiering, tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "redis").start()
     try:
@@ -121,16 +132,14 @@ def test_a_redis_outage_fails_jobs_and_lookups_without_raising(make_tiering: Mak
         t.store(keys)
         written(t)
         from_tiers_only(t)
+        ctx = promotion_pending(t, keys[0])  # found in Redis: vLLM submits its promotion next step
         server.stop()
+        t.step()  # the load job is submitted, and fails
+        t.settle()
+        assert t.manager.lookup(keys[0], ctx) is LookupResult.MISS  # failed, and answered missing after it
+        t.finish(ctx)
         assert t.lookup(keys) == 0  # missing, not an exception
-        # A promotion vLLM submitted before the outage: its job fails, and the key is answered missing after it.
-        job = TransferJob(job_id=10**6, keys=keys, chunk_ids=np.arange(4, dtype=np.int32), is_promotion=True,
-                          req_context=ReqContext(req_id="r"))
-        tier.submit_load(job)
-        tier.drain_jobs()
-        (result,) = tier.get_finished_jobs()
-        assert result.job_id == job.job_id and not result.success and not result.successful_keys
-        assert tier.lookup(keys[0], ReqContext(req_id="r2")).name == "MISS"
+        assert tier.store.stats()["redis"]["tier_outage{what=reads}"] == 1
         # Stores go on into kvtier's DRAM; the tier's writes are dropped and counted, none raises.
         more = chunk_names("during the outage", 3)
         assert t.store(more) == more
@@ -227,7 +236,7 @@ def test_rows_are_kept_apart_from_other_layouts_models_and_kvtiers_connector(mak
     written(first)
     ns = kvtier_tier(first).namespace
     # Another KV layout (HND), another block size, another model: the same names find nothing.
-    for other in (make_tiering(tier_entry(cfg), layout="HND"), make_tiering(tier_entry(cfg), tokens_per_block=32),
+    for other in (make_tiering(tier_entry(cfg), layout="LBHNC"), make_tiering(tier_entry(cfg), tokens_per_block=32),
                   make_tiering(tier_entry(cfg, model_fingerprint="another-model"))):
         assert kvtier_tier(other).namespace.id != ns.id
         assert other.lookup(keys) == 0
@@ -277,26 +286,77 @@ def test_a_stalled_redis_never_blocks_the_schedulers_calls(make_tiering: MakeTie
     try:
         redis = {"type": "redis", "name": "redis", **server.tier_options(), "socket_timeout": 30.0}
         t = make_tiering(tier_entry(kvtier_config(redis)))
-        tier = kvtier_tier(t)
         keys = chunk_names("stalled", 2)
         t.store(keys)
         written(t)
         from_tiers_only(t)
+        ctx = promotion_pending(t, keys[0])
         os.kill(server.pid, signal.SIGSTOP)  # answers nothing, closes nothing
         try:
-            ctx = ReqContext(req_id="stalled")
-            for _ in range(3):  # asked again and again while the lookup thread waits on the server
-                assert tier.lookup(keys[0], ctx) is LookupResult.RETRY
-                tier.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-            job = TransferJob(job_id=1, keys=keys, chunk_ids=np.arange(2, dtype=np.int32), is_promotion=True,
-                              req_context=ctx)
-            tier.submit_load(job)  # queued: returns at once
-            assert tier.has_pending_work() and list(tier.get_finished_jobs()) == []
+            t.step()  # submits the promotion: queued on kvtier's threads, not waited for
+            assert t.manager.has_pending_work()
+            assert t.manager.lookup(keys[0], ctx) is LookupResult.HIT_PENDING
+            for _ in range(3):  # the next key: asked again and again while the lookup thread waits on the server
+                assert t.manager.lookup(keys[1], ctx) is LookupResult.RETRY
+                t.step()
         finally:
             os.kill(server.pid, signal.SIGCONT)
-        tier.drain_jobs()
-        (result,) = tier.get_finished_jobs()
-        assert result.success  # the server answered once resumed
-        tier.on_request_finished(ctx)
+        t.finish(ctx)
+        t.settle()
+        assert exact(t, keys, t.load(keys))  # served once the server answers again
     finally:
         server.stop()
+
+
+def test_each_key_is_answered_on_its_own_across_groups_and_from_the_end(make_tiering: MakeTiering,
+                                                                         redis_server: RedisServer,
+                                                                         unique_prefix: str) -> None:
+    """vLLM asks one request's keys of several KV cache groups in one step, a sliding window's from its end: no
+    key's answer depends on another's."""
+    redis = {"type": "redis", "name": "redis", **redis_server.tier_options(), "key_prefix": unique_prefix}
+    t = make_tiering(tier_entry(kvtier_config(redis)))
+    tier = kvtier_tier(t)
+    full, window = chunk_names("hybrid", 8, group=0), chunk_names("hybrid", 8, group=1)
+    stored = full[:5] + window[3:]  # the window's group keeps its last chunks only
+    t.store(stored)
+    written(t)
+    from_tiers_only(t)
+    ctx = t.request()
+    asked = full + window[::-1]
+    answers: dict[OffloadKey, LookupResult] = {}
+    deadline = time.monotonic() + 30
+    while len(answers) < len(asked):
+        for key in asked:
+            if key not in answers and (result := tier.lookup(key, ctx)) is not LookupResult.RETRY:
+                answers[key] = result
+        tier.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    tier.on_request_finished(ctx)
+    assert {k for k, r in answers.items() if r is LookupResult.HIT} == set(stored)
+
+
+def test_a_bad_row_fails_alone_and_the_rest_of_its_job_is_served(make_tiering: MakeTiering, tmp_path: Path) -> None:
+    t = make_tiering(tier_entry(kvtier_config(disk(tmp_path / "kv"))))
+    tier = kvtier_tier(t)
+    keys = chunk_names("one bad row", 6)
+    t.store(keys)
+    written(t)
+    bad = _file(tmp_path / "kv", tier.object_keys(keys[2:3])[0].chunk)
+    blob = bytearray(bad.read_bytes())
+    blob[-10] ^= 1  # a lookup finds the file; its load finds it corrupt
+    bad.write_bytes(bytes(blob))
+    from_tiers_only(t)
+    ctx = t.request()
+    deadline = time.monotonic() + 30
+    while LookupResult.RETRY in [t.manager.lookup(k, ctx) for k in keys]:  # all asked, all found in one step
+        t.step()
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    t.settle()  # one promotion job of the six rows
+    results = [t.manager.lookup(k, ctx) for k in keys]
+    t.finish(ctx)
+    assert [r is LookupResult.HIT for r in results] == [True, True, False, True, True, True]
+    rows = t.load(keys[3:])
+    assert exact(t, keys[3:], rows)  # served from the primary tier: the job kept them
+    assert t.lookup(keys[2:3]) == 0  # answered missing: not promoted again and again

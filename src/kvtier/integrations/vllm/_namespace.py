@@ -63,29 +63,30 @@ def hub_snapshot(repo: str, revision: str | None, cache_dirs: list[str | None], 
     return None
 
 
-def model_fingerprint(vllm_config: VllmConfig, override: object) -> str:
+def model_fingerprint(vllm_config: VllmConfig, override: object, where: str = "kv_connector_extra_config") -> str:
     """``override`` when given, else a fingerprint of the model's files (a local directory or a cached hub
-    snapshot). Raises :class:`ConfigError` when neither is possible: a guess could serve another model's KV."""
+    snapshot). Raises :class:`ConfigError` naming ``where``'s ``model_fingerprint`` when neither is possible: a
+    guess could serve another model's KV."""
+    field = f"{where}.model_fingerprint"
     if override is not None:
         if not isinstance(override, str) or not override:
-            raise ConfigError("kv_connector_extra_config.model_fingerprint: expected a non-empty string")
+            raise ConfigError(f"{field}: expected a non-empty string")
         return override
     model = vllm_config.model_config.model
     if Path(model).is_dir():
         return fingerprint_model(model)
     revision = vllm_config.model_config.revision
     download_dir = getattr(vllm_config.load_config, "download_dir", None)
-    ask = ("; set \"model_fingerprint\" in kv_connector_extra_config to a string that changes whenever the "
-           "model's weights or config do (e.g. the commit hash)")
+    ask = (f"; set \"model_fingerprint\" in {where} to a string that changes whenever the model's weights or "
+           "config do (e.g. the commit hash)")
     snapshot = hub_snapshot(model, revision, [download_dir, None] if download_dir else [None], "config.json")
     if snapshot is None:
-        raise ConfigError(f"kv_connector_extra_config.model_fingerprint: model {model!r} (revision "
-                          f"{revision or 'main'}) is neither a local directory nor in the local Hugging Face "
-                          f"cache, so its weights cannot be fingerprinted{ask}")
+        raise ConfigError(f"{field}: model {model!r} (revision {revision or 'main'}) is neither a local directory "
+                          f"nor in the local Hugging Face cache, so its weights cannot be fingerprinted{ask}")
     try:
         return fingerprint_model(snapshot)
     except ValueError as exc:
-        raise ConfigError(f"kv_connector_extra_config.model_fingerprint: model {model!r}: {exc}{ask}") from exc
+        raise ConfigError(f"{field}: model {model!r}: {exc}{ask}") from exc
 
 
 def _hf_config(config: object) -> dict[str, Any]:

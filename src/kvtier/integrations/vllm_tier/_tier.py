@@ -1,16 +1,16 @@
 """``KVTierSecondaryTier``: vLLM's ``SecondaryTierManager`` over a :class:`~kvtier.store.KVStore` (scheduler
-process; every method returns without waiting on a tier).
+process; every method returns without waiting on a tier or a disk).
 
 - **Stores** (``submit_store``): a job on kvtier's threads copies the rows out of vLLM's primary tier into kvtier's
   DRAM (:meth:`KVStore.put_from`, skipping rows DRAM holds already); kvtier's cascade writes them to its tiers from
   there, behind the job. The job succeeds once DRAM holds every row (vLLM may then reuse the primary's slots);
-  a tier that drops a write counts it in kvtier's metrics (``kvtier_dropped_total``).
-- **Lookups**: DRAM and the local tiers (a disk's index) answer at once; a tier across a network (Redis, S3,
-  Mooncake) is asked on a background thread (vLLM's ``AsyncLookupManager``: the answer is "retry" until then).
-  Of one request's keys asked in a step, those after the first one missing count as missing (a prefix).
+  a tier that drops a write counts it in kvtier's metrics (``kvtier_dropped_writes_total``).
+- **Lookups**: kvtier's DRAM answers at once; its tiers, a local disk's included, are asked on vLLM's lookup thread
+  (``AsyncLookupManager``: the answer is "retry" until then), each key on its own (vLLM asks one request's keys of
+  several KV cache groups, and a sliding window's from the end, in one step).
 - **Loads** (``submit_load``): a job reads the rows (verified: a torn, forged or moved object is a miss) into the
-  primary's slots; a key not served fails its job from there on, and is answered missing for
-  :data:`FAILED_SECONDS`, so vLLM does not promote it again and again.
+  primary's slots, each on its own: a row not served fails alone (the job reports the rows it did serve), and its
+  key is answered missing for :data:`FAILED_SECONDS`, so vLLM does not promote it again and again.
 - **Faults**: a tier in an outage answers missing and fails loads; no hook raises for a tier's fault.
 - **Events** (``enable_kv_events``, when vLLM publishes KV events): each row a kvtier tier came to hold, with that
   tier's locality and ``ownership`` ``kvtier:<tier name>``; a row announced and then found missing (evicted,
@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvtier.config import load_config
+from kvtier.config import StoreConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm_tier import _naming
 from kvtier.integrations.vllm_tier._jobs import LOAD, STORE, Jobs
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.integrations.vllm_tier")
 
 FAILED_SECONDS = 30.0  # a key whose load failed is answered missing this long
+DRAM_ROWS = 4  # rows kvtier's DRAM must hold at least: one being written behind while the next ones are put
 _KEYS_KEPT = 1 << 18  # rows remembered by name (for events) and by failure
 _FIELD = "secondary_tiers[KVTierSecondaryTier]"
 _ONE_HEAD = HeadRange(0, 1, 1)  # a row is stored as one shard of one "head"
@@ -89,16 +90,28 @@ class Options:
         return got
 
 
-class _RemoteLookups(AsyncLookupManager):
-    """Lookups in the tiers across a network, on vLLM's lookup thread."""
+def store_config(options: Options, row_bytes: int, tokens: int) -> StoreConfig:
+    """kvtier's config for the tier: its chunk is vLLM's; it needs a tier, and DRAM for a few rows."""
+    config = dataclasses.replace(load_config(options.config), chunk_tokens=tokens)
+    if not config.tiers:
+        raise ConfigError(f"{_FIELD}.config.tiers: at least one kvtier tier (filesystem, redis, s3, mooncake); "
+                          "kvtier's DRAM alone would only repeat vLLM's primary tier")
+    if config.dram.capacity_bytes < DRAM_ROWS * row_bytes:
+        raise ConfigError(f"{_FIELD}.config.dram.capacity_bytes: {config.dram.capacity_bytes} bytes hold fewer than "
+                          f"{DRAM_ROWS} rows of {row_bytes} bytes (every row is written to kvtier's tiers from its "
+                          f"DRAM); give it at least {DRAM_ROWS * row_bytes}")
+    return config
+
+
+class _Lookups(AsyncLookupManager):
+    """Lookups in kvtier's tiers, on vLLM's lookup thread."""
 
     def __init__(self, tier: KVTierSecondaryTier, tier_type: str) -> None:
         super().__init__(tier_type=tier_type)
         self._tier = tier
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        found = self._tier.found(keys) if keys else 0
-        return [i < found for i in range(len(keys))]
+        return self._tier.found(keys)
 
 
 class KVTierSecondaryTier(SecondaryTierManager):
@@ -112,19 +125,21 @@ class KVTierSecondaryTier(SecondaryTierManager):
         opts = Options.parse(options)
         config = offloading_spec.config
         self._shape = _naming.RowShape.of(self.block_size_bytes, _naming.chunk_tokens(config), _FIELD)
-        model = _naming.model_of(config.model.name, opts.model_fingerprint, f"{_FIELD}.model_fingerprint")
-        self._ns = _naming.namespace(config, self.block_size_bytes, model)
+        ns = _naming.namespace(config, self.block_size_bytes, opts.model_fingerprint, _FIELD, _naming.engine_config())
         rows = np.asarray(primary_kv_view).view(np.uint8)
         self._rows = torch.from_numpy(rows).view(rows.shape[0], -1)  # (chunks, row bytes): no copy
-        store_config = dataclasses.replace(load_config(opts.config), chunk_tokens=self._shape.tokens)
-        self._store = KVStore(store_config)
+        self._store = KVStore(store_config(opts, self.block_size_bytes, self._shape.tokens))
+        self._ns = self._store.named(ns)  # (named once: its key is the deployment's)
+        self._lookups: _Lookups | None = None
         try:
             local = all(tier.local for tier in self._store.tiers)
             self.locality = Locality(opts.locality or ("LOCAL" if local else "REMOTE"))
-            self._remote = _RemoteLookups(self, tier_type) if self._store.remote_tiers else None
+            self._lookups = _Lookups(self, tier_type)
             self._jobs: Jobs[TransferJob, JobResult] = Jobs(self._run, self._failed, opts.workers,
                                                             f"kvtier-vllm-{tier_type}")
         except BaseException:
+            if self._lookups is not None:
+                self._lookups.shutdown()
             self._store.close()
             raise
         self._failed_at: RecentMap[OffloadKey, float] = RecentMap(_KEYS_KEPT)  # scheduler thread only
@@ -132,14 +147,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
         events = opts.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         if opts.enable_kv_events and not events:
             log.warning("kvtier tier: enable_kv_events is set but vLLM publishes no KV events; none are made")
-        self._watcher = self._store.watch_tier_writes() if events and self._store.tiers else None
+        self._watcher = self._store.watch_tier_writes() if events else None
         self._events: list[OffloadingEvent] | None = [] if events else None
         self._names: RecentMap[str, OffloadKey] = RecentMap(_KEYS_KEPT)  # chunk key (hex) -> its row's name
         self._held: RecentMap[OffloadKey, set[str]] = RecentMap(_KEYS_KEPT)  # announced: where each row lies
         self._local = {tier.name: tier.local for tier in self._store.tiers}
-        log.info("kvtier tier %s: %d tier(s) %s, rows of %d bytes (%d tokens), namespace %s", tier_type,
-                 len(self._store.tiers), [t.name for t in self._store.tiers], self.block_size_bytes,
-                 self._shape.tokens, self._store.named(self._ns).id)
+        log.info("kvtier tier %s: tiers %s, rows of %d bytes (%d tokens), namespace %s", tier_type,
+                 [t.name for t in self._store.tiers], self.block_size_bytes, self._shape.tokens, self._ns.id)
 
     @property
     def store(self) -> KVStore:
@@ -150,36 +164,34 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def namespace(self) -> Namespace:
         """The namespace of this engine's rows, as the store names it (its ``id`` is what ``kvtier cache ls``
         shows)."""
-        return self._store.named(self._ns)
+        return self._ns
 
     def object_keys(self, keys: Collection[OffloadKey]) -> list[ShardKey]:
         """The stored objects' keys of ``keys`` (e.g. to find one in a tier)."""
-        return [ShardKey(self.namespace.id, chunk.hex(), _ONE_HEAD) for chunk in self._named(keys).keys(self.namespace)]
+        return [ShardKey(self._ns.id, chunk.hex(), _ONE_HEAD) for chunk in self._named(keys).keys(self._ns)]
 
     # -- lookups -----------------------------------------------------------------------------------------------
     def _named(self, keys: Collection[OffloadKey]) -> NamedChunks:
         return NamedChunks([bytes(key) for key in keys], self._shape.tokens)
 
-    def found(self, keys: list[OffloadKey]) -> int:
-        """How many of ``keys``, from the first, kvtier holds (any tier; may wait on a network)."""
-        return self._store.lookup(self._ns, self._named(keys)) // self._shape.tokens
+    def found(self, keys: list[OffloadKey]) -> list[bool]:
+        """Whether kvtier holds each of ``keys`` (DRAM or any tier; may wait on a disk or a network)."""
+        return self._store.lookup_each(self._ns, self._named(keys)) if keys else []
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         failed = self._failed_at.get(key)
         if failed is not None and time.monotonic() - failed < FAILED_SECONDS:
             return LookupResult.MISS
         t = self._shape.tokens
-        if self._store.lookup(self._ns, self._named([key]), local_only=True):
+        if self._store.held(self._ns, self._named([key]), kv_heads=1):  # kvtier's DRAM: no I/O
             self._store.count_lookup(t, t)
             return LookupResult.HIT
-        if self._remote is not None:
-            answer = self._remote.lookup(key, req_context)
-            if answer is None:
-                return LookupResult.RETRY
-            if answer:
-                return LookupResult.HIT
-        else:
-            self._store.count_lookup(t, 0)
+        assert self._lookups is not None
+        answer = self._lookups.lookup(key, req_context)
+        if answer is None:
+            return LookupResult.RETRY
+        if answer:
+            return LookupResult.HIT
         self._gone([key])
         return LookupResult.MISS
 
@@ -199,26 +211,44 @@ class KVTierSecondaryTier(SecondaryTierManager):
         start = time.perf_counter()
         keys, ids = list(job.keys), [int(i) for i in job.chunk_ids]
         assert len(keys) == len(ids), f"job {job.job_id}: {len(keys)} keys for {len(ids)} slots"
-        s = self._shape
         if job.is_promotion:
-            def sink(first: int, kv: torch.Tensor) -> None:
-                for i in range(kv.shape[0]):
-                    self._rows[ids[first + i]].view(kv.shape[1:]).copy_(kv[i])
-
-            n = self._store.load(self._ns, self._named(keys), sink, layers=s.layers, head_dim=s.width,
-                                 dtype=torch.uint8, kv_heads=1, streamed=self._store.remote_tiers) // s.tokens
+            served = self._load(keys, ids)
+            done, moved = len(served) == len(keys), len(served)
         else:
-            def source(first: int, dst: torch.Tensor) -> None:
-                for i in range(dst.shape[0]):
-                    dst[i].copy_(self._rows[ids[first + i]].view(dst.shape[1:]))
-
-            n = self._store.put_from(self._ns, self._named(keys), source, layers=s.layers, head_dim=s.width,
-                                     dtype=torch.uint8, kv_heads=1) // s.tokens
-        done = n == len(keys)
+            held, moved = self._put(keys, ids)
+            done = held == len(keys)
         return JobResult(job_id=job.job_id, success=done,
-                         successful_keys=tuple(keys[:n]) if job.is_promotion and 0 < n < len(keys) else None,
-                         transfer_time=time.perf_counter() - start,
-                         transfer_bytes=(n if job.is_promotion else len(keys)) * self.block_size_bytes)
+                         successful_keys=tuple(served) if job.is_promotion and served and not done else None,
+                         transfer_time=time.perf_counter() - start, transfer_bytes=moved * self.block_size_bytes)
+
+    def _load(self, keys: list[OffloadKey], ids: list[int]) -> list[OffloadKey]:
+        """Read ``keys``' rows into the slots ``ids``: the keys served (a missing or bad row fails alone)."""
+        s, served, start = self._shape, [], 0
+        while start < len(keys):
+            def sink(first: int, kv: torch.Tensor, at: int = start) -> None:
+                for i in range(kv.shape[0]):
+                    self._rows[ids[at + first + i]].view(kv.shape[1:]).copy_(kv[i])
+
+            n = self._store.load(self._ns, self._named(keys[start:]), sink, layers=s.layers, head_dim=s.width,
+                                 dtype=torch.uint8, kv_heads=1, streamed=self._store.remote_tiers) // s.tokens
+            served += keys[start:start + n]
+            start += n + 1  # past the row that was not served
+        return served
+
+    def _put(self, keys: list[OffloadKey], ids: list[int]) -> tuple[int, int]:
+        """Copy ``keys``' rows from the slots ``ids`` into kvtier's DRAM: the rows it holds from the first (a put
+        stops at the first row DRAM has no room for), and the rows copied (not held before)."""
+        s, copied = self._shape, 0
+
+        def source(first: int, dst: torch.Tensor) -> None:
+            nonlocal copied
+            for i in range(dst.shape[0]):
+                dst[i].copy_(self._rows[ids[first + i]].view(dst.shape[1:]))
+            copied += dst.shape[0]
+
+        held = self._store.put_from(self._ns, self._named(keys), source, layers=s.layers, head_dim=s.width,
+                                    dtype=torch.uint8, kv_heads=1) // s.tokens
+        return held, copied
 
     @staticmethod
     def _failed(job: TransferJob, exc: BaseException) -> JobResult:
@@ -227,17 +257,16 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = self._jobs.take()
         # The jobs are the manager's; the keys a failed load did not serve are the tier's to remember.
+        now = time.monotonic()
         for result in results:
             loading = self._loading.pop(result.job_id, None)
-            if loading is not None and not result.success:
-                served = set(result.successful_keys or ())
-                missing = [key for key in loading if key not in served]
-                now = time.monotonic()
-                for key in missing:
-                    self._failed_at[key] = now
-                if self._remote is not None:
-                    self._remote.mark_miss(missing)
-                self._gone(missing)
+            if loading is None or result.success:
+                continue
+            served = set(result.successful_keys or ())
+            missing = [key for key in loading if key not in served]
+            for key in missing:
+                self._failed_at[key] = now
+            self._gone(missing)
         return results
 
     # -- events ------------------------------------------------------------------------------------------------
@@ -251,9 +280,11 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 self._events.append(self._event([key], tier, removed=True))
 
     def _event(self, keys: list[OffloadKey], tier: str, removed: bool) -> OffloadingEvent:
+        # removal_expected: this tier announces its removals too (vLLM's event tracker keeps the rows' metadata
+        # for them, past the primary tier's own removal).
         return OffloadingEvent(keys=keys, medium=self.medium, removed=removed,
                                locality=Locality.LOCAL if self._local.get(tier) else Locality.REMOTE,
-                               ownership=f"kvtier:{tier}")
+                               ownership=f"kvtier:{tier}", removal_expected=True)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events is None:
@@ -273,18 +304,18 @@ class KVTierSecondaryTier(SecondaryTierManager):
 
     # -- the rest of vLLM's interface --------------------------------------------------------------------------
     def has_pending_work(self) -> bool:
-        return self._jobs.pending or (self._watcher is not None and self._store.writing)
+        return self._jobs.pending
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        if self._remote is not None:
-            self._remote.cleanup(req_context.req_id)
+        assert self._lookups is not None
+        self._lookups.cleanup(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self._remote is not None:
-            self._remote.flush()
+        assert self._lookups is not None
+        self._lookups.flush()
 
     def drain_jobs(self) -> None:
         """Wait for every job submitted (the cascade's writes read kvtier's DRAM, not the primary: not waited
@@ -295,8 +326,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
         """End the jobs, the lookups and the store (its queued writes finish first)."""
         try:
             self._jobs.close()
-            if self._remote is not None:
-                self._remote.shutdown()
+            if self._lookups is not None:
+                self._lookups.shutdown()
         finally:
             self._store.close()
             self._rows = torch.empty(0, 0, dtype=torch.uint8)  # vLLM unmaps the primary next: no view may remain
