@@ -278,3 +278,27 @@ def test_a_keyring_that_lost_its_pepper_is_refused_and_engines_log_one_naming_fi
     with pytest.raises(ConfigError, match=r"encryption\.keyring: .* holds tenants' files but no pepper"):
         KVStore.from_config(_sealed(tmp_path))
     assert not (keyring / "pepper").exists()
+
+
+def test_named_chunks_are_keyed_by_name_under_the_namespace() -> None:
+    """Chunks an engine names itself (vLLM's offload keys): each name's key depends on the namespace (and its naming
+    key) and on nothing else; no tails, no inputs; the length counts chunk_tokens a name."""
+    from kvtier.keys import NamedChunks
+
+    names = [b"a" * 36, b"b" * 36]
+    chunks = NamedChunks(names, 16)
+    assert len(chunks) == 32
+    keys = chunk_keys(NS, chunks, 16)
+    assert len(keys) == 2 and keys[0] != keys[1] and all(len(k) == 16 for k in keys)
+    assert chunk_keys(NS, NamedChunks(names[1:], 16), 16) == keys[1:]  # no chain: each stands alone
+    assert chunk_keys(Namespace(model="other", dtype="bfloat16"), chunks, 16) != keys
+    assert chunk_keys(NS.keyed(b"k" * 32), chunks, 16) != keys  # keyed names: a tier's names confirm nothing
+    assert keys[0] not in chunk_keys(NS, list(range(16)), 16)
+    with pytest.raises(ValueError, match="named chunks of 16 tokens"):
+        chunk_keys(NS, chunks, 32)
+    with pytest.raises(ValueError, match="no tails"):
+        chunk_keys(NS, chunks, 16, tail=True)
+    with pytest.raises(ValueError, match="no Namespace.inputs"):
+        chunk_keys(Namespace(model="m", dtype="bfloat16", inputs=(InputSpan(0, 4, "img"),)), chunks, 16)
+    with pytest.raises(ValueError, match="non-empty bytes"):
+        NamedChunks([b""], 16)

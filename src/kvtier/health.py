@@ -105,6 +105,11 @@ class Outage:
     def resting(self) -> bool:
         return self._failing and time.monotonic() < self._until
 
+    @property
+    def failing(self) -> bool:
+        """In an outage: failed since its last success (resting or not)."""
+        return self._failing
+
     def failed(self, exc: BaseException) -> None:
         with self._lock:
             first, self._failing = not self._failing, True

@@ -936,3 +936,21 @@ def test_a_load_hands_over_the_chunks_before_a_missing_one(make_store, tmp_path,
     assert store.load(NS, tokens, sink, layers=2, head_dim=8, dtype=torch.bfloat16, streamed=streamed) == 2 * T
     assert sorted(got) == [0, 1] and all(torch.equal(got[i], kv[:, :, :, i * T:(i + 1) * T]) for i in got)
     assert store.get(NS, tokens) is None  # get is all or nothing
+
+
+def test_lookup_each_answers_each_named_chunk_on_its_own(make_store, tmp_path) -> None:
+    """Named chunks (an engine's own keys) stand alone: one missing does not hide the ones after it, in DRAM, on
+    a disk this store wrote, and on a disk another process wrote after this store started (not in its index)."""
+    from kvtier.keys import NamedChunks
+
+    names = [bytes([i]) * 32 for i in range(6)]
+    kv = synthetic_kv(list(range(48)), layers=2, heads=1, head_dim=8)
+    writer, reader = make_store(), make_store()  # same directory; the reader's index is built before the writes
+    held = [names[i] for i in (1, 3, 5)]
+    assert writer.put(NS, NamedChunks(held, 16), kv) == 48
+    writer.flush()
+    assert writer.lookup_each(NS, NamedChunks(names, 16), kv_heads=1) == [False, True, False, True, False, True]
+    writer.drop_dram()
+    assert writer.lookup_each(NS, NamedChunks(names, 16), kv_heads=1) == [False, True, False, True, False, True]
+    assert reader.lookup_each(NS, NamedChunks(names, 16), kv_heads=1) == [False, True, False, True, False, True]
+    assert reader.lookup(NS, NamedChunks(names, 16)) == 0  # (a prefix lookup stops at the first missing)

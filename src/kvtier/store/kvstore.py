@@ -247,6 +247,11 @@ class KVStore:
         is then in vain (until one is back)."""
         return all(guard.reads.resting() for guard in self._guards if not guard.tier.local)
 
+    def reads_failing(self) -> frozenset[str]:
+        """The tiers whose reads are in an outage (failed since their last success): their lookups' answers say
+        nothing of what they hold."""
+        return frozenset(guard.name for guard in self._guards if guard.reads.failing)
+
     def reaches_shared(self, ns: Namespace) -> bool:
         """Whether KV put under ``ns`` goes to a tier other processes read (one that is not local, which its
         placement allows), with its tenant's key when encryption is on: where a disaggregated prefill's KV must

@@ -91,9 +91,13 @@ class Lookups:
             lacking = [i for i, f in enumerate(found) if not f]
             if not lacking:
                 break
-            for i, heads in zip(lacking, guard.heads(ns.id, [keys[i] for i in lacking])):
-                ranges[i].extend(heads)
-                found[i] = full_cover(ranges[i], kv_heads)
+            # A local tier is asked key by key: its heads() looks on disk (for what other processes wrote) only up
+            # to the first key its index lacks, and these keys are no prefix.
+            asked = [lacking] if not guard.local else [[i] for i in lacking]
+            for group in asked:
+                for i, heads in zip(group, guard.heads(ns.id, [keys[i] for i in group])):
+                    ranges[i].extend(heads)
+                    found[i] = full_cover(ranges[i], kv_heads)
         if count:
             self.count(len(chunks), sum(found) * self._chunk_tokens)
         return found

@@ -65,17 +65,32 @@ def test_the_model_is_fingerprinted_or_named_never_guessed(tmp_path: Path) -> No
         model_of("org/model", "", "f")
 
 
-def test_the_engines_config_is_read_from_the_vllm_call_that_builds_the_tier() -> None:
-    from vllm.config import VllmConfig
+def test_the_engines_config_is_read_from_the_vllm_call_that_builds_the_tier(model_dir: Path) -> None:
+    """The innermost ``vllm_config`` of this model among the callers, else vLLM's current config of this model;
+    never another model's."""
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 
     from kvtier.integrations.vllm_tier._naming import engine_config
 
+    name = str(model_dir)
+
     def build_tier() -> VllmConfig | None:
-        return engine_config()
+        return engine_config(name)
 
     def connector_scheduler(vllm_config: object) -> VllmConfig | None:  # vLLM's builder holds it as a local
         return build_tier()
 
+    ours = VllmConfig(model_config=ModelConfig(model=name, skip_tokenizer_init=True))
+    other = VllmConfig()  # another model (vLLM's default)
     assert connector_scheduler("not a config") is None and build_tier() is None
-    config = VllmConfig()
-    assert connector_scheduler(config) is config
+    assert connector_scheduler(ours) is ours
+    assert connector_scheduler(other) is None  # another engine's config: not taken
+
+    def outer(vllm_config: object) -> VllmConfig | None:
+        return connector_scheduler(ours)
+
+    assert outer(other) is ours  # the innermost of this model
+    with set_current_vllm_config(other):
+        assert connector_scheduler(ours) is ours and build_tier() is None  # the current one is another model's
+    with set_current_vllm_config(ours):
+        assert build_tier() is ours

@@ -206,8 +206,8 @@ def test_moved_and_forged_objects_are_misses_never_wrong_rows(make_tiering: Make
     assert t.load(keys[1:2]) == []  # a's bytes are never served as b's
     assert t.load(keys[2:3]) == []
     assert tier.store.stats()["disk"]["corrupt_objects_total"] >= 2
-    if sealed:
-        assert b"tampered" not in a.read_bytes()
+    own = row_bytes(keys[0], ROW)[:64].tobytes()
+    assert (own in a.read_bytes()) is not sealed  # sealed: the row's bytes are nowhere in its object
 
 
 def test_events_announce_stores_and_removals(make_tiering: MakeTiering, tmp_path: Path) -> None:
@@ -218,8 +218,8 @@ def test_events_announce_stores_and_removals(make_tiering: MakeTiering, tmp_path
     written(t)
     t.step()
     ours = [e for e in t.events() if e.ownership == "kvtier:disk"]
-    assert [(sorted(e.keys), e.removed, e.medium, e.locality) for e in ours] == \
-        [(sorted(keys), False, Medium.STORAGE, Locality.LOCAL)]
+    assert sorted((e.keys, e.removed, e.medium, e.locality, e.removal_expected) for e in ours) == \
+        sorted(([key], False, Medium.STORAGE, Locality.LOCAL, True) for key in keys)
     _file(tmp_path / "kv", tier.object_keys(keys[:1])[0].chunk).unlink()  # gone behind kvtier's back
     from_tiers_only(t)
     assert t.load(keys[:1]) == []
@@ -308,18 +308,26 @@ def test_a_stalled_redis_never_blocks_the_schedulers_calls(make_tiering: MakeTie
         server.stop()
 
 
+@pytest.mark.parametrize("where", ["redis", "disk written by another engine"])
 def test_each_key_is_answered_on_its_own_across_groups_and_from_the_end(make_tiering: MakeTiering,
                                                                          redis_server: RedisServer,
-                                                                         unique_prefix: str) -> None:
+                                                                         unique_prefix: str, tmp_path: Path,
+                                                                         where: str) -> None:
     """vLLM asks one request's keys of several KV cache groups in one step, a sliding window's from its end: no
-    key's answer depends on another's."""
-    redis = {"type": "redis", "name": "redis", **redis_server.tier_options(), "key_prefix": unique_prefix}
-    t = make_tiering(tier_entry(kvtier_config(redis)))
+    key's answer depends on another's. On a disk, the rows are another engine's, written after this one started
+    (not in its index: found on disk)."""
+    if where == "redis":
+        cfg = kvtier_config({"type": "redis", "name": "redis", **redis_server.tier_options(),
+                             "key_prefix": unique_prefix})
+    else:
+        cfg = kvtier_config(disk(tmp_path / "kv"))
+    t = make_tiering(tier_entry(cfg))
+    writer = t if where == "redis" else make_tiering(tier_entry(cfg))
     tier = kvtier_tier(t)
     full, window = chunk_names("hybrid", 8, group=0), chunk_names("hybrid", 8, group=1)
     stored = full[:5] + window[3:]  # the window's group keeps its last chunks only
-    t.store(stored)
-    written(t)
+    writer.store(stored)
+    written(writer)
     from_tiers_only(t)
     ctx = t.request()
     asked = full + window[::-1]
@@ -334,6 +342,17 @@ def test_each_key_is_answered_on_its_own_across_groups_and_from_the_end(make_tie
         time.sleep(0.002)
     tier.on_request_finished(ctx)
     assert {k for k, r in answers.items() if r is LookupResult.HIT} == set(stored)
+
+
+def test_rows_in_kvtiers_dram_are_found_at_once(make_tiering: MakeTiering, tmp_path: Path) -> None:
+    t = make_tiering(tier_entry(kvtier_config(disk(tmp_path / "kv"))))
+    keys = chunk_names("hot", 2)
+    t.store(keys)
+    written(t)
+    t.evict_primary()  # kvtier's DRAM still holds them: no "retry", no lookup thread
+    ctx = t.request()
+    assert [kvtier_tier(t).lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 2
+    t.finish(ctx)
 
 
 def test_a_bad_row_fails_alone_and_the_rest_of_its_job_is_served(make_tiering: MakeTiering, tmp_path: Path) -> None:
@@ -359,4 +378,23 @@ def test_a_bad_row_fails_alone_and_the_rest_of_its_job_is_served(make_tiering: M
     assert [r is LookupResult.HIT for r in results] == [True, True, False, True, True, True]
     rows = t.load(keys[3:])
     assert exact(t, keys[3:], rows)  # served from the primary tier: the job kept them
-    assert t.lookup(keys[2:3]) == 0  # answered missing: not promoted again and again
+    t.store(keys[2:3])  # whole again in the tier (kvtier removed the corrupt object on its read) ...
+    written(t)
+    from_tiers_only(t)
+    assert kvtier_tier(t).found(keys[2:3]) == [True]
+    assert t.lookup(keys[2:3]) == 0  # ... yet answered missing for FAILED_SECONDS: not promoted again and again
+
+
+def test_a_row_no_longer_remembered_as_announced_is_announced_removed(make_tiering: MakeTiering,
+                                                                     tmp_path: Path) -> None:
+    """vLLM's event tracker keeps an announced row's metadata until its removal: the tier remembers a bounded
+    number of announced rows, and announces removed the ones it forgets."""
+    t = make_tiering(tier_entry(kvtier_config(disk(tmp_path / "kv")), enable_kv_events=True), events=True)
+    kvtier_tier(t)._held.limit = 2  # (ANNOUNCED_KEPT, made small)
+    keys = chunk_names("many", 3)
+    for key in keys:  # one at a time: announced in this order
+        t.store([key])
+        written(t)
+        t.step()
+    events = [(e.keys, e.removed) for e in t.events() if e.ownership == "kvtier:disk"]
+    assert events == [([keys[0]], False), ([keys[1]], False), ([keys[2]], False), ([keys[0]], True)]

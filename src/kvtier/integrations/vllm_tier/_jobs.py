@@ -3,7 +3,7 @@ for their results, never waiting on one.
 
 Loads go before stores (a load is a request waiting for its prefix; a store only copies rows out of vLLM's
 primary tier into kvtier's DRAM, from where kvtier's own cascade writes the tiers). A job's run never raises out
-of here: an exception is its failure (logged once per kind, counted), reported like any other.
+of here: an exception is its failure (logged once per kind; vLLM counts failed jobs), reported like any other.
 """
 
 from __future__ import annotations

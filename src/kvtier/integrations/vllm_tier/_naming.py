@@ -10,9 +10,10 @@ group), keyed under a :class:`~kvtier.keys.Namespace` that holds everything else
 - the model and the engine settings that change KV from the same weights, as kvtier's own connector names them
   (:mod:`kvtier.integrations.vllm._namespace`: the model's files, or its hub snapshot at the revision vLLM
   loaded; the KV cache dtype, quantization, the resolved Hugging Face config with ``hf_overrides``, RoPE scaling
-  and the rest). vLLM 0.32 passes a tier its ``OffloadingConfig`` only; the engine's ``VllmConfig`` is read from
-  the vLLM call that builds the tier (:func:`engine_config`). A tier built outside an engine (no such call) names
-  the model by ``model_fingerprint``, else by a fingerprint of the model's directory, and nothing else;
+  and the rest). vLLM 0.32 passes a tier its ``OffloadingConfig`` only; the engine's ``VllmConfig`` (of the same
+  model) is read from the vLLM call that builds the tier (:func:`engine_config`). A tier built outside an engine
+  (no such call) names the model by ``model_fingerprint``, else by a fingerprint of the model's directory, and
+  nothing else;
 - a digest of the row's layout: tokens per block hash, blocks per chunk, the KV cache groups (their block sizes
   and layer names), bytes per block over all workers and per row, the parallel sizes (unless vLLM says the bytes
   are the same under any of them), the replicated layout, and the canonical format's id (its version and layout
@@ -28,6 +29,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
 SETTINGS_PREFIX = "vllm-offloading:"  # a namespace of rows in vLLM's layout (kvtier's connector: "blake2b:")
 _U16 = 65535  # the largest layer count and width a shard header holds
 _FRAMES = 32  # callers searched for the engine's config
+log = logging.getLogger("kvtier.integrations.vllm_tier")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,25 +80,32 @@ def chunk_tokens(config: OffloadingConfig) -> int:
     return config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
 
 
-def engine_config() -> VllmConfig | None:
-    """The engine's ``VllmConfig``: vLLM's current one, else the one the vLLM call building this tier holds (its
-    ``OffloadingConnector`` scheduler builds the manager, and each tier, with ``vllm_config`` in hand); None where
-    no caller holds one (a tier built outside an engine)."""
-    current = get_current_vllm_config_or_none()
-    if current is not None:
-        return current
+def engine_config(model: str) -> VllmConfig | None:
+    """The config of the engine building this tier (serving ``model``, the ``OffloadingConfig``'s model name): the
+    innermost vLLM call holding a ``vllm_config`` of that model (vLLM's ``OffloadingConnector`` scheduler builds the
+    manager, and each tier, with it in hand), else vLLM's current config if it is of that model; None where there is
+    neither (a tier built outside an engine, or by a vLLM that builds it otherwise: logged)."""
     frame = inspect.currentframe()
     try:
         for _ in range(_FRAMES):
             if frame is None:
-                return None
+                break
             found = frame.f_locals.get("vllm_config")
-            if isinstance(found, VllmConfig):
+            if isinstance(found, VllmConfig) and _model_of(found) == model:
                 return found
             frame = frame.f_back
-        return None
     finally:
         del frame  # (a frame kept in a local would keep every caller's locals alive)
+    current = get_current_vllm_config_or_none()
+    if current is not None and _model_of(current) == model:
+        return current
+    log.warning("kvtier tier: no vLLM engine config of model %r builds this tier; its rows are named by the model "
+                "alone (no engine settings: quantization, hf_overrides, RoPE scaling)", model)
+    return None
+
+
+def _model_of(config: VllmConfig) -> str | None:
+    return None if config.model_config is None else config.model_config.model
 
 
 def layout_settings(config: OffloadingConfig, row_bytes: int, engine: str | None = None) -> str:
@@ -113,6 +123,7 @@ def layout_settings(config: OffloadingConfig, row_bytes: int, engine: str | None
         "parallel": None if agnostic else [parallel.tp_size, parallel.pp_size, parallel.pcp_size,
                                            parallel.dcp_size, parallel.world_size],
         "replicated_layout": config.replicated_layout,
+        "canonical": config.canonical_layout,
         "layout": canonical_format_id(config.kv_cache_layout) if config.canonical_layout and config.kv_cache_layout
         else ["direct", config.kv_cache_layout],
         "engine": engine,

@@ -1,5 +1,6 @@
 """``KVTierSecondaryTier``: vLLM's ``SecondaryTierManager`` over a :class:`~kvtier.store.KVStore` (scheduler
-process; every method returns without waiting on a tier or a disk).
+process; every hook vLLM calls while serving returns without waiting on a tier or a disk: the constructor,
+``drain_jobs`` and ``shutdown`` wait, as vLLM's contract has them).
 
 - **Stores** (``submit_store``): a job on kvtier's threads copies the rows out of vLLM's primary tier into kvtier's
   DRAM (:meth:`KVStore.put_from`, skipping rows DRAM holds already); kvtier's cascade writes them to its tiers from
@@ -7,14 +8,16 @@ process; every method returns without waiting on a tier or a disk).
   a tier that drops a write counts it in kvtier's metrics (``kvtier_dropped_writes_total``).
 - **Lookups**: kvtier's DRAM answers at once; its tiers, a local disk's included, are asked on vLLM's lookup thread
   (``AsyncLookupManager``: the answer is "retry" until then), each key on its own (vLLM asks one request's keys of
-  several KV cache groups, and a sliding window's from the end, in one step).
+  several KV cache groups, and a sliding window's from its end, in one step). A load job first asks which of its
+  rows are held (one pass), then reads those.
 - **Loads** (``submit_load``): a job reads the rows (verified: a torn, forged or moved object is a miss) into the
   primary's slots, each on its own: a row not served fails alone (the job reports the rows it did serve), and its
   key is answered missing for :data:`FAILED_SECONDS`, so vLLM does not promote it again and again.
 - **Faults**: a tier in an outage answers missing and fails loads; no hook raises for a tier's fault.
 - **Events** (``enable_kv_events``, when vLLM publishes KV events): each row a kvtier tier came to hold, with that
-  tier's locality and ``ownership`` ``kvtier:<tier name>``; a row announced and then found missing (evicted,
-  expired, removed as corrupt) is announced removed.
+  tier's locality and ``ownership`` ``kvtier:<tier name>``; a row announced and then found missing in a tier that
+  answered (evicted, expired, removed as corrupt) is announced removed, as is one the tier stops remembering
+  (past :data:`ANNOUNCED_KEPT`: vLLM's event tracker keeps each announced row's metadata until its removal).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ log = logging.getLogger("kvtier.integrations.vllm_tier")
 FAILED_SECONDS = 30.0  # a key whose load failed is answered missing this long
 DRAM_ROWS = 4  # rows kvtier's DRAM must hold at least: one being written behind while the next ones are put
 _KEYS_KEPT = 1 << 18  # rows remembered by name (for events) and by failure
+ANNOUNCED_KEPT = 1 << 16  # rows announced stored and remembered as such (each costs vLLM's tracker its metadata)
 _FIELD = "secondary_tiers[KVTierSecondaryTier]"
 _ONE_HEAD = HeadRange(0, 1, 1)  # a row is stored as one shard of one "head"
 
@@ -92,7 +96,12 @@ class Options:
 
 def store_config(options: Options, row_bytes: int, tokens: int) -> StoreConfig:
     """kvtier's config for the tier: its chunk is vLLM's; it needs a tier, and DRAM for a few rows."""
-    config = dataclasses.replace(load_config(options.config), chunk_tokens=tokens)
+    config = load_config(options.config)
+    if config.admission.store_after > 1:  # vLLM cascades a row once, while its primary holds it: never a 2nd put
+        log.warning("kvtier tier: admission.store_after %d does not apply to vLLM's rows (vLLM offers a row once); "
+                    "every row is stored", config.admission.store_after)
+    config = dataclasses.replace(config, chunk_tokens=tokens,
+                                 admission=dataclasses.replace(config.admission, store_after=1))
     if not config.tiers:
         raise ConfigError(f"{_FIELD}.config.tiers: at least one kvtier tier (filesystem, redis, s3, mooncake); "
                           "kvtier's DRAM alone would only repeat vLLM's primary tier")
@@ -125,10 +134,12 @@ class KVTierSecondaryTier(SecondaryTierManager):
         opts = Options.parse(options)
         config = offloading_spec.config
         self._shape = _naming.RowShape.of(self.block_size_bytes, _naming.chunk_tokens(config), _FIELD)
-        ns = _naming.namespace(config, self.block_size_bytes, opts.model_fingerprint, _FIELD, _naming.engine_config())
+        ns = _naming.namespace(config, self.block_size_bytes, opts.model_fingerprint, _FIELD,
+                               _naming.engine_config(config.model.name))
+        self._store = KVStore(store_config(opts, self.block_size_bytes, self._shape.tokens))
+        # (after the store: a refused config leaves no view of the primary's memory, which vLLM then unmaps)
         rows = np.asarray(primary_kv_view).view(np.uint8)
         self._rows = torch.from_numpy(rows).view(rows.shape[0], -1)  # (chunks, row bytes): no copy
-        self._store = KVStore(store_config(opts, self.block_size_bytes, self._shape.tokens))
         self._ns = self._store.named(ns)  # (named once: its key is the deployment's)
         self._lookups: _Lookups | None = None
         try:
@@ -150,7 +161,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._watcher = self._store.watch_tier_writes() if events else None
         self._events: list[OffloadingEvent] | None = [] if events else None
         self._names: RecentMap[str, OffloadKey] = RecentMap(_KEYS_KEPT)  # chunk key (hex) -> its row's name
-        self._held: RecentMap[OffloadKey, set[str]] = RecentMap(_KEYS_KEPT)  # announced: where each row lies
+        # announced: where each row lies; one forgotten is announced removed (vLLM's tracker would keep it forever)
+        self._held: RecentMap[OffloadKey, set[str]] = RecentMap(ANNOUNCED_KEPT, on_drop=self._forgotten)
         self._local = {tier.name: tier.local for tier in self._store.tiers}
         log.info("kvtier tier %s: tiers %s, rows of %d bytes (%d tokens), namespace %s", tier_type,
                  [t.name for t in self._store.tiers], self.block_size_bytes, self._shape.tokens, self._ns.id)
@@ -176,7 +188,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
 
     def found(self, keys: list[OffloadKey]) -> list[bool]:
         """Whether kvtier holds each of ``keys`` (DRAM or any tier; may wait on a disk or a network)."""
-        return self._store.lookup_each(self._ns, self._named(keys)) if keys else []
+        return self._store.lookup_each(self._ns, self._named(keys), kv_heads=1) if keys else []
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         failed = self._failed_at.get(key)
@@ -222,14 +234,29 @@ class KVTierSecondaryTier(SecondaryTierManager):
                          transfer_time=time.perf_counter() - start, transfer_bytes=moved * self.block_size_bytes)
 
     def _load(self, keys: list[OffloadKey], ids: list[int]) -> list[OffloadKey]:
-        """Read ``keys``' rows into the slots ``ids``: the keys served (a missing or bad row fails alone)."""
-        s, served, start = self._shape, [], 0
+        """Read ``keys``' rows into the slots ``ids``: the keys served. Which rows are held is asked once; each run
+        of held rows is read in one load (a row that fails its read fails alone: the run goes on after it)."""
+        held = self._store.lookup_each(self._ns, self._named(keys), kv_heads=1, count=False)
+        served: list[OffloadKey] = []
+        start = 0
         while start < len(keys):
+            if not held[start]:
+                start += 1
+                continue
+            stop = next((i for i in range(start, len(keys)) if not held[i]), len(keys))
+            served += self._load_run(keys, ids, start, stop)
+            start = stop
+        return served
+
+    def _load_run(self, keys: list[OffloadKey], ids: list[int], start: int, stop: int) -> list[OffloadKey]:
+        """:meth:`_load` of ``keys[start:stop]``, all held when asked."""
+        s, served = self._shape, []
+        while start < stop:
             def sink(first: int, kv: torch.Tensor, at: int = start) -> None:
                 for i in range(kv.shape[0]):
                     self._rows[ids[at + first + i]].view(kv.shape[1:]).copy_(kv[i])
 
-            n = self._store.load(self._ns, self._named(keys[start:]), sink, layers=s.layers, head_dim=s.width,
+            n = self._store.load(self._ns, self._named(keys[start:stop]), sink, layers=s.layers, head_dim=s.width,
                                  dtype=torch.uint8, kv_heads=1, streamed=self._store.remote_tiers) // s.tokens
             served += keys[start:start + n]
             start += n + 1  # past the row that was not served
@@ -271,13 +298,24 @@ class KVTierSecondaryTier(SecondaryTierManager):
 
     # -- events ------------------------------------------------------------------------------------------------
     def _gone(self, keys: Iterable[OffloadKey]) -> None:
-        """Rows found missing: those announced stored are announced removed, from every tier they were in."""
+        """Rows found missing: those announced stored are announced removed from every tier they were in that
+        answered (a tier in an outage says nothing of what it holds: its rows stay announced)."""
         if self._events is None:
             return
+        failing = self._store.reads_failing()
         for key in keys:
-            tiers = self._held.pop(key)
-            for tier in sorted(tiers or ()):
+            tiers = self._held.pop(key) or set()
+            kept = {tier for tier in tiers if tier in failing}
+            if kept:
+                self._held[key] = kept
+            for tier in sorted(tiers - kept):
                 self._events.append(self._event([key], tier, removed=True))
+
+    def _forgotten(self, key: OffloadKey, tiers: set[str]) -> None:
+        """A row no longer remembered as announced: announced removed (it may still lie in a tier; a router that
+        credits it no longer loses nothing but a hit)."""
+        if self._events is not None:
+            self._events.extend(self._event([key], tier, removed=True) for tier in sorted(tiers))
 
     def _event(self, keys: list[OffloadKey], tier: str, removed: bool) -> OffloadingEvent:
         # removal_expected: this tier announces its removals too (vLLM's event tracker keeps the rows' metadata
@@ -290,15 +328,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
         if self._events is None:
             return []
         if self._watcher is not None:
-            stored: dict[str, list[OffloadKey]] = {}
             for shard, tier in self._store.take_tier_writes(self._watcher):
                 key = self._names.get(shard.chunk)
                 held = self._held.get(key) if key is not None else None
                 if key is None or (held is not None and tier in held):
                     continue  # another process's row promoted here, or announced already
-                self._held[key] = (held or set()) | {tier}
-                stored.setdefault(tier, []).append(key)
-            self._events.extend(self._event(keys, tier, removed=False) for tier, keys in stored.items())
+                self._events.append(self._event([key], tier, removed=False))
+                self._held[key] = (held or set()) | {tier}  # (may forget the oldest: announced removed after)
         events, self._events = self._events, []
         return events
 
