@@ -15,7 +15,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = DEPLOY / "kvtier-alerts.yaml"
 UNIT_TESTS = DEPLOY / "kvtier-alerts.test.yaml"
 ALERTS = ("KVTierTierOutage", "KVTierCorruptObjects", "KVTierDroppedWrites", "KVTierHitRatioCollapsed",
-          "KVTierEventGapsNotRecovered", "KVTierEngineDown")
+          "KVTierEventGapsNotRecovered", "KVTierEngineDown", "KVTierRouterAddEngines")
+FLEET_WIDE = ("KVTierRouterAddEngines",)  # about the fleet as a whole: no one server to name
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -54,9 +55,9 @@ def test_alert_has_severity_and_annotations(alert: str) -> None:
     rule = next(rule for rule in _rules() if rule["alert"] == alert)
     assert rule["labels"]["severity"] in ("warning", "critical")
     assert rule["annotations"]["summary"].strip() and rule["annotations"]["description"].strip()
-    # An alert says where: the server (or the router's engine name) it is about.
+    # An alert says where: the server (or the router's engine name) it is about, or that it is the fleet's.
     text = rule["annotations"]["summary"] + rule["annotations"]["description"]
-    assert "$labels.server" in text or "$labels.engine" in text
+    assert "$labels.server" in text or "$labels.engine" in text or (alert in FLEET_WIDE and "fleet" in text)
 
 
 def test_unit_tests_load_the_rules() -> None:

@@ -272,7 +272,8 @@ def test_every_dashboard_panel_returns_series_from_a_real_prometheus(fleet: Runn
     groups = fleet.client.get(fleet.prometheus + "/api/v1/rules").json()["data"]["groups"]
     rules = [r for g in groups for r in g["rules"]]
     assert {r["name"] for r in rules} >= {"KVTierTierOutage", "KVTierCorruptObjects", "KVTierDroppedWrites",
-                                         "KVTierHitRatioCollapsed", "KVTierEventGapsNotRecovered", "KVTierEngineDown"}
+                                         "KVTierHitRatioCollapsed", "KVTierEventGapsNotRecovered", "KVTierEngineDown",
+                                         "KVTierRouterAddEngines"}
     wait_for(lambda: all(r.get("health") == "ok" for g in fleet.client.get(
         fleet.prometheus + "/api/v1/rules").json()["data"]["groups"] for r in g["rules"]), 30, "rules evaluated")
 

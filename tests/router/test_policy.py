@@ -300,3 +300,25 @@ def test_an_uncached_prompts_blocks_are_reserved_only_when_its_tokens_are_the_en
         keys = router.keys(prompt)
         router.started(router.decide(prompt, keys=keys)[0], keys)
         assert router.decide(Prompt(DOC + [2]))[0].match.engine == reserved, reason
+
+
+def test_load_signals_follow_the_routers_accounting():
+    """What an autoscaler reads (kvtier_router_queued_*, _in_flight_tokens, _predicted_ttft_now_seconds): a request
+    whose predicted prefill is not done is queued; answering, it is in flight only; finished, it is gone."""
+    router = make()
+    idle = router.signals("e0")
+    assert (idle.queued, idle.queued_tokens, idle.in_flight, idle.in_flight_tokens) == (0, 0, 0, 0)
+    assert idle.ttft_s == pytest.approx(BS / 1000)  # one block's prefill, nothing ahead
+    decision = router.decide(Prompt(DOC[:2000 // BS * BS]), names=["e0"])[0]
+    flight = router.started(decision, router.keys(Prompt(DOC[:2000 // BS * BS])))
+    busy = router.signals("e0")
+    assert (busy.queued, busy.queued_tokens, busy.in_flight, busy.in_flight_tokens) == \
+        (1, decision.uncached, 1, decision.uncached)
+    assert busy.ttft_s > decision.uncached / 1000 * 0.9  # behind that prefill (less the time since it started)
+    router.first_byte("e0", flight, 0.5)
+    answering = router.signals("e0")
+    assert (answering.queued, answering.queued_tokens, answering.in_flight) == (0, 0, 1)
+    assert answering.ttft_s == pytest.approx(router.engines["e0"].decode_s + router.engines["e0"].base_s
+                                             + BS * router.prefill_rate(router.engines["e0"]))
+    router.finished("e0", flight)
+    assert router.signals("e0").in_flight == 0 and router.signals("e1") == idle

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -284,3 +285,26 @@ def test_traced_requests_carry_the_router_span_upstream_and_record_each_attempt(
         run(main)
     finally:
         tracing.use_provider(None)
+
+
+def test_first_bytes_count_against_the_ttft_objective_and_the_load_signals_are_exported():
+    class LateEngine(ScriptedEngine):
+        async def completions(self, request: web.Request) -> web.StreamResponse:
+            if (await request.json())["prompt"].startswith("late"):
+                await asyncio.sleep(0.5)  # its first byte past ttft_slo_s
+            return await super().completions(request)
+
+    async def scenario(url, engines, app):
+        for prompt in ("ok one", "late two", "ok three"):
+            assert (await post(url, prompt, stream=True))[0] == 200
+        assert (await post(url, "ok whole"))[0] == 200  # a whole answer has no first byte: not counted
+        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as reply:
+            text = await reply.text()
+        slo = {outcome: float(value) for outcome, value in re.findall(
+            r'^kvtier_router_ttft_slo_requests_total\{engine="e0",outcome="(\w+)"\} (\S+)$', text, re.M)}
+        assert slo == {"met": 2, "missed": 1}
+        for name in ("kvtier_router_queued_requests", "kvtier_router_queued_tokens",
+                     "kvtier_router_in_flight_tokens", "kvtier_router_predicted_ttft_now_seconds"):
+            assert f'{name}{{engine="e0"}}' in text, name
+
+    run(scenario, n=1, engine_class=LateEngine, ttft_slo_s=0.25)

@@ -44,6 +44,7 @@ class RouterApp:
                              [e.name for e in config.engines if e.role == "prefill"])
         self.index = PrefixIndex(config.block_size, config.events.max_engine_blocks)
         self.router = Router(config, self.index)
+        self.metrics.watch([e.name for e in config.engines], self.router.signals)
         self.engines = Engines(config, self.metrics, self.index, self.router)  # (reads the engines' key first)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(config.tokenizer)
         self.pool = WorkerPool(config.limits.workers, config.limits.queue)

@@ -265,6 +265,10 @@ class RouterConfig:
         "help": "seconds between health checks of each engine"})
     metrics_interval_s: float = dataclasses.field(default=5.0, metadata={
         "help": "seconds between reads of each engine's /metrics (its queue, for the cost model)"})
+    ttft_slo_s: float = dataclasses.field(default=2.0, metadata={
+        "help": "the time to first token a streamed request should see: kvtier_router_ttft_slo_requests_total "
+                "counts the requests within it and over it (the autoscaling signal and the KVTierRouterAddEngines "
+                "alert read it)"})
     reserve_s: float = dataclasses.field(default=10.0, metadata={
         "help": "seconds the blocks a routed request will compute count before the engine's events confirm them"})
     # They tell a client whether a prefix is cached somewhere: only for trusted clients.
@@ -313,7 +317,8 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
         raise ConfigError(f"retries: must be in [0, 16], got {config.retries}")
     # Lower bounds a working fleet needs: a health check's timeout is twice its interval (an engine answering
     # /health in under 1 s is healthy), and a reservation shorter than 10 ms covers no request
-    for name, low in (("health_interval_s", 0.5), ("metrics_interval_s", 0.5), ("reserve_s", 0.01)):
+    for name, low in (("health_interval_s", 0.5), ("metrics_interval_s", 0.5), ("reserve_s", 0.01),
+                      ("ttft_slo_s", 0.01)):
         if not low <= getattr(config, name) <= 3600:
             raise ConfigError(f"{name}: must be in [{low}, 3600] seconds, got {getattr(config, name)}")
     check_otlp_endpoint(config.otlp_traces_endpoint, "otlp_traces_endpoint")

@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from kvtier.router.policy import Signals
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30)
@@ -94,8 +97,29 @@ class RouterMetrics:
                                            "or timeout, is retried on the next prefill engine; a 4xx or an answer "
                                            "without kvtier's params serves the request whole at once)",
                                            ["engine", "cause"], registry=r)
+        # Load signals, read from the router's accounting at each scrape (watch): what an autoscaler scales on
+        self.queued = Gauge("kvtier_router_queued_requests", "Requests sent to an engine whose prefill (or load) the "
+                            "router predicts is not done", ["engine"], registry=r)
+        self.queued_tokens = Gauge("kvtier_router_queued_tokens", "Tokens the queued requests compute",
+                                   ["engine"], registry=r)
+        self.in_flight_tokens = Gauge("kvtier_router_in_flight_tokens", "Tokens the requests in flight computed "
+                                      "or compute", ["engine"], registry=r)
+        self.ttft_now = Gauge("kvtier_router_predicted_ttft_now_seconds", "A new one-block request's predicted "
+                              "time to first token on the engine, now", ["engine"], registry=r)
+        self.ttft_slo = Counter("kvtier_router_ttft_slo_requests", "Streamed requests by whether their time to "
+                                "first token was within ttft_slo_s (met) or over it (missed)", ["engine", "outcome"],
+                                registry=r)
         self.prompt_queue = Gauge("kvtier_router_prompt_work", "Requests being parsed, tokenized and keyed or "
                                   "waiting for a worker", registry=r)
+
+    def watch(self, engines: Sequence[str], signals: Callable[[str], Signals]) -> None:
+        """Read each engine's load signals at every scrape (``signals(engine)``)."""
+        fields = ((self.queued, "queued"), (self.queued_tokens, "queued_tokens"),
+                  (self.in_flight_tokens, "in_flight_tokens"), (self.ttft_now, "ttft_s"))
+        for name in engines:
+            for gauge, field in fields:
+                gauge.labels(name).set_function(
+                    lambda n=name, f=field: getattr(signals(n), f))  # type: ignore[misc]  # mypy: default-bound lambda
 
     def declare(self, engines: list[str], evented: list[str], prefill: Sequence[str] = ()) -> None:
         """Create the per-engine series of fixed label sets at 0, so dashboards and alerts have a series (a rate of
@@ -112,6 +136,8 @@ class RouterMetrics:
                 family.labels(name)
             for cause in ("idle_timeout", "disconnected"):
                 self.stream_errors.labels(name, cause)
+            for outcome in ("met", "missed"):
+                self.ttft_slo.labels(name, outcome)
             self.event_resets.labels(name, "health")
         for name in evented:
             for family in (self.event_batches, self.event_gaps, self.event_replays):

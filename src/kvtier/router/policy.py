@@ -90,6 +90,17 @@ class Plan:
     prefill: list[RouteDecision] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True)
+class Signals:
+    """An engine's load as the router accounts it: what an autoscaler scales on (:meth:`Router.signals`)."""
+
+    queued: int  # requests sent there whose prefill (or load) the router predicts is not done
+    queued_tokens: int  # the tokens those compute
+    in_flight: int  # requests sent there and not finished
+    in_flight_tokens: int  # the tokens those computed or compute
+    ttft_s: float  # a new one-block request's predicted time to first token there, now
+
+
 class EngineState:
     def __init__(self, name: str, costs: Costs, weight: float, role: Role = "both") -> None:
         self.name = name
@@ -284,6 +295,19 @@ class Router:
         seconds = wait + engine.base_s + uncached * self.prefill_rate(engine) + load_s
         return RouteDecision(engine=name, reason="", match=match, predicted_cached=cached, predicted_s=seconds,
                         uncached=uncached, load_s=load_s, wait_s=wait, queued_s=queued, decoding=decoding)
+
+    def signals(self, name: str) -> Signals:
+        """Engine ``name``'s load now (a one-block request's predicted TTFT: its wait, base cost and one block's
+        prefill, as :meth:`decide` predicts it)."""
+        engine = self.engines[name]
+        now = time.monotonic()
+        waiting = [f for f in engine.flights.values()
+                   if not f.answering and f.prefill_s + f.load_s - (now - f.started) > 0]
+        queued, decoding = engine.load(now)
+        ttft = queued + decoding * engine.decode_s + engine.base_s + self.config.block_size * self.prefill_rate(engine)
+        return Signals(queued=len(waiting), queued_tokens=sum(f.uncached for f in waiting),
+                       in_flight=len(engine.flights), in_flight_tokens=sum(f.uncached for f in engine.flights.values()),
+                       ttft_s=ttft)
 
     def prefill_rate(self, engine: EngineState) -> float:
         """Seconds per computed token: the engine's own calibration, else the mean of the engines calibrated

@@ -261,6 +261,7 @@ class Proxy:
                 # this engine's own time calibrates it; the client's (with any engine tried before) is the metric
                 self.router.first_byte(name, flight, now - attempt)
                 self.metrics.ttft.labels(name).observe(now - t0)
+                self.metrics.ttft_slo.labels(name, "met" if now - t0 <= self.config.ttft_slo_s else "missed").inc()
             reply = web.StreamResponse(status=upstream.status,
                                        headers=reply_headers(upstream.headers, decision, headers["X-Request-Id"],
                                                              self.config.explain_headers))
