@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
+import yaml
 from aiohttp import web
 
 from kvtier.router.app import RouterApp
@@ -308,3 +310,163 @@ def test_first_bytes_count_against_the_ttft_objective_and_the_load_signals_are_e
             assert f'{name}{{engine="e0"}}' in text, name
 
     run(scenario, n=1, engine_class=LateEngine, ttft_slo_s=0.25)
+
+
+def test_engines_join_and_leave_with_the_config_file_while_serving(tmp_path):
+    """The config file read again (as on SIGHUP, or when it changes): a new engine gets requests once it answered
+    a health check; one removed gets none from then on and its series are gone; a bad file is refused and the
+    running fleet kept."""
+    from kvtier.router.app import ConfigFile
+
+    async def scenario(url, engines, app):
+        e0 = engines[0]
+        path = tmp_path / "router.yaml"
+
+        def write(names, **extra):
+            path.write_text(yaml.safe_dump({
+                "tokenizer": "unused", "block_size": 4, "policy": "round_robin", "explain_headers": True,
+                "engines": [{"name": f"e{i}", "url": engines[i].url} for i in names],
+                "timeouts": {"idle_s": 1.0, "first_byte_s": 5.0}, **extra}))
+
+        async def served(n):
+            return [(await post(url, f"ok {i}"))[1]["X-KVTier-Engine"] for i in range(n)]
+
+        file = ConfigFile(app, path)
+        assert set(await served(4)) == {"e0"}
+        write([0, 1])
+        await file.reload("test")
+        assert set(await served(4)) == {"e0", "e1"}
+        write([1])
+        await file.reload("test")
+        before = len(e0.requests)
+        assert set(await served(4)) == {"e1"} and len(e0.requests) == before
+        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as reply:
+            text = await reply.text()
+        assert 'engine="e0"' not in text and 'kvtier_router_engine_healthy{engine="e1"} 1.0' in text
+        assert "kvtier_router_engines 1.0" in text
+        path.write_text("engines: [")  # not YAML
+        await file.reload("test")
+        write([0, 1], block_size=0)  # not a valid config
+        await file.reload("test")
+        assert set(await served(2)) == {"e1"}  # kept
+        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as reply:
+            text = await reply.text()
+        assert 'kvtier_router_config_reloads_total{outcome="refused"} 2.0' in text
+        assert 'kvtier_router_config_reloads_total{outcome="applied"} 2.0' in text
+        write([0, 1], retries=3)  # another setting with the engines: the engines now, the rest at a restart
+        await file.reload("test")
+        assert set(await served(4)) == {"e0", "e1"} and app.config.retries == 1
+
+    # e1 is not in the fleet at first: the router starts with e0 alone
+    async def main():
+        engines = [ScriptedEngine() for _ in range(2)]
+        runners = []
+        for engine in engines:
+            runner, engine.url = await serve(engine.app(), handler_cancellation=True)
+            runners.append(runner)
+        config = load_router_config({"tokenizer": "unused", "block_size": 4, "policy": "round_robin",
+                                     "explain_headers": True, "engines": [{"name": "e0", "url": engines[0].url}],
+                                     "timeouts": {"idle_s": 1.0, "first_byte_s": 5.0}})
+        app = RouterApp(config, tokenizer=WordTokenizer())
+        listeners = await app.listen("127.0.0.1", 0)
+        try:
+            await scenario(f"http://127.0.0.1:{app.port()}", engines, app)
+        finally:
+            for r in reversed(listeners):
+                await r.cleanup()
+            for r in runners:
+                await r.cleanup()
+    asyncio.run(main())
+
+
+def test_a_running_router_process_takes_its_engines_from_the_file_on_sighup(tmp_path):
+    """`kvtier router` as a process, reload_s 0: SIGHUP applies the file's engines, a change alone does not;
+    SIGTERM still stops it cleanly."""
+    import signal
+    import sys
+
+    from kvtier.bench.model import prepare_model
+    from kvtier.testing.servers import free_port
+
+    port = free_port()
+    path = tmp_path / "router.yaml"
+
+    async def main():
+        engines = [ScriptedEngine() for _ in range(2)]
+        runners = []
+        for engine in engines:
+            runner, engine.url = await serve(engine.app(), handler_cancellation=True)
+            runners.append(runner)
+
+        def write(names):
+            path.write_text(yaml.safe_dump({
+                "listen": f"127.0.0.1:{port}", "tokenizer": str(prepare_model()), "block_size": 4,
+                "policy": "round_robin", "explain_headers": True, "reload_s": 0,
+                "engines": [{"name": f"e{i}", "url": engines[i].url} for i in names]}))
+
+        async def served_by(want, within=30.0):
+            deadline = time.monotonic() + within
+            while True:
+                seen = set()
+                for i in range(4):
+                    try:
+                        status, headers, _ = await post(url, f"ok {i}")
+                    except aiohttp.ClientError:
+                        status = 0
+                    if status == 200:
+                        seen.add(headers["X-KVTier-Engine"])
+                if seen == want:
+                    return
+                assert time.monotonic() < deadline, f"served by {seen}, expected {want}"
+                await asyncio.sleep(0.2)
+
+        write([0])
+        url = f"http://127.0.0.1:{port}"
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvtier.cli", "router", "--config",
+                                                    str(path), stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.PIPE)
+        try:
+            await served_by({"e0"}, within=120)
+            write([0, 1])
+            proc.send_signal(signal.SIGHUP)
+            await served_by({"e0", "e1"})
+            write([1])
+            await asyncio.sleep(1.0)
+            await served_by({"e0", "e1"}, within=0)  # no signal (reload_s 0): not applied
+            proc.send_signal(signal.SIGHUP)
+            await served_by({"e1"})
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            for r in runners:
+                await r.cleanup()
+    asyncio.run(main())
+
+
+def test_a_change_to_the_config_file_is_applied_within_reload_s(tmp_path):
+    from kvtier.router.app import ConfigFile
+
+    async def scenario(url, engines, app):
+        path = tmp_path / "router.yaml"
+
+        def write(names):
+            path.write_text(yaml.safe_dump({
+                "tokenizer": "unused", "block_size": 4, "policy": "round_robin", "explain_headers": True,
+                "engines": [{"name": f"e{i}", "url": engines[i].url} for i in names]}))
+
+        write([0, 1])
+        watching = asyncio.get_running_loop().create_task(ConfigFile(app, path).watch())
+        try:
+            write([1])
+            deadline = time.monotonic() + 10
+            while "e0" in app.router.engines:
+                assert time.monotonic() < deadline, "the change was never applied"
+                await asyncio.sleep(0.05)
+            assert {(await post(url, f"ok {i}"))[1]["X-KVTier-Engine"] for i in range(4)} == {"e1"}
+        finally:
+            watching.cancel()
+
+    run(scenario, reload_s=0.1)

@@ -38,7 +38,7 @@ def _router(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return refuse(f"the router needs its extras: pip install 'kvtier[router]' ({exc})")
     try:
-        serve(config)
+        serve(config, args.config)
     except KVTierError as exc:  # the engines' key cannot be read (engine_api_key)
         return refuse(exc)
     return 0

@@ -10,7 +10,9 @@ and ``/health``'s per-engine detail are served on that listener only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import signal
 
 from aiohttp import web
@@ -18,7 +20,8 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvtier import tracing
-from kvtier.router.config import RouterConfig
+from kvtier.errors import ConfigError
+from kvtier.router.config import RouterConfig, load_router_config
 from kvtier.router.engines import Engines
 from kvtier.router.guards import BodyBudget, CappedSite, WorkerPool, descriptor_room, handler_args
 from kvtier.router.index import PrefixIndex
@@ -45,6 +48,7 @@ class RouterApp:
         self.index = PrefixIndex(config.block_size, config.events.max_engine_blocks)
         self.router = Router(config, self.index)
         self.metrics.watch([e.name for e in config.engines], self.router.signals)
+        self.metrics.fleet.set_function(lambda: len(self.router.engines))
         self.engines = Engines(config, self.metrics, self.index, self.router)  # (reads the engines' key first)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(config.tokenizer)
         self.pool = WorkerPool(config.limits.workers, config.limits.queue)
@@ -53,6 +57,20 @@ class RouterApp:
                              LogOnce(self.metrics.unpredicted, "kvtier_router_unpredicted_requests", log))
         self.proxy = Proxy(config, self.metrics, self.router, self.engines, self.reader, self.pool, self.bodies)
         self._sites: dict[str, CappedSite] = {}
+
+    async def reload(self, config: RouterConfig) -> tuple[list[str], list[str]]:
+        """Make ``config``'s engines the fleet, while serving (:meth:`Engines.update`); its other settings are
+        applied at the next restart (logged). The engines (added, removed)."""
+        later = [f.name for f in dataclasses.fields(RouterConfig)
+                 if f.name != "engines" and getattr(config, f.name) != getattr(self.config, f.name)]
+        if later:
+            log.warning("router config: %s changed: applied at the next restart (the engines are applied now)",
+                        ", ".join(later))
+        added, removed = await self.engines.update(config.engines)
+        self.metrics.reloads.labels("applied" if added or removed else "unchanged").inc()
+        if added or removed:
+            log.info("router config: engines added %s, removed %s", added or "none", removed or "none")
+        return added, removed
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def web_app(self, admin: bool = False) -> web.Application:
@@ -133,18 +151,56 @@ class RouterApp:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def serve(config: RouterConfig) -> None:
-    """Run the router until interrupted (SIGINT/SIGTERM stop it cleanly). Raises ConfigError for an engine key
+def serve(config: RouterConfig, path: str | os.PathLike[str] | None = None) -> None:
+    """Run the router until interrupted (SIGINT/SIGTERM stop it cleanly); ``path``, the file ``config`` came from,
+    is read again on SIGHUP and when it changes (``reload_s``) for its engines. Raises ConfigError for an engine key
     that cannot be read."""
     if config.otlp_traces_endpoint is not None:
         tracing.configure(config.otlp_traces_endpoint, "kvtier-router")
     try:
-        asyncio.run(_serve(RouterApp(config)))
+        asyncio.run(_serve(RouterApp(config), path))
     finally:
         tracing.shutdown()  # the last spans are exported before the process ends
 
 
-async def _serve(app: RouterApp) -> None:
+class ConfigFile:
+    """The router's config file, read again for its engines: on SIGHUP, and when its size or time changes."""
+
+    def __init__(self, app: RouterApp, path: str | os.PathLike[str]) -> None:
+        self.app = app
+        self.path = path
+        self._seen = self._stamp()
+        self._lock = asyncio.Lock()  # one reload at a time, in order
+
+    def _stamp(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    async def reload(self, why: str) -> None:
+        """Read the file and apply its engines; a file that cannot be read or is not a valid config is refused
+        (logged, counted), and the running fleet kept."""
+        async with self._lock:
+            self._seen = self._stamp()
+            try:
+                config = load_router_config(self.path)
+            except (ConfigError, OSError) as exc:
+                log.error("router config %s (%s): not applied, the running engines kept: %s", self.path, why, exc)
+                self.app.metrics.reloads.labels("refused").inc()
+                return
+            await self.app.reload(config)
+
+    async def watch(self) -> None:
+        """Reload whenever the file changes (every ``reload_s``)."""
+        while True:
+            await asyncio.sleep(self.app.config.reload_s)
+            if self._stamp() != self._seen:
+                await self.reload("the file changed")
+
+
+async def _serve(app: RouterApp, path: str | os.PathLike[str] | None = None) -> None:
     config = app.config
     admin = None
     if config.admin_listen is not None:
@@ -158,8 +214,16 @@ async def _serve(app: RouterApp) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     runners = await app.listen(config.host, config.port, admin)
+    watcher = None
+    if path is not None:
+        file = ConfigFile(app, path)
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(file.reload("SIGHUP")))
+        if config.reload_s:
+            watcher = loop.create_task(file.watch())
     try:
         await stop.wait()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         for runner in reversed(runners):
             await runner.cleanup()

@@ -265,6 +265,9 @@ class RouterConfig:
         "help": "seconds between health checks of each engine"})
     metrics_interval_s: float = dataclasses.field(default=5.0, metadata={
         "help": "seconds between reads of each engine's /metrics (its queue, for the cost model)"})
+    reload_s: float = dataclasses.field(default=2.0, metadata={
+        "help": "seconds between looks at the config file for a change to its engines, applied while serving "
+                "(SIGHUP applies it at once; 0: on SIGHUP only). Other settings take a restart"})
     ttft_slo_s: float = dataclasses.field(default=2.0, metadata={
         "help": "the time to first token a streamed request should see: kvtier_router_ttft_slo_requests_total "
                 "counts the requests within it and over it (the autoscaling signal and the KVTierRouterAddEngines "
@@ -321,6 +324,8 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
                       ("ttft_slo_s", 0.01)):
         if not low <= getattr(config, name) <= 3600:
             raise ConfigError(f"{name}: must be in [{low}, 3600] seconds, got {getattr(config, name)}")
+    if config.reload_s != 0 and not 0.1 <= config.reload_s <= 3600:
+        raise ConfigError(f"reload_s: 0 (on SIGHUP only) or in [0.1, 3600] seconds, got {config.reload_s}")
     check_otlp_endpoint(config.otlp_traces_endpoint, "otlp_traces_endpoint")
     if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", config.session_header):
         raise ConfigError(f"session_header: an HTTP header name, got {config.session_header!r}")

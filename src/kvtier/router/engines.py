@@ -49,6 +49,7 @@ class Engines:
         self.own_headers = ({"Authorization": "Bearer " + read_secret(config.engine_api_key, "engine_api_key")}
                             if config.engine_api_key is not None else {})
         self.urls = {e.name: e.url.rstrip("/") for e in config.engines}
+        self._configs = {e.name: e for e in config.engines}
         self.base_models: set[str] = set()
         self.max_model_len: int | None = None  # the engines' smallest, from their /v1/models
         self.subscribers: dict[str, Subscriber] = {}
@@ -66,15 +67,59 @@ class Engines:
             skip_auto_headers=("Accept-Encoding",))
         self._zmq = zmq.asyncio.Context()
         for engine in self.config.engines:
-            if engine.kv_events is None:
-                continue
-            sub = self._subscriber(self._zmq, engine, engine.kv_events)
-            self.subscribers[engine.name] = sub
-            sub.start()
-        # Health first: nothing is routed to an engine before it answered once.
+            self._follow(engine)
+        # Nothing is routed to an engine before its events are replayed (the index holds what it holds) and it
+        # answered a health check once.
+        await self._replayed(list(self.urls))
         await asyncio.gather(*(self._check(name) for name in self.urls))
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._health_loop()), loop.create_task(self._scrape_loop())]
+
+    def _follow(self, engine: EngineConfig) -> None:
+        """Start following ``engine``'s KV events (if it publishes them)."""
+        if engine.kv_events is None:
+            return
+        assert self._zmq is not None
+        sub = self._subscriber(self._zmq, engine, engine.kv_events)
+        self.subscribers[engine.name] = sub
+        sub.start()
+
+    async def _replayed(self, names: list[str]) -> None:
+        """Wait (at most a replay's bound, and a second) until the engines ``names`` follow have read their replay
+        buffers."""
+        waits = [self.subscribers[n].replayed.wait() for n in names if n in self.subscribers]
+        if waits:
+            await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=self.config.events.replay_s + 1)
+
+    async def update(self, engines: tuple[EngineConfig, ...]) -> tuple[list[str], list[str]]:
+        """Make the fleet ``engines``: those gone stop being routed to at once (their local entries cleared, their
+        series removed; their requests in flight run to their end), those new (or changed) join once their events
+        are replayed and they answered a health check. The names (added, removed)."""
+        wanted = {e.name: e for e in engines}
+        removed = [n for n in self.urls if n not in wanted or self._configs[n] != wanted[n]]
+        added = [n for n in wanted if n not in self.urls or n in removed]
+        for name in removed:
+            self.metrics.forget(name)  # (first: its gauges read the router's state of it)
+            self.router.remove(name)
+            del self.urls[name], self._configs[name]
+            self._failures.pop(name, None)
+            self._prefill_counters.pop(name, None)
+            sub = self.subscribers.pop(name, None)
+            if sub is not None:
+                await sub.stop()
+        for name in added:
+            engine = wanted[name]
+            self._configs[name] = engine
+            self.urls[name] = engine.url.rstrip("/")
+            self.router.add(engine)
+            self.metrics.declare([name], [name] if engine.kv_events else [],
+                                 [name] if engine.role == "prefill" else [])
+            self.metrics.watch([name], self.router.signals)
+            self._follow(engine)
+        if added:
+            await self._replayed(added)
+            await asyncio.gather(*(self._check(name) for name in added))
+        return added, removed
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -144,14 +189,22 @@ class Engines:
         """One /health check. An engine is routed to again at its first answer; it is lost (its entries in the
         index cleared) only after :data:`_LOST_AFTER` checks in a row fail, not at one slow answer."""
         assert self.session is not None
+        url = self.urls.get(name)
+        if url is None or name not in self.router.engines:
+            return  # (it left the fleet meanwhile)
         state = self.router.engines[name]
         timeout = aiohttp.ClientTimeout(total=min(5.0, self.config.health_interval_s * 2))
         try:
-            async with self.session.get(self.urls[name] + "/health", timeout=timeout, headers=self.own_headers,
+            async with self.session.get(url + "/health", timeout=timeout, headers=self.own_headers,
                                         allow_redirects=False) as reply:
                 ok = reply.status == 200
         except Exception:  # noqa: BLE001 refused, reset, timed out, malformed: not healthy this time (counted)
             ok = False
+        if name not in self.router.engines:
+            return  # (it left the fleet while it was checked)
+        sub = self.subscribers.get(name)
+        if ok and sub is not None and not sub.replayed.is_set():
+            return  # up, but not routed to before its events are replayed
         if ok:
             if not state.healthy:
                 log.info("engine %s is up", name)
@@ -170,6 +223,8 @@ class Engines:
         """The engines' base model names (a request for another model is a LoRA adapter's) and their
         ``max_model_len`` (vLLM's /v1/models gives it): longer prompts are not keyed."""
         assert self.session is not None
+        if name not in self.urls:
+            return
         try:
             async with self.session.get(self.urls[name] + "/v1/models", timeout=timeout, headers=self.own_headers,
                                         allow_redirects=False) as reply:
@@ -214,6 +269,8 @@ class Engines:
         prefilled since the last scrape (with several, their prefill times overlap and would add up)."""
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=5)
+        if name not in self.urls:
+            return
         try:
             async with self.session.get(self.urls[name] + "/metrics", timeout=timeout, headers=self.own_headers,
                                         allow_redirects=False) as reply:
@@ -225,6 +282,7 @@ class Engines:
         tokens = sample_sum(text, "vllm:request_prefill_kv_computed_tokens_sum")
         before = self._prefill_counters.get(name)
         self._prefill_counters[name] = (seconds, count, tokens)
-        if before is not None and count - before[1] == 1 and tokens - before[2] >= self.config.block_size:
-            state = self.router.engines[name]
+        state = self.router.engines.get(name)
+        if state is not None and before is not None and count - before[1] == 1 and \
+                tokens - before[2] >= self.config.block_size:
             state.calibrate_prefill((seconds - before[0]) / (tokens - before[2]))

@@ -147,6 +147,8 @@ class Prefills:
         """One prefill on one engine (after any prefill in flight there computing this prompt's first
         ``pd.local_tokens`` tokens): what it stored."""
         name = decision.engine
+        if name not in self.router.engines:
+            raise _Failed("disconnected", "it left the fleet")  # (after this request's plan was made): the next
         await self._after_shared(name, decision, keys)
         done, flying = asyncio.Event(), self._flying.setdefault(name, [])
         entry = (keys, done)
@@ -183,7 +185,9 @@ class Prefills:
         waits = [done for other, done in self._flying.get(name, ()) if len(other) > j and other[j] == keys[j]]
         if not waits:
             return
-        engine = self.router.engines[name]
+        engine = self.router.engines.get(name)
+        if engine is None:
+            return
         bound = min(self.config.pd.prefill_timeout_s,
                     max(0.1, 2 * (j + 1) * self.config.block_size * self.router.prefill_rate(engine)))
         tasks = [asyncio.ensure_future(done.wait()) for done in waits]
@@ -217,8 +221,9 @@ class Prefills:
             raise _Failed("timeout", f"no answer within pd.prefill_timeout_s ({self.config.pd.prefill_timeout_s} s)"
                           ) from None
         except aiohttp.ClientError as exc:
-            if isinstance(exc, aiohttp.ClientConnectionError):
-                self.router.engines[name].healthy = False  # until its next good health check
+            state = self.router.engines.get(name)
+            if state is not None and isinstance(exc, aiohttp.ClientConnectionError):
+                state.healthy = False  # until its next good health check
             raise _Failed("disconnected", f"{type(exc).__name__}: {exc}") from exc
         except ValueError as exc:  # aiohttp's refusal to send this request
             raise _Failed("bad_answer", f"the request cannot be sent: {type(exc).__name__}") from exc

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 if TYPE_CHECKING:
     from kvtier.router.policy import Signals
@@ -109,6 +110,10 @@ class RouterMetrics:
         self.ttft_slo = Counter("kvtier_router_ttft_slo_requests", "Streamed requests by whether their time to "
                                 "first token was within ttft_slo_s (met) or over it (missed)", ["engine", "outcome"],
                                 registry=r)
+        self.reloads = Counter("kvtier_router_config_reloads", "Reads of the config file for its engines, by outcome "
+                               "(applied: the fleet changed; unchanged; refused: a bad file, the running fleet "
+                               "kept)", ["outcome"], registry=r)
+        self.fleet = Gauge("kvtier_router_engines", "Engines in the fleet (healthy or not)", registry=r)
         self.prompt_queue = Gauge("kvtier_router_prompt_work", "Requests being parsed, tokenized and keyed or "
                                   "waiting for a worker", registry=r)
 
@@ -120,6 +125,20 @@ class RouterMetrics:
             for gauge, field in fields:
                 gauge.labels(name).set_function(
                     lambda n=name, f=field: getattr(signals(n), f))  # type: ignore[misc]  # mypy: default-bound lambda
+
+    def forget(self, engine: str) -> None:
+        """Remove every series of ``engine`` (it left the fleet): no alert fires for an engine that is gone, and
+        dashboards show the engines there are."""
+        for family in vars(self).values():
+            if not isinstance(family, MetricWrapperBase):
+                continue
+            for metric in family.collect():
+                ours = [sample.labels for sample in metric.samples if sample.labels.get("engine") == engine]
+                if not ours:
+                    continue
+                names = min((tuple(labels) for labels in ours), key=len)  # (a histogram's buckets add "le")
+                for values in {tuple(labels[n] for n in names) for labels in ours}:
+                    family.remove(*values)
 
     def declare(self, engines: list[str], evented: list[str], prefill: Sequence[str] = ()) -> None:
         """Create the per-engine series of fixed label sets at 0, so dashboards and alerts have a series (a rate of
@@ -151,6 +170,8 @@ class RouterMetrics:
             self.refused.labels(reason)
         for kind in ("unreadable", "too_long", "failed", "busy"):
             self.unpredicted.labels(kind)
+        for outcome in ("applied", "unchanged", "refused"):
+            self.reloads.labels(outcome)
 
 
 class _Increment(Protocol):

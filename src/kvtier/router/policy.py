@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from kvtier.router.config import Costs, Role, RouterConfig
+from kvtier.router.config import Costs, EngineConfig, Role, RouterConfig
 from kvtier.router.index import LOCAL_PLACES, Match, PrefixIndex, request_keys
 from kvtier.router.prompts import Prompt
 
@@ -155,6 +155,19 @@ class Router:
         self.disaggregated = any(e.role == "prefill" for e in config.engines)
         self._next = itertools.count()
         self._ids = itertools.count()
+
+    def add(self, engine: EngineConfig) -> None:
+        """An engine joins the fleet: not routed to until it is healthy (and its events replayed)."""
+        self.engines[engine.name] = EngineState(engine.name, self.config.costs, engine.weight, engine.role)
+        self.disaggregated = any(e.role == "prefill" for e in self.engines.values())
+
+    def remove(self, name: str) -> None:
+        """An engine left the fleet: nothing more is routed there, and what it held in its own memory and on its
+        host counts for nothing (what it wrote to a shared tier is still there for the others). Its requests in
+        flight run to their end; their accounting ends with them."""
+        self.engines.pop(name, None)
+        self.index.clear(name, LOCAL_PLACES)
+        self.disaggregated = any(e.role == "prefill" for e in self.engines.values())
 
     def healthy(self) -> list[str]:
         return [name for name, e in self.engines.items() if e.healthy]
@@ -337,10 +350,10 @@ class Router:
         """The engine started answering a streamed request (with a 2xx) after ``ttft_s``: it left the queue, and
         its TTFT calibrates the engine. Alone there: the base cost (little to compute) or the prefill cost per token.
         Beside requests decoding and nothing queued: what each decoding request adds to the wait."""
-        state = self.engines[engine]
-        flight = state.flights.get(flight_id)
-        if flight is None:
-            return
+        state = self.engines.get(engine)
+        flight = None if state is None else state.flights.get(flight_id)
+        if state is None or flight is None:
+            return  # (its engine left the fleet meanwhile)
         flight.answering = True
         spent = ttft_s
         if flight.load_s:
@@ -361,13 +374,16 @@ class Router:
 
     def finished(self, engine: str, flight_id: int, computed: bool = True) -> None:
         """The request ended; ``computed`` False: it failed or was refused, so its blocks will not appear."""
-        flight = self.engines[engine].flights.pop(flight_id, None)
+        state = self.engines.get(engine)  # (None: its engine left the fleet meanwhile)
+        flight = None if state is None else state.flights.pop(flight_id, None)
         if flight is not None and not computed and flight.reserved:
             self.index.unreserve(engine, flight.reserved, flight_id)
 
     def lost(self, engine: str) -> None:
         """The engine stopped answering: route around it and forget what it held in its own memory and on its
         host (a restarted engine starts empty); what it wrote to a shared tier is still there for the others."""
-        state = self.engines[engine]
+        state = self.engines.get(engine)
+        if state is None:
+            return
         state.healthy = False
         self.index.clear(engine, LOCAL_PLACES)

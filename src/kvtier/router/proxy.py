@@ -240,6 +240,8 @@ class Proxy:
     async def _attempt(self, request: web.Request, raw: bytes, headers: dict[str, str], decision: RouteDecision,
                        keys: list[bytes], stream: bool, t0: float) -> web.StreamResponse:
         name = decision.engine
+        if name not in self.router.engines:
+            raise _Upstream("it left the fleet")  # (after this request's plan was made): the next engine
         attempt = time.monotonic()
         flight = self.router.started(decision, keys)
         self.metrics.predicted_ttft.labels(name).observe(decision.predicted_s)
@@ -334,7 +336,9 @@ class Proxy:
                 timeouts.first_byte_s)
         except aiohttp.ClientConnectionError as exc:
             # Not routed to until its next good health check; its entries stay unless it stays down.
-            self.router.engines[name].healthy = False
+            state = self.router.engines.get(name)
+            if state is not None:
+                state.healthy = False
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc

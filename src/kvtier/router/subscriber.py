@@ -83,6 +83,9 @@ class Subscriber:
         self._stopping = False
         self._restart_s = 1.0  # doubles at each failure in a row, up to 60 s
         self._replay_room = limits.replay_bytes  # what is left of it in the replay under way
+        # Set once the engine's replay buffer has been read at start (or there is none, or it failed): the index
+        # holds what the engine held, so it may be routed to.
+        self.replayed = asyncio.Event()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events-{self.name}")
@@ -94,6 +97,7 @@ class Subscriber:
         log.error("engine %s: KV-event task failed (%r); restarting it in %.0f s, its entries rebuilt by replay",
                   self.name, task.exception(), self._restart_s)
         self._errors("task", "engine %s: KV-event task failed", self.name)
+        self.replayed.set()  # routed by health alone until the restarted task rebuilds its entries
         self.feed.reset()
         asyncio.get_running_loop().call_later(self._restart_s, self._restart)
         self._restart_s = min(60.0, self._restart_s * 2)
@@ -140,6 +144,7 @@ class Subscriber:
             # instead of waiting for their next batch.
             if self._replay_endpoint is not None:
                 await self._replay(self.feed.ask(0))
+            self.replayed.set()
             while True:
                 frames = await sub.recv_multipart()
                 self._restart_s = 1.0  # reading again
