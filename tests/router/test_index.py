@@ -244,3 +244,18 @@ def test_clearing_in_slices_lets_other_work_run_between_them():
     seen = [index.blocks("e0") for _ in index.clearing("e0", [Place.ENGINE], slice_blocks=1000)]
     assert seen[:3] == [9001, 8001, 7001] and len(seen) == 10  # 1000 a slice
     assert index.blocks("e0") == 1 and index.places("e0")["shared"] == 1
+
+
+def test_an_engine_that_left_the_fleet_is_forgotten_with_what_it_announced_in_a_shared_tier():
+    """Its events will never remove what it announced anywhere: the index drops it all (in slices), and the
+    engine joining again under the same name starts from nothing (no double count of the shared blocks)."""
+    index = PrefixIndex(BS)
+    index.stored("e0", stored(TOKENS, 0, 6, medium="STORAGE", locality="REMOTE"))
+    assert index.match(request_keys(TOKENS, BS), ["e1"])["e1"] == Match(shared=6, kvtier=6)
+    slices = list(index.leaving("e0", slice_blocks=2))
+    assert len(slices) >= 2  # yielded between slices
+    assert index.match(request_keys(TOKENS, BS), ["e1"])["e1"] == Match()
+    assert index.blocks("e0") == 0 and index.places("e0")["shared"] == 0
+    index.stored("e0", stored(TOKENS, 0, 6, medium="STORAGE", locality="REMOTE"))  # back, replayed
+    index.removed("e0", Removed(hashes=tuple(vllm_blocks(TOKENS)[0]), medium="STORAGE", locality="REMOTE"))
+    assert index.match(request_keys(TOKENS, BS), ["e1"])["e1"] == Match()  # one removal un-credits them

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections import Counter
@@ -322,3 +323,25 @@ def test_load_signals_follow_the_routers_accounting():
                                              + BS * router.prefill_rate(router.engines["e0"]))
     router.finished("e0", flight)
     assert router.signals("e0").in_flight == 0 and router.signals("e1") == idle
+
+
+def test_a_burst_stays_queued_until_the_engine_has_prefilled_it_one_after_another():
+    router = make()
+    prompt = Prompt(DOC[:100])
+    flights = [router.started(router.decide(prompt, names=["e0"])[0], []) for _ in range(20)]
+    for flight in router.engines["e0"].flights.values():
+        flight.started -= 0.35  # sent 0.35 s ago: three prefills of 0.1 s done, seventeen to go
+    busy = router.signals("e0")
+    assert router.engines["e0"].flights[flights[0]].prefill_s == pytest.approx(0.1)
+    assert busy.queued == 17 and busy.queued_tokens == 1700 and busy.ttft_s > 1.6
+
+
+def test_a_new_weight_or_role_keeps_the_engines_state_and_requests():
+    router = make()
+    engine = router.engines["e0"]
+    flight = router.started(router.decide(Prompt(DOC[:100]), names=["e0"])[0], [])
+    before = engine.prefill_s_per_token
+    router.reconfigure(dataclasses.replace(router.config.engines[0], weight=2.0, role="prefill"))
+    assert router.engines["e0"] is engine and flight in engine.flights
+    assert engine.prefill_s_per_token == pytest.approx(before / 2) and engine.role == "prefill"
+    assert router.disaggregated

@@ -5,6 +5,7 @@ engine killed mid-stream is in test_fleet.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import time
@@ -470,3 +471,48 @@ def test_a_change_to_the_config_file_is_applied_within_reload_s(tmp_path):
             watching.cancel()
 
     run(scenario, reload_s=0.1)
+
+
+def test_a_new_engine_waits_for_its_replay_and_a_changed_weight_keeps_every_engine_routed():
+    """An engine added with a replay endpoint that never answers is not routed to until its replay has ended
+    (bounded by events.replay_s); a weight changed on every engine is changed in place: no engine leaves."""
+    from kvtier.router.config import EngineConfig
+    from kvtier.testing.servers import free_port
+
+    async def main():
+        engines = [ScriptedEngine() for _ in range(2)]
+        runners = []
+        for engine in engines:
+            runner, engine.url = await serve(engine.app(), handler_cancellation=True)
+            runners.append(runner)
+        config = load_router_config({"tokenizer": "unused", "block_size": 4, "policy": "round_robin",
+                                     "explain_headers": True, "events": {"replay_s": 1.5}, "health_interval_s": 0.5,
+                                     "engines": [{"name": "e0", "url": engines[0].url}]})
+        app = RouterApp(config, tokenizer=WordTokenizer())
+        listeners = await app.listen("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{app.port()}"
+
+        async def served(n=4):
+            return {(await post(url, f"ok {i}"))[1]["X-KVTier-Engine"] for i in range(n)}
+
+        try:
+            e0 = config.engines[0]
+            e1 = EngineConfig(name="e1", url=engines[1].url, kv_events=f"tcp://127.0.0.1:{free_port()}",
+                              kv_events_replay=f"tcp://127.0.0.1:{free_port()}")  # nobody answers its replay
+            joining = asyncio.get_running_loop().create_task(app.engines.update((e0, e1)))
+            await asyncio.sleep(0.8)  # health checks of e1 ran meanwhile: it answers, but is not replayed
+            assert "e1" in app.router.engines and "e1" not in app.router.healthy()
+            assert await served() == {"e0"}
+            assert await joining == (["e1"], [])
+            assert await served() == {"e0", "e1"}
+            heavier = tuple(dataclasses.replace(e, weight=2.0) for e in (e0, e1))
+            changing = asyncio.get_running_loop().create_task(app.engines.update(heavier))
+            assert await served() == {"e0", "e1"}  # while it is applied too
+            assert await changing == ([], [])
+            assert app.router.engines["e0"].weight == 2.0 and app.router.healthy() == ["e0", "e1"]
+        finally:
+            for r in reversed(listeners):
+                await r.cleanup()
+            for r in runners:
+                await r.cleanup()
+    asyncio.run(main())

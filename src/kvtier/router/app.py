@@ -155,52 +155,80 @@ def serve(config: RouterConfig, path: str | os.PathLike[str] | None = None) -> N
     """Run the router until interrupted (SIGINT/SIGTERM stop it cleanly); ``path``, the file ``config`` came from,
     is read again on SIGHUP and when it changes (``reload_s``) for its engines. Raises ConfigError for an engine key
     that cannot be read."""
+    stamp = file_stamp(path) if path is not None else None  # (as the file was read: a change while starting counts)
     if config.otlp_traces_endpoint is not None:
         tracing.configure(config.otlp_traces_endpoint, "kvtier-router")
     try:
-        asyncio.run(_serve(RouterApp(config), path))
+        asyncio.run(_serve(RouterApp(config), path, stamp))
     finally:
         tracing.shutdown()  # the last spans are exported before the process ends
 
 
-class ConfigFile:
-    """The router's config file, read again for its engines: on SIGHUP, and when its size or time changes."""
+Stamp = tuple[int, int, int, int, int]
 
-    def __init__(self, app: RouterApp, path: str | os.PathLike[str]) -> None:
+
+def file_stamp(path: str | os.PathLike[str]) -> Stamp | None:
+    """What tells a file changed: its device, inode, size, modification and change times (a file renamed over it,
+    a ConfigMap's symlink swapped, a copy that kept the old time); None when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+class ConfigFile:
+    """The router's config file, read again for its engines: on SIGHUP, and when it changes. A file still being
+    written (changed since the last look) is read once it has stayed the same for one look."""
+
+    def __init__(self, app: RouterApp, path: str | os.PathLike[str], seen: Stamp | None = None) -> None:
         self.app = app
         self.path = path
-        self._seen = self._stamp()
+        self._seen = file_stamp(path) if seen is None else seen  # as last applied (or refused)
         self._lock = asyncio.Lock()  # one reload at a time, in order
+        self._task: asyncio.Task[None] | None = None
 
-    def _stamp(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
+    def signalled(self) -> None:
+        """SIGHUP: reload, once, after any reload under way (a storm of signals is one reload)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.reload("SIGHUP"))
 
     async def reload(self, why: str) -> None:
         """Read the file and apply its engines; a file that cannot be read or is not a valid config is refused
         (logged, counted), and the running fleet kept."""
         async with self._lock:
-            self._seen = self._stamp()
+            self._seen = file_stamp(self.path)
             try:
                 config = load_router_config(self.path)
             except (ConfigError, OSError) as exc:
                 log.error("router config %s (%s): not applied, the running engines kept: %s", self.path, why, exc)
                 self.app.metrics.reloads.labels("refused").inc()
                 return
+            if file_stamp(self.path) != self._seen:
+                return  # written again while it was read: the next look reads it whole
             await self.app.reload(config)
 
     async def watch(self) -> None:
-        """Reload whenever the file changes (every ``reload_s``)."""
+        """Reload whenever the file changed and then stayed the same for one look (every ``reload_s``)."""
+        last = self._seen
         while True:
             await asyncio.sleep(self.app.config.reload_s)
-            if self._stamp() != self._seen:
-                await self.reload("the file changed")
+            try:
+                now = file_stamp(self.path)
+                if now != self._seen and now == last:
+                    await self.reload("the file changed")
+                last = now
+            except Exception:  # the watch must outlive any one reload's surprise
+                log.exception("router config %s: reloading failed", self.path)
+
+    async def stop(self) -> None:
+        """End a reload under way (the router stops)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
-async def _serve(app: RouterApp, path: str | os.PathLike[str] | None = None) -> None:
+async def _serve(app: RouterApp, path: str | os.PathLike[str] | None = None, stamp: Stamp | None = None) -> None:
     config = app.config
     admin = None
     if config.admin_listen is not None:
@@ -213,11 +241,16 @@ async def _serve(app: RouterApp, path: str | os.PathLike[str] | None = None) -> 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    file = ConfigFile(app, path, stamp) if path is not None else None
+    hup = asyncio.Event()  # a SIGHUP while starting: the file is read once started
+    if file is not None:
+        loop.add_signal_handler(signal.SIGHUP, hup.set)
     runners = await app.listen(config.host, config.port, admin)
     watcher = None
-    if path is not None:
-        file = ConfigFile(app, path)
-        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(file.reload("SIGHUP")))
+    if file is not None:
+        loop.add_signal_handler(signal.SIGHUP, file.signalled)
+        if hup.is_set() or file_stamp(file.path) != stamp:
+            file.signalled()
         if config.reload_s:
             watcher = loop.create_task(file.watch())
     try:
@@ -225,5 +258,8 @@ async def _serve(app: RouterApp, path: str | os.PathLike[str] | None = None) -> 
     finally:
         if watcher is not None:
             watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        if file is not None:
+            await file.stop()
         for runner in reversed(runners):
             await runner.cleanup()

@@ -36,6 +36,11 @@ _LOST_AFTER = 3  # health checks failed in a row before an engine's entries are 
 WARN_EVERY_S = 60.0
 
 
+def _endpoints(engine: EngineConfig) -> tuple[str, str | None, str | None, bool]:
+    """What an engine is reached at: a change to any of it is another engine under the same name."""
+    return engine.url, engine.kv_events, engine.kv_events_replay, engine.kv_events_bind
+
+
 class Engines:
     """The engines' health, models, KV-event subscribers and prefill calibration, from :meth:`start` to
     :meth:`stop`. Raises ConfigError for an engine key that cannot be read."""
@@ -58,6 +63,8 @@ class Engines:
         self._tasks: list[asyncio.Task[None]] = []
         self._prefill_counters: dict[str, tuple[float, float, float]] = {}
         self._failures: dict[str, int] = {}  # health checks failed in a row, per engine
+        self._updating = asyncio.Lock()
+        self._closed = False
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -87,45 +94,72 @@ class Engines:
     async def _replayed(self, names: list[str]) -> None:
         """Wait (at most a replay's bound, and a second) until the engines ``names`` follow have read their replay
         buffers."""
-        waits = [self.subscribers[n].replayed.wait() for n in names if n in self.subscribers]
+        waits = [asyncio.ensure_future(self.subscribers[n].replayed.wait()) for n in names if n in self.subscribers]
         if waits:
-            await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=self.config.events.replay_s + 1)
+            try:
+                await asyncio.wait(waits, timeout=self.config.events.replay_s + 1)
+            finally:
+                for wait in waits:
+                    wait.cancel()
 
     async def update(self, engines: tuple[EngineConfig, ...]) -> tuple[list[str], list[str]]:
-        """Make the fleet ``engines``: those gone stop being routed to at once (their local entries cleared, their
-        series removed; their requests in flight run to their end), those new (or changed) join once their events
-        are replayed and they answered a health check. The names (added, removed)."""
-        wanted = {e.name: e for e in engines}
-        removed = [n for n in self.urls if n not in wanted or self._configs[n] != wanted[n]]
-        added = [n for n in wanted if n not in self.urls or n in removed]
-        for name in removed:
-            self.metrics.forget(name)  # (first: its gauges read the router's state of it)
-            self.router.remove(name)
-            del self.urls[name], self._configs[name]
-            self._failures.pop(name, None)
-            self._prefill_counters.pop(name, None)
-            sub = self.subscribers.pop(name, None)
-            if sub is not None:
-                await sub.stop()
-        for name in added:
-            engine = wanted[name]
-            self._configs[name] = engine
-            self.urls[name] = engine.url.rstrip("/")
-            self.router.add(engine)
-            self.metrics.declare([name], [name] if engine.kv_events else [],
-                                 [name] if engine.role == "prefill" else [])
-            self.metrics.watch([name], self.router.signals)
-            self._follow(engine)
-        if added:
-            await self._replayed(added)
-            await asyncio.gather(*(self._check(name) for name in added))
-        return added, removed
+        """Make the fleet ``engines`` (one update at a time). New engines join first, once their events are replayed
+        and they answered a health check; then those gone stop being routed to (their index entries cleared in
+        slices, their series removed; their requests in flight run to their end). An engine whose weight or role
+        changed is changed in place; one whose address or events changed leaves and joins again. The names
+        (added, removed)."""
+        async with self._updating:
+            if self._closed:
+                return [], []
+            wanted = {e.name: e for e in engines}
+            moved = [n for n in self.urls if n in wanted and _endpoints(self._configs[n]) != _endpoints(wanted[n])]
+            for name in moved:
+                await self._leave(name)
+            added = [n for n in wanted if n not in self.urls]
+            for name in added:
+                self._join(wanted[name])
+            for name, engine in wanted.items():
+                if self._configs[name] != engine:
+                    self._configs[name] = engine
+                    self.router.reconfigure(engine)
+                    self.metrics.declare([], [], [name] if engine.role == "prefill" else [])
+            if added:
+                await self._replayed(added)
+                await asyncio.gather(*(self._check(name) for name in added))
+            gone = [n for n in self.urls if n not in wanted]
+            for name in gone:
+                await self._leave(name)
+            return added, [*moved, *gone]
+
+    def _join(self, engine: EngineConfig) -> None:
+        name = engine.name
+        self._configs[name] = engine
+        self.urls[name] = engine.url.rstrip("/")
+        self.router.add(engine)
+        self.metrics.declare([name], [name] if engine.kv_events else [], [name] if engine.role == "prefill" else [])
+        self.metrics.watch([name], self.router.signals)
+        self._follow(engine)
+
+    async def _leave(self, name: str) -> None:
+        self.metrics.forget(name)  # (first: its gauges read the router's state of it)
+        self.router.remove(name)
+        del self.urls[name], self._configs[name]
+        self._failures.pop(name, None)
+        self._prefill_counters.pop(name, None)
+        sub = self.subscribers.pop(name, None)
+        if sub is not None:
+            await sub.stop()
+        for _ in self.index.leaving(name):  # in slices: a million blocks must not stall the loop
+            await asyncio.sleep(0)
 
     async def stop(self) -> None:
+        self._closed = True
+        async with self._updating:  # (an update under way ends first: nothing starts after this)
+            pass
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for sub in self.subscribers.values():
+        for sub in list(self.subscribers.values()):
             await sub.stop()
         if self.session is not None:
             await self.session.close()
@@ -200,8 +234,8 @@ class Engines:
                 ok = reply.status == 200
         except Exception:  # noqa: BLE001 refused, reset, timed out, malformed: not healthy this time (counted)
             ok = False
-        if name not in self.router.engines:
-            return  # (it left the fleet while it was checked)
+        if self.router.engines.get(name) is not state or self.urls.get(name) != url:
+            return  # (it left the fleet while it was checked, perhaps to join again elsewhere)
         sub = self.subscribers.get(name)
         if ok and sub is not None and not sub.replayed.is_set():
             return  # up, but not routed to before its events are replayed
@@ -283,6 +317,9 @@ class Engines:
         before = self._prefill_counters.get(name)
         self._prefill_counters[name] = (seconds, count, tokens)
         state = self.router.engines.get(name)
-        if state is not None and before is not None and count - before[1] == 1 and \
+        if state is None:
+            self._prefill_counters.pop(name, None)  # (it left the fleet while it was scraped)
+            return
+        if before is not None and count - before[1] == 1 and \
                 tokens - before[2] >= self.config.block_size:
             state.calibrate_prefill((seconds - before[0]) / (tokens - before[2]))

@@ -150,6 +150,8 @@ class Prefills:
         if name not in self.router.engines:
             raise _Failed("disconnected", "it left the fleet")  # (after this request's plan was made): the next
         await self._after_shared(name, decision, keys)
+        if name not in self.router.engines:
+            raise _Failed("disconnected", "it left the fleet")  # (while this prefill waited)
         done, flying = asyncio.Event(), self._flying.setdefault(name, [])
         entry = (keys, done)
         flying.append(entry)

@@ -250,6 +250,12 @@ class PrefixIndex:
                 if i % slice_blocks == 0:
                     yield
 
+    def leaving(self, engine: str, slice_blocks: int = 4096) -> Iterator[None]:
+        """``engine`` left the fleet: everything it holds goes, in every place (its events will never remove what
+        it announced in a shared tier), and the index forgets it; in slices, as :meth:`clearing`."""
+        yield from self.clearing(engine, tuple(Place), slice_blocks)
+        self._engines.pop(engine, None)
+
     def blocks(self, engine: str) -> int:
         """Distinct blocks ``engine`` holds anywhere."""
         state = self._engines.get(engine)

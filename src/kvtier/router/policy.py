@@ -162,11 +162,19 @@ class Router:
         self.disaggregated = any(e.role == "prefill" for e in self.engines.values())
 
     def remove(self, name: str) -> None:
-        """An engine left the fleet: nothing more is routed there, and what it held in its own memory and on its
-        host counts for nothing (what it wrote to a shared tier is still there for the others). Its requests in
-        flight run to their end; their accounting ends with them."""
+        """An engine left the fleet: nothing more is routed there (its index entries are the caller's to clear:
+        :meth:`PrefixIndex.leaving`, in slices). Its requests in flight run to their end; their accounting ends
+        with them."""
         self.engines.pop(name, None)
-        self.index.clear(name, LOCAL_PLACES)
+        self.disaggregated = any(e.role == "prefill" for e in self.engines.values())
+
+    def reconfigure(self, engine: EngineConfig) -> None:
+        """An engine's weight or role changed (its address and events did not): its state, calibration and
+        requests in flight are kept."""
+        state = self.engines[engine.name]
+        if not state.calibrated:
+            state.prefill_s_per_token = state.prefill_s_per_token * state.weight / engine.weight
+        state.weight, state.role = engine.weight, engine.role
         self.disaggregated = any(e.role == "prefill" for e in self.engines.values())
 
     def healthy(self) -> list[str]:
@@ -314,10 +322,16 @@ class Router:
         prefill, as :meth:`decide` predicts it)."""
         engine = self.engines[name]
         now = time.monotonic()
-        waiting = [f for f in engine.flights.values()
-                   if not f.answering and f.prefill_s + f.load_s - (now - f.started) > 0]
-        queued, decoding = engine.load(now)
-        ttft = queued + decoding * engine.decode_s + engine.base_s + self.config.block_size * self.prefill_rate(engine)
+        # The engine prefills one request after another: each not yet answering ends its predicted prefill (and
+        # load) after those sent before it, not after its own time alone (a burst is queued until it drains).
+        waiting, done = [], 0.0
+        for f in sorted((f for f in engine.flights.values() if not f.answering), key=lambda f: f.started):
+            done = max(done, f.started) + f.prefill_s + f.load_s
+            if done > now:
+                waiting.append(f)
+        decoding = len(engine.flights) - len(waiting)
+        ttft = max(0.0, done - now) + decoding * engine.decode_s + engine.base_s + \
+            self.config.block_size * self.prefill_rate(engine)
         return Signals(queued=len(waiting), queued_tokens=sum(f.uncached for f in waiting),
                        in_flight=len(engine.flights), in_flight_tokens=sum(f.uncached for f in engine.flights.values()),
                        ttft_s=ttft)

@@ -76,10 +76,13 @@ class Proxy:
         except UnicodeEncodeError as exc:
             return self.refuse(400, "a request header is not UTF-8", "bad_header", str(exc))
         for name in self.router.healthy():
+            url = self.engines.urls.get(name)
+            if url is None:
+                continue  # (it left the fleet meanwhile)
             try:
                 timeout = aiohttp.ClientTimeout(total=self.config.timeouts.first_byte_s,
                                                 connect=self.config.timeouts.connect_s)
-                async with session.get(self.engines.urls[name] + "/v1/models", timeout=timeout,
+                async with session.get(url + "/v1/models", timeout=timeout,
                                        headers=headers, allow_redirects=False) as reply:
                     if 300 <= reply.status < 400:
                         continue  # a redirect is not passed on: its Location is the engine's business
@@ -311,6 +314,8 @@ class Proxy:
             self.router.finished(name, flight, computed)
             if outcome != "failed":
                 self.metrics.requests.labels(name, decision.reason, outcome).inc()
+            if name not in self.router.engines:
+                self.metrics.forget(name)  # it left the fleet while this request ran: no series of it stays
 
     async def _deliver(self, reply: web.StreamResponse, data: bytes) -> None:
         """Write to a client that must take it within ``timeouts.idle_s``: one that stops reading (a slow-read
