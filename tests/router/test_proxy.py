@@ -99,9 +99,10 @@ async def serve(app: web.Application, **kw) -> tuple[web.AppRunner, str]:
 
 def run(scenario: Callable[[str, list[ScriptedEngine], RouterApp], Awaitable[None]], n: int = 2,
         engine_class: type[ScriptedEngine] | None = None, tokenizer: object = None, admin: bool = False,
-        **overrides) -> None:
+        fleet: int | None = None, **overrides) -> None:
     """``scenario(url, engines, app)`` against a router (listening as ``kvtier router`` does, with ``limits``)
-    in front of ``n`` scripted engines (of class ``engine_class``); ``admin``: with an admin listener."""
+    in front of ``n`` scripted engines (of class ``engine_class``), the first ``fleet`` of them (default all) in its
+    config; ``admin``: with an admin listener."""
     async def main() -> None:
         engines = [(engine_class or ScriptedEngine)() for _ in range(n)]
         runners = []
@@ -110,7 +111,8 @@ def run(scenario: Callable[[str, list[ScriptedEngine], RouterApp], Awaitable[Non
             runners.append(runner)
         config = load_router_config({"tokenizer": "unused", "block_size": 4,
                                      "policy": "round_robin", "explain_headers": True,
-                                     "engines": [{"name": f"e{i}", "url": e.url} for i, e in enumerate(engines)],
+                                     "engines": [{"name": f"e{i}", "url": e.url}
+                                                 for i, e in enumerate(engines[:fleet])],
                                      "timeouts": {"idle_s": 1.0, "first_byte_s": 5.0}, **overrides})
         app = RouterApp(config, tokenizer=tokenizer or WordTokenizer())
         listeners = await app.listen("127.0.0.1", 0, ("127.0.0.1", 0) if admin else None)
@@ -358,26 +360,7 @@ def test_engines_join_and_leave_with_the_config_file_while_serving(tmp_path):
         await file.reload("test")
         assert set(await served(4)) == {"e0", "e1"} and app.config.retries == 1
 
-    # e1 is not in the fleet at first: the router starts with e0 alone
-    async def main():
-        engines = [ScriptedEngine() for _ in range(2)]
-        runners = []
-        for engine in engines:
-            runner, engine.url = await serve(engine.app(), handler_cancellation=True)
-            runners.append(runner)
-        config = load_router_config({"tokenizer": "unused", "block_size": 4, "policy": "round_robin",
-                                     "explain_headers": True, "engines": [{"name": "e0", "url": engines[0].url}],
-                                     "timeouts": {"idle_s": 1.0, "first_byte_s": 5.0}})
-        app = RouterApp(config, tokenizer=WordTokenizer())
-        listeners = await app.listen("127.0.0.1", 0)
-        try:
-            await scenario(f"http://127.0.0.1:{app.port()}", engines, app)
-        finally:
-            for r in reversed(listeners):
-                await r.cleanup()
-            for r in runners:
-                await r.cleanup()
-    asyncio.run(main())
+    run(scenario, fleet=1)  # e1 is not in the fleet at first
 
 
 def test_a_running_router_process_takes_its_engines_from_the_file_on_sighup(tmp_path):
@@ -479,40 +462,23 @@ def test_a_new_engine_waits_for_its_replay_and_a_changed_weight_keeps_every_engi
     from kvtier.router.config import EngineConfig
     from kvtier.testing.servers import free_port
 
-    async def main():
-        engines = [ScriptedEngine() for _ in range(2)]
-        runners = []
-        for engine in engines:
-            runner, engine.url = await serve(engine.app(), handler_cancellation=True)
-            runners.append(runner)
-        config = load_router_config({"tokenizer": "unused", "block_size": 4, "policy": "round_robin",
-                                     "explain_headers": True, "events": {"replay_s": 1.5}, "health_interval_s": 0.5,
-                                     "engines": [{"name": "e0", "url": engines[0].url}]})
-        app = RouterApp(config, tokenizer=WordTokenizer())
-        listeners = await app.listen("127.0.0.1", 0)
-        url = f"http://127.0.0.1:{app.port()}"
-
+    async def scenario(url, engines, app):
         async def served(n=4):
             return {(await post(url, f"ok {i}"))[1]["X-KVTier-Engine"] for i in range(n)}
 
-        try:
-            e0 = config.engines[0]
-            e1 = EngineConfig(name="e1", url=engines[1].url, kv_events=f"tcp://127.0.0.1:{free_port()}",
-                              kv_events_replay=f"tcp://127.0.0.1:{free_port()}")  # nobody answers its replay
-            joining = asyncio.get_running_loop().create_task(app.engines.update((e0, e1)))
-            await asyncio.sleep(0.8)  # health checks of e1 ran meanwhile: it answers, but is not replayed
-            assert "e1" in app.router.engines and "e1" not in app.router.healthy()
-            assert await served() == {"e0"}
-            assert await joining == (["e1"], [])
-            assert await served() == {"e0", "e1"}
-            heavier = tuple(dataclasses.replace(e, weight=2.0) for e in (e0, e1))
-            changing = asyncio.get_running_loop().create_task(app.engines.update(heavier))
-            assert await served() == {"e0", "e1"}  # while it is applied too
-            assert await changing == ([], [])
-            assert app.router.engines["e0"].weight == 2.0 and app.router.healthy() == ["e0", "e1"]
-        finally:
-            for r in reversed(listeners):
-                await r.cleanup()
-            for r in runners:
-                await r.cleanup()
-    asyncio.run(main())
+        e0 = app.config.engines[0]
+        e1 = EngineConfig(name="e1", url=engines[1].url, kv_events=f"tcp://127.0.0.1:{free_port()}",
+                          kv_events_replay=f"tcp://127.0.0.1:{free_port()}")  # nobody answers its replay
+        joining = asyncio.get_running_loop().create_task(app.engines.update((e0, e1)))
+        await asyncio.sleep(0.8)  # health checks of e1 ran meanwhile: it answers, but is not replayed
+        assert "e1" in app.router.engines and "e1" not in app.router.healthy()
+        assert await served() == {"e0"}
+        assert await joining == (["e1"], [])
+        assert await served() == {"e0", "e1"}
+        heavier = tuple(dataclasses.replace(e, weight=2.0) for e in (e0, e1))
+        changing = asyncio.get_running_loop().create_task(app.engines.update(heavier))
+        assert await served() == {"e0", "e1"}  # while it is applied too
+        assert await changing == ([], [])
+        assert app.router.engines["e0"].weight == 2.0 and app.router.healthy() == ["e0", "e1"]
+
+    run(scenario, fleet=1, events={"replay_s": 1.5}, health_interval_s=0.5)

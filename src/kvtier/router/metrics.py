@@ -98,7 +98,13 @@ class RouterMetrics:
                                            "or timeout, is retried on the next prefill engine; a 4xx or an answer "
                                            "without kvtier's params serves the request whole at once)",
                                            ["engine", "cause"], registry=r)
-        # Load signals, read from the router's accounting at each scrape (watch): what an autoscaler scales on
+        self._fleet(r)
+        self.prompt_queue = Gauge("kvtier_router_prompt_work", "Requests being parsed, tokenized and keyed or "
+                                  "waiting for a worker", registry=r)
+
+    def _fleet(self, r: CollectorRegistry) -> None:
+        """The fleet's series: its size, config reloads, and each engine's load signals (read from the router's
+        accounting at each scrape, :meth:`watch`): what an autoscaler scales on."""
         self.queued = Gauge("kvtier_router_queued_requests", "Requests sent to an engine whose prefill (or load) the "
                             "router predicts is not done", ["engine"], registry=r)
         self.queued_tokens = Gauge("kvtier_router_queued_tokens", "Tokens the queued requests compute",
@@ -114,8 +120,6 @@ class RouterMetrics:
                                "(applied: the fleet changed; unchanged; refused: a bad file, the running fleet "
                                "kept)", ["outcome"], registry=r)
         self.fleet = Gauge("kvtier_router_engines", "Engines in the fleet (healthy or not)", registry=r)
-        self.prompt_queue = Gauge("kvtier_router_prompt_work", "Requests being parsed, tokenized and keyed or "
-                                  "waiting for a worker", registry=r)
 
     def watch(self, engines: Sequence[str], signals: Callable[[str], Signals]) -> None:
         """Read each engine's load signals at every scrape (``signals(engine)``)."""
