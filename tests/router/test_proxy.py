@@ -359,8 +359,22 @@ def test_engines_join_and_leave_with_the_config_file_while_serving(tmp_path):
         write([0, 1], retries=3)  # another setting with the engines: the engines now, the rest at a restart
         await file.reload("test")
         assert set(await served(4)) == {"e0", "e1"} and app.config.retries == 1
+        assert app.engines.base_models == {"m"}
+        write([2])  # a fleet that serves another model: its name is learned again (else read as a LoRA adapter's)
+        await file.reload("test")
+        assert set(await served(2)) == {"e2"} and app.engines.base_models == {"other"}
 
-    run(scenario, fleet=1)  # e1 is not in the fleet at first
+    made: list[ScriptedEngine] = []
+
+    class ThirdServesAnother(ScriptedEngine):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+        async def models(self, request):
+            return web.json_response({"data": [{"id": "other" if self is made[2] else "m"}]})
+
+    run(scenario, n=3, fleet=1, engine_class=ThirdServesAnother)  # e1 and e2 are not in the fleet at first
 
 
 def test_a_running_router_process_takes_its_engines_from_the_file_on_sighup(tmp_path):

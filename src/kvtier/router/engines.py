@@ -123,12 +123,16 @@ class Engines:
                     self._configs[name] = engine
                     self.router.reconfigure(engine)
                     self.metrics.declare([], [], [name] if engine.role == "prefill" else [])
+            gone = [n for n in self.urls if n not in wanted]
+            if added or moved or gone:
+                self.base_models = set()  # learned again, from the next engine up: the fleet may serve others now
             if added:
                 await self._replayed(added)
                 await asyncio.gather(*(self._check(name) for name in added))
-            gone = [n for n in self.urls if n not in wanted]
             for name in gone:
                 await self._leave(name)
+            if not self.base_models:
+                await asyncio.gather(*(self._check(name) for name in self.router.healthy()))
             return added, [*moved, *gone]
 
     def _join(self, engine: EngineConfig) -> None:
