@@ -165,6 +165,7 @@ def serve(config: RouterConfig, path: str | os.PathLike[str] | None = None) -> N
 
 
 Stamp = tuple[int, int, int, int, int]
+_READS = 5  # reads of a config file that keeps changing while read, before it is refused
 
 
 def file_stamp(path: str | os.PathLike[str]) -> Stamp | None:
@@ -187,26 +188,38 @@ class ConfigFile:
         self._seen = file_stamp(path) if seen is None else seen  # as last applied (or refused)
         self._lock = asyncio.Lock()  # one reload at a time, in order
         self._task: asyncio.Task[None] | None = None
+        self._again = False  # a SIGHUP came since the signalled reload under way read the file
 
     def signalled(self) -> None:
-        """SIGHUP: reload, once, after any reload under way (a storm of signals is one reload)."""
+        """SIGHUP: reload, and once more after a reload under way (a storm of signals is at most two reloads)."""
+        self._again = True
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self.reload("SIGHUP"))
+            self._task = asyncio.get_running_loop().create_task(self._signalled())
+
+    async def _signalled(self) -> None:
+        while self._again:
+            self._again = False
+            await self.reload("SIGHUP")
 
     async def reload(self, why: str) -> None:
         """Read the file and apply its engines; a file that cannot be read or is not a valid config is refused
         (logged, counted), and the running fleet kept."""
         async with self._lock:
-            self._seen = file_stamp(self.path)
-            try:
-                config = load_router_config(self.path)
-            except (ConfigError, OSError) as exc:
-                log.error("router config %s (%s): not applied, the running engines kept: %s", self.path, why, exc)
-                self.app.metrics.reloads.labels("refused").inc()
-                return
-            if file_stamp(self.path) != self._seen:
-                return  # written again while it was read: the next look reads it whole
-            await self.app.reload(config)
+            for _ in range(_READS):
+                self._seen = file_stamp(self.path)
+                try:
+                    config = load_router_config(self.path)
+                except (ConfigError, OSError) as exc:
+                    log.error("router config %s (%s): not applied, the running engines kept: %s", self.path, why,
+                              exc)
+                    self.app.metrics.reloads.labels("refused").inc()
+                    return
+                if file_stamp(self.path) == self._seen:
+                    await self.app.reload(config)
+                    return
+                await asyncio.sleep(0.1)  # written again while it was read: read it again, whole
+            log.error("router config %s (%s): it changed while read, %d times: not applied", self.path, why, _READS)
+            self.app.metrics.reloads.labels("refused").inc()
 
     async def watch(self) -> None:
         """Reload whenever the file changed and then stayed the same for one look (every ``reload_s``)."""

@@ -300,20 +300,22 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def _gone(self, keys: Iterable[OffloadKey]) -> None:
         """Rows found missing: those announced stored are announced removed from every tier they were in that
         answered (a tier in an outage says nothing of what it holds: its rows stay announced)."""
-        if self._events is None:
+        events = self._events
+        announced = [key for key in keys if key in self._held] if events is not None else []
+        if events is None or not announced:
             return
         failing = self._store.reads_failing()
-        for key in keys:
+        for key in announced:
             tiers = self._held.pop(key) or set()
             kept = {tier for tier in tiers if tier in failing}
             if kept:
                 self._held[key] = kept
             for tier in sorted(tiers - kept):
-                self._events.append(self._event([key], tier, removed=True))
+                events.append(self._event([key], tier, removed=True))
 
     def _forgotten(self, key: OffloadKey, tiers: set[str]) -> None:
         """A row no longer remembered as announced: announced removed (it may still lie in a tier; a router that
-        credits it no longer loses nothing but a hit)."""
+        stops crediting it loses at most a hit)."""
         if self._events is not None:
             self._events.extend(self._event([key], tier, removed=True) for tier in sorted(tiers))
 
