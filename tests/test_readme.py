@@ -144,6 +144,8 @@ def _check_yaml(block: Block, stand_ins: dict[str, str]) -> None:
     assert isinstance(data, dict), block
     if "engines" in data and "tokenizer" in data:
         load_router_config(data)
+    elif "discovery" in data:  # a router config's discovery part
+        load_router_config({"tokenizer": "/models/m", **data})
     elif "model" in data:
         path = Path(stand_ins["root"]) / "fleet.yaml"
         path.write_text(yaml.safe_dump({**data, "model": stand_ins.get(data["model"], data["model"])}))

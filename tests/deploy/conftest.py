@@ -1,6 +1,6 @@
-"""What the Kubernetes checks (test_kubernetes.py) share: each overlay rendered with ``kubectl kustomize``, the
-small schemas of the Prometheus Operator's objects, and the questions the checks ask of what an overlay makes (its
-engines, of one pool or several, the router, the files they mount)."""
+"""What the Kubernetes checks (test_kubernetes.py, and test_helm.py for the Helm chart) share: each overlay rendered
+with ``kubectl kustomize``, the small schemas of the Prometheus Operator's and KEDA's objects, and the questions the
+checks ask of what an overlay makes (its engines, of one pool or several, the router, the files they mount)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,48 @@ PROMETHEUS_RULE = {
                                "rules": {"type": "array", "minItems": 1, "items": _RULE}}}}}},
     },
 }
-CRD_SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR, "PrometheusRule": PROMETHEUS_RULE}
+_SCALING_RULES = {"type": "object", "additionalProperties": False, "properties": {
+    "stabilizationWindowSeconds": {"type": "integer", "minimum": 0, "maximum": 3600},
+    "selectPolicy": {"enum": ["Max", "Min", "Disabled"]},
+    "policies": {"type": "array", "items": {
+        "type": "object", "required": ["type", "value", "periodSeconds"], "additionalProperties": False,
+        "properties": {"type": {"enum": ["Pods", "Percent"]}, "value": {"type": "integer", "minimum": 1},
+                       "periodSeconds": {"type": "integer", "minimum": 1, "maximum": 1800}}}},
+}}
+# KEDA's ScaledObject (keda.sh/v1alpha1), the fields the chart uses, as KEDA's CRD declares them; its behavior is
+# the HorizontalPodAutoscaler's (autoscaling/v2), with that API's bounds. A trigger's metadata is strings only.
+SCALED_OBJECT = {
+    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "keda.sh/v1alpha1"}, "kind": {"const": "ScaledObject"}, "metadata": _METADATA,
+        "spec": {
+            "type": "object", "required": ["scaleTargetRef", "triggers"], "additionalProperties": False,
+            "properties": {
+                "scaleTargetRef": {"type": "object", "required": ["name"], "additionalProperties": False,
+                                   "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                                                  "name": {"type": "string"}}},
+                "pollingInterval": {"type": "integer", "minimum": 1},
+                "cooldownPeriod": {"type": "integer", "minimum": 0},
+                "minReplicaCount": {"type": "integer", "minimum": 0},
+                "maxReplicaCount": {"type": "integer", "minimum": 1},
+                "advanced": {"type": "object", "additionalProperties": False, "properties": {
+                    "restoreToOriginalReplicaCount": {"type": "boolean"},
+                    "horizontalPodAutoscalerConfig": {"type": "object", "additionalProperties": False, "properties": {
+                        "name": {"type": "string"},
+                        "behavior": {"type": "object", "additionalProperties": False,
+                                     "properties": {"scaleUp": _SCALING_RULES, "scaleDown": _SCALING_RULES}}}}}},
+                "triggers": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["type", "metadata"], "additionalProperties": False,
+                    "properties": {
+                        "type": {"type": "string"}, "name": {"type": "string"},
+                        "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                    }}},
+            },
+        },
+    },
+}
+CRD_SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR, "PrometheusRule": PROMETHEUS_RULE, "ScaledObject": SCALED_OBJECT}
 
 
 def kubectl() -> str | None:

@@ -23,8 +23,8 @@ from kvtier.eviction import POLICIES
 from kvtier.fleet.config import FleetFile, Pools, Ports, PrometheusConfig, RedisConfig
 from kvtier.placement import PlacementRule
 from kvtier.registry import Registry
-from kvtier.router.config import (DEFAULT_LISTEN, Costs, EngineConfig, EventLimits, Limits, PDConfig, RouterConfig,
-                                  Timeouts)
+from kvtier.router.config import (DEFAULT_LISTEN, Costs, DiscoveryConfig, EngineConfig, EventLimits, Limits,
+                                  PDConfig, RouterConfig, Timeouts)
 from kvtier.sealing import EncryptionConfig
 from kvtier.tiers import TIERS
 
@@ -94,6 +94,8 @@ def router_sections() -> list[Section]:
     return [
         Section("Top level", "", RouterConfig, skip=("host", "port"), extra=(listen,)),
         Section("`engines[]`", "engines[].", EngineConfig, _first_line(EngineConfig)),
+        Section("`discovery[]`", "discovery[].", DiscoveryConfig, "Engines found while serving (docs/fleet.md): "
+                "each address a source gives is an engine of this role and weight, reached at these ports."),
         Section("`timeouts`", "timeouts.", Timeouts, "The router's calls to the engines."),
         Section("`costs`", "costs.", Costs, _first_line(Costs)),
         Section("`limits`", "limits.", Limits, _first_line(Limits)),

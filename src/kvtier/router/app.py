@@ -21,7 +21,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvtier import tracing
 from kvtier.errors import ConfigError
-from kvtier.router.config import RouterConfig, load_router_config
+from kvtier.router.config import EngineConfig, RouterConfig, load_router_config
+from kvtier.router.discovery import Discovery
 from kvtier.router.engines import Engines
 from kvtier.router.guards import BodyBudget, CappedSite, WorkerPool, descriptor_room, handler_args
 from kvtier.router.index import PrefixIndex
@@ -57,6 +58,15 @@ class RouterApp:
                              LogOnce(self.metrics.unpredicted, "kvtier_router_unpredicted_requests", log))
         self.proxy = Proxy(config, self.metrics, self.router, self.engines, self.reader, self.pool, self.bodies)
         self._sites: dict[str, CappedSite] = {}
+        self._configured: tuple[EngineConfig, ...] = config.engines  # the config file's, as last read
+        self.discovery = Discovery(config.discovery, self._discovered,
+                                   LogOnce(self.metrics.discovery_errors, "kvtier_router_discovery_errors", log,
+                                           logging.WARNING, every_s=60.0))
+        for source in self.discovery.sources:
+            self.metrics.discovered.labels(source.field).set_function(source.count)
+        self._fleet_lock = asyncio.Lock()  # the fleet is computed and applied by one caller at a time
+        self._stale = False  # a source's engines changed since the fleet was last computed
+        self._refresher: asyncio.Task[None] | None = None
 
     async def reload(self, config: RouterConfig) -> tuple[list[str], list[str]]:
         """Make ``config``'s engines the fleet, while serving (:meth:`Engines.update`); its other settings are
@@ -66,11 +76,34 @@ class RouterApp:
         if later:
             log.warning("router config: %s changed: applied at the next restart (the engines are applied now)",
                         ", ".join(later))
-        added, removed = await self.engines.update(config.engines)
+        self._configured = config.engines
+        added, removed = await self._apply()
         self.metrics.reloads.labels("applied" if added or removed else "unchanged").inc()
         if added or removed:
             log.info("router config: engines added %s, removed %s", added or "none", removed or "none")
         return added, removed
+
+    async def _apply(self) -> tuple[list[str], list[str]]:
+        """Make the config file's engines and the discovered ones the fleet (:meth:`Engines.update`)."""
+        async with self._fleet_lock:
+            return await self.engines.update(self.discovery.fleet(self._configured))
+
+    def _discovered(self) -> None:
+        """A source's engines changed: the fleet is applied again (changes meanwhile coalesce into one more)."""
+        self._stale = True
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh())
+
+    async def _refresh(self) -> None:
+        while self._stale:
+            self._stale = False
+            try:
+                added, removed = await self._apply()
+            except Exception:  # the next change tries again; the router keeps serving
+                log.exception("discovery: applying the engines found failed")
+                continue
+            if added or removed:
+                log.info("discovery: engines added %s, removed %s", added or "none", removed or "none")
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def web_app(self, admin: bool = False) -> web.Application:
@@ -122,8 +155,17 @@ class RouterApp:
 
     async def _start(self, app: web.Application) -> None:
         await self.engines.start()
+        if self.discovery.sources:
+            # the sources' first answers are in the fleet before the router listens (its readiness)
+            await self.discovery.start()
+            self._stale = False
+            await self._apply()
 
     async def _stop(self, app: web.Application) -> None:
+        await self.discovery.stop()
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
         await self.engines.stop()
         self.pool.close()
 

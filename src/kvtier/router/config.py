@@ -231,10 +231,87 @@ class PDConfig:
                               f"{self.prefill_timeout_s}")
 
 
+Source = Literal["dns", "kubernetes"]
+_DNS_NAME = re.compile(r"(?=.{1,253}\.?$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?\.)*"
+                       r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?\.?")
+_K8S_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+
+
 @dataclasses.dataclass(frozen=True)
+class DiscoveryConfig:
+    """Engines found while serving (docs/fleet.md): each address a source gives is an engine of this role and
+    weight, reached at these ports."""
+
+    source: Source = dataclasses.field(metadata={
+        "help": "dns: the A and AAAA records of ``name`` (a headless Service's), polled; kubernetes: the ready "
+                "endpoints of ``service``'s EndpointSlices, watched through the Kubernetes API"})
+    name: str | None = dataclasses.field(default=None, metadata={
+        "help": "dns: the name to resolve, e.g. vllm.NAMESPACE.svc.cluster.local"})
+    service: str | None = dataclasses.field(default=None, metadata={"help": "kubernetes: the Service"})
+    namespace: str | None = dataclasses.field(default=None, metadata={
+        "help": "kubernetes: the Service's namespace (null: the router's own, its service account's)"})
+    port: int | str = dataclasses.field(default=8000, metadata={
+        "help": "the engines' OpenAI API port: a number, or (kubernetes) the EndpointSlice port's name"})
+    kv_events_port: int | str | None = dataclasses.field(default=None, metadata={
+        "help": "the engines' KV events port (their --kv-events-config endpoint's), a number or a port's name "
+                "(null: routed without knowing their caches)"})
+    kv_events_replay_port: int | str | None = dataclasses.field(default=None, metadata={
+        "help": "the engines' replay port, a number or a port's name"})
+    scheme: Literal["http", "https"] = dataclasses.field(default="http", metadata={
+        "help": "how the engines' API is reached"})
+    role: Role = dataclasses.field(default="both", metadata={"help": "the role of every engine found (engines' role)"})
+    weight: float = dataclasses.field(default=1.0, metadata={"help": "the weight of every engine found"})
+    interval_s: float = dataclasses.field(default=5.0, metadata={
+        "help": "dns: seconds between lookups; kubernetes: seconds before watching again after the API failed"})
+    nameserver: str | None = dataclasses.field(default=None, metadata={
+        "help": "dns: host:port of the DNS server to ask (null: the system's resolver, /etc/resolv.conf)"})
+    kubeconfig: str | None = dataclasses.field(default=None, metadata={
+        "help": "kubernetes: a kubeconfig file (null: in the cluster, the router pod's service account)"})
+
+    def check(self, field: str) -> None:
+        own = _SOURCE_FIELDS[self.source]
+        for name in ("name", "service", "namespace", "nameserver", "kubeconfig"):
+            value = getattr(self, name)
+            if name == own[0] and value is None:
+                raise ConfigError(f"{field}.{name}: required for source {self.source}")
+            if value is not None and name not in own:
+                raise ConfigError(f"{field}.{name}: not a setting of source {self.source} (its own: "
+                                  f"{', '.join(own)})")
+        if self.name is not None and not _DNS_NAME.fullmatch(self.name):
+            raise ConfigError(f"{field}.name: expected a DNS name, got {self.name!r}")
+        for name in ("service", "namespace"):
+            value = getattr(self, name)
+            if value is not None and not _K8S_NAME.fullmatch(value):
+                raise ConfigError(f"{field}.{name}: expected a Kubernetes name (lowercase letters, digits and '-', "
+                                  f"at most 63), got {value!r}")
+        for name in ("port", "kv_events_port", "kv_events_replay_port"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not 1 <= value <= 65535:
+                raise ConfigError(f"{field}.{name}: a port in 1-65535, got {value}")
+            if isinstance(value, str) and (self.source == "dns" or not _K8S_NAME.fullmatch(value) or len(value) > 15):
+                raise ConfigError(f"{field}.{name}: expected a port number" + (
+                    "" if self.source == "dns" else " or an EndpointSlice port's name (at most 15 lowercase "
+                    "letters, digits and '-')") + f", got {value!r}")
+        if self.kv_events_replay_port is not None and self.kv_events_port is None:
+            raise ConfigError(f"{field}.kv_events_replay_port: set only with kv_events_port")
+        if not 0 < self.weight <= 100:
+            raise ConfigError(f"{field}.weight: must be in (0, 100], got {self.weight}")
+        if not 0.1 <= self.interval_s <= 3600:
+            raise ConfigError(f"{field}.interval_s: must be in [0.1, 3600] seconds, got {self.interval_s}")
+        if self.nameserver is not None:
+            host, sep, port = self.nameserver.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ConfigError(f"{field}.nameserver: expected host:port, got {self.nameserver!r}")
+
+
+_SOURCE_FIELDS = {"dns": ("name", "nameserver"), "kubernetes": ("service", "namespace", "kubeconfig")}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RouterConfig:
-    engines: tuple[EngineConfig, ...] = dataclasses.field(metadata={
-        "help": "the fleet's vLLM API servers, each a mapping (below)", "yaml": "list of mappings"})
+    engines: tuple[EngineConfig, ...] = dataclasses.field(default=(), metadata={
+        "help": "the fleet's vLLM API servers, each a mapping (below); at least one unless discovery finds them",
+        "yaml": "list of mappings"})
     tokenizer: str = dataclasses.field(metadata={
         "help": "the engines' model directory: its tokenizer and chat template key the prompts"})
     block_size: int = dataclasses.field(default=16, metadata={
@@ -272,6 +349,9 @@ class RouterConfig:
         "help": "the time to first token a streamed request should see: kvtier_router_ttft_slo_requests_total "
                 "counts the requests within it and over it (the autoscaling signal and the KVTierRouterAddEngines "
                 "alert read it)"})
+    discovery: tuple[DiscoveryConfig, ...] = dataclasses.field(default=(), metadata={
+        "help": "where more engines are found while serving: DNS records or a Kubernetes Service's "
+                "EndpointSlices, each a mapping (below)", "yaml": "list of mappings"})
     reserve_s: float = dataclasses.field(default=10.0, metadata={
         "help": "seconds the blocks a routed request will compute count before the engine's events confirm them"})
     # They tell a client whether a prefix is cached somewhere: only for trusted clients.
@@ -294,9 +374,16 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
     host, sep, port = str(listen).rpartition(":")
     if not sep or not host or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ConfigError(f"listen: expected host:port with a port in 1-65535, got {shown('listen', listen)}")
+    discovery_raw = raw.pop("discovery", None) or []
+    if not isinstance(discovery_raw, list):
+        raise ConfigError("discovery: expected a list of sources (source: dns or kubernetes, and its settings)")
+    discovery = tuple(build_dataclass(DiscoveryConfig, d, f"discovery[{i}]") for i, d in enumerate(discovery_raw))
     engines_raw = raw.pop("engines", None)
-    if not isinstance(engines_raw, list) or not engines_raw:
-        raise ConfigError("engines: required, a list of engines (name, url, kv_events, kv_events_replay)")
+    if engines_raw is None and discovery:
+        engines_raw = []
+    if not isinstance(engines_raw, list) or not (engines_raw or discovery):
+        raise ConfigError("engines: required (unless discovery finds them), a list of engines (name, url, "
+                          "kv_events, kv_events_replay)")
     engines = tuple(build_dataclass(EngineConfig, e, f"engines[{i}]") for i, e in enumerate(engines_raw))
     names = [e.name for e in engines]
     for i, name in enumerate(names):
@@ -313,7 +400,7 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
     hints, reader = typing.get_type_hints(RouterConfig), FieldReader()
     scalars: dict[str, Any] = {name: reader.typed(hints[name], value, name, size=False) for name, value in raw.items()}
     config = RouterConfig(engines=engines, host=host.strip("[]"), port=int(port), timeouts=timeouts, costs=costs,
-                          limits=limits, events=events, pd=pd, **scalars)
+                          limits=limits, events=events, pd=pd, discovery=discovery, **scalars)
     if not 1 <= config.block_size <= 4096:
         raise ConfigError(f"block_size: must be the engines' --block-size, in [1, 4096], got {config.block_size}")
     if not 0 <= config.retries <= 16:
@@ -337,7 +424,7 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
 def _check_roles(config: RouterConfig) -> None:
     """Prefill engines need an engine that decodes; P/D needs the cache-aware policy (which predicts the
     decode engine's cost of loading a prefix)."""
-    roles = [e.role for e in config.engines]
+    roles = [e.role for e in config.engines] + [d.role for d in config.discovery]
     if "prefill" not in roles:
         return
     if all(role == "prefill" for role in roles):

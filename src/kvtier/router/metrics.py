@@ -120,6 +120,12 @@ class RouterMetrics:
                                "(applied: the fleet changed; unchanged; refused: a bad file, the running fleet "
                                "kept)", ["outcome"], registry=r)
         self.fleet = Gauge("kvtier_router_engines", "Engines in the fleet (healthy or not)", registry=r)
+        self.discovery_errors = Counter("kvtier_router_discovery_errors", "Failures of the discovery sources, by "
+                                        "kind (dns, kubernetes: no answer, the engines found kept; port: endpoints "
+                                        "without the configured port; name: an engine named twice)", ["kind"],
+                                        registry=r)
+        self.discovered = Gauge("kvtier_router_discovered_engines", "Engines a discovery source finds now",
+                                ["source"], registry=r)
 
     def watch(self, engines: Sequence[str], signals: Callable[[str], Signals]) -> None:
         """Read each engine's load signals at every scrape (``signals(engine)``)."""

@@ -127,6 +127,7 @@ class Subscriber:
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[ADDRESS]:PORT too (an IPv4 address still works)
         # ZMQ drops a larger message (and the connection that sent it): a gap, replayed
         sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
         return sock
