@@ -75,7 +75,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
-    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"), replicas=1).start()  # 3 primaries, 3 replicas
     yield cluster
     cluster.stop()
 

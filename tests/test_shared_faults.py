@@ -4,6 +4,7 @@ server that stalls, and a server that evicts on its own."""
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kvtier import KVStore, Namespace, RedisTier, S3Tier, TierError, chunk_keys
+from kvtier.errors import PartUnavailable
 from kvtier.testing import synthetic_kv, synthetic_tokens
 from kvtier.testing.servers import BlackHole, MooncakeServer, RedisCluster, RedisServer, S3Server
 from kvtier.testing.tiers import NS_A, key
@@ -192,9 +194,9 @@ def test_a_black_holed_redis_fails_a_call_after_socket_timeout(cluster: bool) ->
 
 def test_a_paused_redis_cluster_fails_a_call_after_socket_timeout(redis_cluster: RedisCluster,
                                                                   unique_prefix: str) -> None:
-    """Every node paused: kvtier sends each node its part of the lookup itself, and the first stalled node fails
-    the call after socket_timeout (redis-py's cluster pipeline waited 7 to 8 x that: it asks every node for the
-    slots again, then retries the commands one by one)."""
+    """Every node paused: kvtier sends each node its part of the lookup itself, all at once, and the call fails
+    after one socket_timeout (redis-py's cluster pipeline waited 7 to 8 x that: it asks every node for the slots
+    again, then retries the commands one by one); every primary failing is the tier's failure."""
     timeout = 0.5
     tier = RedisTier.from_config("redis", {"url": redis_cluster.url, "cluster": True, "key_prefix": unique_prefix,
                                            "socket_timeout": timeout}, "tiers[0]")
@@ -208,15 +210,16 @@ def test_a_paused_redis_cluster_fails_a_call_after_socket_timeout(redis_cluster:
         for node in redis_cluster.nodes:
             node.cli("ping")
     assert timeout * 0.9 <= wait < timeout + MARGIN, wait
-    assert tier.heads(NS_A, chunks) == [[] for _ in chunks]  # and it works again at once
+    time.sleep(1.1)  # (each node rests after its failure; the next call tries them again)
+    assert tier.heads(NS_A, chunks) == [[] for _ in chunks]  # and it works again
     tier.close()
 
 
-def test_a_stalled_cluster_node_fails_only_the_calls_that_reach_it(redis_cluster: RedisCluster,
-                                                                   unique_prefix: str) -> None:
-    """A timeout keeps the cluster client and its slot map: with one node stalled, a call on the other nodes'
-    keys is served at once (a client rebuilt after the timeout would have to ask the stalled node, which holds
-    slot 0 and so answers the client's first COMMAND)."""
+def test_a_stalled_cluster_node_costs_only_its_own_slots(redis_cluster: RedisCluster, unique_prefix: str) -> None:
+    """One node stalled: a lookup over every node answers after one socket_timeout with the other nodes' shards
+    (the stalled node's chunks: nothing found); then that node rests, so a call for its keys fails at once
+    (PartUnavailable, not an outage of the tier) and the other nodes' keys are served at once. The slot map
+    stands (a client rebuilt after the timeout would have to ask the stalled node, which holds slot 0)."""
     timeout = 0.5
     tier = RedisTier.from_config("redis", {"url": redis_cluster.url, "cluster": True, "key_prefix": unique_prefix,
                                            "socket_timeout": timeout}, "tiers[0]")
@@ -227,18 +230,25 @@ def test_a_stalled_cluster_node_fails_only_the_calls_that_reach_it(redis_cluster
     stored = key(int(elsewhere[0], 16))
     tier.put(stored, [b"x" * 64])
     tier.heads(NS_A, list(names))
-    stalled.cli("client", "pause", "5000", "all")
+    stalled.cli("client", "pause", "3000", "all")
     try:
-        wait = timed_failure(lambda: tier.heads(NS_A, list(names)))  # it reaches the stalled node
+        start = time.monotonic()
+        everywhere = tier.heads(NS_A, list(names))  # it reaches the stalled node
+        wait = time.monotonic() - start
         start = time.monotonic()
         found = tier.heads(NS_A, elsewhere)
         served = time.monotonic() - start
-        again = timed_failure(lambda: tier.get(key(int(next(c for c in names if c not in elsewhere), 16))))
+        start = time.monotonic()
+        with pytest.raises(PartUnavailable):
+            tier.get(key(int(next(c for c in names if c not in elsewhere), 16)))
+        refused = time.monotonic() - start
     finally:
         stalled.cli("ping")
-    assert timeout * 0.9 <= wait < timeout + MARGIN and timeout * 0.9 <= again < timeout + MARGIN, (wait, again)
-    assert served < MARGIN, served
+    assert timeout * 0.9 <= wait < timeout + MARGIN, wait
+    assert served < MARGIN and refused < MARGIN, (served, refused)
+    assert everywhere[list(names).index(stored.chunk)] == [stored.heads]
     assert found == [[stored.heads]] + [[] for _ in elsewhere[1:]]
+    assert tier.counters()["node_failures"] >= 2
     tier.close()
 
 
@@ -328,3 +338,70 @@ def test_a_chunk_read_from_redis_is_promoted_into_the_local_disk(redis_server: R
         assert reader.stats()["filesystem"].get("present_writes_total", 0) == 0
     finally:
         reader.close()
+
+
+def test_a_primary_killed_under_load_fails_over_to_its_replica_and_costs_only_its_slots(
+        redis_cluster: RedisCluster, unique_prefix: str, tmp_path: Path) -> None:
+    """SIGKILL one primary of 3 (each with a replica) while an engine reads and writes: its slots are misses (and
+    its writes dropped) until the cluster promoted its replica and kvtier read the new slot map; the other slots
+    are served all along, the tier never rests whole, nothing read differs from what was written, and what the
+    replica held is served again. The figures (recovery time, hits lost) are logged for docs/operating.md."""
+    shared = {"type": "redis", **redis_cluster.tier_options(), "key_prefix": unique_prefix, "socket_timeout": 2,
+              "retry_seconds": 0.2}
+    victim = redis_cluster.nodes[1]
+    redis_cluster.set_node_timeout(1000)  # (the default 15 s: the same steps, each longer)
+    try:
+        with store_with([shared], dram="32MiB") as writer:
+            written = [timed_put(writer, 400 + i)[:2] for i in range(24)]
+            writer.flush()
+        time.sleep(0.5)  # (replication is asynchronous: what the primary acknowledged reaches its replica)
+        keys = {i: [f"{unique_prefix}{c}" for c in _chunk_hashes(tokens)] for i, (tokens, _) in enumerate(written)}
+        lost = {i for i, names in keys.items() if any(_owned_by(victim, n) for n in names)}
+        assert 0 < len(lost) < len(written)
+        with store_with([shared], dram="32MiB") as reader:
+            assert _read_round(reader, written) == set()  # every sequence served before the kill
+            victim.stop(signal.SIGKILL)
+            killed = time.monotonic()
+            rounds, recovered = [], None
+            while recovered is None:
+                assert time.monotonic() - killed < 30, "the lost slots were not served again within 30 s"
+                missed = _read_round(reader, written)  # (asserts every answer that came equals what was written)
+                rounds.append(missed)
+                assert missed <= lost, "a sequence on another primary's slots was missed"
+                assert not reader.reads_failing(), "the tier rested whole for one node's failure"
+                if rounds and not missed and len(rounds) > 1:
+                    recovered = time.monotonic() - killed
+                during = timed_put(reader, 900 + len(rounds))  # writes go on meanwhile
+                assert during[2] < 1.0
+            stats = reader.stats()["redis"]
+            misses = sum(len(m) for m in rounds)
+        logging.getLogger(__name__).warning(
+            "redis cluster failover: %d of %d sequences on the killed primary's slots; served again %.2f s after "
+            "SIGKILL (cluster-node-timeout 1 s), %d sequence reads missed over %d rounds; %s", len(lost),
+            len(written), recovered, misses, len(rounds),
+            {k: v for k, v in stats.items() if "node" in k or "slot" in k or "errors" in k})
+        assert misses >= 1 and stats["write_errors_total"] >= 1  # (lookups found nothing there: no read failed)
+        assert stats["tier_events_total{event=node_failures}"] >= 1
+        assert stats["tier_events_total{event=slot_map_refreshes}"] >= 1
+    finally:
+        redis_cluster.restore()
+        redis_cluster.set_node_timeout(15000)
+
+
+def _chunk_hashes(tokens: list[int]) -> list[str]:
+    """The Redis key names (less the prefix) of ``tokens``' chunks under the tests' namespace."""
+    return [f"{NS.id}:{k.hex()}" for k in chunk_keys(NS, tokens, T)]
+
+
+def _read_round(store: KVStore, written: list[tuple[list[int], torch.Tensor]]) -> set[int]:
+    """Read every sequence from the shared tier (DRAM emptied first); the ones missed. Any KV served must be
+    exactly what was written."""
+    store.drop_dram()
+    missed = set()
+    for i, (tokens, kv) in enumerate(written):
+        got = store.get(NS, tokens)
+        if got is None:
+            missed.add(i)
+        else:
+            assert torch.equal(got, kv), f"sequence {i} served different KV"
+    return missed

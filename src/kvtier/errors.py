@@ -47,6 +47,12 @@ class TierError(KVTierError):
     """A secondary tier could not complete an operation."""
 
 
+class PartUnavailable(TierError):
+    """One part of a tier failed (a Redis Cluster node, and so its slots): a miss or a dropped write for the keys
+    it holds, while the tier's other parts serve. The tier rests that part itself; the store does not rest the
+    whole tier for it."""
+
+
 class ObjectError(TierError):
     """The tier answered, but one stored object is malformed (e.g. a Redis key of the wrong type).
 

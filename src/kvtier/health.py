@@ -17,7 +17,7 @@ from collections.abc import Hashable
 from typing import Protocol
 
 from kvtier import frame
-from kvtier.errors import NotEncodable, ObjectError, QuotaFull, SealError, TierError
+from kvtier.errors import NotEncodable, ObjectError, PartUnavailable, QuotaFull, SealError, TierError
 
 log = logging.getLogger(__name__)
 MAX_REST_SECONDS = 30.0
@@ -32,6 +32,7 @@ class Fault(enum.Enum):
     CORRUPT = "corrupt"  # the object is malformed or fails its checks: a miss, counted and removed
     SHARE_FULL = "share_full"  # the tenant's share refused a write (QuotaFull): dropped, the tier answered
     NO_TENANT_KEY = "no_tenant_key"  # the tenant was forgotten since the put (SealError): nothing is written
+    PART_OUTAGE = "part_outage"  # one part of the tier failed (PartUnavailable): a miss, the rest serves
     OUTAGE = "error"  # the tier's I/O failed (TierError): counts toward its outage
     UNEXPECTED = "unexpected"  # anything else: a tier's bug or a reply no check foresaw
 
@@ -50,6 +51,8 @@ def classify(exc: BaseException) -> Fault:
         return Fault.SHARE_FULL
     if isinstance(exc, SealError):
         return Fault.NO_TENANT_KEY
+    if isinstance(exc, PartUnavailable):
+        return Fault.PART_OUTAGE
     if isinstance(exc, TierError):
         return Fault.OUTAGE
     return Fault.UNEXPECTED

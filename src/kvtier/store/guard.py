@@ -117,7 +117,9 @@ class GuardedTier:
 
     def _contain(self, what: str, exc: Exception) -> None:
         fault = classify(exc)
-        if fault is Fault.OUTAGE:
+        if fault is Fault.PART_OUTAGE:  # the tier rests that part itself; the rest of it serves
+            self._metrics.read_errors.labels(self.name).inc()
+        elif fault is Fault.OUTAGE:
             self._metrics.read_errors.labels(self.name).inc()
             self.reads.failed(exc)
         else:  # a malformed object named in the answer, a tier's bug: a miss, the tier stays in use
@@ -186,6 +188,9 @@ class GuardedTier:
             log.warning("tier %s: removing corrupt %s: %s", self.name, key.name, exc)
             self.remove(key)
             return "corrupt"
+        if fault is Fault.PART_OUTAGE:  # (as in _contain)
+            self._metrics.read_errors.labels(self.name).inc()
+            return "part_outage"
         if fault is Fault.OUTAGE:
             self._metrics.read_errors.labels(self.name).inc()
             self.reads.failed(exc)
@@ -265,6 +270,8 @@ class GuardedTier:
             self.writes.succeeded()  # the tier answered
             return "dropped"
         self._metrics.write_errors.labels(self.name).inc()
+        if fault is Fault.PART_OUTAGE:  # its part rests (the tier's own doing); the tier's other parts are written
+            return "error"
         # A bug in a plugin tier (or a frame that cannot be made) must not kill the worker silently.
         if fault is Fault.UNEXPECTED or isinstance(exc, frame.FrameError):
             cascade_log.exception("tier %s: unexpected error writing %s", self.name, key.name)

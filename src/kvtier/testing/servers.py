@@ -191,7 +191,9 @@ class RedisServer:
                 "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
                 "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         if self.cluster:
-            argv += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf"]
+            # the other slots serve while one primary fails over (docs/operating.md: as kvtier's clusters should)
+            argv += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf",
+                     "--cluster-require-full-coverage", "no"]
         self._proc = _Process(argv, self.workdir / f"redis-{self.port}.log", self.workdir)
         _wait(lambda: "PONG" in _redis_cli(self.port, "ping", timeout=2), f"redis-server :{self.port}",
               self._proc.proc, self._proc.log, 30)
@@ -200,17 +202,26 @@ class RedisServer:
     def cli(self, *args: str) -> str:
         return _redis_cli(self.port, *args)
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the server (``sig``: SIGKILL for a crash: nothing flushed, its connections reset)."""
         if self._proc is not None:
-            self._proc.stop()
+            self._proc.stop(sig)
             self._proc = None
 
 
 class RedisCluster:
-    """Three master nodes on loopback with the 16,384 slots split between them; no replicas."""
+    """Primaries on loopback with the 16,384 slots split between them (three by default), and ``replicas`` of each.
 
-    def __init__(self, workdir: Path, nodes: int = 3, maxmemory: str = "256mb") -> None:
+    :attr:`nodes` are the primaries as created, :attr:`replicas` their replicas (``replicas[i]`` of ``nodes[i]``
+    with one each). A test that fails a primary over calls :meth:`restore` at its end, so the cluster is as
+    created again for the tests after it.
+    """
+
+    def __init__(self, workdir: Path, nodes: int = 3, maxmemory: str = "256mb", replicas: int = 0) -> None:
         self.nodes = [RedisServer(workdir / f"node{i}", maxmemory=maxmemory, cluster=True) for i in range(nodes)]
+        self.replicas = [RedisServer(workdir / f"replica{i}", maxmemory=maxmemory, cluster=True)
+                         for i in range(nodes * replicas)]
+        self._per_primary = replicas
 
     @property
     def url(self) -> str:
@@ -222,25 +233,99 @@ class RedisCluster:
 
     def start(self) -> RedisCluster:
         try:
-            for node in self.nodes:
+            for node in [*self.nodes, *self.replicas]:
                 node.start()
             out = _redis_cli(self.nodes[0].port, "--cluster", "create",
                              *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas", "0",
                              "--cluster-yes", timeout=60)
             if "[OK] All 16384 slots covered" not in out:
                 raise ServerError(f"redis-cli --cluster create failed:\n{out[-3000:]}")
-            deadline = time.monotonic() + 30
-            while not all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes):
-                if time.monotonic() > deadline:
-                    raise ServerError("redis cluster did not reach cluster_state:ok within 30 s")
-                time.sleep(0.2)
+            self._wait_ok(self.nodes)
+            for i, replica in enumerate(self.replicas):  # each primary's, in turn
+                primary = self.nodes[i % len(self.nodes)]
+                out = _redis_cli(self.nodes[0].port, "--cluster", "add-node", f"127.0.0.1:{replica.port}",
+                                 f"127.0.0.1:{primary.port}", "--cluster-slave", "--cluster-master-id",
+                                 primary.cli("cluster", "myid").strip(), timeout=60)
+                if "[OK] New node added correctly" not in out:
+                    raise ServerError(f"redis-cli --cluster add-node failed:\n{out[-3000:]}")
+            for replica in self.replicas:
+                self.wait_replicating(replica)
+            self._wait_ok()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def stop(self) -> None:
+    def _wait_ok(self, nodes: list[RedisServer] | None = None, timeout: float = 30.0) -> None:
+        """Until every running node of ``nodes`` (default: all) sees the cluster whole."""
+        deadline = time.monotonic() + timeout
+        while not all("cluster_state:ok" in n.cli("cluster", "info") for n in nodes or [*self.nodes, *self.replicas]
+                      if n._proc is not None):
+            if time.monotonic() > deadline:
+                raise ServerError(f"redis cluster did not reach cluster_state:ok within {timeout:g} s")
+            time.sleep(0.1)
+
+    @staticmethod
+    def role(node: RedisServer) -> str:
+        """``master`` or ``slave``, as the node says (``ROLE``)."""
+        return node.cli("role").split("\n", 1)[0].strip()
+
+    def wait_replicating(self, node: RedisServer, timeout: float = 30.0) -> None:
+        """Until ``node`` is a replica whose link to its primary is up and synced."""
+        deadline = time.monotonic() + timeout
+        while not ("role:slave" in (info := node.cli("info", "replication")) and "master_link_status:up" in info
+                   and "master_sync_in_progress:0" in info):
+            if time.monotonic() > deadline:
+                raise ServerError(f"redis :{node.port} is not a synced replica within {timeout:g} s:\n{info}")
+            time.sleep(0.1)
+
+    def wait_primary(self, node: RedisServer, timeout: float = 30.0) -> None:
+        """Until ``node`` is a primary and every running node sees the cluster whole."""
+        deadline = time.monotonic() + timeout
+        while self.role(node) != "master":
+            if time.monotonic() > deadline:
+                raise ServerError(f"redis :{node.port} did not become a primary within {timeout:g} s")
+            time.sleep(0.05)
+        self._wait_ok(timeout=max(1.0, deadline - time.monotonic()))
+
+    def set_node_timeout(self, ms: int) -> None:
+        """``cluster-node-timeout`` on every running node: how long a silent primary stands before a failover."""
+        for node in [*self.nodes, *self.replicas]:
+            if node._proc is not None:
+                node.cli("config", "set", "cluster-node-timeout", str(ms))
+
+    def restore(self) -> None:
+        """Every node of :attr:`nodes` running and a primary again (a stopped one started: it rejoins as its
+        successor's replica, syncs, and takes its slots back by a manual failover); the replicas synced."""
+        stopped = [n for n in [*self.nodes, *self.replicas] if n._proc is None]
+        for node in stopped:
+            node.start()
+        witness = next(n for n in [*self.nodes, *self.replicas] if n not in stopped)  # (its view is current)
         for node in self.nodes:
+            deadline = time.monotonic() + 30
+            while not (self.role(node) == "master" and self._owns_slots(node, witness)):
+                if time.monotonic() > deadline:
+                    raise ServerError(f"redis :{node.port} did not take its slots back within 30 s")
+                if self.role(node) == "slave":  # (a restarted primary rejoins as its successor's replica)
+                    self.wait_replicating(node)
+                    node.cli("cluster", "failover")
+                    self.wait_primary(node)
+                else:
+                    time.sleep(0.1)  # just started: it learns it was replaced, and becomes a replica
+        for replica in self.replicas:
+            self.wait_replicating(replica)
+        self._wait_ok()
+
+    @staticmethod
+    def _owns_slots(node: RedisServer, witness: RedisServer) -> bool:
+        """Whether ``witness`` sees ``node`` as a primary with slots (a restarted primary claims its old slots
+        until it learns it was replaced)."""
+        me = node.cli("cluster", "myid").strip()
+        line = next((x for x in witness.cli("cluster", "nodes").splitlines() if x.startswith(me)), "")
+        return "master" in line and len(line.split()) > 8
+
+    def stop(self) -> None:
+        for node in [*self.nodes, *self.replicas]:
             node.stop()
 
 

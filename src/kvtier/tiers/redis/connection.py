@@ -64,6 +64,8 @@ class Client:
         self._lock = threading.Lock()
         self._client_obj: Any = None
         self._password: str | None = None
+        self._known: list[tuple[str, int]] = []  # a cluster's nodes, as the last client knew them
+        self._node_counts = (0, 0)  # node_counters() of the clients dropped
         if options.password_file is not None:
             try:  # read once, at start: a rotated Secret takes a restart, as a changed url does
                 with open(options.password_file, encoding="utf-8") as f:
@@ -102,7 +104,16 @@ class Client:
 
                 # Commands bypass the cluster client's retries (see .routing) except for redirections, which
                 # it follows without waiting.
-                return Routed(RedisCluster.from_url(o.url, retry=Retry(NoBackoff(), 0), **kwargs))
+                from redis.cluster import ClusterNode
+
+                # After a rebuild, every node the last client knew is asked for the slots too: the url's node may
+                # be the one that failed.
+                known = [ClusterNode(host, port)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+                         for host, port in self._known]
+                cluster = RedisCluster.from_url(o.url, retry=Retry(NoBackoff(), 0), startup_nodes=known, **kwargs)
+                self._known = [(n.host, n.port)
+                               for n in cluster.get_nodes()]  # type: ignore[no-untyped-call]  # (as ClusterNode)
+                return Routed(cluster, self._tier)
             # One immediate retry replaces a pooled connection that the server closed (a restart). Not after a
             # timeout: the server is stalled, and a second wait would double the time a caller waits for it (a
             # call fails after socket_timeout, not twice that).
@@ -136,12 +147,38 @@ class Client:
             self.drop()
         raise TierError(f"{self._tier}: {what} failed: {exc}") from exc
 
-    def pool_for(self, name: str) -> Any:
-        """The connection pool of the node that holds key ``name``."""
-        client = self.get()
+    def node_counters(self) -> dict[str, float]:
+        """A cluster's node failures (calls failed or skipped for a failing node) and slot maps asked for after
+        them; nothing for one server."""
         if not self._options.cluster:
-            return client.connection_pool
-        return client.node_client(name).connection_pool
+            return {}
+        failures, refreshes = self._node_counts
+        client = self._client_obj
+        if isinstance(client, Routed):
+            failures, refreshes = failures + client.health.part_failures, refreshes + client.health.refreshes
+        return {"node_failures": float(failures), "slot_map_refreshes": float(refreshes)}
+
+    def pool_for(self, name: str) -> tuple[Any, Any]:
+        """The connection pool of the node that holds key ``name``, and that node (None on one server); raises
+        :class:`~kvtier.errors.PartUnavailable` while that node rests after a failure."""
+        client = self.get()
+        if not isinstance(client, Routed):
+            return client.connection_pool, None
+        node = client.cluster.get_node_from_key(name)
+        client.health.check(node)
+        return client.cluster.get_redis_connection(node).connection_pool, node
+
+    def node_failed(self, node: Any, what: str, exc: BaseException) -> NoReturn:
+        """A call to ``node`` (from :meth:`pool_for`) failed: that node's outage (on one server: :meth:`failed`)."""
+        client = self._client_obj
+        if node is None or not isinstance(client, Routed) or not isinstance(exc, client.health.failures + (OSError,)):
+            self.failed(what, exc)
+        client.health.failed(node, exc)
+
+    def node_succeeded(self, node: Any) -> None:
+        client = self._client_obj
+        if node is not None and isinstance(client, Routed):
+            client.health.succeeded(node)
 
     def drop(self) -> None:
         # Also after a cluster error: a cluster client that lost every node keeps a stale slot map, so the next
@@ -149,7 +186,12 @@ class Client:
         with self._lock:
             client, self._client_obj = self._client_obj, None
         if isinstance(client, Routed):
-            client = client.cluster
+            failures, refreshes = self._node_counts
+            self._node_counts = (failures + client.health.part_failures, refreshes + client.health.refreshes)
+            try:
+                self._known = [(n.host, n.port) for n in client.cluster.get_nodes()] or self._known
+            except Exception:  # noqa: BLE001 (a client being torn down): the nodes known before stand
+                pass
         if client is not None:
             try:
                 client.close()

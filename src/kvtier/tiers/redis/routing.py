@@ -12,12 +12,24 @@ A node that answers with a redirection (``MOVED``, ``ASK``, ``TRYAGAIN``: the cl
 alive, so the call is sent again through the cluster client, which follows redirections and learns the new
 slots. Every command kvtier pipelines may run twice (a redirected pipeline runs again whole): they set what was
 set, or only read.
+
+A node that fails (its connection refused or reset, a timeout) is an outage of that node alone
+(:class:`NodeHealth`): its keys are :class:`~kvtier.errors.PartUnavailable` (misses, dropped writes) while it rests
+and the other nodes' keys are served; the slot map is asked for again on a thread of its own, so once the cluster
+promoted a replica its slots are served by it. Only when every primary is failing is the tier itself failing
+(a :class:`~kvtier.errors.TierError`: the store rests the whole tier).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn
+
+from kvtier.errors import PartUnavailable, TierError
+from kvtier.health import Outage
 
 # Commands whose first argument is their one key, and the pipelined ones; a command outside these sets is an
 # AttributeError, so a new command in the tier cannot bypass the routing unnoticed.
@@ -33,14 +45,100 @@ def _key_of(command: str, args: tuple[Any, ...]) -> Any:
     return args[0]
 
 
+_SENDERS = 16  # threads sending a pipeline's parts to their nodes at once
+_NODE_RETRY_S = 1.0  # a failed node's first rest (then doubled at each failed retry, as a tier's outage is)
+_REFRESH_EVERY_S = 0.5  # the slot map is asked for at most this often after node failures
+
+
+class NodeHealth:
+    """Each node's outage (keyed by its ``host:port``), and the slot map asked for again after a failure."""
+
+    def __init__(self, tier: str, cluster: Any) -> None:
+        import redis.exceptions as errors
+
+        self.tier = tier
+        self.cluster = cluster
+        self.failures = (errors.ConnectionError, errors.TimeoutError)
+        self._outages: dict[str, Outage] = {}
+        self._lock = threading.Lock()
+        self._refresh = threading.Event()  # a refresh is wanted
+        self._refresher: threading.Thread | None = None
+        self._failed_node: str | None = None
+        self.refreshes = 0  # slot maps asked for after a failure (the tier's counters)
+        self.part_failures = 0  # calls failed or skipped for a failing node
+
+    def _outage(self, node: Any) -> Outage:
+        with self._lock:
+            outage = self._outages.get(node.name)
+            if outage is None:
+                outage = self._outages[node.name] = Outage(self.tier, f"node {node.name}", _NODE_RETRY_S)
+            return outage
+
+    def check(self, node: Any) -> None:
+        """Raise :class:`PartUnavailable` when ``node`` rests after a failure."""
+        if self._outage(node).resting():
+            self.part_failures += 1
+            raise PartUnavailable(f"{self.tier}: node {node.name} is failing (its slots are misses meanwhile)")
+
+    def succeeded(self, node: Any) -> None:
+        self._outage(node).succeeded()
+
+    def failed(self, node: Any, exc: BaseException) -> NoReturn:
+        """Rest ``node``, ask for the slot map again (its slots may move to a replica), and raise: a
+        :class:`PartUnavailable`, or a :class:`TierError` when every primary is failing."""
+        self._outage(node).failed(exc)
+        self.part_failures += 1
+        self._failed_node = node.name
+        self._wake()
+        try:
+            primaries = [n.name for n in self.cluster.get_primaries()]
+        except Exception:  # noqa: BLE001 (a slot map being rebuilt): the node alone is known failing
+            primaries = [node.name]
+        with self._lock:
+            every = all(self._outages[n].failing for n in primaries if n in self._outages) and all(
+                n in self._outages for n in primaries)
+        if every:
+            raise TierError(f"{self.tier}: every primary is failing, the last {node.name}: {exc}") from exc
+        raise PartUnavailable(f"{self.tier}: node {node.name} failed (its slots are misses while it rests): "
+                              f"{exc}") from exc
+
+    def _wake(self) -> None:
+        self._refresh.set()
+        with self._lock:
+            if self._refresher is None or not self._refresher.is_alive():
+                self._refresher = threading.Thread(target=self._refreshing, name=f"kvtier-{self.tier}-slots",
+                                                   daemon=True)
+                self._refresher.start()
+
+    def _refreshing(self) -> None:
+        """Ask any node that answers for the slot map, while refreshes are wanted (at most every
+        :data:`_REFRESH_EVERY_S`); the thread ends when none is."""
+        while self._refresh.wait(timeout=10 * _REFRESH_EVERY_S):
+            self._refresh.clear()
+            try:
+                self.cluster.nodes_manager.initialize(last_failed_node_name=self._failed_node)
+                self.refreshes += 1
+            except Exception:  # noqa: BLE001 no node answered: the next failure asks again
+                pass
+            time.sleep(_REFRESH_EVERY_S)
+
+
 class Routed:
     """A cluster client whose commands kvtier routes itself (see the module docstring)."""
 
-    def __init__(self, cluster: Any) -> None:
+    def __init__(self, cluster: Any, tier: str = "redis") -> None:
         import redis.exceptions as errors
 
         self.cluster = cluster
         self.redirections = (errors.MovedError, errors.AskError, errors.TryAgainError)
+        self.health = NodeHealth(tier, cluster)
+        # a pipeline's nodes are sent to at once: a call takes its slowest node's time, not their sum (and a
+        # stalled node's socket_timeout once, however many nodes stall)
+        self.senders = ThreadPoolExecutor(max_workers=_SENDERS, thread_name_prefix=f"kvtier-{tier}-nodes")
+
+    def close(self) -> None:
+        self.senders.shutdown(wait=False)
+        self.cluster.close()
 
     def node_client(self, key: Any) -> Any:
         """The plain client of the node that holds ``key``'s slot."""
@@ -63,10 +161,16 @@ class Routed:
 
     def _send(self, command: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        node = self.cluster.get_node_from_key(_key_of(command, args))
+        self.health.check(node)
         try:
-            return getattr(self.node_client(_key_of(command, args)), command)(*args, **kwargs)
+            reply = getattr(self.cluster.get_redis_connection(node), command)(*args, **kwargs)
         except self.redirections:
             return getattr(self.cluster, command)(*args, **kwargs)
+        except self.health.failures as exc:
+            self.health.failed(node, exc)
+        self.health.succeeded(node)
+        return reply
 
 
 class NodePipelines:
@@ -96,16 +200,17 @@ class NodePipelines:
             node = cluster.get_node_from_key(_key_of(command, args))
             nodes.setdefault(node.name, (node, []))[1].append(i)
         replies: list[Any] = [None] * len(self._queued)
+        groups = list(nodes.values())
         try:
-            for node, positions in nodes.values():
-                pipe = cluster.get_redis_connection(node).pipeline(transaction=self._transaction)
-                for i in positions:
-                    command, args, kwargs = self._queued[i]
-                    getattr(pipe, command)(*args, **kwargs)
-                for i, reply in zip(positions, pipe.execute(raise_on_error=False)):
-                    replies[i] = reply
+            if len(groups) == 1:
+                answers = [self._send(*groups[0])]
+            else:
+                answers = list(self._routed.senders.map(lambda group: self._send(*group), groups))
         except self._routed.redirections:  # a transaction raises its queued command's redirection
             return self._through_cluster(raise_on_error)
+        for (_, positions), answered in zip(groups, answers):
+            for i, reply in zip(positions, answered):
+                replies[i] = reply
         if any(isinstance(r, self._routed.redirections) for r in replies):
             return self._through_cluster(raise_on_error)
         if raise_on_error:
@@ -113,6 +218,25 @@ class NodePipelines:
                 if isinstance(reply, Exception):
                     raise reply
         return replies
+
+    def _send(self, node: Any, positions: list[int]) -> list[Any]:
+        """The replies of ``node`` to its commands; each a :class:`PartUnavailable` when the node fails or rests
+        (the other nodes' are sent all the same)."""
+        health = self._routed.health
+        try:
+            health.check(node)
+            try:
+                pipe = self._routed.cluster.get_redis_connection(node).pipeline(transaction=self._transaction)
+                for i in positions:
+                    command, args, kwargs = self._queued[i]
+                    getattr(pipe, command)(*args, **kwargs)
+                answered: list[Any] = pipe.execute(raise_on_error=False)
+            except health.failures as exc:
+                health.failed(node, exc)
+        except PartUnavailable as exc:
+            return [exc] * len(positions)
+        health.succeeded(node)
+        return answered
 
     def _through_cluster(self, raise_on_error: bool) -> list[Any]:
         pipe = self._routed.cluster.pipeline(transaction=self._transaction)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, TypeVar
 
 from kvtier import quotas
-from kvtier.errors import ObjectError, QuotaFull, TierError, WrongSize
+from kvtier.errors import ObjectError, PartUnavailable, QuotaFull, TierError, WrongSize
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.quotas.redis import RedisShares
 from kvtier.tiers.base import TIERS, Buffer, StoredObject, Tier
@@ -179,11 +179,12 @@ class RedisTier(Tier):
         the socket straight into ``payload`` (:mod:`.replies`). A shard in several segments, a cluster's
         redirection or an error reply other than WRONGTYPE goes through :meth:`get`."""
         name = self._hash(key.namespace, key.chunk)
+        node = None
         try:
-            pool = self._client.pool_for(name)
+            pool, node = self._client.pool_for(name)
             conn = pool.get_connection()
         except self._client.errors as exc:
-            self._client.failed(f"get {key.name}", exc)
+            self._client.node_failed(node, f"get {key.name}", exc)
         command = conn.pack_commands([("HKEYS", name), ("HGET", name, f"{key.heads}:0/1")])
         in_step = False  # whether the connection may serve the next call; otherwise it is dropped
         try:
@@ -193,6 +194,7 @@ class RedisTier(Tier):
                     replies = Replies(conn._sock)  # redis-py's own socket, connected by the send
                     header = stream(replies, key.heads, header_len, payload)
                     in_step = replies.drained
+                    self._client.node_succeeded(node)
                     return header
                 except (ConnectionError, self._client.redis.ConnectionError):
                     # A pooled connection the server closed (a restart): once more, on this connection anew. Not a
@@ -207,7 +209,7 @@ class RedisTier(Tier):
         except ObjectError as exc:
             raise ObjectError(f"{self.name}: get {key.name}: {exc}") from exc
         except (OSError, *self._client.errors) as exc:
-            self._client.failed(f"get {key.name}", exc)
+            self._client.node_failed(node, f"get {key.name}", exc)
         finally:
             if not in_step:
                 conn.disconnect()  # a reply may be half read
@@ -265,6 +267,8 @@ class RedisTier(Tier):
             for chunk, reply in zip(chunks, pipe.execute(raise_on_error=False)):
                 if wrong_type(reply):  # someone's key of another type: no shards of this chunk, the rest stand
                     self._met_wrong_type(namespace, chunk)
+                    out.append([])
+                elif isinstance(reply, PartUnavailable):  # its node is failing: nothing found, the rest stand
                     out.append([])
                 elif isinstance(reply, Exception):
                     raise reply
@@ -334,7 +338,7 @@ class RedisTier(Tier):
     def counters(self) -> dict[str, float]:
         return {"wrong_type_keys": float(self._wrong_type_keys), "share_evictions": float(self._shares.evictions),
                 "share_refused_writes": float(self._shares.refused),
-                "share_touch_failures": float(self._shares.touch_failures)}
+                "share_touch_failures": float(self._shares.touch_failures), **self._client.node_counters()}
 
     def close(self) -> None:
         self._client.drop()
