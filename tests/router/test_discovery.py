@@ -21,7 +21,8 @@ from dnslib.server import BaseResolver, DNSLogger, DNSServer
 from kvtier.errors import ConfigError
 from kvtier.router.app import RouterApp
 from kvtier.router.config import DiscoveryConfig, load_router_config
-from kvtier.router.discovery import KubernetesSource, engine_name
+from kvtier.router.discovery import engine_name
+from kvtier.router.discovery_k8s import KubernetesSource
 from kvtier.router.metrics import LogOnce
 from kvtier.testing.kube_api import KubeAPI, endpoint_slice
 from kvtier.testing.servers import free_port
@@ -266,31 +267,50 @@ def test_a_wrong_token_is_counted_and_finds_no_engine(kube, tmp_path):
     asyncio.run(main())
 
 
-def test_endpoint_slices_become_engines_with_their_named_ports():
-    config = DiscoveryConfig(source="kubernetes", service="vllm", port="http", kv_events_port="kv-events",
-                             kv_events_replay_port=5558, role="decode", weight=2.0)
+def reader(**settings) -> KubernetesSource:
+    """A Kubernetes source that only reads slices (no API client)."""
+    config = DiscoveryConfig(source="kubernetes", service="vllm", **settings)
 
-    class Source(KubernetesSource):
-        def __init__(self):  # (no API client: only the slices' reading)
+    class Reader(KubernetesSource):
+        def __init__(self):
             self.config, self.field = config, "discovery[0]"
             self._errors = LogOnce(None, "kvtier_router_discovery_errors", logging.getLogger(__name__))
 
-    client = ApiClient()
+    return Reader()
 
-    def parsed(obj):  # as the client reads the API's answer
-        return client.deserialize(json.dumps(obj), "V1EndpointSlice", "application/json")
 
+def parsed(obj):  # as the client reads the API's answer
+    return ApiClient().deserialize(json.dumps(obj), "V1EndpointSlice", "application/json")
+
+
+def test_endpoint_slices_become_engines_with_their_named_ports():
+    source = reader(port="http", kv_events_port="kv-events", kv_events_replay_port=5558, role="decode", weight=2.0)
     slices = [parsed(endpoint_slice("a", "vllm", {"http": 8000, "kv-events": 5557},
-                                    [("10.1.0.5", "vllm-0", True), ("fd00::7", None, True),
-                                     ("10.1.0.6", "vllm-1", False)])),
+                                    [("10.1.0.5", "vllm-0", True), ("10.1.0.7", None, None),
+                                     ("10.1.0.6", "vllm-1", False), ("10.1.0.9", "vllm-2", True)],
+                                    terminating=frozenset({"vllm-2"}))),
               parsed(endpoint_slice("b", "vllm", {"metrics": 9000}, [("10.1.0.8", "vllm-3", True)]))]
-    found = {e.name: e for e in Source().engines_of(slices)}
-    assert set(found) == {"vllm-0", "vllm-fd00--7"}  # slice b has no port http: its endpoint is not an engine
+    found = {e.name: e for e in source.engines_of(slices)}
+    # not ready (vllm-1), terminating (vllm-2), or in a slice without port http (vllm-3): not engines
+    assert set(found) == {"vllm-0", "vllm-10-1-0-7"}
     assert found["vllm-0"].url == "http://10.1.0.5:8000"
     assert found["vllm-0"].kv_events == "tcp://10.1.0.5:5557"
     assert found["vllm-0"].kv_events_replay == "tcp://10.1.0.5:5558"
-    assert found["vllm-fd00--7"].url == "http://[fd00::7]:8000"
     assert found["vllm-0"].role == "decode" and found["vllm-0"].weight == 2.0
+
+
+def test_a_dual_stack_services_pods_are_each_one_engine_and_hostile_pod_names_never_name_one():
+    v4 = parsed(endpoint_slice("v4", "vllm", {"http": 8000}, [("10.1.0.5", "vllm-0", True),
+                                                              ("10.1.0.6", "x" * 100, True),
+                                                              ("10.1.0.7", "evil\r\nSet-Cookie: a", True)]))
+    v6 = parsed(endpoint_slice("v6", "vllm", {"http": 8000}, [("fd00::5", "vllm-0", True)], address_type="IPv6"))
+    assert {e.name for e in reader(port="http").engines_of([v6, v4])} == {"vllm-0", "vllm-10-1-0-6",
+                                                                          "vllm-10-1-0-7"}
+    assert {e.url for e in reader(port="http").engines_of([v6, v4])} == {
+        "http://10.1.0.5:8000", "http://10.1.0.6:8000", "http://10.1.0.7:8000"}  # prefer_ipv4, in any order
+    only6 = {e.name: e for e in reader(port="http", address_family="ipv6").engines_of([v4, v6])}
+    assert list(only6) == ["vllm-0"] and only6["vllm-0"].url == "http://[fd00::5]:8000"
+    assert reader(port="http").engines_of([v6])[0].url == "http://[fd00::5]:8000"  # no IPv4 slice: IPv6
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -301,7 +321,11 @@ def test_endpoint_slices_become_engines_with_their_named_ports():
     ({"source": "kubernetes", "service": "v", "kv_events_replay_port": 5558},
      "discovery[0].kv_events_replay_port: set only with kv_events_port"),
     ({"source": "consul", "name": NAME}, "discovery[0].source: expected one of 'dns', 'kubernetes'"),
-    ({"source": "dns", "name": NAME, "nameserver": "10.0.0.1"}, "discovery[0].nameserver: expected host:port"),
+    ({"source": "dns", "name": NAME, "nameserver": "10.0.0.1"}, "discovery[0].nameserver: expected IP:port"),
+    ({"source": "dns", "name": NAME, "nameserver": "kube-dns:53"}, "discovery[0].nameserver: expected IP:port"),
+    ({"source": "dns", "name": "vllm"}, "discovery[0].name: expected a fully qualified DNS name"),
+    ({"source": "dns", "name": NAME, "max_engines": 0}, "discovery[0].max_engines: must be in"),
+    ({"source": "dns", "name": NAME, "address_family": "ipx"}, "discovery[0].address_family: expected one of"),
     ({"source": "dns", "name": NAME, "role": "prefill"}, "engines: every engine has role prefill"),
 ])
 def test_bad_discovery_entries_are_refused_naming_the_field(entry, message):
@@ -354,6 +378,99 @@ def test_a_discovered_engines_kv_events_are_followed_and_it_is_routed_to_once_it
         finally:
             pub.close(linger=0)
             ctx.term()
+            for r in runners:
+                await r.cleanup()
+
+    asyncio.run(main())
+
+
+def test_dns_answers_dual_stack_once_within_max_engines_and_one_empty_answer_keeps_the_fleet(dns_server):
+    """A and AAAA records of the same pods: the IPv4 ones are the engines; more than max_engines: the first by
+    name; an engine at an address the file has already: left out; one empty answer (a DNS server restarting)
+    keeps the engines, two in a row are the fleet."""
+    records, nameserver = dns_server
+
+    async def main():
+        _, runners, port = await engines_at([f"127.0.0.{i}" for i in range(2, 7)])
+        records.addresses = [f"127.0.0.{i}" for i in range(2, 7)] + ["::1"]
+        app = router([{"source": "dns", "name": NAME, "port": port, "interval_s": 0.3, "nameserver": nameserver,
+                       "max_engines": 3}],
+                     engines=[{"name": "e-file", "url": f"http://127.0.0.4:{port}"}])
+        metrics = app.metrics.registry.get_sample_value
+
+        async def scenario(url):
+            assert set(app.router.engines) == {"e-file", "vllm-127-0-0-2", "vllm-127-0-0-3"}  # .4: the file's
+            assert metrics("kvtier_router_discovery_errors_total", {"kind": "max_engines"}) >= 1
+            assert metrics("kvtier_router_discovery_errors_total", {"kind": "address"}) == 1
+            records.addresses = []
+            asked = records.asked
+            await until(lambda: records.asked >= asked + 2)  # one answer: empty
+            assert "vllm-127-0-0-2" in app.router.engines
+            await until(lambda: set(app.router.engines) == {"e-file"})  # the next one: empty too
+
+        try:
+            await serving(app, scenario)
+        finally:
+            for r in runners:
+                await r.cleanup()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("fault", ["cut_watches", "expire_watches"])
+def test_an_api_that_ends_or_expires_every_watch_is_asked_again_after_growing_waits(kube, fault):
+    api, kubeconfig = kube
+    api.apply(slice_of(8000, [("127.0.0.2", "vllm-0", True)]))
+
+    async def main():
+        app = router([{"source": "kubernetes", "service": "vllm", "kubeconfig": str(kubeconfig),
+                       "interval_s": 2.0}])
+
+        async def scenario(url):
+            setattr(api, fault, True)
+            api.drop()
+            before = api.requests
+            await asyncio.sleep(3.0)
+            # waits of 0.2, 0.4, 0.8, 1.6 s: a handful of requests, not hundreds
+            assert api.requests - before <= 12, api.requests - before
+            kind = "watch_ended" if fault == "cut_watches" else "expired"
+            assert app.metrics.registry.get_sample_value("kvtier_router_discovery_errors_total",
+                                                         {"kind": kind}) >= 2
+            assert set(app.router.engines) == {"vllm-0"}
+
+        await serving(app, scenario)
+
+    asyncio.run(main())
+
+
+def test_a_fleet_that_could_not_be_applied_is_applied_again(dns_server, monkeypatch):
+    records, nameserver = dns_server
+    records.addresses = ["127.0.0.2"]
+
+    async def main():
+        _, runners, port = await engines_at(["127.0.0.2", "127.0.0.3"])
+        app = router([{"source": "dns", "name": NAME, "port": port, "interval_s": 0.2, "nameserver": nameserver}])
+        update = app.engines.update
+        failures = []
+
+        async def failing_once(engines):
+            if not failures and len(engines) == 2:
+                failures.append(1)
+                raise RuntimeError("injected")
+            return await update(engines)
+
+        monkeypatch.setattr(app.engines, "update", failing_once)
+
+        async def scenario(url):
+            records.addresses = ["127.0.0.2", "127.0.0.3"]
+            await until(lambda: failures)
+            await until(lambda: len(app.router.engines) == 2)  # the sources report no change: retried alone
+            assert app.metrics.registry.get_sample_value("kvtier_router_discovery_errors_total",
+                                                         {"kind": "apply"}) == 1
+
+        try:
+            await serving(app, scenario)
+        finally:
             for r in runners:
                 await r.cleanup()
 

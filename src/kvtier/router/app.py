@@ -67,6 +67,7 @@ class RouterApp:
         self._fleet_lock = asyncio.Lock()  # the fleet is computed and applied by one caller at a time
         self._stale = False  # a source's engines changed since the fleet was last computed
         self._refresher: asyncio.Task[None] | None = None
+        self._stopping = False
 
     async def reload(self, config: RouterConfig) -> tuple[list[str], list[str]]:
         """Make ``config``'s engines the fleet, while serving (:meth:`Engines.update`); its other settings are
@@ -90,6 +91,8 @@ class RouterApp:
 
     def _discovered(self) -> None:
         """A source's engines changed: the fleet is applied again (changes meanwhile coalesce into one more)."""
+        if self._stopping:
+            return
         self._stale = True
         if self._refresher is None or self._refresher.done():
             self._refresher = asyncio.get_running_loop().create_task(self._refresh())
@@ -99,8 +102,11 @@ class RouterApp:
             self._stale = False
             try:
                 added, removed = await self._apply()
-            except Exception:  # the next change tries again; the router keeps serving
-                log.exception("discovery: applying the engines found failed")
+            except Exception:  # tried again in a second (the sources report only changes); the router serves on
+                self.metrics.discovery_errors.labels("apply").inc()
+                log.exception("discovery: applying the engines found failed; trying again in 1 s")
+                self._stale = True
+                await asyncio.sleep(1.0)
                 continue
             if added or removed:
                 log.info("discovery: engines added %s, removed %s", added or "none", removed or "none")
@@ -162,6 +168,7 @@ class RouterApp:
             await self._apply()
 
     async def _stop(self, app: web.Application) -> None:
+        self._stopping = True
         await self.discovery.stop()
         if self._refresher is not None:
             self._refresher.cancel()

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import typing
@@ -267,6 +268,12 @@ class DiscoveryConfig:
         "help": "dns: host:port of the DNS server to ask (null: the system's resolver, /etc/resolv.conf)"})
     kubeconfig: str | None = dataclasses.field(default=None, metadata={
         "help": "kubernetes: a kubeconfig file (null: in the cluster, the router pod's service account)"})
+    address_family: Literal["prefer_ipv4", "ipv4", "ipv6"] = dataclasses.field(default="prefer_ipv4", metadata={
+        "help": "which addresses are engines: prefer_ipv4: IPv4 ones, IPv6 where there are none (a dual-stack "
+                "Service's pods are found once)"})
+    max_engines: int = dataclasses.field(default=256, metadata={
+        "help": "the most engines this source finds (the rest, by name, left out and counted): what a wrong or "
+                "hostile answer can make the router follow"})
 
     def check(self, field: str) -> None:
         own = _SOURCE_FIELDS[self.source]
@@ -277,8 +284,9 @@ class DiscoveryConfig:
             if value is not None and name not in own:
                 raise ConfigError(f"{field}.{name}: not a setting of source {self.source} (its own: "
                                   f"{', '.join(own)})")
-        if self.name is not None and not _DNS_NAME.fullmatch(self.name):
-            raise ConfigError(f"{field}.name: expected a DNS name, got {self.name!r}")
+        if self.name is not None and (not _DNS_NAME.fullmatch(self.name) or "." not in self.name.rstrip(".")):
+            raise ConfigError(f"{field}.name: expected a fully qualified DNS name (asked as it is, no search "
+                              f"domains), e.g. vllm.NAMESPACE.svc.cluster.local, got {self.name!r}")
         for name in ("service", "namespace"):
             value = getattr(self, name)
             if value is not None and not _K8S_NAME.fullmatch(value):
@@ -298,10 +306,17 @@ class DiscoveryConfig:
             raise ConfigError(f"{field}.weight: must be in (0, 100], got {self.weight}")
         if not 0.1 <= self.interval_s <= 3600:
             raise ConfigError(f"{field}.interval_s: must be in [0.1, 3600] seconds, got {self.interval_s}")
+        if not 1 <= self.max_engines <= 4096:
+            raise ConfigError(f"{field}.max_engines: must be in [1, 4096], got {self.max_engines}")
         if self.nameserver is not None:
             host, sep, port = self.nameserver.rpartition(":")
+            try:
+                ipaddress.ip_address(host.strip("[]"))
+            except ValueError:
+                host = ""
             if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-                raise ConfigError(f"{field}.nameserver: expected host:port, got {self.nameserver!r}")
+                raise ConfigError(f"{field}.nameserver: expected IP:port (or [IPv6]:port) of a DNS server, got "
+                                  f"{self.nameserver!r}")
 
 
 _SOURCE_FIELDS = {"dns": ("name", "nameserver"), "kubernetes": ("service", "namespace", "kubeconfig")}

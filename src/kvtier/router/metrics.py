@@ -120,10 +120,12 @@ class RouterMetrics:
                                "(applied: the fleet changed; unchanged; refused: a bad file, the running fleet "
                                "kept)", ["outcome"], registry=r)
         self.fleet = Gauge("kvtier_router_engines", "Engines in the fleet (healthy or not)", registry=r)
-        self.discovery_errors = Counter("kvtier_router_discovery_errors", "Failures of the discovery sources, by "
-                                        "kind (dns, kubernetes: no answer, the engines found kept; port: endpoints "
-                                        "without the configured port; name: an engine named twice)", ["kind"],
-                                        registry=r)
+        self.discovery_errors = Counter(
+            "kvtier_router_discovery_errors", "Failures of the discovery sources, by kind (dns, kubernetes: no "
+            "answer, the engines found kept; expired, watch_ended: a watch the API ended, watched again after a "
+            "wait; port: endpoints without a configured port; engine: an endpoint no engine could be named after; "
+            "name, address: an engine named or at an address already; max_engines: more found than allowed; "
+            "apply: the fleet not applied, tried again; source: a source stopped)", ["kind"], registry=r)
         self.discovered = Gauge("kvtier_router_discovered_engines", "Engines a discovery source finds now",
                                 ["source"], registry=r)
 

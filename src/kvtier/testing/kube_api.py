@@ -30,14 +30,17 @@ _PATH = "/apis/discovery.k8s.io/v1/namespaces/"
 
 
 def endpoint_slice(name: str, service: str, ports: dict[str, int],
-                   endpoints: list[tuple[str, str | None, bool | None]], namespace: str = "default") -> dict[str, Any]:
-    """An EndpointSlice of ``service``: ``ports`` by name, ``endpoints`` as (address, pod name, ready)."""
+                   endpoints: list[tuple[str, str | None, bool | None]], namespace: str = "default",
+                   address_type: str = "IPv4", terminating: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """An EndpointSlice of ``service``: ``ports`` by name, ``endpoints`` as (address, pod name, ready); the pods
+    named in ``terminating`` are terminating."""
     return {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": address_type,
         "metadata": {"name": name, "namespace": namespace, "labels": {"kubernetes.io/service-name": service}},
         "ports": [{"name": n, "port": p, "protocol": "TCP"} for n, p in ports.items()],
         "endpoints": [{"addresses": [address],
-                       "conditions": {} if ready is None else {"ready": ready},
+                       "conditions": {**({} if ready is None else {"ready": ready}),
+                                      **({"terminating": True} if pod in terminating else {})},
                        **({"targetRef": {"kind": "Pod", "name": pod, "namespace": namespace}} if pod else {})}
                       for address, pod, ready in endpoints],
     }
@@ -49,7 +52,10 @@ class KubeAPI:
     def __init__(self) -> None:
         self.token = secrets.token_hex(16)
         self.failing = False
+        self.cut_watches = False  # a watch ends at once, with no event (a proxy that closes streams)
+        self.expire_watches = False  # every watch is answered 410 (a version no longer kept)
         self.requests = 0  # requests answered (lists and watches)
+        self.watches = 0
         self._version = 1
         self._slices: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name): object
         self._history: list[tuple[int, str, dict[str, Any]]] = []  # (version, type, object)
@@ -134,7 +140,8 @@ class KubeAPI:
     def _answer(self, handler: BaseHTTPRequestHandler) -> None:
         parts = urllib.parse.urlsplit(handler.path)
         query = dict(urllib.parse.parse_qsl(parts.query))
-        self.requests += 1
+        with self._cond:
+            self.requests += 1
         if handler.headers.get("Authorization") != f"Bearer {self.token}":
             self._status(handler, 401, "Unauthorized", "no valid bearer token")
             return
@@ -177,8 +184,11 @@ class KubeAPI:
     def _stream(self, handler: BaseHTTPRequestHandler, query: dict[str, str], selected: Any, start: int,
                 ends: float) -> None:
         with self._cond:
+            self.watches += 1
+            if self.cut_watches:
+                return
             epoch, sent = self._epoch, start
-            if start < self._floor:
+            if start < self._floor or self.expire_watches:
                 status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired",
                           "message": f"too old resource version: {start} ({self._floor})", "code": 410}
                 self._line(handler, {"type": "ERROR", "object": status})
