@@ -272,6 +272,12 @@ def _vllm_tier(d: Mapping[str, Any]) -> Table:
                    "range"], rows)
 
 
+def _per_seed(d: Mapping[str, Any]) -> Table:
+    """bench_router_replicas: each measure's value for each seed."""
+    rows = [[r["name"], " / ".join(f"{v:.3g}" for v in r.get("values", []))] for r in d.get("rows", [])]
+    return _table([f"Measure (seeds {', '.join(map(str, d.get('seeds', [])))})", "values"], rows)
+
+
 READERS: dict[str, Reader] = {
     "ttft": _ttft, "ttft-runs": _ttft_runs, "ttft-redis": _ttft, "ttft-s3": _ttft,
     "store": _rows_with_ratio(("bench", "shape", "op"), ("target",)),
@@ -282,7 +288,7 @@ READERS: dict[str, Reader] = {
     "first-prompts": _per_round("Measure, the first prompts after start (/ vLLM alone)"),
     "validate": _validate, "preemption": _preemption, "decide": _decide, "policies": _policies,
     "calibration": _calibration, "load-memory": _load_memory, "ab-store": _ab, "ab-ttft": _ab, "codecs": _codecs,
-    "pd": _pd, "vllm-tier": _vllm_tier,
+    "pd": _pd, "vllm-tier": _vllm_tier, "router-replicas": _per_seed,
 }
 
 
