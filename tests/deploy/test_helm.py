@@ -6,17 +6,21 @@ ports, event endpoints and topics, block size, hash settings, the kvtier config 
 loader), scrape targets, resources, probes and budgets agree.
 
 Then what only the chart has: the router's config (loaded by kvtier.router.config) finds each pool through its
-Service, with the pool's role and the Service's port names or numbers; the router may watch EndpointSlices (its
-ServiceAccount, Role and RoleBinding); only the routers reach the engines' event ports; the dashboards and rules
-are deploy/grafana's and deploy/prometheus's own; each pool's ScaledObject scales that pool on metrics the router
-exports; and values.schema.json, or the templates' own checks, refuse bad values naming them.
+Service (ready pods only), with the pool's role and the Service's port names or numbers; the router may watch
+EndpointSlices (its ServiceAccount, Role and RoleBinding); only the routers reach the engines' event ports, and
+networkPolicy.apiFrom's peers their API; the dashboards and rules are deploy/grafana's and deploy/prometheus's own,
+and a copy of the chart without them is refused; each pool's ScaledObject scales that pool on metrics this
+release's routers export for its engines only (the router's own names for them, matched as PromQL matches); and
+values.schema.json, or the templates' own checks, refuse bad values naming them.
 """
 
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from kvtier.router.config import RouterConfig
+from kvtier.router.discovery import engine_name
 from kvtier.router.metrics import RouterMetrics
 from tests.deploy import test_kubernetes as kustomize
 from tests.deploy.conftest import DEPLOY, LAST_APPLIED_LIMIT, Rendered, flag, kvtier_config, router_config
@@ -36,10 +41,10 @@ VALUES = ("default", *sorted(p.stem for p in (CHART / "ci").glob("*.yaml")))
 RELEASE, NAMESPACE = "kvtier", "kvtier-test"
 
 
-def install(values: dict[str, Any]) -> str:
+def install(values: dict[str, Any], chart: Path = CHART) -> str:
     """The manifest ``helm install --dry-run=client`` makes of ``values`` (over the chart's values.yaml)."""
     with helm.Config(storage_driver="memory", namespace=NAMESPACE) as config:
-        release = config.install(str(CHART), RELEASE, values, dry_run="client")
+        release = config.install(str(chart), RELEASE, values, dry_run="client")
     return str(release["manifest"])
 
 
@@ -128,6 +133,8 @@ def test_the_router_finds_every_pool_through_its_service(chart: Chart) -> None:
         name, where = service["metadata"]["name"], f"{chart.overlay}: Service {service['metadata']['name']}"
         pools.append(name)
         assert service["spec"].get("clusterIP") == "None", f"{where} is not headless: DNS names no pods"
+        # (else the EndpointSlices mark every pod ready, a terminating one too, and DNS names pods not ready)
+        assert not service["spec"].get("publishNotReadyAddresses"), f"{where} publishes pods that are not ready"
         selects = [w["metadata"]["name"] for w in chart.selected(service["spec"]["selector"])]
         assert selects == [workload["metadata"]["name"]], f"{where} selects the pods of {selects}"
         assert name in sources, f"{chart.overlay}: no discovery source finds pool {name} ({sorted(sources)})"
@@ -218,34 +225,81 @@ def _router_series() -> set[str]:
     return {f.name + s for f in registry.collect() for s in suffixes.get(f.type, ("",))}
 
 
+_ADDRESSES = ("10.0.0.5", "255.255.255.255", "fd00::1", "::1", "fd00::", "::ffff:10.0.0.5", "2001:db8:1:2:3:4:5:6",
+              "fd00:1234:5678:9abc:def0:1234:5678:9abc")
+
+
+def _engine_names(service: str, source: str) -> set[str]:
+    """Names the router gives the engines of the pool behind ``service``: its pods' through the Kubernetes API (a
+    StatefulSet's, SERVICE-ORDINAL), else ``engine_name`` of the Service's name and each address as DNS gives it."""
+    if source == "kubernetes":
+        return {f"{service}-{ordinal}" for ordinal in (0, 1, 9, 10, 12, 100)}
+    return {engine_name(service, str(ipaddress.ip_address(a))) for a in _ADDRESSES}
+
+
+def _selectors(query: str) -> list[dict[str, tuple[str, str]]]:
+    """Each series selector of a PromQL ``query``: label -> (operator, value)."""
+    return [{label: (op, value) for label, op, value in re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"', body)}
+            for body in re.findall(r'\b\w+\{((?:[^"}]|"[^"]*")*)\}', query)]
+
+
 def test_each_pool_scales_on_the_routers_metrics(chart: Chart) -> None:
+    """Each pool's ScaledObject scales its StatefulSet on the series of this release's routers (the namespace, job
+    and Service Prometheus gives the targets of the routers' ServiceMonitor) for that pool's engines only: its
+    ``engine`` regex, anchored as PromQL anchors it, takes every name the router may give the pool's engines
+    and none another pool's."""
     scaled = {o["spec"]["scaleTargetRef"]["name"]: o for o in chart.of_kind("ScaledObject")}
     pools = {w["metadata"]["name"]: w for w, _ in chart.engines()}
     if not chart.setting("autoscaling", "enabled"):
         assert not scaled, f"{chart.overlay}: ScaledObjects {sorted(scaled)} with autoscaling off"
         pytest.skip(f"{chart.overlay}: autoscaling is off")
     assert sorted(scaled) == sorted(pools), f"{chart.overlay}: ScaledObjects scale {sorted(scaled)}, pools {pools}"
+    router, _ = chart.router()
+    (service,) = [s for s in chart.of_kind("Service") if router in chart.selected(s["spec"]["selector"])]
+    (monitor,) = [m for m in chart.of_kind("ServiceMonitor")
+                  if m["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    job = {r["targetLabel"]: r for r in endpoint["relabelings"]}["job"]["replacement"]
+    targets = {"namespace": ("=", NAMESPACE), "job": ("=", job), "service": ("=", service["metadata"]["name"])}
+    source = chart.setting("router", "discovery", "source")
+    names = {pool: _engine_names(pool, source) for pool in pools}
     series, address = _router_series(), chart.setting("autoscaling", "prometheusAddress")
     for name, scaler in scaled.items():
         spec, where = scaler["spec"], f"{chart.overlay}: ScaledObject {scaler['metadata']['name']}"
         assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": name}, where
         assert "replicas" not in pools[name]["spec"], f"{where}: the StatefulSet sets replicas, which KEDA owns"
         assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"], where
-        others = [f"{p}-0" for p in pools if p != name]
+        others = set().union(*(names[p] for p in pools if p != name))
         for trigger in spec["triggers"]:
             assert trigger["type"] == "prometheus" and trigger["metadata"]["serverAddress"] == address, where
             query = trigger["metadata"]["query"]
             named = set(re.findall(r"\bkvtier_\w+", query))
             assert named and named <= series, f"{where}: {query} reads {sorted(named - series)}, which the " \
                                               "router does not export"
-            # The pool's own engines (the router names an engine after its pod, or by DNS after the Service and
-            # the address), no other pool's.
-            matchers = set(re.findall(r'engine=~"([^"]+)"', query))
-            assert len(matchers) == 1, f"{where}: {query} does not pick the pool's engines"
-            (matcher,) = matchers
-            mine = (f"{name}-0", f"{name}-12", f"{name}-10-0-0-5", f"{name}-fd00--1")
-            assert all(re.fullmatch(matcher, engine) for engine in mine), f"{where}: {matcher} misses one of {mine}"
-            assert not any(re.fullmatch(matcher, pod) for pod in others), f"{where}: {matcher} matches {others}"
+            selectors = _selectors(query)
+            assert selectors, f"{where}: {query} selects no series"
+            for selector in selectors:
+                assert selector.items() >= targets.items(), \
+                    f"{where}: {query} selects {selector}, not only the series of the routers' targets {targets}"
+                operator, matcher = selector.get("engine", ("", ""))
+                assert operator == "=~", f"{where}: {query} does not pick the pool's engines"
+                missed = sorted(e for e in names[name] if not re.fullmatch(matcher, e))
+                assert not missed, f"{where}: {matcher} misses the pool's engines {missed}"
+                taken = sorted(e for e in others if re.fullmatch(matcher, e))
+                assert not taken, f"{where}: {matcher} takes other pools' engines {taken}"
+
+
+@pytest.mark.parametrize(("source", "names"), [
+    ("kubernetes", ["p", "p-b", "p-1", "p-1-0", "p-10"]),
+    ("dns", ["p", "p-x", "q", "q-x-1"]),
+])
+def test_pools_whose_names_share_a_prefix_scale_apart(source: str, names: list[str]) -> None:
+    """Pool ``p``'s queries take none of pool ``p-b``'s engines (b is a hex digit, 1 an ordinal)."""
+    values = {"pools": [{"name": n, "role": "both", "replicas": 1} for n in names],
+              "router": {"discovery": {"source": source}}, "autoscaling": {"enabled": True}}
+    chart = Chart(f"pools {source}", values)
+    kustomize.test_objects_validate_against_their_schemas(chart)
+    test_each_pool_scales_on_the_routers_metrics(chart)
 
 
 def test_the_chart_lints_clean() -> None:
@@ -272,6 +326,28 @@ def test_the_chart_lints_clean() -> None:
     ({"autoscaling": {"enabled": True}, "pools": [{"name": "engine", "role": "both", "replicas": 1,
                                                    "minReplicas": 3, "maxReplicas": 2}]},
      "pools[engine]: maxReplicas (2) is below minReplicas (3)"),
+    ({"fullnameOverride": "r" * 36, "pools": [{"name": "engine-prefill-1", "role": "both", "replicas": 1}]},
+     f"pools[engine-prefill-1]: the pool's StatefulSet {'r' * 36}-engine-prefill-1 is 53 characters, over "
+     "Kubernetes' 52"),
+    ({"pools": [{"name": "engine", "role": "both", "replicas": 1}, {"name": "engine", "role": "both", "replicas": 1}]},
+     "pools: the name engine is given to two pools"),
+    ({"pools": [{"name": "a", "role": "prefill", "replicas": 1}, {"name": "b", "role": "prefill", "replicas": 1}]},
+     "pools: every pool has role prefill"),
+    ({"engine": {"kvEventsPort": 8000}}, "engine.port and engine.kvEventsPort are both 8000"),
+    ({"engine": {"kvReplayPort": 5557}}, "engine.kvEventsPort and engine.kvReplayPort are both 5557"),
+    ({"engine": {"port": 9401}}, "engine.port and kvtier.config.metrics_port + 1 are both 9401"),
+    ({"router": {"config": {"admin_listen": "0.0.0.0:9090"}}},
+     "router.config.admin_listen (0.0.0.0:9090): the chart does not support a second listener"),
+    ({"autoscaling": {"enabled": True}, "monitoring": {"serviceMonitors": {"enabled": False}}},
+     "autoscaling.enabled needs monitoring.serviceMonitors.enabled"),
+    ({"autoscaling": {"enabled": True}, "router": {"discovery": {"source": "dns"}},
+      "pools": [{"name": "p", "role": "both", "replicas": 1}, {"name": "p-b", "role": "both", "replicas": 1}]},
+     "pools[p-b]: with autoscaling and router.discovery.source dns, its engines' names (kvtier-p-b-ADDRESS) can be "
+     "pool p's"),
+    ({"autoscaling": {"enabled": True}, "router": {"discovery": {"source": "dns"}}, "fullnameOverride": "r" * 18},
+     f"pools[engine]: with autoscaling and router.discovery.source dns, the Service {'r' * 18}-engine must be at "
+     "most 24 characters (it is 25)"),
+    ({"networkPolicy": {"apiFrom": [{"podSelectors": {}}]}}, "/networkPolicy/apiFrom/0"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_bad_values_are_refused_naming_them(values: dict[str, Any], named: str) -> None:
     with pytest.raises(helm.HelmError) as refused:
@@ -294,3 +370,55 @@ def test_the_engines_run_what_the_values_say() -> None:
     secret = chart.named("Secret", f"{RELEASE}-secrets")
     assert base64.b64decode(secret["data"]["token"]).decode() == "s3cret"
     assert chart.file(workload, engine, "/etc/kvtier-secrets/token") == "s3cret"
+
+
+def test_the_longest_names_render() -> None:
+    """A pool's StatefulSet of 52 characters is the longest that gets pods; the chart makes it."""
+    chart = Chart("long", {"fullnameOverride": "r" * 35,
+                           "pools": [{"name": "engine-prefill-1", "role": "both", "replicas": 1}]})
+    assert [len(w["metadata"]["name"]) for w, _ in chart.engines()] == [52]
+
+
+def test_dashboards_and_rules_are_refused_when_their_files_are_not_there(tmp_path: Path) -> None:
+    """A copy of the chart whose files/ lost its links (no deploy/ beside it, or a tool that drops links), or holds
+    empty files, is refused naming the file, not rendered with an empty PrometheusRule or no dashboards."""
+    copy = tmp_path / "kvtier"
+    shutil.copytree(CHART, copy, symlinks=True)
+    for link in (copy / "files").iterdir():
+        assert link.is_symlink(), f"{link} is not a link to deploy/"
+        link.unlink()
+    rules_off = {"monitoring": {"prometheusRule": {"enabled": False}}}
+    for values, named in (({}, "files/kvtier-alerts.yaml"), (rules_off, "files/grafana/*.json")):
+        with pytest.raises(helm.HelmError) as refused:
+            install(values, copy)
+        assert f"{named} is missing or empty: the chart's files/ links to deploy/grafana and deploy/prometheus" \
+            in str(refused.value), str(refused.value)
+    install({"monitoring": {"prometheusRule": {"enabled": False}, "dashboards": {"enabled": False}}}, copy)
+    (copy / "files" / "grafana").mkdir()
+    (copy / "files" / "grafana" / "kvtier.json").write_text("\n")
+    (copy / "files" / "kvtier-alerts.yaml").write_text((DEPLOY / "prometheus" / "kvtier-alerts.yaml").read_text())
+    with pytest.raises(helm.HelmError, match=re.escape("files/grafana/kvtier.json is missing or empty")):
+        install({}, copy)
+
+
+def test_the_engines_api_admits_the_routers_and_api_from() -> None:
+    """networkPolicy.apiFrom: the routers and its peers reach the engines' API port, other pods do not; kvtier's
+    metrics ports stay open (Prometheus). Without it, as by default, any pod reaches the API."""
+    gateway = {"spec": {"template": {"metadata": {"labels": {"app": "gateway"}}}}}
+    stranger = {"spec": {"template": {"metadata": {"labels": {"app.kubernetes.io/name": "other"}}}}}
+    peer = {"podSelector": {"matchLabels": {"app": "gateway"}}}
+    restricted = Chart("api-from", {"networkPolicy": {"apiFrom": [peer]}})
+    kustomize.test_objects_validate_against_their_schemas(restricted)
+    test_only_the_routers_reach_the_engines_events(restricted)
+    router, _ = restricted.router()
+    for workload, _ in restricted.engines():
+        where = f"{restricted.overlay}: {workload['metadata']['name']}"
+        assert kustomize._admitted(restricted, gateway, workload, "http"), f"{where}: apiFrom's peer may not reach http"
+        assert kustomize._admitted(restricted, router, workload, "http"), f"{where}: the router may not reach http"
+        assert not kustomize._admitted(restricted, stranger, workload, "http"), f"{where}: any pod may reach http"
+        assert kustomize._admitted(restricted, stranger, workload, "kvtier-metrics"), \
+            f"{where}: Prometheus may not reach kvtier's metrics"
+    open_ = Chart("default", {})
+    for workload, _ in open_.engines():
+        assert kustomize._admitted(open_, stranger, workload, "http"), \
+            f"{open_.overlay}: {workload['metadata']['name']}: the API is closed without apiFrom"

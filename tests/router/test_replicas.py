@@ -8,10 +8,13 @@ import asyncio
 import random
 
 import aiohttp
+import zmq
+import zmq.asyncio
 
 from kvtier.router.app import RouterApp
 from kvtier.router.config import load_router_config
 from kvtier.testing.scripted import CachingEngine, TokenIds
+from kvtier.testing.servers import free_port
 
 BS = 4
 
@@ -93,5 +96,50 @@ def test_a_replica_started_late_replays_every_engines_events_before_it_listens()
                 await r.cleanup()
             for e in engines:
                 await e.stop()
+
+    asyncio.run(main())
+
+
+def test_a_router_starting_refuses_connections_until_it_is_ready_and_then_answers_no_5xx():
+    """Readiness: while a (re)started replica replays its engines' events it does not listen (a load balancer's
+    connection is refused, and its probe fails), so a restart behind a Service costs no 5xx."""
+    async def main():
+        engines = [await CachingEngine(f"e{i}", BS).start() for i in range(2)]
+        ctx = zmq.asyncio.Context()
+        silent = ctx.socket(zmq.ROUTER)  # an engine's replay socket that never answers: the replay takes replay_s
+        silent_port = free_port()
+        silent.bind(f"tcp://127.0.0.1:{silent_port}")
+        entries = [e.router_entry() for e in engines]
+        entries[1]["kv_events_replay"] = f"tcp://127.0.0.1:{silent_port}"
+        config = load_router_config({"tokenizer": "unused", "block_size": BS, "policy": "cache_aware",
+                                     "engines": entries, "events": {"replay_s": 1.0}})
+        app = RouterApp(config, tokenizer=TokenIds())
+        port = free_port()
+        starting = asyncio.get_running_loop().create_task(app.listen("127.0.0.1", port))
+        refused = 0
+        try:
+            async with aiohttp.ClientSession() as session:
+                while not starting.done():
+                    try:
+                        async with session.get(f"http://127.0.0.1:{port}/health") as r:
+                            raise AssertionError(f"answered {r.status} before it was ready")
+                    except aiohttp.ClientConnectorError:
+                        refused += 1
+                    await asyncio.sleep(0.05)
+                runners = await starting
+                statuses = [r.status for r in await asyncio.gather(*(
+                    session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                 json={"model": "m", "prompt": requests(3, 1)[0]}) for _ in range(8)))]
+                async with session.get(f"http://127.0.0.1:{port}/health") as r:
+                    assert r.status == 200
+        finally:
+            runners = await starting
+            for r in reversed(runners):
+                await r.cleanup()
+            silent.close(0)
+            ctx.term()
+            for e in engines:
+                await e.stop()
+        assert refused >= 5 and statuses == [200] * 8
 
     asyncio.run(main())
