@@ -58,15 +58,20 @@ def counters(url: str, *names: str) -> dict[str, float]:
     return out
 
 
-def engine_share(router_url: str) -> dict[str, int]:
+def engine_share(router_url: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Requests answered, by engine and by the policy's reason (prefix, load, no_prefix, round_robin, ...)."""
     with urllib.request.urlopen(router_url + "/metrics", timeout=30) as reply:
         text = reply.read().decode()
     share: dict[str, int] = {}
+    reasons: dict[str, int] = {}
     for line in text.splitlines():
         if line.startswith("kvtier_router_requests_total{") and 'outcome="ok"' in line:
             engine = line.split('engine="', 1)[1].split('"', 1)[0]
-            share[engine] = share.get(engine, 0) + int(float(line.rsplit(" ", 1)[1]))
-    return share
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            count = int(float(line.rsplit(" ", 1)[1]))
+            share[engine] = share.get(engine, 0) + count
+            reasons[reason] = reasons.get(reason, 0) + count
+    return share, reasons
 
 
 def install_session_headers() -> None:
@@ -129,7 +134,7 @@ def run_policy(engines: list[Engine], model: Path, work: Path, policy: str, work
         after = [counters(e.url, *names) for e in engines]
         prompt = sum(a[names[0]] - b[names[0]] for a, b in zip(after, before))
         cached = sum(a[names[1]] - b[names[1]] for a, b in zip(after, before))
-        share = engine_share(router.url)
+        share, reasons = engine_share(router.url)
     finally:
         router.stop()
     total = sum(share.values()) or 1
@@ -137,9 +142,11 @@ def run_policy(engines: list[Engine], model: Path, work: Path, policy: str, work
            "ttft_p50_ms": result["median_ttft_ms"], "ttft_p90_ms": result["p90_ttft_ms"],
            "ttft_p99_ms": result["p99_ttft_ms"], "throughput_req_s": result["request_throughput"],
            "completed": result["completed"], "failed": result.get("failed", 0), "cached_share": cached / prompt,
-           "engine_share": {k: v / total for k, v in sorted(share.items())}, "seconds": seconds}
+           "engine_share": {k: v / total for k, v in sorted(share.items())}, "reasons": reasons,
+           "seconds": seconds}
     log(f"{row['policy']:32s} {workload:18s} TTFT p50 {row['ttft_p50_ms']:7.0f} ms  p90 {row['ttft_p90_ms']:7.0f}"
-        f"  p99 {row['ttft_p99_ms']:7.0f}  cached {row['cached_share']:.0%}  shares {row['engine_share']}")
+        f"  p99 {row['ttft_p99_ms']:7.0f}  cached {row['cached_share']:.0%}  shares {row['engine_share']}  "
+        f"reasons {reasons}")
     return row
 
 

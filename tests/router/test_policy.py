@@ -345,3 +345,45 @@ def test_a_new_weight_or_role_keeps_the_engines_state_and_requests():
     assert router.engines["e0"] is engine and flight in engine.flights
     assert engine.prefill_s_per_token == pytest.approx(before / 2) and engine.role == "prefill"
     assert router.disaggregated
+
+
+def test_a_hot_prefix_spreads_once_its_holder_has_more_requests_in_flight_than_balance_requests_allows():
+    """A cached prefix makes its holder the cheapest by far; without the balance rule every request would go
+    there while its queue stayed short in the model (8 in flight at most). Here the holder takes requests until it
+    has 3 more in flight than the idle engine (balance_requests 2), which then serves (and computes the prefix)."""
+    router = make()
+    hold(router, "e0", DOC)
+    decisions = []
+    for i in range(4):
+        d = router.decide(Prompt(DOC + [i]))[0]
+        router.started(d, [])
+        decisions.append((d.engine, d.reason))
+    assert decisions == [("e0", "prefix")] * 3 + [("e1", "load")]
+    off = make()
+    off.config = dataclasses.replace(off.config, balance_requests=None)
+    hold(off, "e0", DOC)
+    for i in range(6):
+        d = off.decide(Prompt(DOC + [i]))[0]
+        off.started(d, [])
+        assert d.engine == "e0"
+
+
+def test_queued_requests_are_predicted_to_prefill_one_after_another():
+    router = make(engines=("e0",))
+    for _ in range(3):  # three 1,024-token prompts at once: 1.024 s each at 1,000 tokens/s
+        router.started(router.decide(Prompt(DOC))[0], [])
+    queued, decoding = router.engines["e0"].load(time.monotonic())
+    assert 3.0 < queued <= 3.1 and decoding == 0  # (their own times alone would say 1.024 s)
+
+
+def test_a_prefix_hit_that_computes_one_block_calibrates_the_fixed_cost_not_the_per_token_rate():
+    router = make(engines=("e0",))
+    hold(router, "e0", DOC)
+    state = router.engines["e0"]
+    rate = state.prefill_s_per_token
+    for i in range(5):
+        d = router.decide(Prompt(DOC + list(range(5000 + i * BS, 5000 + (i + 1) * BS))))[0]
+        assert d.uncached == BS
+        router.first_byte("e0", router.started(d, []), 0.07)
+        router.finished("e0", next(iter(state.flights)))
+    assert state.prefill_s_per_token == rate and state.base_s > 0.002  # (a bounded step at a time)

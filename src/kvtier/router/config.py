@@ -367,6 +367,9 @@ class RouterConfig:
     discovery: tuple[DiscoveryConfig, ...] = dataclasses.field(default=(), metadata={
         "help": "where more engines are found while serving: DNS records or a Kubernetes Service's "
                 "EndpointSlices, each a mapping (below)", "yaml": "list of mappings"})
+    balance_requests: int | None = dataclasses.field(default=2, metadata={
+        "help": "cache_aware: an engine with more than this many requests in flight beyond the least busy engine's "
+                "gives the request to that one, whatever it holds (a hot prefix spreads; null: never)"})
     reserve_s: float = dataclasses.field(default=10.0, metadata={
         "help": "seconds the blocks a routed request will compute count before the engine's events confirm them"})
     # They tell a client whether a prefix is cached somewhere: only for trusted clients.
@@ -418,6 +421,8 @@ def load_router_config(source: Mapping[str, object] | str | os.PathLike[str]) ->
                           limits=limits, events=events, pd=pd, discovery=discovery, **scalars)
     if not 1 <= config.block_size <= 4096:
         raise ConfigError(f"block_size: must be the engines' --block-size, in [1, 4096], got {config.block_size}")
+    if config.balance_requests is not None and not 0 <= config.balance_requests <= 10_000:
+        raise ConfigError(f"balance_requests: must be in [0, 10000] or null, got {config.balance_requests}")
     if not 0 <= config.retries <= 16:
         raise ConfigError(f"retries: must be in [0, 16], got {config.retries}")
     # Lower bounds a working fleet needs: a health check's timeout is twice its interval (an engine answering

@@ -117,17 +117,20 @@ class EngineState:
         self.flights: dict[int, Flight] = {}
 
     def load(self, now: float) -> tuple[float, int]:
-        """(prefill and load time left of the requests not yet answering, requests answering). A request whose
-        answer the router does not stream to see (not streamed) counts as answering once its predicted prefill
-        has passed: it is decoding."""
-        queued, decoding = 0.0, 0
-        for f in self.flights.values():
-            left = 0.0 if f.answering else f.prefill_s + f.load_s - (now - f.started)
-            if left > 0:
-                queued += left
-            else:
+        """(prefill and load time left of the requests not yet answering, requests answering). The engine prefills
+        them one after another in the order sent: each ends its predicted prefill (and load) after those before
+        it, not after its own time alone, so k queued requests take k prefills to drain. A request whose answer
+        the router does not stream to see (not streamed) counts as answering once its turn's predicted prefill has
+        passed: it is decoding."""
+        done, decoding = 0.0, 0
+        for f in sorted(self.flights.values(), key=lambda f: f.started):
+            if f.answering:
                 decoding += 1
-        return queued, decoding
+                continue
+            done = max(done, f.started) + f.prefill_s + f.load_s
+            if done <= now:
+                decoding += 1
+        return max(0.0, done - now), decoding
 
     def calibrate_prefill(self, seconds_per_token: float) -> None:
         """One sample of the prefill cost. The median of the last few is what counts: a sample far off (a whole
@@ -285,6 +288,15 @@ class Router:
             near = [n for n in order if costed[n].predicted_s <= best + self._slack(best, order[0])]
             near.sort(key=lambda n: (len(self.engines[n].flights), (names.index(n) - tie) % len(names)))
             order = near + [n for n in order if n not in near]
+            balance = self.config.balance_requests
+            if balance is not None and len(order) > 1:
+                # The engine holding a hot prefix would otherwise take every request until its queue costs more
+                # than computing the prefix elsewhere: past `balance_requests` more in flight than the least
+                # busy engine, that one serves (and holds the prefix too from then on)
+                idle = min(order, key=lambda n: (len(self.engines[n].flights), (names.index(n) - tie) % len(names)))
+                if len(self.engines[order[0]].flights) > len(self.engines[idle].flights) + balance:
+                    order.remove(idle)
+                    order.insert(0, idle)
             best_blocks = max(m.blocks for m in matches.values())
             first = matches[order[0]].blocks
             reason = ("unindexed" if prompt is None else "no_prefix" if best_blocks == 0
@@ -381,7 +393,9 @@ class Router:
             state.decode_s = _step(state.decode_s, (spent - own) / flight.decoding, floor=1e-3)
         elif flight.queued_s > 0.1 * ttft_s:
             return  # queued behind other prefills alone: says little about any one cost
-        elif flight.uncached < self.config.block_size:
+        elif flight.uncached <= self.config.block_size:
+            # (a prefix hit computes its last block: with vLLM's large CPU blocks that is all it computes, and
+            # counting its fixed cost as per-token prefill would make every miss look several times slower)
             state.base_s = _step(state.base_s, spent, floor=1e-3)
         else:
             state.calibrate_prefill((spent - state.base_s) / flight.uncached)
