@@ -29,12 +29,16 @@ import hashlib
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
 import uuid
 from datetime import date
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_store import machine
 
 from kvtier.bench.model import prepare_model
 from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess
@@ -262,7 +266,9 @@ def report(rows: list[dict], over: dict, args: argparse.Namespace) -> None:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"date": str(date.today()), "machine": platform.processor(),
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=ROOT).stdout.strip()
+        args.json.write_text(json.dumps({"date": str(date.today()), "machine": machine(), "commit": commit,
                                          "rows": rows, "overhead": over, "ratios": ratios}, indent=2))
 
 

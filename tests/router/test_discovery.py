@@ -5,10 +5,12 @@ servers, each on its own loopback address and one shared port, as pods behind a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import zmq
@@ -70,22 +72,24 @@ def dns_server():
     server.stop()
 
 
-async def engines_at(addresses: list[str]) -> tuple[list[ScriptedEngine], list[web.AppRunner], int]:
-    """Scripted engines, one per loopback address, all on one port."""
+@contextlib.asynccontextmanager
+async def engines_at(addresses: list[str]) -> AsyncIterator[int]:
+    """Scripted engines, one per loopback address, all on one port (yielded), stopped at the end."""
     probe = socket.socket()
     probe.bind((addresses[0], 0))
     port = probe.getsockname()[1]
     probe.close()
-    engines, runners = [], []
-    for address in addresses:
-        engine = ScriptedEngine()
-        runner = web.AppRunner(engine.app())
-        await runner.setup()
-        await web.TCPSite(runner, address, port).start()
-        engine.url = f"http://{address}:{port}"
-        engines.append(engine)
-        runners.append(runner)
-    return engines, runners, port
+    runners = []
+    try:
+        for address in addresses:
+            runner = web.AppRunner(ScriptedEngine().app())
+            await runner.setup()
+            runners.append(runner)
+            await web.TCPSite(runner, address, port).start()
+        yield port
+    finally:
+        for runner in runners:
+            await runner.cleanup()
 
 
 async def until(condition, timeout: float = 10.0) -> None:
@@ -126,40 +130,36 @@ def test_engines_come_and_go_with_the_dns_records_and_a_dns_failure_keeps_them(d
     records.addresses = ["127.0.0.2"]
 
     async def main():
-        _, runners, port = await engines_at(["127.0.0.2", "127.0.0.3", "127.0.0.4"])
-        app = router([{"source": "dns", "name": NAME, "port": port, "interval_s": 0.2, "nameserver": nameserver}])
-        e2, e3, e4 = (engine_name("vllm", f"127.0.0.{i}") for i in (2, 3, 4))
-        assert e2 == "vllm-127-0-0-2"
+        async with engines_at(["127.0.0.2", "127.0.0.3", "127.0.0.4"]) as port:
+            app = router([{"source": "dns", "name": NAME, "port": port, "interval_s": 0.2, "nameserver": nameserver}])
+            e2, e3, e4 = (engine_name("vllm", f"127.0.0.{i}") for i in (2, 3, 4))
+            assert e2 == "vllm-127-0-0-2"
 
-        async def scenario(url):
-            # the first answer is in the fleet before the router listens
-            assert set(app.router.engines) == {e2} and await served_by(url, 2) == {e2}
-            records.addresses = ["127.0.0.2", "127.0.0.3"]
-            await until(lambda: set(app.router.healthy()) == {e2, e3})
-            assert await served_by(url, 4) == {e2, e3}
-            records.addresses = ["127.0.0.3", "127.0.0.4"]  # one pod replaced by another
-            await until(lambda: set(app.router.engines) == {e3, e4} and len(app.router.healthy()) == 2)
-            assert await served_by(url, 4) == {e3, e4}
-            metrics = app.metrics.registry.get_sample_value
-            # the DNS server fails, then gives no answer at all: the engines found are kept
-            for fault in ("failing", "stalled"):
-                before = metrics("kvtier_router_discovery_errors_total", {"kind": "dns"}) or 0
-                setattr(records, fault, True)
-                await until(lambda seen=before: (metrics("kvtier_router_discovery_errors_total", {"kind": "dns"}) or 0)
-                            > seen)
-                assert set(app.router.engines) == {e3, e4} and await served_by(url, 2) == {e3, e4}
-                setattr(records, fault, False)
-            assert metrics("kvtier_router_discovered_engines", {"source": "discovery[0]"}) == 2
-            records.addresses = []  # the Service scaled to nothing: NXDOMAIN is an answer
-            await until(lambda: not app.router.engines)
-            status, _, _ = await post(url, "ok x")
-            assert status == 503
+            async def scenario(url):
+                # the first answer is in the fleet before the router listens
+                assert set(app.router.engines) == {e2} and await served_by(url, 2) == {e2}
+                records.addresses = ["127.0.0.2", "127.0.0.3"]
+                await until(lambda: set(app.router.healthy()) == {e2, e3})
+                assert await served_by(url, 4) == {e2, e3}
+                records.addresses = ["127.0.0.3", "127.0.0.4"]  # one pod replaced by another
+                await until(lambda: set(app.router.engines) == {e3, e4} and len(app.router.healthy()) == 2)
+                assert await served_by(url, 4) == {e3, e4}
+                metrics = app.metrics.registry.get_sample_value
+                # the DNS server fails, then gives no answer at all: the engines found are kept
+                for fault in ("failing", "stalled"):
+                    before = metrics("kvtier_router_discovery_errors_total", {"kind": "dns"}) or 0
+                    setattr(records, fault, True)
+                    await until(lambda seen=before: (
+                        metrics("kvtier_router_discovery_errors_total", {"kind": "dns"}) or 0) > seen)
+                    assert set(app.router.engines) == {e3, e4} and await served_by(url, 2) == {e3, e4}
+                    setattr(records, fault, False)
+                assert metrics("kvtier_router_discovered_engines", {"source": "discovery[0]"}) == 2
+                records.addresses = []  # the Service scaled to nothing: NXDOMAIN is an answer
+                await until(lambda: not app.router.engines)
+                status, _, _ = await post(url, "ok x")
+                assert status == 503
 
-        try:
             await serving(app, scenario)
-        finally:
-            for r in runners:
-                await r.cleanup()
 
     asyncio.run(main())
 
@@ -169,22 +169,18 @@ def test_the_config_files_engines_and_the_discovered_ones_are_one_fleet_and_a_na
     records.addresses = ["127.0.0.2", "127.0.0.3"]
 
     async def main():
-        _, runners, port = await engines_at(["127.0.0.2", "127.0.0.3"])
-        # the file names the second address's engine already (under the name discovery would give it)
-        app = router([{"source": "dns", "name": NAME, "port": port, "interval_s": 0.2, "nameserver": nameserver}],
-                     engines=[{"name": "vllm-127-0-0-3", "url": f"http://127.0.0.3:{port}", "weight": 2}])
+        async with engines_at(["127.0.0.2", "127.0.0.3"]) as port:
+            # the file names the second address's engine already (under the name discovery would give it)
+            app = router([{"source": "dns", "name": NAME, "port": port, "interval_s": 0.2, "nameserver": nameserver}],
+                         engines=[{"name": "vllm-127-0-0-3", "url": f"http://127.0.0.3:{port}", "weight": 2}])
 
-        async def scenario(url):
-            assert set(app.router.engines) == {"vllm-127-0-0-2", "vllm-127-0-0-3"}
-            assert app.router.engines["vllm-127-0-0-3"].weight == 2  # the file's, not the source's
-            assert app.metrics.registry.get_sample_value("kvtier_router_discovery_errors_total",
-                                                         {"kind": "name"}) == 1
+            async def scenario(url):
+                assert set(app.router.engines) == {"vllm-127-0-0-2", "vllm-127-0-0-3"}
+                assert app.router.engines["vllm-127-0-0-3"].weight == 2  # the file's, not the source's
+                assert app.metrics.registry.get_sample_value("kvtier_router_discovery_errors_total",
+                                                             {"kind": "name"}) == 1
 
-        try:
             await serving(app, scenario)
-        finally:
-            for r in runners:
-                await r.cleanup()
 
     asyncio.run(main())
 
@@ -208,43 +204,39 @@ def test_engines_follow_a_services_ready_endpoints_through_the_kubernetes_api(ku
     api, kubeconfig = kube
 
     async def main():
-        _, runners, port = await engines_at(["127.0.0.2", "127.0.0.3", "127.0.0.4"])
-        api.apply(slice_of(port, [("127.0.0.2", "vllm-0", True), ("127.0.0.3", "vllm-1", False)]))
-        api.apply(endpoint_slice("other-x", "other", {"http": port}, [("127.0.0.4", "other-0", True)],
-                                 namespace="kvtier"))  # another Service's: never an engine
-        app = router([{"source": "kubernetes", "service": "vllm", "port": "http", "kubeconfig": str(kubeconfig),
-                       "interval_s": 0.2}])
+        async with engines_at(["127.0.0.2", "127.0.0.3", "127.0.0.4"]) as port:
+            api.apply(slice_of(port, [("127.0.0.2", "vllm-0", True), ("127.0.0.3", "vllm-1", False)]))
+            api.apply(endpoint_slice("other-x", "other", {"http": port}, [("127.0.0.4", "other-0", True)],
+                                     namespace="kvtier"))  # another Service's: never an engine
+            app = router([{"source": "kubernetes", "service": "vllm", "port": "http", "kubeconfig": str(kubeconfig),
+                           "interval_s": 0.2}])
 
-        async def scenario(url):
-            assert set(app.router.engines) == {"vllm-0"}  # the ready endpoint alone, by its pod's name
-            assert await served_by(url, 2) == {"vllm-0"}
-            api.apply(slice_of(port, [("127.0.0.2", "vllm-0", True), ("127.0.0.3", "vllm-1", None)]))
-            await until(lambda: set(app.router.healthy()) == {"vllm-0", "vllm-1"})  # (no condition: ready)
-            assert await served_by(url, 4) == {"vllm-0", "vllm-1"}
-            # a second slice of the Service, while the API forgot its history and dropped the watch: the router
-            # lists again (the watch's 410) and follows it
-            api.compact()
-            api.drop()
-            api.apply(slice_of(port, [("127.0.0.4", "vllm-2", True)], name="vllm-def34"))
-            await until(lambda: set(app.router.healthy()) == {"vllm-0", "vllm-1", "vllm-2"})
-            # the API is down: the engines found are kept; what changed meanwhile is followed once it is back
-            api.failing = True
-            api.drop()
-            metrics = app.metrics.registry.get_sample_value
-            await until(lambda: (metrics("kvtier_router_discovery_errors_total", {"kind": "kubernetes"}) or 0) > 0)
-            api.delete("vllm-abc12", namespace="kvtier")
-            await asyncio.sleep(0.5)
-            assert set(app.router.engines) == {"vllm-0", "vllm-1", "vllm-2"}
-            assert await served_by(url, 3) == {"vllm-0", "vllm-1", "vllm-2"}
-            api.failing = False
-            await until(lambda: set(app.router.engines) == {"vllm-2"})
-            assert await served_by(url, 2) == {"vllm-2"}
+            async def scenario(url):
+                assert set(app.router.engines) == {"vllm-0"}  # the ready endpoint alone, by its pod's name
+                assert await served_by(url, 2) == {"vllm-0"}
+                api.apply(slice_of(port, [("127.0.0.2", "vllm-0", True), ("127.0.0.3", "vllm-1", None)]))
+                await until(lambda: set(app.router.healthy()) == {"vllm-0", "vllm-1"})  # (no condition: ready)
+                assert await served_by(url, 4) == {"vllm-0", "vllm-1"}
+                # a second slice of the Service, while the API forgot its history and dropped the watch: the router
+                # lists again (the watch's 410) and follows it
+                api.compact()
+                api.drop()
+                api.apply(slice_of(port, [("127.0.0.4", "vllm-2", True)], name="vllm-def34"))
+                await until(lambda: set(app.router.healthy()) == {"vllm-0", "vllm-1", "vllm-2"})
+                # the API is down: the engines found are kept; what changed meanwhile is followed once it is back
+                api.failing = True
+                api.drop()
+                metrics = app.metrics.registry.get_sample_value
+                await until(lambda: (metrics("kvtier_router_discovery_errors_total", {"kind": "kubernetes"}) or 0) > 0)
+                api.delete("vllm-abc12", namespace="kvtier")
+                await asyncio.sleep(0.5)
+                assert set(app.router.engines) == {"vllm-0", "vllm-1", "vllm-2"}
+                assert await served_by(url, 3) == {"vllm-0", "vllm-1", "vllm-2"}
+                api.failing = False
+                await until(lambda: set(app.router.engines) == {"vllm-2"})
+                assert await served_by(url, 2) == {"vllm-2"}
 
-        try:
             await serving(app, scenario)
-        finally:
-            for r in runners:
-                await r.cleanup()
 
     asyncio.run(main())
 
@@ -349,37 +341,35 @@ def test_a_discovered_engines_kv_events_are_followed_and_it_is_routed_to_once_it
     records.addresses = ["127.0.0.2"]
 
     async def main():
-        _, runners, port = await engines_at(["127.0.0.2", "127.0.0.3"])
-        events_port = free_port()
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
-        pub.bind(f"tcp://127.0.0.3:{events_port}")  # the second engine's publisher (nobody at its replay port)
-        app = router([{"source": "dns", "name": NAME, "port": port, "kv_events_port": events_port,
-                       "kv_events_replay_port": free_port(), "interval_s": 0.2, "nameserver": nameserver}],
-                     events={"replay_s": 2.0})
-        e2, e3 = "vllm-127-0-0-2", "vllm-127-0-0-3"
+        async with engines_at(["127.0.0.2", "127.0.0.3"]) as port:
+            events_port = free_port()
+            ctx = zmq.asyncio.Context()
+            pub = ctx.socket(zmq.PUB)
+            pub.bind(f"tcp://127.0.0.3:{events_port}")  # the second engine's publisher (nobody at its replay port)
+            app = router([{"source": "dns", "name": NAME, "port": port, "kv_events_port": events_port,
+                           "kv_events_replay_port": free_port(), "interval_s": 0.2, "nameserver": nameserver}],
+                         events={"replay_s": 2.0})
+            e2, e3 = "vllm-127-0-0-2", "vllm-127-0-0-3"
 
-        async def scenario(url):
-            records.addresses = ["127.0.0.2", "127.0.0.3"]
-            await until(lambda: e3 in app.router.engines)
-            joined = time.monotonic()
-            assert e3 not in app.router.healthy() and await served_by(url, 2) == {e2}
-            await until(lambda: e3 in app.router.healthy())
-            assert time.monotonic() - joined > 1.0  # (its replay's bound, less the time to see it join)
-            for seq in range(1, 40):  # (a SUB connects a while after it is made: sent until it arrives)
-                await pub.send_multipart([b"kv", seq_bytes(seq), stored_payload(seq, 3)])
-                if app.index.blocks(e3):
-                    break
-                await asyncio.sleep(0.1)
-            assert app.index.blocks(e3) >= 3 and app.index.blocks(e2) == 0
+            async def scenario(url):
+                records.addresses = ["127.0.0.2", "127.0.0.3"]
+                await until(lambda: e3 in app.router.engines)
+                joined = time.monotonic()
+                assert e3 not in app.router.healthy() and await served_by(url, 2) == {e2}
+                await until(lambda: e3 in app.router.healthy())
+                assert time.monotonic() - joined > 1.0  # (its replay's bound, less the time to see it join)
+                for seq in range(1, 40):  # (a SUB connects a while after it is made: sent until it arrives)
+                    await pub.send_multipart([b"kv", seq_bytes(seq), stored_payload(seq, 3)])
+                    if app.index.blocks(e3):
+                        break
+                    await asyncio.sleep(0.1)
+                assert app.index.blocks(e3) >= 3 and app.index.blocks(e2) == 0
 
-        try:
-            await serving(app, scenario)
-        finally:
-            pub.close(linger=0)
-            ctx.term()
-            for r in runners:
-                await r.cleanup()
+            try:
+                await serving(app, scenario)
+            finally:
+                pub.close(linger=0)
+                ctx.term()
 
     asyncio.run(main())
 
@@ -391,28 +381,24 @@ def test_dns_answers_dual_stack_once_within_max_engines_and_one_empty_answer_kee
     records, nameserver = dns_server
 
     async def main():
-        _, runners, port = await engines_at([f"127.0.0.{i}" for i in range(2, 7)])
-        records.addresses = [f"127.0.0.{i}" for i in range(2, 7)] + ["::1"]
-        app = router([{"source": "dns", "name": NAME, "port": port, "interval_s": 0.3, "nameserver": nameserver,
-                       "max_engines": 3}],
-                     engines=[{"name": "e-file", "url": f"http://127.0.0.4:{port}"}])
-        metrics = app.metrics.registry.get_sample_value
+        async with engines_at([f"127.0.0.{i}" for i in range(2, 7)]) as port:
+            records.addresses = [f"127.0.0.{i}" for i in range(2, 7)] + ["::1"]
+            app = router([{"source": "dns", "name": NAME, "port": port, "interval_s": 0.3, "nameserver": nameserver,
+                           "max_engines": 3}],
+                         engines=[{"name": "e-file", "url": f"http://127.0.0.4:{port}"}])
+            metrics = app.metrics.registry.get_sample_value
 
-        async def scenario(url):
-            assert set(app.router.engines) == {"e-file", "vllm-127-0-0-2", "vllm-127-0-0-3"}  # .4: the file's
-            assert metrics("kvtier_router_discovery_errors_total", {"kind": "max_engines"}) >= 1
-            assert metrics("kvtier_router_discovery_errors_total", {"kind": "address"}) == 1
-            records.addresses = []
-            asked = records.asked
-            await until(lambda: records.asked >= asked + 2)  # one answer: empty
-            assert "vllm-127-0-0-2" in app.router.engines
-            await until(lambda: set(app.router.engines) == {"e-file"})  # the next one: empty too
+            async def scenario(url):
+                assert set(app.router.engines) == {"e-file", "vllm-127-0-0-2", "vllm-127-0-0-3"}  # .4: the file's
+                assert metrics("kvtier_router_discovery_errors_total", {"kind": "max_engines"}) >= 1
+                assert metrics("kvtier_router_discovery_errors_total", {"kind": "address"}) == 1
+                records.addresses = []
+                asked = records.asked
+                await until(lambda: records.asked >= asked + 2)  # one answer: empty
+                assert "vllm-127-0-0-2" in app.router.engines
+                await until(lambda: set(app.router.engines) == {"e-file"})  # the next one: empty too
 
-        try:
             await serving(app, scenario)
-        finally:
-            for r in runners:
-                await r.cleanup()
 
     asyncio.run(main())
 
@@ -448,30 +434,26 @@ def test_a_fleet_that_could_not_be_applied_is_applied_again(dns_server, monkeypa
     records.addresses = ["127.0.0.2"]
 
     async def main():
-        _, runners, port = await engines_at(["127.0.0.2", "127.0.0.3"])
-        app = router([{"source": "dns", "name": NAME, "port": port, "interval_s": 0.2, "nameserver": nameserver}])
-        update = app.engines.update
-        failures = []
+        async with engines_at(["127.0.0.2", "127.0.0.3"]) as port:
+            app = router([{"source": "dns", "name": NAME, "port": port, "interval_s": 0.2, "nameserver": nameserver}])
+            update = app.engines.update
+            failures = []
 
-        async def failing_once(engines):
-            if not failures and len(engines) == 2:
-                failures.append(1)
-                raise RuntimeError("injected")
-            return await update(engines)
+            async def failing_once(engines):
+                if not failures and len(engines) == 2:
+                    failures.append(1)
+                    raise RuntimeError("injected")
+                return await update(engines)
 
-        monkeypatch.setattr(app.engines, "update", failing_once)
+            monkeypatch.setattr(app.engines, "update", failing_once)
 
-        async def scenario(url):
-            records.addresses = ["127.0.0.2", "127.0.0.3"]
-            await until(lambda: failures)
-            await until(lambda: len(app.router.engines) == 2)  # the sources report no change: retried alone
-            assert app.metrics.registry.get_sample_value("kvtier_router_discovery_errors_total",
-                                                         {"kind": "apply"}) == 1
+            async def scenario(url):
+                records.addresses = ["127.0.0.2", "127.0.0.3"]
+                await until(lambda: failures)
+                await until(lambda: len(app.router.engines) == 2)  # the sources report no change: retried alone
+                assert app.metrics.registry.get_sample_value("kvtier_router_discovery_errors_total",
+                                                             {"kind": "apply"}) == 1
 
-        try:
             await serving(app, scenario)
-        finally:
-            for r in runners:
-                await r.cleanup()
 
     asyncio.run(main())
