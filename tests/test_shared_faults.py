@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -288,8 +289,10 @@ def test_a_black_holed_s3_fails_a_call_within_attempts_times_read_timeout(s3_ser
     # starts the pool's 16 threads, each opening its connection and preparing botocore's first request at once:
     # 0.1-0.25 s more on an idle 2-core machine, 0.73 s seen under CI's load. The later calls (warm) are held to
     # the strict bound, which a lookup taking two rounds of the pool (2 s or more here) would fail.
-    cold = 1.0
-    assert all(timeout * 0.9 <= w < attempts * (timeout + 0.2) + MARGIN + (cold if i == 0 else 0)
+    # A second attempt's own scheduling adds up to 0.4 s under the suite's load (2.91 s seen for 2 attempts):
+    # still under two rounds of the pool (4.4 s for 2 attempts, 2 s for 1).
+    cold, retried = 1.0, 0.4 * (attempts - 1)
+    assert all(timeout * 0.9 <= w < attempts * (timeout + 0.2) + MARGIN + retried + (cold if i == 0 else 0)
                for i, w in enumerate(waits)), waits
 
 
@@ -342,50 +345,75 @@ def test_a_chunk_read_from_redis_is_promoted_into_the_local_disk(redis_server: R
 
 def test_a_primary_killed_under_load_fails_over_to_its_replica_and_costs_only_its_slots(
         redis_cluster: RedisCluster, unique_prefix: str, tmp_path: Path) -> None:
-    """SIGKILL one primary of 3 (each with a replica) while an engine reads and writes: its slots are misses (and
-    its writes dropped) until the cluster promoted its replica and kvtier read the new slot map; the other slots
-    are served all along, the tier never rests whole, nothing read differs from what was written, and what the
-    replica held is served again. The figures (recovery time, hits lost) are logged for docs/operating.md."""
+    """SIGKILL one primary of 3 (each with a replica) while an engine reads (four threads looking up beside the
+    reads measured) and writes: its slots are misses (and its writes dropped) until the cluster promoted its
+    replica and kvtier read the new slot map; the other slots are served all along, the tier never rests whole,
+    nothing read differs from what was written, and what the replica held is served again. The figures
+    (recovery time, hits lost) are logged for docs/operating.md."""
     shared = {"type": "redis", **redis_cluster.tier_options(), "key_prefix": unique_prefix, "socket_timeout": 2,
               "retry_seconds": 0.2}
     victim = redis_cluster.nodes[1]
-    redis_cluster.set_node_timeout(1000)  # (the default 15 s: the same steps, each longer)
+    redis_cluster.set_node_timeout(2000)  # (the default 15 s: the same steps, each longer)
     try:
-        with store_with([shared], dram="32MiB") as writer:
-            written = [timed_put(writer, 400 + i)[:2] for i in range(24)]
-            writer.flush()
-        time.sleep(0.5)  # (replication is asynchronous: what the primary acknowledged reaches its replica)
-        keys = {i: [f"{unique_prefix}{c}" for c in _chunk_hashes(tokens)] for i, (tokens, _) in enumerate(written)}
-        lost = {i for i, names in keys.items() if any(_owned_by(victim, n) for n in names)}
-        assert 0 < len(lost) < len(written)
-        with store_with([shared], dram="32MiB") as reader:
-            assert _read_round(reader, written) == set()  # every sequence served before the kill
+        try:
+            _fail_over(redis_cluster, victim, shared)
+        finally:
+            redis_cluster.set_node_timeout(15000)
+    finally:
+        redis_cluster.restore()
+
+
+def _fail_over(redis_cluster: RedisCluster, victim: RedisServer, shared: dict) -> None:
+    prefix = shared["key_prefix"]
+    with store_with([shared], dram="32MiB") as writer:
+        written = [timed_put(writer, 400 + i)[:2] for i in range(24)]
+        writer.flush()
+    redis_cluster.wait_synced()  # (replication is asynchronous: what the primaries acknowledged is replicated)
+    keys = {i: [f"{prefix}{c}" for c in _chunk_hashes(tokens)] for i, (tokens, _) in enumerate(written)}
+    lost = {i for i, names in keys.items() if any(_owned_by(victim, n) for n in names)}
+    assert 0 < len(lost) < len(written)
+    with store_with([shared], dram="32MiB") as reader:
+        assert _read_round(reader, written) == set()  # every sequence served before the kill
+        stop = threading.Event()
+
+        def look() -> None:  # calls in flight on the victim when it dies, and after
+            while not stop.is_set():
+                for i in lost:
+                    reader.lookup(NS, written[i][0])
+
+        lookers = [threading.Thread(target=look) for _ in range(4)]
+        for t in lookers:
+            t.start()
+        try:
+            time.sleep(0.2)
             victim.stop(signal.SIGKILL)
             killed = time.monotonic()
-            rounds, recovered = [], None
+            rounds: list[set[int]] = []
+            recovered = None
             while recovered is None:
-                assert time.monotonic() - killed < 30, "the lost slots were not served again within 30 s"
+                assert time.monotonic() - killed < 20, "the lost slots were not served again within 20 s"
                 missed = _read_round(reader, written)  # (asserts every answer that came equals what was written)
                 rounds.append(missed)
                 assert missed <= lost, "a sequence on another primary's slots was missed"
                 assert not reader.reads_failing(), "the tier rested whole for one node's failure"
-                if rounds and not missed and len(rounds) > 1:
+                if not missed and len(rounds) > 1:
                     recovered = time.monotonic() - killed
                 during = timed_put(reader, 900 + len(rounds))  # writes go on meanwhile
                 assert during[2] < 1.0
-            stats = reader.stats()["redis"]
-            misses = sum(len(m) for m in rounds)
-        logging.getLogger(__name__).warning(
-            "redis cluster failover: %d of %d sequences on the killed primary's slots; served again %.2f s after "
-            "SIGKILL (cluster-node-timeout 1 s), %d sequence reads missed over %d rounds; %s", len(lost),
-            len(written), recovered, misses, len(rounds),
-            {k: v for k, v in stats.items() if "node" in k or "slot" in k or "errors" in k})
-        assert misses >= 1 and stats["write_errors_total"] >= 1  # (lookups found nothing there: no read failed)
-        assert stats["tier_events_total{event=node_failures}"] >= 1
-        assert stats["tier_events_total{event=slot_map_refreshes}"] >= 1
-    finally:
-        redis_cluster.restore()
-        redis_cluster.set_node_timeout(15000)
+        finally:
+            stop.set()
+            for t in lookers:
+                t.join()
+        stats = reader.stats()["redis"]
+    misses = sum(len(m) for m in rounds)
+    logging.getLogger(__name__).warning(
+        "redis cluster failover: %d of %d sequences on the killed primary's slots; served again %.2f s after "
+        "SIGKILL (cluster-node-timeout 2 s), %d sequence reads missed over %d rounds; %s", len(lost),
+        len(written), recovered, misses, len(rounds),
+        {k: v for k, v in stats.items() if "node" in k or "slot" in k or "errors" in k or "dropped" in k})
+    assert misses >= 1 and stats["dropped_writes_total{reason=part_outage}"] >= 1
+    assert stats["tier_events_total{event=node_failures}"] >= 1
+    assert stats["tier_events_total{event=slot_map_refreshes}"] >= 1
 
 
 def _chunk_hashes(tokens: list[int]) -> list[str]:

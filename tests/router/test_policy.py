@@ -354,16 +354,16 @@ def test_a_hot_prefix_spreads_once_its_holder_has_more_requests_in_flight_than_b
     router = make()
     hold(router, "e0", DOC)
     decisions = []
-    for i in range(4):
-        d = router.decide(Prompt(DOC + [i]))[0]
+    for i in range(4):  # each with 8 blocks of its own: queued on e0, 0.13 s each; all of it on e1, 1.15 s
+        d = router.decide(Prompt(DOC + [i] * 8 * BS))[0]
         router.started(d, [])
         decisions.append((d.engine, d.reason))
-    assert decisions == [("e0", "prefix")] * 3 + [("e1", "load")]
+    assert decisions == [("e0", "prefix")] * 3 + [("e1", "balance")]
     off = make()
     off.config = dataclasses.replace(off.config, balance_requests=None)
     hold(off, "e0", DOC)
     for i in range(6):
-        d = off.decide(Prompt(DOC + [i]))[0]
+        d = off.decide(Prompt(DOC + [i] * 8 * BS))[0]
         off.started(d, [])
         assert d.engine == "e0"
 
@@ -372,8 +372,9 @@ def test_queued_requests_are_predicted_to_prefill_one_after_another():
     router = make(engines=("e0",))
     for _ in range(3):  # three 1,024-token prompts at once: 1.024 s each at 1,000 tokens/s
         router.started(router.decide(Prompt(DOC))[0], [])
-    queued, decoding = router.engines["e0"].load(time.monotonic())
-    assert 3.0 < queued <= 3.1 and decoding == 0  # (their own times alone would say 1.024 s)
+    queued, decoding = router.engines["e0"].load(time.monotonic() + 1.5)
+    # the first is done; the other two end at 2.048 and 3.072 s (their own times alone would say all three ended)
+    assert 1.5 < queued <= 1.6 and decoding == 1
 
 
 def test_a_prefix_hit_that_computes_one_block_calibrates_the_fixed_cost_not_the_per_token_rate():
@@ -387,3 +388,23 @@ def test_a_prefix_hit_that_computes_one_block_calibrates_the_fixed_cost_not_the_
         router.first_byte("e0", router.started(d, []), 0.07)
         router.finished("e0", next(iter(state.flights)))
     assert state.prefill_s_per_token == rate and state.base_s > 0.002  # (a bounded step at a time)
+
+
+def test_balance_requests_never_sends_a_request_where_it_would_cost_far_more_and_counts_weights():
+    router = make()
+    long_doc = list(range(20_000, 20_000 + 512 * BS))  # 8,192 tokens, cached on e0
+    hold(router, "e0", long_doc)
+    for i in range(4):  # e0 busier by 4 (short requests)
+        router.started(router.decide(Prompt([i] * 8), names=["e0"])[0], [])
+    d = router.decide(Prompt(long_doc + [1]))[0]
+    assert (d.engine, d.reason) == ("e0", "prefix")  # recomputing 8K tokens on e1 would cost over 4x more
+    weighted = make(engines=("fast", "slow"))
+    weighted.config = dataclasses.replace(weighted.config, engines=weighted.config.engines)
+    weighted.engines["fast"].weight = 4.0
+    weighted.engines["fast"].prefill_s_per_token /= 4
+    counts = Counter()
+    for i in range(20):
+        d = weighted.decide(Prompt(list(range(i * 1000, i * 1000 + 32 * BS))))[0]
+        weighted.started(d, [])
+        counts[d.engine] += 1
+    assert counts["fast"] >= 14, counts  # (unweighted counts would have split them 11 / 9)

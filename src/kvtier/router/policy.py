@@ -41,6 +41,7 @@ _EWMA = 0.3  # weight of a new calibration sample
 _BAND = 2.0  # a sample moves a calibrated value by at most this factor: one odd request cannot swing routing
 _WINDOW = 5  # prefill samples kept per engine: a calibration steps toward their median
 _FIRST = 3  # prefill samples before an engine's own calibration replaces the configured cost (their median)
+_BALANCE_BOUND = 4.0  # balance_requests moves a request only to an engine predicted at most this many times slower
 _NEAR_TIE = 0.25  # predicted times within 25% of the best plus one block's prefill are a near tie
 
 
@@ -116,21 +117,22 @@ class EngineState:
         self.base_s = 0.0  # what a request costs beyond prefill and loads (scheduling, one decode step, HTTP)
         self.flights: dict[int, Flight] = {}
 
-    def load(self, now: float) -> tuple[float, int]:
-        """(prefill and load time left of the requests not yet answering, requests answering). The engine prefills
-        them one after another in the order sent: each ends its predicted prefill (and load) after those before
-        it, not after its own time alone, so k queued requests take k prefills to drain. A request whose answer
-        the router does not stream to see (not streamed) counts as answering once its turn's predicted prefill has
-        passed: it is decoding."""
-        done, decoding = 0.0, 0
-        for f in sorted(self.flights.values(), key=lambda f: f.started):
-            if f.answering:
-                decoding += 1
-                continue
+    def waiting(self, now: float) -> tuple[list[Flight], float]:
+        """The requests not yet answering whose predicted prefill (or load) is not done, and when the last is. The
+        engine prefills them one after another in the order sent: each ends after those before it, not after its
+        own time alone, so k queued requests take k prefills to drain. A request whose answer the router does not
+        stream to see (not streamed) counts as answering once its turn's predicted prefill has passed."""
+        waiting, done = [], 0.0
+        for f in sorted((f for f in self.flights.values() if not f.answering), key=lambda f: f.started):
             done = max(done, f.started) + f.prefill_s + f.load_s
-            if done <= now:
-                decoding += 1
-        return max(0.0, done - now), decoding
+            if done > now:
+                waiting.append(f)
+        return waiting, done
+
+    def load(self, now: float) -> tuple[float, int]:
+        """(prefill and load time left of the requests waiting, requests answering: :meth:`waiting`)."""
+        waiting, done = self.waiting(now)
+        return max(0.0, done - now), len(self.flights) - len(waiting)
 
     def calibrate_prefill(self, seconds_per_token: float) -> None:
         """One sample of the prefill cost. The median of the last few is what counts: a sample far off (a whole
@@ -288,20 +290,34 @@ class Router:
             near = [n for n in order if costed[n].predicted_s <= best + self._slack(best, order[0])]
             near.sort(key=lambda n: (len(self.engines[n].flights), (names.index(n) - tie) % len(names)))
             order = near + [n for n in order if n not in near]
-            balance = self.config.balance_requests
-            if balance is not None and len(order) > 1:
-                # The engine holding a hot prefix would otherwise take every request until its queue costs more
-                # than computing the prefix elsewhere: past `balance_requests` more in flight than the least
-                # busy engine, that one serves (and holds the prefix too from then on)
-                idle = min(order, key=lambda n: (len(self.engines[n].flights), (names.index(n) - tie) % len(names)))
-                if len(self.engines[order[0]].flights) > len(self.engines[idle].flights) + balance:
-                    order.remove(idle)
-                    order.insert(0, idle)
+            balanced = self._balanced(order, costed, names, tie)
             best_blocks = max(m.blocks for m in matches.values())
             first = matches[order[0]].blocks
-            reason = ("unindexed" if prompt is None else "no_prefix" if best_blocks == 0
+            reason = ("balance" if balanced else "unindexed" if prompt is None else "no_prefix" if best_blocks == 0
                       else "prefix" if first == best_blocks else "load")
         return [dataclasses.replace(costed[n], reason=reason if i == 0 else "retry") for i, n in enumerate(order)]
+
+    def _balanced(self, order: list[str], costed: dict[str, RouteDecision], names: list[str], tie: int) -> bool:
+        """Put the least busy engine first (in place) when the first has more than ``balance_requests`` more
+        requests in flight than it (each count over the engine's weight), and it is predicted at most
+        :data:`_BALANCE_BOUND` times slower: a hot prefix's holder would otherwise take every request while its
+        queue looked short, and the other engine, once it computed the prefix, holds it too. Never for a request
+        that would cost far more elsewhere (a long prompt cached on the busy engine, a long queue on the idle
+        one). Whether it did."""
+        balance = self.config.balance_requests
+        if balance is None or len(order) < 2:
+            return False
+
+        def busy(n: str) -> float:
+            return len(self.engines[n].flights) / self.engines[n].weight
+
+        idle = min(order, key=lambda n: (busy(n), (names.index(n) - tie) % len(names)))
+        first = order[0]
+        if busy(first) <= busy(idle) + balance or costed[idle].predicted_s > _BALANCE_BOUND * costed[first].predicted_s:
+            return False
+        order.remove(idle)
+        order.insert(0, idle)
+        return True
 
     def _cost(self, name: str, match: Match, n_tokens: int, now: float) -> RouteDecision:
         """The engine's predicted TTFT for a prompt of ``n_tokens`` of which ``match`` is cached (reason unset)."""
@@ -334,13 +350,7 @@ class Router:
         prefill, as :meth:`decide` predicts it)."""
         engine = self.engines[name]
         now = time.monotonic()
-        # The engine prefills one request after another: each not yet answering ends its predicted prefill (and
-        # load) after those sent before it, not after its own time alone (a burst is queued until it drains).
-        waiting, done = [], 0.0
-        for f in sorted((f for f in engine.flights.values() if not f.answering), key=lambda f: f.started):
-            done = max(done, f.started) + f.prefill_s + f.load_s
-            if done > now:
-                waiting.append(f)
+        waiting, done = engine.waiting(now)
         decoding = len(engine.flights) - len(waiting)
         ttft = max(0.0, done - now) + decoding * engine.decode_s + engine.base_s + \
             self.config.block_size * self.prefill_rate(engine)

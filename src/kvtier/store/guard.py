@@ -269,9 +269,10 @@ class GuardedTier:
             self._metrics.dropped.labels(self.name, "share_full").inc()
             self.writes.succeeded()  # the tier answered
             return "dropped"
-        self._metrics.write_errors.labels(self.name).inc()
         if fault is Fault.PART_OUTAGE:  # its part rests (the tier's own doing); the tier's other parts are written
-            return "error"
+            self._metrics.dropped.labels(self.name, "part_outage").inc()
+            return "dropped"
+        self._metrics.write_errors.labels(self.name).inc()
         # A bug in a plugin tier (or a frame that cannot be made) must not kill the worker silently.
         if fault is Fault.UNEXPECTED or isinstance(exc, frame.FrameError):
             cascade_log.exception("tier %s: unexpected error writing %s", self.name, key.name)

@@ -124,8 +124,9 @@ class CachingEngine:
                                             "prompt_tokens_details": {"cached_tokens": cached}}})
 
     def _cached(self, tokens: Sequence[int]) -> int:
+        """The prompt's cached prefix in whole blocks, short of its last token (which vLLM always computes)."""
         bs, n = self.block_size, 0
-        while (n + 1) * bs <= len(tokens) and tuple(tokens[:(n + 1) * bs]) in self.blocks:
+        while (n + 1) * bs <= len(tokens) - 1 and tuple(tokens[:(n + 1) * bs]) in self.blocks:
             n += 1
         return n * bs
 

@@ -288,6 +288,22 @@ class RedisCluster:
             time.sleep(0.05)
         self._wait_ok(timeout=max(1.0, deadline - time.monotonic()))
 
+    def wait_synced(self, timeout: float = 30.0) -> None:
+        """Until every replica has applied all its primary has written (its replication offset is the primary's):
+        what a primary acknowledged is on its replica too."""
+        deadline = time.monotonic() + timeout
+        for primary in self.nodes:
+            while True:
+                info = primary.cli("info", "replication")
+                fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+                offsets = [part.split("=", 1)[1] for key, value in fields.items() if key.startswith("slave")
+                           for part in value.split(",") if part.startswith("offset=")]
+                if all(o.strip() == fields.get("master_repl_offset", "").strip() for o in offsets):
+                    break
+                if time.monotonic() > deadline:
+                    raise ServerError(f"redis :{primary.port}'s replicas did not catch up within {timeout:g} s")
+                time.sleep(0.05)
+
     def set_node_timeout(self, ms: int) -> None:
         """``cluster-node-timeout`` on every running node: how long a silent primary stands before a failover."""
         for node in [*self.nodes, *self.replicas]:

@@ -11,6 +11,7 @@ meanwhile. Messages show the URL with its password replaced by ``***``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
@@ -19,7 +20,7 @@ from kvtier.config import redact_url
 from kvtier.errors import ConfigError, ObjectError, TierError
 from kvtier.tiers.redis.fields import wrong_type
 from kvtier.tiers.redis.options import RedisOptions
-from kvtier.tiers.redis.routing import Routed
+from kvtier.tiers.redis.routing import NodeHealth, Routed
 
 _T = TypeVar("_T")
 
@@ -45,6 +46,15 @@ def _connection_class(tls: bool) -> type:
             super().__init__(**kwargs)
 
     return PackingConnection
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A call to one node of a cluster, as :meth:`Client.pool_for` began it."""
+
+    health: NodeHealth
+    node: Any
+    began: float
 
 
 class Client:
@@ -110,7 +120,10 @@ class Client:
                 # be the one that failed.
                 known = [ClusterNode(host, port)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
                          for host, port in self._known]
-                cluster = RedisCluster.from_url(o.url, retry=Retry(NoBackoff(), 0), startup_nodes=known, **kwargs)
+                # (the docs ask for cluster-require-full-coverage no: a client that needs every slot covered
+                # could not be built while one primary and its replica are both lost)
+                cluster = RedisCluster.from_url(o.url, retry=Retry(NoBackoff(), 0), startup_nodes=known,
+                                                require_full_coverage=False, **kwargs)
                 self._known = [(n.host, n.port)
                                for n in cluster.get_nodes()]  # type: ignore[no-untyped-call]  # (as ClusterNode)
                 return Routed(cluster, self._tier)
@@ -158,27 +171,27 @@ class Client:
             failures, refreshes = failures + client.health.part_failures, refreshes + client.health.refreshes
         return {"node_failures": float(failures), "slot_map_refreshes": float(refreshes)}
 
-    def pool_for(self, name: str) -> tuple[Any, Any]:
-        """The connection pool of the node that holds key ``name``, and that node (None on one server); raises
-        :class:`~kvtier.errors.PartUnavailable` while that node rests after a failure."""
+    def pool_for(self, name: str) -> tuple[Any, Node | None]:
+        """The connection pool of the node that holds key ``name``, and that node's call (None on one server);
+        raises :class:`~kvtier.errors.PartUnavailable` while that node rests after a failure."""
         client = self.get()
         if not isinstance(client, Routed):
             return client.connection_pool, None
         node = client.cluster.get_node_from_key(name)
-        client.health.check(node)
-        return client.cluster.get_redis_connection(node).connection_pool, node
+        began = client.health.check(node)
+        return client.cluster.get_redis_connection(node).connection_pool, Node(client.health, node, began)
 
-    def node_failed(self, node: Any, what: str, exc: BaseException) -> NoReturn:
-        """A call to ``node`` (from :meth:`pool_for`) failed: that node's outage (on one server: :meth:`failed`)."""
-        client = self._client_obj
-        if node is None or not isinstance(client, Routed) or not isinstance(exc, client.health.failures + (OSError,)):
+    def node_failed(self, call: Node | None, what: str, exc: BaseException) -> NoReturn:
+        """A call from :meth:`pool_for` failed: its node's outage (on one server, or another error:
+        :meth:`failed`)."""
+        if call is None or not isinstance(exc, call.health.failures + (OSError,)):
             self.failed(what, exc)
-        client.health.failed(node, exc)
+        call.health.failed(call.node, exc, call.began)
 
-    def node_succeeded(self, node: Any) -> None:
-        client = self._client_obj
-        if node is not None and isinstance(client, Routed):
-            client.health.succeeded(node)
+    @staticmethod
+    def node_succeeded(call: Node | None) -> None:
+        if call is not None:
+            call.health.succeeded(call.node, call.began)
 
     def drop(self) -> None:
         # Also after a cluster error: a cluster client that lost every node keeps a stale slot map, so the next

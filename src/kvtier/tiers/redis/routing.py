@@ -51,7 +51,11 @@ _REFRESH_EVERY_S = 0.5  # the slot map is asked for at most this often after nod
 
 
 class NodeHealth:
-    """Each node's outage (keyed by its ``host:port``), and the slot map asked for again after a failure."""
+    """Each node's outage (keyed by its ``host:port``), and the slot map asked for again while a node fails.
+
+    A call passes the time it began (:meth:`check` returns it) to :meth:`failed` and :meth:`succeeded`: the calls
+    in flight when a node dies fail together, and only the first of them rests it (the others started before
+    that failure: they neither double its rest nor, answering late, end it)."""
 
     def __init__(self, tier: str, cluster: Any) -> None:
         import redis.exceptions as errors
@@ -60,8 +64,10 @@ class NodeHealth:
         self.cluster = cluster
         self.failures = (errors.ConnectionError, errors.TimeoutError)
         self._outages: dict[str, Outage] = {}
+        self._failed_at: dict[str, float] = {}  # when each node's last counted failure was
         self._lock = threading.Lock()
-        self._refresh = threading.Event()  # a refresh is wanted
+        self._refresh = threading.Event()  # a refresh is wanted (or closing)
+        self._closed = False
         self._refresher: threading.Thread | None = None
         self._failed_node: str | None = None
         self.refreshes = 0  # slot maps asked for after a failure (the tier's counters)
@@ -74,53 +80,83 @@ class NodeHealth:
                 outage = self._outages[node.name] = Outage(self.tier, f"node {node.name}", _NODE_RETRY_S)
             return outage
 
-    def check(self, node: Any) -> None:
-        """Raise :class:`PartUnavailable` when ``node`` rests after a failure."""
+    def check(self, node: Any) -> float:
+        """When a call to ``node`` begins; raises :class:`PartUnavailable` while it rests after a failure (a
+        :class:`TierError` while every primary does)."""
         if self._outage(node).resting():
-            self.part_failures += 1
+            with self._lock:
+                self.part_failures += 1
+            if self._every_primary_failing():
+                raise TierError(f"{self.tier}: every primary is failing")
             raise PartUnavailable(f"{self.tier}: node {node.name} is failing (its slots are misses meanwhile)")
+        return time.monotonic()
 
-    def succeeded(self, node: Any) -> None:
-        self._outage(node).succeeded()
-
-    def failed(self, node: Any, exc: BaseException) -> NoReturn:
-        """Rest ``node``, ask for the slot map again (its slots may move to a replica), and raise: a
-        :class:`PartUnavailable`, or a :class:`TierError` when every primary is failing."""
-        self._outage(node).failed(exc)
-        self.part_failures += 1
-        self._failed_node = node.name
-        self._wake()
-        try:
-            primaries = [n.name for n in self.cluster.get_primaries()]
-        except Exception:  # noqa: BLE001 (a slot map being rebuilt): the node alone is known failing
-            primaries = [node.name]
+    def succeeded(self, node: Any, began: float) -> None:
         with self._lock:
-            every = all(self._outages[n].failing for n in primaries if n in self._outages) and all(
-                n in self._outages for n in primaries)
-        if every:
+            late = began < self._failed_at.get(node.name, 0.0)  # (begun before its failure: says nothing now)
+        if not late:
+            self._outage(node).succeeded()
+
+    def failed(self, node: Any, exc: BaseException, began: float) -> NoReturn:
+        """Rest ``node`` (unless the call began before its last failure), keep asking for the slot map while it
+        fails (its slots may move to a replica), and raise: a :class:`PartUnavailable`, or a :class:`TierError`
+        when every primary is failing."""
+        outage = self._outage(node)
+        with self._lock:
+            self.part_failures += 1
+            counted = began >= self._failed_at.get(node.name, 0.0)
+            if counted:
+                self._failed_at[node.name] = time.monotonic()
+                self._failed_node = node.name
+        if counted:
+            outage.failed(exc)
+            self._wake()
+        if self._every_primary_failing():
             raise TierError(f"{self.tier}: every primary is failing, the last {node.name}: {exc}") from exc
         raise PartUnavailable(f"{self.tier}: node {node.name} failed (its slots are misses while it rests): "
                               f"{exc}") from exc
 
+    def _every_primary_failing(self) -> bool:
+        try:
+            primaries = [n.name for n in self.cluster.get_primaries()]
+        except Exception:  # noqa: BLE001 (a slot map being rebuilt): not known to be all failing
+            return False
+        with self._lock:
+            return bool(primaries) and all(n in self._outages and self._outages[n].failing for n in primaries)
+
+    def _failing(self) -> bool:
+        with self._lock:
+            return any(o.failing for o in self._outages.values())
+
     def _wake(self) -> None:
         self._refresh.set()
         with self._lock:
-            if self._refresher is None or not self._refresher.is_alive():
+            if not self._closed and (self._refresher is None or not self._refresher.is_alive()):
                 self._refresher = threading.Thread(target=self._refreshing, name=f"kvtier-{self.tier}-slots",
                                                    daemon=True)
                 self._refresher.start()
 
     def _refreshing(self) -> None:
-        """Ask any node that answers for the slot map, while refreshes are wanted (at most every
-        :data:`_REFRESH_EVERY_S`); the thread ends when none is."""
-        while self._refresh.wait(timeout=10 * _REFRESH_EVERY_S):
+        """Ask any node that answers for the slot map every :data:`_REFRESH_EVERY_S` while a node fails (whatever
+        its rest: a promoted replica is found without waiting for it) or a refresh is wanted; the thread ends
+        when neither holds, or the client closes."""
+        while not self._closed:
             self._refresh.clear()
             try:
                 self.cluster.nodes_manager.initialize(last_failed_node_name=self._failed_node)
-                self.refreshes += 1
-            except Exception:  # noqa: BLE001 no node answered: the next failure asks again
+                with self._lock:
+                    self.refreshes += 1
+            except Exception:  # noqa: BLE001 no node answered: asked again next time
                 pass
-            time.sleep(_REFRESH_EVERY_S)
+            if not self._refresh.wait(timeout=_REFRESH_EVERY_S) and not self._failing():
+                with self._lock:
+                    if not self._refresh.is_set():
+                        self._refresher = None
+                        return
+
+    def close(self) -> None:
+        self._closed = True
+        self._refresh.set()
 
 
 class Routed:
@@ -137,6 +173,7 @@ class Routed:
         self.senders = ThreadPoolExecutor(max_workers=_SENDERS, thread_name_prefix=f"kvtier-{tier}-nodes")
 
     def close(self) -> None:
+        self.health.close()
         self.senders.shutdown(wait=False)
         self.cluster.close()
 
@@ -162,14 +199,14 @@ class Routed:
     def _send(self, command: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         node = self.cluster.get_node_from_key(_key_of(command, args))
-        self.health.check(node)
+        began = self.health.check(node)
         try:
             reply = getattr(self.cluster.get_redis_connection(node), command)(*args, **kwargs)
         except self.redirections:
             return getattr(self.cluster, command)(*args, **kwargs)
         except self.health.failures as exc:
-            self.health.failed(node, exc)
-        self.health.succeeded(node)
+            self.health.failed(node, exc, began)
+        self.health.succeeded(node, began)
         return reply
 
 
@@ -205,7 +242,10 @@ class NodePipelines:
             if len(groups) == 1:
                 answers = [self._send(*groups[0])]
             else:
-                answers = list(self._routed.senders.map(lambda group: self._send(*group), groups))
+                try:
+                    answers = list(self._routed.senders.map(lambda group: self._send(*group), groups))
+                except RuntimeError:  # the client was closed meanwhile (rebuilt): sent one node after another
+                    answers = [self._send(*group) for group in groups]
         except self._routed.redirections:  # a transaction raises its queued command's redirection
             return self._through_cluster(raise_on_error)
         for (_, positions), answered in zip(groups, answers):
@@ -224,7 +264,7 @@ class NodePipelines:
         (the other nodes' are sent all the same)."""
         health = self._routed.health
         try:
-            health.check(node)
+            began = health.check(node)
             try:
                 pipe = self._routed.cluster.get_redis_connection(node).pipeline(transaction=self._transaction)
                 for i in positions:
@@ -232,10 +272,10 @@ class NodePipelines:
                     getattr(pipe, command)(*args, **kwargs)
                 answered: list[Any] = pipe.execute(raise_on_error=False)
             except health.failures as exc:
-                health.failed(node, exc)
+                health.failed(node, exc, began)
         except PartUnavailable as exc:
             return [exc] * len(positions)
-        health.succeeded(node)
+        health.succeeded(node, began)
         return answered
 
     def _through_cluster(self, raise_on_error: bool) -> list[Any]:
