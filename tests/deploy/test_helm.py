@@ -29,7 +29,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from kvtier.router.config import RouterConfig
-from kvtier.router.discovery import engine_name
+from kvtier.router.sources import engine_name
 from kvtier.router.metrics import RouterMetrics
 from tests.deploy import test_kubernetes as kustomize
 from tests.deploy.conftest import DEPLOY, LAST_APPLIED_LIMIT, Rendered, flag, kvtier_config, router_config

@@ -23,7 +23,7 @@ from dnslib.server import BaseResolver, DNSLogger, DNSServer
 from kvtier.errors import ConfigError
 from kvtier.router.app import RouterApp
 from kvtier.router.config import DiscoveryConfig, load_router_config
-from kvtier.router.discovery import engine_name
+from kvtier.router.sources import engine_name
 from kvtier.router.discovery_k8s import KubernetesSource
 from kvtier.router.metrics import LogOnce
 from kvtier.testing.kube_api import KubeAPI, endpoint_slice

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.router.config import DiscoveryConfig, EngineConfig
-from kvtier.router.discovery import _NAME, Source, _extra, engine_name, family
+from kvtier.router.sources import NAME, Source, engine_name, extra, family
 from kvtier.router.metrics import LogOnce
 
 _WATCH_S = 30  # a watch asked to end after this long (then watched again from where it was)
@@ -45,7 +45,7 @@ class KubernetesSource(Source):
 
     def __init__(self, config: DiscoveryConfig, field: str, changed: Callable[[], None], errors: LogOnce) -> None:
         super().__init__(config, field, changed, errors)
-        kubernetes = _extra("kubernetes", field)
+        kubernetes = extra("kubernetes", field)
         client, kube_config = kubernetes.client, kubernetes.config
         api_client = client.ApiClient(configuration=client.Configuration())
         try:
@@ -209,7 +209,7 @@ class KubernetesSource(Source):
                         continue  # an FQDN slice's, or not of the slice's family: not an engine's address
                     ref = endpoint.target_ref
                     name = ref.name if ref is not None and ref.kind == "Pod" and ref.name else endpoint.hostname
-                    if not name or not _NAME.fullmatch(name):  # (a pod name may be 253 characters)
+                    if not name or not NAME.fullmatch(name):  # (a pod name may be 253 characters)
                         name = engine_name(self.config.service or "engine", address)
                     found.setdefault(name, (name, address, ports))
         return self._engines(found.values())
