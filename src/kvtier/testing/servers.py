@@ -1,6 +1,7 @@
 """Real servers on loopback for tests and benchmarks: Redis (one node or a 3-node cluster), SeaweedFS's S3
 gateway and Mooncake Store (master with its HTTP metadata server, plus a standalone client that holds the
-memory).
+memory); and the network's faults in front of them (a port that never answers, a path that can be black-holed
+and healed).
 
 Each server runs as a child process started here, is waited for until it answers, and is stopped by its PID
 (SIGTERM, then SIGKILL), also when a test fails. Binaries come from ``PATH`` or the running interpreter's
@@ -10,6 +11,7 @@ Each server runs as a child process started here, is waited for until it answers
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -18,12 +20,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["BlackHole", "MooncakeServer", "RedisCluster", "RedisServer", "S3Server", "ServerError", "free_port"]
+__all__ = ["BlackHole", "MooncakeServer", "RedisCluster", "RedisServer", "Relay", "S3Server", "ServerError",
+           "free_port"]
 
 
 class ServerError(RuntimeError):
@@ -91,6 +95,95 @@ class BlackHole:
         self._sock.close()
 
     def __enter__(self) -> BlackHole:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Relay:
+    """A TCP relay on loopback to ``port`` that can be black-holed and healed: a network path to a server that
+    stops carrying packets, then carries them again (the server itself never notices).
+
+    While black-holed, connections are still accepted (as a path that drops packets still lets the kernel's
+    handshake through a load balancer) and nothing is carried either way: bytes sent wait, unanswered, until
+    the path heals or the client gives up. Healed, what waited is carried on, as TCP would retransmit it.
+    """
+
+    def __init__(self, port: int) -> None:
+        self._target = port
+        self._open = threading.Event()
+        self._open.set()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._pumps: dict[tuple[socket.socket, socket.socket], int] = {}  # each connection: its pumps running
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = int(self._sock.getsockname()[1])
+        self._acceptor = threading.Thread(target=self._accept, name="relay-accept", daemon=True)
+        self._acceptor.start()
+
+    def black_hole(self) -> None:
+        self._open.clear()
+
+    def heal(self) -> None:
+        self._open.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            try:
+                server = socket.create_connection(("127.0.0.1", self._target), timeout=5)
+                server.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            pair = (client, server)
+            with self._lock:
+                if self._closed:
+                    client.close()
+                    server.close()
+                    return
+                self._pumps[pair] = 2
+            for src, dst in (pair, pair[::-1]):
+                threading.Thread(target=self._pump, args=(pair, src, dst), name="relay-pump", daemon=True).start()
+
+    def _pump(self, pair: tuple[socket.socket, socket.socket], src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                while not self._open.wait(0.05):  # black-holed: held until healed (or closed)
+                    if self._closed:
+                        return
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in pair:  # either side gone: the whole connection goes (the other pump's recv ends)
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            with self._lock:
+                left = self._pumps.pop(pair, 1) - 1
+                if left:
+                    self._pumps[pair] = left
+            if not left:  # the last of its two pumps: nothing reads the sockets any more
+                for sock in pair:
+                    sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pairs = list(self._pumps)
+        self._sock.close()
+        for pair in pairs:  # their pumps end and close them
+            for sock in pair:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def __enter__(self) -> Relay:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -437,14 +530,7 @@ class MooncakeServer:
 
     def start(self) -> MooncakeServer:
         try:
-            master = _Process([_binary("mooncake_master", "PyPI's mooncake-transfer-engine-non-cuda"),
-                               f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-                               "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                               f"--http_metadata_server_port={self.metadata_port}", "--metrics_host=127.0.0.1",
-                               f"--metrics_port={self.admin_port}", "--logtostderr"],
-                              self.workdir / "master.log", self.workdir)
-            self._procs.append(master)
-            _wait(lambda: self._health(), "mooncake_master", master.proc, master.log, 60)
+            self._procs.append(self._start_master())
             client = _Process([_binary("mooncake_client", "PyPI's mooncake-transfer-engine-non-cuda"),
                                f"--master_server_address={self.master}", f"--metadata_server={self.metadata_server}",
                                "--host=127.0.0.1", f"--port={self.client_port}",
@@ -456,6 +542,26 @@ class MooncakeServer:
             self.stop()
             raise
         return self
+
+    def _start_master(self) -> _Process:
+        master = _Process([_binary("mooncake_master", "PyPI's mooncake-transfer-engine-non-cuda"),
+                           f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+                           "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                           f"--http_metadata_server_port={self.metadata_port}", "--metrics_host=127.0.0.1",
+                           f"--metrics_port={self.admin_port}", "--logtostderr"],
+                          self.workdir / "master.log", self.workdir)
+        try:
+            _wait(lambda: self._health(), "mooncake_master", master.proc, master.log, 60)
+        except BaseException:
+            master.stop()
+            raise
+        return master
+
+    def restart_master(self, sig: int = signal.SIGKILL) -> None:
+        """Stop the master with ``sig`` (a crash, by default) and start a new one on the same ports; the segment
+        client stays. The new master starts empty: what the old one knew of the objects is gone."""
+        self._procs[0].stop(sig)
+        self._procs[0] = self._start_master()
 
     def _health(self) -> bool:
         with urllib.request.urlopen(f"{self.admin_url}/health", timeout=2) as resp:
