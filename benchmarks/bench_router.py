@@ -11,6 +11,12 @@ so none finds what an earlier one left in the caches. Workloads (``vllm bench se
 - ``hot prefix`` (vLLM's ``random`` dataset with a common prefix): every request starts with the same 1,536
   tokens, then 128 of its own; 120 requests at 4/s (up to 8 at once): more than one engine serves comfortably.
 
+Two more rows on the first fleet, each workload: ``cache_aware`` in two router replicas behind one address that
+hands each connection to the next replica (as a Kubernetes Service does; each replica follows every engine's
+events and counts only its own requests in flight); and on ``prefix_repetition``, ``cache_aware`` with the
+fleet changing mid-run: one engine at first, the second joins a third of the way through (the router's config
+file rewritten, SIGHUP) and the first leaves at two thirds (its requests in flight end there).
+
 Session affinity needs a session per client: this script's wrapper of vLLM's request function sends
 ``X-Session-ID`` = a hash of the prompt's first 2,000 characters (its document), as a client keeping one session
 per conversation would. Router overhead: a one-token completion asked directly of an engine and through a router
@@ -19,7 +25,7 @@ per conversation would. Router overhead: a one-token completion asked directly o
     python benchmarks/bench_router.py [--json PATH] [--quick]
 
 Prints a Markdown table (TTFT p50/p90/p99, throughput, cached-token share, engine shares) with the ratios the
-README's targets name; about 10 minutes here (``--quick``: a quarter of the requests, about 5).
+README's targets name; about 14 minutes here (``--quick``: a quarter of the requests, about 6).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -42,7 +49,7 @@ from bench_store import machine
 
 from kvtier.bench.model import prepare_model
 from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess
-from kvtier.testing.servers import RedisServer
+from kvtier.testing.servers import RedisServer, Relay
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,6 +106,7 @@ def install_session_headers() -> None:
 
 
 PROMPTS = {"prefix_repetition": 96, "hot_prefix": 120}
+RATE = 1.5  # prefix_repetition's requests per second
 
 
 def vllm_bench(base_url: str, model: Path, workload: str, seed: int, prompts: int) -> dict:
@@ -113,44 +121,114 @@ def vllm_bench(base_url: str, model: Path, workload: str, seed: int, prompts: in
     if workload == "prefix_repetition":
         argv += ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
                  "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "12",
-                 "--prefix-repetition-output-len", "16", "--request-rate", "1.5", "--max-concurrency", "4"]
+                 "--prefix-repetition-output-len", "16", "--request-rate", str(RATE), "--max-concurrency", "4"]
     else:
         argv += ["--dataset-name", "random", "--random-prefix-len", "1536", "--random-input-len", "128",
                  "--random-output-len", "16", "--request-rate", "4", "--max-concurrency", "8"]
     return main(parser.parse_args(argv))
 
 
-def run_policy(engines: list[Engine], model: Path, work: Path, policy: str, workload: str, seed: int,
-               prompts: int, shared: bool) -> dict:
+def router_config(engines: list[Engine], model: Path, policy: str, shared: bool = False) -> dict:
     config = {"tokenizer": str(model), "block_size": BLOCK_SIZE, "policy": policy, "health_interval_s": 1,
-              "explain_headers": True,
-              "engines": [e.router_entry() for e in engines]}
+              "explain_headers": True, "engines": [e.router_entry() for e in engines]}
     if shared:
         config["costs"] = {"shared_tokens_per_s": 30000}  # Redis on loopback here
-    router = RouterProcess(config, work, name=f"router-{policy}-{workload}-{seed}").start()
+    return config
+
+
+def run_policy(engines: list[Engine], model: Path, work: Path, policy: str, workload: str, seed: int,
+               prompts: int, shared: bool) -> dict:
+    router = RouterProcess(router_config(engines, model, policy, shared), work,
+                           name=f"router-{policy}-{workload}-{seed}").start()
     try:
         router.wait_healthy(120)
-        names = ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total")
-        before = [counters(e.url, *names) for e in engines]
-        started = time.monotonic()
-        result = vllm_bench(router.url, model, workload, seed, prompts)
-        seconds = time.monotonic() - started
-        after = [counters(e.url, *names) for e in engines]
-        prompt = sum(a[names[0]] - b[names[0]] for a, b in zip(after, before))
-        cached = sum(a[names[1]] - b[names[1]] for a, b in zip(after, before))
-        share, reasons = engine_share(router.url)
+        return measure(engines, [router], router.url, model, workload, seed, prompts,
+                       policy + (" + shared Redis" if shared else ""))
     finally:
         router.stop()
+
+
+def run_replicas(engines: list[Engine], model: Path, work: Path, workload: str, seed: int, prompts: int) -> dict:
+    """cache_aware in two router replicas behind one address that hands each connection to the next replica (as
+    a Kubernetes Service does): each follows every engine's events, and counts only the requests it sent."""
+    replicas = [RouterProcess(router_config(engines, model, "cache_aware"), work,
+                              name=f"router-replica{i}-{workload}-{seed}").start() for i in range(2)]
+    try:
+        for router in replicas:
+            router.wait_healthy(120)
+        with Relay(*(r.port for r in replicas)) as service:
+            return measure(engines, replicas, f"http://127.0.0.1:{service.port}", model, workload, seed, prompts,
+                           "cache_aware, 2 replicas")
+    finally:
+        for router in replicas:
+            router.stop()
+
+
+def run_fleet_change(engines: list[Engine], model: Path, work: Path, workload: str, seed: int, prompts: int,
+                     seconds: float) -> dict:
+    """cache_aware with one engine at first; the second joins a third of the way through the run (``seconds``,
+    as the request rate plans it; the router's config file rewritten and SIGHUP), and the first leaves at two
+    thirds (its requests in flight run to their end): whether any request failed, and what the changes cost."""
+    first, second = engines
+    router = RouterProcess(router_config([first], model, "cache_aware"), work,
+                           name=f"router-change-{workload}-{seed}").start()
+    changes: list[tuple[str, float]] = []
+
+    def change() -> None:
+        begun = time.monotonic()
+        for at, fleet_now, what in ((1 / 3, [first, second], f"{second.name} joined"),
+                                    (2 / 3, [second], f"{first.name} left")):
+            if stop.wait(max(0.0, begun + at * seconds - time.monotonic())):
+                return
+            router.reconfigure(router_config(fleet_now, model, "cache_aware"))
+            changes.append((what, time.monotonic() - begun))
+            log(f"fleet change: {what} at {changes[-1][1]:.0f} s")
+
+    stop = threading.Event()
+    changer = threading.Thread(target=change, name="fleet-change")
+    try:
+        router.wait_healthy(120)
+        changer.start()
+        row = measure(engines, [router], router.url, model, workload, seed, prompts,
+                      f"cache_aware, {second.name} joins, then {first.name} leaves")
+    finally:
+        stop.set()
+        if changer.is_alive():
+            changer.join()
+        router.stop()
+    row["fleet_changes"] = [{"change": what, "at_s": at} for what, at in changes]
+    return row
+
+
+def measure(engines: list[Engine], routers: list[RouterProcess], url: str, model: Path, workload: str, seed: int,
+            prompts: int, name: str) -> dict:
+    """vLLM's serving benchmark through ``url``; its TTFTs, the engines' cached-token share, and where the routers
+    sent the requests (summed over ``routers``)."""
+    names = ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total")
+    before = [counters(e.url, *names) for e in engines]
+    started = time.monotonic()
+    result = vllm_bench(url, model, workload, seed, prompts)
+    seconds = time.monotonic() - started
+    after = [counters(e.url, *names) for e in engines]
+    prompt = sum(a[names[0]] - b[names[0]] for a, b in zip(after, before))
+    cached = sum(a[names[1]] - b[names[1]] for a, b in zip(after, before))
+    share: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    for router in routers:
+        by_engine, by_reason = engine_share(router.url)
+        for into, counted in ((share, by_engine), (reasons, by_reason)):
+            for k, v in counted.items():
+                into[k] = into.get(k, 0) + v
     total = sum(share.values()) or 1
-    row = {"policy": policy + (" + shared Redis" if shared else ""), "workload": workload,
+    row = {"policy": name, "workload": workload,
            "ttft_p50_ms": result["median_ttft_ms"], "ttft_p90_ms": result["p90_ttft_ms"],
            "ttft_p99_ms": result["p99_ttft_ms"], "throughput_req_s": result["request_throughput"],
            "completed": result["completed"], "failed": result.get("failed", 0), "cached_share": cached / prompt,
            "engine_share": {k: v / total for k, v in sorted(share.items())}, "reasons": reasons,
            "seconds": seconds}
     log(f"{row['policy']:32s} {workload:18s} TTFT p50 {row['ttft_p50_ms']:7.0f} ms  p90 {row['ttft_p90_ms']:7.0f}"
-        f"  p99 {row['ttft_p99_ms']:7.0f}  cached {row['cached_share']:.0%}  shares {row['engine_share']}  "
-        f"reasons {reasons}")
+        f"  p99 {row['ttft_p99_ms']:7.0f}  cached {row['cached_share']:.0%}  failed {row['failed']}  "
+        f"shares {row['engine_share']}  reasons {reasons}")
     return row
 
 
@@ -217,6 +295,11 @@ def main() -> int:
                 rows.append(run_policy(engines, model, work, policy, workload, seed, PROMPTS[workload] // scale,
                                        shared=False))
                 seed += 1
+            rows.append(run_replicas(engines, model, work, workload, seed, PROMPTS[workload] // scale))
+            seed += 1
+        prompts = PROMPTS["prefix_repetition"] // scale
+        rows.append(run_fleet_change(engines, model, work, "prefix_repetition", seed, prompts, prompts / RATE))
+        seed += 1
     finally:
         for engine in engines:
             engine.stop()
@@ -261,6 +344,15 @@ def report(rows: list[dict], over: dict, args: argparse.Namespace) -> None:
         ratios[f"hot_prefix largest engine share, {policy}"] = max(hot["engine_share"].values())
         ratios[f"hot_prefix p90 TTFT, {policy} / round_robin"] = \
             hot["ttft_p90_ms"] / row("hot_prefix", "round_robin")["ttft_p90_ms"]
+    replicas = row("prefix_repetition", "cache_aware, 2 replicas")
+    ratios["prefix_repetition p50 TTFT, round_robin / cache_aware in 2 replicas"] = \
+        rr["ttft_p50_ms"] / replicas["ttft_p50_ms"]
+    ratios["hot_prefix largest engine share, cache_aware in 2 replicas"] = \
+        max(row("hot_prefix", "cache_aware, 2 replicas")["engine_share"].values())
+    change = next(r for r in rows if "fleet_changes" in r)
+    ratios["fleet change: failed requests"] = change["failed"]
+    ratios["prefix_repetition p50 TTFT, round_robin / cache_aware with the fleet changing"] = \
+        rr["ttft_p50_ms"] / change["ttft_p50_ms"]
     print(f"\nrouter overhead: a one-token completion {over['direct_p50_ms']:.1f} ms direct, "
           f"{over['routed_p50_ms']:.1f} ms through the router: +{over['added_p50_ms']:.2f} ms p50 (target < 2 ms)")
     for name, value in ratios.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,8 +59,19 @@ class RouterProcess(Process):
     def __init__(self, config: dict, work: Path, name: str = "router") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        path = work / f"{name}.yaml"
-        path.write_text(json.dumps({**config, "listen": f"127.0.0.1:{self.port}"}))
-        argv = [sys.executable, "-m", "kvtier.cli", "router", "--config", str(path), "--log-level",
+        self.config_path = work / f"{name}.yaml"
+        self._write(config)
+        argv = [sys.executable, "-m", "kvtier.cli", "router", "--config", str(self.config_path), "--log-level",
                 os.environ.get("KVTIER_ROUTER_LOG_LEVEL", "INFO")]
         super().__init__(name, argv, work / f"{name}.log", dict(os.environ), self.url + "/health")
+
+    def _write(self, config: dict) -> None:
+        """The config file, replaced whole (a reload never reads half of it)."""
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**config, "listen": f"127.0.0.1:{self.port}"}))
+        tmp.replace(self.config_path)
+
+    def reconfigure(self, config: dict) -> None:
+        """Write ``config`` as the router's config file and signal it (SIGHUP) to read its engines again."""
+        self._write(config)
+        self.send(signal.SIGHUP)

@@ -12,6 +12,7 @@ Each server runs as a child process started here, is waited for until it answers
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -103,15 +104,16 @@ class BlackHole:
 
 class Relay:
     """A TCP relay on loopback to ``port`` that can be black-holed and healed: a network path to a server that
-    stops carrying packets, then carries them again (the server itself never notices).
+    stops carrying packets, then carries them again (the server itself never notices). Given several ports, it
+    hands each connection to the next in turn, as a Kubernetes Service spreads connections over its pods.
 
     While black-holed, connections are still accepted (as a path that drops packets still lets the kernel's
     handshake through a load balancer) and nothing is carried either way: bytes sent wait, unanswered, until
     the path heals or the client gives up. Healed, what waited is carried on, as TCP would retransmit it.
     """
 
-    def __init__(self, port: int) -> None:
-        self._target = port
+    def __init__(self, port: int, *more: int) -> None:
+        self._targets = itertools.cycle((port, *more))
         self._open = threading.Event()
         self._open.set()
         self._closed = False
@@ -137,7 +139,7 @@ class Relay:
             except OSError:
                 return  # closed
             try:
-                server = socket.create_connection(("127.0.0.1", self._target), timeout=5)
+                server = socket.create_connection(("127.0.0.1", next(self._targets)), timeout=5)
                 server.settimeout(None)
             except OSError:
                 client.close()
