@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from kvtier import KVStore
-from kvtier.frame import decode
+from kvtier.frame import decode, payload_tensor
+from kvtier.keys import chunk_keys
 from kvtier.testing import synthetic_kv, synthetic_tokens
 from tests.conftest import NS, store_config
 
@@ -66,10 +67,15 @@ def test_sigkill_during_write_storm_never_leaves_bad_chunks(tmp_path: Path) -> N
         assert not list((fs / ".tmp").iterdir())  # dead writers' temp files are gone
         objects = list(tier.list())
         assert objects, "the writer never got a chunk to disk"
-        for obj in objects:  # every file that survived is whole and verified
+        chunks = {key.hex(): (i, c) for i in range(KILLS * PROMPTS)
+                  for c, key in enumerate(chunk_keys(store.named(NS), synthetic_tokens(i, CHUNKS * T), T))}
+        for obj in objects:  # every file that survived is whole, verified, and holds its chunk's KV
             blob = tier.get(obj.key)
             assert blob is not None
-            decode(blob, expected=obj.key)
+            header, payload = decode(blob, expected=obj.key)
+            i, c = chunks[obj.key.chunk]
+            expected = synthetic_kv(synthetic_tokens(i, CHUNKS * T), heads=32, head_dim=64)[:, :, :, c * T:(c + 1) * T]
+            assert torch.equal(payload_tensor(payload, header.meta), expected), f"file of prompt {i} chunk {c}"
         hits = 0
         for i in range(KILLS * PROMPTS):
             tokens = synthetic_tokens(i, CHUNKS * T)
@@ -77,7 +83,23 @@ def test_sigkill_during_write_storm_never_leaves_bad_chunks(tmp_path: Path) -> N
             if n:
                 got = store.get(NS, tokens[:n])
                 assert got is not None
-                assert torch.equal(got, synthetic_kv(tokens, heads=32, head_dim=64)[:, :, :, :n])
+                expected = synthetic_kv(tokens, heads=32, head_dim=64)[:, :, :, :n]
+                assert torch.equal(got, expected), _wrong(store, tokens[:n], got, expected)
                 hits += 1
         assert hits > 0
         assert store.stats()["filesystem"].get("corrupt_objects_total", 0) == 0
+
+
+def _wrong(store: KVStore, tokens: list[int], got: torch.Tensor, expected: torch.Tensor) -> str:
+    """What a get that returned other KV than was put got wrong: per chunk, the elements that differ (in which
+    layers and heads), and whether a second get of the same tokens is right (a wrong read, not a wrong file: the
+    files were checked above)."""
+    lines = []
+    for c in range(got.shape[3] // T):
+        wrong = (got[:, :, :, c * T:(c + 1) * T] != expected[:, :, :, c * T:(c + 1) * T]).nonzero()
+        if len(wrong):
+            lines.append(f"chunk {c}: {len(wrong)} elements differ, layers {sorted(set(wrong[:, 0].tolist()))}, "
+                         f"heads {sorted(set(wrong[:, 2].tolist()))[:8]}")
+    again = store.get(NS, tokens)
+    lines.append(f"a second get is {'right' if again is not None and torch.equal(again, expected) else 'wrong'}")
+    return "; ".join(lines)
