@@ -15,6 +15,7 @@ import torch
 
 from kvtier import KVStore, Namespace, RedisTier, S3Tier, TierError, chunk_keys
 from kvtier.errors import PartUnavailable
+from kvtier.keys import HeadRange, ShardKey
 from kvtier.testing import synthetic_kv, synthetic_tokens
 from kvtier.testing.servers import BlackHole, MooncakeServer, RedisCluster, RedisServer, Relay, S3Server
 from kvtier.testing.tiers import NS_A, key
@@ -421,13 +422,17 @@ def _chunk_hashes(tokens: list[int]) -> list[str]:
     return [f"{NS.id}:{k.hex()}" for k in chunk_keys(NS, tokens, T)]
 
 
-def _read_round(store: KVStore, written: list[tuple[list[int], torch.Tensor]]) -> set[int]:
+def _read_round(store: KVStore, written: list[tuple[list[int], torch.Tensor]],
+                waits: list[float] | None = None) -> set[int]:
     """Read every sequence from the shared tier (DRAM emptied first); the ones missed. Any KV served must be
-    exactly what was written."""
+    exactly what was written. Each get's seconds are added to ``waits``, if given."""
     store.drop_dram()
     missed = set()
     for i, (tokens, kv) in enumerate(written):
+        start = time.monotonic()
         got = store.get(NS, tokens)
+        if waits is not None:
+            waits.append(time.monotonic() - start)
         if got is None:
             missed.add(i)
         else:
@@ -449,11 +454,12 @@ def _until_served(store: KVStore, written: list[tuple[list[int], torch.Tensor]],
 
 def test_a_black_holed_s3_endpoint_costs_only_its_own_chunks_until_the_path_heals(
         s3_server: S3Server, unique_prefix: str, tmp_path: Path) -> None:
-    """The network path to S3 carries nothing for 3 s, then heals, while an engine reads and writes: what its local
-    disk holds is served all along, the rest are misses (after the first call that timed out the tier rests, so
-    no later call waits on it), writes never wait; once healed, the tier is read again within its rest, and
-    nothing read differs from what was written. The figures (recovery time, hits lost) are logged for
-    docs/operating.md."""
+    """The network path to S3 carries nothing for 3 s, then heals (cutting the connections that held requests),
+    while an engine reads and writes: what its local disk holds is served all along, the rest are misses (the
+    calls in flight wait out their read timeout, then the tier rests and no call waits on it), puts never wait;
+    once healed, the tier is read again within its rest, nothing read differs from what was written, and every
+    chunk put in the outage is in S3 or counted as a failed or dropped write. The figures (recovery time, hits
+    lost) are logged for docs/operating.md."""
     with Relay(s3_server.port) as path:
         shared = {**s3_tier(s3_server, unique_prefix), "endpoint_url": f"http://127.0.0.1:{path.port}",
                   "read_timeout": 1, "connect_timeout": 1}
@@ -465,41 +471,41 @@ def test_a_black_holed_s3_endpoint_costs_only_its_own_chunks_until_the_path_heal
             for i in near:  # read once: promoted into the local disk (the rest are in S3 alone)
                 assert torch.equal(reader.get(NS, written[i][0]), written[i][1])
             reader.flush()
-            path.black_hole()
-            holed = time.monotonic()
             rounds: list[set[int]] = []
-            waits: list[float] = []
+            waits: list[float] = []  # each get's
             during: list[tuple[list[int], torch.Tensor]] = []  # put in the outage
-            while time.monotonic() - holed < 3:
-                start = time.monotonic()
-                missed = _read_round(reader, written)  # (asserts every answer that came equals what was written)
-                waits.append(time.monotonic() - start)
-                rounds.append(missed)
-                assert missed <= far, "a sequence on the local disk was missed"
-                tokens, kv, took = timed_put(reader, 700 + len(rounds))
-                assert took < 1.0
-                during.append((tokens, kv))
+            path.black_hole()
+            try:
+                holed = time.monotonic()
+                while time.monotonic() - holed < 3:
+                    missed = _read_round(reader, written, waits)  # (asserts what came equals what was written)
+                    rounds.append(missed)
+                    assert missed <= far, "a sequence on the local disk was missed"
+                    tokens, kv, took = timed_put(reader, 700 + len(rounds))
+                    assert took < 1.0
+                    during.append((tokens, kv))
+            finally:
+                path.heal(reset=True)
             outage = len(rounds)
-            path.heal()
             recovered = _until_served(reader, written, time.monotonic(), 15, rounds)
             reader.flush()  # (the writes the outage held up end)
             stats = reader.stats()["s3"]
         with store_with([s3_tier(s3_server, unique_prefix)], dram="32MiB") as other:  # another engine
-            landed = len(written) + len(during) - len(_read_round(other, written + during))
+            absent = sum(not other.tiers[0].exists(ShardKey(NS.id, chunk.hex(), HeadRange(0, 4, 4)))
+                         for tokens, _ in during for chunk in chunk_keys(NS, tokens, T))  # chunks not in S3
     misses = sum(len(m) for m in rounds)
+    failed = stats["write_errors_total"] + sum(v for k, v in stats.items() if k.startswith("dropped_writes"))
     logging.getLogger(__name__).warning(
-        "s3 black-holed 3 s: %d rounds of %d sequences (%d on the local disk) in the outage, each taking at most "
-        "%.2f s; served again %.2f s after the path healed; %d sequence reads missed in all; of %d sequences "
-        "put in the outage %d landed in S3; %s", outage, len(written), len(near), max(waits), recovered, misses,
-        len(during), landed - len(written),
+        "s3 black-holed 3 s: %d rounds of %d sequences (%d on the local disk) in the outage, no get waiting more "
+        "than %.2f s; served again %.2f s after the path healed; %d sequence reads missed in all; of %d chunks "
+        "put in the outage %d are in S3, %d writes failed or dropped; %s", outage, len(written), len(near),
+        max(waits), recovered, misses, 2 * len(during), 2 * len(during) - absent, failed,
         {k: v for k, v in stats.items() if "errors" in k or "dropped" in k or "outage" in k})
-    # A round waits at most one read timeout (1 s) for the calls in flight, and a retry after a rest another.
-    assert max(waits) < 3 * 1.0 + MARGIN, waits
+    # A get waits at most for its calls in flight (one read timeout, 1 s), or for a retry after the tier's rest.
+    assert max(waits) < 1.0 + MARGIN + 0.6, max(waits)
     assert all(m == far for m in rounds[:outage]), rounds[:outage]
     assert stats["read_errors_total"] >= 1
-    # A write held up by the outage lands once the path heals, or fails (counted): none is lost unseen.
-    failed = stats["write_errors_total"] + sum(v for k, v in stats.items() if k.startswith("dropped_writes"))
-    assert landed + failed >= len(written) + len(during), (landed, failed, len(during))
+    assert absent <= failed, (absent, failed)  # none lost unseen
 
 
 def test_a_restarted_mooncake_master_forgets_its_objects_and_is_written_again(tmp_path: Path,
@@ -521,11 +527,12 @@ def test_a_restarted_mooncake_master_forgets_its_objects_and_is_written_again(tm
             for i in near:  # read once: promoted into the local disk (the rest are in Mooncake alone)
                 assert torch.equal(reader.get(NS, written[i][0]), written[i][1])
             reader.flush()
+            killed = time.monotonic()
             server.restart_master()
-            restarted = time.monotonic()
+            assert _read_round(reader, written) == far  # the new master knows none; the local disk serves its own
             recovered = None
             while recovered is None:
-                assert time.monotonic() - restarted < 30, "writes did not go through again within 30 s"
+                assert time.monotonic() - killed < 30, "writes did not go through again within 30 s"
                 tokens, kv, took = timed_put(reader, 900 + int(time.monotonic() * 1000) % 10_000)
                 assert took < 1.0
                 reader.flush()
@@ -533,7 +540,7 @@ def test_a_restarted_mooncake_master_forgets_its_objects_and_is_written_again(tm
                 got = other.get(NS, tokens)
                 if got is not None:
                     assert torch.equal(got, kv)
-                    recovered = time.monotonic() - restarted
+                    recovered = time.monotonic() - killed
                 else:
                     time.sleep(0.1)
             lost = _read_round(reader, written)
@@ -541,7 +548,8 @@ def test_a_restarted_mooncake_master_forgets_its_objects_and_is_written_again(tm
     finally:
         server.stop()
     logging.getLogger(__name__).warning(
-        "mooncake master restarted: written again after %.2f s (the master's own start included); %d of %d "
-        "shared sequences lost with the old master's metadata; %s", recovered, len(lost), len(far),
-        {k: v for k, v in stats.items() if "errors" in k or "dropped" in k or "outage" in k})
-    assert lost <= far
+        "mooncake master killed and started again: written again %.2f s after the kill (the new master's start "
+        "included); %d of %d shared sequences lost with the old master's metadata; %s", recovered, len(lost),
+        len(far), {k: v for k, v in stats.items() if "errors" in k or "dropped" in k or "outage" in k})
+    assert lost == far
+    assert stats["write_errors_total"] + stats["dropped_writes_total{reason=tier_unavailable}"] >= 1

@@ -108,8 +108,10 @@ class Relay:
     hands each connection to the next in turn, as a Kubernetes Service spreads connections over its pods.
 
     While black-holed, connections are still accepted (as a path that drops packets still lets the kernel's
-    handshake through a load balancer) and nothing is carried either way: bytes sent wait, unanswered, until
-    the path heals or the client gives up. Healed, what waited is carried on, as TCP would retransmit it.
+    handshake through a load balancer) and nothing is carried either way, the end of a connection included:
+    bytes sent wait, unanswered, until the path heals or the client gives up. Healed, what waited is carried on,
+    as TCP would retransmit it after a partition (a request its client gave up on reaches the server late), or
+    with ``heal(reset=True)`` the connections that held bytes are cut, as a middlebox that lost their state does.
     """
 
     def __init__(self, port: int, *more: int) -> None:
@@ -118,7 +120,10 @@ class Relay:
         self._open.set()
         self._closed = False
         self._lock = threading.Lock()
-        self._pumps: dict[tuple[socket.socket, socket.socket], int] = {}  # each connection: its pumps running
+        Pair = tuple[socket.socket, socket.socket]
+        self._pumps: dict[Pair, int] = {}  # each connection (client, server): its pumps running
+        self._holding: set[Pair] = set()  # connections that held bytes while black-holed
+        self._cut: set[Pair] = set()  # connections a heal with reset cuts
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(128)
@@ -129,15 +134,22 @@ class Relay:
     def black_hole(self) -> None:
         self._open.clear()
 
-    def heal(self) -> None:
+    def heal(self, reset: bool = False) -> None:
+        with self._lock:
+            if reset:
+                self._cut |= self._holding
+            self._holding.clear()
         self._open.set()
 
     def _accept(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 client, _ = self._sock.accept()
             except OSError:
-                return  # closed
+                if self._closed:
+                    return
+                time.sleep(0.01)  # (out of descriptors, an aborted handshake): the relay goes on
+                continue
             try:
                 server = socket.create_connection(("127.0.0.1", next(self._targets)), timeout=5)
                 server.settimeout(None)
@@ -152,38 +164,68 @@ class Relay:
                     return
                 self._pumps[pair] = 2
             for src, dst in (pair, pair[::-1]):
-                threading.Thread(target=self._pump, args=(pair, src, dst), name="relay-pump", daemon=True).start()
+                try:
+                    threading.Thread(target=self._pump, args=(pair, src, dst), name="relay-pump",
+                                     daemon=True).start()
+                except RuntimeError:  # no thread: the connection goes (the pump started, if any, ends with it)
+                    self._ended(pair, cut=True)
 
     def _pump(self, pair: tuple[socket.socket, socket.socket], src: socket.socket, dst: socket.socket) -> None:
+        clean = False
         try:
-            while data := src.recv(1 << 16):
-                while not self._open.wait(0.05):  # black-holed: held until healed (or closed)
-                    if self._closed:
-                        return
+            while True:
+                data = src.recv(1 << 16)
+                if not self._carry(pair):
+                    return
+                if not data:  # the end of its direction, carried as its bytes are (a half-close stays one)
+                    dst.shutdown(socket.SHUT_WR)
+                    clean = True
+                    return
                 dst.sendall(data)
         except OSError:
             pass
         finally:
-            for sock in pair:  # either side gone: the whole connection goes (the other pump's recv ends)
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+            self._ended(pair, cut=not clean)
+
+    def _carry(self, pair: tuple[socket.socket, socket.socket]) -> bool:
+        """Wait while black-holed; whether to carry on (not when closed, nor cut by a heal with reset)."""
+        if not self._open.is_set():
             with self._lock:
-                left = self._pumps.pop(pair, 1) - 1
-                if left:
-                    self._pumps[pair] = left
-            if not left:  # the last of its two pumps: nothing reads the sockets any more
+                self._holding.add(pair)
+            while not self._open.wait(0.05):
+                if self._closed:
+                    return False
+        with self._lock:
+            return pair not in self._cut and not self._closed
+
+    def _ended(self, pair: tuple[socket.socket, socket.socket], cut: bool) -> None:
+        """One pump of ``pair`` ended; ``cut``: by an error, a reset or a close, which ends the whole connection
+        (the other pump's recv returns). The last one closes both sockets."""
+        with self._lock:
+            if cut:
                 for sock in pair:
-                    sock.close()
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+            left = self._pumps.pop(pair, 1) - 1
+            if left:
+                self._pumps[pair] = left
+                return
+            self._holding.discard(pair)
+            self._cut.discard(pair)
+            for sock in pair:
+                sock.close()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            pairs = list(self._pumps)
+            for pair in self._pumps:  # their pumps end and close them
+                for sock in pair:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # (a close alone does not wake accept on Linux)
         self._sock.close()
-        for pair in pairs:  # their pumps end and close them
-            for sock in pair:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+        self._acceptor.join(5)
 
     def __enter__(self) -> Relay:
         return self
