@@ -204,11 +204,14 @@ def run_fleet_change(engines: list[Engine], model: Path, work: Path, workload: s
                                     (2 / 3, [second], f"{first.name} left")):
             if stop.wait(max(0.0, begun + at * seconds - time.monotonic())):
                 return
+            if len(fleet_now) == 1:  # the router drops a leaving engine's series: what it was sent, counted now
+                before_leaving.update(engine_share(router.url)[0])
             router.reconfigure(router_config(fleet_now, model, "cache_aware"))
             changes.append((what, time.monotonic() - begun))
             log(f"fleet change: {what} at {changes[-1][1]:.0f} s")
 
     stop = threading.Event()
+    before_leaving: dict[str, int] = {}
     changer = threading.Thread(target=change, name="fleet-change")
     try:
         router.wait_healthy(120)
@@ -222,6 +225,12 @@ def run_fleet_change(engines: list[Engine], model: Path, work: Path, workload: s
             changer.join()
         router.stop()
     row["fleet_changes"] = [{"change": what, "at_s": at} for what, at in changes]
+    # the requests sent to the engine that left, counted before it left (its series went with it)
+    sent = {name: share * sum(row["per_router"]) for name, share in row["engine_share"].items()}
+    for name, count in before_leaving.items():
+        sent.setdefault(name, count)
+    total = sum(sent.values()) or 1
+    row["engine_share"] = {name: count / total for name, count in sorted(sent.items())}
     return row
 
 
