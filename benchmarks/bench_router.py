@@ -50,7 +50,8 @@ from bench_store import machine
 
 from kvtier.bench.model import prepare_model
 from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess
-from kvtier.testing.servers import RedisServer, Relay
+from kvtier.testing.network import Relay
+from kvtier.testing.servers import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 

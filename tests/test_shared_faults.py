@@ -17,7 +17,8 @@ from kvtier import KVStore, Namespace, RedisTier, S3Tier, TierError, chunk_keys
 from kvtier.errors import PartUnavailable
 from kvtier.keys import HeadRange, ShardKey
 from kvtier.testing import synthetic_kv, synthetic_tokens
-from kvtier.testing.servers import BlackHole, MooncakeServer, RedisCluster, RedisServer, Relay, S3Server
+from kvtier.testing.network import BlackHole, Relay
+from kvtier.testing.servers import MooncakeServer, RedisCluster, RedisServer, S3Server
 from kvtier.testing.tiers import NS_A, key
 
 from .conftest import NS

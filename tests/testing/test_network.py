@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.testing.servers import Relay
+from kvtier.testing.network import Relay
 
 
 class _Echo(socketserver.BaseRequestHandler):
