@@ -497,13 +497,17 @@ def test_a_black_holed_s3_endpoint_costs_only_its_own_chunks_until_the_path_heal
     misses = sum(len(m) for m in rounds)
     failed = stats["write_errors_total"] + sum(v for k, v in stats.items() if k.startswith("dropped_writes"))
     logging.getLogger(__name__).warning(
-        "s3 black-holed 3 s: %d rounds of %d sequences (%d on the local disk) in the outage, no get waiting more "
-        "than %.2f s; served again %.2f s after the path healed; %d sequence reads missed in all; of %d chunks "
-        "put in the outage %d are in S3, %d writes failed or dropped; %s", outage, len(written), len(near),
-        max(waits), recovered, misses, 2 * len(during), 2 * len(during) - absent, failed,
+        "s3 black-holed 3 s: %d rounds of %d sequences (%d on the local disk) in the outage, %d gets waiting "
+        "0.8 s or more, none more than %.2f s; served again %.2f s after the path healed; %d sequence reads missed "
+        "in all; of %d chunks put in the outage %d are in S3, %d writes failed or dropped; %s", outage,
+        len(written), len(near), sum(w >= 0.8 for w in waits), max(waits), recovered, misses, 2 * len(during),
+        2 * len(during) - absent, failed,
         {k: v for k, v in stats.items() if "errors" in k or "dropped" in k or "outage" in k})
-    # A get waits at most for its calls in flight (one read timeout, 1 s), or for a retry after the tier's rest.
-    assert max(waits) < 1.0 + MARGIN + 0.6, max(waits)
+    # The tier rests after its first timed-out calls: only they and the retries after each rest (0.2 s doubling:
+    # a handful in 3 s) wait out the read timeout (1 s), where each of the 6 gets a round of S3's chunks would
+    # without the rest; and no get waits for two (the load of a CI machine adds to each wait, not to their count).
+    slow = [w for w in waits if w >= 0.8]
+    assert len(slow) <= 10 and max(waits) < 2 * 1.0 + 1.5, (len(slow), max(waits))
     assert all(m == far for m in rounds[:outage]), rounds[:outage]
     assert stats["read_errors_total"] >= 1
     assert absent <= failed, (absent, failed)  # none lost unseen
