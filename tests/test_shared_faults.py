@@ -4,6 +4,7 @@ server that stalls, and a server that evicts on its own."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -558,3 +559,30 @@ def test_a_restarted_mooncake_master_forgets_its_objects_and_is_written_again(tm
         len(far), {k: v for k, v in stats.items() if "errors" in k or "dropped" in k or "outage" in k})
     assert lost == far
     assert stats["write_errors_total"] + stats["dropped_writes_total{reason=tier_unavailable}"] >= 1
+
+
+def test_a_stalled_mooncake_node_costs_a_get_at_most_its_transfer_timeout(tmp_path: Path, unique_prefix: str) -> None:
+    """The process holding Mooncake's objects stops answering (SIGSTOP) while its master answers: a get of chunks it
+    holds waits at most the tier's ``transfer_timeout`` (2 s here; Mooncake's own default held it 30 s) and is a
+    miss, the local disk's chunks are served meanwhile, and once the node answers again its chunks are served."""
+    server = MooncakeServer(tmp_path / "mooncake").start()
+    try:
+        shared = {**mooncake_tier(server, unique_prefix), "transfer_timeout": 2}
+        with store_with([shared], dram="32MiB") as writer:
+            written = [timed_put(writer, 1000 + i)[:2] for i in range(4)]
+            writer.flush()
+        with store_with([{"type": "filesystem", "path": str(tmp_path / "fs")}, shared], dram="32MiB") as reader:
+            for tokens, kv in written[:2]:  # read once: promoted into the local disk
+                assert torch.equal(reader.get(NS, tokens), kv)
+            reader.flush()
+            os.killpg(server.client_pid, signal.SIGSTOP)
+            try:
+                waits: list[float] = []
+                missed = _read_round(reader, written, waits)
+            finally:
+                os.killpg(server.client_pid, signal.SIGCONT)
+            assert missed == {2, 3}, missed  # the stalled node's chunks are misses, the local disk's are not
+            assert 2.0 * 0.9 <= max(waits) < 2.0 + 1.0 + MARGIN, waits
+            _until_served(reader, written, time.monotonic(), 30, [])
+    finally:
+        server.stop()

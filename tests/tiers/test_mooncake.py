@@ -124,6 +124,9 @@ def test_listing_sees_only_exact_names(mooncake_server: MooncakeServer, unique_p
     ({"master": "h:1", "metadata_server": "http://x:70000/metadata"}, "tiers[0].metadata_server: the port"),
     ({"master": "h:1", "metadata_server": "http://x/metadata", "admin_url": "http://x:99999"},
      "tiers[0].admin_url: the port"),
+    ({"master": "h:1", "metadata_server": "http://x/metadata", "transfer_timeout": 0},
+     "tiers[0].transfer_timeout: must be a whole number of seconds in [1, 3600]"),
+    ({"master": "h:1", "metadata_server": "http://x/metadata", "transfer_timeout": 2.5}, "tiers[0].transfer_timeout"),
 ])
 def test_bad_options_name_the_field(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -97,6 +97,9 @@ class Read:
     guessed: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     parents: dict[str, str | None] = dataclasses.field(default_factory=dict)
     started: dict[tuple[str, ShardKey], Future[Fetched] | Filling] = dataclasses.field(default_factory=dict)
+    # (tier, shard) reads that failed in this read: not planned nor read again by it (a shard a tier keeps after a
+    # failed read, e.g. on a stalled Mooncake node, would cost each re-plan the same wait)
+    failed: set[tuple[str, ShardKey]] = dataclasses.field(default_factory=set)
     # A load that reads a local file's payload a layer at a time (KVStore.loading's by_layers): its shards so
     # read, each in a reserved DRAM entry, verified and promoted once every layer is read (Reads.finish).
     by_layers: bool = False

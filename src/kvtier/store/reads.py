@@ -156,7 +156,8 @@ class Reads:
                         self.prefetch.unguess(read, source, chunk)  # this chunk and the rest guessed, at once
                     elif attempt or chunk not in answers:  # a re-plan asks again: the last answer was wrong
                         answers[chunk] = source.heads(read.namespace, [chunk])[0]
-                    ranges += read.heads[source.name][chunk]
+                    ranges += [h for h in read.heads[source.name][chunk]
+                               if (source.name, ShardKey(read.namespace, chunk, h)) not in read.failed]
                 found = plan_heads(read, ranges)
                 if found is None:
                     break
@@ -203,38 +204,37 @@ class Reads:
         skipped when that tier holds it already.
         """
         for guard in read.tiers:
-            if key.heads not in read.heads.get(guard.name, {}).get(key.chunk, [key.heads]):
-                continue  # this tier said it lacks the shard: no round trip to hear it again
-            filling = read.started.get((guard.name, key))
-            if isinstance(filling, Filling):
-                del read.started[(guard.name, key)]
-                created = self._filled(guard, filling)
-                # promoted before reading on: nothing left in hand
-                promoted = created is not None and self._promote(read, guard, filling.entry, created)
-                self.prefetch.read_ahead(read)
-                if promoted:
-                    return filling.entry
-                continue
-            if read.shape is not None and (not (self.prefetch.reads_ahead(guard) or guard.batch_reads) or
-                                           (guard.name, key) not in read.started):
-                entry = self._dram.reserve(key, read.shape.meta(self._chunk_tokens, key.heads), parent, read.owner)
-                if isinstance(entry, DramEntry):
-                    if read.by_layers and read.one_piece and guard.ranged_reads and \
-                            len(entry.extents) == 1 and len(read.deferred) < DEFERRED_MAX:
-                        if self._defer(read, guard, key, entry):
-                            return entry
-                        continue
-                    if self._read_into(read, guard, key, entry):
-                        return entry
-                    continue
-                # present (promoted by another read meanwhile) or no room: read the bytes as they are
-            got = self._read_verified(guard, key, read)
-            if got is None:
-                continue
-            fetched = self._keep(read, guard, key, parent, got)
+            if key.heads not in read.heads.get(guard.name, {}).get(key.chunk, [key.heads]) or \
+                    (guard.name, key) in read.failed:
+                continue  # this tier said it lacks the shard, or failed to read it: no round trip for that again
+            fetched = self._fetch_from(read, guard, key, parent)
             if fetched is not None:
                 return fetched
+            read.failed.add((guard.name, key))
         return None
+
+    def _fetch_from(self, read: Read, guard: GuardedTier, key: ShardKey,
+                    parent: str | None) -> DramEntry | torch.Tensor | None:
+        """:meth:`_fetch` from one tier; None when it failed (missing, corrupt, unreadable, or not servable)."""
+        filling = read.started.get((guard.name, key))
+        if isinstance(filling, Filling):
+            del read.started[(guard.name, key)]
+            created = self._filled(guard, filling)
+            # promoted before reading on: nothing left in hand
+            promoted = created is not None and self._promote(read, guard, filling.entry, created)
+            self.prefetch.read_ahead(read)
+            return filling.entry if promoted else None
+        if read.shape is not None and (not (self.prefetch.reads_ahead(guard) or guard.batch_reads) or
+                                       (guard.name, key) not in read.started):
+            entry = self._dram.reserve(key, read.shape.meta(self._chunk_tokens, key.heads), parent, read.owner)
+            if isinstance(entry, DramEntry):
+                if read.by_layers and read.one_piece and guard.ranged_reads and \
+                        len(entry.extents) == 1 and len(read.deferred) < DEFERRED_MAX:
+                    return entry if self._defer(read, guard, key, entry) else None
+                return entry if self._read_into(read, guard, key, entry) else None
+            # present (promoted by another read meanwhile) or no room: read the bytes as they are
+        got = self._read_verified(guard, key, read)
+        return None if got is None else self._keep(read, guard, key, parent, got)
 
     # -- shards read a layer at a time (a load by layers) ------------------------------------------------------
     def _defer(self, read: Read, guard: GuardedTier, key: ShardKey, entry: DramEntry) -> bool:

@@ -441,6 +441,11 @@ class MooncakeServer:
             raise
         return master
 
+    @property
+    def client_pid(self) -> int:
+        """The standalone client holding the objects' memory (its own process group): signal it to stall it."""
+        return self._procs[1].proc.pid
+
     def restart_master(self, sig: int = signal.SIGKILL) -> None:
         """Stop the master with ``sig`` (a crash, by default) and start a new one on the same ports; the segment
         client stays. The new master starts empty: what the old one knew of the objects is gone."""

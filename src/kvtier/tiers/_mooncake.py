@@ -26,6 +26,7 @@ import dataclasses
 import http.client
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -50,6 +51,9 @@ _MAX_HEADS = 1024
 _MAX_COUNTS = 16
 _MARKER_RE = re.compile(rb"[0-9]{1,4}(,[0-9]{1,4}){0,%d}" % (_MAX_COUNTS - 1))
 _KEYS_FRESH = 1.0  # seconds one key list from the master serves (a share's listing reads it once per namespace)
+# Mooncake's TCP transport fails a transfer that made no progress for this many seconds (its own default: 30, so a
+# stalled segment holder held each read that long, and a get with it); read when a store is set up.
+_PROGRESS_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
 log = logging.getLogger(__name__)
 
 
@@ -73,6 +77,10 @@ class MooncakeOptions:
         "help": "the master's admin address (http://master:9003), needed by `kvtier cache ls` and tenant quotas"})
     connect_timeout: float = dataclasses.field(default=10.0, metadata={
         "help": "wait this long at start for joining the master; after that, join in the background"})
+    transfer_timeout: int = dataclasses.field(default=5, metadata={
+        "help": "seconds a TCP transfer may make no progress before it fails (a stalled node holding the "
+                "object): Mooncake's MC_TCP_PROGRESS_TIMEOUT_SEC for this process, unless the environment "
+                "sets it (Mooncake's default: 30)"})
     # Served no longer than this after it was written (the store checks each object's age as it reads it);
     # removed by `kvtier cache retain`. None: kept until evicted or purged.
     ttl_seconds: float | None = dataclasses.field(default=None, metadata={
@@ -104,8 +112,29 @@ class MooncakeOptions:
         if not (self.connect_timeout >= 0 and math.isfinite(self.connect_timeout)):
             raise ConfigError(f"{field}.connect_timeout: must be a number of seconds >= 0, got "
                               f"{self.connect_timeout}")
+        if isinstance(self.transfer_timeout, bool) or not 1 <= self.transfer_timeout <= 3600:
+            raise ConfigError(f"{field}.transfer_timeout: must be a whole number of seconds in [1, 3600], got "
+                              f"{self.transfer_timeout!r}")
         if self.local_buffer_bytes <= 0:
             raise ConfigError(f"{field}.local_buffer_bytes: must be positive, got {self.local_buffer_bytes}")
+
+
+_progress_set: list[str] = []  # the value this process's tiers last gave the variable (none: never set here)
+_progress_lock = threading.Lock()
+
+
+def _progress_timeout(tier: str, seconds: int) -> None:
+    """Have Mooncake's TCP transfers fail after ``seconds`` without progress: its environment variable, set for this
+    process before a store is set up (a tier set up later sets its own); one the user's environment set is kept
+    (a different one said)."""
+    with _progress_lock:
+        found = os.environ.get(_PROGRESS_ENV)
+        if found is None or found in _progress_set[-1:]:
+            os.environ[_PROGRESS_ENV] = str(seconds)
+            _progress_set[:] = [str(seconds)]
+        elif found != str(seconds):
+            log.warning("tier %s: transfer_timeout %d s not applied: the environment sets %s=%s", tier, seconds,
+                        _PROGRESS_ENV, found)
 
 
 def _slices(total: int) -> list[HeadRange]:
@@ -132,6 +161,7 @@ class MooncakeTier(Tier):
             raise ConfigError(f"{name}: the mooncake tier needs Mooncake's Python package (pip install "
                               "'kvtier[mooncake]', or mooncake-transfer-engine on CUDA hosts)") from exc
         self._factory = MooncakeDistributedStore
+        _progress_timeout(name, options.transfer_timeout)
         self._store_obj: Any = None
         self._closed = threading.Event()
         self._totals: dict[str, set[int]] = {}  # namespace -> KV-head totals, from markers read or written
