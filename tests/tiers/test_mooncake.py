@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator
 
@@ -131,3 +132,23 @@ def test_listing_sees_only_exact_names(mooncake_server: MooncakeServer, unique_p
 def test_bad_options_name_the_field(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         MooncakeTier.from_config("mooncake", options, "tiers[0]")
+
+
+def test_transfer_timeout_is_the_last_tiers_unless_the_user_set_it(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """Mooncake reads MC_TCP_PROGRESS_TIMEOUT_SEC for every transfer of the process: kvtier sets it, a tier set up
+    later changes it (said), and a value from the user's environment is kept (a different setting said)."""
+    from kvtier.tiers import _mooncake
+
+    monkeypatch.setattr(_mooncake, "_progress_set", [])
+    monkeypatch.delenv(_mooncake._PROGRESS_ENV, raising=False)
+    _mooncake._progress_timeout("a", 5)
+    assert os.environ[_mooncake._PROGRESS_ENV] == "5"
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        _mooncake._progress_timeout("b", 2)
+    assert os.environ[_mooncake._PROGRESS_ENV] == "2" and "now applies to every Mooncake transfer" in caplog.text
+    monkeypatch.setattr(_mooncake, "_progress_set", [])
+    monkeypatch.setenv(_mooncake._PROGRESS_ENV, "9")  # the user's
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        _mooncake._progress_timeout("c", 2)
+    assert os.environ[_mooncake._PROGRESS_ENV] == "9" and "not applied" in caplog.text

@@ -164,12 +164,14 @@ class Prefetch:
                     len(read.started) >= READ_AHEAD:
                 break  # (a batch waits for room for a whole one)
             read.ahead.pop()
-            if guard.reads.resting():
-                continue
+            if guard.reads.resting() or (guard.name, key) in read.failed:
+                continue  # (a shard whose read failed in this read is never read again by it)
             if batch:
                 keys = [(key, parent)]
                 while read.ahead and read.ahead[-1][0] is guard and len(keys) < _BATCH:
-                    keys.append(read.ahead.pop()[1:])
+                    _, more, more_parent = read.ahead.pop()
+                    if (guard.name, more) not in read.failed:
+                        keys.append((more, more_parent))
                 self._read_batch(read, guard, keys)
                 continue
             self._start(read, guard, key, parent)

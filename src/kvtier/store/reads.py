@@ -147,7 +147,8 @@ class Reads:
         """Where this rank's heads of one chunk come from: DRAM alone, else DRAM plus each tier in turn."""
         sources: list[str | GuardedTier] = ["dram", *read.tiers]
         for source in sources:
-            # A failed piece (missing or corrupt) is removed from its tier, so each retry plans without it.
+            # A failed piece is removed from its tier (missing or corrupt) or left out of this read's plans
+            # (Read.failed: a shard its tier keeps, e.g. on a stalled node), so each retry plans without it.
             for attempt in range(_REPLANS):
                 ranges = self._dram.ranges(read.namespace, chunk)
                 if isinstance(source, GuardedTier):
@@ -156,8 +157,9 @@ class Reads:
                         self.prefetch.unguess(read, source, chunk)  # this chunk and the rest guessed, at once
                     elif attempt or chunk not in answers:  # a re-plan asks again: the last answer was wrong
                         answers[chunk] = source.heads(read.namespace, [chunk])[0]
-                    ranges += [h for h in read.heads[source.name][chunk]
-                               if (source.name, ShardKey(read.namespace, chunk, h)) not in read.failed]
+                    held = read.heads[source.name][chunk]
+                    ranges += [h for h in held if (source.name, ShardKey(read.namespace, chunk, h)) not in
+                               read.failed] if read.failed else held
                 found = plan_heads(read, ranges)
                 if found is None:
                     break

@@ -79,8 +79,8 @@ class MooncakeOptions:
         "help": "wait this long at start for joining the master; after that, join in the background"})
     transfer_timeout: int = dataclasses.field(default=5, metadata={
         "help": "seconds a TCP transfer may make no progress before it fails (a stalled node holding the "
-                "object): Mooncake's MC_TCP_PROGRESS_TIMEOUT_SEC for this process, unless the environment "
-                "sets it (Mooncake's default: 30)"})
+                "object): Mooncake's MC_TCP_PROGRESS_TIMEOUT_SEC, for every transfer of the process (the last "
+                "tier set up wins), unless the environment sets it (Mooncake's default: 30)"})
     # Served no longer than this after it was written (the store checks each object's age as it reads it);
     # removed by `kvtier cache retain`. None: kept until evicted or purged.
     ttl_seconds: float | None = dataclasses.field(default=None, metadata={
@@ -124,12 +124,15 @@ _progress_lock = threading.Lock()
 
 
 def _progress_timeout(tier: str, seconds: int) -> None:
-    """Have Mooncake's TCP transfers fail after ``seconds`` without progress: its environment variable, set for this
-    process before a store is set up (a tier set up later sets its own); one the user's environment set is kept
-    (a different one said)."""
+    """Have Mooncake's TCP transfers fail after ``seconds`` without progress: its environment variable, which Mooncake
+    reads for every transfer of the process, so the last tier set up wins (a change is said); one the user's
+    environment set is kept (a different one said)."""
     with _progress_lock:
         found = os.environ.get(_PROGRESS_ENV)
         if found is None or found in _progress_set[-1:]:
+            if found is not None and found != str(seconds):
+                log.warning("tier %s: transfer_timeout %d s now applies to every Mooncake transfer of this process "
+                            "(it was %s s)", tier, seconds, found)
             os.environ[_PROGRESS_ENV] = str(seconds)
             _progress_set[:] = [str(seconds)]
         elif found != str(seconds):
