@@ -87,32 +87,20 @@ def engine_share(router_url: str) -> tuple[dict[str, int], dict[str, int]]:
     return share, reasons
 
 
-class RunStart:
-    """When the requests of the next run begin (after vLLM's benchmark has loaded its tokenizer and made its
-    prompts; it sends no ready check nor warm-up requests unless asked to, and this script does not ask)."""
-
-    def __init__(self) -> None:
-        self.begun = threading.Event()
-
-    def arm(self) -> None:
-        self.begun.clear()
-
-    def sent(self) -> None:
-        self.begun.set()
-
-
-RUN_START = RunStart()
+# Set by the first request of a run (vLLM's benchmark sends no ready check nor warm-up unless asked, and this
+# script does not ask): what a fleet change is timed from.
+RUN_BEGUN = threading.Event()
 
 
 def install_session_headers() -> None:
     """Wrap vLLM's completions request function: each request carries a session id naming its document (and is
-    counted, for :data:`RUN_START`)."""
+    marks :data:`RUN_BEGUN`)."""
     from vllm.benchmarks.lib import endpoint_request_func as funcs
 
     original = funcs.ASYNC_REQUEST_FUNCS["openai"]
 
     async def with_session(request_func_input, session, pbar=None):
-        RUN_START.sent()
+        RUN_BEGUN.set()
         prompt = request_func_input.prompt
         key = prompt[:2000] if isinstance(prompt, str) else json.dumps(prompt)[:2000]
         headers = dict(request_func_input.extra_headers or {})
@@ -197,7 +185,7 @@ def run_fleet_change(engines: list[Engine], model: Path, work: Path, workload: s
     changes: list[tuple[str, float]] = []
 
     def change() -> None:
-        while not RUN_START.begun.wait(0.1):  # timed from the run's first request
+        while not RUN_BEGUN.wait(0.1):  # timed from the run's first request
             if stop.is_set():
                 return
         begun = time.monotonic()
@@ -216,7 +204,7 @@ def run_fleet_change(engines: list[Engine], model: Path, work: Path, workload: s
     changer = threading.Thread(target=change, name="fleet-change")
     try:
         router.wait_healthy(120)
-        RUN_START.arm()
+        RUN_BEGUN.clear()
         changer.start()
         row = measure(engines, [router], router.url, model, workload, seed, prompts,
                       f"cache_aware, {second.name} joins, then {first.name} leaves")

@@ -139,14 +139,14 @@ def test_transfer_timeout_is_the_last_tiers_unless_the_user_set_it(monkeypatch: 
     later changes it (said), and a value from the user's environment is kept (a different setting said)."""
     from kvtier.tiers import _mooncake
 
-    monkeypatch.setattr(_mooncake, "_progress_set", [])
+    monkeypatch.setattr(_mooncake, "_progress_ours", None)
     monkeypatch.delenv(_mooncake._PROGRESS_ENV, raising=False)
     _mooncake._progress_timeout("a", 5)
     assert os.environ[_mooncake._PROGRESS_ENV] == "5"
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         _mooncake._progress_timeout("b", 2)
     assert os.environ[_mooncake._PROGRESS_ENV] == "2" and "now applies to every Mooncake transfer" in caplog.text
-    monkeypatch.setattr(_mooncake, "_progress_set", [])
+    monkeypatch.setattr(_mooncake, "_progress_ours", None)
     monkeypatch.setenv(_mooncake._PROGRESS_ENV, "9")  # the user's
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvtier"):

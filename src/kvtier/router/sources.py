@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import ipaddress
-import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -31,7 +30,6 @@ from kvtier.errors import ConfigError
 from kvtier.router.config import DiscoveryConfig, EngineConfig
 from kvtier.router.metrics import LogOnce
 
-log = logging.getLogger(__name__)
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # an engine's name (EngineConfig.check)
 

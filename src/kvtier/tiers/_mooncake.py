@@ -119,7 +119,7 @@ class MooncakeOptions:
             raise ConfigError(f"{field}.local_buffer_bytes: must be positive, got {self.local_buffer_bytes}")
 
 
-_progress_set: list[str] = []  # the value this process's tiers last gave the variable (none: never set here)
+_progress_ours: str | None = None  # the value this process's tiers last gave the variable (None: never set here)
 _progress_lock = threading.Lock()
 
 
@@ -127,14 +127,14 @@ def _progress_timeout(tier: str, seconds: int) -> None:
     """Have Mooncake's TCP transfers fail after ``seconds`` without progress: its environment variable, which Mooncake
     reads for every transfer of the process, so the last tier set up wins (a change is said); one the user's
     environment set is kept (a different one said)."""
+    global _progress_ours
     with _progress_lock:
         found = os.environ.get(_PROGRESS_ENV)
-        if found is None or found in _progress_set[-1:]:
+        if found is None or found == _progress_ours:
             if found is not None and found != str(seconds):
                 log.warning("tier %s: transfer_timeout %d s now applies to every Mooncake transfer of this process "
                             "(it was %s s)", tier, seconds, found)
-            os.environ[_PROGRESS_ENV] = str(seconds)
-            _progress_set[:] = [str(seconds)]
+            os.environ[_PROGRESS_ENV] = _progress_ours = str(seconds)
         elif found != str(seconds):
             log.warning("tier %s: transfer_timeout %d s not applied: the environment sets %s=%s", tier, seconds,
                         _PROGRESS_ENV, found)

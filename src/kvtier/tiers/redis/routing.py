@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn
 
 from kvtier.errors import PartUnavailable, TierError
@@ -92,9 +92,8 @@ class NodeHealth:
         return time.monotonic()
 
     def succeeded(self, node: Any, began: float) -> None:
-        with self._lock:
-            late = began < self._failed_at.get(node.name, 0.0)  # (begun before its failure: says nothing now)
-        if not late:
+        # (begun before its failure: says nothing now; one dict read, no lock on this path of every call)
+        if began >= self._failed_at.get(node.name, 0.0):
             self._outage(node).succeeded()
 
     def failed(self, node: Any, exc: BaseException, began: float) -> NoReturn:
@@ -242,10 +241,14 @@ class NodePipelines:
             if len(groups) == 1:
                 answers = [self._send(*groups[0])]
             else:
-                try:
-                    answers = list(self._routed.senders.map(lambda group: self._send(*group), groups))
-                except RuntimeError:  # the client was closed meanwhile (rebuilt): sent one node after another
-                    answers = [self._send(*group) for group in groups]
+                futures: list[Future[list[Any]] | None] = []
+                for group in groups:
+                    try:
+                        futures.append(self._routed.senders.submit(self._send, *group))
+                    except RuntimeError:  # the client was closed meanwhile (rebuilt): the rest sent from here
+                        futures.append(None)
+                answers = [self._send(*group) if future is None else future.result()
+                           for future, group in zip(futures, groups)]
         except self._routed.redirections:  # a transaction raises its queued command's redirection
             return self._through_cluster(raise_on_error)
         for (_, positions), answered in zip(groups, answers):
