@@ -258,6 +258,41 @@ def test_between_near_equals_the_shorter_queue_wins():
     assert router.decide(Prompt(DOC + [2]))[0].engine == "e1"
 
 
+def test_a_burst_between_engines_computing_the_same_goes_by_their_queues_not_by_their_decoding_requests():
+    """Both hold the prefix; e1 has two requests decoding, each predicted to add 0.4 s to a new one's wait. A
+    burst of four does not all go to e0 by that prediction (measured: a burst of four on one engine answered
+    each in 630 ms): between engines computing the same, with nothing queued before their prefill, the
+    shorter queue wins."""
+    router = make()
+    hold(router, "e0", DOC)
+    hold(router, "e1", DOC)
+    e1 = router.engines["e1"]
+    e1.decode_s = 0.4
+    for i in range(2):
+        prompt = Prompt(DOC + [5] * 128 + [i])
+        flight = router.started(router.decide(prompt, names=["e1"])[0], router.keys(prompt))
+        e1.flights[flight].answering = True
+    for i in range(4):
+        prompt = Prompt(DOC + list(range(2000 + 200 * i, 2128 + 200 * i)))
+        decision = router.decide(prompt)[0]
+        assert decision.uncached == 128 and decision.reason == "prefix"
+        router.started(decision, router.keys(prompt))
+    assert {n: len(e.flights) for n, e in router.engines.items()} == {"e0": 3, "e1": 3}
+
+
+def test_an_engine_with_fewer_requests_but_a_long_prefill_queued_is_not_a_near_equal():
+    router = make()
+    hold(router, "e0", DOC)
+    hold(router, "e1", DOC)
+    cold = Prompt(list(range(50_000, 53_000)))  # 3 s of prefill queued on e1
+    router.started(router.decide(cold, names=["e1"])[0], router.keys(cold))
+    for i in range(2):  # two requests decoding on e0
+        prompt = Prompt(DOC + [7, i])
+        e0 = router.engines["e0"]
+        e0.flights[router.started(router.decide(prompt, names=["e0"])[0], router.keys(prompt))].answering = True
+    assert router.decide(Prompt(DOC + list(range(128))))[0].engine == "e0"
+
+
 def test_a_second_request_on_a_reserved_prefix_keeps_it_reserved_when_the_first_fails():
     router = make(engines=("e0",))
     first, second = Prompt(DOC + [1]), Prompt(DOC + [2])

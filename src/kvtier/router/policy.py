@@ -283,11 +283,10 @@ class Router:
             tie = next(self._next)
             order = sorted(names, key=lambda n: (round(costed[n].predicted_s, 4), len(self.engines[n].flights),
                                                  (names.index(n) - tie) % len(names)))
-            # Engines within a near tie of the best are told apart by their queues alone (fewest requests in
-            # flight first): the calibrated costs are estimates, and between near equals the shortest queue
-            # balances better than their noise.
-            best = costed[order[0]].predicted_s
-            near = [n for n in order if costed[n].predicted_s <= best + self._slack(best, order[0])]
+            # Engines near the best are told apart by their queues alone (fewest requests in flight first): the
+            # calibrated costs are estimates, and between near equals the shortest queue balances better than
+            # their noise.
+            near = self._near(order, costed)
             near.sort(key=lambda n: (len(self.engines[n].flights), (names.index(n) - tie) % len(names)))
             order = near + [n for n in order if n not in near]
             balanced = self._balanced(order, costed, names, tie)
@@ -296,6 +295,22 @@ class Router:
             reason = ("balance" if balanced else "unindexed" if prompt is None else "no_prefix" if best_blocks == 0
                       else "prefix" if first == best_blocks else "load")
         return [dataclasses.replace(costed[n], reason=reason if i == 0 else "retry") for i, n in enumerate(order)]
+
+    def _near(self, order: list[str], costed: dict[str, RouteDecision]) -> list[str]:
+        """The engines (of ``order``, best first) near enough to the best to be told apart by their queues alone:
+        those predicted within a near tie of it, and those that would compute and load as much of the prompt as
+        it does with their queued prefills and loads within a near tie of the shortest such queue. Between engines
+        that would compute the same, the rest of a predicted wait is its least certain part: vLLM computes
+        several queued prefills in one step, and what each decoding request adds is calibrated from TTFTs that
+        absorb whatever else slows a loaded machine. (Under one hot prefix, a burst of four went whole to the
+        engine with fewer requests decoding, each answered in 630 ms, while the other was predicted 760 ms away
+        by its decoding requests alone.)"""
+        first = costed[order[0]]
+        slack = self._slack(first.predicted_s, order[0])
+        same = [n for n in order if costed[n].uncached == first.uncached]
+        shortest = min(costed[n].queued_s + costed[n].load_s for n in same)
+        return [n for n in order if costed[n].predicted_s <= first.predicted_s + slack
+                or (n in same and costed[n].queued_s + costed[n].load_s <= shortest + slack)]
 
     def _balanced(self, order: list[str], costed: dict[str, RouteDecision], names: list[str], tie: int) -> bool:
         """Put the least busy engine first (in place) when the first has more than ``balance_requests`` more
