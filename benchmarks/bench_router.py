@@ -27,10 +27,14 @@ Session affinity needs a session per client: this script's wrapper of vLLM's req
 per conversation would. Router overhead: a one-token completion asked directly of an engine and through a router
 (alternating, 40 each), the difference of medians.
 
-    python benchmarks/bench_router.py [--json PATH] [--quick]
+Round-robin and cache-aware on both workloads, the pairs the targets compare, run ``--rounds`` times (3),
+interleaved, each round a pair with prompts of its own: each target's ratio is the median of the rounds', printed
+with every round's (on a 2-core machine a single pair's ratio swung 1.2x-2.2x from run to run).
+
+    python benchmarks/bench_router.py [--json PATH] [--quick] [--rounds N]
 
 Prints a Markdown table (TTFT p50/p90/p99, throughput, cached-token share, engine shares) with the ratios the
-README's targets name; about 14 minutes here (``--quick``: a quarter of the requests, about 6).
+README's targets name; about 21 minutes here (``--quick``: a quarter of the requests, one round, about 6).
 """
 
 from __future__ import annotations
@@ -303,10 +307,15 @@ def fleet(model: Path, work: Path, store: dict) -> list[Engine]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--quick", action="store_true", help="a quarter of the requests per workload")
+    parser.add_argument("--quick", action="store_true", help="a quarter of the requests per workload, one round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of the round-robin and cache-aware pairs on each workload (default 3)")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "results" / "bench-router")
     args = parser.parse_args()
     scale = 4 if args.quick else 1
+    rounds = 1 if args.quick else args.rounds
+    if rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {rounds}")
     work = args.work_dir / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True)
     model = prepare_model()
@@ -320,10 +329,12 @@ def main() -> int:
         log(f"router overhead: {over}")
         seed = 1
         for workload in ("prefix_repetition", "hot_prefix"):
-            for policy in ("round_robin", "session", "cache_aware"):
-                rows.append(run_policy(engines, model, work, policy, workload, seed, PROMPTS[workload] // scale,
-                                       shared=False))
-                seed += 1
+            for k in range(rounds):  # the pairs the targets compare, interleaved; session once
+                for policy in ("round_robin", "cache_aware") if k else ("round_robin", "session", "cache_aware"):
+                    row = run_policy(engines, model, work, policy, workload, seed, PROMPTS[workload] // scale,
+                                     shared=False)
+                    rows.append({**row, "round": k})
+                    seed += 1
             rows.append(run_replicas(engines, model, work, workload, seed, PROMPTS[workload] // scale))
             seed += 1
         prompts = PROMPTS["prefix_repetition"] // scale
@@ -353,26 +364,41 @@ def main() -> int:
 
 def report(rows: list[dict], over: dict, args: argparse.Namespace) -> None:
     print(f"\nRouter policies, {date.today()}, {platform.processor() or platform.machine()}, 2 engines x 1 core\n")
-    print("| workload | policy | requests | TTFT p50 | p90 | p99 | req/s | cached share | engine shares |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | policy | round | requests | TTFT p50 | p90 | p99 | req/s | cached share | engine shares |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         shares = " / ".join(f"{v:.0%}" for v in r["engine_share"].values())
-        print(f"| {r['workload']} | {r['policy']} | {r['completed']} | {r['ttft_p50_ms']:.0f} ms | "
-              f"{r['ttft_p90_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | {r['throughput_req_s']:.2f} | "
-              f"{r['cached_share']:.0%} | {shares} |")
+        print(f"| {r['workload']} | {r['policy']} | {r.get('round', 0) + 1} | {r['completed']} | "
+              f"{r['ttft_p50_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | "
+              f"{r['throughput_req_s']:.2f} | {r['cached_share']:.0%} | {shares} |")
 
-    def row(workload: str, policy: str) -> dict:
-        return next(r for r in rows if r["workload"] == workload and r["policy"] == policy)
+    def row(workload: str, policy: str, k: int = 0) -> dict:
+        return next(r for r in rows if r["workload"] == workload and r["policy"] == policy and r.get("round", 0) == k)
 
+    def paired(name: str, per_round: list[float]) -> None:
+        """A target's ratio: the median of the rounds' (each round's kept in ``spreads``)."""
+        ratios[name] = statistics.median(per_round)
+        spreads[name] = per_round
+
+    rounds = 1 + max(r.get("round", 0) for r in rows)
     rr = row("prefix_repetition", "round_robin")
-    ratios = {}
-    for policy in ("cache_aware", "cache_aware + shared Redis"):
-        ratios[f"prefix_repetition p50 TTFT, round_robin / {policy}"] = \
-            rr["ttft_p50_ms"] / row("prefix_repetition", policy)["ttft_p50_ms"]
-        hot = row("hot_prefix", policy)
-        ratios[f"hot_prefix largest engine share, {policy}"] = max(hot["engine_share"].values())
-        ratios[f"hot_prefix p90 TTFT, {policy} / round_robin"] = \
-            hot["ttft_p90_ms"] / row("hot_prefix", "round_robin")["ttft_p90_ms"]
+    ratios: dict[str, float] = {}
+    spreads: dict[str, list[float]] = {}
+    paired("prefix_repetition p50 TTFT, round_robin / cache_aware",
+           [row("prefix_repetition", "round_robin", k)["ttft_p50_ms"] /
+            row("prefix_repetition", "cache_aware", k)["ttft_p50_ms"] for k in range(rounds)])
+    paired("hot_prefix largest engine share, cache_aware",
+           [max(row("hot_prefix", "cache_aware", k)["engine_share"].values()) for k in range(rounds)])
+    paired("hot_prefix p90 TTFT, cache_aware / round_robin",
+           [row("hot_prefix", "cache_aware", k)["ttft_p90_ms"] / row("hot_prefix", "round_robin", k)["ttft_p90_ms"]
+            for k in range(rounds)])
+    policy = "cache_aware + shared Redis"  # once, against the first round's round-robin
+    ratios[f"prefix_repetition p50 TTFT, round_robin / {policy}"] = \
+        rr["ttft_p50_ms"] / row("prefix_repetition", policy)["ttft_p50_ms"]
+    hot = row("hot_prefix", policy)
+    ratios[f"hot_prefix largest engine share, {policy}"] = max(hot["engine_share"].values())
+    ratios[f"hot_prefix p90 TTFT, {policy} / round_robin"] = \
+        hot["ttft_p90_ms"] / row("hot_prefix", "round_robin")["ttft_p90_ms"]
     replicas = row("prefix_repetition", "cache_aware, 2 replicas")
     ratios["prefix_repetition p50 TTFT, round_robin / cache_aware in 2 replicas"] = \
         rr["ttft_p50_ms"] / replicas["ttft_p50_ms"]
@@ -387,12 +413,14 @@ def report(rows: list[dict], over: dict, args: argparse.Namespace) -> None:
     print(f"\nrouter overhead: a one-token completion {over['direct_p50_ms']:.1f} ms direct, "
           f"{over['routed_p50_ms']:.1f} ms through the router: +{over['added_p50_ms']:.2f} ms p50 (target < 2 ms)")
     for name, value in ratios.items():
-        print(f"{name}: {value:.2f}")
+        each = f" (rounds: {', '.join(f'{v:.2f}' for v in spreads[name])})" if name in spreads else ""
+        print(f"{name}: {value:.2f}{each}")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=ROOT).stdout.strip()
         args.json.write_text(json.dumps({"date": str(date.today()), "machine": machine(), "commit": commit,
-                                         "rows": rows, "overhead": over, "ratios": ratios}, indent=2))
+                                         "rows": rows, "overhead": over, "ratios": ratios, "spreads": spreads},
+                                        indent=2))
 
 
 if __name__ == "__main__":

@@ -76,6 +76,29 @@ def test_a_follow_up_stays_on_the_decode_engine_holding_its_prefix() -> None:
     assert not plan.prefill and plan.serve[0].engine == "e2"
 
 
+def test_a_short_prompt_served_whole_goes_where_the_policy_put_it_first() -> None:
+    """Both decode engines hold the prefix; e2 has two requests decoding, each predicted to add 0.4 s, e1 three
+    requests queued behind short prefills. The policy puts e2 first (fewer requests in flight, nothing queued:
+    a near equal), and the plan serves it there, not on the engine predicted fastest by the decoding cost."""
+    from tests.router.test_policy import hold
+    router = make()
+    for name in ("e1", "e2"):
+        hold(router, name, DOC)
+    router.engines["e2"].decode_s = 0.4
+    for i in range(2):
+        prompt = Prompt(DOC + [5, i])
+        flight = router.started(router.decide(prompt, names=["e2"])[0], router.keys(prompt))
+        router.engines["e2"].flights[flight].answering = True
+    for i in range(3):
+        prompt = Prompt(DOC + list(range(3000 + 100 * i, 3064 + 100 * i)))
+        router.started(router.decide(prompt, names=["e1"])[0], router.keys(prompt))
+    prompt = Prompt(DOC + list(range(64)))
+    first = router.decide(prompt, names=router.answering())[0]
+    plan = router.plan(prompt)
+    assert first.engine == "e2" and first.predicted_s > router.decide(prompt, names=["e1"])[0].predicted_s
+    assert not plan.prefill and plan.serve[0].engine == "e2"
+
+
 def test_no_healthy_prefill_engine_serves_whole_and_a_prefill_engine_never_answers() -> None:
     router = make()
     router.engines["e0"].healthy = False

@@ -261,8 +261,8 @@ def test_between_near_equals_the_shorter_queue_wins():
 def test_a_burst_between_engines_computing_the_same_goes_by_their_queues_not_by_their_decoding_requests():
     """Both hold the prefix; e1 has two requests decoding, each predicted to add 0.4 s to a new one's wait. A
     burst of four does not all go to e0 by that prediction (measured: a burst of four on one engine answered
-    each in 630 ms): between engines computing the same, with nothing queued before their prefill, the
-    shorter queue wins."""
+    each in 630 ms): e1, with nothing queued before a new prefill, is a near equal, and the engine with fewer
+    requests in flight (decoding ones counted) wins: three to e0, one to e1."""
     router = make()
     hold(router, "e0", DOC)
     hold(router, "e1", DOC)
@@ -290,6 +290,34 @@ def test_an_engine_with_fewer_requests_but_a_long_prefill_queued_is_not_a_near_e
         prompt = Prompt(DOC + [7, i])
         e0 = router.engines["e0"]
         e0.flights[router.started(router.decide(prompt, names=["e0"])[0], router.keys(prompt))].answering = True
+    assert router.decide(Prompt(DOC + list(range(128))))[0].engine == "e0"
+
+
+def test_a_slower_engine_with_fewer_requests_is_no_near_equal_for_a_prompt_none_holds():
+    """Every engine would compute all of a cold prompt; the one 4x faster (its weight) has a request decoding, the
+    slow one none. Queues decide only between engines whose predictions, decoding aside, are near: the fast one."""
+    router = make()
+    router.engines["e0"].weight = 4.0
+    router.engines["e0"].prefill_s_per_token /= 4
+    router.engines["e0"].calibrated = router.engines["e1"].calibrated = True
+    warm = Prompt(list(range(9_000, 9_100)))
+    router.engines["e0"].flights[router.started(router.decide(warm, names=["e0"])[0], [])].answering = True
+    decision = router.decide(Prompt(list(range(20_000, 24_000))))[0]
+    assert (decision.engine, decision.reason) == ("e0", "no_prefix")
+
+
+def test_decoding_requests_far_slower_on_one_engine_still_count():
+    """e1 has fewer requests in flight, but each of its three decoding requests is calibrated to add a second to
+    a new one's wait: predicted over 4x slower than e0, it is no near equal."""
+    router = make()
+    hold(router, "e0", DOC)
+    hold(router, "e1", DOC)
+    router.engines["e1"].decode_s = 1.0
+    for name, count in (("e0", 4), ("e1", 3)):
+        for i in range(count):
+            prompt = Prompt(DOC + [9, i])
+            state = router.engines[name]
+            state.flights[router.started(router.decide(prompt, names=[name])[0], [])].answering = True
     assert router.decide(Prompt(DOC + list(range(128))))[0].engine == "e0"
 
 

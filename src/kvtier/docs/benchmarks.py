@@ -148,7 +148,8 @@ def _per_round(measure: str) -> Reader:
 
 
 def _router(d: Mapping[str, Any]) -> Table:
-    rows = [[name, ratio(value), ""] for name, value in d.get("ratios", {}).items()]
+    spreads = d.get("spreads", {})  # the rounds' ratios of a target measured in several (their median shown)
+    rows = [[name, ratio(value), spread(spreads.get(name, ()))] for name, value in d.get("ratios", {}).items()]
     if "overhead" in d:
         rows.append(["added p50 latency of the router (ms)", ratio(d["overhead"].get("added_p50_ms")), ""])
     return _table(["Measure", "value", "spread"], rows)

@@ -219,11 +219,11 @@ class Router:
 
     def _local(self, serve: list[RouteDecision]) -> RouteDecision | None:
         """The engine to serve a request whole, with no prefill hop: one that would compute fewer than
-        ``pd.local_tokens`` uncached tokens, and whose predicted time is within a near tie of the best (the first
-        in ``serve`` may be another near equal, put first for its shorter queue)."""
-        best = min(serve, key=lambda d: d.predicted_s)
-        bound = best.predicted_s + self._slack(best.predicted_s, best.engine)
-        near = [d for d in serve if d.uncached < self.config.pd.local_tokens and d.predicted_s <= bound]
+        ``pd.local_tokens`` uncached tokens, and is near the best (:meth:`_near`), the first in ``serve``'s order
+        of those computing the fewest (``serve`` puts near equals with shorter queues first)."""
+        costed = {d.engine: d for d in serve}
+        close = set(self._near(sorted(costed, key=lambda n: costed[n].predicted_s), costed))
+        near = [d for d in serve if d.uncached < self.config.pd.local_tokens and d.engine in close]
         local = min(near, key=lambda d: d.uncached, default=None)
         return None if local is None else dataclasses.replace(local, reason=serve[0].reason)
 
@@ -281,13 +281,13 @@ class Router:
             reason = "session"
         else:
             tie = next(self._next)
-            order = sorted(names, key=lambda n: (round(costed[n].predicted_s, 4), len(self.engines[n].flights),
+            order = sorted(names, key=lambda n: (round(costed[n].predicted_s, 4), self._busy(n),
                                                  (names.index(n) - tie) % len(names)))
-            # Engines near the best are told apart by their queues alone (fewest requests in flight first): the
-            # calibrated costs are estimates, and between near equals the shortest queue balances better than
-            # their noise.
+            # Engines near the best are told apart by their queues alone (fewest requests in flight first, over
+            # their weights): the calibrated costs are estimates, and between near equals the shortest queue
+            # balances better than their noise.
             near = self._near(order, costed)
-            near.sort(key=lambda n: (len(self.engines[n].flights), (names.index(n) - tie) % len(names)))
+            near.sort(key=lambda n: (self._busy(n), (names.index(n) - tie) % len(names)))
             order = near + [n for n in order if n not in near]
             balanced = self._balanced(order, costed, names, tie)
             best_blocks = max(m.blocks for m in matches.values())
@@ -297,20 +297,28 @@ class Router:
         return [dataclasses.replace(costed[n], reason=reason if i == 0 else "retry") for i, n in enumerate(order)]
 
     def _near(self, order: list[str], costed: dict[str, RouteDecision]) -> list[str]:
-        """The engines (of ``order``, best first) near enough to the best to be told apart by their queues alone:
-        those predicted within a near tie of it, and those that would compute and load as much of the prompt as
-        it does with their queued prefills and loads within a near tie of the shortest such queue. Between engines
-        that would compute the same, the rest of a predicted wait is its least certain part: vLLM computes
-        several queued prefills in one step, and what each decoding request adds is calibrated from TTFTs that
-        absorb whatever else slows a loaded machine. (Under one hot prefix, a burst of four went whole to the
-        engine with fewer requests decoding, each answered in 630 ms, while the other was predicted 760 ms away
-        by its decoding requests alone.)"""
+        """The engines (of ``order``, by predicted time) near enough to the best to be told apart by their queues
+        alone: those predicted within a near tie of it, and those whose prediction without what their decoding
+        requests add (queued prefills and loads, base cost, their own prefill and loads) is within a near tie of the
+        lowest such, if predicted at most :data:`_BALANCE_BOUND` times the best. What decoding requests add is a
+        prediction's least certain part: calibrated from TTFTs that absorb whatever else slows a loaded machine,
+        while vLLM fits a queued prefill into the step the decoding requests run in. (Under one hot prefix, a burst
+        of four went whole to the engine with fewer requests decoding, each answered in 630 ms, while the other
+        was predicted 760 ms away by its decoding requests alone.)"""
         first = costed[order[0]]
         slack = self._slack(first.predicted_s, order[0])
-        same = [n for n in order if costed[n].uncached == first.uncached]
-        shortest = min(costed[n].queued_s + costed[n].load_s for n in same)
+
+        def undecoded(n: str) -> float:
+            d = costed[n]
+            return d.predicted_s - (d.wait_s - d.queued_s)
+
+        lowest = min(undecoded(n) for n in order)
         return [n for n in order if costed[n].predicted_s <= first.predicted_s + slack
-                or (n in same and costed[n].queued_s + costed[n].load_s <= shortest + slack)]
+                or (undecoded(n) <= lowest + slack and costed[n].predicted_s <= _BALANCE_BOUND * first.predicted_s)]
+
+    def _busy(self, name: str) -> float:
+        """Requests in flight on an engine, over its weight."""
+        return len(self.engines[name].flights) / self.engines[name].weight
 
     def _balanced(self, order: list[str], costed: dict[str, RouteDecision], names: list[str], tie: int) -> bool:
         """Put the least busy engine first (in place) when the first has more than ``balance_requests`` more
@@ -323,12 +331,10 @@ class Router:
         if balance is None or len(order) < 2:
             return False
 
-        def busy(n: str) -> float:
-            return len(self.engines[n].flights) / self.engines[n].weight
-
-        idle = min(order, key=lambda n: (busy(n), (names.index(n) - tie) % len(names)))
+        idle = min(order, key=lambda n: (self._busy(n), (names.index(n) - tie) % len(names)))
         first = order[0]
-        if busy(first) <= busy(idle) + balance or costed[idle].predicted_s > _BALANCE_BOUND * costed[first].predicted_s:
+        if self._busy(first) <= self._busy(idle) + balance or \
+                costed[idle].predicted_s > _BALANCE_BOUND * costed[first].predicted_s:
             return False
         order.remove(idle)
         order.insert(0, idle)
