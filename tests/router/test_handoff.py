@@ -99,6 +99,24 @@ def test_a_short_prompt_served_whole_goes_where_the_policy_put_it_first() -> Non
     assert not plan.prefill and plan.serve[0].engine == "e2"
 
 
+def test_a_prompt_served_whole_is_not_moved_to_a_busier_holder_predicted_far_slower() -> None:
+    """e1 lacks the prompt's last 128 tokens and is idle; e2 holds them all but has three requests decoding at
+    0.15 s each. Both compute fewer than local_tokens: the plan serves where the policy put it, e1, not on e2 for
+    the 128 tokens it would not compute."""
+    from tests.router.test_policy import hold
+    router = make()
+    hold(router, "e1", DOC[:-128])
+    hold(router, "e2", DOC)
+    router.engines["e2"].decode_s = 0.15
+    for i in range(3):
+        prompt = Prompt(DOC + [4, i])
+        router.engines["e2"].flights[router.started(router.decide(prompt, names=["e2"])[0], [])].answering = True
+    prompt = Prompt(DOC + [1])
+    assert router.decide(prompt, names=router.answering())[0].engine == "e1"
+    plan = router.plan(prompt)
+    assert not plan.prefill and plan.serve[0].engine == "e1"
+
+
 def test_no_healthy_prefill_engine_serves_whole_and_a_prefill_engine_never_answers() -> None:
     router = make()
     router.engines["e0"].healthy = False

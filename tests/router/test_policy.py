@@ -306,6 +306,37 @@ def test_a_slower_engine_with_fewer_requests_is_no_near_equal_for_a_prompt_none_
     assert (decision.engine, decision.reason) == ("e0", "no_prefix")
 
 
+def test_between_near_equals_requests_in_flight_count_over_the_engines_weights():
+    """e0 (weight 4) has two requests decoding, e1 (weight 1) one: e0 is the less busy for its size."""
+    router = make()
+    hold(router, "e0", DOC)
+    hold(router, "e1", DOC)
+    router.engines["e0"].weight = 4.0
+    router.engines["e0"].calibrated = router.engines["e1"].calibrated = True
+    for name, count in (("e0", 2), ("e1", 1)):
+        for i in range(count):
+            prompt = Prompt(DOC + [8, i])
+            state = router.engines[name]
+            state.flights[router.started(router.decide(prompt, names=[name])[0], [])].answering = True
+    assert router.decide(Prompt(DOC + [1]))[0].engine == "e0"
+
+
+def test_the_best_engines_decoding_requests_widen_no_near_tie_for_an_engine_computing_more():
+    """e0 holds the whole prompt but has eight requests decoding; e1 lacks 208 of its tokens and has six decoding
+    at a calibrated 0.3 s each. Without their decoding e0 computes one token, e1 209: e1 is no near equal, however
+    far e0's decoding requests put its own prediction."""
+    router = make()
+    hold(router, "e0", DOC)
+    hold(router, "e1", DOC[:len(DOC) - 208])
+    router.engines["e0"].decode_s, router.engines["e1"].decode_s = 0.1, 0.3
+    for name, count in (("e0", 8), ("e1", 6)):
+        for i in range(count):
+            prompt = Prompt(DOC + [6, i])
+            state = router.engines[name]
+            state.flights[router.started(router.decide(prompt, names=[name])[0], [])].answering = True
+    assert router.decide(Prompt(DOC + [1]))[0].engine == "e0"
+
+
 def test_decoding_requests_far_slower_on_one_engine_still_count():
     """e1 has fewer requests in flight, but each of its three decoding requests is calibrated to add a second to
     a new one's wait: predicted over 4x slower than e0, it is no near equal."""

@@ -213,19 +213,25 @@ class Router:
             handed.append(dataclasses.replace(d, reason="pd", predicted_cached=max(cap, d.predicted_cached),
                                               predicted_s=seconds, uncached=n_tokens - max(cap, d.predicted_cached),
                                               load_s=load_s))
-        handed.sort(key=lambda d: (round(d.predicted_s, 4), len(self.engines[d.engine].flights)))
+        handed.sort(key=lambda d: (round(d.predicted_s, 4), self._busy(d.engine)))
         handed = [dataclasses.replace(d, reason="pd" if i == 0 else "retry") for i, d in enumerate(handed)]
         return Plan(handed, self._prefill_order(self.decide(prompt, None, keys, prefills)))
 
     def _local(self, serve: list[RouteDecision]) -> RouteDecision | None:
-        """The engine to serve a request whole, with no prefill hop: one that would compute fewer than
-        ``pd.local_tokens`` uncached tokens, and is near the best (:meth:`_near`), the first in ``serve``'s order
-        of those computing the fewest (``serve`` puts near equals with shorter queues first)."""
-        costed = {d.engine: d for d in serve}
-        close = set(self._near(sorted(costed, key=lambda n: costed[n].predicted_s), costed))
-        near = [d for d in serve if d.uncached < self.config.pd.local_tokens and d.engine in close]
+        """The engine to serve a request whole, with no prefill hop: of those that would compute fewer than
+        ``pd.local_tokens`` uncached tokens, and are the policy's first or predicted within a near tie of the best,
+        the one computing the fewest (a follow-up turn stays where its prefix is), the first in ``serve``'s order
+        among equals (the policy's: shorter queues first). Its reason is the policy's when it is the policy's
+        first, else ``prefix`` when it holds the most of the prompt, ``load`` when another holds more."""
+        best = min(serve, key=lambda d: d.predicted_s)
+        bound = best.predicted_s + self._slack(best.predicted_s, best.engine)
+        near = [d for d in serve
+                if d.uncached < self.config.pd.local_tokens and (d is serve[0] or d.predicted_s <= bound)]
         local = min(near, key=lambda d: d.uncached, default=None)
-        return None if local is None else dataclasses.replace(local, reason=serve[0].reason)
+        if local is None or local is serve[0]:
+            return local
+        most = max(d.match.blocks for d in serve)
+        return dataclasses.replace(local, reason="prefix" if local.match.blocks == most else "load")
 
     def _slack(self, best_s: float, engine: str) -> float:
         """How far past the best predicted time ``best_s`` (of ``engine``) an engine is a near tie: a share of the
@@ -306,15 +312,16 @@ class Router:
         of four went whole to the engine with fewer requests decoding, each answered in 630 ms, while the other
         was predicted 760 ms away by its decoding requests alone.)"""
         first = costed[order[0]]
-        slack = self._slack(first.predicted_s, order[0])
 
         def undecoded(n: str) -> float:
             d = costed[n]
             return d.predicted_s - (d.wait_s - d.queued_s)
 
-        lowest = min(undecoded(n) for n in order)
-        return [n for n in order if costed[n].predicted_s <= first.predicted_s + slack
-                or (undecoded(n) <= lowest + slack and costed[n].predicted_s <= _BALANCE_BOUND * first.predicted_s)]
+        low = min(order, key=undecoded)  # its own near tie: the best's decoding requests widen nothing
+        tie = first.predicted_s + self._slack(first.predicted_s, order[0])
+        tie_undecoded = undecoded(low) + self._slack(undecoded(low), low)
+        return [n for n in order if costed[n].predicted_s <= tie
+                or (undecoded(n) <= tie_undecoded and costed[n].predicted_s <= _BALANCE_BOUND * first.predicted_s)]
 
     def _busy(self, name: str) -> float:
         """Requests in flight on an engine, over its weight."""
