@@ -260,8 +260,8 @@ def test_between_near_equals_the_shorter_queue_wins():
 
 def test_a_burst_between_engines_computing_the_same_goes_by_their_queues_not_by_their_decoding_requests():
     """Both hold the prefix; e1 has two requests decoding, each predicted to add 0.4 s to a new one's wait. A
-    burst of four does not all go to e0 by that prediction (measured: a burst of four on one engine answered
-    each in 630 ms): e1, with nothing queued before a new prefill, is a near equal, and the engine with fewer
+    burst of four does not all go to e0 by that prediction (measured: a burst of four on one engine, three of
+    them answered in 630 ms): e1, with nothing queued before a new prefill, is a near equal, and the engine with fewer
     requests in flight (decoding ones counted) wins: three to e0, one to e1."""
     router = make()
     hold(router, "e0", DOC)

@@ -309,8 +309,8 @@ class Router:
         lowest such, if predicted at most :data:`_BALANCE_BOUND` times the best. What decoding requests add is a
         prediction's least certain part: calibrated from TTFTs that absorb whatever else slows a loaded machine,
         while vLLM fits a queued prefill into the step the decoding requests run in. (Under one hot prefix, a burst
-        of four went whole to the engine with fewer requests decoding, each answered in 630 ms, while the other
-        was predicted 760 ms away by its decoding requests alone.)"""
+        of four went whole to the engine with fewer requests decoding, three of them answered in 630 ms, while
+        the other was predicted 760 ms away by its decoding requests alone.)"""
         first = costed[order[0]]
 
         def undecoded(n: str) -> float:
