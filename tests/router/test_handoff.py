@@ -80,15 +80,12 @@ def test_a_short_prompt_served_whole_goes_where_the_policy_put_it_first() -> Non
     """Both decode engines hold the prefix; e2 has two requests decoding, each predicted to add 0.4 s, e1 three
     requests queued behind short prefills. The policy puts e2 first (fewer requests in flight, nothing queued:
     a near equal), and the plan serves it there, not on the engine predicted fastest by the decoding cost."""
-    from tests.router.test_policy import hold
+    from tests.router.test_policy import decoding, hold
     router = make()
     for name in ("e1", "e2"):
         hold(router, name, DOC)
     router.engines["e2"].decode_s = 0.4
-    for i in range(2):
-        prompt = Prompt(DOC + [5, i])
-        flight = router.started(router.decide(prompt, names=["e2"])[0], router.keys(prompt))
-        router.engines["e2"].flights[flight].answering = True
+    decoding(router, "e2", 2, tag=5)
     for i in range(3):
         prompt = Prompt(DOC + list(range(3000 + 100 * i, 3064 + 100 * i)))
         router.started(router.decide(prompt, names=["e1"])[0], router.keys(prompt))
@@ -103,14 +100,12 @@ def test_a_prompt_served_whole_is_not_moved_to_a_busier_holder_predicted_far_slo
     """e1 lacks the prompt's last 128 tokens and is idle; e2 holds them all but has three requests decoding at
     0.15 s each. Both compute fewer than local_tokens: the plan serves where the policy put it, e1, not on e2 for
     the 128 tokens it would not compute."""
-    from tests.router.test_policy import hold
+    from tests.router.test_policy import decoding, hold
     router = make()
     hold(router, "e1", DOC[:-128])
     hold(router, "e2", DOC)
     router.engines["e2"].decode_s = 0.15
-    for i in range(3):
-        prompt = Prompt(DOC + [4, i])
-        router.engines["e2"].flights[router.started(router.decide(prompt, names=["e2"])[0], [])].answering = True
+    decoding(router, "e2", 3, tag=4)
     prompt = Prompt(DOC + [1])
     assert router.decide(prompt, names=router.answering())[0].engine == "e1"
     plan = router.plan(prompt)

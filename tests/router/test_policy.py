@@ -44,6 +44,15 @@ def hold(router: Router, engine: str, tokens, medium="GPU", locality=None) -> No
 DOC = list(range(1000, 1000 + 64 * BS))  # 1,024 tokens
 
 
+def decoding(router: Router, engine: str, count: int, tag: int = 0) -> None:
+    """``count`` requests sent to ``engine`` (on ``DOC``, one token of their own each) and answering there (they
+    reserve no blocks: what the engine holds stays as the test announced it)."""
+    for i in range(count):
+        prompt = Prompt(DOC + [tag, i])
+        flight = router.started(router.decide(prompt, names=[engine])[0], [])
+        router.engines[engine].flights[flight].answering = True
+
+
 def test_goes_where_the_prefix_is_and_predicts_vllms_cached_tokens():
     router = make()
     hold(router, "e1", DOC)
@@ -266,12 +275,8 @@ def test_a_burst_between_engines_computing_the_same_goes_by_their_queues_not_by_
     router = make()
     hold(router, "e0", DOC)
     hold(router, "e1", DOC)
-    e1 = router.engines["e1"]
-    e1.decode_s = 0.4
-    for i in range(2):
-        prompt = Prompt(DOC + [5] * 128 + [i])
-        flight = router.started(router.decide(prompt, names=["e1"])[0], router.keys(prompt))
-        e1.flights[flight].answering = True
+    router.engines["e1"].decode_s = 0.4
+    decoding(router, "e1", 2, tag=5)
     for i in range(4):
         prompt = Prompt(DOC + list(range(2000 + 200 * i, 2128 + 200 * i)))
         decision = router.decide(prompt)[0]
@@ -286,10 +291,7 @@ def test_an_engine_with_fewer_requests_but_a_long_prefill_queued_is_not_a_near_e
     hold(router, "e1", DOC)
     cold = Prompt(list(range(50_000, 53_000)))  # 3 s of prefill queued on e1
     router.started(router.decide(cold, names=["e1"])[0], router.keys(cold))
-    for i in range(2):  # two requests decoding on e0
-        prompt = Prompt(DOC + [7, i])
-        e0 = router.engines["e0"]
-        e0.flights[router.started(router.decide(prompt, names=["e0"])[0], router.keys(prompt))].answering = True
+    decoding(router, "e0", 2, tag=7)
     assert router.decide(Prompt(DOC + list(range(128))))[0].engine == "e0"
 
 
@@ -313,11 +315,8 @@ def test_between_near_equals_requests_in_flight_count_over_the_engines_weights()
     hold(router, "e1", DOC)
     router.engines["e0"].weight = 4.0
     router.engines["e0"].calibrated = router.engines["e1"].calibrated = True
-    for name, count in (("e0", 2), ("e1", 1)):
-        for i in range(count):
-            prompt = Prompt(DOC + [8, i])
-            state = router.engines[name]
-            state.flights[router.started(router.decide(prompt, names=[name])[0], [])].answering = True
+    decoding(router, "e0", 2, tag=8)
+    decoding(router, "e1", 1, tag=8)
     assert router.decide(Prompt(DOC + [1]))[0].engine == "e0"
 
 
@@ -329,11 +328,8 @@ def test_the_best_engines_decoding_requests_widen_no_near_tie_for_an_engine_comp
     hold(router, "e0", DOC)
     hold(router, "e1", DOC[:len(DOC) - 208])
     router.engines["e0"].decode_s, router.engines["e1"].decode_s = 0.1, 0.3
-    for name, count in (("e0", 8), ("e1", 6)):
-        for i in range(count):
-            prompt = Prompt(DOC + [6, i])
-            state = router.engines[name]
-            state.flights[router.started(router.decide(prompt, names=[name])[0], [])].answering = True
+    decoding(router, "e0", 8, tag=6)
+    decoding(router, "e1", 6, tag=6)
     assert router.decide(Prompt(DOC + [1]))[0].engine == "e0"
 
 
@@ -344,11 +340,8 @@ def test_decoding_requests_far_slower_on_one_engine_still_count():
     hold(router, "e0", DOC)
     hold(router, "e1", DOC)
     router.engines["e1"].decode_s = 1.0
-    for name, count in (("e0", 4), ("e1", 3)):
-        for i in range(count):
-            prompt = Prompt(DOC + [9, i])
-            state = router.engines[name]
-            state.flights[router.started(router.decide(prompt, names=[name])[0], [])].answering = True
+    decoding(router, "e0", 4, tag=9)
+    decoding(router, "e1", 3, tag=9)
     assert router.decide(Prompt(DOC + list(range(128))))[0].engine == "e0"
 
 
