@@ -45,7 +45,7 @@ DOC = list(range(1000, 1000 + 64 * BS))  # 1,024 tokens
 
 
 def decoding(router: Router, engine: str, count: int, tag: int = 0) -> None:
-    """``count`` requests sent to ``engine`` (on ``DOC``, one token of their own each) and answering there (they
+    """``count`` requests sent to ``engine`` (on ``DOC``, two tokens of their own each) and answering there (they
     reserve no blocks: what the engine holds stays as the test announced it)."""
     for i in range(count):
         prompt = Prompt(DOC + [tag, i])
@@ -331,6 +331,19 @@ def test_the_best_engines_decoding_requests_widen_no_near_tie_for_an_engine_comp
     decoding(router, "e0", 8, tag=6)
     decoding(router, "e1", 6, tag=6)
     assert router.decide(Prompt(DOC + [1]))[0].engine == "e0"
+
+
+def test_balance_never_moves_a_request_past_four_times_the_best_prediction():
+    """e0 is the best (eight requests decoding, cheaply); e1, a near equal with fewer requests, goes first; e2,
+    idle but without the prefix, is within 4x of e1 and yet 5.5x the best: balance leaves the request where it is."""
+    router = make(engines=("e0", "e1", "e2"))
+    hold(router, "e0", DOC)
+    hold(router, "e1", DOC)
+    router.engines["e1"].decode_s = 0.1
+    decoding(router, "e0", 8, tag=3)
+    decoding(router, "e1", 5, tag=3)
+    decision = router.decide(Prompt(DOC + list(range(128))))[0]
+    assert (decision.engine, decision.reason) == ("e1", "prefix")
 
 
 def test_decoding_requests_far_slower_on_one_engine_still_count():

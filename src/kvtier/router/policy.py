@@ -304,9 +304,9 @@ class Router:
 
     def _near(self, order: list[str], costed: dict[str, RouteDecision]) -> list[str]:
         """The engines (of ``order``, by predicted time) near enough to the best to be told apart by their queues
-        alone: those predicted within a near tie of it, and those whose prediction without what their decoding
-        requests add (queued prefills and loads, base cost, their own prefill and loads) is within a near tie of the
-        lowest such, if predicted at most :data:`_BALANCE_BOUND` times the best. What decoding requests add is a
+        alone: those predicted within a near tie of it, and, of those predicted at most :data:`_BALANCE_BOUND` times
+        the best, those whose prediction without what their decoding requests add (queued prefills and loads, base
+        cost, their own prefill and loads) is within a near tie of the lowest such. What decoding requests add is a
         prediction's least certain part: calibrated from TTFTs that absorb whatever else slows a loaded machine,
         while vLLM fits a queued prefill into the step the decoding requests run in. (Under one hot prefix, a burst
         of four went whole to the engine with fewer requests decoding, three of them answered in 630 ms, while
@@ -317,11 +317,11 @@ class Router:
             d = costed[n]
             return d.predicted_s - (d.wait_s - d.queued_s)
 
-        low = min(order, key=undecoded)  # its own near tie: the best's decoding requests widen nothing
+        bounded = [n for n in order if costed[n].predicted_s <= _BALANCE_BOUND * first.predicted_s]
+        low = min(bounded, key=undecoded)  # its own near tie: the best's decoding requests widen nothing
         tie = first.predicted_s + self._slack(first.predicted_s, order[0])
         tie_undecoded = undecoded(low) + self._slack(undecoded(low), low)
-        return [n for n in order if costed[n].predicted_s <= tie
-                or (undecoded(n) <= tie_undecoded and costed[n].predicted_s <= _BALANCE_BOUND * first.predicted_s)]
+        return [n for n in order if costed[n].predicted_s <= tie or (n in bounded and undecoded(n) <= tie_undecoded)]
 
     def _busy(self, name: str) -> float:
         """Requests in flight on an engine, over its weight."""
@@ -330,7 +330,8 @@ class Router:
     def _balanced(self, order: list[str], costed: dict[str, RouteDecision], names: list[str], tie: int) -> bool:
         """Put the least busy engine first (in place) when the first has more than ``balance_requests`` more
         requests in flight than it (each count over the engine's weight), and it is predicted at most
-        :data:`_BALANCE_BOUND` times slower: a hot prefix's holder would otherwise take every request while its
+        :data:`_BALANCE_BOUND` times the best prediction (not the first's: a near equal put first may be slower
+        itself): a hot prefix's holder would otherwise take every request while its
         queue looked short, and the other engine, once it computed the prefix, holds it too. Never for a request
         that would cost far more elsewhere (a long prompt cached on the busy engine, a long queue on the idle
         one). Whether it did."""
@@ -340,8 +341,8 @@ class Router:
 
         idle = min(order, key=lambda n: (self._busy(n), (names.index(n) - tie) % len(names)))
         first = order[0]
-        if self._busy(first) <= self._busy(idle) + balance or \
-                costed[idle].predicted_s > _BALANCE_BOUND * costed[first].predicted_s:
+        best = min(costed[n].predicted_s for n in order)
+        if self._busy(first) <= self._busy(idle) + balance or costed[idle].predicted_s > _BALANCE_BOUND * best:
             return False
         order.remove(idle)
         order.insert(0, idle)
