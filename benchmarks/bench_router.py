@@ -28,9 +28,9 @@ per conversation would. Router overhead: a one-token completion asked directly o
 (alternating, 40 each), the difference of medians.
 
 Round-robin and cache-aware on both workloads, the pairs the targets compare, run ``--rounds`` times (3),
-interleaved (round-robin first in even rounds, cache-aware first in odd ones), each round a pair with prompts of its
-own: each target's ratio is the median of the rounds' (of the middle two with an even number), printed with every
-round's (on the Intel Xeon, 2 cores, one run's three rounds gave 1.64x, 1.41x and 1.38x on prefix_repetition, and
+interleaved (round-robin first in even rounds, cache-aware first in odd ones), every run with prompts of its own:
+each target's ratio is the median of the rounds' (of the middle two with an even number), printed with every round's
+(on the Intel Xeon, 2 cores, one run's three rounds gave 1.64x, 1.41x and 1.38x on prefix_repetition, and
 round-robin's own hot-prefix p90 801-1,461 ms). The rows measured once (replicas, shared Redis) are compared with
 the median of the rounds' round-robin.
 
@@ -310,13 +310,14 @@ def fleet(model: Path, work: Path, store: dict) -> list[Engine]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--quick", action="store_true", help="a quarter of the requests per workload, one round")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--quick", action="store_true",
+                        help="a quarter of the requests per workload, one round unless --rounds says otherwise")
+    parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of the round-robin and cache-aware pairs on each workload (default 3)")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "results" / "bench-router")
     args = parser.parse_args()
     scale = 4 if args.quick else 1
-    rounds = 1 if args.quick else args.rounds
+    rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
     if rounds < 1:
         parser.error(f"--rounds must be at least 1, got {rounds}")
     work = args.work_dir / time.strftime("%Y%m%d-%H%M%S")

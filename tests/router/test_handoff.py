@@ -112,6 +112,21 @@ def test_a_prompt_served_whole_is_not_moved_to_a_busier_holder_predicted_far_slo
     assert not plan.prefill and plan.serve[0].engine == "e1"
 
 
+def test_a_prompt_served_whole_on_another_engine_than_the_policys_first_is_labelled_by_its_own_blocks() -> None:
+    """The policy puts idle e1 first (a near tie, fewer requests: reason load), but e1 would compute the whole
+    prompt, past local_tokens; e2 holds it, behind a queued prefill: served whole there, labelled prefix."""
+    from tests.router.test_policy import hold
+    router = make()
+    hold(router, "e2", DOC)
+    queued = Prompt(list(range(60_000, 60_900)))  # 0.9 s of prefill ahead on e2
+    router.started(router.decide(queued, names=["e2"])[0], [])
+    prompt = Prompt(DOC + [1])
+    first = router.decide(prompt, names=router.answering())[0]
+    assert (first.engine, first.reason) == ("e1", "load")
+    plan = router.plan(prompt)
+    assert not plan.prefill and (plan.serve[0].engine, plan.serve[0].reason) == ("e2", "prefix")
+
+
 def test_no_healthy_prefill_engine_serves_whole_and_a_prefill_engine_never_answers() -> None:
     router = make()
     router.engines["e0"].healthy = False

@@ -41,7 +41,7 @@ _EWMA = 0.3  # weight of a new calibration sample
 _BAND = 2.0  # a sample moves a calibrated value by at most this factor: one odd request cannot swing routing
 _WINDOW = 5  # prefill samples kept per engine: a calibration steps toward their median
 _FIRST = 3  # prefill samples before an engine's own calibration replaces the configured cost (their median)
-_BALANCE_BOUND = 4.0  # balance_requests moves a request only to an engine predicted at most this many times slower
+_BALANCE_BOUND = 4.0  # balance and near equals by queue: only engines predicted at most this many times the best
 _NEAR_TIE = 0.25  # predicted times within 25% of the best plus one block's prefill are a near tie
 
 
@@ -287,15 +287,17 @@ class Router:
             reason = "session"
         else:
             tie = next(self._next)
-            order = sorted(names, key=lambda n: (round(costed[n].predicted_s, 4), self._busy(n),
-                                                 (names.index(n) - tie) % len(names)))
+            # Among equals, engines take turns: each decision starts the fleet's list one place further
+            turn = {n: (i - tie) % len(names) for i, n in enumerate(names)}
+            order = sorted(names, key=lambda n: (round(costed[n].predicted_s, 4), self._busy(n), turn[n]))
             # Engines near the best are told apart by their queues alone (fewest requests in flight first, over
             # their weights): the calibrated costs are estimates, and between near equals the shortest queue
             # balances better than their noise.
             near = self._near(order, costed)
-            near.sort(key=lambda n: (self._busy(n), (names.index(n) - tie) % len(names)))
-            order = near + [n for n in order if n not in near]
-            balanced = self._balanced(order, costed, names, tie)
+            near.sort(key=lambda n: (self._busy(n), turn[n]))
+            close = set(near)
+            order = near + [n for n in order if n not in close]
+            balanced = self._balanced(order, costed, turn)
             best_blocks = max(m.blocks for m in matches.values())
             first = matches[order[0]].blocks
             reason = ("balance" if balanced else "unindexed" if prompt is None else "no_prefix" if best_blocks == 0
@@ -317,8 +319,8 @@ class Router:
             d = costed[n]
             return d.predicted_s - (d.wait_s - d.queued_s)
 
-        bounded = [n for n in order if costed[n].predicted_s <= _BALANCE_BOUND * first.predicted_s]
-        low = min(bounded, key=undecoded)  # its own near tie: the best's decoding requests widen nothing
+        bounded = {n for n in order if costed[n].predicted_s <= _BALANCE_BOUND * first.predicted_s}
+        low = min((n for n in order if n in bounded), key=undecoded)  # its own tie: the best's decoding widens none
         tie = first.predicted_s + self._slack(first.predicted_s, order[0])
         tie_undecoded = undecoded(low) + self._slack(undecoded(low), low)
         return [n for n in order if costed[n].predicted_s <= tie or (n in bounded and undecoded(n) <= tie_undecoded)]
@@ -327,19 +329,19 @@ class Router:
         """Requests in flight on an engine, over its weight."""
         return len(self.engines[name].flights) / self.engines[name].weight
 
-    def _balanced(self, order: list[str], costed: dict[str, RouteDecision], names: list[str], tie: int) -> bool:
+    def _balanced(self, order: list[str], costed: dict[str, RouteDecision], turn: dict[str, int]) -> bool:
         """Put the least busy engine first (in place) when the first has more than ``balance_requests`` more
         requests in flight than it (each count over the engine's weight), and it is predicted at most
         :data:`_BALANCE_BOUND` times the best prediction (not the first's: a near equal put first may be slower
-        itself): a hot prefix's holder would otherwise take every request while its
-        queue looked short, and the other engine, once it computed the prefix, holds it too. Never for a request
-        that would cost far more elsewhere (a long prompt cached on the busy engine, a long queue on the idle
-        one). Whether it did."""
+        itself): a hot prefix's holder would otherwise take every request while its queue looked short, and the
+        other engine, once it computed the prefix, holds it too. Never for a request that would cost far more
+        elsewhere (a long prompt cached on the busy engine, a long queue on the idle one). Among equally busy
+        engines, the first in ``turn``. Whether it did."""
         balance = self.config.balance_requests
         if balance is None or len(order) < 2:
             return False
 
-        idle = min(order, key=lambda n: (self._busy(n), (names.index(n) - tie) % len(names)))
+        idle = min(order, key=lambda n: (self._busy(n), turn[n]))
         first = order[0]
         best = min(costed[n].predicted_s for n in order)
         if self._busy(first) <= self._busy(idle) + balance or costed[idle].predicted_s > _BALANCE_BOUND * best:
