@@ -113,16 +113,17 @@ def test_a_prompt_served_whole_is_not_moved_to_a_busier_holder_predicted_far_slo
 
 
 def test_a_prompt_served_whole_on_another_engine_than_the_policys_first_is_labelled_by_its_own_blocks() -> None:
-    """The policy puts idle e1 first (a near tie, fewer requests: reason load), but e1 would compute the whole
-    prompt, past local_tokens; e2 holds it, behind a queued prefill: served whole there, labelled prefix."""
-    from tests.router.test_policy import hold
+    """The policy puts idle e1 first (e2, which holds the prompt, has three requests decoding: reason balance),
+    but e1 would compute the whole prompt, past local_tokens; e2 holds it and is predicted the fastest: served whole
+    there, labelled prefix (not balance, the first's reason)."""
+    from tests.router.test_policy import decoding, hold
     router = make()
     hold(router, "e2", DOC)
-    queued = Prompt(list(range(60_000, 60_900)))  # 0.9 s of prefill ahead on e2
-    router.started(router.decide(queued, names=["e2"])[0], [])
+    router.engines["e2"].decode_s = 0.1  # e1 (computing 1 s) within balance's 4x bound of e2's prediction
+    decoding(router, "e2", 3)
     prompt = Prompt(DOC + [1])
     first = router.decide(prompt, names=router.answering())[0]
-    assert (first.engine, first.reason) == ("e1", "load")
+    assert (first.engine, first.reason) == ("e1", "balance")
     plan = router.plan(prompt)
     assert not plan.prefill and (plan.serve[0].engine, plan.serve[0].reason) == ("e2", "prefix")
 

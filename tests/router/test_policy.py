@@ -49,8 +49,8 @@ def decoding(router: Router, engine: str, count: int, tag: int = 0) -> None:
     reserve no blocks: what the engine holds stays as the test announced it)."""
     for i in range(count):
         prompt = Prompt(DOC + [tag, i])
-        flight = router.started(router.decide(prompt, names=[engine])[0], [])
-        router.engines[engine].flights[flight].answering = True
+        flight = router.engines[engine].flights[router.started(router.decide(prompt, names=[engine])[0], [])]
+        flight.answering, flight.keys = True, router.keys(prompt)
 
 
 def test_goes_where_the_prefix_is_and_predicts_vllms_cached_tokens():
@@ -70,10 +70,11 @@ def test_a_burst_sharing_a_new_prefix_does_not_all_land_on_one_engine():
         decision = router.decide(Prompt(DOC + [i] * 20))[0]
         flights.append((decision.engine, router.started(decision, router.keys(Prompt(DOC + [i] * 20)))))
         order.append((decision.engine, decision.reason))
-    # The first computes the prefix. The second finds it reserved on e0, behind 1 s of prefill, and computing
-    # it on the idle e1 is as fast: it goes there. From then on both hold it and the load decides.
-    assert order[:2] == [("e0", "no_prefix"), ("e1", "load")]
-    assert all(reason == "prefix" for _, reason in order[2:]), order
+    # The first computes the prefix. The next find it reserved on e0, behind 1 s of prefill: computing it on the
+    # idle e1 is no faster (a near tie), and would cost the fleet a second prefill, so they wait for it there
+    # until e0 has more than balance_requests (2) more in flight: then e1 computes it too, and holds it.
+    assert order[:4] == [("e0", "no_prefix"), ("e0", "prefix"), ("e0", "prefix"), ("e1", "balance")]
+    assert all(reason == "prefix" for _, reason in order[4:]), order
     assert Counter(e for e, _ in order) == {"e0": 3, "e1": 3}
     for engine, flight in flights:
         router.finished(engine, flight)
@@ -270,8 +271,8 @@ def test_between_near_equals_the_shorter_queue_wins():
 def test_a_burst_between_engines_computing_the_same_goes_by_their_queues_not_by_their_decoding_requests():
     """Both hold the prefix; e1 has two requests decoding, each predicted to add 0.4 s to a new one's wait. A
     burst of four does not all go to e0 by that prediction (measured: a burst of four on one engine, three of
-    them answered in 630 ms): e1, with nothing queued before a new prefill, is a near equal, and the engine with fewer
-    requests in flight (decoding ones counted) wins: three to e0, one to e1."""
+    them answered in 630 ms): e1, with nothing queued before a new prefill, is a near equal, and the engines take
+    the burst by their requests waiting for a first token: two each."""
     router = make()
     hold(router, "e0", DOC)
     hold(router, "e1", DOC)
@@ -282,7 +283,28 @@ def test_a_burst_between_engines_computing_the_same_goes_by_their_queues_not_by_
         decision = router.decide(prompt)[0]
         assert decision.uncached == 128 and decision.reason == "prefix"
         router.started(decision, router.keys(prompt))
-    assert {n: len(e.flights) for n, e in router.engines.items()} == {"e0": 3, "e1": 3}
+    assert {n: len(e.flights) for n, e in router.engines.items()} == {"e0": 2, "e1": 4}
+
+
+def test_requests_arriving_together_are_split_by_the_requests_waiting_not_only_by_those_in_flight():
+    """Requests prefilled together on one engine decode in step and end together, and their client's next ones
+    arrive together. Measured under one hot prefix: routed by requests in flight alone, each such group went whole
+    to the engine it had left (one request left there, four on the other) and was prefilled there in one step
+    again (three first tokens at the same millisecond). Requests waiting for their first token come first: the
+    group of three is split two and one."""
+    router = make()
+    hold(router, "e0", DOC)
+    hold(router, "e1", DOC)
+    router.engines["e0"].decode_s = router.engines["e1"].decode_s = 0.4
+    decoding(router, "e0", 1, tag=3)
+    decoding(router, "e1", 4, tag=3)
+    sent = []
+    for i in range(3):
+        prompt = Prompt(DOC + list(range(3000 + 200 * i, 3128 + 200 * i)))
+        decision = router.decide(prompt)[0]
+        router.started(decision, router.keys(prompt))
+        sent.append(decision.engine)
+    assert sent == ["e0", "e1", "e0"]
 
 
 def test_an_engine_with_fewer_requests_but_a_long_prefill_queued_is_not_a_near_equal():
@@ -455,8 +477,9 @@ def test_a_hot_prefix_spreads_once_its_holder_has_more_requests_in_flight_than_b
     hold(router, "e0", DOC)
     decisions = []
     for i in range(4):  # each with 8 blocks of its own: queued on e0, 0.13 s each; all of it on e1, 1.15 s
-        d = router.decide(Prompt(DOC + [i] * 8 * BS))[0]
-        router.started(d, [])
+        prompt = Prompt(DOC + [i] * 8 * BS)
+        d = router.decide(prompt)[0]
+        router.started(d, router.keys(prompt))
         decisions.append((d.engine, d.reason))
     assert decisions == [("e0", "prefix")] * 3 + [("e1", "balance")]
     off = make()
@@ -508,3 +531,39 @@ def test_balance_requests_never_sends_a_request_where_it_would_cost_far_more_and
         weighted.started(d, [])
         counts[d.engine] += 1
     assert counts["fast"] >= 14, counts  # (unweighted counts would have split them 11 / 9)
+
+
+def test_a_busy_holder_keeps_a_prompt_when_its_requests_in_flight_are_for_other_prefixes():
+    """e0 holds the document and has three requests decoding, on another document; e1 is idle. Balance is for a
+    hot prefix: e0's requests do not share this one's, so it stays where it is cached (moved, it would be computed
+    again, and its second copy would push another document out of e1's cache)."""
+    router = make()
+    hold(router, "e0", DOC)
+    router.engines["e0"].decode_s = 0.1  # e1's 1 s within balance's bound: 4x e0's prediction
+    other = [t + 5000 for t in DOC]
+    for i in range(3):
+        prompt = Prompt(other + [i])
+        flight = router.engines["e0"].flights[router.started(router.decide(prompt, names=["e0"])[0], [])]
+        flight.answering, flight.keys = True, router.keys(prompt)
+    decision = router.decide(Prompt(DOC + [1]))[0]
+    assert (decision.engine, decision.reason) == ("e0", "prefix")
+    decoding(router, "e0", 1, tag=9)  # four in flight, one on this document: still not a hot prefix
+    assert router.decide(Prompt(DOC + [2]))[0].engine == "e0"
+    decoding(router, "e0", 2, tag=10)  # three more than e1 on this document: it spreads
+    decision = router.decide(Prompt(DOC + [3]))[0]
+    assert (decision.engine, decision.reason) == ("e1", "balance")
+
+
+def test_prompts_no_engine_holds_go_to_near_equals_in_turns():
+    """New documents spread evenly over the engines' caches. By queue they did not: each new one went to the engine
+    with fewer requests in flight (here e1, while e0 has three decoding), and a run's twelve new documents went
+    eight to one engine and four to the other."""
+    router = make()
+    decoding(router, "e0", 3, tag=11)
+    sent = []
+    for i in range(4):
+        prompt = Prompt(list(range(30_000 + 1000 * i, 30_064 + 1000 * i)))  # four blocks, a near tie anywhere
+        decision = router.decide(prompt)[0]
+        router.engines[decision.engine].flights[router.started(decision, router.keys(prompt))].answering = True
+        sent.append((decision.engine, decision.reason))
+    assert Counter(sent) == {("e0", "no_prefix"): 2, ("e1", "no_prefix"): 2}

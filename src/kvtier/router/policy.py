@@ -60,6 +60,7 @@ class Flight:
     queued_s: float  # prefill and loads of requests ahead of it, at decision time
     decoding: int  # requests answering on the engine at decision time
     uncached: int
+    keys: Sequence[bytes] = ()  # its prompt's block keys (which prefix it shares with another request)
     reserved: Sequence[bytes] = ()  # blocks credited to the engine before its events
     started: float = dataclasses.field(default_factory=time.monotonic)
     answering: bool = False
@@ -159,6 +160,7 @@ class Router:
         self.engines = {e.name: EngineState(e.name, config.costs, e.weight, e.role) for e in config.engines}
         self.disaggregated = any(e.role == "prefill" for e in config.engines)
         self._next = itertools.count()
+        self._cold = itertools.count()  # turns among near equals for prompts no engine holds any of
         self._ids = itertools.count()
 
     def add(self, engine: EngineConfig) -> None:
@@ -290,15 +292,22 @@ class Router:
             # Among equals, engines take turns: each decision starts the fleet's list one place further
             turn = {n: (i - tie) % len(names) for i, n in enumerate(names)}
             order = sorted(names, key=lambda n: (round(costed[n].predicted_s, 4), self._busy(n), turn[n]))
-            # Engines near the best are told apart by their queues alone (fewest requests in flight first, over
-            # their weights): the calibrated costs are estimates, and between near equals the shortest queue
-            # balances better than their noise.
+            # Engines near the best are told apart by what the request adds to them, not by their predictions: the
+            # calibrated costs are estimates, and between near equals their noise decides nothing well.
             near = self._near(order, costed)
-            near.sort(key=lambda n: (self._busy(n), turn[n]))
+            best_blocks = max(m.blocks for m in matches.values())
+            if best_blocks == 0 and keys:
+                # A prompt no engine holds any of goes to near equals in turns of its own: what is new spreads
+                # evenly over the engines' caches. (By queue, the engine computing the last new prompt looks busy:
+                # a run's twelve new documents went eight to one engine and four to the other, and the eight
+                # pushed one another out of its DRAM.)
+                cold = next(self._cold)
+                near.sort(key=lambda n: (turn[n] + tie - cold) % len(names))
+            else:
+                near.sort(key=lambda n: (costed[n].uncached, self._unanswered(n, costed[n]), self._busy(n), turn[n]))
             close = set(near)
             order = near + [n for n in order if n not in close]
-            balanced = self._balanced(order, costed, turn)
-            best_blocks = max(m.blocks for m in matches.values())
+            balanced = self._balanced(order, costed, turn, keys)
             first = matches[order[0]].blocks
             reason = ("balance" if balanced else "unindexed" if prompt is None else "no_prefix" if best_blocks == 0
                       else "prefix" if first == best_blocks else "load")
@@ -329,14 +338,25 @@ class Router:
         """Requests in flight on an engine, over its weight."""
         return len(self.engines[name].flights) / self.engines[name].weight
 
-    def _balanced(self, order: list[str], costed: dict[str, RouteDecision], turn: dict[str, int]) -> bool:
+    def _unanswered(self, name: str, decision: RouteDecision) -> float:
+        """Requests on an engine not yet answering (their prefill or load predicted not done at ``decision``),
+        over its weight."""
+        engine = self.engines[name]
+        return (len(engine.flights) - decision.decoding) / engine.weight
+
+    def _balanced(self, order: list[str], costed: dict[str, RouteDecision], turn: dict[str, int],
+                  keys: Sequence[bytes]) -> bool:
         """Put the least busy engine first (in place) when the first has more than ``balance_requests`` more
-        requests in flight than it (each count over the engine's weight), and it is predicted at most
+        requests in flight than it (each count over the engine's weight), counting on the first only those sharing
+        the prefix it holds of this prompt (all when it holds none), and the least busy is predicted at most
         :data:`_BALANCE_BOUND` times the best prediction (not the first's: a near equal put first may be slower
         itself): a hot prefix's holder would otherwise take every request while its queue looked short, and the
-        other engine, once it computed the prefix, holds it too. Never for a request that would cost far more
-        elsewhere (a long prompt cached on the busy engine, a long queue on the idle one). Among equally busy
-        engines, the first in ``turn``. Whether it did."""
+        other engine, once it computed the prefix, holds it too. A holder busy with other prompts keeps what it
+        holds (its queue is in its prediction): moved away, a request computes its prefix again and its second copy
+        pushes another out (under prefix_repetition, a few times a run, a document's request went to the other
+        engine, twice as slow predicted). Never for a request that would cost far more elsewhere (a long prompt
+        cached on the busy engine, a long queue on the idle one). Among equally busy engines, the first in
+        ``turn``. Whether it did."""
         balance = self.config.balance_requests
         if balance is None or len(order) < 2:
             return False
@@ -344,11 +364,23 @@ class Router:
         idle = min(order, key=lambda n: (self._busy(n), turn[n]))
         first = order[0]
         best = min(costed[n].predicted_s for n in order)
-        if self._busy(first) <= self._busy(idle) + balance or costed[idle].predicted_s > _BALANCE_BOUND * best:
+        held = min(costed[first].match.blocks, len(keys))
+        if self._sharing(first, keys, held) <= self._busy(idle) + balance or \
+                costed[idle].predicted_s > _BALANCE_BOUND * best:
             return False
         order.remove(idle)
         order.insert(0, idle)
         return True
+
+    def _sharing(self, name: str, keys: Sequence[bytes], blocks: int) -> float:
+        """Requests in flight on an engine whose prompts start with the first ``blocks`` of ``keys`` (all of them
+        when ``blocks`` is 0), over its weight. A block's key names every token before it too: one key compared."""
+        engine = self.engines[name]
+        if blocks == 0:
+            return self._busy(name)
+        last = keys[blocks - 1]
+        return sum(1 for f in engine.flights.values()
+                   if len(f.keys) >= blocks and f.keys[blocks - 1] == last) / engine.weight
 
     def _cost(self, name: str, match: Match, n_tokens: int, now: float) -> RouteDecision:
         """The engine's predicted TTFT for a prompt of ``n_tokens`` of which ``match`` is cached (reason unset)."""
@@ -408,7 +440,7 @@ class Router:
         engine.flights[flight_id] = Flight(
             prefill_s=decision.uncached * self.prefill_rate(engine),
             load_s=decision.load_s, queued_s=decision.queued_s, decoding=decision.decoding, uncached=decision.uncached,
-            reserved=reserved)
+            keys=keys, reserved=reserved)
         if reserved:
             self.index.reserve(decision.engine, reserved, self.config.reserve_s, flight_id)
         return flight_id
