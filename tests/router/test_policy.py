@@ -70,11 +70,10 @@ def test_a_burst_sharing_a_new_prefix_does_not_all_land_on_one_engine():
         decision = router.decide(Prompt(DOC + [i] * 20))[0]
         flights.append((decision.engine, router.started(decision, router.keys(Prompt(DOC + [i] * 20)))))
         order.append((decision.engine, decision.reason))
-    # The first computes the prefix. The next find it reserved on e0, behind 1 s of prefill: computing it on the
-    # idle e1 is no faster (a near tie), and would cost the fleet a second prefill, so they wait for it there
-    # until e0 has more than balance_requests (2) more in flight: then e1 computes it too, and holds it.
-    assert order[:4] == [("e0", "no_prefix"), ("e0", "prefix"), ("e0", "prefix"), ("e1", "balance")]
-    assert all(reason == "prefix" for _, reason in order[4:]), order
+    # The first computes the prefix. The second finds it reserved on e0, behind 1 s of prefill, and computing
+    # it on the idle e1 is as fast: it goes there. From then on both hold it and the load decides.
+    assert order[:2] == [("e0", "no_prefix"), ("e1", "load")]
+    assert all(reason == "prefix" for _, reason in order[2:]), order
     assert Counter(e for e, _ in order) == {"e0": 3, "e1": 3}
     for engine, flight in flights:
         router.finished(engine, flight)
@@ -567,3 +566,17 @@ def test_prompts_no_engine_holds_go_to_near_equals_in_turns():
         router.engines[decision.engine].flights[router.started(decision, router.keys(prompt))].answering = True
         sent.append((decision.engine, decision.reason))
     assert Counter(sent) == {("e0", "no_prefix"): 2, ("e1", "no_prefix"): 2}
+
+
+def test_a_holder_behind_a_queue_keeps_its_prompt_against_an_idle_engine_predicted_as_fast():
+    """e0 holds the document and has 1 s of another prompt's prefill queued; idle e1 would compute the document's
+    1,025 tokens in as long: a near tie. The holder keeps it (the fleet computes it once, and no second copy
+    pushes another document out of e1's cache); by requests in flight it went to e1, a few times a run under
+    prefix_repetition. A prefix only reserved on e0 (still being computed there) is another matter: the burst
+    test above."""
+    router = make()
+    hold(router, "e0", DOC)
+    queued = Prompt(list(range(60_000, 61_000)))
+    router.started(router.decide(queued, names=["e0"])[0], [])
+    decision = router.decide(Prompt(DOC + [1]))[0]
+    assert (decision.engine, decision.reason) == ("e0", "prefix")

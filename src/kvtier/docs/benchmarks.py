@@ -151,7 +151,9 @@ def _router(d: Mapping[str, Any]) -> Table:
     spreads = d.get("spreads", {})  # the rounds' ratios of a target measured in several (their median shown)
     rows = [[name, ratio(value), spread(spreads.get(name, ()))] for name, value in d.get("ratios", {}).items()]
     if "overhead" in d:
-        rows.append(["added p50 latency of the router (ms)", ratio(d["overhead"].get("added_p50_ms")), ""])
+        over = d["overhead"]  # each block of pairs' own difference as the spread (files before 2026-12-07: none)
+        rows.append(["added p50 latency of the router (ms)", ratio(over.get("added_p50_ms")),
+                     spread(over.get("added_p50_ms_per_block", ()))])
     return _table(["Measure", "value", "spread"], rows)
 
 

@@ -293,7 +293,13 @@ class Router:
             turn = {n: (i - tie) % len(names) for i, n in enumerate(names)}
             order = sorted(names, key=lambda n: (round(costed[n].predicted_s, 4), self._busy(n), turn[n]))
             # Engines near the best are told apart by what the request adds to them, not by their predictions: the
-            # calibrated costs are estimates, and between near equals their noise decides nothing well.
+            # calibrated costs are estimates, and between near equals their noise decides nothing well. Fewest
+            # tokens to compute from what each holds first (a holder behind a queue is no slower than an engine
+            # computing the prompt again, and the fleet then computes it once; under prefix_repetition a document's
+            # requests went to the other engine, and its second copy pushed another document out); then fewest
+            # requests waiting for their first token (requests prefilled together finish together, and their
+            # client's next ones, by requests in flight alone, went together to the engine they had left and were
+            # prefilled in one step again); then fewest in flight; then turns.
             near = self._near(order, costed)
             best_blocks = max(m.blocks for m in matches.values())
             if best_blocks == 0 and keys:
@@ -304,7 +310,8 @@ class Router:
                 cold = next(self._cold)
                 near.sort(key=lambda n: (turn[n] + tie - cold) % len(names))
             else:
-                near.sort(key=lambda n: (costed[n].uncached, self._unanswered(n, costed[n]), self._busy(n), turn[n]))
+                computes = {n: self._computes(n, matches[n], keys, n_tokens) for n in near}
+                near.sort(key=lambda n: (computes[n], self._unanswered(n, costed[n]), self._busy(n), turn[n]))
             close = set(near)
             order = near + [n for n in order if n not in close]
             balanced = self._balanced(order, costed, turn, keys)
@@ -337,6 +344,14 @@ class Router:
     def _busy(self, name: str) -> float:
         """Requests in flight on an engine, over its weight."""
         return len(self.engines[name].flights) / self.engines[name].weight
+
+    def _computes(self, name: str, match: Match, keys: Sequence[bytes], n_tokens: int) -> int:
+        """Tokens of the prompt the engine would compute from what it holds: its own announced blocks or kvtier's,
+        not blocks reserved there by a request still computing them (another engine computing those is no slower
+        than waiting for them, and under one hot prefix both engines then hold it from the start)."""
+        bs = self.config.block_size
+        held = max(self.index.announced_run(name, keys[:match.engine]), match.kvtier)
+        return n_tokens - min(held * bs, max(0, (n_tokens - 1) // bs * bs))
 
     def _unanswered(self, name: str, decision: RouteDecision) -> float:
         """Requests on an engine not yet answering (their prefill or load predicted not done at ``decision``),
