@@ -356,3 +356,19 @@ def test_a_prompt_read_from_no_cache_is_not_prefilled_elsewhere() -> None:
     router = make()
     plan = router.plan(Prompt(DOC, uncached=Uncached.PROMPT_LOGPROBS))
     assert not plan.prefill
+
+
+def test_new_prompts_take_turns_between_prefill_engines() -> None:
+    """Two prefill engines: six new prompts, each prefilled and done before the next, go three to each (the
+    policy's other decisions for the same request, the decode engine's, take no turn from them)."""
+    router = make(("prefill", "prefill", "decode"))
+    sent = []
+    for i in range(6):
+        prompt = Prompt(list(range(30_000 + 2000 * i, 31_024 + 2000 * i)))
+        keys = router.keys(prompt)
+        plan = router.plan(prompt, keys=keys)
+        assert plan.prefill, "a 1,024-token prompt is prefilled apart"
+        prefill = plan.prefill[0]
+        router.finished(prefill.engine, router.started(prefill, keys))
+        sent.append(prefill.engine)
+    assert sorted(sent) == ["e0"] * 3 + ["e1"] * 3, sent

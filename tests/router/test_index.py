@@ -50,9 +50,9 @@ def test_keys_from_vllm_events_equal_the_routers_keys_for_the_same_prompt():
     index.stored("e0", stored(TOKENS, 0, 2))
     index.stored("e0", stored(TOKENS, 2, 5))  # a later event chains through the first one's hashes
     keys = request_keys(TOKENS + [1, 2], BS)
-    assert index.match(keys, ["e0", "e1"]) == {"e0": Match(engine=5), "e1": Match()}
+    assert index.match(keys, ["e0", "e1"]) == {"e0": Match(engine=5, announced=5), "e1": Match()}
     other = request_keys(TOKENS[:8] + [9] * 16, BS)
-    assert index.match(other, ["e0"])["e0"] == Match(engine=2)
+    assert index.match(other, ["e0"])["e0"] == Match(engine=2, announced=2)
 
 
 def test_salt_and_lora_only_match_their_own_namespace():
@@ -72,9 +72,9 @@ def test_reference_counts_a_hash_stored_twice_and_removed_once():
     hashes, _ = vllm_blocks(TOKENS)
     index.removed("e0", Removed(hashes=tuple(hashes[:3]), medium="GPU"))
     keys = request_keys(TOKENS, BS)
-    assert index.match(keys, ["e0"])["e0"] == Match(engine=3)
+    assert index.match(keys, ["e0"])["e0"] == Match(engine=3, announced=3)
     index.removed("e0", Removed(hashes=(hashes[1],), medium="GPU"))
-    assert index.match(keys, ["e0"])["e0"] == Match(engine=1)  # stops at the removed block
+    assert index.match(keys, ["e0"])["e0"] == Match(engine=1, announced=1)  # stops at the removed block
     index.removed("e0", Removed(hashes=(hashes[1],), medium="GPU"))
     assert index.counts.unknown_removals == 1
 
@@ -87,7 +87,7 @@ def test_places_and_the_shared_tier_credits_every_engine():
     index.stored("e0", stored(TOKENS, 0, 6, medium="STORAGE", locality="REMOTE"))  # kvtier Redis
     got = index.match(request_keys(TOKENS, BS), ["e0", "e1"])
     # e0: its own memory for 2 blocks; kvtier holds all 6 for it (DRAM first, then disk, then Redis)
-    assert got["e0"] == Match(engine=2, host=1, disk=1, shared=2, kvtier=6)
+    assert got["e0"] == Match(engine=2, host=1, disk=1, shared=2, kvtier=6, announced=2)
     assert got["e1"] == Match(shared=6, kvtier=6)  # loads all of it from the shared tier
     index.clear("e0", [Place.SHARED])
     assert index.match(request_keys(TOKENS, BS), ["e1"])["e1"] == Match()
@@ -117,7 +117,7 @@ def test_parent_announced_by_another_engine_resolves():
     index.stored("e1", stored(TOKENS, 2, 4, medium="STORAGE", locality="REMOTE"))
     assert index.match(request_keys(TOKENS, BS), ["e1"])["e1"] == Match()  # block 0-1 are only on e0's memory
     index.stored("e1", stored(TOKENS, 0, 2, medium="STORAGE", locality="REMOTE"))
-    assert index.match(request_keys(TOKENS, BS), ["e0"])["e0"] == Match(engine=2, shared=2, kvtier=4)
+    assert index.match(request_keys(TOKENS, BS), ["e0"])["e0"] == Match(engine=2, shared=2, kvtier=4, announced=2)
 
 
 def test_clear_forgets_one_engine():
@@ -126,7 +126,7 @@ def test_clear_forgets_one_engine():
     index.stored("e1", stored(TOKENS))
     index.clear("e0")
     got = index.match(request_keys(TOKENS, BS), ["e0", "e1"])
-    assert got == {"e0": Match(), "e1": Match(engine=6)} and index.blocks("e0") == 0
+    assert got == {"e0": Match(), "e1": Match(engine=6, announced=6)} and index.blocks("e0") == 0
 
 
 def test_reservations_count_until_they_expire():
@@ -146,7 +146,7 @@ def test_a_reservation_ends_when_the_engine_announces_the_block():
     index.stored("e0", stored(TOKENS))
     hashes, _ = vllm_blocks(TOKENS)
     index.removed("e0", Removed(hashes=tuple(hashes[3:]), medium="GPU"))  # evicted: no longer credited
-    assert index.match(keys, ["e0"])["e0"] == Match(engine=3)
+    assert index.match(keys, ["e0"])["e0"] == Match(engine=3, announced=3)
 
 
 def test_a_hash_reused_for_other_tokens_replaces_the_old_block():
@@ -259,3 +259,16 @@ def test_an_engine_that_left_the_fleet_is_forgotten_with_what_it_announced_in_a_
     index.stored("e0", stored(TOKENS, 0, 6, medium="STORAGE", locality="REMOTE"))  # back, replayed
     index.removed("e0", Removed(hashes=tuple(vllm_blocks(TOKENS)[0]), medium="STORAGE", locality="REMOTE"))
     assert index.match(request_keys(TOKENS, BS), ["e1"])["e1"] == Match()  # one removal un-credits them
+
+
+def test_announced_counts_the_engines_own_blocks_from_the_first_reservations_aside():
+    """e0 announced six blocks, then evicted the third; a request routed there reserved it again. Its hit is six
+    blocks, of which the first two are announced: the router tells blocks the engine holds from blocks a request
+    is still computing there."""
+    index = PrefixIndex(BS)
+    keys = request_keys(TOKENS, BS)
+    index.stored("e0", stored(TOKENS))
+    hashes, _ = vllm_blocks(TOKENS)
+    index.removed("e0", Removed(hashes=(hashes[2],), medium="GPU"))
+    index.reserve("e0", keys[2:3], seconds=60, token=1)
+    assert index.match(keys, ["e0"])["e0"] == Match(engine=6, announced=2)

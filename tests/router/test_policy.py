@@ -277,10 +277,10 @@ def test_a_burst_between_engines_computing_the_same_goes_by_their_queues_not_by_
     hold(router, "e1", DOC)
     router.engines["e1"].decode_s = 0.4
     decoding(router, "e1", 2, tag=5)
-    for i in range(4):
-        prompt = Prompt(DOC + list(range(2000 + 200 * i, 2128 + 200 * i)))
+    for i in range(4):  # 1,000 tokens of their own: 1 s of prefill each, waiting whatever pause the test has
+        prompt = Prompt(DOC + list(range(10_000 + 2000 * i, 11_000 + 2000 * i)))
         decision = router.decide(prompt)[0]
-        assert decision.uncached == 128 and decision.reason == "prefix"
+        assert decision.uncached == 1000 and decision.reason == "prefix"
         router.started(decision, router.keys(prompt))
     assert {n: len(e.flights) for n, e in router.engines.items()} == {"e0": 2, "e1": 4}
 
@@ -298,8 +298,8 @@ def test_requests_arriving_together_are_split_by_the_requests_waiting_not_only_b
     decoding(router, "e0", 1, tag=3)
     decoding(router, "e1", 4, tag=3)
     sent = []
-    for i in range(3):
-        prompt = Prompt(DOC + list(range(3000 + 200 * i, 3128 + 200 * i)))
+    for i in range(3):  # 1,000 tokens of their own: 1 s of prefill each, waiting whatever pause the test has
+        prompt = Prompt(DOC + list(range(10_000 + 2000 * i, 11_000 + 2000 * i)))
         decision = router.decide(prompt)[0]
         router.started(decision, router.keys(prompt))
         sent.append(decision.engine)
@@ -516,8 +516,9 @@ def test_balance_requests_never_sends_a_request_where_it_would_cost_far_more_and
     router = make()
     long_doc = list(range(20_000, 20_000 + 512 * BS))  # 8,192 tokens, cached on e0
     hold(router, "e0", long_doc)
-    for i in range(4):  # e0 busier by 4 (short requests)
-        router.started(router.decide(Prompt([i] * 8), names=["e0"])[0], [])
+    for i in range(4):  # e0 busier by 4, on this document (each computing one token): a hot prefix by count
+        prompt = Prompt(long_doc + [i])
+        router.started(router.decide(prompt, names=["e0"])[0], router.keys(prompt))
     d = router.decide(Prompt(long_doc + [1]))[0]
     assert (d.engine, d.reason) == ("e0", "prefix")  # recomputing 8K tokens on e1 would cost over 4x more
     weighted = make(engines=("fast", "slow"))
@@ -566,6 +567,37 @@ def test_prompts_no_engine_holds_go_to_near_equals_in_turns():
         router.engines[decision.engine].flights[router.started(decision, router.keys(prompt))].answering = True
         sent.append((decision.engine, decision.reason))
     assert Counter(sent) == {("e0", "no_prefix"): 2, ("e1", "no_prefix"): 2}
+
+
+def test_prompts_no_engine_holds_take_turns_among_the_near_equals_only_and_by_weight():
+    """e2 has 3 s of prefill queued (no near equal): six new prompts go three to e0 and three to e1 (turns over the
+    fleet's list had given e1 the turn that fell on e2, 4:2). With e0 of weight 2, it takes two for each of e1's."""
+    for weight, expected in ((1.0, {"e0": 3, "e1": 3}), (2.0, {"e0": 4, "e1": 2})):
+        router = make(engines=("e0", "e1", "e2"))
+        router.engines["e0"].weight = weight
+        queued = Prompt(list(range(50_000, 53_000)))
+        router.started(router.decide(queued, names=["e2"])[0], [])
+        sent = Counter()
+        for i in range(6):
+            prompt = Prompt(list(range(30_000 + 1000 * i, 30_064 + 1000 * i)))
+            decision = router.decide(prompt)[0]
+            router.engines[decision.engine].flights[router.started(decision, router.keys(prompt))].answering = True
+            sent[decision.engine] += 1
+        assert sent == expected, weight
+
+
+def test_an_engine_admitted_with_its_decoding_set_aside_earns_nothing_for_holding_one_block_more():
+    """Both hold the document, e0 one block more of this prompt, but e0 has four requests decoding at 0.4 s
+    each: predicted 3.7x e1, a near equal only with its decoding set aside. Computing 16 tokens fewer there does
+    not outrank its queue: e1 (by tokens to compute first, e0 took it, 0.4 s later)."""
+    router = make()
+    extra = list(range(7000, 7000 + BS))
+    hold(router, "e0", DOC + extra)
+    hold(router, "e1", DOC)
+    router.engines["e0"].decode_s = router.engines["e1"].decode_s = 0.1
+    decoding(router, "e0", 4, tag=12)
+    decision = router.decide(Prompt(DOC + extra + list(range(8000, 8128))))[0]
+    assert decision.engine == "e1"
 
 
 def test_a_holder_behind_a_queue_keeps_its_prompt_against_an_idle_engine_predicted_as_fast():

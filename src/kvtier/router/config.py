@@ -369,8 +369,8 @@ class RouterConfig:
                 "EndpointSlices, each a mapping (below)", "yaml": "list of mappings"})
     balance_requests: int | None = dataclasses.field(default=2, metadata={
         "help": "cache_aware: an engine with more than this many requests in flight sharing the prefix it holds of "
-                "a prompt, beyond the least busy engine's requests in flight, gives the request to that one (a hot "
-                "prefix spreads; null: never)"})
+                "a prompt (all of them when it holds none), beyond the least busy engine's requests in flight, gives "
+                "the request to that one (a hot prefix spreads; null: never)"})
     reserve_s: float = dataclasses.field(default=10.0, metadata={
         "help": "seconds the blocks a routed request will compute count before the engine's events confirm them"})
     # They tell a client whether a prefix is cached somewhere: only for trusted clients.

@@ -83,13 +83,15 @@ class Match:
     """How an engine could serve a prompt's leading blocks. ``engine``: its own prefix hit (blocks in its memory
     or reserved there). ``kvtier``: the leading blocks kvtier holds for it (its host DRAM, its disk, any shared
     tier), whatever the engine holds; ``host``, ``disk`` and ``shared`` count, by place, those of them past the
-    engine's hit (what kvtier would load)."""
+    engine's hit (what kvtier would load). ``announced``: of the engine's hit, the leading blocks its own events
+    announced (reservations aside: blocks a request routed there is still computing)."""
 
     engine: int = 0
     host: int = 0
     disk: int = 0
     shared: int = 0
     kvtier: int = 0
+    announced: int = 0
 
     @property
     def blocks(self) -> int:
@@ -319,10 +321,12 @@ class PrefixIndex:
         now = time.monotonic()
         result: dict[str, Match] = {}
         for engine in engines:
-            own = 0
+            own = announced = 0
             for key in keys:
                 holders = self._holders.get(key)
-                if not (self._reserved_for(key, engine, now) or (holders and holders.get((engine, Place.ENGINE)))):
+                if holders and holders.get((engine, Place.ENGINE)):
+                    announced += announced == own  # still a run of announced blocks from the first
+                elif not self._reserved_for(key, engine, now):
                     break
                 own += 1
             counts = [0, 0, 0, 0]
@@ -335,7 +339,7 @@ class PrefixIndex:
                 if i >= own:
                     counts[place] += 1
             result[engine] = Match(engine=own, host=counts[Place.HOST], disk=counts[Place.DISK],
-                                   shared=counts[Place.SHARED], kvtier=kvtier)
+                                   shared=counts[Place.SHARED], kvtier=kvtier, announced=announced)
         return result
 
     @staticmethod

@@ -5,7 +5,9 @@ Cache-aware routing predicts, for every healthy engine,
     TTFT = wait + prefill_s_per_token x tokens it would compute + load_s_per_token[place] x tokens kvtier loads
 
 where ``wait`` is the router's own account of the engine (the prefill left of requests it sent there and has not
-seen start answering, plus a cost per request decoding there), and takes the smallest. Accounting happens at
+seen start answering, plus a cost per request decoding there), and takes the smallest; engines near it are told
+apart by what the request adds to each (:meth:`Router._order_near`), and a hot prefix's holder gives requests to
+the least busy engine (:meth:`Router._balanced`). Accounting happens at
 decision time, before any event arrives: the request's blocks are reserved on its engine and its prefill
 counts in that engine's wait at once. Prefill cost per token is calibrated per engine, online, from the
 engines' own prefill counters and from the first bytes the router sees: each update steps toward the median of
@@ -117,6 +119,7 @@ class EngineState:
         self.decode_s = costs.decode_s_per_request
         self.base_s = 0.0  # what a request costs beyond prefill and loads (scheduling, one decode step, HTTP)
         self.flights: dict[int, Flight] = {}
+        self.placed = 0.0  # requests sent here with a prompt no engine held any of, over the engine's weight
 
     def waiting(self, now: float) -> tuple[list[Flight], float]:
         """The requests not yet answering whose predicted prefill (or load) is not done, and when the last is. The
@@ -160,12 +163,15 @@ class Router:
         self.engines = {e.name: EngineState(e.name, config.costs, e.weight, e.role) for e in config.engines}
         self.disaggregated = any(e.role == "prefill" for e in config.engines)
         self._next = itertools.count()
-        self._cold = itertools.count()  # turns among near equals for prompts no engine holds any of
         self._ids = itertools.count()
 
     def add(self, engine: EngineConfig) -> None:
-        """An engine joins the fleet: not routed to until it is healthy (and its events replayed)."""
+        """An engine joins the fleet: not routed to until it is healthy (and its events replayed). It counts as
+        having been sent as many new prompts as the engine sent the fewest: new prompts spread over the fleet, not
+        all to it until it has caught up."""
+        floor = min((e.placed for e in self.engines.values()), default=0.0)
         self.engines[engine.name] = EngineState(engine.name, self.config.costs, engine.weight, engine.role)
+        self.engines[engine.name].placed = floor
         self.disaggregated = any(e.role == "prefill" for e in self.engines.values())
 
     def remove(self, name: str) -> None:
@@ -292,26 +298,9 @@ class Router:
             # Among equals, engines take turns: each decision starts the fleet's list one place further
             turn = {n: (i - tie) % len(names) for i, n in enumerate(names)}
             order = sorted(names, key=lambda n: (round(costed[n].predicted_s, 4), self._busy(n), turn[n]))
-            # Engines near the best are told apart by what the request adds to them, not by their predictions: the
-            # calibrated costs are estimates, and between near equals their noise decides nothing well. Fewest
-            # tokens to compute from what each holds first (a holder behind a queue is no slower than an engine
-            # computing the prompt again, and the fleet then computes it once; under prefix_repetition a document's
-            # requests went to the other engine, and its second copy pushed another document out); then fewest
-            # requests waiting for their first token (requests prefilled together finish together, and their
-            # client's next ones, by requests in flight alone, went together to the engine they had left and were
-            # prefilled in one step again); then fewest in flight; then turns.
             near = self._near(order, costed)
             best_blocks = max(m.blocks for m in matches.values())
-            if best_blocks == 0 and keys:
-                # A prompt no engine holds any of goes to near equals in turns of its own: what is new spreads
-                # evenly over the engines' caches. (By queue, the engine computing the last new prompt looks busy:
-                # a run's twelve new documents went eight to one engine and four to the other, and the eight
-                # pushed one another out of its DRAM.)
-                cold = next(self._cold)
-                near.sort(key=lambda n: (turn[n] + tie - cold) % len(names))
-            else:
-                computes = {n: self._computes(n, matches[n], keys, n_tokens) for n in near}
-                near.sort(key=lambda n: (computes[n], self._unanswered(n, costed[n]), self._busy(n), turn[n]))
+            self._order_near(near, costed, matches if best_blocks else None, n_tokens, turn)
             close = set(near)
             order = near + [n for n in order if n not in close]
             balanced = self._balanced(order, costed, turn, keys)
@@ -319,6 +308,41 @@ class Router:
             reason = ("balance" if balanced else "unindexed" if prompt is None else "no_prefix" if best_blocks == 0
                       else "prefix" if first == best_blocks else "load")
         return [dataclasses.replace(costed[n], reason=reason if i == 0 else "retry") for i, n in enumerate(order)]
+
+    def _order_near(self, near: list[str], costed: dict[str, RouteDecision], matches: dict[str, Match] | None,
+                    n_tokens: int, turn: dict[str, int]) -> None:
+        """Sort the near equals (in place) by what the request adds to each, not by their predictions: the
+        calibrated costs are estimates, and between near equals their noise decides nothing well. ``matches``
+        None: no engine holds any of the prompt.
+
+        - Fewest tokens to compute from what each holds (announced blocks or kvtier's; blocks reserved by a request
+          still computing them aside: another engine computing those is no slower than waiting for them, and
+          under one hot prefix both then hold it from the start). A holder behind a queue is no slower than an
+          engine computing the prompt again, and the fleet computes it once (under prefix_repetition a document's
+          requests went to the other engine, and its second copy pushed another document out). Only engines
+          predicted within a near tie of the best count what they hold: one admitted with its decoding set aside,
+          up to 4x the best, earns nothing over a queue for holding more than those.
+        - Then fewest requests waiting for their first token (requests prefilled together finish together, and
+          their client's next ones, by requests in flight alone, went together to the engine they had left and
+          were prefilled in one step again); then fewest in flight; then turns.
+        - A prompt no engine holds: fewest requests waiting for their first token, then the fewest new prompts
+          sent there (over weights), then turns: what is new spreads evenly over the engines' caches (by queue
+          alone a run's twelve new documents went eight to one engine and four to the other, and the eight pushed
+          one another out of its DRAM).
+        """
+        if matches is None:
+            near.sort(key=lambda n: (self._unanswered(n, costed[n]), self.engines[n].placed, turn[n]))
+            return
+        bs = self.config.block_size
+        cap = max(0, (n_tokens - 1) // bs * bs)
+        computes = {n: n_tokens - min(max(matches[n].announced, matches[n].kvtier) * bs, cap) for n in near}
+        best = costed[near[0]].predicted_s if near else 0.0
+        plain = {n for n in near if costed[n].predicted_s <= best + self._slack(best, near[0])}
+        floor = min(computes[n] for n in plain)
+        for n in near:
+            if n not in plain:
+                computes[n] = max(computes[n], floor)
+        near.sort(key=lambda n: (computes[n], self._unanswered(n, costed[n]), self._busy(n), turn[n]))
 
     def _near(self, order: list[str], costed: dict[str, RouteDecision]) -> list[str]:
         """The engines (of ``order``, by predicted time) near enough to the best to be told apart by their queues
@@ -344,14 +368,6 @@ class Router:
     def _busy(self, name: str) -> float:
         """Requests in flight on an engine, over its weight."""
         return len(self.engines[name].flights) / self.engines[name].weight
-
-    def _computes(self, name: str, match: Match, keys: Sequence[bytes], n_tokens: int) -> int:
-        """Tokens of the prompt the engine would compute from what it holds: its own announced blocks or kvtier's,
-        not blocks reserved there by a request still computing them (another engine computing those is no slower
-        than waiting for them, and under one hot prefix both engines then hold it from the start)."""
-        bs = self.config.block_size
-        held = max(self.index.announced_run(name, keys[:match.engine]), match.kvtier)
-        return n_tokens - min(held * bs, max(0, (n_tokens - 1) // bs * bs))
 
     def _unanswered(self, name: str, decision: RouteDecision) -> float:
         """Requests on an engine not yet answering (their prefill or load predicted not done at ``decision``),
@@ -458,6 +474,8 @@ class Router:
             keys=keys, reserved=reserved)
         if reserved:
             self.index.reserve(decision.engine, reserved, self.config.reserve_s, flight_id)
+        if decision.reason == "no_prefix" and keys:  # (a prompt under one block stores nothing)
+            engine.placed += 1 / engine.weight
         return flight_id
 
     def first_byte(self, engine: str, flight_id: int, ttft_s: float) -> None:
