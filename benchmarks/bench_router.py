@@ -31,8 +31,8 @@ per conversation would. Router overhead: a one-token completion asked directly o
 Round-robin and cache-aware on both workloads, the pairs the targets compare, run ``--rounds`` times (3),
 interleaved (round-robin first in even rounds, cache-aware first in odd ones), every run with prompts of its own:
 each target's ratio is the median of the rounds' (of the middle two with an even number), printed with every round's
-(on the Intel Xeon, 2 cores, one run's three rounds gave 1.64x, 1.41x and 1.38x on prefix_repetition, and
-round-robin's own hot-prefix p90 801-1,461 ms). The rows measured once (replicas, shared Redis) are compared with
+(on the Intel Xeon, 2 cores, the latest run's three rounds gave 2.44x, 2.57x and 1.56x on prefix_repetition, and
+round-robin's own hot-prefix p90 935-1,622 ms). The rows measured once (replicas, shared Redis) are compared with
 the median of the rounds' round-robin.
 
     python benchmarks/bench_router.py [--json PATH] [--quick] [--rounds N]
