@@ -232,7 +232,7 @@ class Router:
         among equals (the policy's: shorter queues first). Its reason is the policy's when it is the policy's
         first, else ``prefix`` when it holds the most of the prompt, ``load`` when another holds more."""
         best = min(serve, key=lambda d: d.predicted_s)
-        bound = best.predicted_s + self._slack(best.predicted_s, best.engine)
+        bound = self._tie(best.predicted_s, best.engine)
         near = [d for d in serve
                 if d.uncached < self.config.pd.local_tokens and (d is serve[0] or d.predicted_s <= bound)]
         local = min(near, key=lambda d: d.uncached, default=None)
@@ -241,10 +241,10 @@ class Router:
         most = max(d.match.blocks for d in serve)
         return dataclasses.replace(local, reason="prefix" if local.match.blocks == most else "load")
 
-    def _slack(self, best_s: float, engine: str) -> float:
-        """How far past the best predicted time ``best_s`` (of ``engine``) an engine is a near tie: a share of the
-        best, and one block's prefill (what a near tie can hide on fast engines too)."""
-        return best_s * _NEAR_TIE + self.config.block_size * self.prefill_rate(self.engines[engine])
+    def _tie(self, best_s: float, engine: str) -> float:
+        """The latest predicted time that is a near tie of the best, ``best_s`` (of ``engine``): the best, a share
+        of it, and one block's prefill (what a near tie can hide on fast engines too)."""
+        return best_s + best_s * _NEAR_TIE + self.config.block_size * self.prefill_rate(self.engines[engine])
 
     def _prefill_order(self, order: list[RouteDecision]) -> list[RouteDecision]:
         """Prefill engines by predicted time, except that one holding (or computing: its reservations) at least
@@ -336,8 +336,8 @@ class Router:
         bs = self.config.block_size
         cap = max(0, (n_tokens - 1) // bs * bs)
         computes = {n: n_tokens - min(max(matches[n].announced, matches[n].kvtier) * bs, cap) for n in near}
-        best = costed[near[0]].predicted_s if near else 0.0
-        plain = {n for n in near if costed[n].predicted_s <= best + self._slack(best, near[0])}
+        bound = self._tie(costed[near[0]].predicted_s, near[0])  # near[0]: the best prediction (_near keeps order)
+        plain = {n for n in near if costed[n].predicted_s <= bound}
         floor = min(computes[n] for n in plain)
         for n in near:
             if n not in plain:
@@ -361,8 +361,8 @@ class Router:
 
         bounded = {n for n in order if costed[n].predicted_s <= _BALANCE_BOUND * first.predicted_s}
         low = min((n for n in order if n in bounded), key=undecoded)  # its own tie: the best's decoding widens none
-        tie = first.predicted_s + self._slack(first.predicted_s, order[0])
-        tie_undecoded = undecoded(low) + self._slack(undecoded(low), low)
+        tie = self._tie(first.predicted_s, order[0])
+        tie_undecoded = self._tie(undecoded(low), low)
         return [n for n in order if costed[n].predicted_s <= tie or (n in bounded and undecoded(n) <= tie_undecoded)]
 
     def _busy(self, name: str) -> float:
@@ -395,8 +395,7 @@ class Router:
         idle = min(order, key=lambda n: (self._busy(n), turn[n]))
         first = order[0]
         best = min(costed[n].predicted_s for n in order)
-        held = min(costed[first].match.blocks, len(keys))
-        if self._sharing(first, keys, held) <= self._busy(idle) + balance or \
+        if self._sharing(first, keys, costed[first].match.blocks) <= self._busy(idle) + balance or \
                 costed[idle].predicted_s > _BALANCE_BOUND * best:
             return False
         order.remove(idle)
@@ -405,7 +404,8 @@ class Router:
 
     def _sharing(self, name: str, keys: Sequence[bytes], blocks: int) -> float:
         """Requests in flight on an engine whose prompts start with the first ``blocks`` of ``keys`` (all of them
-        when ``blocks`` is 0), over its weight. A block's key names every token before it too: one key compared."""
+        when ``blocks`` is 0), over its weight; ``blocks``: at most the keys' (a match counts along them). A block's
+        key names every token before it too: one key compared."""
         engine = self.engines[name]
         if blocks == 0:
             return self._busy(name)
