@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import uvloop
 import pytest
 import yaml
 from aiohttp import web
@@ -99,10 +100,10 @@ async def serve(app: web.Application, **kw) -> tuple[web.AppRunner, str]:
 
 def run(scenario: Callable[[str, list[ScriptedEngine], RouterApp], Awaitable[None]], n: int = 2,
         engine_class: type[ScriptedEngine] | None = None, tokenizer: object = None, admin: bool = False,
-        fleet: int | None = None, **overrides) -> None:
+        fleet: int | None = None, on_uvloop: bool = False, **overrides) -> None:
     """``scenario(url, engines, app)`` against a router (listening as ``kvtier router`` does, with ``limits``)
     in front of ``n`` scripted engines (of class ``engine_class``), the first ``fleet`` of them (default all) in its
-    config; ``admin``: with an admin listener."""
+    config; ``admin``: with an admin listener; ``on_uvloop``: on uvloop's event loop, as ``kvtier router`` runs."""
     async def main() -> None:
         engines = [(engine_class or ScriptedEngine)() for _ in range(n)]
         runners = []
@@ -123,7 +124,10 @@ def run(scenario: Callable[[str, list[ScriptedEngine], RouterApp], Awaitable[Non
                 await r.cleanup()
             for r in runners:
                 await r.cleanup()
-    asyncio.run(main())
+    if on_uvloop:
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
 
 
 async def post(url: str, prompt: str, stream: bool = False, **kw) -> tuple[int, dict, bytes]:

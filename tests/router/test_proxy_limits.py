@@ -11,13 +11,19 @@ import threading
 import time
 
 import aiohttp
+import pytest
 
-from kvtier.router.proxy import BUSY_PARSE_BYTES
+from kvtier.router.proxy import BUSY_PARSE_BYTES, INLINE_BYTES
 from tests.router.test_proxy import ScriptedEngine, WordTokenizer, post, run
 
 
+# A prompt long enough to be read on a worker thread (a shorter completion is read on the event loop)
+PAST_INLINE = " " + "x" * INLINE_BYTES
+
+
 class GatedTokenizer(WordTokenizer):
-    """Holds each prompt until the test opens the gate (5 s at most): a prompt being tokenized, on demand."""
+    """Holds each prompt read on a worker until the test opens the gate (5 s at most): a prompt being tokenized, on
+    demand. A short one passes (it is read on the event loop, which the gate would hold)."""
 
     def __init__(self) -> None:
         self.started = threading.Event()
@@ -27,6 +33,8 @@ class GatedTokenizer(WordTokenizer):
 
     def completion(self, body):
         self.calls += 1
+        if len(str(body.get("prompt"))) < INLINE_BYTES:
+            return super().completion(body)
         self.started.set()
         self.gate.wait(5)
         try:
@@ -72,14 +80,15 @@ def test_health_answers_while_a_huge_prompt_is_tokenized():
 def test_a_full_pool_routes_small_bodies_without_a_prediction_and_refuses_large_ones():
     """Prediction is an optimisation, availability is not: with every worker busy (a prompt held in the
     tokenizer) a small request is routed at once without a prediction, untokenized, the report mode still dropped;
-    one too large to parse on the event loop gets 429."""
+    one too large to parse on the event loop gets 429. A short completion is read on the event loop: it keeps
+    its prediction."""
     tokenizer = GatedTokenizer()
 
     async def main(url, engines, app):
-        first = asyncio.create_task(post(url, "ok a"))
+        first = asyncio.create_task(post(url, "ok a" + PAST_INLINE))
         await until(lambda: app.pool.pending == 1, "the first request on the worker")
         async with aiohttp.ClientSession() as session, session.post(url + "/v1/completions", json={
-                "model": "m", "prompt": "ok b", "stream": True,
+                "model": "m", "prompt": "ok b" + PAST_INLINE, "stream": True,
                 "vllm_xargs": {"kv_cache_report_mode": "full", "other": 1}}) as reply:
             assert reply.status == 200 and reply.headers["X-KVTier-Route-Reason"] == "unindexed"
             assert (await reply.read()).endswith(b"data: [DONE]\n\n")  # read as a stream
@@ -91,9 +100,12 @@ def test_a_full_pool_routes_small_bodies_without_a_prediction_and_refuses_large_
         status, headers, body = await post(url, "ok " + "x" * (BUSY_PARSE_BYTES + 1))
         assert status == 429 and headers["Retry-After"] == "1" and json.loads(body)["error"]["type"] == "busy"
         assert app.metrics.refused.labels("busy")._value.get() == 1
+        status, headers, _ = await post(url, "ok c")
+        assert status == 200 and headers["X-KVTier-Route-Reason"] == "no_prefix" and tokenizer.calls == 2
+        assert app.metrics.unpredicted.labels("busy")._value.get() == 1 and not tokenizer.done.is_set()
         tokenizer.gate.set()
         assert (await first)[0] == 200
-        assert sum(len(e.requests) for e in engines) == 2
+        assert sum(len(e.requests) for e in engines) == 3
     run(main, tokenizer=tokenizer, policy="cache_aware", limits={"workers": 1, "queue": 0})
 
 
@@ -243,7 +255,8 @@ def test_half_sent_requests_are_closed_at_their_deadline_and_honest_ones_pass():
     run(main, limits={"header_s": 0.5, "body_s": 0.5})
 
 
-def test_at_the_cap_the_oldest_idle_connection_makes_room():
+@pytest.mark.parametrize("on_uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_at_the_cap_the_oldest_idle_connection_makes_room(on_uvloop: bool):
     """max_connections (4) half-sent requests (headers never finished, well within header_s) do not lock anyone
     out: a new connection closes the oldest idle one, and an honest request is served."""
     async def main(url, engines, app):
@@ -261,16 +274,17 @@ def test_at_the_cap_the_oldest_idle_connection_makes_room():
         assert not any(reader.at_eof() for reader, _ in held[1:])
         for _, w in held:
             w.close()
-    run(main, limits={"max_connections": 4, "header_s": 30})
+    run(main, on_uvloop=on_uvloop, limits={"max_connections": 4, "header_s": 30})
 
 
-def test_at_the_cap_with_every_connection_busy_a_new_one_is_closed_at_once():
+@pytest.mark.parametrize("on_uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_at_the_cap_with_every_connection_busy_a_new_one_is_closed_at_once(on_uvloop: bool):
     """4 connections with requests in flight (held in the tokenizer): a 5th is closed as it is accepted, none of
     the 4 is touched, and all 4 are answered."""
     tokenizer = GatedTokenizer()
 
     async def main(url, engines, app):
-        busy = [asyncio.create_task(post(url, f"ok {i}")) for i in range(4)]
+        busy = [asyncio.create_task(post(url, f"ok {i}" + PAST_INLINE)) for i in range(4)]
         await until(lambda: app.pool.pending == 4, "4 requests in flight")
         reader, writer = await asyncio.open_connection("127.0.0.1", app.port())
         assert await closed(reader, 2) == b""  # well before the 30 s header deadline
@@ -279,7 +293,8 @@ def test_at_the_cap_with_every_connection_busy_a_new_one_is_closed_at_once():
         assert app.metrics.evicted_connections.labels("client")._value.get() == 0
         tokenizer.gate.set()
         assert [(await b)[0] for b in busy] == [200] * 4
-    run(main, tokenizer=tokenizer, limits={"max_connections": 4, "header_s": 30, "workers": 4, "queue": 0})
+    run(main, tokenizer=tokenizer, on_uvloop=on_uvloop,
+        limits={"max_connections": 4, "header_s": 30, "workers": 4, "queue": 0})
 
 
 class FloodingEngine(ScriptedEngine):

@@ -260,8 +260,9 @@ class _Counted(asyncio.Protocol):
     def close(self) -> None:
         """Reset now: a closed transport would wait to send what its client does not read, keeping the descriptor
         (and the cap it no longer counts against)."""
-        if isinstance(self._transport, asyncio.WriteTransport):  # a TCP server's always is
-            self._transport.abort()
+        abort = getattr(self._transport, "abort", None)  # a TCP transport's (uvloop's is no asyncio.WriteTransport)
+        if abort is not None:
+            abort()
         elif self._transport is not None:
             self._transport.close()
 

@@ -1,12 +1,12 @@
 """The router's proxy: a client's request from its body to the last byte of the engine's answer.
 
-Read the body (within ``limits``), tokenize the prompt as the engine will and key it on a worker thread
-(:mod:`kvtier.router.guards`), ask the policy for engines in order, send the request to the first; one that fails
-before its first byte (or redirects) is retried on the next. After the first byte the answer passes through byte
-for byte, a streamed one in whole SSE events; an engine that fails or goes quiet mid-stream ends the client's
-stream with an SSE ``error`` event (after the last whole event: a partial one is dropped). A client that leaves
-closes the upstream connection, which aborts the request in vLLM. ``/v1/models`` is passed on from the first
-healthy engine that answers.
+Read the body (within ``limits``), tokenize the prompt as the engine will and key it (on a worker thread,
+:mod:`kvtier.router.guards`; a short completion on the loop, :data:`INLINE_BYTES`), ask the policy for engines in
+order, send the request to the first; one that fails before its first byte (or redirects) is retried on the next.
+After the first byte the answer passes through byte for byte, a streamed one in whole SSE events; an engine that
+fails or goes quiet mid-stream ends the client's stream with an SSE ``error`` event (after the last whole event: a
+partial one is dropped). A client that leaves closes the upstream connection, which aborts the request in vLLM.
+``/v1/models`` is passed on from the first healthy engine that answers.
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ _USAGE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 # larger one is refused (429) rather than parsed there (json.loads of 32 KiB takes at most ~0.6 ms here, a
 # hostile body of deep or huge numbers included)
 BUSY_PARSE_BYTES = 32 * 1024
+# A completion body up to this size is read on the event loop: its tokenizing takes at most 0.33 ms here (any text
+# of 1 KiB: runs of one character, CJK, digits), less than the hop to a worker thread and back costs a short prompt
+# beside busy engines (0.4-0.6 ms of its TTFT), and no more than aiohttp spends on the request itself. A chat's is
+# rendered by a template first: always on a worker.
+INLINE_BYTES = 1024
 
 
 class _Upstream(Exception):
@@ -204,6 +209,8 @@ class Proxy:
             return self.refuse(400, "the request body cannot be read (its encoding is broken)", "bad_body",
                                type(exc).__name__)
         try:
+            if len(raw) <= INLINE_BYTES and not request.path.endswith("/chat/completions"):
+                return self.reader(request.path, raw, self.engines.base_models, self._longest_prompt())
             try:
                 return await self.pool.run(self.reader, request.path, raw, self.engines.base_models,
                                            self._longest_prompt())
@@ -282,7 +289,8 @@ class Proxy:
                 if whole:
                     await self._deliver(reply, whole)
                 try:
-                    chunk = await asyncio.wait_for(upstream.content.readany(), self.config.timeouts.idle_s)
+                    async with timeout(self.config.timeouts.idle_s):  # (not wait_for: no task for each chunk)
+                        chunk = await upstream.content.readany()
                 except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
                     cause = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnected"
                     log.warning("engine %s failed mid-stream (%s): the client gets an error event%s", name, cause,
@@ -335,10 +343,10 @@ class Proxy:
             # first_byte_s from the request on: an engine that accepts the connection and never answers (not
             # even its headers) is given up on too. A redirect is not followed: a 307 would send the prompt to
             # another origin.
-            upstream = await asyncio.wait_for(session.post(
-                self.engines.urls[name] + path, data=raw, headers=headers, allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=None)),
-                timeouts.first_byte_s)
+            async with timeout(timeouts.first_byte_s):
+                upstream = await session.post(
+                    self.engines.urls[name] + path, data=raw, headers=headers, allow_redirects=False,
+                    timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=None))
         except aiohttp.ClientConnectionError as exc:
             # Not routed to until its next good health check; its entries stay unless it stays down.
             state = self.router.engines.get(name)
@@ -357,13 +365,15 @@ class Proxy:
 
     async def _whole(self, upstream: aiohttp.ClientResponse) -> bytes:
         try:
-            return await asyncio.wait_for(upstream.read(), self.config.timeouts.first_byte_s)
+            async with timeout(self.config.timeouts.first_byte_s):
+                return await upstream.read()
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise _Upstream(f"no whole answer: {type(exc).__name__}") from exc
 
     async def _first(self, upstream: aiohttp.ClientResponse) -> bytes:
         try:
-            first = await asyncio.wait_for(upstream.content.readany(), self.config.timeouts.first_byte_s)
+            async with timeout(self.config.timeouts.first_byte_s):
+                first = await upstream.content.readany()
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise _Upstream(f"no first byte: {type(exc).__name__}") from exc
         if not first:
