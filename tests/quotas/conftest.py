@@ -43,9 +43,10 @@ def ns(salt: str | None) -> Namespace:
 @pytest.fixture
 def age(monkeypatch: pytest.MonkeyPatch):
     """Tiers never evict a share's objects used in the last RECENT_SECONDS (a prompt's own chunks): shortened
-    here, and ``age()`` lets everything stored so far grow older than that."""
-    monkeypatch.setattr(quotas, "RECENT_SECONDS", 0.3)
-    return lambda: time.sleep(0.35)
+    here (to a second: a prompt's chunks written to a network tier on a loaded machine stay within it), and
+    ``age()`` lets everything stored so far grow older than that."""
+    monkeypatch.setattr(quotas, "RECENT_SECONDS", 1.0)
+    return lambda: time.sleep(1.1)
 
 
 # -- Redis: the shares are counted in the server, over every engine's writes -------------------------------------

