@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import jinja2
@@ -236,3 +237,24 @@ def test_media_parts_predict_no_hit_and_count_the_text_alone(tok):
     assert mixed.uncached is Uncached.CONTENT_PARTS and not mixed.uncached.stored
     assert mixed.tokens == alone.tokens
 
+
+
+@pytest.mark.parametrize("fields", [{"cache_salt": "salt-\ud800"}, {"model": "adapter-\udc80"}])
+def test_a_salt_or_adapter_name_that_is_not_utf8_text_gives_no_prediction(tok, fields):
+    """JSON may escape a lone surrogate; keying it would fail (the router answered 500): no prediction instead."""
+    with pytest.raises(FieldError, match="not UTF-8 text"):
+        read_prompt(tok, COMPLETION, {"model": "m", "prompt": "hello", **fields}, {"m"})
+
+
+def test_a_truncating_request_leaves_the_shared_tokenizer_as_it_was(tok):
+    """Each thread truncates with a copy of its own: the tokenizer the threads share never truncates (set, its next
+    call would unset it while another thread encodes with it: that prompt cut, or "Already borrowed")."""
+    text = " ".join(f"word{i}" for i in range(50))
+    whole = completion(tok, text).tokens
+    assert completion(tok, text, truncate_prompt_tokens=10).tokens == whole[-10:]
+    assert tok._tok._tokenizer.truncation is None
+    elsewhere: list[object] = []
+    thread = threading.Thread(target=lambda: elsewhere.append(tok._cutter()))
+    thread.start()
+    thread.join()
+    assert elsewhere[0] is not tok._cutter() and tok._tok not in (elsewhere[0], tok._cutter())

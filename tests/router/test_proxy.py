@@ -12,7 +12,6 @@ import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
-import uvloop
 import pytest
 import yaml
 from aiohttp import web
@@ -23,6 +22,8 @@ from kvtier.router.config import load_router_config
 
 class WordTokenizer:
     """One token per word: enough for routing decisions in these tests."""
+
+    fast = True  # cheap enough to run on the event loop, as a fast tokenizer is
 
     def completion(self, body):
         return [hash(w) % 50000 for w in str(body.get("prompt", "")).split()]
@@ -125,6 +126,7 @@ def run(scenario: Callable[[str, list[ScriptedEngine], RouterApp], Awaitable[Non
             for r in runners:
                 await r.cleanup()
     if on_uvloop:
+        uvloop = pytest.importorskip("uvloop")  # (the router extra installs it, but not on Windows)
         uvloop.run(main())
     else:
         asyncio.run(main())

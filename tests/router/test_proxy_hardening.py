@@ -199,6 +199,18 @@ def test_a_session_header_that_is_not_utf8_is_a_400_not_a_500():
     run(main, policy="session")
 
 
+def test_a_cache_salt_that_is_not_utf8_text_is_routed_without_a_prediction_not_a_500():
+    """A lone surrogate (which JSON may escape) in cache_salt cannot be keyed: the request is routed unpredicted."""
+    async def main(url, engines, app):
+        body = json.dumps({"model": "m", "prompt": "ok " + " ".join(f"w{i}" for i in range(15)),
+                           "cache_salt": "salt-\ud800"}).encode()
+        async with aiohttp.ClientSession() as session, session.post(
+                url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}) as reply:
+            assert reply.status == 200 and reply.headers["X-KVTier-Route-Reason"] == "unindexed"
+        assert app.metrics.unpredicted.labels("unreadable")._value.get() == 1
+    run(main, n=1, policy="cache_aware")
+
+
 class QuotingTokenizer(WordTokenizer):
     """Fails as a chat template does, quoting the client's text in its message."""
 

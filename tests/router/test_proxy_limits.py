@@ -13,7 +13,8 @@ import time
 import aiohttp
 import pytest
 
-from kvtier.router.proxy import BUSY_PARSE_BYTES, INLINE_BYTES
+from kvtier.router.proxy import BUSY_PARSE_BYTES
+from kvtier.router.reading import INLINE_BYTES
 from tests.router.test_proxy import ScriptedEngine, WordTokenizer, post, run
 
 
@@ -106,7 +107,7 @@ def test_a_full_pool_routes_small_bodies_without_a_prediction_and_refuses_large_
         tokenizer.gate.set()
         assert (await first)[0] == 200
         assert sum(len(e.requests) for e in engines) == 3
-    run(main, tokenizer=tokenizer, policy="cache_aware", limits={"workers": 1, "queue": 0})
+    run(main, tokenizer=tokenizer, policy="cache_aware", block_size=16, limits={"workers": 1, "queue": 0})
 
 
 async def held_gzip(port: int, inflated: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

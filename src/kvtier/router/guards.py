@@ -1,8 +1,9 @@
 """What bounds a client's hold on the router (``limits`` in the config), in the router's one event loop.
 
 - :class:`WorkerPool`: a request's CPU work (parsing its body, tokenizing, keying) runs on a few threads, not on
-  the event loop; at most ``workers`` run and ``queue`` wait, and one more is turned away at once
-  (:class:`PoolFull`: a small body is routed without a prediction, a larger one refused), never queued.
+  the event loop (but a short completion's, :meth:`kvtier.router.reading.Reader.cheap`); at most ``workers`` run
+  and ``queue`` wait, and one more is turned away at once (:class:`PoolFull`: a small body is routed without a
+  prediction, a larger one refused), never queued.
 - :func:`read_body`: the body within ``body_s`` and at most ``max_body_bytes`` once inflated (aiohttp inflates
   gzip and deflate as it reads, a chunk at a time, so a bomb is stopped at the cap, not inflated whole), each chunk
   charged to a :class:`BodyBudget` shared by every connection (``max_inflight_body_bytes``).

@@ -20,10 +20,12 @@ The router reads a body the way vLLM's OpenAI server does (vLLM 0.32: ``Completi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -140,6 +142,13 @@ class Tokenizer:
         # Truncation side "left": vLLM loads a generating model's tokenizer so (truncate_prompt_tokens keeps the
         # prompt's end)
         self._tok = AutoTokenizer.from_pretrained(model_dir, truncation_side="left")
+        self.fast = bool(getattr(self._tok, "is_fast", False))  # its encoding runs in Rust (a Python one may not)
+        # A request that truncates sets the tokenizer's truncation, and the next call unsets it: on a tokenizer
+        # shared by threads (the workers, the event loop) that would truncate another thread's prompt, or fail
+        # ("Already borrowed") while it encodes. The shared one never truncates; each thread truncates with a
+        # copy of its own (a copy takes 0.1 s: the thread making this one, the event loop's, gets its copy now).
+        self._cutters = threading.local()
+        self._cutter()
 
     def completion(self, body: Mapping[str, object]) -> list[int]:
         prompt = body.get("prompt")
@@ -161,9 +170,15 @@ class Tokenizer:
         keep = truncation.keep
         if keep is not None and keep > 0 and truncation.side is None:
             # The tokenizer truncates (keeping the special tokens it adds), as vLLM has it do
-            return self._tok(text, add_special_tokens=add_special_tokens, truncation=True,
-                             max_length=keep)["input_ids"]
+            return self._cutter()(text, add_special_tokens=add_special_tokens, truncation=True,
+                                  max_length=keep)["input_ids"]
         return _cut(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"], truncation)
+
+    def _cutter(self) -> Any:
+        cutter = getattr(self._cutters, "tokenizer", None)
+        if cutter is None:
+            cutter = self._cutters.tokenizer = copy.deepcopy(self._tok)
+        return cutter
 
     def _render(self, body: Mapping[str, object]) -> str:
         messages = body.get("messages")
@@ -294,6 +309,14 @@ def _text(content: object) -> object:
     return content
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _uncached(body: Mapping[str, object], chat: bool, truncation: Truncation) -> Uncached | None:
     messages = body.get("messages") if chat else None
     if isinstance(messages, list) and any(
@@ -319,5 +342,8 @@ def read_prompt(tokenizer: Tokenizer, path: str, body: Mapping[str, object], bas
     model = body.get("model")
     lora = model if isinstance(model, str) and base_models and model not in base_models else None
     salt = body.get("cache_salt")
+    for name, value in (("model", lora), ("cache_salt", salt)):
+        if isinstance(value, str) and not _utf8(value):
+            raise FieldError(f"{name}: not UTF-8 text (a lone surrogate): the router cannot key it")
     return Prompt(tokens=tokens, lora_name=lora, cache_salt=salt if isinstance(salt, str) and salt else None,
                   uncached=_uncached(body, chat, truncation))

@@ -1,7 +1,7 @@
 """The router's proxy: a client's request from its body to the last byte of the engine's answer.
 
 Read the body (within ``limits``), tokenize the prompt as the engine will and key it (on a worker thread,
-:mod:`kvtier.router.guards`; a short completion on the loop, :data:`INLINE_BYTES`), ask the policy for engines in
+:mod:`kvtier.router.guards`; a short completion on the loop, :meth:`Reader.cheap`), ask the policy for engines in
 order, send the request to the first; one that fails before its first byte (or redirects) is retried on the next.
 After the first byte the answer passes through byte for byte, a streamed one in whole SSE events; an engine that
 fails or goes quiet mid-stream ends the client's stream with an SSE ``error`` event (after the last whole event: a
@@ -40,11 +40,6 @@ _USAGE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 # larger one is refused (429) rather than parsed there (json.loads of 32 KiB takes at most ~0.6 ms here, a
 # hostile body of deep or huge numbers included)
 BUSY_PARSE_BYTES = 32 * 1024
-# A completion body up to this size is read on the event loop: its tokenizing takes at most 0.33 ms here (any text
-# of 1 KiB: runs of one character, CJK, digits), less than the hop to a worker thread and back costs a short prompt
-# beside busy engines (0.4-0.6 ms of its TTFT), and no more than aiohttp spends on the request itself. A chat's is
-# rendered by a template first: always on a worker.
-INLINE_BYTES = 1024
 
 
 class _Upstream(Exception):
@@ -191,7 +186,8 @@ class Proxy:
 
     async def _read(self, request: web.Request, charge: Charge) -> Read | web.Response:
         """The request's body read (within ``limits``, charged to ``charge``), parsed, its prompt tokenized and
-        keyed on a worker; or the router's own answer refusing it."""
+        keyed (on a worker, or here when that costs less: :meth:`Reader.cheap`); or the router's own answer refusing
+        it."""
         limits = self.config.limits
         try:
             raw = await read_body(request, limits, charge)
@@ -209,7 +205,7 @@ class Proxy:
             return self.refuse(400, "the request body cannot be read (its encoding is broken)", "bad_body",
                                type(exc).__name__)
         try:
-            if len(raw) <= INLINE_BYTES and not request.path.endswith("/chat/completions"):
+            if self.reader.cheap(request.path, len(raw)):
                 return self.reader(request.path, raw, self.engines.base_models, self._longest_prompt())
             try:
                 return await self.pool.run(self.reader, request.path, raw, self.engines.base_models,

@@ -1,6 +1,7 @@
-"""A request body's CPU work, on a worker thread of :class:`kvtier.router.guards.WorkerPool`: parse it, read its
-prompt as the engine will (:mod:`kvtier.router.prompts`) and key it; or, with every worker busy, only parse it
-(:meth:`Reader.unpredicted`, on the loop). Nothing here touches the event loop's state but the policy's pure
+"""A request body's CPU work, on a worker thread of :class:`kvtier.router.guards.WorkerPool` (or on the event loop
+where that costs less: :meth:`Reader.cheap`): parse it, read its prompt as the engine will
+(:mod:`kvtier.router.prompts`) and key it; or, with every worker busy, only parse it (:meth:`Reader.unpredicted`,
+on the loop). Nothing here touches the event loop's state but the policy's pure
 :meth:`Router.keys`."""
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from kvtier.router.prompts import Prompt, PromptError, Tokenizer, read_prompt, r
 # bytes). So a body over the bound either has more tokens than are keyed (routed without a prediction anyway) or
 # is such a run, which loses only its prediction.
 BYTES_PER_TOKEN = 16
+# A completion body up to this size is read on the event loop (:meth:`Reader.cheap`): any text of 1 KiB tokenizes in
+# at most 0.33 ms here (runs of one character, CJK, digits: a fast tokenizer), and with blocks of at least
+# INLINE_BLOCK tokens it has at most 64 keys (0.14 ms); the hop to a worker thread and back cost a short prompt
+# 0.4-0.6 ms of its TTFT beside busy engines. A chat's template runs first: always on a worker.
+INLINE_BYTES = 1024
+INLINE_BLOCK = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +46,12 @@ class Unreadable(Exception):
 class Reader:
     def __init__(self, tokenizer: Tokenizer, router: Router, unpredicted: LogOnce) -> None:
         self._tokenizer, self._router, self._unpredicted = tokenizer, router, unpredicted
+        self._inline = getattr(tokenizer, "fast", False) and router.config.block_size >= INLINE_BLOCK
+
+    def cheap(self, path: str, size: int) -> bool:
+        """Whether a body of ``size`` bytes to ``path`` is read on the event loop: a completion of at most
+        :data:`INLINE_BYTES`, a fast tokenizer, blocks of at least :data:`INLINE_BLOCK` tokens."""
+        return self._inline and size <= INLINE_BYTES and not path.endswith("/chat/completions")
 
     def __call__(self, path: str, raw: bytes, base_models: set[str], longest: int) -> Read:
         """``longest``: the most prompt tokens keyed (limits.max_prompt_tokens, the engines' max_model_len).

@@ -598,15 +598,13 @@ def test_lookups_in_a_stalled_redis_delay_only_their_requests(engines: Engines, 
     try:
         start = time.monotonic()
         while (hit := impatient.scheduler.get_num_new_matched_tokens(request("late", shared), 0)[0]) is None:
+            assert time.monotonic() - start < 10
             time.sleep(0.02)
         assert hit == 0 and time.monotonic() - start < 3.0  # went on with DRAM's answer after its bound
     finally:
         redis_server.cli("ping")
     impatient_store = shared_store(impatient.scheduler._kv_transfer_config.kv_connector_extra_config["config"])
-    ended = time.monotonic()
-    while impatient_store.stats()["_store"]["lookup_tokens_total"] < 512:  # type: ignore[index]
-        assert time.monotonic() - ended < 10, "the late background lookup never ended"
-        time.sleep(0.05)
+    time.sleep(1.0)  # the late background lookup has ended by now (were it counted too, it would show)
     stats = impatient_store.stats()["_store"]  # type: ignore[union-attr] # the engine opened it
     assert stats["connector_async_lookups_total{outcome=timed_out}"] == 1
     assert stats["lookup_tokens_total"] == 512  # one lookup, counted once
