@@ -329,7 +329,7 @@ def test_a_share_object_is_written_again_every_record_every_seconds() -> None:
     bucket = Bucket()
     shares = ListedShares(lambda sid: (sorted(bucket.members.get(sid, ())), None), lambda ns: [],
                           lambda sid, ns: (bucket.members.setdefault(sid, set()).add(ns), _count()), 3600.0,
-                          times=False, record_every=0.05)
+                          times=False, record_every=1.0)
     written = []
 
     def _count() -> None:
@@ -338,8 +338,8 @@ def test_a_share_object_is_written_again_every_record_every_seconds() -> None:
     shares.set(NS, SHARE, 1000)
     put(shares, bucket, key(1), 1)
     put(shares, bucket, key(2), 1)
-    assert len(written) == 1
-    time.sleep(0.06)
+    assert len(written) == 1  # (the two puts within a second, however loaded the machine)
+    time.sleep(1.05)
     put(shares, bucket, key(3), 1)
     assert len(written) == 2
 
