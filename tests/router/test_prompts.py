@@ -13,7 +13,7 @@ import jinja2
 import pytest
 
 from kvtier.bench.model import prepare_model
-from kvtier.router.prompts import FieldError, Prompt, Tokenizer, Uncached, read_bool, read_int, read_prompt, \
+from kvtier.router.prompts import CUTTERS, FieldError, Prompt, Tokenizer, Uncached, read_bool, read_int, read_prompt, \
     read_stream
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
@@ -247,14 +247,40 @@ def test_a_salt_or_adapter_name_that_is_not_utf8_text_gives_no_prediction(tok, f
 
 
 def test_a_truncating_request_leaves_the_shared_tokenizer_as_it_was(tok):
-    """Each thread truncates with a copy of its own: the tokenizer the threads share never truncates (set, its next
-    call would unset it while another thread encodes with it: that prompt cut, or "Already borrowed")."""
+    """A copy truncates: the tokenizer the threads share never does (set, its next call would unset it while
+    another thread encodes with it: that prompt cut, or "Already borrowed")."""
     text = " ".join(f"word{i}" for i in range(50))
     whole = completion(tok, text).tokens
     assert completion(tok, text, truncate_prompt_tokens=10).tokens == whole[-10:]
     assert tok._tok._tokenizer.truncation is None
-    elsewhere: list[object] = []
-    thread = threading.Thread(target=lambda: elsewhere.append(tok._cutter()))
+    elsewhere: list[list[int]] = []
+    thread = threading.Thread(target=lambda: elsewhere.append(completion(tok, text, truncate_prompt_tokens=7).tokens))
     thread.start()
     thread.join()
-    assert elsewhere[0] is not tok._cutter() and tok._tok not in (elsewhere[0], tok._cutter())
+    assert elsewhere == [whole[-7:]]
+    assert tok._tok._tokenizer.truncation is None and tok._own._tokenizer.truncation is not None
+
+
+def test_workers_truncating_at_once_share_a_few_copies_and_cut_each_prompt_as_asked(model_dir):
+    """Sixteen threads truncating at once, each to its own length: every prompt cut as asked, and no more than
+    CUTTERS copies of the tokenizer made (one per thread would be 8 MiB each for SmolLM2's, a GiB for 64 workers
+    with a large vocabulary)."""
+    tok = Tokenizer(str(model_dir))  # its own: the count of copies starts at 0
+    texts = [" ".join(f"w{t}x{i}" for i in range(60 + t)) for t in range(16)]
+    wholes = [completion(tok, text).tokens for text in texts]
+    start = threading.Barrier(16)
+    got: dict[int, list[int]] = {}
+
+    def worker(t: int) -> None:
+        start.wait()
+        for _ in range(20):
+            got[t] = completion(tok, texts[t], truncate_prompt_tokens=5 + t).tokens
+            assert got[t] == wholes[t][-(5 + t):]
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert got == {t: wholes[t][-(5 + t):] for t in range(16)}
+    assert 1 <= tok.cutters_made <= CUTTERS

@@ -37,6 +37,7 @@ _DIGITS = re.compile(r"[+-]?[0-9]{1,19}")
 # chat_template_kwargs the router never renders with: a template of the request's, and names vLLM refuses or
 # treats apart (``tokenize``: the template's output is tokens; the others collide with the renderer's own).
 _UNMODELLED = ("chat_template", "tokenize", "messages", "conversation", "self")
+CUTTERS = 2  # truncating copies of the tokenizer the workers share (see Tokenizer)
 _KWARGS_BUDGET = 16384  # characters and items in the template-read chat_template_kwargs: more, no prediction
 _KWARGS_MAX_INT = 65536  # an integer a template could loop over: larger ones, no prediction
 
@@ -145,11 +146,16 @@ class Tokenizer:
         self.fast = bool(getattr(self._tok, "is_fast", False))  # its encoding runs in Rust (a Python one may not)
         # A request that truncates sets the tokenizer's truncation, and the next call unsets it: on a tokenizer
         # shared by threads (the workers, the event loop) that would truncate another thread's prompt, or fail
-        # ("Already borrowed") while it encodes. The shared one never truncates; each thread truncates with a
-        # copy of its own, made at its first truncating request (0.1 s and 8 MiB for SmolLM2's; the thread making
-        # this one, the event loop's, gets its copy now).
-        self._cutters = threading.local()
-        self._cutter()
+        # ("Already borrowed") while it encodes. The shared one never truncates: a copy does (0.1 s and 8 MiB
+        # each for SmolLM2's, more for a larger vocabulary). The thread making this one, the event loop's, has its
+        # own, made now (it never waits for one); the workers take one of at most CUTTERS, made as they are first
+        # needed, and wait for one while all are in use (a worker count of 64 makes no more).
+        self._owner = threading.get_ident()
+        self._own = copy.deepcopy(self._tok)
+        self._cutters = threading.BoundedSemaphore(CUTTERS)
+        self._lock = threading.Lock()
+        self._spare: list[Any] = []
+        self.cutters_made = 0
 
     def completion(self, body: Mapping[str, object]) -> list[int]:
         prompt = body.get("prompt")
@@ -171,15 +177,28 @@ class Tokenizer:
         keep = truncation.keep
         if keep is not None and keep > 0 and truncation.side is None:
             # The tokenizer truncates (keeping the special tokens it adds), as vLLM has it do
-            return self._cutter()(text, add_special_tokens=add_special_tokens, truncation=True,
-                                  max_length=keep)["input_ids"]
+            return self._truncated(text, add_special_tokens, keep)
         return _cut(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"], truncation)
 
-    def _cutter(self) -> Any:
-        cutter = getattr(self._cutters, "tokenizer", None)
-        if cutter is None:
-            cutter = self._cutters.tokenizer = copy.deepcopy(self._tok)
-        return cutter
+    def _truncated(self, text: str, add_special_tokens: bool, keep: int) -> list[int]:
+        """``text`` encoded by a truncating copy of the tokenizer that no other thread uses meanwhile."""
+        def encode(cutter: Any) -> list[int]:
+            return cutter(text, add_special_tokens=add_special_tokens, truncation=True, max_length=keep)["input_ids"]
+
+        if threading.get_ident() == self._owner:
+            return encode(self._own)
+        with self._cutters:  # at most CUTTERS in use, so at most CUTTERS made
+            with self._lock:
+                cutter = self._spare.pop() if self._spare else None
+            if cutter is None:
+                cutter = copy.deepcopy(self._tok)
+                with self._lock:
+                    self.cutters_made += 1
+            try:
+                return encode(cutter)
+            finally:
+                with self._lock:
+                    self._spare.append(cutter)
 
     def _render(self, body: Mapping[str, object]) -> str:
         messages = body.get("messages")
