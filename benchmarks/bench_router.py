@@ -29,11 +29,12 @@ per conversation would. Router overhead: a one-token completion asked directly o
 (alternating, three blocks of 40 each), the difference of medians, with each block's as its spread.
 
 Round-robin and cache-aware on both workloads, the pairs the targets compare, run ``--rounds`` times (3),
-interleaved (round-robin first in even rounds, cache-aware first in odd ones), every run with prompts of its own:
-each target's ratio is the median of the rounds' (of the middle two with an even number), printed with every round's
-(on the Intel Xeon, 2 cores, the latest run's three rounds gave 2.44x, 2.57x and 1.56x on prefix_repetition, and
-round-robin's own hot-prefix p90 935-1,622 ms). The rows measured once (replicas, shared Redis) are compared with
-the median of the rounds' round-robin.
+interleaved (round-robin first in even rounds, cache-aware first in odd ones), every run with prompts of its own
+and the two runs of a round on the same arrival times (Poisson, a seed of the round's: ``install_arrivals``; with
+arrivals of their own a burst decided the hot prefix's p90, round-robin against itself 0.44x-1.33x): each target's
+ratio is the median of the rounds' (of the middle two with an even number), printed with every round's. The rows
+measured once (replicas, shared Redis, the fleet change) run on the first round's arrivals and are compared with the
+median of the rounds' round-robin.
 
     python benchmarks/bench_router.py [--json PATH] [--quick] [--rounds N]
 
@@ -126,7 +127,31 @@ def install_session_headers() -> None:
     serve.ASYNC_REQUEST_FUNCS["openai"] = with_session
 
 
+# The seed of the next run's arrival times (vLLM's benchmark draws them from numpy's global generator, which it
+# seeds with --seed, the prompts' seed): see install_arrivals.
+ARRIVALS = [0]
+
+
+def install_arrivals() -> None:
+    """Wrap vLLM's request scheduler so a run's arrival times come from :data:`ARRIVALS`, apart from its prompts:
+    the two policies a round compares face the same arrivals, each with prompts of its own. With arrivals of their
+    own (the prompts' seed), round-robin against itself under the hot prefix gave p90 ratios of 0.44-1.33 (a
+    burst decides a p90 of 120 requests); on one round's arrivals, 0.92-0.99."""
+    import numpy as np
+    import vllm.benchmarks.serve as serve
+
+    original = serve.get_request
+
+    async def on_common_arrivals(*args, **kwargs):
+        np.random.seed(ARRIVALS[0])  # the delays are all drawn before the first request
+        async for item in original(*args, **kwargs):
+            yield item
+
+    serve.get_request = on_common_arrivals
+
+
 PROMPTS = {"prefix_repetition": 96, "hot_prefix": 120}
+FIRST_ARRIVALS = 1000  # round k's arrival seed is FIRST_ARRIVALS + k (prompts' seeds count from 1)
 RATE = 1.5  # prefix_repetition's requests per second
 
 
@@ -257,7 +282,7 @@ def measure(engines: list[Engine], routers: list[RouterProcess], url: str, model
             for k, v in counted.items():
                 into[k] = into.get(k, 0) + v
     total = sum(share.values()) or 1
-    row = {"policy": name, "workload": workload,
+    row = {"policy": name, "workload": workload, "prompts_seed": seed, "arrivals_seed": ARRIVALS[0],
            "ttft_p50_ms": result["median_ttft_ms"], "ttft_p90_ms": result["p90_ttft_ms"],
            "ttft_p99_ms": result["p99_ttft_ms"], "throughput_req_s": result["request_throughput"],
            "completed": result["completed"], "failed": result.get("failed", 0), "cached_share": cached / prompt,
@@ -336,6 +361,7 @@ def main() -> int:
     work.mkdir(parents=True)
     model = prepare_model()
     install_session_headers()
+    install_arrivals()
     rows: list[dict] = []
     store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "192MiB"}}
     log("fleet 1: two engines, kvtier DRAM only")
@@ -346,12 +372,14 @@ def main() -> int:
         seed = 1
         for workload in ("prefix_repetition", "hot_prefix"):
             for k in range(rounds):  # the pairs the targets compare, interleaved, in turn first; session once
+                ARRIVALS[0] = FIRST_ARRIVALS + k  # the round's arrival times, for each of its runs
                 pair = ("round_robin", "cache_aware")[::-1 if k % 2 else 1]
                 for policy in pair if k else ("round_robin", "session", "cache_aware"):
                     row = run_policy(engines, model, work, policy, workload, seed, PROMPTS[workload] // scale,
                                      shared=False)
                     rows.append({**row, "round": k})
                     seed += 1
+            ARRIVALS[0] = FIRST_ARRIVALS  # the rows run once: the first round's arrivals
             rows.append(run_replicas(engines, model, work, workload, seed, PROMPTS[workload] // scale))
             seed += 1
         prompts = PROMPTS["prefix_repetition"] // scale
@@ -366,6 +394,7 @@ def main() -> int:
         shared = {**store, "tiers": [{"type": "redis", "url": redis.url, "key_prefix": f"{uuid.uuid4().hex[:8]}:"}]}
         engines = fleet(model, work, shared)
         try:
+            ARRIVALS[0] = FIRST_ARRIVALS
             for workload in ("prefix_repetition", "hot_prefix"):
                 rows.append(run_policy(engines, model, work, "cache_aware", workload, seed,
                                        PROMPTS[workload] // scale, shared=True))
