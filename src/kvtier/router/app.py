@@ -30,7 +30,7 @@ from kvtier.router.guards import BodyBudget, CappedSite, WorkerPool, descriptor_
 from kvtier.router.index import PrefixIndex
 from kvtier.router.metrics import LogOnce, RouterMetrics
 from kvtier.router.policy import Router
-from kvtier.router.prompts import Tokenizer
+from kvtier.router.prompts import CUTTERS, Tokenizer
 from kvtier.router.proxy import Proxy
 from kvtier.router.reading import Reader
 
@@ -53,7 +53,8 @@ class RouterApp:
         self.metrics.watch([e.name for e in config.engines], self.router.signals)
         self.metrics.fleet.set_function(lambda: len(self.router.engines))
         self.engines = Engines(config, self.metrics, self.index, self.router)  # (reads the engines' key first)
-        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(config.tokenizer)
+        self.tokenizer = tokenizer if tokenizer is not None else \
+            Tokenizer(config.tokenizer, cutters=min(config.limits.workers, CUTTERS))
         self.pool = WorkerPool(config.limits.workers, config.limits.queue)
         self.bodies = BodyBudget(config.limits.max_inflight_body_bytes)
         self.reader = Reader(self.tokenizer, self.router,
@@ -162,6 +163,8 @@ class RouterApp:
         return self._sites[listener].port
 
     async def _start(self, app: web.Application) -> None:
+        if isinstance(self.tokenizer, Tokenizer):
+            self.tokenizer.on_loop()  # (made on this thread when serve() made the app; whoever made it, the loop)
         await self.engines.start()
         if self.discovery.sources:
             # the sources' first answers are in the fleet before the router listens (its readiness)

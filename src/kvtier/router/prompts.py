@@ -37,7 +37,7 @@ _DIGITS = re.compile(r"[+-]?[0-9]{1,19}")
 # chat_template_kwargs the router never renders with: a template of the request's, and names vLLM refuses or
 # treats apart (``tokenize``: the template's output is tokens; the others collide with the renderer's own).
 _UNMODELLED = ("chat_template", "tokenize", "messages", "conversation", "self")
-CUTTERS = 2  # truncating copies of the tokenizer the workers share (see Tokenizer)
+CUTTERS = 8  # at most this many truncating copies of the tokenizer for the workers (see Tokenizer)
 _KWARGS_BUDGET = 16384  # characters and items in the template-read chat_template_kwargs: more, no prediction
 _KWARGS_MAX_INT = 65536  # an integer a template could loop over: larger ones, no prediction
 
@@ -137,22 +137,28 @@ def read_truncation(body: Mapping[str, object]) -> Truncation:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, cutters: int = 2) -> None:
         from transformers import AutoTokenizer  # heavy: only the router needs it
 
         # Truncation side "left": vLLM loads a generating model's tokenizer so (truncate_prompt_tokens keeps the
         # prompt's end)
         self._tok = AutoTokenizer.from_pretrained(model_dir, truncation_side="left")
         self.fast = bool(getattr(self._tok, "is_fast", False))  # its encoding runs in Rust (a Python one may not)
+        backend = getattr(self._tok, "_tokenizer", None)
+        if backend is not None and backend.truncation is not None:
+            # A tokenizer.json that truncates: the first call would unset it, which needs the tokenizer to itself
+            # while the other threads encode with it
+            backend.no_truncation()
         # A request that truncates sets the tokenizer's truncation, and the next call unsets it: on a tokenizer
         # shared by threads (the workers, the event loop) that would truncate another thread's prompt, or fail
         # ("Already borrowed") while it encodes. The shared one never truncates: a copy does (0.1 s and 8 MiB
-        # each for SmolLM2's, more for a larger vocabulary). The thread making this one, the event loop's, has its
-        # own, made now (it never waits for one); the workers take one of at most CUTTERS, made as they are first
-        # needed, and wait for one while all are in use (a worker count of 64 makes no more).
+        # each for SmolLM2's, more for a larger vocabulary). The event loop's thread (the one making this, or
+        # the one calling :meth:`on_loop`) has its own, made now: it never waits for one. The workers take one of
+        # ``cutters`` (the router gives min(limits.workers, CUTTERS)), made as first needed, and wait for one while
+        # all are in use: truncating prompts are encoded ``cutters`` at a time, whatever the worker count.
         self._owner = threading.get_ident()
         self._own = copy.deepcopy(self._tok)
-        self._cutters = threading.BoundedSemaphore(CUTTERS)
+        self._cutters = threading.BoundedSemaphore(cutters)
         self._lock = threading.Lock()
         self._spare: list[Any] = []
         self.cutters_made = 0
@@ -179,6 +185,10 @@ class Tokenizer:
             # The tokenizer truncates (keeping the special tokens it adds), as vLLM has it do
             return self._truncated(text, add_special_tokens, keep)
         return _cut(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"], truncation)
+
+    def on_loop(self) -> None:
+        """Called on the event loop's thread: that thread truncates with the copy of its own from now on."""
+        self._owner = threading.get_ident()
 
     def _truncated(self, text: str, add_special_tokens: bool, keep: int) -> list[int]:
         """``text`` encoded by a truncating copy of the tokenizer that no other thread uses meanwhile."""
