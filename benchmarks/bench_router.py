@@ -14,7 +14,8 @@ its own (another seed), so none finds what an earlier one left in the caches. Wo
   one whole in 86% of its requests at 192 MiB (of 87.5% possible), one given every other request 46%. (At the
   160 MiB this script had before, the tails pushed documents out: 73% against 37%; at 128 MiB, 58%.)
 - ``hot prefix`` (vLLM's ``random`` dataset with a common prefix): every request starts with the same 1,536
-  tokens, then 128 of its own; 120 requests at 4/s (up to 8 at once): more than one engine serves comfortably.
+  tokens, then 128 of its own; 120 requests at 4/s (up to 8 at once). (One engine alone serves them here,
+  session affinity's row: all 120 share their first 2,000 characters, and so their session.)
 
 Two more rows on the first fleet, each workload: ``cache_aware`` in two router replicas behind one address that
 hands each connection to the next replica (as a Kubernetes Service does; each replica follows every engine's
@@ -33,8 +34,8 @@ interleaved (round-robin first in even rounds, cache-aware first in odd ones), e
 and the two runs of a round on the same arrival times (Poisson, a seed of the round's: ``install_arrivals``; with
 arrivals of their own a burst decided the hot prefix's p90, round-robin against itself 0.44x-1.33x): each target's
 ratio is the median of the rounds' (of the middle two with an even number), printed with every round's. The rows
-measured once (replicas, shared Redis, the fleet change) run on the first round's arrivals and are compared with the
-median of the rounds' round-robin.
+measured once (replicas, shared Redis, the fleet change) run on the first round's arrivals; replicas and shared
+Redis are compared with the median of the rounds' round-robin.
 
     python benchmarks/bench_router.py [--json PATH] [--quick] [--rounds N]
 
@@ -136,7 +137,7 @@ def install_arrivals() -> None:
     """Wrap vLLM's request scheduler so a run's arrival times come from :data:`ARRIVALS`, apart from its prompts:
     the two policies a round compares face the same arrivals, each with prompts of its own. With arrivals of their
     own (the prompts' seed), round-robin against itself under the hot prefix gave p90 ratios of 0.44-1.33 (a
-    burst decides a p90 of 120 requests); on one round's arrivals, 0.92-0.99."""
+    burst decides a p90 of 120 requests); on one round's arrivals, 0.85-0.99."""
     import numpy as np
     import vllm.benchmarks.serve as serve
 
