@@ -32,7 +32,7 @@ per conversation would. Router overhead: a one-token completion asked directly o
 Round-robin and cache-aware on both workloads, the pairs the targets compare, run ``--rounds`` times (3),
 interleaved (round-robin first in even rounds, cache-aware first in odd ones), every run with prompts of its own
 and the two runs of a round on the same arrival times (Poisson, a seed of the round's: ``install_arrivals``; with
-arrivals of their own a burst decided the hot prefix's p90, round-robin against itself 0.44x-1.33x): each target's
+arrivals of their own, round-robin against itself under the hot prefix gave p90 ratios of 0.44x-1.33x): each target's
 ratio is the median of the rounds' (of the middle two with an even number), printed with every round's. The rows
 measured once (replicas, shared Redis, the fleet change) run on the first round's arrivals; replicas and shared
 Redis are compared with the median of the rounds' round-robin.
@@ -136,8 +136,8 @@ ARRIVALS = [0]
 def install_arrivals() -> None:
     """Wrap vLLM's request scheduler so a run's arrival times come from :data:`ARRIVALS`, apart from its prompts:
     the two policies a round compares face the same arrivals, each with prompts of its own. With arrivals of their
-    own (the prompts' seed), round-robin against itself under the hot prefix gave p90 ratios of 0.44-1.33 (a
-    burst decides a p90 of 120 requests); on one round's arrivals, 0.85-0.99."""
+    own (the prompts' seed), round-robin against itself under the hot prefix gave p90 ratios of 0.44-1.33; on
+    common arrivals (three rounds, each its own schedule), 0.85-0.99."""
     import numpy as np
     import vllm.benchmarks.serve as serve
 
