@@ -23,6 +23,20 @@ from kvtier.router.subscriber import Subscriber
 from tests.router.test_events import seq_bytes, stored_payload
 from tests.router.test_proxy import ScriptedEngine, WordTokenizer, serve
 
+
+async def subscribed(pub) -> None:
+    """Wait until a subscription reached ``pub``, an XPUB socket (a PUB that hears its subscribers): a message
+    published before it arrives is dropped, and a fixed sleep for it is a guess a loaded machine can beat."""
+    deadline = time.monotonic() + 30
+    if isinstance(pub, zmq.asyncio.Socket):
+        message = await asyncio.wait_for(pub.recv(), 30)
+    else:  # a blocking socket: polled, so the event loop keeps running the subscriber meanwhile
+        while not pub.poll(0):
+            assert time.monotonic() < deadline, "no subscription reached the publisher in 30 s"
+            await asyncio.sleep(0.01)
+        message = pub.recv()
+    assert message[:1] == b"\x01", message  # a subscription (b"\x00" is one ending)
+
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
 
@@ -70,7 +84,7 @@ def test_subscriber_survives_messages_that_break_decoding_or_applying(tmp_path):
 
     async def main():
         ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
+        pub = ctx.socket(zmq.XPUB)
         pub.bind(f"ipc://{tmp_path}/pub")
 
         def apply(batch):
@@ -81,7 +95,7 @@ def test_subscriber_survives_messages_that_break_decoding_or_applying(tmp_path):
         sub = Subscriber(ctx, "e0", f"ipc://{tmp_path}/pub", None, Feed(apply=apply, clear=lambda: None),
                          on_error=errors.append)
         sub.start()
-        await asyncio.sleep(0.3)  # the subscription takes a moment
+        await subscribed(pub)
         bad_map = b"\x81\x91\x01\x02"  # a map whose key is an array: msgpack raises TypeError
         for seq, payload in [(0, msgpack.packb([0.0, []])), (1, bad_map), (2, msgpack.packb([13.0, []])),
                              (3, msgpack.packb([3.0, []]))]:
@@ -106,12 +120,12 @@ def test_a_large_batch_is_applied_while_the_event_loop_serves_others(tmp_path):
 
     async def main():
         ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
+        pub = ctx.socket(zmq.XPUB)
         pub.bind(f"ipc://{tmp_path}/pub")
         feed = Feed(apply=lambda batch: [index.stored("e0", e) for e in batch.events], clear=lambda: None)
         sub = Subscriber(ctx, "e0", f"ipc://{tmp_path}/pub", None, feed)
         sub.start()
-        await asyncio.sleep(0.3)  # the subscription takes a moment
+        await subscribed(pub)
         await pub.send_multipart([b"t", seq_bytes(0), stored_payload(0, 10_000, events=2)])
         for _ in range(100_000):  # until it is all applied: another task of the router's loop
             seen.add(index.blocks("e0"))
@@ -142,14 +156,14 @@ def test_the_receive_queue_is_bounded_and_what_it_drops_is_counted(tmp_path):
 
     async def main():
         ctx = zmq.asyncio.Context()
-        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub = zmq.Context.instance().socket(zmq.XPUB)
         pub.setsockopt(zmq.SNDHWM, 100)
         pub.bind(f"ipc://{tmp_path}/pub")
         sub = Subscriber(ctx, "e0", f"ipc://{tmp_path}/pub", None, Feed(apply=lambda b: None, clear=lambda: None),
                          limits=EventLimits(queue=16), on_batch=lambda batch, ignored: arrived.append(batch.ts),
                          on_error=errors.append)
         sub.start()
-        await asyncio.sleep(0.3)  # the subscription takes a moment
+        await subscribed(pub)
         thread = threading.Thread(target=publish, args=(pub,))
         thread.start()
         thread.join()  # the event loop is blocked meanwhile: nothing is read
@@ -200,7 +214,7 @@ def run_with_replay(tmp_path, answer, end, live, limits=EventLimits(replay_s=0.3
 
     async def main():
         ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
+        pub = ctx.socket(zmq.XPUB)
         pub.bind(f"ipc://{tmp_path}/pub")
         replay = ReplaySocket(ctx, f"ipc://{tmp_path}/rep", answer, end)
         server = asyncio.get_running_loop().create_task(replay.serve())
@@ -208,7 +222,8 @@ def run_with_replay(tmp_path, answer, end, live, limits=EventLimits(replay_s=0.3
         sub = Subscriber(ctx, "e0", f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/rep", feed, limits=limits,
                          on_error=(errors if errors is not None else []).append)
         sub.start()
-        await asyncio.sleep(0.3)
+        await subscribed(pub)
+        await asyncio.sleep(0.3)  # (the replay from 0 a subscriber starts with has had its time)
         for seq in live:
             await pub.send_multipart([b"t", seq_bytes(seq), msgpack.packb([float(seq), []])])
             await asyncio.sleep(0.05)
@@ -329,12 +344,12 @@ def test_each_kind_of_bad_message_is_logged_once_and_counted_every_time(tmp_path
 
     async def main():
         ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
+        pub = ctx.socket(zmq.XPUB)
         pub.bind(f"ipc://{tmp_path}/pub")
         sub = Subscriber(ctx, "e0", f"ipc://{tmp_path}/pub", None, Feed(apply=lambda b: None, clear=lambda: None),
                          limits=EventLimits(max_event_blocks=4), block_size=4, on_error=errors.append)
         sub.start()
-        await asyncio.sleep(0.3)
+        await subscribed(pub)
         for seq in range(300):
             await pub.send_multipart([b"t", seq_bytes(seq), b"\xc1"])  # not msgpack
             await pub.send_multipart([b"t", b"short"])
@@ -369,10 +384,10 @@ def test_the_router_answers_health_while_it_applies_a_large_batch(tmp_path):
             {"name": "e0", "url": engine.url, "kv_events": f"ipc://{tmp_path}/ev", "kv_events_bind": True}]})
         app = RouterApp(config, tokenizer=WordTokenizer())
         listeners = await app.listen("127.0.0.1", 0)
-        pub = zmq.asyncio.Context.instance().socket(zmq.PUB)
+        pub = zmq.asyncio.Context.instance().socket(zmq.XPUB)
         pub.connect(f"ipc://{tmp_path}/ev")
         try:
-            await asyncio.sleep(0.3)  # the subscription takes a moment
+            await subscribed(pub)
             await pub.send_multipart([b"t", seq_bytes(0), stored_payload(0, 8000, events=8)])
             async with aiohttp.ClientSession() as client:
                 for _ in range(2000):
