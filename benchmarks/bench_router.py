@@ -37,7 +37,10 @@ ratio is the median of the rounds' (of the middle two with an even number), prin
 measured once (replicas, shared Redis, the fleet change) run on the first round's arrivals; replicas and shared
 Redis are compared with the median of the rounds' round-robin.
 
-    python benchmarks/bench_router.py [--json PATH] [--quick] [--rounds N]
+    python benchmarks/bench_router.py [--json PATH] [--quick] [--rounds N] [--only WORKLOAD] [--first-arrivals N]
+
+``--only`` runs one workload's pairs alone (no session, replicas, fleet change or shared tier rows), for as many
+rounds as a target needs to be told from the spread; ``--first-arrivals`` picks other arrival schedules.
 
 Prints a Markdown table (TTFT p50/p90/p99, throughput, cached-token share, engine shares) with the ratios the
 README's targets name; about 21 minutes here (``--quick``: a quarter of the requests, one round, about 6).
@@ -352,8 +355,14 @@ def main() -> int:
                         help="a quarter of the requests per workload, one round unless --rounds says otherwise")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of the round-robin and cache-aware pairs on each workload (default 3)")
+    parser.add_argument("--only", choices=tuple(PROMPTS),
+                        help="only this workload's round-robin and cache-aware pairs, nothing else")
+    parser.add_argument("--first-arrivals", type=int, default=FIRST_ARRIVALS,
+                        help=f"round k's arrival seed is this plus k (default {FIRST_ARRIVALS})")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "results" / "bench-router")
     args = parser.parse_args()
+    workloads = (args.only,) if args.only else tuple(PROMPTS)
+    full = args.only is None
     scale = 4 if args.quick else 1
     rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
     if rounds < 1:
@@ -371,32 +380,42 @@ def main() -> int:
         over = overhead(engines[0], model, work, 40)
         log(f"router overhead: {over}")
         seed = 1
-        for workload in ("prefix_repetition", "hot_prefix"):
+        for workload in workloads:
             for k in range(rounds):  # the pairs the targets compare, interleaved, in turn first; session once
-                ARRIVALS[0] = FIRST_ARRIVALS + k  # the round's arrival times, for each of its runs
+                ARRIVALS[0] = args.first_arrivals + k  # the round's arrival times, for each of its runs
                 pair = ("round_robin", "cache_aware")[::-1 if k % 2 else 1]
-                for policy in pair if k else ("round_robin", "session", "cache_aware"):
+                for policy in pair if k or not full else ("round_robin", "session", "cache_aware"):
                     row = run_policy(engines, model, work, policy, workload, seed, PROMPTS[workload] // scale,
                                      shared=False)
                     rows.append({**row, "round": k})
                     seed += 1
-            ARRIVALS[0] = FIRST_ARRIVALS  # the rows run once: the first round's arrivals
-            rows.append(run_replicas(engines, model, work, workload, seed, PROMPTS[workload] // scale))
+            if full:
+                ARRIVALS[0] = args.first_arrivals  # the rows run once: the first round's arrivals
+                rows.append(run_replicas(engines, model, work, workload, seed, PROMPTS[workload] // scale))
+                seed += 1
+        if full:
+            prompts = PROMPTS["prefix_repetition"] // scale
+            rows.append(run_fleet_change(engines, model, work, "prefix_repetition", seed, prompts, prompts / RATE))
             seed += 1
-        prompts = PROMPTS["prefix_repetition"] // scale
-        rows.append(run_fleet_change(engines, model, work, "prefix_repetition", seed, prompts, prompts / RATE))
-        seed += 1
     finally:
         for engine in engines:
             engine.stop()
+    if full:
+        shared_tier(rows, model, work, store, seed, scale, args.first_arrivals)
+    report(rows, over, args)
+    return 0
+
+
+def shared_tier(rows: list[dict], model: Path, work: Path, store: dict, seed: int, scale: int, arrivals: int) -> None:
+    """Fleet 2: cache-aware on each workload, with a shared Redis tier behind kvtier."""
     redis = RedisServer(work / "redis").start()
     try:
         log("fleet 2: the same with a shared Redis tier behind kvtier")
         shared = {**store, "tiers": [{"type": "redis", "url": redis.url, "key_prefix": f"{uuid.uuid4().hex[:8]}:"}]}
         engines = fleet(model, work, shared)
         try:
-            ARRIVALS[0] = FIRST_ARRIVALS
-            for workload in ("prefix_repetition", "hot_prefix"):
+            ARRIVALS[0] = arrivals
+            for workload in PROMPTS:
                 rows.append(run_policy(engines, model, work, "cache_aware", workload, seed,
                                        PROMPTS[workload] // scale, shared=True))
                 seed += 1
@@ -405,8 +424,6 @@ def main() -> int:
                 engine.stop()
     finally:
         redis.stop()
-    report(rows, over, args)
-    return 0
 
 
 def report(rows: list[dict], over: dict, args: argparse.Namespace) -> None:
@@ -428,18 +445,40 @@ def report(rows: list[dict], over: dict, args: argparse.Namespace) -> None:
         spreads[name] = per_round
 
     rounds = 1 + max(r.get("round", 0) for r in rows)
+    ratios: dict[str, float] = {}
+    spreads: dict[str, list[float]] = {}
+    ran = {r["workload"] for r in rows}
+    if "prefix_repetition" in ran:
+        paired("prefix_repetition p50 TTFT, round_robin / cache_aware",
+               [row("prefix_repetition", "round_robin", k)["ttft_p50_ms"] /
+                row("prefix_repetition", "cache_aware", k)["ttft_p50_ms"] for k in range(rounds)])
+    if "hot_prefix" in ran:
+        paired("hot_prefix largest engine share, cache_aware",
+               [max(row("hot_prefix", "cache_aware", k)["engine_share"].values()) for k in range(rounds)])
+        paired("hot_prefix p90 TTFT, cache_aware / round_robin",
+               [row("hot_prefix", "cache_aware", k)["ttft_p90_ms"] /
+                row("hot_prefix", "round_robin", k)["ttft_p90_ms"] for k in range(rounds)])
+    if not args.only:
+        ratios.update(once(row, rounds, rows))
+    print(f"\nrouter overhead: a one-token completion {over['direct_p50_ms']:.1f} ms direct, "
+          f"{over['routed_p50_ms']:.1f} ms through the router: +{over['added_p50_ms']:.2f} ms p50 (target < 2 ms; "
+          f"blocks: {', '.join(f'+{x:.2f}' for x in over['added_p50_ms_per_block'])} ms)")
+    for name, value in ratios.items():
+        each = f" (rounds: {', '.join(f'{v:.2f}' for v in spreads[name])})" if len(spreads.get(name, ())) > 1 else ""
+        print(f"{name}: {value:.2f}{each}")
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=ROOT).stdout.strip()
+        args.json.write_text(json.dumps({"date": str(date.today()), "machine": machine(), "commit": commit,
+                                         "rows": rows, "overhead": over, "ratios": ratios, "spreads": spreads},
+                                        indent=2))
+
+
+def once(row, rounds: int, rows: list[dict]) -> dict[str, float]:
+    """The ratios of the rows run once (shared Redis, replicas, the fleet change); ``row(workload, policy, k)``."""
     rr_p50 = statistics.median(row("prefix_repetition", "round_robin", k)["ttft_p50_ms"] for k in range(rounds))
     rr_hot_p90 = statistics.median(row("hot_prefix", "round_robin", k)["ttft_p90_ms"] for k in range(rounds))
     ratios: dict[str, float] = {}
-    spreads: dict[str, list[float]] = {}
-    paired("prefix_repetition p50 TTFT, round_robin / cache_aware",
-           [row("prefix_repetition", "round_robin", k)["ttft_p50_ms"] /
-            row("prefix_repetition", "cache_aware", k)["ttft_p50_ms"] for k in range(rounds)])
-    paired("hot_prefix largest engine share, cache_aware",
-           [max(row("hot_prefix", "cache_aware", k)["engine_share"].values()) for k in range(rounds)])
-    paired("hot_prefix p90 TTFT, cache_aware / round_robin",
-           [row("hot_prefix", "cache_aware", k)["ttft_p90_ms"] / row("hot_prefix", "round_robin", k)["ttft_p90_ms"]
-            for k in range(rounds)])
     policy = "cache_aware + shared Redis"  # once, against the rounds' round-robin (their median)
     ratios[f"prefix_repetition p50 TTFT, round_robin / {policy}"] = \
         rr_p50 / row("prefix_repetition", policy)["ttft_p50_ms"]
@@ -456,18 +495,7 @@ def report(rows: list[dict], over: dict, args: argparse.Namespace) -> None:
     change = next(r for r in rows if "fleet_changes" in r)
     ratios["fleet change: failed requests"] = change["failed"]
     ratios["fleet change: cached share"] = change["cached_share"]
-    print(f"\nrouter overhead: a one-token completion {over['direct_p50_ms']:.1f} ms direct, "
-          f"{over['routed_p50_ms']:.1f} ms through the router: +{over['added_p50_ms']:.2f} ms p50 (target < 2 ms; "
-          f"blocks: {', '.join(f'+{x:.2f}' for x in over['added_p50_ms_per_block'])} ms)")
-    for name, value in ratios.items():
-        each = f" (rounds: {', '.join(f'{v:.2f}' for v in spreads[name])})" if len(spreads.get(name, ())) > 1 else ""
-        print(f"{name}: {value:.2f}{each}")
-    if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=ROOT).stdout.strip()
-        args.json.write_text(json.dumps({"date": str(date.today()), "machine": machine(), "commit": commit,
-                                         "rows": rows, "overhead": over, "ratios": ratios, "spreads": spreads},
-                                        indent=2))
+    return ratios
 
 
 if __name__ == "__main__":
