@@ -367,6 +367,8 @@ def main() -> int:
     rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
     if rounds < 1:
         parser.error(f"--rounds must be at least 1, got {rounds}")
+    if not 0 <= args.first_arrivals <= 2**32 - 1 - rounds:  # numpy's seeds
+        parser.error(f"--first-arrivals must be from 0 to {2**32 - 1 - rounds}, got {args.first_arrivals}")
     work = args.work_dir / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True)
     model = prepare_model()
@@ -469,9 +471,10 @@ def report(rows: list[dict], over: dict, args: argparse.Namespace) -> None:
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=ROOT).stdout.strip()
+        ran_with = {"only": args.only, "rounds": rounds, "first_arrivals": args.first_arrivals, "quick": args.quick}
         args.json.write_text(json.dumps({"date": str(date.today()), "machine": machine(), "commit": commit,
-                                         "rows": rows, "overhead": over, "ratios": ratios, "spreads": spreads},
-                                        indent=2))
+                                         "ran_with": ran_with, "rows": rows, "overhead": over, "ratios": ratios,
+                                         "spreads": spreads}, indent=2))
 
 
 def once(row, rounds: int, rows: list[dict]) -> dict[str, float]:

@@ -27,15 +27,21 @@ from tests.router.test_proxy import ScriptedEngine, WordTokenizer, serve
 async def subscribed(pub) -> None:
     """Wait until a subscription reached ``pub``, an XPUB socket (a PUB that hears its subscribers): a message
     published before it arrives is dropped, and a fixed sleep for it is a guess a loaded machine can beat."""
-    deadline = time.monotonic() + 30
-    if isinstance(pub, zmq.asyncio.Socket):
-        message = await asyncio.wait_for(pub.recv(), 30)
-    else:  # a blocking socket: polled, so the event loop keeps running the subscriber meanwhile
-        while not pub.poll(0):
-            assert time.monotonic() < deadline, "no subscription reached the publisher in 30 s"
-            await asyncio.sleep(0.01)
-        message = pub.recv()
+    # (polled, for a blocking socket as for an asyncio one: the event loop runs the subscriber meanwhile)
+    await until(lambda: pub.getsockopt(zmq.EVENTS) & zmq.POLLIN, "subscription reaching the publisher")
+    message = pub.recv(zmq.NOBLOCK)
+    if isinstance(message, asyncio.Future):  # an asyncio socket's
+        message = await message
     assert message[:1] == b"\x01", message  # a subscription (b"\x00" is one ending)
+
+
+async def until(check, what: str, seconds: float = 30.0) -> None:
+    """Poll ``check()`` until it is true, for at most ``seconds`` (a bound for a stuck test, not a speed)."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} in {seconds} s"
+        await asyncio.sleep(0.01)
+
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -100,9 +106,9 @@ def test_subscriber_survives_messages_that_break_decoding_or_applying(tmp_path):
         for seq, payload in [(0, msgpack.packb([0.0, []])), (1, bad_map), (2, msgpack.packb([13.0, []])),
                              (3, msgpack.packb([3.0, []]))]:
             await pub.send_multipart([b"t", seq.to_bytes(8, "big"), payload])
-        await asyncio.sleep(0.5)
+        await until(lambda: "decode" in errors and "apply" in errors and applied[-1:] == [3.0], "four batches read")
         await pub.send_multipart([b"t", (4).to_bytes(8, "big"), msgpack.packb([4.0, []])])
-        await asyncio.sleep(0.5)
+        await until(lambda: applied[-1:] == [4.0], "batch 4 applied")
         await sub.stop()
         pub.close(0)
         ctx.term()
