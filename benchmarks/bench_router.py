@@ -356,7 +356,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of the round-robin and cache-aware pairs on each workload (default 3)")
     parser.add_argument("--only", choices=tuple(PROMPTS),
-                        help="only this workload's round-robin and cache-aware pairs, nothing else")
+                        help="only this workload's round-robin and cache-aware pairs (and the router's overhead): no "
+                             "session, replicas, fleet change or shared tier rows")
     parser.add_argument("--first-arrivals", type=int, default=FIRST_ARRIVALS,
                         help=f"round k's arrival seed is this plus k (default {FIRST_ARRIVALS})")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "results" / "bench-router")

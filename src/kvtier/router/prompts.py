@@ -160,8 +160,7 @@ class Tokenizer:
         self._own = copy.deepcopy(self._tok)
         self._cutters = threading.BoundedSemaphore(cutters)
         self._lock = threading.Lock()
-        self._spare: list[Any] = []
-        self.cutters_made = 0
+        self._spare: list[Any] = []  # the copies made, each back here once its encode ends
 
     def completion(self, body: Mapping[str, object]) -> list[int]:
         prompt = body.get("prompt")
@@ -202,8 +201,6 @@ class Tokenizer:
                 cutter = self._spare.pop() if self._spare else None
             if cutter is None:
                 cutter = copy.deepcopy(self._tok)
-                with self._lock:
-                    self.cutters_made += 1
             try:
                 return encode(cutter)
             finally:
