@@ -7,14 +7,18 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import jinja2
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
 from kvtier.bench.model import prepare_model
 from kvtier.router.prompts import FieldError, Prompt, Tokenizer, Uncached, read_bool, read_int, read_prompt, \
-    read_stream
+    read_stream, rust_encoder, Truncation
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -56,6 +60,7 @@ def custom(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokeniz
     (target / "chat_template.jinja").write_text(TEMPLATE)
     tokenizer = Tokenizer(str(target))
     tokenizer.bos = bos  # type: ignore[attr-defined]
+    tokenizer.dir = target  # type: ignore[attr-defined]
     return tokenizer
 
 
@@ -333,3 +338,109 @@ def test_a_tokenizer_file_that_truncates_is_made_not_to_for_the_threads_sharing_
     assert tok._tok._tokenizer.truncation is None
     text = " ".join(f"word{i}" for i in range(50))
     assert len(completion(tok, text).tokens) > 4
+
+
+# Texts where a tokenizer's call could differ from its backend's encode: empty, leading spaces, special tokens
+# written in the text, multi-byte characters, a NUL, whitespace runs, a run of one character, a long text
+TEXTS = ["", "Hello there", "  two leading spaces", "<|im_start|>user\nhi<|im_end|>\n", "naïve café 東京 🙂",
+         "a\u0000b", "\n\n\t x  ", "=" * 300, " ".join(f"word{i}" for i in range(400))]
+
+
+def as_vllm_loads(directory: Path):
+    """The tokenizer as vLLM loads it, untouched by the router: what it calls to encode a prompt."""
+    return AutoTokenizer.from_pretrained(str(directory), truncation_side="left")
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_the_rust_encoder_gives_the_tokens_transformers_call_gives(tok, custom, model_dir, special):
+    """The router encodes a plain fast tokenizer's text with its Rust backend: the tokens are those of
+    transformers' own call on the tokenizer vLLM loads, for the model's tokenizer and for one adding a BOS."""
+    for router, directory in ((tok, model_dir), (custom, custom.dir)):
+        assert router._rust is not None  # (the direct path is the one tested)
+        vllm = as_vllm_loads(directory)
+        for text in TEXTS:
+            body = {"model": "m", "prompt": text, "add_special_tokens": special}
+            assert read_prompt(router, COMPLETION, body, set()).tokens == \
+                vllm(text, add_special_tokens=special)["input_ids"], text[:40]
+    assert custom._encode("hi", True, Truncation(None, None))[0] == custom.bos
+
+
+@pytest.fixture(scope="module")
+def custom_as_vllm(custom):
+    return as_vllm_loads(custom.dir)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(max_size=120), special=st.booleans())
+def test_any_text_encodes_as_transformers_call_encodes_it(custom, custom_as_vllm, text, special):
+    assert custom._encode(text, special, Truncation(None, None)) == \
+        custom_as_vllm(text, add_special_tokens=special)["input_ids"]
+
+
+def test_a_tokenizer_file_that_pads_or_splits_special_tokens_is_encoded_as_its_call_encodes(model_dir, tmp_path):
+    """A tokenizer.json may pad to a fixed length and a tokenizer_config.json split special tokens written in the
+    text: transformers' call pads nothing and splits them; so does the Rust encoder set up at load."""
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "split_special_tokens": True}))
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    spec["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                       "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    router, vllm = Tokenizer(str(tmp_path)), as_vllm_loads(tmp_path)
+    assert router._rust is not None
+    text = "<|im_start|>user\nhi"
+    tokens = completion(router, text).tokens
+    assert tokens == vllm(text)["input_ids"]
+    assert len(tokens) < 64 and vllm.convert_tokens_to_ids("<|im_start|>") not in tokens
+
+
+def test_a_tokenizer_class_of_its_own_is_called_as_vllm_calls_it(model_dir, monkeypatch):
+    """A tokenizer class that changes the call or its encoding (as some of transformers' model classes do) is not
+    encoded with its backend: the router calls it, as vLLM does."""
+    plain = as_vllm_loads(model_dir)
+    extra = plain.convert_tokens_to_ids("<|im_end|>")
+
+    class Own(type(plain)):  # type: ignore[misc]
+        def _encode_plus(self, *args, **kwargs):
+            encoded = super()._encode_plus(*args, **kwargs)
+            encoded["input_ids"] = [*encoded["input_ids"], extra]
+            return encoded
+
+    class Called(type(plain)):  # type: ignore[misc]
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    for kind in (Own, Called):
+        other = as_vllm_loads(model_dir)
+        other.__class__ = kind
+        assert rust_encoder(other) is None
+    own = as_vllm_loads(model_dir)
+    own.__class__ = Own
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *args, **kwargs: own)
+    router = Tokenizer(str(model_dir))
+    assert router._rust is None
+    assert completion(router, "Hello there").tokens == [*plain("Hello there")["input_ids"], extra]
+
+
+def test_a_worker_encoding_a_long_prompt_leaves_the_event_loop_running(tok):
+    """A long prompt is tokenized on a worker thread so that the event loop serves on meanwhile: the worker's
+    encode releases the GIL (held, the loop's thread would not run again until the encode ended)."""
+    assert tok._rust is not None
+    text = " ".join(f"word{i} is here" for i in range(40000))
+    done, took = threading.Event(), []
+
+    def work() -> None:
+        start = time.perf_counter()
+        completion(tok, text)
+        took.append(time.perf_counter() - start)
+        done.set()
+    thread = threading.Thread(target=work)
+    gaps, last = [], time.perf_counter()
+    thread.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    thread.join()
+    assert max(gaps) < took[0] / 2, f"the loop's thread stood still {max(gaps):.3f} s of an encode of {took[0]:.3f} s"
