@@ -38,6 +38,13 @@ _DIGITS = re.compile(r"[+-]?[0-9]{1,19}")
 # treats apart (``tokenize``: the template's output is tokens; the others collide with the renderer's own).
 _UNMODELLED = ("chat_template", "tokenize", "messages", "conversation", "self")
 CUTTERS = 8  # at most this many truncating copies of the tokenizer for the workers (see Tokenizer)
+# What transformers' call on a fast tokenizer runs (besides itself) to encode a text: a class overriding one of these
+# is called, not bypassed (:func:`rust_encoder`)
+_CALLED = ("_encode_plus", "set_truncation_and_padding", "_convert_encoding")
+# Texts a fast tokenizer's backend and its call must encode alike, at load, before the router encodes with the
+# backend: empty, leading and inner spaces, special tokens of several families written in the text, characters of
+# several bytes, whitespace runs
+_PROBES = ("", "  Hello there,  world", "<|im_start|>user\n<s>[INST]</s><|endoftext|>", "naïve 東京 🙂\n\n\t x")
 _KWARGS_BUDGET = 16384  # characters and items in the template-read chat_template_kwargs: more, no prediction
 _KWARGS_MAX_INT = 65536  # an integer a template could loop over: larger ones, no prediction
 
@@ -152,8 +159,8 @@ class Tokenizer:
         # transformers' plain fast tokenizer is called as its Rust backend, set up as its __call__ sets it up: the
         # Python around the encode costs 5x the encode itself (20 against 4 us warm), and 0.5 against 0.2 ms when
         # the router's code runs cold after an engine's answer, as it does for every short request. The event
-        # loop (short texts only) calls encode, which holds the GIL; a worker calls encode_batch, which does not
-        # (a long prompt must not stop the loop).
+        # loop's thread (see below; it encodes short texts only) calls encode, which holds the GIL; a worker calls
+        # encode_batch, which does not (a long prompt must not stop the loop).
         self._rust = rust_encoder(self._tok)
         # A request that truncates sets the tokenizer's truncation, and the next call unsets it: on a tokenizer
         # shared by threads (the workers, the event loop) that would truncate another thread's prompt, or fail
@@ -328,22 +335,31 @@ def _size(value: object, budget: int) -> int:
 
 
 def rust_encoder(tok: Any) -> Any | None:
-    """``tok``'s Rust tokenizer, set to encode a text as ``tok(text)`` does (not padded; special tokens written in
-    the text split as ``tok`` splits them, which transformers sets on it at load), where ``tok`` is transformers'
-    plain fast tokenizer, whose call is that encode; None for any other (a class that changes the call or its
-    encoding: it is called as vLLM calls it)."""
+    """``tok``'s Rust tokenizer, set up as ``tok(text)`` sets it up (no padding, no truncation; special tokens
+    written in the text split as ``tok`` splits them, which transformers sets on it at load), where ``tok`` is
+    transformers' plain fast tokenizer, whose call is that encode, and the two give the same tokens for each of
+    :data:`_PROBES`; None for any other (a class that changes the call or its encoding, a transformers whose call
+    does more): it is called, as vLLM calls it."""
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # another transformers: its own call
+    except ImportError:  # transformers before 5: its own call
         return None
     kind = type(tok)
     if not isinstance(tok, TokenizersBackend) or kind.__call__ is not PreTrainedTokenizerBase.__call__ or \
-            kind._encode_plus is not TokenizersBackend._encode_plus or hasattr(tok, "_switch_to_input_mode"):
+            hasattr(tok, "_switch_to_input_mode") or any(getattr(kind, name) is not getattr(TokenizersBackend, name)
+                                                         for name in _CALLED):
         return None
     backend: Any = tok._tokenizer
-    if backend.padding is not None:  # (its call pads nothing, and unsets a tokenizer.json's padding)
+    if backend.padding is not None:
         backend.no_padding()
+    if backend.truncation is not None:
+        backend.no_truncation()
+    for text in _PROBES:
+        for special in (True, False):
+            if backend.encode(text, add_special_tokens=special).ids != \
+                    tok(text, add_special_tokens=special)["input_ids"]:
+                return None
     return backend
 
 
