@@ -365,9 +365,10 @@ def read_on(where: str, router: Tokenizer, body: dict) -> list[int]:
 
 @pytest.fixture(scope="module")
 def in_rust(model_dir):
-    """The tests asking for this are of the Rust encoder: transformers before 5 has none (its call is made)."""
-    if rust_encoder(as_vllm_loads(model_dir)) is None:
-        pytest.skip("this transformers has no TokenizersBackend: the router calls the tokenizer")
+    """The tests asking for this are of the Rust encoder: transformers before 5 has none (its call is made); with
+    a transformers that has one, the model's tokenizer must be encoded with it."""
+    pytest.importorskip("transformers.tokenization_utils_tokenizers", reason="transformers before 5: no Rust encoder")
+    assert rust_encoder(as_vllm_loads(model_dir)) is not None
 
 
 @pytest.mark.parametrize("special", [True, False])
@@ -432,7 +433,11 @@ def test_a_tokenizer_class_of_its_own_is_called_as_vllm_calls_it(model_dir, monk
         def __call__(self, *args, **kwargs):
             return super().__call__(*args, **kwargs)
 
-    for kind in (Own, Called):
+    class Strategies(type(plain)):  # type: ignore[misc]  # (how the call pads and truncates)
+        def _get_padding_truncation_strategies(self, *args, **kwargs):
+            return super()._get_padding_truncation_strategies(*args, **kwargs)
+
+    for kind in (Own, Called, Strategies):
         other = as_vllm_loads(model_dir)
         other.__class__ = kind
         assert rust_encoder(other) is None

@@ -40,7 +40,7 @@ _UNMODELLED = ("chat_template", "tokenize", "messages", "conversation", "self")
 CUTTERS = 8  # at most this many truncating copies of the tokenizer for the workers (see Tokenizer)
 # What transformers' call on a fast tokenizer runs (besides itself) to encode a text: a class overriding one of these
 # is called, not bypassed (:func:`rust_encoder`)
-_CALLED = ("_encode_plus", "set_truncation_and_padding", "_convert_encoding")
+_CALLED = ("_get_padding_truncation_strategies", "_encode_plus", "set_truncation_and_padding", "_convert_encoding")
 # Texts a fast tokenizer's backend and its call must encode alike, at load, before the router encodes with the
 # backend: empty, leading and inner spaces, special tokens of several families written in the text, characters of
 # several bytes, whitespace runs
