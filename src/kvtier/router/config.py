@@ -132,8 +132,8 @@ class Limits:
     workers: int = dataclasses.field(default=2, metadata={
         "help": "threads that parse, tokenize and key requests off the event loop (a completion body of at most "
                 "1 KiB is read on the loop, with a fast tokenizer and blocks of 16 tokens or more); prompts that "
-                "truncate (truncate_prompt_tokens) are encoded at most 8 at a time, each by a copy of the "
-                "tokenizer"})
+                "truncate (truncate_prompt_tokens) are encoded by at most min(workers, 8) of them at a time, each "
+                "with a copy of the tokenizer"})
     queue: int = dataclasses.field(default=64, metadata={
         "help": "requests waiting for a worker; past it a body up to 32 KiB is routed without a prediction, a "
                 "larger one answered 429"})
