@@ -9,7 +9,6 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -243,14 +242,13 @@ class FakeEngines:
 
 
 def against(cfg: RouterConfig, fakes: FakeEngines) -> tuple[Router, RouterMetrics, Engines]:
-    """A router for ``cfg`` whose engines (all healthy) are the fakes (on the running loop: the session)."""
+    """A router for ``cfg`` whose engines (all healthy) are the fakes."""
     router = Router(cfg, PrefixIndex(BS))
     for state in router.engines.values():
         state.healthy = True
     metrics = RouterMetrics()
     engines = Engines(cfg, metrics, router.index, router)
     engines.urls.update(fakes.urls)
-    engines.session = aiohttp.ClientSession()
     return router, metrics, engines
 
 
@@ -272,7 +270,7 @@ def run_hop(behaviours: dict[str, str], retries: int = 1, timeout_s: float = 60)
             assert all(not state.flights for state in router.engines.values())  # every flight accounted
             return promise, fakes, metrics
         finally:
-            await engines.session.close()
+            await engines.upstream.close()
             await fakes.stop()
     return asyncio.run(go())
 
@@ -331,7 +329,7 @@ def test_a_prefill_waits_for_one_in_flight_computing_its_prefix_and_only_then() 
             hold(router, "e1", DOC)  # e1 holds the prefix: no wait there
             await asyncio.gather(one("first", "e0", 1), one("second", "e0", 2), one("held", "e1", 3))
         finally:
-            await engines.session.close()
+            await engines.upstream.close()
             await fakes.stop()
         return ends
     ends = dict(asyncio.run(go()))

@@ -6,7 +6,8 @@ Every ``health_interval_s`` each engine's ``/health`` is checked: one answer mak
 the base models and ``max_model_len`` (its ``/v1/models``). A KV-event :class:`~kvtier.router.subscriber.Subscriber`
 per engine applies its batches to the :class:`~kvtier.router.index.PrefixIndex`; every ``metrics_interval_s`` the
 engines' prefill counters calibrate the policy. Each of these calls carries the engines' API key when one is
-configured; :attr:`Engines.session` is the client session the proxy sends requests with too.
+configured. The proxy sends clients' requests with :attr:`Engines.upstream` (:mod:`kvtier.router.upstream`), and
+passes ``/v1/models`` on with :attr:`Engines.session`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvtier.router.index import LOCAL_PLACES, Place, PrefixIndex
 from kvtier.router.metrics import LogOnce, RouterMetrics
 from kvtier.router.policy import Router
 from kvtier.router.subscriber import Subscriber
+from kvtier.router.upstream import Upstreams
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class Engines:
         self.max_model_len: int | None = None  # the engines' smallest, from their /v1/models
         self.subscribers: dict[str, Subscriber] = {}
         self.session: aiohttp.ClientSession | None = None
+        self.upstream = Upstreams()
         self._zmq: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._prefill_counters: dict[str, tuple[float, float, float]] = {}
@@ -147,6 +150,7 @@ class Engines:
     async def _leave(self, name: str) -> None:
         self.metrics.forget(name)  # (first: its gauges read the router's state of it)
         self.router.remove(name)
+        self.upstream.forget(self.urls[name])  # (its requests in flight keep theirs to their end)
         del self.urls[name], self._configs[name]
         self._failures.pop(name, None)
         self._prefill_counters.pop(name, None)
@@ -167,6 +171,7 @@ class Engines:
             await sub.stop()
         if self.session is not None:
             await self.session.close()
+        await self.upstream.close()
         if self._zmq is not None:
             self._zmq.term()
 

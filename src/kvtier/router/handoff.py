@@ -26,7 +26,6 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-import aiohttp
 
 from kvtier import pd, tracing
 from kvtier.router.config import RouterConfig
@@ -34,6 +33,7 @@ from kvtier.router.engines import WARN_EVERY_S, Engines
 from kvtier.router.guards import timeout
 from kvtier.router.metrics import LogOnce, RouterMetrics
 from kvtier.router.policy import RouteDecision, Router
+from kvtier.router.upstream import Answer, ConnectionLost, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -200,33 +200,35 @@ class Prefills:
                 task.cancel()
 
     async def _post(self, name: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-        session = self.engines.session
-        assert session is not None
-        timeouts = self.config.timeouts
         hop = {k: v for k, v in headers.items() if k.lower() not in ("traceparent", "tracestate")}
         hop.update(tracing.headers())
         hop["Content-Type"] = "application/json"
+        reply: Answer | None = None
         try:
-            async with timeout(self.config.pd.prefill_timeout_s), session.post(
-                    self.engines.urls[name] + path, data=body, headers=hop, allow_redirects=False,
-                    timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s)) as reply:
+            async with timeout(self.config.pd.prefill_timeout_s):
+                reply = await self.engines.upstream.post(self.engines.urls[name], path, body, hop,
+                                                         self.config.timeouts.connect_s)
                 if reply.status != 200:  # a 4xx is the request's (every engine would refuse it); a 5xx or a redirect
                     # (never followed) the engine's
                     raise _Failed("http_error", f"HTTP {reply.status}", retry=not 400 <= reply.status < 500)
                 parts, size = [], 0
-                async for part in reply.content.iter_any():
+                while part := await reply.readany():
                     size += len(part)
                     if size > MAX_PREFILL_ANSWER_BYTES:
                         raise _Failed("bad_answer", f"an answer over {MAX_PREFILL_ANSWER_BYTES} bytes")
                     parts.append(part)
+                reply.release()
         except asyncio.TimeoutError:
             raise _Failed("timeout", f"no answer within pd.prefill_timeout_s ({self.config.pd.prefill_timeout_s} s)"
                           ) from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             state = self.router.engines.get(name)
-            if state is not None and isinstance(exc, aiohttp.ClientConnectionError):
+            if state is not None and isinstance(exc, ConnectionLost):
                 state.healthy = False  # until its next good health check
             raise _Failed("disconnected", f"{type(exc).__name__}: {exc}") from exc
-        except ValueError as exc:  # aiohttp's refusal to send this request
-            raise _Failed("bad_answer", f"the request cannot be sent: {type(exc).__name__}") from exc
+        except ValueError as exc:  # a header or target that cannot be sent
+            raise _Failed("bad_answer", f"the request cannot be sent: {exc}") from exc
+        finally:
+            if reply is not None:
+                reply.close()  # (after release: nothing)
         return b"".join(parts)

@@ -30,6 +30,7 @@ from kvtier.router.handoff import Prefills, bodies
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Plan, RouteDecision, Router
 from kvtier.router.reading import Read, Reader, Unreadable
+from kvtier.router.upstream import Answer, ConnectionLost, UpstreamError
 from kvtier.router.wire import EventCutter, error_reply, forwarded, reply_headers, sse_error
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ class Proxy:
         flight = self.router.started(decision, keys)
         self.metrics.predicted_ttft.labels(name).observe(decision.predicted_s)
         outcome = "aborted"
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: Answer | None = None
         try:
             upstream = await self._open(name, request.path_qs, raw, headers)
             if not stream:
@@ -286,8 +287,8 @@ class Proxy:
                     await self._deliver(reply, whole)
                 try:
                     async with timeout(self.config.timeouts.idle_s):  # (not wait_for: no task for each chunk)
-                        chunk = await upstream.content.readany()
-                except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                        chunk = await upstream.readany()
+                except (asyncio.TimeoutError, UpstreamError) as exc:
                     cause = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnected"
                     log.warning("engine %s failed mid-stream (%s): the client gets an error event%s", name, cause,
                                 f" ({len(events.held)} bytes of a partial event dropped)" if events.held else "")
@@ -331,46 +332,43 @@ class Proxy:
         except asyncio.TimeoutError:
             raise ConnectionResetError(f"the client read nothing for {self.config.timeouts.idle_s} s") from None
 
-    async def _open(self, name: str, path: str, raw: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
-        session = self.engines.session
-        assert session is not None
+    async def _open(self, name: str, path: str, raw: bytes, headers: dict[str, str]) -> Answer:
         timeouts = self.config.timeouts
         try:
             # first_byte_s from the request on: an engine that accepts the connection and never answers (not
             # even its headers) is given up on too. A redirect is not followed: a 307 would send the prompt to
             # another origin.
             async with timeout(timeouts.first_byte_s):
-                upstream = await session.post(
-                    self.engines.urls[name] + path, data=raw, headers=headers, allow_redirects=False,
-                    timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=None))
-        except aiohttp.ClientConnectionError as exc:
+                upstream = await self.engines.upstream.post(self.engines.urls[name], path, raw, headers,
+                                                            timeouts.connect_s)
+        except ConnectionLost as exc:
             # Not routed to until its next good health check; its entries stay unless it stays down.
             state = self.router.engines.get(name)
             if state is not None:
                 state.healthy = False
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        except (asyncio.TimeoutError, UpstreamError) as exc:
             raise _Upstream(f"{type(exc).__name__}: {exc}") from exc
-        except ValueError as exc:  # aiohttp's refusal to send this request (e.g. URL credentials and Authorization)
-            raise _Upstream(f"the request cannot be sent: {type(exc).__name__}") from exc
+        except ValueError as exc:  # a header or target that cannot be sent
+            raise _Upstream(f"the request cannot be sent: {exc}") from exc
         if upstream.status >= 500 or 300 <= upstream.status < 400:
             upstream.close()
             what = " (a redirect: not followed, nor passed on)" if upstream.status < 400 else ""
             raise _Upstream(f"HTTP {upstream.status}{what}")
         return upstream
 
-    async def _whole(self, upstream: aiohttp.ClientResponse) -> bytes:
+    async def _whole(self, upstream: Answer) -> bytes:
         try:
             async with timeout(self.config.timeouts.first_byte_s):
                 return await upstream.read()
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        except (asyncio.TimeoutError, UpstreamError) as exc:
             raise _Upstream(f"no whole answer: {type(exc).__name__}") from exc
 
-    async def _first(self, upstream: aiohttp.ClientResponse) -> bytes:
+    async def _first(self, upstream: Answer) -> bytes:
         try:
             async with timeout(self.config.timeouts.first_byte_s):
-                first = await upstream.content.readany()
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                first = await upstream.readany()
+        except (asyncio.TimeoutError, UpstreamError) as exc:
             raise _Upstream(f"no first byte: {type(exc).__name__}") from exc
         if not first:
             raise _Upstream("the answer ended before its first byte")
