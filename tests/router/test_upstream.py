@@ -4,7 +4,9 @@ framing, connections kept and not kept, and the answers a broken or hostile engi
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
+import struct
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -218,10 +220,12 @@ def test_an_idle_connection_is_not_reused_past_idle_s_nor_after_the_engine_close
 
 @pytest.mark.parametrize("raw, message", [
     (b"HTTP/1.1 200 OK\r\nX: a\r\n folded\r\nContent-Length: 0\r\n\r\n", "malformed header"),
-    (b"HTTP/1.1 200 OK\r\nX: a\nInjected: b\r\nContent-Length: 0\r\n\r\n", "malformed header"),
+    (b"HTTP/1.1 200 OK\r\nX: a\nInjected: b\r\nContent-Length: 0\r\n\r\n", "do not end in CRLF"),
     (b"HTTP/1.1 200 OK\r\nX: a\x00\r\nContent-Length: 0\r\n\r\n", "malformed header"),
     (b"HTTP/1.1 200 OK\r\nX: \x1b[31mred\r\nContent-Length: 0\r\n\r\n", "malformed header"),
     (b"HTTP/1.1 200 OK\nContent-Length: 0\n\n", "do not end in CRLF"),
+    (b"HTTP/1.1 200 OK\n\r\n", "do not end in CRLF"),
+    (b"HTTP/1.1 200 OK\r\nX: a\n\r\n", "do not end in CRLF"),
     (b"HTTP/1.1 200 OK\r\nBad Name: a\r\nContent-Length: 0\r\n\r\n", "malformed header"),
     (b"HTTP/2 200\r\n\r\n", "status line"),
     (b"ICY 200 OK\r\n\r\n", "status line"),
@@ -239,7 +243,7 @@ def test_answers_not_read_here_raise_naming_why(raw: bytes, message: str) -> Non
         async with Engine(answer(raw)) as engine:
             client = Upstreams()
             with pytest.raises(UpstreamError, match=message):
-                await client.post(engine.url, "/", b"", {}, 5)
+                await asyncio.wait_for(client.post(engine.url, "/", b"", {}, 5), 5)
             await client.close()
     run(go())
 
@@ -555,5 +559,91 @@ def test_a_request_given_up_on_before_the_head_closes_the_connection() -> None:
                 await asyncio.wait_for(client.post(engine.url, "/", b"", {}, 5), 0.2)
             await asyncio.wait_for(gone.wait(), 5)
             assert not client._idle.get(f"http://{engine.url[7:]}")
+            await client.close()
+    run(go())
+
+
+def test_a_chunk_is_returned_before_its_closing_crlf_comes_and_lfs_in_bodies_are_data() -> None:
+    """A chunk's data is passed on as soon as it is whole, its CRLF checked with the next chunk; an SSE body's
+    blank lines arriving with the head are body, not a head's bare LFs."""
+    rest = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, _: bytes) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: 1\n\n")
+        await writer.drain()
+        await rest.wait()
+        writer.write(b"\r\n0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    async def go() -> None:
+        async with Engine(script) as engine:
+            client = Upstreams()
+            reply = await client.post(engine.url, "/", b"", {}, 5)
+            assert await asyncio.wait_for(reply.readany(), 2) == b"data: 1\n\n"
+            rest.set()
+            assert await asyncio.wait_for(reply.readany(), 2) == b""
+            reply.release()
+            await client.close()
+        async with Engine(answer(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\ndata: 1\n\n")) as engine:
+            client = Upstreams()
+            assert (await asyncio.wait_for(post(client, engine), 5))[1] == b"data: 1\n\n"
+            await client.close()
+    run(go())
+
+
+def test_an_answer_to_the_connections_end_cut_by_a_reset_raises() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, _: bytes) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\npartial")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # an RST, not a FIN
+        return False
+
+    async def go() -> None:
+        async with Engine(script) as engine:
+            client = Upstreams()
+            reply = await client.post(engine.url, "/", b"", {}, 5)
+            with pytest.raises(UpstreamError, match="broke"):
+                await asyncio.wait_for(reply.read(), 5)
+            reply.close()
+            await client.close()
+    run(go())
+
+
+def test_connections_kept_past_idle_s_are_pruned_with_no_request_and_a_kept_one_ending_is_not_lost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """prune() closes what no request will reuse (an engine nothing goes to any more); a kept connection the engine
+    closes as it is reused raises UpstreamError, not ConnectionLost (which would mark a working engine down)."""
+    async def go() -> None:
+        async with Engine(answer(OK)) as engine:
+            client = Upstreams()
+            await post(client, engine)
+            conn = client._idle[f"http://{engine.url[7:]}"][0]
+            client.prune()
+            assert not conn.ended
+            monkeypatch.setattr(up, "IDLE_S", 0.05)
+            await asyncio.sleep(0.1)
+            client.prune()
+            assert conn.ended and not client._idle
+            await client.close()
+
+        async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes,
+                          _: bytes) -> bool:
+            if len(engine.requests) > 1:
+                return False  # closes as the next request on the connection arrives, unanswered
+            writer.write(OK)
+            await writer.drain()
+            return True
+
+        monkeypatch.setattr(up, "IDLE_S", 60.0)
+        async with Engine(closing) as engine:
+            client = Upstreams()
+            await post(client, engine)
+            with pytest.raises(UpstreamError, match="kept connection ended") as ended:
+                await asyncio.wait_for(client.post(engine.url, "/", b"", {}, 5), 5)
+            assert not isinstance(ended.value, ConnectionLost)
             await client.close()
     run(go())

@@ -220,6 +220,7 @@ class Engines:
             await asyncio.sleep(self.config.health_interval_s)
             try:
                 await asyncio.gather(*(self._check(name) for name in self.urls))
+                self.upstream.prune()  # (connections kept to engines no request went to since)
                 self.index.expire()
                 counts = self.index.counts
                 self.metrics.index_unusable.labels("orphan").set(counts.orphans)

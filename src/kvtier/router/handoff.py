@@ -217,7 +217,8 @@ class Prefills:
                     if size > MAX_PREFILL_ANSWER_BYTES:
                         raise _Failed("bad_answer", f"an answer over {MAX_PREFILL_ANSWER_BYTES} bytes")
                     parts.append(part)
-                reply.release()
+                if name in self.router.engines:  # (not kept to an engine that left)
+                    reply.release()
         except asyncio.TimeoutError:
             raise _Failed("timeout", f"no answer within pd.prefill_timeout_s ({self.config.pd.prefill_timeout_s} s)"
                           ) from None

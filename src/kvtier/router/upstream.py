@@ -35,6 +35,7 @@ _HIGH = 1024 * 1024  # bytes buffered from an engine before the socket stops bei
 _STATUS = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([^\r\n\x00]*))?")
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_BARE_LF = re.compile(rb"(?<!\r)\n")
 _SEND_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _SEND_BAD = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _TARGET = re.compile(r"/[\x21-\x7e]*")
@@ -56,6 +57,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.ended = False  # the engine closed (or the connection broke)
+        self.broken = False  # it broke (reset, not closed)
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
@@ -80,6 +82,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.ended = True
+        self.broken = exc is not None
         self._wake()
 
     def _wake(self) -> None:
@@ -106,13 +109,13 @@ class _Connection(asyncio.Protocol):
         return data
 
     async def until(self, separator: bytes, what: str, lost: type[UpstreamError] = UpstreamError) -> bytes:
-        """The bytes up to and including ``separator`` (at most :data:`MAX_HEAD` of them). Lines end in CRLF:
-        two LFs without it before ``separator`` raise."""
+        """The bytes up to and including ``separator`` (at most :data:`MAX_HEAD` of them). Lines end in CRLF: an
+        LF without its CR before ``separator`` raises."""
         start = 0
         while True:
             at = self.buffer.find(separator, start)
-            bare = self.buffer.find(b"\n\n", 0, at if at >= 0 else len(self.buffer))
-            if bare >= 0:
+            # (each byte scanned once: from where the last scan ended, less the CR an LF may follow)
+            if _BARE_LF.search(self.buffer, max(0, start - 1), at if at >= 0 else len(self.buffer)):
                 raise UpstreamError(f"{what} with lines that do not end in CRLF")
             if at >= 0 and at <= MAX_HEAD:
                 return self.take(at + len(separator))
@@ -176,6 +179,8 @@ class Answer:
             return b""
         if self._framing == "close":
             data = await conn.some(_READ)
+            if not data and conn.broken:
+                raise UpstreamError("the connection broke before the answer's end")
             self._done = not data
             return data
         if self._framing == "chunked" and self._left == 0:
@@ -257,15 +262,20 @@ class Upstreams:
             raise ValueError("an engine URL with credentials (user:password@): they are not sent")
         if parts.query or parts.fragment:
             raise ValueError("an engine URL with a query or fragment")
-        host = parts.hostname or ""
-        authority = (f"[{host}]" if ":" in host else host) + ("" if parts.port is None else f":{parts.port}")
+        authority = _authority(parts)
         request = _request_head(authority, parts.path.rstrip("/") + path, headers, len(body))
         origin = f"{parts.scheme}://{authority}"
-        conn = self._reuse(origin) or await self._connect(parts, connect_s)
+        kept = self._reuse(origin)
+        conn = kept or await self._connect(parts, connect_s)
         try:
             assert conn.transport is not None
             conn.transport.writelines((request, body))
             return await self._head(origin, conn)
+        except ConnectionLost as exc:
+            conn.close()
+            if kept is not None:  # a kept connection the engine closed as it was reused: not the engine's failure
+                raise UpstreamError(f"a kept connection ended: {exc}") from exc
+            raise
         except BaseException:
             conn.close()
             raise
@@ -281,12 +291,19 @@ class Upstreams:
         conn.idle_since = now
         idle.append(conn)
 
+    def prune(self) -> None:
+        """Close the connections kept past :data:`IDLE_S`, to every origin (one no request goes to any more too)."""
+        now = time.monotonic()
+        for origin, idle in list(self._idle.items()):
+            while idle and now - idle[0].idle_since >= IDLE_S:
+                idle.popleft().close()
+            if not idle:
+                del self._idle[origin]
+
     def forget(self, url: str) -> None:
         """Close the connections kept to ``url``'s origin (an engine that left the fleet)."""
         parts = urllib.parse.urlsplit(url)
-        host = parts.hostname or ""
-        authority = (f"[{host}]" if ":" in host else host) + ("" if parts.port is None else f":{parts.port}")
-        for conn in self._idle.pop(f"{parts.scheme}://{authority}", ()):
+        for conn in self._idle.pop(f"{parts.scheme}://{_authority(parts)}", ()):
             conn.close()
 
     def _reuse(self, origin: str) -> _Connection | None:
@@ -349,6 +366,12 @@ class Upstreams:
             for conn in idle:
                 conn.close()
         self._idle.clear()
+
+
+def _authority(parts: urllib.parse.SplitResult) -> str:
+    """``host:port`` of a URL (an IPv6 address in brackets), without credentials."""
+    host = parts.hostname or ""
+    return (f"[{host}]" if ":" in host else host) + ("" if parts.port is None else f":{parts.port}")
 
 
 def _request_head(authority: str, path: str, headers: dict[str, str], length: int) -> bytes:
