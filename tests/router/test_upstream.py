@@ -81,6 +81,18 @@ def loop_kind(request: pytest.FixtureRequest) -> None:
     LOOP[0] = request.param
 
 
+def in_two(first: bytes, when: asyncio.Event, rest: bytes) -> Script:
+    """An engine that sends ``first``, then ``rest`` once ``when`` is set (and takes another request)."""
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, body: bytes) -> bool:
+        writer.write(first)
+        await writer.drain()
+        await when.wait()
+        writer.write(rest)
+        await writer.drain()
+        return True
+    return script
+
+
 def run(coro: Awaitable[object]) -> object:
     if LOOP[0] == "uvloop":
         import uvloop
@@ -123,15 +135,8 @@ def test_chunked_answers_stream_chunk_by_chunk() -> None:
     """The first chunk reaches the reader before the engine sends the second (an SSE stream passes on as it
     comes); chunk extensions and trailers are read past; the connection is kept."""
     second = asyncio.Event()
-
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, body: bytes) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n"
-                     b"7;ext=1\r\ndata: 1\r\n")
-        await writer.drain()
-        await second.wait()
-        writer.write(b"8\r\ndata: 22\r\n0\r\nX-Trailer: t\r\n\r\n")
-        await writer.drain()
-        return True
+    script = in_two(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n"
+                    b"7;ext=1\r\ndata: 1\r\n", second, b"8\r\ndata: 22\r\n0\r\nX-Trailer: t\r\n\r\n")
 
     async def go() -> None:
         async with Engine(script) as engine:
@@ -448,16 +453,8 @@ def test_no_body_after_204_and_304_and_the_connection_is_kept() -> None:
 def test_an_answer_released_before_its_body_came_is_not_kept() -> None:
     body_now = asyncio.Event()
 
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, _: bytes) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
-        await writer.drain()
-        await body_now.wait()
-        writer.write(b"stale")
-        await writer.drain()
-        return True
-
     async def go() -> None:
-        async with Engine(script) as engine:
+        async with Engine(in_two(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", body_now, b"stale")) as engine:
             client = Upstreams()
             reply = await client.post(engine.url, "/", b"", {}, 5)
             reply.release()  # nothing read, and nothing of the body here yet
@@ -568,16 +565,9 @@ def test_a_chunk_is_returned_before_its_closing_crlf_comes_and_lfs_in_bodies_are
     blank lines arriving with the head are body, not a head's bare LFs."""
     rest = asyncio.Event()
 
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, _: bytes) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: 1\n\n")
-        await writer.drain()
-        await rest.wait()
-        writer.write(b"\r\n0\r\n\r\n")
-        await writer.drain()
-        return True
-
     async def go() -> None:
-        async with Engine(script) as engine:
+        async with Engine(in_two(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: 1\n\n", rest,
+                                 b"\r\n0\r\n\r\n")) as engine:
             client = Upstreams()
             reply = await client.post(engine.url, "/", b"", {}, 5)
             assert await asyncio.wait_for(reply.readany(), 2) == b"data: 1\n\n"
