@@ -637,3 +637,19 @@ def test_connections_kept_past_idle_s_are_pruned_with_no_request_and_a_kept_one_
             assert not isinstance(ended.value, ConnectionLost)
             await client.close()
     run(go())
+
+
+def test_an_answer_in_flight_when_its_engine_left_is_not_kept_after_it() -> None:
+    async def go() -> None:
+        async with Engine(answer(OK)) as engine:
+            client = Upstreams()
+            reply = await client.post(engine.url, "/", b"", {}, 5)
+            client.forget(engine.url)  # the engine left while its answer came
+            assert await reply.read() == b"{}"
+            conn = reply._conn
+            reply.release()
+            assert conn is not None and conn.ended and not client._idle.get(f"http://{engine.url[7:]}")
+            await post(client, engine)  # a connection opened after is kept
+            assert client._idle[f"http://{engine.url[7:]}"]
+            await client.close()
+    run(go())

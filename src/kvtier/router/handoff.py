@@ -217,8 +217,7 @@ class Prefills:
                     if size > MAX_PREFILL_ANSWER_BYTES:
                         raise _Failed("bad_answer", f"an answer over {MAX_PREFILL_ANSWER_BYTES} bytes")
                     parts.append(part)
-                if name in self.router.engines:  # (not kept to an engine that left)
-                    reply.release()
+                reply.release()
         except asyncio.TimeoutError:
             raise _Failed("timeout", f"no answer within pd.prefill_timeout_s ({self.config.pd.prefill_timeout_s} s)"
                           ) from None

@@ -310,7 +310,7 @@ class Proxy:
             raise
         finally:
             if upstream is not None:
-                if outcome == "ok" and name in self.router.engines:  # (not kept to an engine that left)
+                if outcome == "ok":
                     upstream.release()
                 else:
                     upstream.close()  # drops the connection: vLLM aborts a request whose client left

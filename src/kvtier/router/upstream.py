@@ -32,12 +32,12 @@ IDLE_S = 2.0  # a kept connection idle this long is closed, not reused
 KEPT = 64  # idle connections kept per origin
 _READ = 256 * 1024  # the most an answer's reader returns at once
 _HIGH = 1024 * 1024  # bytes buffered from an engine before the socket stops being read
-_STATUS = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([^\r\n\x00]*))?")
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_STATUS = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: [^\r\n\x00]*)?")
+_TOKEN_CHARS = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # a header's name (RFC 9110 5.6.2)
+_CONTROL = r"[\x00-\x08\x0a-\x1f\x7f]"  # not in a header's value (a tab is)
+_TOKEN, _BAD_VALUE = re.compile(_TOKEN_CHARS.encode()), re.compile(_CONTROL.encode())  # read
+_SEND_TOKEN, _SEND_BAD = re.compile(_TOKEN_CHARS), re.compile(_CONTROL)  # sent
 _BARE_LF = re.compile(rb"(?<!\r)\n")
-_SEND_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_SEND_BAD = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _TARGET = re.compile(r"/[\x21-\x7e]*")
 _FRAMED = frozenset({"host", "content-length", "transfer-encoding", "connection"})  # set here, not by callers
 
@@ -59,6 +59,7 @@ class _Connection(asyncio.Protocol):
         self.ended = False  # the engine closed (or the connection broke)
         self.broken = False  # it broke (reset, not closed)
         self.idle_since = 0.0
+        self.epoch = 0  # of its origin when it was opened (Upstreams.forget)
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
 
@@ -151,10 +152,9 @@ class Answer:
     :meth:`release` after reading it to the end keeps the connection for the next request; :meth:`close` drops it
     (which aborts the request in vLLM)."""
 
-    def __init__(self, upstreams: Upstreams, origin: str, conn: _Connection, status: int, reason: str,
+    def __init__(self, upstreams: Upstreams, origin: str, conn: _Connection, status: int,
                  headers: CIMultiDictProxy[str], framing: str, length: int, keep: bool) -> None:
         self.status = status
-        self.reason = reason
         self.headers = headers
         self._upstreams = upstreams
         self._origin = origin
@@ -246,6 +246,7 @@ class Upstreams:
         self._idle: dict[str, deque[_Connection]] = {}
         self._tls: ssl.SSLContext | None = None
         self._closed = False
+        self._epochs: dict[str, int] = {}  # per origin, how many times it was forgotten
 
     async def post(self, url: str, path: str, body: bytes, headers: dict[str, str],
                    connect_s: float) -> Answer:
@@ -266,7 +267,11 @@ class Upstreams:
         request = _request_head(authority, parts.path.rstrip("/") + path, headers, len(body))
         origin = f"{parts.scheme}://{authority}"
         kept = self._reuse(origin)
-        conn = kept or await self._connect(parts, connect_s)
+        if kept is None:
+            conn = await self._connect(parts, connect_s)
+            conn.epoch = self._epochs.get(origin, 0)
+        else:
+            conn = kept
         try:
             assert conn.transport is not None
             conn.transport.writelines((request, body))
@@ -285,8 +290,8 @@ class Upstreams:
         now = time.monotonic()
         while idle and (now - idle[0].idle_since >= IDLE_S or not idle[0].reusable):  # the oldest first
             idle.popleft().close()
-        if self._closed or len(idle) >= KEPT:
-            conn.close()
+        if self._closed or len(idle) >= KEPT or conn.epoch != self._epochs.get(origin, 0):
+            conn.close()  # (opened before its engine left: not kept after)
             return
         conn.idle_since = now
         idle.append(conn)
@@ -301,9 +306,12 @@ class Upstreams:
                 del self._idle[origin]
 
     def forget(self, url: str) -> None:
-        """Close the connections kept to ``url``'s origin (an engine that left the fleet)."""
+        """Close the connections kept to ``url``'s origin (an engine that left the fleet), and never keep one
+        opened before (its requests in flight end on theirs)."""
         parts = urllib.parse.urlsplit(url)
-        for conn in self._idle.pop(f"{parts.scheme}://{_authority(parts)}", ()):
+        origin = f"{parts.scheme}://{_authority(parts)}"
+        self._epochs[origin] = self._epochs.get(origin, 0) + 1
+        for conn in self._idle.pop(origin, ()):
             conn.close()
 
     def _reuse(self, origin: str) -> _Connection | None:
@@ -357,8 +365,7 @@ class Upstreams:
         headers = CIMultiDictProxy(fields)
         framing, length, keep = _framing(code, headers)
         keep = keep and status[1] == b"1"
-        return Answer(self, origin, conn, code, (status[3] or b"").decode("latin-1"), headers, framing, length,
-                      keep)
+        return Answer(self, origin, conn, code, headers, framing, length, keep)
 
     async def close(self) -> None:
         self._closed = True
