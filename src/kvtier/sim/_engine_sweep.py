@@ -48,8 +48,23 @@ def _agree(times: list[float], spread: float) -> bool:
     return 2 * sum(abs(t - middle) <= spread * middle for t in times) > len(times)
 
 
+def die_with(parent: int) -> None:
+    """End this process when ``parent`` (``kvtier calibrate``) ends, however it ends: killed (SIGKILL runs no
+    cleanup, e.g. a timeout's), the sweep would hold a core for minutes computing points nobody reads."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # it ended before the line above took effect
+        os._exit(1)
+
+
 def main() -> int:
     job = json.loads(Path(sys.argv[1]).read_text())
+    if "parent" in job:
+        die_with(job["parent"])
     import numpy as np
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

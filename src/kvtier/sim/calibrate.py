@@ -183,7 +183,7 @@ def model_facts(model_dir: Path) -> dict[str, int]:
 
 def sweep_engine(model_dir: Path, grid: dict[str, Any], vocab_size: int, work: Path) -> dict[str, Any]:
     """Run the engine sweeps in a fresh process (vLLM keeps state per process); progress goes to stderr."""
-    job = {"model": str(model_dir), "vocab_size": vocab_size, **{k: grid[k] for k in (
+    job = {"model": str(model_dir), "vocab_size": vocab_size, "parent": os.getpid(), **{k: grid[k] for k in (
         "prefill", "hit_floor", "decode_batches", "decode_steps", "decode_prompt", "repeats", "min_repeats",
         "max_repeats", "spread")}}
     (work / "engine-job.json").write_text(json.dumps(job))
