@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,8 +14,9 @@ import numpy as np
 import pytest
 
 from kvtier.codecs import CODECS
-from kvtier.sim.calibrate import (CalibrationError, fingerprint, fit_line, fit_prefill, load_calibration,
-                                  mismatches, nonnegative_least_squares, prefill_seconds, sweep_codecs, sweep_tiers)
+from kvtier.sim.calibrate import (GRIDS, CalibrationError, engine_job, fingerprint, fit_line, fit_prefill,
+                                  load_calibration, mismatches, nonnegative_least_squares, prefill_seconds,
+                                  sweep_codecs, sweep_tiers)
 from kvtier.sim.codec_model import NONE
 from kvtier.sim.timing import StepCosts
 
@@ -321,6 +324,12 @@ def test_the_engine_sweep_ends_when_calibrate_is_killed() -> None:
         calibrate.kill()
         calibrate.wait()
     deadline = time.monotonic() + 10
-    while _running(sweep):
-        assert time.monotonic() < deadline, "the sweep outlived calibrate"
-        time.sleep(0.05)
+    try:
+        while _running(sweep):
+            assert time.monotonic() < deadline, "the sweep outlived calibrate"
+            time.sleep(0.05)
+    finally:
+        if _running(sweep):  # (a failed run leaves no sleeper behind)
+            os.kill(sweep, signal.SIGKILL)
+    # calibrate's job names calibrate: the sweep's main() calls die_with with it
+    assert engine_job(Path("m"), GRIDS["quick"], 49152)["parent"] == os.getpid()

@@ -49,15 +49,27 @@ def _agree(times: list[float], spread: float) -> bool:
 
 
 def die_with(parent: int) -> None:
-    """End this process when ``parent`` (``kvtier calibrate``) ends, however it ends: killed (SIGKILL runs no
-    cleanup, e.g. a timeout's), the sweep would hold a core for minutes computing points nobody reads."""
+    """End this process when ``parent`` (``kvtier calibrate``) ends: killed (SIGKILL runs no cleanup, e.g. a
+    timeout's), the sweep would hold a core for minutes computing points nobody reads. On Linux the kernel sends
+    SIGKILL at the parent's end (when the thread that started this process ends: calibrate's main thread, which
+    waits for it); elsewhere only a parent gone before this call is seen. vLLM's own engine processes, when
+    multiprocessing is turned on, are not covered."""
     if sys.platform == "linux":
         import ctypes
         import signal
 
         pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            failed = libc.prctl(pr_set_pdeathsig, ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
+                                ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0
+        except (OSError, AttributeError):  # no libc to load (a static build): the check below only
+            failed = True
+        if failed:
+            log(f"cannot ask to end with calibrate (prctl: errno {ctypes.get_errno()}); a killed calibrate leaves "
+                "this process running")
     if os.getppid() != parent:  # it ended before the line above took effect
+        log(f"calibrate (pid {parent}) is gone; the sweep stops")
         os._exit(1)
 
 

@@ -181,12 +181,16 @@ def model_facts(model_dir: Path) -> dict[str, int]:
             "kv_bytes_per_token": layers * 2 * heads * head_dim * 2}
 
 
-def sweep_engine(model_dir: Path, grid: dict[str, Any], vocab_size: int, work: Path) -> dict[str, Any]:
-    """Run the engine sweeps in a fresh process (vLLM keeps state per process); progress goes to stderr."""
-    job = {"model": str(model_dir), "vocab_size": vocab_size, "parent": os.getpid(), **{k: grid[k] for k in (
+def engine_job(model_dir: Path, grid: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """What :mod:`kvtier.sim._engine_sweep` measures, and this process's pid: the sweep ends when it ends."""
+    return {"model": str(model_dir), "vocab_size": vocab_size, "parent": os.getpid(), **{k: grid[k] for k in (
         "prefill", "hit_floor", "decode_batches", "decode_steps", "decode_prompt", "repeats", "min_repeats",
         "max_repeats", "spread")}}
-    (work / "engine-job.json").write_text(json.dumps(job))
+
+
+def sweep_engine(model_dir: Path, grid: dict[str, Any], vocab_size: int, work: Path) -> dict[str, Any]:
+    """Run the engine sweeps in a fresh process (vLLM keeps state per process); progress goes to stderr."""
+    (work / "engine-job.json").write_text(json.dumps(engine_job(model_dir, grid, vocab_size)))
     out = work / "engine.json"
     env = {**os.environ, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
     with open(work / "engine.log", "w") as log:

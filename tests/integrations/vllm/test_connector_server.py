@@ -23,14 +23,17 @@ from kvtier.bench.server import post_completion as post
 from kvtier.bench.server import server_env, stop
 
 
-def scrape(ports: range) -> dict[str, float]:
+def scrape(ports: range, errors: dict[int, str] | None = None) -> dict[str, float]:
     """kvtier_hit_chunks_total of every kvtier process serving metrics on these ports, by its role label; ports
-    that answer without kvtier samples belong to other programs (any process of the machine may hold one)."""
+    that answer without kvtier samples belong to other programs (any process of the machine may hold one). Ports
+    that do not answer are skipped, their errors kept in ``errors``."""
     hits: dict[str, float] = {}
     for port in ports:
         try:
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=15).read().decode()
-        except OSError:
+        except OSError as exc:
+            if errors is not None:
+                errors[port] = repr(exc)
             continue
         samples = [ln for ln in body.splitlines() if ln.startswith("kvtier_")]
         if not samples:  # another program's metrics on a port of the range (vLLM's own, another test's server)
@@ -87,11 +90,11 @@ def test_openai_server_reuses_stored_prefixes(tmp_path: Path, tiers: str) -> Non
         # The second request loaded its 4 chunks (the worker's store read them); the salted one none. The
         # scheduler's process (lookups only) tells itself apart by its label. A scrape that times out on a busy
         # machine is tried again (the counts are final: each was counted before its request was answered).
-        deadline = time.time() + 120
-        while (hits := scrape(range(metrics, metrics + 8))) != {"scheduler": 0, "worker": 4} and \
+        deadline, errors = time.time() + 120, {}
+        while (hits := scrape(range(metrics, metrics + 8), errors)) != {"scheduler": 0, "worker": 4} and \
                 time.time() < deadline:
             time.sleep(2)
-        assert hits == {"scheduler": 0, "worker": 4}
+        assert hits == {"scheduler": 0, "worker": 4}, (errors, (tmp_path / "server.log").read_text()[-3000:])
         if tiers == "filesystem" and len(os.sched_getaffinity(0)) > 1:
             _assert_kvtier_threads_off_the_compute_core(server.pid)
     finally:
