@@ -255,8 +255,10 @@ def test_redis_paused_during_the_handoff_costs_at_most_the_wait(pd: PD) -> None:
     finally:
         pd.redis.execute_command("CLIENT", "UNPAUSE")
     assert got.headers["X-KVTier-Engine"] == "d0"
-    # the decode engine stopped waiting when the tier went down (or at its bound), then computed the prompt
-    assert elapsed < 30
+    # the decode engine stopped waiting when the tier went down (or at its bound), then computed the prompt: at
+    # most the prefill's compute, the pause, and the decode's own compute (30 s flat failed by 0.07 s on a CPU
+    # without bfloat16 instructions)
+    assert elapsed < 2 * _alone_s(pd, body, 43) + 15 + 5
     after = {o: pd.engine_metric("d0", "kvtier_connector_pd_requests_total", side="decode", outcome=o)
              for o in stopped}
     assert after["complete"] == stopped["complete"] and sum(after.values()) == sum(stopped.values()) + 1, after

@@ -134,8 +134,8 @@ def minimal(**changes) -> dict:
     ({"fingerprint": None}, r"fingerprint: missing"),
     ({"prefill__fit__a": float("nan")}, r"prefill.fit.a: nan is not a usable value"),
     ({"prefill__fit__c": -1e-5}, r"prefill.fit.c: -1e-05 is not a usable value \(must be >= 0\)"),
-    ({"decode__fit__intercept": -1}, r"decode.fit.intercept: -1 is not a usable value \(must be > 0\)"),
-    ({"decode__fit__intercept": 0}, r"decode.fit.intercept: 0 is not a usable value \(must be > 0\)"),
+    ({"decode__fit__intercept": -1}, r"decode.fit.intercept: -1 is not a usable value \(must be >= 0\)"),
+    ({"decode__fit__intercept": 0, "decode__fit__slope": 0}, r"decode.fit: intercept \+ slope must be > 0"),
     ({"decode__fit__slope": -1e-4}, r"decode.fit.slope: -0.0001 is not a usable value \(must be >= 0\)"),
     ({"prefill__fit__a": -0.01}, r"prefill.fit.a: -0.01 is not a usable value \(must be >= 0\)"),
     ({"prefill__fit__b": -3e-4}, r"prefill.fit.b: -0.0003 is not a usable value"),
@@ -153,6 +153,14 @@ def test_a_malformed_calibration_names_the_field(tmp_path: Path, changes: dict, 
     path.write_text(json.dumps(minimal(**changes)))
     with pytest.raises(CalibrationError, match=r"cal.json: " + message):
         load_calibration(path)
+
+
+def test_a_decode_step_that_is_all_compute_is_a_usable_calibration(tmp_path: Path) -> None:
+    """A decode step that costs each request's compute and nothing more (intercept 0: bfloat16 on a CPU without
+    its instructions, measured so by a quick calibration on an AMD EPYC) is what calibrate wrote: it loads."""
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(minimal(decode__fit__intercept=0.0)))
+    assert load_calibration(path)["decode"]["fit"] == {"intercept": 0.0, "slope": 5e-4}
 
 
 @pytest.mark.parametrize("seconds", [float("nan"), float("inf"), 0.0, -0.4])
@@ -293,7 +301,7 @@ def test_a_quick_calibration_on_the_real_engine(tmp_path: Path) -> None:
     recompute_2k = next(p["seconds"] for p in cal["prefill"]["points"] if (p["cached"], p["new"]) == (0, 2048))
     floor_2k = next(p["seconds"] for p in cal["hit_floor"]["points"] if p["tokens"] == 2048)
     assert floor_2k < recompute_2k / 2  # ~1/10 on a quiet machine: a medians-of-repeats margin for a loaded one
-    assert cal["decode"]["fit"]["intercept"] > 0
+    assert cal["decode"]["fit"]["intercept"] + cal["decode"]["fit"]["slope"] > 0
     assert set(cal["tiers"]) == {"dram", "filesystem"}
     assert cal["codecs"]["shape"] == [30, 2, 3, 256, 64] and set(cal["codecs"]["by_codec"]) == {"fp8", "k16v8",
                                                                                                 "lossless"}

@@ -387,8 +387,12 @@ def load_calibration(path: str | Path) -> dict[str, Any]:
     for field in ("a", "b", "c"):
         finite(f"prefill.fit.{field}")
     for field in ("intercept", "slope"):
-        finite(f"decode.fit.{field}", positive=field == "intercept")  # a decode step takes time
+        finite(f"decode.fit.{field}")
         finite(f"hit_floor.fit.{field}")
+    if data["decode"]["fit"]["intercept"] + data["decode"]["fit"]["slope"] <= 0:  # (0 where compute is all of a
+        # step: bfloat16 on a CPU without its instructions; measured so on an AMD EPYC)
+        raise CalibrationError(f"{path}: decode.fit: intercept + slope must be > 0 (a one-request decode step takes "
+                               "time); recalibrate")
     if need(data, "model.kv_bytes_per_token", int) < 1:
         raise CalibrationError(f"{path}: model.kv_bytes_per_token: must be positive")
     for name in need(data, "tiers", dict):
