@@ -142,7 +142,8 @@ def kvtier_fleet(model: Path, work: Path, redis: RedisServer, roles: tuple[str, 
     """Two engines with kvtier sharing ``redis`` (a key prefix of their own) and the router, as ``roles``."""
     store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "128MiB"},
              "tiers": [{"type": "redis", "url": redis.url, "key_prefix": f"{uuid.uuid4().hex[:8]}:"}]}
-    engines = [Engine(f"{role[0]}{i}", model, work, cpu=i, blocks=BLOCKS, kv_transfer=kvtier_transfer(store))
+    engines = [Engine(f"{role[0]}{i}", model, work, cpu=i, dtype="bfloat16", blocks=BLOCKS,
+                      kv_transfer=kvtier_transfer(store))
                for i, role in enumerate(roles)]
     router = None
     try:

@@ -340,7 +340,7 @@ def overhead(engine: Engine, model: Path, work: Path, n: int, blocks: int = 3) -
 def fleet(model: Path, work: Path, store: dict) -> list[Engine]:
     kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"config": store}}
-    engines = [Engine(f"e{i}", model, work, cpu=i, blocks=40, kv_transfer=kv) for i in range(2)]
+    engines = [Engine(f"e{i}", model, work, cpu=i, dtype="bfloat16", blocks=40, kv_transfer=kv) for i in range(2)]
     for engine in engines:
         engine.start()
     for engine in engines:

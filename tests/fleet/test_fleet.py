@@ -29,6 +29,7 @@ from kvtier.bench.model import prepare_model  # noqa: E402
 from kvtier.cli import main  # noqa: E402
 from kvtier.fleet.config import load_fleet_config, port_free  # noqa: E402
 from kvtier.fleet.process import start_time  # noqa: E402
+from kvtier.testing.fleet import TEST_DTYPE  # noqa: E402
 from kvtier.testing.otlp import OtlpReceiver  # noqa: E402
 from kvtier.testing.servers import free_port  # noqa: E402
 
@@ -41,7 +42,7 @@ def fleet_yaml(model: Path, work: Path, otlp: str | None = None, **overrides: ob
     base = free_port(room=600)  # engines, events and metrics ports lie above it
     config = {
         "model": str(model), "served_model_name": "smol", "engines": 2, "block_size": 128, "cpus": ["0", "1"],
-        "engine_args": ["--enforce-eager", "--dtype", "bfloat16", "--num-gpu-blocks-override", "40",
+        "engine_args": ["--enforce-eager", "--dtype", TEST_DTYPE, "--num-gpu-blocks-override", "40",
                         "--gpu-memory-utilization", "0.3"],
         "engine_env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
         "ports": {"router": base, "engines": base + 100, "kv_events": base + 200, "kvtier_metrics": base + 300,

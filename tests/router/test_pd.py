@@ -29,7 +29,7 @@ redis = pytest.importorskip("redis")
 
 from kvtier.bench.model import prepare_model  # noqa: E402
 from kvtier.bench.server import kvtier_ports  # noqa: E402
-from kvtier.testing.fleet import BLOCK_SIZE, Engine, RouterProcess, kvtier_transfer, start_healthy  # noqa: E402
+from kvtier.testing.fleet import BLOCK_SIZE, TEST_DTYPE, Engine, RouterProcess, kvtier_transfer, start_healthy  # noqa: E402
 from kvtier.testing.servers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
@@ -76,7 +76,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Iterator[PD]:
         store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "128MiB"}, "metrics_port": metrics[name],
                  "tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": prefix, "socket_timeout": 2.0,
                             "retry_seconds": 1.0}]}
-        engines.append(Engine(name, model, work, cpu=i, blocks=40, extra=["--dtype", "float32"],
+        engines.append(Engine(name, model, work, cpu=i, dtype=TEST_DTYPE, blocks=40,
                               kv_transfer=kvtier_transfer(store, pd_wait_max_seconds=30)))
     router = None
     try:

