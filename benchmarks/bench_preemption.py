@@ -46,7 +46,7 @@ def main() -> int:
             name = "kvtier" if kvtier else "engine_alone"
             print(f"preemption: N={n}: {name}", file=sys.stderr, flush=True)
             run = measure(scenario.trace(n), scenario.deployment(kvtier), model, vocab, args.work_dir / f"{n}-{name}",
-                          lambda msg: None)
+                          lambda msg: None, calibration["model"]["dtype"])
             span = max(r["finish_s"] for r in run["requests"]) - min(r["sent_s"] for r in run["requests"])
             measured[name] = {"preemptions": run["counters"]["num_preemptions_total"], "makespan_s": span,
                               "output_tokens_per_s": n * scenario.output_tokens / span}

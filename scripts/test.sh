@@ -25,5 +25,6 @@ bash scripts/wheel_check.sh  # the sdist and wheel built, the wheel installed in
 # Two workers (pytest-xdist), a test file to each at a time: many tests wait on servers, timeouts and vLLM's
 # subprocesses, so two at once take ~10.5 min where one takes ~16 on 2 cores. Each worker starts its own servers
 # (kvtier.testing.servers picks free ports). `-n 0` (or any later -n) overrides it.
-# pytest exits 5 when it collected no test: that fails this script like any other failure.
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
+# pytest exits 5 when it collected no test: that fails this script like any other failure. The 25 slowest
+# tests are listed at the end: where the suite's time goes on this machine.
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=25 "$@"

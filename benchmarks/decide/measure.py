@@ -67,7 +67,7 @@ def main() -> int:
         for name in order:
             print(f"measure: {path.stem}: {name}", file=sys.stderr, flush=True)
             run = measure(trace, plans[name][0], model, vocab, args.work_dir / path.stem / name,
-                          lambda msg: None)
+                          lambda msg: None, calibration["model"]["dtype"])
             ttft = np.array([r["ttft_s"] for r in run["requests"]])
             prompts = sum(r.input_length for r in trace.requests)
             measured[name] = {"ttft_p50_s": float(np.percentile(ttft, 50)),

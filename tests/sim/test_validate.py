@@ -57,6 +57,29 @@ def test_the_real_run_stores_as_the_deployment_admits(tmp_path: Path) -> None:
     assert cfg.admission.store_after == 2 and cfg.dram.capacity_bytes == 64 << 20
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_real_run_computes_in_the_calibrations_dtype(tmp_path: Path, monkeypatch, dtype: str) -> None:
+    """The engine validate starts computes in the dtype its calibration was measured in (the server itself is
+    stood in for: its command line is the subject)."""
+    import kvtier.sim.validate as module
+    from kvtier.sim.calibrate import load_calibration
+
+    calibration = load_calibration(RESULTS / "calibration-2026-12-01.json")
+    calibration["model"]["dtype"] = dtype
+    started: list[list[str]] = []
+
+    def popen(argv: list[str], **_: object) -> None:
+        started.append(argv)
+        raise OSError("stood in for")
+    monkeypatch.setattr(module.subprocess, "Popen", popen)
+    dep = load_deployment({"engine": {"kv_tokens": 2048}, "kvtier": {"dram_bytes": "64MiB"}})
+    with pytest.raises(OSError, match="stood in for"):
+        module.validate(Trace((Request(0, 256, 1, (1,), 1),), 256, "t"), dep, calibration, tmp_path / "model",
+                        tmp_path / "out", plot=False)
+    [argv] = started
+    assert argv[argv.index("--dtype") + 1] == dtype
+
+
 def test_the_real_run_stores_in_the_deployment_s_codec(tmp_path: Path) -> None:
     from kvtier.config import load_config
 

@@ -2,7 +2,9 @@
 
     kvtier doctor [--config FILE]
 
-Checks, in order: Python, torch and vLLM import (and kvtier's vLLM connector with them); the store config loads
+Checks, in order: Python, torch and vLLM import (and kvtier's vLLM connector with them); on an x86 CPU without an
+accelerator, whether it has bfloat16 instructions (without them vLLM computes bfloat16 ~40x slower than float32,
+so the engine should serve in float32); the store config loads
 (``--config``, else ``$KVTIER_CONFIG``, else the defaults); each secondary tier opens and takes a probe object
 (put, get, delete, under a namespace of the doctor's own), and a directory tier's path is writable with room for its
 ``capacity_bytes``; the DRAM budget fits in the memory available now; key and password files are this user's only
@@ -68,6 +70,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def checks(path: str | None) -> Iterator[Check]:
     """Every check, in report order (a config that does not load stops the checks that need it)."""
     yield from _versions()
+    yield from cpu_checks()
     check, config = _config(path)
     yield check
     if config is None:
@@ -93,6 +96,36 @@ def _versions() -> Iterator[Check]:
             continue
         version = getattr(imported, "__version__", None)
         yield Check(module, "ok", f"{version} imports" if version else "imports (the vLLM connector)")
+
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names of x86's bfloat16 instructions
+
+
+def cpu_checks() -> Iterator[Check]:
+    """The bfloat16 check, where an engine computes on this CPU: x86 Linux, and torch sees no GPU."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+        text = Path("/proc/cpuinfo").read_text()
+    except (ImportError, OSError):  # (torch's failure is its own line above; no /proc: not Linux)
+        return
+    flags = next((ln.partition(":")[2].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    yield cpu_check(set(flags))
+
+
+def cpu_check(flags: set[str]) -> Check:
+    """Whether an x86 CPU with these /proc/cpuinfo ``flags`` computes bfloat16 natively."""
+    have = [f for f in BF16_FLAGS if f in flags]
+    if have:
+        return Check("cpu", "ok", f"bfloat16 instructions ({', '.join(have)})")
+    return Check("cpu", "warn", "no bfloat16 instructions (AVX-512 BF16 or AMX): vLLM computes bfloat16 ~40x slower "
+                                "than float32 here",
+                 "serve in float32 (vLLM's --dtype float32, also through kvtier serve) and calibrate so "
+                 "(kvtier calibrate --dtype float32)")
 
 
 def _config(path: str | None) -> tuple[Check, StoreConfig | None]:

@@ -1,7 +1,7 @@
 """The simulator's commands (:mod:`kvtier.sim`): measure this machine, replay a trace, check the simulator
 against a real run, and decide whether (and where) to offload.
 
-    kvtier calibrate [--quick] [--out FILE] [--model DIR] [--config FILE]
+    kvtier calibrate [--quick] [--out FILE] [--model DIR] [--config FILE] [--dtype bfloat16|float32]
     kvtier validate --trace FILE --deployment FILE --calibration FILE [--model DIR] [--out DIR]
     kvtier simulate --trace FILE [--block-tokens N] [--capacities N,N,...] [--policies P,P] [--out DIR]
     kvtier simulate --scenario preemption --calibration FILE [--out DIR]
@@ -46,6 +46,10 @@ def _add_calibrate(top: Subcommands) -> None:
                                             "and without its codec (default: DRAM and a filesystem tier in a "
                                             "scratch directory)")
     calibrate.add_argument("--work-dir", type=Path, help="keep the engine's log and job here")
+    calibrate.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                           help="what the engine computes and stores KV in, as it will serve (default bfloat16; "
+                                "float32 on a CPU without bfloat16 instructions, AVX-512 BF16 or AMX, which "
+                                "computes bfloat16 ~40x slower than float32)")
     calibrate.set_defaults(run=_calibrate)
 
 
@@ -233,7 +237,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             model = prepare_model()
         else:
             model = args.model
-        result = calibrate(model, args.out, args.quick, tiers, chunk_tokens, args.work_dir)
+        result = calibrate(model, args.out, args.quick, tiers, chunk_tokens, args.work_dir, args.dtype)
     except KVTierError as exc:
         return refuse(exc)
     fit = result["prefill"]["fit"]

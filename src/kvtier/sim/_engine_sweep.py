@@ -1,6 +1,6 @@
 """``kvtier calibrate``'s engine sweeps, in a process of their own (vLLM, in-process engine, CPU or GPU).
 
-Usage: ``python -m kvtier.sim._engine_sweep JOB_JSON OUT_JSON``. The job names the model and the grids:
+Usage: ``python -m kvtier.sim._engine_sweep JOB_JSON OUT_JSON``. The job names the model, its dtype and the grids:
 
 - prefill: for each (cached, new) pair, a fresh random prefix of ``cached`` tokens is computed once (vLLM's own
   prefix cache keeps it), then the prefix plus ``new`` tokens is timed to its first token;
@@ -90,7 +90,7 @@ def main() -> int:
     longest = max(max(c + n for c, n in job["prefill"]), max(job["hit_floor"]))
     max_len = -(-(longest + 8) // BLOCK) * BLOCK
     started = time.perf_counter()
-    llm = LLM(model=job["model"], enforce_eager=True, enable_prefix_caching=True, dtype="bfloat16",
+    llm = LLM(model=job["model"], enforce_eager=True, enable_prefix_caching=True, dtype=job["dtype"],
               max_model_len=max_len, max_num_batched_tokens=max_len, block_size=BLOCK,
               num_gpu_blocks_override=3 * (max_len // BLOCK) + max(job["decode_batches"]) * 2 + 8,
               gpu_memory_utilization=0.3, max_num_seqs=max(256, max(job["decode_batches"])))

@@ -5,8 +5,8 @@ The figures come from a ``codecs-DATE.json`` result file: ``kvtier decide --accu
 ``benchmarks/results/`` of the current directory (as ``python -m kvtier.docs`` reads that directory): the latest
 date and, of those, the plain ``codecs-DATE.json``, else the last by name (the rule of
 :func:`kvtier.results.latest`, which the benchmark reference follows too). Nothing is invented: with no
-file, or a file without the codec, the accuracy reads "not measured". A file measured on another model's KV (its
-``bytes_per_token`` differs from the calibration's) is shown with that said.
+file, or a file without the codec, the accuracy reads "not measured". A file measured on another model's KV, or on
+KV of another dtype (its ``bytes_per_token`` differs from the calibration's), is shown with that said.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def describe(codec: str, accuracy: Accuracy | NoAccuracy, kv_bytes_per_token: in
             f"{len(row.agreement)} prompt(s), perplexity {worst:+.1%} worst, mean KL {_mean(row.kl):.4f} nats"
             f"{target}; measured by {BENCHMARK} on {_what(accuracy)}")
     if accuracy.bytes_per_token is not None and accuracy.bytes_per_token != kv_bytes_per_token:
-        line += (f"; the calibrated model's KV is {kv_bytes_per_token:,} bytes a token: another model, whose "
-                 f"accuracy may differ (measure it with {BENCHMARK})")
+        line += (f"; the calibrated model's KV is {kv_bytes_per_token:,} bytes a token: another model or dtype, "
+                 f"whose accuracy may differ (measure it with {BENCHMARK})")
     return line
 
 

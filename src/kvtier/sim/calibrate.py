@@ -14,6 +14,11 @@ bandwidth on one thread, through :mod:`kvtier.codecs` itself, in seconds; :mod:`
 the simulator uses them. A file from before codecs were measured has no ``codecs`` and still loads (its
 simulations know only ``none``).
 
+The engine computes, and the tiers and codecs are measured, in one dtype (``bfloat16`` by default; ``float32``
+where the CPU has no bfloat16 instructions, which compute bfloat16 ~40x slower than float32 there): the file's
+``model.dtype`` and ``model.kv_bytes_per_token`` say which, and ``kvtier validate`` runs the engine in it. A file
+from before the dtype was recorded is bfloat16's.
+
 The file carries a fingerprint of the machine and software; :func:`mismatches` says how another machine differs.
 """
 
@@ -39,6 +44,7 @@ from kvtier.codecs import CODECS, Codec, Shape
 from kvtier.errors import KVTierError
 
 VERSION = 1
+DTYPES = {"bfloat16": 2, "float32": 4}  # what the engine may compute in, and its bytes an element
 GRIDS: dict[str, dict[str, Any]] = {
     "quick": {"prefill": [(0, 128), (0, 512), (0, 1024), (0, 2048), (2048, 128), (2048, 512), (2048, 1024)],
               "hit_floor": [1024, 2048], "decode_batches": [1, 8], "decode_steps": 16, "decode_prompt": 64,
@@ -167,8 +173,11 @@ def fit_line(xs: list[float], ys: list[float], what: str = "point") -> dict[str,
     return {"intercept": float(intercept), "slope": float(slope)}
 
 
-def model_facts(model_dir: Path) -> dict[str, int]:
-    """Layers, KV heads, head size, vocabulary and KV bytes per token (bf16) from a model's config.json."""
+def model_facts(model_dir: Path, dtype: str) -> dict[str, Any]:
+    """Layers, KV heads, head size, vocabulary from a model's config.json, and its KV bytes per token in
+    ``dtype`` (one of :data:`DTYPES`)."""
+    if dtype not in DTYPES:
+        raise CalibrationError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     try:
         cfg = json.loads((model_dir / "config.json").read_text())
         layers, heads = int(cfg["num_hidden_layers"]), int(cfg.get("num_key_value_heads",
@@ -177,20 +186,22 @@ def model_facts(model_dir: Path) -> dict[str, int]:
         vocab = int(cfg["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CalibrationError(f"{model_dir}/config.json: cannot read the model's shape ({exc!r})") from exc
-    return {"layers": layers, "kv_heads": heads, "head_dim": head_dim, "vocab_size": vocab,
-            "kv_bytes_per_token": layers * 2 * heads * head_dim * 2}
+    return {"layers": layers, "kv_heads": heads, "head_dim": head_dim, "vocab_size": vocab, "dtype": dtype,
+            "kv_bytes_per_token": layers * 2 * heads * head_dim * DTYPES[dtype]}
 
 
-def engine_job(model_dir: Path, grid: dict[str, Any], vocab_size: int) -> dict[str, Any]:
-    """What :mod:`kvtier.sim._engine_sweep` measures, and this process's pid: the sweep ends when it ends."""
-    return {"model": str(model_dir), "vocab_size": vocab_size, "parent": os.getpid(), **{k: grid[k] for k in (
+def engine_job(model_dir: Path, grid: dict[str, Any], vocab_size: int, dtype: str) -> dict[str, Any]:
+    """What :mod:`kvtier.sim._engine_sweep` measures (in ``dtype``), and this process's pid: the sweep ends when
+    it ends."""
+    return {"model": str(model_dir), "vocab_size": vocab_size, "dtype": dtype, "parent": os.getpid(),
+            **{k: grid[k] for k in (
         "prefill", "hit_floor", "decode_batches", "decode_steps", "decode_prompt", "repeats", "min_repeats",
         "max_repeats", "spread")}}
 
 
-def sweep_engine(model_dir: Path, grid: dict[str, Any], vocab_size: int, work: Path) -> dict[str, Any]:
+def sweep_engine(model_dir: Path, grid: dict[str, Any], vocab_size: int, work: Path, dtype: str) -> dict[str, Any]:
     """Run the engine sweeps in a fresh process (vLLM keeps state per process); progress goes to stderr."""
-    (work / "engine-job.json").write_text(json.dumps(engine_job(model_dir, grid, vocab_size)))
+    (work / "engine-job.json").write_text(json.dumps(engine_job(model_dir, grid, vocab_size, dtype)))
     out = work / "engine.json"
     env = {**os.environ, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
     with open(work / "engine.log", "w") as log:
@@ -208,7 +219,7 @@ def sweep_engine(model_dir: Path, grid: dict[str, Any], vocab_size: int, work: P
     return json.loads(out.read_text())
 
 
-def sweep_tiers(tiers: list[tuple[str, dict[str, Any] | None]], shape: dict[str, int], chunk_tokens: int,
+def sweep_tiers(tiers: list[tuple[str, dict[str, Any] | None]], shape: dict[str, Any], chunk_tokens: int,
                 chunks: int, streams: list[int], log: Callable[[str], None]) -> dict[str, Any]:
     """Load and store times of ``chunks``-chunk prompts through kvtier per tier (None: DRAM alone), at each
     number of concurrent streams. A secondary tier is measured as a load path really runs: DRAM dropped, the
@@ -217,12 +228,13 @@ def sweep_tiers(tiers: list[tuple[str, dict[str, Any] | None]], shape: dict[str,
 
     from kvtier import KVStore, Namespace
 
-    ns = Namespace("kvtier-calibrate", "bfloat16")
+    ns = Namespace("kvtier-calibrate", shape["dtype"])
     per_chunk = shape["kv_bytes_per_token"] * chunk_tokens
     prompt_tokens = chunks * chunk_tokens
     page = min(2**20, max(4096, per_chunk))
     need = (sum(streams) + 2) * chunks * -(-per_chunk // page) * page  # every prompt put, and one more chunk
-    kv = torch.randn(shape["layers"], 2, shape["kv_heads"], prompt_tokens, shape["head_dim"]).to(torch.bfloat16)
+    kv = torch.randn(shape["layers"], 2, shape["kv_heads"], prompt_tokens, shape["head_dim"]).to(
+        getattr(torch, shape["dtype"]))
     results: dict[str, Any] = {}
     counter = iter(range(10**9))
     for name, tier in tiers:
@@ -287,10 +299,10 @@ CODEC_SHARD_BYTES = 16 * 2**20  # a larger chunk is measured on fewer layers: a 
 CODEC_REPEATS = 5
 
 
-def sweep_codecs(shape: dict[str, int], chunk_tokens: int, log: Callable[[str], None],
+def sweep_codecs(shape: dict[str, Any], chunk_tokens: int, log: Callable[[str], None],
                  repeats: int = CODEC_REPEATS) -> dict[str, Any]:
     """Every codec but ``none`` (whose copy the tiers' own measurements hold) encoding and decoding one chunk of
-    seeded random bf16 KV of the model's shape (at most :data:`CODEC_SHARD_BYTES`, in whole layers) on this thread
+    seeded random KV of the model's shape and dtype (at most :data:`CODEC_SHARD_BYTES`, in whole layers) on this thread
     alone, through the codec's own ``encode`` and ``decode_into``: a warm-up, then the median of ``repeats`` timed
     runs, in raw bytes a second. fp8's and k16v8's sizes are fixed by the shape, so random KV gives them exactly;
     ``lossless``'s share is random KV's (``benchmarks/bench_codecs.py`` measures real KV's). A codec this install
@@ -300,10 +312,11 @@ def sweep_codecs(shape: dict[str, int], chunk_tokens: int, log: Callable[[str], 
     from kvtier.codecs import by_name
     from kvtier.errors import ConfigError
 
-    per_layer = 2 * shape["kv_heads"] * chunk_tokens * shape["head_dim"] * 2
+    dtype = getattr(torch, shape["dtype"])
+    per_layer = 2 * shape["kv_heads"] * chunk_tokens * shape["head_dim"] * DTYPES[shape["dtype"]]
     layers = max(1, min(shape["layers"], CODEC_SHARD_BYTES // per_layer))
     dims = (layers, 2, shape["kv_heads"], chunk_tokens, shape["head_dim"])
-    kv = torch.randn(dims, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    kv = torch.randn(dims, generator=torch.Generator().manual_seed(0)).to(dtype)
     raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1).data)
     out = memoryview(bytearray(len(raw)))
     threads = torch.get_num_threads()
@@ -316,31 +329,30 @@ def sweep_codecs(shape: dict[str, int], chunk_tokens: int, log: Callable[[str], 
             except ConfigError as exc:  # (its package is not installed)
                 log(f"{exc}: not measured")
                 continue
-            by_codec[name] = _time_codec(codec, dims, raw, out, repeats)
+            by_codec[name] = _time_codec(codec, dims, dtype, raw, out, repeats)
     finally:
         torch.set_num_threads(threads)
     for name, row in by_codec.items():
         log(f"codec {name}: stores {row['stored_over_raw']:.3f} of the raw bytes; encodes "
             f"{row['encode_bytes_per_s'] / 1e6:.0f} MB/s, decodes {row['decode_bytes_per_s'] / 1e6:.0f} MB/s")
-    return {"shape": list(dims), "dtype": "bfloat16", "threads": 1, "data": "seeded random normal",
+    return {"shape": list(dims), "dtype": shape["dtype"], "threads": 1, "data": "seeded random normal",
             "by_codec": by_codec}
 
 
-def _time_codec(codec: Codec, dims: Shape, raw: memoryview, out: memoryview, repeats: int) -> dict[str, Any]:
-    """``codec``'s stored share of the chunk ``raw`` (of shape ``dims``) and the median of ``repeats`` encodes and
-    decodes (into ``out``) after a warm-up, with every time measured."""
-    import torch
-
+def _time_codec(codec: Codec, dims: Shape, dtype: Any, raw: memoryview, out: memoryview,
+                repeats: int) -> dict[str, Any]:
+    """``codec``'s stored share of the chunk ``raw`` (of shape ``dims`` and torch dtype ``dtype``) and the median
+    of ``repeats`` encodes and decodes (into ``out``) after a warm-up, with every time measured."""
     name = codec.name
     encode_s: list[float] = []
     decode_s: list[float] = []
     for _ in range(repeats + 1):  # the first run fills the thread's buffers: a warm-up, not timed
         start = time.perf_counter()
-        parts = codec.encode(dims, torch.bfloat16, [raw])
+        parts = codec.encode(dims, dtype, [raw])
         encoded = time.perf_counter()
         coded = memoryview(bytearray(b"".join(parts)))  # (the parts are scratch its next call reuses)
         start_decode = time.perf_counter()
-        codec.decode_into(dims, torch.bfloat16, coded, [out])
+        codec.decode_into(dims, dtype, coded, [out])
         done = time.perf_counter()
         encode_s.append(encoded - start)
         decode_s.append(done - start_decode)
@@ -395,6 +407,9 @@ def load_calibration(path: str | Path) -> dict[str, Any]:
                                "time); recalibrate")
     if need(data, "model.kv_bytes_per_token", int) < 1:
         raise CalibrationError(f"{path}: model.kv_bytes_per_token: must be positive")
+    data["model"].setdefault("dtype", "bfloat16")  # absent: calibrated before the dtype was recorded
+    if (dtype := need(data, "model.dtype", str)) not in DTYPES:
+        raise CalibrationError(f"{path}: model.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     for name in need(data, "tiers", dict):
         for field in ("latency_s", "bandwidth_bytes_per_s"):
             value = need(data, f"tiers.{name}.{field}", (int, float))
@@ -408,11 +423,12 @@ def load_calibration(path: str | Path) -> dict[str, Any]:
 
 
 def calibrate(model_dir: Path, out: Path, quick: bool, tiers: list[tuple[str, dict[str, Any] | None]] | None,
-              chunk_tokens: int, work: Path | None = None) -> dict[str, Any]:
+              chunk_tokens: int, work: Path | None, dtype: str) -> dict[str, Any]:
     """Measure, fit and write the calibration file; returns its content. ``tiers`` are (name, tier config)
-    pairs, None for DRAM alone; by default DRAM and a filesystem tier in the scratch directory."""
+    pairs, None for DRAM alone; by default DRAM and a filesystem tier in the scratch directory. The engine
+    computes in ``dtype``, and the tiers and codecs are measured on KV of it."""
     grid = GRIDS["quick" if quick else "full"]
-    shape = model_facts(model_dir)
+    shape = model_facts(model_dir, dtype)
 
     def log(msg: str) -> None:
         print(f"calibrate: {msg}", file=sys.stderr, flush=True)
@@ -422,7 +438,7 @@ def calibrate(model_dir: Path, out: Path, quick: bool, tiers: list[tuple[str, di
         work.mkdir(parents=True, exist_ok=True)
         log(f"engine sweeps ({len(grid['prefill'])} prefill points, {len(grid['hit_floor'])} hit floors, "
             f"{len(grid['decode_batches'])} batch sizes; vLLM starting)")
-        engine = sweep_engine(model_dir, grid, shape["vocab_size"], work)
+        engine = sweep_engine(model_dir, grid, shape["vocab_size"], work, dtype)
         if tiers is None:
             tiers = [("dram", None), ("filesystem", {"type": "filesystem", "path": str(work / "kv")})]
         log("tier sweeps")

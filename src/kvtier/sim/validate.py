@@ -167,9 +167,10 @@ def _warm_up(port: int, model: str, vocab_size: int, longest: int) -> None:
                                "max_tokens": 8, "temperature": 0, "ignore_eos": True})
 
 
-def measure(trace: Trace, deployment: Deployment, model: Path, vocab_size: int, work: Path, log) -> dict[str, Any]:
-    """Run the trace against vLLM's OpenAI server with kvtier; per-request TTFT and cached tokens, and the
-    engine's and kvtier's hit counters."""
+def measure(trace: Trace, deployment: Deployment, model: Path, vocab_size: int, work: Path, log,
+            dtype: str) -> dict[str, Any]:
+    """Run the trace against vLLM's OpenAI server with kvtier, computing in ``dtype`` (the calibration's); per-request
+    TTFT and cached tokens, and the engine's and kvtier's hit counters."""
     from kvtier.bench.server import server_env, stop, wait_healthy
     from kvtier.testing.servers import free_port
 
@@ -179,7 +180,7 @@ def measure(trace: Trace, deployment: Deployment, model: Path, vocab_size: int, 
     longest = max(r.input_length + max(r.output_length, 1) for r in trace.requests)
     max_len = -(-(longest + 1) // engine.block_size) * engine.block_size
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_len),
+            "--port", str(port), "--enforce-eager", "--dtype", dtype, "--max-model-len", str(max_len),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens), "--max-num-seqs",
             str(engine.max_num_seqs), "--num-gpu-blocks-override", str(engine.kv_tokens // engine.block_size),
             "--block-size", str(engine.block_size), "--gpu-memory-utilization", "0.3", "--enable-prompt-tokens-details",
@@ -229,7 +230,8 @@ def validate(trace: Trace, deployment: Deployment, calibration: dict[str, Any], 
         raise KVTierError(f"engine.kv_tokens: {predicted['refused']} requests do not fit the engine's KV space; "
                           "validate needs every request served")
     log(f"predicted: TTFT p50 {predicted['ttft_s']['p50']:.3f} s; measuring on vLLM")
-    measured = measure(trace, deployment, model, int(calibration["model"]["vocab_size"]), out / "work", log)
+    measured = measure(trace, deployment, model, int(calibration["model"]["vocab_size"]), out / "work", log,
+                       calibration["model"]["dtype"])
     prompts = sum(r.input_length for r in trace.requests)
     hit_pred = (predicted["engine_hit_tokens"] + sum(predicted["loaded_tokens"].values())) / prompts
     hit_meas = sum(r["cached_tokens"] for r in measured["requests"]) / prompts
