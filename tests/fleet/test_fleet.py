@@ -322,7 +322,11 @@ def test_one_request_is_one_trace_from_the_client_through_the_router_into_vllm_a
 
     # the other engine, asked directly, loads the document from Redis: a load and a tier read in its trace
     other = next(name for name in fleet.engines if name != home)
-    time.sleep(1)  # the first engine's writes to Redis are queued behind its answer
+    # the first engine's writes to Redis are queued behind its answer: asked once each chunk's write ended
+    chunks = by["kvtier.connector.save"].attributes["saved_tokens"] // fleet.config.kvtier["chunk_tokens"]
+    first_trace = trace_id
+    wait_for(lambda: sum(s.name == "kvtier.tier.write" for s in fleet.receiver.trace(first_trace)) >= chunks, 60,
+             f"{chunks} writes to Redis")
     second, trace_id, _ = ask(fleet.engines[other], prompt)
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512
     spans = wait_for(lambda: (s := fleet.receiver.trace(trace_id)) and

@@ -107,7 +107,8 @@ def cached_tokens(reply: httpx.Response) -> int:
 
 def test_answers_through_the_router_equal_direct_answers(fleet: Fleet) -> None:
     """Like against like: a prompt's first computation and a computation over its cached prefix may answer
-    differently in bf16 on some CPUs (seen on an Intel Xeon), so every answer compared here is over a cached
+    differently in bf16 on some CPUs (seen on an Intel Xeon; these engines compute in float32, whose rounding is
+    far smaller, but the comparison stays like against like), so every answer compared here is over a cached
     prefix. e1 never saw the prompt: its prefix is the KV kvtier loaded from Redis, and its answer must equal
     e0's over vLLM's own prefix cache, so wrong KV from kvtier fails here."""
     e0, e1 = fleet.engines["e0"], fleet.engines["e1"]

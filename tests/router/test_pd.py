@@ -30,17 +30,18 @@ redis = pytest.importorskip("redis")
 from kvtier.bench.model import prepare_model  # noqa: E402
 from kvtier.bench.server import kvtier_ports  # noqa: E402
 from kvtier.testing.fleet import BLOCK_SIZE, TEST_DTYPE, Engine, RouterProcess, kvtier_transfer, start_healthy  # noqa: E402
-from kvtier.testing.servers import free_port  # noqa: E402
+from kvtier.testing.servers import RedisServer, free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
 WAIT_S = 20.0  # the router's pd.wait_s: a handoff under a loaded CI completes well within it
 
 
 class PD:
-    def __init__(self, prefill: Engine, decode: Engine, router: RouterProcess, redis_url: str, prefix: str,
+    def __init__(self, prefill: Engine, decode: Engine, router: RouterProcess, redis_server: RedisServer, prefix: str,
                  metrics: dict[str, int]) -> None:
         self.prefill, self.decode, self.router = prefill, decode, router
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis_server = redis_server
+        self.redis = redis.Redis.from_url(redis_server.url)
         self.prefix = prefix
         self.metrics = metrics  # engine name -> its kvtier metrics' first port
         self.client = httpx.Client(timeout=300)
@@ -64,9 +65,12 @@ def _sum(text: str, name: str, labels: dict[str, str]) -> float:
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Iterator[PD]:
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     model = prepare_model()
     work = tmp_path_factory.mktemp("pd")
+    # A Redis of its own with room for every handoff (~50 MB each in float32): the session's (512 MB, shared with
+    # the other tests of this worker) would evict by LRU, and a handoff found missing would fail a test by chance
+    redis_server = RedisServer(work / "redis", maxmemory="2gb").start()
     prefix = f"pd-{uuid.uuid4().hex[:8]}:"
     metrics = {"p0": free_port(), "d0": free_port()}
     engines = []
@@ -87,11 +91,12 @@ def pd(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Iterator[PD]:
                   "pd": {"local_tokens": 512, "wait_s": WAIT_S, "prefill_timeout_s": 60}, "engines": entries}
         router = RouterProcess(config, work).start()
         router.wait_healthy(120)
-        yield PD(engines[0], engines[1], router, redis_server.url, prefix, metrics)
+        yield PD(engines[0], engines[1], router, redis_server, prefix, metrics)
     finally:
         for proc in [router, *engines]:
             if proc is not None:
                 proc.stop()
+        redis_server.stop()
 
 
 def doc(n: int, words: int = 250) -> str:
@@ -244,20 +249,20 @@ def test_a_clients_own_kvtier_params_never_reach_an_engine(pd: PD) -> None:
     assert refused() == before
 
 
-def test_redis_stalled_during_the_handoff_costs_at_most_the_wait(pd: PD, redis_server) -> None:
+def test_redis_stalled_during_the_handoff_costs_at_most_the_wait(pd: PD) -> None:
     body = {"prompt": doc(8, 400), "max_tokens": 16, "temperature": 0}
     stopped = {o: pd.engine_metric("d0", "kvtier_connector_pd_requests_total", side="decode", outcome=o)
                for o in ("tier_down", "timed_out", "partial", "complete")}
     # Redis stalls (SIGSTOP: it answers nothing, closes nothing) from before the request until its answer, however
     # long the prefill computes: a CLIENT PAUSE of fixed length ran out before a slow CPU's prefill ended, and the
     # handoff then completed (Redis 7.0 holds a CLIENT UNPAUSE until the pause ends, so a pause cannot be cut short)
-    os.kill(redis_server.pid, signal.SIGSTOP)
+    os.kill(pd.redis_server.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
         got = pd.post(body)
         elapsed = time.monotonic() - start
     finally:
-        os.kill(redis_server.pid, signal.SIGCONT)
+        os.kill(pd.redis_server.pid, signal.SIGCONT)
     assert got.headers["X-KVTier-Engine"] == "d0"
     # the decode engine stopped waiting when the tier went down (or at the router's wait), then computed the prompt:
     # at most the prefill's compute, the wait, and the decode's own compute

@@ -87,13 +87,17 @@ class Process:
         self.wait_gone(timeout)
 
     def wait_gone(self, timeout: float) -> None:
+        """Wait for the process and then the rest of its group (SIGKILL to the group after ``timeout``): vLLM's
+        engine process, which serves kvtier's metrics port, outlived its API server by over 10 s once."""
         if self.proc is None or self.proc.returncode is not None:
             return
+        deadline = time.monotonic() + timeout
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        wait_group_gone(self.proc.pid, deadline)
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
@@ -126,9 +130,37 @@ def start_time(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])  # a zombie has ended; only its parent's wait is due
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether a process of the process group ``pgid`` still runs (a zombie has ended)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def wait_group_gone(pgid: int, deadline: float) -> None:
+    """Wait for every process of the group ``pgid`` (its leader already gone) to end; SIGKILL to the group at
+    ``deadline``. While a member runs, the kernel gives no new process ``pgid``, so the signal reaches only it."""
+    while group_alive(pgid):
+        if time.monotonic() >= deadline:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + 10  # SIGKILL ends it at once; bounded all the same
+            while group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return
+        time.sleep(0.1)
+
+
 def stop_recorded(pid: int, started: int | None, timeout: float = 60) -> bool:
     """Stop the process group of ``pid`` if ``pid`` is still the process that started at ``started`` (SIGTERM,
-    then SIGKILL after ``timeout``). False if it was gone already."""
+    then SIGKILL after ``timeout``), and wait for the whole group to end. False if it was gone already."""
     if started is None or start_time(pid) != started:
         return False
     try:
@@ -143,4 +175,5 @@ def stop_recorded(pid: int, started: int | None, timeout: float = 60) -> bool:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    wait_group_gone(pid, deadline)
     return True
