@@ -558,7 +558,11 @@ def test_a_restarted_mooncake_master_forgets_its_objects_and_is_written_again(tm
         "included); %d of %d shared sequences lost with the old master's metadata; %s", recovered, len(lost),
         len(far), {k: v for k, v in stats.items() if "errors" in k or "dropped" in k or "outage" in k})
     assert lost == far
-    assert stats["write_errors_total"] + stats["dropped_writes_total{reason=tier_unavailable}"] >= 1
+    # The restart was seen and counted: by the reads (the client's connection to the old master broke), and by the
+    # writes that came before the client mounted its segment on the new master, if any did (none on an AMD EPYC,
+    # whose first write after the restart went through, 1.43 s after the kill)
+    assert stats["read_errors_total"] + stats["write_errors_total"] + \
+        stats["dropped_writes_total{reason=tier_unavailable}"] >= 1, stats
 
 
 def test_a_stalled_mooncake_node_costs_a_get_at_most_its_transfer_timeout(tmp_path: Path, unique_prefix: str) -> None:

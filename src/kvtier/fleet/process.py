@@ -72,9 +72,10 @@ class Process:
             time.sleep(0.5)
 
     def send(self, sig: int) -> None:
-        """Send ``sig`` to the process's whole group: children left by a leader that died go too. Only before the
-        leader is reaped (``returncode`` unset), while its PID, the group's id, cannot have been reused."""
-        if self.proc is None or self.proc.returncode is not None:
+        """Send ``sig`` to the process's whole group: children left by a leader that died go too. Before the leader
+        is reaped (``returncode`` unset) its PID, the group's id, cannot have been reused; after, only to an
+        :func:`orphaned_group` (a crashed API server's engine process, which still holds its ports)."""
+        if self.proc is None or (self.proc.returncode is not None and not orphaned_group(self.proc.pid)):
             return
         try:
             os.killpg(self.proc.pid, sig)
@@ -89,14 +90,15 @@ class Process:
     def wait_gone(self, timeout: float) -> None:
         """Wait for the process and then the rest of its group (SIGKILL to the group after ``timeout``): vLLM's
         engine process, which serves kvtier's metrics port, outlived its API server by over 10 s once."""
-        if self.proc is None or self.proc.returncode is not None:
+        if self.proc is None:
             return
         deadline = time.monotonic() + timeout
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc.returncode is None:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
         wait_group_gone(self.proc.pid, deadline)
 
     def stop(self) -> None:
@@ -123,36 +125,42 @@ def start_time(pid: int) -> int | None:
     """The kernel's start time of ``pid`` (clock ticks since boot), or None if there is no such process (or it has
     ended): with the PID it names one process for good, where a PID alone may have been reused."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_bytes()  # (bytes: a name is cut at 15 bytes, mid-character maybe)
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] == "Z" else int(fields[19])  # a zombie has ended; only its parent's wait is due
+    fields = stat.rsplit(b")", 1)[1].split()
+    return None if fields[0] == b"Z" else int(fields[19])  # a zombie has ended; only its parent's wait is due
 
 
 def group_alive(pgid: int) -> bool:
     """Whether a process of the process group ``pgid`` still runs (a zombie has ended)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):  # gone meanwhile
+            fields = stat.read_bytes().rsplit(b")", 1)[1].split()
+            if fields[0] != b"Z" and int(fields[2]) == pgid:
+                return True
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or not a stat line this reads
             continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
     return False
+
+
+def orphaned_group(pgid: int) -> bool:
+    """Whether members of the group ``pgid`` run after its leader ended. No process holds ``pgid`` as its PID (the
+    kernel gives no new process a group's id while the group has a member), so these are the old group's."""
+    return start_time(pgid) is None and group_alive(pgid)
 
 
 def wait_group_gone(pgid: int, deadline: float) -> None:
     """Wait for every process of the group ``pgid`` (its leader already gone) to end; SIGKILL to the group at
-    ``deadline``. While a member runs, the kernel gives no new process ``pgid``, so the signal reaches only it."""
-    while group_alive(pgid):
+    ``deadline``."""
+    while orphaned_group(pgid):
         if time.monotonic() >= deadline:
             try:
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 return
             deadline = time.monotonic() + 10  # SIGKILL ends it at once; bounded all the same
-            while group_alive(pgid) and time.monotonic() < deadline:
+            while orphaned_group(pgid) and time.monotonic() < deadline:
                 time.sleep(0.05)
             return
         time.sleep(0.1)
@@ -160,9 +168,19 @@ def wait_group_gone(pgid: int, deadline: float) -> None:
 
 def stop_recorded(pid: int, started: int | None, timeout: float = 60) -> bool:
     """Stop the process group of ``pid`` if ``pid`` is still the process that started at ``started`` (SIGTERM,
-    then SIGKILL after ``timeout``), and wait for the whole group to end. False if it was gone already."""
-    if started is None or start_time(pid) != started:
+    then SIGKILL after ``timeout``), and wait for the whole group to end; where the leader ended by itself, its
+    group's members that still run (:func:`orphaned_group`). False if nothing of it was left."""
+    if started is None:
         return False
+    if start_time(pid) != started:
+        if not orphaned_group(pid):
+            return False
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return False
+        wait_group_gone(pid, time.monotonic() + timeout)
+        return True
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
