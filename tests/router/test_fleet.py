@@ -56,12 +56,10 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory, roomy_redis: RedisServer) -> Iterator[Fleet]:
     model = prepare_model()
     work = tmp_path_factory.mktemp("fleet")
-    # A Redis of its own that holds every document (~0.1 GiB each in float32): the router is told of no key the
-    # server evicts by itself (maxmemory), so an eviction here would be a wrong prediction kvtier did not make
-    redis_server = RedisServer(work / "redis", maxmemory="2gb").start()
+    redis_server = roomy_redis  # every document (~0.1 GiB each in float32) stays
     store = {"chunk_tokens": 256, "dram": {"capacity_bytes": "256MiB"},
              "tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": f"fleet-{uuid.uuid4().hex[:8]}:"}]}
     engines = [Engine(f"e{i}", model, work, cpu=i, dtype=TEST_DTYPE, blocks=40,
@@ -80,7 +78,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         for proc in [router, *engines]:
             if proc is not None:
                 proc.stop()
-        redis_server.stop()
 
 
 def doc(n: int, words: int = 300) -> str:

@@ -65,12 +65,10 @@ def _sum(text: str, name: str, labels: dict[str, str]) -> float:
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+def pd(tmp_path_factory: pytest.TempPathFactory, roomy_redis: RedisServer) -> Iterator[PD]:
     model = prepare_model()
     work = tmp_path_factory.mktemp("pd")
-    # A Redis of its own with room for every handoff (~50 MB each in float32): the session's (512 MB, shared with
-    # the other tests of this worker) would evict by LRU, and a handoff found missing would fail a test by chance
-    redis_server = RedisServer(work / "redis", maxmemory="2gb").start()
+    redis_server = roomy_redis  # every handoff (~50 MB each in float32) stays
     prefix = f"pd-{uuid.uuid4().hex[:8]}:"
     metrics = {"p0": free_port(), "d0": free_port()}
     engines = []
@@ -96,7 +94,6 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
         for proc in [router, *engines]:
             if proc is not None:
                 proc.stop()
-        redis_server.stop()
 
 
 def doc(n: int, words: int = 250) -> str:

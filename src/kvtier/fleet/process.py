@@ -170,25 +170,17 @@ def stop_recorded(pid: int, started: int | None, timeout: float = 60) -> bool:
     """Stop the process group of ``pid`` if ``pid`` is still the process that started at ``started`` (SIGTERM,
     then SIGKILL after ``timeout``), and wait for the whole group to end; where the leader ended by itself, its
     group's members that still run (:func:`orphaned_group`). False if nothing of it was left."""
-    if started is None:
+    leader = started is not None and start_time(pid) == started
+    if not leader and (started is None or not orphaned_group(pid)):
         return False
-    if start_time(pid) != started:
-        if not orphaned_group(pid):
-            return False
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return False
-        wait_group_gone(pid, time.monotonic() + timeout)
-        return True
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return False
     deadline = time.monotonic() + timeout
-    while start_time(pid) == started and time.monotonic() < deadline:
+    while leader and start_time(pid) == started and time.monotonic() < deadline:
         time.sleep(0.2)
-    if start_time(pid) == started:
+    if leader and start_time(pid) == started:
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:

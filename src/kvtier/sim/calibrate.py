@@ -193,10 +193,10 @@ def model_facts(model_dir: Path, dtype: str) -> dict[str, Any]:
 def engine_job(model_dir: Path, grid: dict[str, Any], vocab_size: int, dtype: str) -> dict[str, Any]:
     """What :mod:`kvtier.sim._engine_sweep` measures (in ``dtype``), and this process's pid: the sweep ends when
     it ends."""
+    measured = ("prefill", "hit_floor", "decode_batches", "decode_steps", "decode_prompt", "repeats", "min_repeats",
+                "max_repeats", "spread")
     return {"model": str(model_dir), "vocab_size": vocab_size, "dtype": dtype, "parent": os.getpid(),
-            **{k: grid[k] for k in (
-        "prefill", "hit_floor", "decode_batches", "decode_steps", "decode_prompt", "repeats", "min_repeats",
-        "max_repeats", "spread")}}
+            **{k: grid[k] for k in measured}}
 
 
 def sweep_engine(model_dir: Path, grid: dict[str, Any], vocab_size: int, work: Path, dtype: str) -> dict[str, Any]:
